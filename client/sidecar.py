@@ -1,0 +1,542 @@
+"""The engine-side client of a node's kvtierd: :class:`Sidecar` (blocking) and :class:`AsyncSidecar`.
+
+Bytes move through the host pool files the daemon names, which the sidecar maps read-write;
+gRPC carries only slot grants, commits, leases and releases, one call per batch:
+
+* ``put``: Allocate (slots for the keys not yet held) -> write each block into its slot ->
+  Commit. A block is visible to lookups once ``put`` returns. Blocks that found no slot
+  (every slot pinned or granted) are reported in :class:`PutResult`, not raised.
+* ``get``: Acquire (pins the slots of the keys held; disk blocks are promoted first) -> copy
+  each block out into the caller's buffer (or a new one) -> Release. The pin guarantees the
+  slot is not reused while it is copied; the returned buffers are the caller's.
+
+Each sidecar holds one session (a gRPC stream) for as long as it is open. If the process
+exits or is killed the stream ends and the daemon reclaims every grant and pin it held.
+Layout ids handed out by ``register_layout`` are the sidecar's own: if the daemon restarts,
+the sidecar re-registers the layout and opens a new session on the next call, once.
+
+Errors: every failure is a :class:`KvtierError` carrying a gRPC status code and the daemon's
+message; a malformed argument found before any call (wrong block size, keys and blocks of
+different lengths) is :class:`InvalidArgument` (also a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from kvtier.proto import TIER_NAMES, node_pb2, node_pb2_grpc
+from kvtier.tiers.layout import Layout, layout_to_proto
+
+from kvtier.paths import default_socket_path
+
+MADV_POPULATE_WRITE = 23
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class KvtierError(Exception):
+    """A call the daemon (or the sidecar, before calling) refused; ``code`` is a grpc.StatusCode."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.details = message
+
+
+class InvalidArgument(KvtierError, ValueError):
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass
+class PutResult:
+    stored: int = 0                                     # newly written and committed
+    present: int = 0                                    # already held: nothing written
+    dropped: list[bytes] = field(default_factory=list)  # found no slot (all pinned or granted)
+
+
+def _target(socket_path: str | None, target: str | None) -> str:
+    if target:
+        return target
+    return f"unix:{socket_path or os.environ.get('KVTIER_SOCKET') or default_socket_path()}"
+
+
+def _error(e: grpc.RpcError) -> KvtierError:
+    return KvtierError(e.code(), e.details() or "")
+
+
+def _as_bytes(block: Any, block_bytes: int, index: int) -> np.ndarray:
+    """A block (bytes-like or CPU torch tensor) as a flat uint8 array of ``block_bytes``."""
+    if type(block).__module__.startswith("torch"):
+        torch = sys.modules["torch"]
+        if block.device.type != "cpu":
+            raise InvalidArgument(f"block {index} is on {block.device}; put takes CPU tensors "
+                                  f"(GPU blocks go through offload)")
+        arr = block.contiguous().reshape(-1).view(torch.uint8).numpy()
+    else:
+        try:
+            arr = np.frombuffer(block, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError) as e:
+            raise InvalidArgument(f"block {index} is not bytes-like ({type(block).__name__}): {e}") from None
+    if arr.size != block_bytes:
+        raise InvalidArgument(f"block {index} is {arr.size} bytes; this layout's blocks are {block_bytes} bytes")
+    return arr
+
+
+class _Pool:
+    """A client's read-write mapping of one pool file."""
+
+    def __init__(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self._populate = True
+
+    def prepare_write(self, offset: int, length: int) -> None:
+        """Map the slot's pages in one syscall instead of a fault per page (Linux >= 5.14)."""
+        if self._populate:
+            try:
+                self.mm.madvise(MADV_POPULATE_WRITE, offset, length)
+            except OSError:
+                self._populate = False
+
+    def close(self) -> None:
+        del self.arr
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the last one
+
+
+@dataclass
+class _LayoutInfo:
+    layout: Layout
+    daemon_id: int = 0
+    block_bytes: int = 0
+    pool: _Pool | None = None
+
+
+class _SidecarCore:
+    """What the blocking and asyncio sidecars share: layouts, pools and byte movement."""
+
+    def __init__(self, client_name: str | None) -> None:
+        self.client_name = client_name or f"{os.path.basename(sys.argv[0] or 'python')}:{os.getpid()}"
+        self._layouts: dict[int, _LayoutInfo] = {}
+        self._pools: dict[str, _Pool] = {}
+        self.session_id = 0
+        self.node_id = ""
+        self.epoch = 0
+
+    def _hello(self) -> node_pb2.SessionClientMessage:
+        return node_pb2.SessionClientMessage(hello=node_pb2.SessionHello(client_name=self.client_name,
+                                                                         pid=os.getpid()))
+
+    def _opened(self, msg: node_pb2.SessionServerMessage) -> None:
+        self.session_id = msg.opened.session_id
+        self.node_id = msg.opened.node_id
+        self.epoch = msg.opened.epoch
+
+    def _info(self, layout_id: int) -> _LayoutInfo:
+        info = self._layouts.get(layout_id)
+        if info is None:
+            raise KvtierError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"layout_id {layout_id} was not registered through this sidecar")
+        return info
+
+    def _adopt(self, info: _LayoutInfo, reply: node_pb2.RegisterLayoutReply) -> None:
+        if reply.fingerprint != info.layout.fingerprint:
+            raise KvtierError(grpc.StatusCode.INTERNAL, "daemon computed another layout fingerprint; "
+                                                        "client and daemon versions differ")
+        pool = self._pools.get(reply.pool_path)
+        if pool is None:
+            pool = self._pools[reply.pool_path] = _Pool(reply.pool_path, reply.pool_bytes)
+        info.daemon_id, info.block_bytes, info.pool = reply.layout_id, reply.block_bytes, pool
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+        out = []
+        for i, k in enumerate(keys):
+            if not isinstance(k, (bytes, bytearray, memoryview)):
+                raise InvalidArgument(f"key {i} is {type(k).__name__}; keys are bytes")
+            out.append(bytes(k))
+        return out
+
+    def _prepare_put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any]) -> tuple[_LayoutInfo, list[bytes], list[np.ndarray]]:
+        info = self._info(layout_id)
+        if len(keys) != len(blocks):
+            raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks; give one block per key")
+        arrs = [_as_bytes(b, info.block_bytes or info.layout.block_bytes, i) for i, b in enumerate(blocks)]
+        return info, self._check_keys(keys), arrs
+
+    @staticmethod
+    def _write(info: _LayoutInfo, reply: node_pb2.AllocateReply, keys: list[bytes], arrs: list[np.ndarray],
+               result: PutResult) -> list[int]:
+        pool, n = info.pool, info.block_bytes
+        assert pool is not None
+        gids = []
+        for key, arr, g in zip(keys, arrs, reply.grants, strict=True):
+            if g.status == node_pb2.GRANTED:
+                pool.prepare_write(g.offset, n)
+                pool.arr[g.offset:g.offset + n] = arr
+                gids.append(g.grant_id)
+            elif g.status == node_pb2.PRESENT:
+                result.present += 1
+            else:
+                result.dropped.append(key)
+        return gids
+
+    @staticmethod
+    def _read(info: _LayoutInfo, reply: node_pb2.AcquireReply, out: Sequence[Any] | None) -> tuple[list[memoryview | None], list[int]]:
+        pool, n = info.pool, info.block_bytes
+        assert pool is not None
+        if out is not None and len(out) != len(reply.leases):
+            raise InvalidArgument(f"{len(out)} output buffers for {len(reply.leases)} keys")
+        result: list[memoryview | None] = []
+        lids = []
+        for i, lease in enumerate(reply.leases):
+            if lease.lease_id == 0:
+                result.append(None)
+                continue
+            lids.append(lease.lease_id)
+            buf = bytearray(n) if out is None else out[i]
+            dst = np.frombuffer(buf, dtype=np.uint8)
+            if dst.size != n:
+                raise InvalidArgument(f"output buffer {i} is {dst.size} bytes; blocks are {n} bytes")
+            dst[:] = pool.arr[lease.offset:lease.offset + n]
+            result.append(memoryview(buf))
+        return result, lids
+
+    def _close_pools(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+def _tiers(reply: node_pb2.LookupReply) -> list[str | None]:
+    return [TIER_NAMES.get(t) for t in reply.tiers]
+
+
+def _stats_dict(reply: node_pb2.StatsReply) -> dict:
+    return {
+        "node_id": reply.node_id, "epoch": reply.epoch, "uptime_s": reply.uptime_s, "version": reply.version,
+        "sessions": reply.sessions,
+        "tiers": {TIER_NAMES.get(t.tier, "none"): {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
+                                                   "blocks": t.blocks, "load_gbps": t.load_gbps} for t in reply.tiers},
+        "layouts": [{"layout_id": lay.layout_id, "fingerprint": lay.fingerprint.hex(), "block_bytes": lay.block_bytes,
+                     "host_blocks": lay.host_blocks, "disk_blocks": lay.disk_blocks} for lay in reply.layouts],
+        "counters": dict(reply.counters),
+    }
+
+
+_RESTART_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
+
+
+class Sidecar(_SidecarCore):
+    """Blocking client of the local kvtierd (see the module docstring)."""
+
+    def __init__(self, socket_path: str | None = None, *, target: str | None = None,
+                 client_name: str | None = None, timeout: float = 60.0) -> None:
+        super().__init__(client_name)
+        self.target = _target(socket_path, target)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = node_pb2_grpc.NodeStub(self._channel)
+        self._session_q: queue.Queue | None = None
+        self._session_call: Any = None
+        self._lock = threading.Lock()
+
+    # -- session and layouts -------------------------------------------------------------
+
+    def _ensure_session(self) -> int:
+        if self._session_call is not None:
+            return self.session_id
+        q: queue.Queue = queue.Queue()
+        hello = self._hello()
+
+        def requests() -> Any:
+            yield hello
+            while q.get() is not None:
+                pass
+
+        call = self._stub.Session(requests(), wait_for_ready=True, timeout=None)
+        try:
+            self._opened(next(call))
+        except grpc.RpcError as e:
+            q.put(None)
+            raise _error(e) from None
+        self._session_q, self._session_call = q, call
+        return self.session_id
+
+    def _drop_session(self) -> None:
+        if self._session_q is not None:
+            self._session_q.put(None)
+        if self._session_call is not None:
+            self._session_call.cancel()
+        self._session_q = self._session_call = None
+        self.session_id = 0
+
+    def register_layout(self, layout: Layout) -> int:
+        """Register ``layout`` with the daemon; returns this sidecar's id for it."""
+        for lid, info in self._layouts.items():
+            if info.layout.fingerprint == layout.fingerprint:
+                return lid
+        info = _LayoutInfo(layout)
+        self._register(info)
+        lid = len(self._layouts) + 1
+        self._layouts[lid] = info
+        return lid
+
+    def _register(self, info: _LayoutInfo) -> None:
+        req = node_pb2.RegisterLayoutRequest(layout=layout_to_proto(info.layout, node_pb2.LayoutSpec))
+        try:
+            reply = self._stub.RegisterLayout(req, timeout=self.timeout, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        self._adopt(info, reply)
+
+    def _call(self, fn: Any) -> Any:
+        """Run ``fn()`` (one RPC); after a daemon restart re-register and re-open once, then retry."""
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            if e.code() not in _RESTART_CODES:
+                raise _error(e) from None
+            first = e
+        with self._lock:
+            self._drop_session()
+            try:
+                for info in self._layouts.values():
+                    self._register(info)
+            except KvtierError:
+                raise _error(first) from None
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    # -- block operations ----------------------------------------------------------------
+
+    def put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any], durable: bool = False) -> PutResult:
+        """Store ``blocks`` under ``keys`` (one RPC to allocate, one to commit)."""
+        info, keys, arrs = self._prepare_put(layout_id, keys, blocks)
+        result = PutResult()
+        if not keys:
+            return result
+
+        def run() -> None:
+            sid = self._ensure_session()
+            reply = self._stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
+                                                                 keys=keys), timeout=self.timeout)
+            try:
+                gids = self._write(info, reply, keys, arrs, result)
+            except BaseException:
+                aborts = [g.grant_id for g in reply.grants if g.status == node_pb2.GRANTED]
+                self._stub.Commit(node_pb2.CommitRequest(session_id=sid, abort_grant_ids=aborts),
+                                  timeout=self.timeout)
+                raise
+            if gids:
+                self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
+                                  timeout=self.timeout)
+            result.stored = len(gids)
+
+        self._call(run)
+        return result
+
+    def get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None = None) -> list[memoryview | None]:
+        """Copy the blocks held under ``keys`` out (into ``out`` buffers if given); None per miss."""
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+
+        def run() -> list[memoryview | None]:
+            sid = self._ensure_session()
+            reply = self._stub.Acquire(node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
+                                                               keys=keys), timeout=self.timeout)
+            try:
+                result, lids = self._read(info, reply, out)
+            finally:
+                held = [lease.lease_id for lease in reply.leases if lease.lease_id]
+                if held:
+                    self._stub.Release(node_pb2.ReleaseRequest(session_id=sid, lease_ids=held), timeout=self.timeout)
+            return result
+
+        return self._call(run)
+
+    def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
+        """The fastest tier holding each key ("gpu", "host", "disk"), or None."""
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        return self._call(lambda: _tiers(self._stub.Lookup(
+            node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys), timeout=self.timeout)))
+
+    def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        return self._call(lambda: self._stub.Evict(
+            node_pb2.EvictRequest(layout_id=info.daemon_id, keys=keys), timeout=self.timeout).evicted)
+
+    def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
+        """Warm the host tier from disk for these keys; returns blocks promoted."""
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        return self._call(lambda: self._stub.Prefetch(
+            node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys), timeout=self.timeout).promoted)
+
+    def stats(self) -> dict:
+        try:
+            return _stats_dict(self._stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout, wait_for_ready=True))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    def close(self) -> None:
+        self._drop_session()
+        self._close_pools()
+        self._channel.close()
+
+    def __enter__(self) -> Sidecar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncSidecar(_SidecarCore):
+    """asyncio client of the local kvtierd; the same calls as :class:`Sidecar`, awaited."""
+
+    def __init__(self, socket_path: str | None = None, *, target: str | None = None,
+                 client_name: str | None = None, timeout: float = 60.0) -> None:
+        super().__init__(client_name)
+        self.target = _target(socket_path, target)
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = node_pb2_grpc.NodeStub(self._channel)
+        self._session_call: Any = None
+
+    async def _ensure_session(self) -> int:
+        if self._session_call is not None:
+            return self.session_id
+        call = self._stub.Session(wait_for_ready=True)
+        try:
+            await call.write(self._hello())
+            self._opened(await call.read())
+        except grpc.RpcError as e:
+            call.cancel()
+            raise _error(e) from None
+        self._session_call = call
+        return self.session_id
+
+    async def register_layout(self, layout: Layout) -> int:
+        for lid, info in self._layouts.items():
+            if info.layout.fingerprint == layout.fingerprint:
+                return lid
+        info = _LayoutInfo(layout)
+        req = node_pb2.RegisterLayoutRequest(layout=layout_to_proto(layout, node_pb2.LayoutSpec))
+        try:
+            reply = await self._stub.RegisterLayout(req, timeout=self.timeout, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        self._adopt(info, reply)
+        lid = len(self._layouts) + 1
+        self._layouts[lid] = info
+        return lid
+
+    async def put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any], durable: bool = False) -> PutResult:
+        info, keys, arrs = self._prepare_put(layout_id, keys, blocks)
+        result = PutResult()
+        if not keys:
+            return result
+        try:
+            sid = await self._ensure_session()
+            reply = await self._stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
+                                                                       keys=keys), timeout=self.timeout)
+            try:
+                gids = self._write(info, reply, keys, arrs, result)
+            except BaseException:
+                aborts = [g.grant_id for g in reply.grants if g.status == node_pb2.GRANTED]
+                await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, abort_grant_ids=aborts),
+                                        timeout=self.timeout)
+                raise
+            if gids:
+                await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
+                                        timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        result.stored = len(gids)
+        return result
+
+    async def get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None = None) -> list[memoryview | None]:
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        try:
+            sid = await self._ensure_session()
+            reply = await self._stub.Acquire(node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
+                                                                     keys=keys), timeout=self.timeout)
+            try:
+                result, _ = self._read(info, reply, out)
+            finally:
+                held = [lease.lease_id for lease in reply.leases if lease.lease_id]
+                if held:
+                    await self._stub.Release(node_pb2.ReleaseRequest(session_id=sid, lease_ids=held),
+                                             timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return result
+
+    async def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        try:
+            return _tiers(await self._stub.Lookup(node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys),
+                                                  timeout=self.timeout))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    async def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        try:
+            reply = await self._stub.Evict(node_pb2.EvictRequest(layout_id=info.daemon_id, keys=keys),
+                                           timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return reply.evicted
+
+    async def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        try:
+            reply = await self._stub.Prefetch(node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys),
+                                              timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return reply.promoted
+
+    async def stats(self) -> dict:
+        try:
+            return _stats_dict(await self._stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout,
+                                                      wait_for_ready=True))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    async def close(self) -> None:
+        if self._session_call is not None:
+            self._session_call.cancel()
+            self._session_call = None
+        self._close_pools()
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncSidecar:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,153 @@
+"""The kvtierd process: builds the store from a :class:`Config` and serves it over gRPC.
+
+Listeners: a unix socket (mode 0600, in a directory made 0700) and optionally TCP. gRPC turns
+``SO_REUSEPORT`` on by default, which would let a second daemon bind a taken port silently;
+it is turned off here and the port is probed first, so a taken port is a clear error.
+SIGTERM and SIGINT stop the server gracefully (in-flight calls get a grace period), then the
+pool files are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvtier.daemon.config import Config
+from kvtier.daemon.metrics import start_metrics_server
+from kvtier.daemon.service import NodeService
+from kvtier.daemon.store import BlockStore
+from kvtier.proto import node_pb2, node_pb2_grpc
+from kvtier.tiers.host import HostTier
+
+log = logging.getLogger("kvtier.server")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRACE_S = 5.0
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to change."""
+
+
+def _prepare_unix_socket(path: str) -> None:
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # stale socket of a daemon that is gone
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another process is serving on {path}; stop it or pass --socket")
+
+
+def _probe_tcp(hostport: str) -> tuple[str, int]:
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise StartupError(f"--tcp {hostport!r} is not HOST:PORT")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartupError(f"TCP port {hostport} is already in use; pick another --tcp") from None
+            raise StartupError(f"cannot bind --tcp {hostport}: {e.strerror}") from None
+    return host, int(port)
+
+
+class Daemon:
+    """A running kvtierd: the store, its gRPC server and listeners."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.resolved_node_id()
+        self.epoch = time.time_ns()
+        self.socket_path = cfg.resolved_socket()
+        if not os.path.isdir(cfg.shm_dir):
+            raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
+        host = HostTier(cfg.shm_dir, cfg.host_capacity, f"kvtier-{os.getpid()}-{self.epoch}")
+        self.store = BlockStore(host, cfg.max_batch_keys)
+        self.service = NodeService(self.store, self.node_id, self.epoch)
+        self.server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+        self.metrics_port = 0
+
+    async def start(self) -> None:
+        _prepare_unix_socket(self.socket_path)
+        tcp = _probe_tcp(self.cfg.tcp) if self.cfg.tcp else None
+        opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
+        server = grpc.aio.server(options=opts)
+        node_pb2_grpc.add_NodeServicer_to_server(self.service, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = [node_pb2.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME,
+                 reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, server)
+        old_umask = os.umask(0o177)
+        try:
+            server.add_insecure_port(f"unix:{self.socket_path}")
+        finally:
+            os.umask(old_umask)
+        if tcp:
+            host, port = tcp
+            addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if server.add_insecure_port(addr) == 0:
+                raise StartupError(f"cannot listen on --tcp {self.cfg.tcp}")
+        await server.start()
+        os.chmod(self.socket_path, 0o600)
+        for svc in ("", "kvtier.v1.Node"):
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        self.server = server
+        if self.cfg.metrics_port:
+            self.metrics_port = start_metrics_server(self.service, self.cfg.metrics_host, self.cfg.metrics_port)
+        log.info("kvtierd serving", extra={
+            "socket": self.socket_path, "tcp": self.cfg.tcp or None, "node_id": self.node_id,
+            "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.cfg.shm_dir,
+            "metrics_port": self.metrics_port or None, "pid": os.getpid()})
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            log.info("shutting down", extra={"grace_s": GRACE_S})
+            await self.server.stop(GRACE_S)
+            self.server = None
+        self.store.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        self._stopped.set()
+
+    async def run_until_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        await stop.wait()
+        await self.stop()
+
+
+def run(cfg: Config) -> None:
+    """Run kvtierd until SIGTERM/SIGINT, on uvloop."""
+    import uvloop
+
+    async def main() -> None:
+        await Daemon(cfg).run_until_signal()
+
+    uvloop.run(main())

@@ -1,0 +1,297 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_NONE: _ClassVar[Tier]
+    TIER_GPU: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+
+class GrantStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRANT_STATUS_UNSPECIFIED: _ClassVar[GrantStatus]
+    GRANTED: _ClassVar[GrantStatus]
+    PRESENT: _ClassVar[GrantStatus]
+    NO_SPACE: _ClassVar[GrantStatus]
+TIER_NONE: Tier
+TIER_GPU: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+GRANT_STATUS_UNSPECIFIED: GrantStatus
+GRANTED: GrantStatus
+PRESENT: GrantStatus
+NO_SPACE: GrantStatus
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "block_dim", "token_indexed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INDEXED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    block_dim: int
+    token_indexed: bool
+    def __init__(self, name: str | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ..., block_dim: int | None = ..., token_indexed: bool | None = ...) -> None: ...
+
+class LayoutSpec(_message.Message):
+    __slots__ = ("tensors", "block_tokens", "tp_rank", "tp_size")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    block_tokens: int
+    tp_rank: int
+    tp_size: int
+    def __init__(self, tensors: _Iterable[TensorSpec | _Mapping] | None = ..., block_tokens: int | None = ..., tp_rank: int | None = ..., tp_size: int | None = ...) -> None: ...
+
+class RegisterLayoutRequest(_message.Message):
+    __slots__ = ("layout",)
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layout: LayoutSpec
+    def __init__(self, layout: LayoutSpec | _Mapping | None = ...) -> None: ...
+
+class RegisterLayoutReply(_message.Message):
+    __slots__ = ("layout_id", "fingerprint", "block_bytes", "slot_bytes", "pool_path", "pool_bytes")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_PATH_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layout_id: int
+    fingerprint: bytes
+    block_bytes: int
+    slot_bytes: int
+    pool_path: str
+    pool_bytes: int
+    def __init__(self, layout_id: int | None = ..., fingerprint: bytes | None = ..., block_bytes: int | None = ..., slot_bytes: int | None = ..., pool_path: str | None = ..., pool_bytes: int | None = ...) -> None: ...
+
+class SessionHello(_message.Message):
+    __slots__ = ("client_name", "pid")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    def __init__(self, client_name: str | None = ..., pid: int | None = ...) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("session_id", "node_id", "epoch", "reclaim_deadline_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    node_id: str
+    epoch: int
+    reclaim_deadline_s: float
+    def __init__(self, session_id: int | None = ..., node_id: str | None = ..., epoch: int | None = ..., reclaim_deadline_s: float | None = ...) -> None: ...
+
+class SessionClientMessage(_message.Message):
+    __slots__ = ("hello",)
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    hello: SessionHello
+    def __init__(self, hello: SessionHello | _Mapping | None = ...) -> None: ...
+
+class SessionServerMessage(_message.Message):
+    __slots__ = ("opened",)
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    def __init__(self, opened: SessionOpened | _Mapping | None = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("session_id", "layout_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    layout_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: int | None = ..., layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+
+class Grant(_message.Message):
+    __slots__ = ("status", "grant_id", "offset")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    status: GrantStatus
+    grant_id: int
+    offset: int
+    def __init__(self, status: GrantStatus | str | None = ..., grant_id: int | None = ..., offset: int | None = ...) -> None: ...
+
+class AllocateReply(_message.Message):
+    __slots__ = ("grants",)
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    grants: _containers.RepeatedCompositeFieldContainer[Grant]
+    def __init__(self, grants: _Iterable[Grant | _Mapping] | None = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("session_id", "grant_ids", "abort_grant_ids", "durable")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    grant_ids: _containers.RepeatedScalarFieldContainer[int]
+    abort_grant_ids: _containers.RepeatedScalarFieldContainer[int]
+    durable: bool
+    def __init__(self, session_id: int | None = ..., grant_ids: _Iterable[int] | None = ..., abort_grant_ids: _Iterable[int] | None = ..., durable: bool | None = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("committed", "durable")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    durable: int
+    def __init__(self, committed: int | None = ..., durable: int | None = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("session_id", "layout_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    layout_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: int | None = ..., layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "offset", "found_in")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FOUND_IN_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    offset: int
+    found_in: Tier
+    def __init__(self, lease_id: int | None = ..., offset: int | None = ..., found_in: Tier | str | None = ...) -> None: ...
+
+class AcquireReply(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    def __init__(self, leases: _Iterable[Lease | _Mapping] | None = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "lease_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: int | None = ..., lease_ids: _Iterable[int] | None = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("layout_id", "keys")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, tiers: _Iterable[Tier | str] | None = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("layout_id", "keys")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+
+class EvictReply(_message.Message):
+    __slots__ = ("evicted",)
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    def __init__(self, evicted: int | None = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("layout_id", "keys")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+
+class PrefetchReply(_message.Message):
+    __slots__ = ("promoted",)
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    promoted: int
+    def __init__(self, promoted: int | None = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "load_gbps")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    load_gbps: float
+    def __init__(self, tier: Tier | str | None = ..., capacity_bytes: int | None = ..., used_bytes: int | None = ..., blocks: int | None = ..., load_gbps: float | None = ...) -> None: ...
+
+class LayoutStats(_message.Message):
+    __slots__ = ("layout_id", "fingerprint", "block_bytes", "host_blocks", "disk_blocks")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: int
+    fingerprint: bytes
+    block_bytes: int
+    host_blocks: int
+    disk_blocks: int
+    def __init__(self, layout_id: int | None = ..., fingerprint: bytes | None = ..., block_bytes: int | None = ..., host_blocks: int | None = ..., disk_blocks: int | None = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("node_id", "epoch", "uptime_s", "tiers", "layouts", "sessions", "counters", "version")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: str | None = ..., value: int | None = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    uptime_s: float
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    layouts: _containers.RepeatedCompositeFieldContainer[LayoutStats]
+    sessions: int
+    counters: _containers.ScalarMap[str, int]
+    version: str
+    def __init__(self, node_id: str | None = ..., epoch: int | None = ..., uptime_s: float | None = ..., tiers: _Iterable[TierStats | _Mapping] | None = ..., layouts: _Iterable[LayoutStats | _Mapping] | None = ..., sessions: int | None = ..., counters: _Mapping[str, int] | None = ..., version: str | None = ...) -> None: ...

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvtier.client.local_daemon import DaemonProcess
+
+
+@pytest.fixture
+def start_daemon(tmp_path) -> Iterator[Callable[..., DaemonProcess]]:
+    """Factory: ``start_daemon("--disk-dir", d, host_capacity="64MiB")`` -> a running kvtierd."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, name: str = "kvtierd", **kw) -> DaemonProcess:
+        d = DaemonProcess(str(tmp_path), *args, name=name, **kw).start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.cleanup()
+
+
+@pytest.fixture
+def daemon(start_daemon) -> DaemonProcess:
+    return start_daemon()

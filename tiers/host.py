@@ -1,0 +1,267 @@
+"""Host tier: fixed-size slots in tmpfs files that local clients map and fill directly.
+
+What it owns
+    One pool file per size class (one class per distinct slot size) in a tmpfs directory,
+    created owner-only. Slot ``i`` of a class lies at byte ``i * slot_bytes`` of its file.
+    The files are sparse; a slot's memory is allocated (``fallocate``) when it is first
+    handed out, and released (hole punched) when a slot of another class needs the budget.
+    ``capacity`` bounds the memory of all files together, always.
+
+Entries and their states
+    ``reserve`` hands out slots for keys (*grants*): invisible to ``lookup`` until
+    ``commit``; ``abort`` gives them back. A committed entry is *visible* and sits in an LRU.
+    ``pin`` (a reader holds the slot) keeps an entry from being evicted or reused; ``unpin``
+    drops the pin. ``remove`` of a pinned entry hides it at once and frees the slot when the
+    last pin goes. Pin counts never go negative: unpinning an entry that holds no pin raises.
+
+Eviction
+    When no free slot fits the budget, ``reserve`` evicts the least recently used unpinned
+    visible entries. Their slots are not reused yet: the caller gets them back as *victims*,
+    may copy their bytes elsewhere (demotion to disk), then must call ``finish_eviction``.
+    Only then are the slots reused by the new grants or punched. Until then the victims'
+    bytes stay intact, so the caller must not let clients write the new grants before
+    ``finish_eviction`` (the daemon replies to Allocate only after it).
+
+Threading: not thread-safe; the daemon calls it from its event loop only. ``fallocate`` of
+fresh slots is returned as work (``BackingJob``) for the caller to run in an executor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Release the memory behind a byte range of a tmpfs file (the size stays)."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+
+
+class HostTierError(Exception):
+    """Base of the host tier's errors."""
+
+
+class CapacityError(HostTierError):
+    """The capacity cannot hold even one slot of this size."""
+
+
+@dataclass(eq=False)
+class SizeClass:
+    """The slots of one size, in one pool file."""
+
+    slot_bytes: int
+    path: str
+    fd: int
+    nslots: int
+    hwm: int = 0                                    # slots [0, hwm) have been handed out once
+    free: list[int] = field(default_factory=list)   # backed slots, ready to reuse
+    holes: list[int] = field(default_factory=list)  # punched slots below hwm, unbacked
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.nslots * self.slot_bytes
+
+    @property
+    def backed_slots(self) -> int:
+        return self.hwm - len(self.holes)
+
+
+@dataclass(eq=False)
+class HostEntry:
+    """A block in the host tier (``bkey`` = layout fingerprint + key)."""
+
+    bkey: bytes
+    cls: SizeClass
+    slot: int
+    block_bytes: int
+    visible: bool = False
+    pins: int = 0
+    seen: int = 1        # puts and hits, for the demotion filter
+    removed: bool = False  # hidden while pinned; slot freed on the last unpin
+
+    @property
+    def offset(self) -> int:
+        return self.slot * self.cls.slot_bytes
+
+
+@dataclass
+class BackingJob:
+    """Fresh slots whose memory must be allocated before clients write them."""
+
+    ranges: list[tuple[int, int, int]]  # (fd, offset, length)
+
+    def run(self) -> None:
+        for fd, off, length in self.ranges:
+            os.posix_fallocate(fd, off, length)
+
+
+@dataclass
+class Reservation:
+    """What ``reserve`` gives back: one entry (or None: no space) per key, and the victims."""
+
+    entries: list[HostEntry | None]
+    victims: list[HostEntry]
+    backing: BackingJob
+
+
+class HostTier:
+    """Slots, LRU and pins of the host pool (see the module docstring for the contract)."""
+
+    def __init__(self, shm_dir: str, capacity: int, name_prefix: str) -> None:
+        self.shm_dir = shm_dir
+        self.capacity = capacity
+        self.prefix = name_prefix
+        self.classes: dict[int, SizeClass] = {}
+        self.entries: dict[bytes, HostEntry] = {}         # visible entries
+        self.lru: OrderedDict[bytes, HostEntry] = OrderedDict()  # visible, oldest first
+        self._pending_punch: list[HostEntry] = []
+
+    # -- size classes and budget ---------------------------------------------------------
+
+    def size_class(self, slot_bytes: int) -> SizeClass:
+        """The size class of ``slot_bytes``, creating its pool file on first use."""
+        cls = self.classes.get(slot_bytes)
+        if cls is not None:
+            return cls
+        nslots = self.capacity // slot_bytes
+        if nslots == 0:
+            raise CapacityError(f"host capacity {self.capacity} B cannot hold one {slot_bytes} B slot; "
+                                f"raise --host-capacity")
+        path = os.path.join(self.shm_dir, f"{self.prefix}-{slot_bytes}.pool")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.ftruncate(fd, nslots * slot_bytes)
+        cls = SizeClass(slot_bytes, path, fd, nslots)
+        self.classes[slot_bytes] = cls
+        return cls
+
+    @property
+    def backed_bytes(self) -> int:
+        return sum(c.backed_slots * c.slot_bytes for c in self.classes.values())
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slots holding visible blocks or grants."""
+        return sum((c.backed_slots - len(c.free)) * c.slot_bytes for c in self.classes.values())
+
+    def close(self) -> None:
+        """Close and unlink every pool file (daemon shutdown)."""
+        for cls in self.classes.values():
+            os.close(cls.fd)
+            try:
+                os.unlink(cls.path)
+            except FileNotFoundError:
+                pass
+        self.classes.clear()
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, bkey: bytes) -> HostEntry | None:
+        return self.entries.get(bkey)
+
+    def touch(self, entry: HostEntry) -> None:
+        entry.seen += 1
+        self.lru.move_to_end(entry.bkey)
+
+    def pin(self, entry: HostEntry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: HostEntry) -> None:
+        if entry.pins <= 0:
+            raise HostTierError(f"unpin of an entry with no pins (slot {entry.slot})")
+        entry.pins -= 1
+        if entry.pins == 0 and entry.removed:
+            self._free_slot(entry)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int) -> Reservation:
+        """Grant one slot per key (None where nothing can be freed: all pinned or granted)."""
+        out: list[HostEntry | None] = []
+        victims: list[HostEntry] = []
+        fresh: list[int] = []
+        for bkey in bkeys:
+            slot = self._take_slot(cls, victims, fresh)
+            out.append(None if slot is None else HostEntry(bkey, cls, slot, block_bytes))
+        ranges = [(cls.fd, s * cls.slot_bytes, cls.slot_bytes) for s in fresh]
+        return Reservation(out, victims, BackingJob(ranges))
+
+    def _take_slot(self, cls: SizeClass, victims: list[HostEntry], fresh: list[int]) -> int | None:
+        while True:
+            if cls.free:
+                return cls.free.pop()
+            if self.backed_bytes + cls.slot_bytes <= self.capacity and (cls.holes or cls.hwm < cls.nslots):
+                slot = cls.holes.pop() if cls.holes else cls.hwm
+                if slot == cls.hwm:
+                    cls.hwm += 1
+                fresh.append(slot)
+                return slot
+            victim = self._evict_one()
+            if victim is None:
+                return None
+            victims.append(victim)
+            if victim.cls is cls:
+                return victim.slot
+            # another class's slot: its memory is released in finish_eviction; count it as
+            # released now so the budget admits a fresh slot of this class.
+            victim.cls.holes.append(victim.slot)
+            self._pending_punch.append(victim)
+
+    def _evict_one(self) -> HostEntry | None:
+        for bkey, entry in self.lru.items():
+            if entry.pins == 0:
+                del self.lru[bkey]
+                del self.entries[bkey]
+                entry.visible = False
+                return entry
+        return None
+
+    def finish_eviction(self) -> None:
+        """Release the memory of victims taken from other size classes (after demotion)."""
+        for v in self._pending_punch:
+            punch_hole(v.cls.fd, v.offset, v.cls.slot_bytes)
+        self._pending_punch.clear()
+
+    def commit(self, entry: HostEntry) -> bool:
+        """Make a granted entry visible. False (and the slot freed) if the key became visible
+        meanwhile through another grant: the first commit wins, the bytes are the same block."""
+        if entry.bkey in self.entries:
+            self._free_slot(entry)
+            return False
+        entry.visible = True
+        self.entries[entry.bkey] = entry
+        self.lru[entry.bkey] = entry
+        return True
+
+    def abort(self, entry: HostEntry) -> None:
+        """Give back a grant that was never committed."""
+        self._free_slot(entry)
+
+    def remove(self, bkeys: Iterable[bytes]) -> list[HostEntry]:
+        """Hide these entries; free their slots now, or on the last unpin if pinned."""
+        out = []
+        for bkey in bkeys:
+            entry = self.entries.pop(bkey, None)
+            if entry is None:
+                continue
+            del self.lru[bkey]
+            entry.visible = False
+            entry.removed = True
+            if entry.pins == 0:
+                self._free_slot(entry)
+            out.append(entry)
+        return out
+
+    def _free_slot(self, entry: HostEntry) -> None:
+        entry.cls.free.append(entry.slot)
