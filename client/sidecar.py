@@ -33,10 +33,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-from kvtier.proto import TIER_NAMES, node_pb2, node_pb2_grpc
-from kvtier.tiers.layout import Layout, layout_to_proto
 
 from kvtier.paths import default_socket_path
+from kvtier.proto import TIER_NAMES, node_pb2, node_pb2_grpc
+from kvtier.tiers.layout import Layout, layout_to_proto
 
 MADV_POPULATE_WRITE = 23
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

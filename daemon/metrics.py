@@ -21,9 +21,10 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvtier.proto import TIER_NAMES
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtier.proto import TIER_NAMES
 
 if TYPE_CHECKING:
     from kvtier.daemon.service import NodeService

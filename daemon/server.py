@@ -21,6 +21,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from kvtier.daemon.config import Config
 from kvtier.daemon.metrics import start_metrics_server
 from kvtier.daemon.service import NodeService

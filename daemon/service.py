@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+
+from kvtier import __version__
 from kvtier.daemon.store import BlockStore, StoreError
 from kvtier.proto import TIER_BY_NAME, node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import LayoutError, layout_from_proto
-
-from kvtier import __version__
 
 log = logging.getLogger("kvtier.service")
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+
 from kvtier.tiers.host import CapacityError, HostEntry, HostTier
 from kvtier.tiers.layout import Layout
 

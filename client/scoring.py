@@ -1,0 +1,126 @@
+"""The routing cost: how much prefill a request would still need on each worker, plus load.
+
+For a request of ``N`` blocks and one worker, ``d_t`` is the length of the request's leading
+run of blocks that the worker holds in tier ``t`` or any faster tier (``d_gpu <= d_host <=
+d_disk``). Loading a block from tier ``t`` saves only part of recomputing it::
+
+    w_t  = max(0, 1 - load_time(t) / recompute_time)
+         = max(0, 1 - bytes_per_token * prefill_tokens_per_s / load_bytes_per_s(t))
+    cost = N - [d_gpu + w_host (d_host - d_gpu) + w_disk (d_disk - d_host)]
+             + queued_weight * queued_blocks + active_weight * active_requests
+
+(all in blocks). The worker with the lowest cost wins; equal costs go to the least loaded
+worker (queued blocks, then active requests), then to a stable hash of the request's last key
+and the worker id, so a new session lands on a spread-out but reproducible worker. Never a
+coin flip: the same inputs rank the same way in every process and run.
+
+This module is pure arithmetic: the index (``kvtier.client.index``) supplies the overlaps,
+the router the loads, and the daemons the bandwidths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+#: tier order, fastest first; a key's tier rank is its index here (3 = not held)
+TIER_ORDER = ("gpu", "host", "disk")
+NOT_HELD = len(TIER_ORDER)
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    """Knobs of the cost. Bandwidths are 10^9 bytes per second; 0 means "unknown, use default"."""
+
+    prefill_tokens_per_s: float = 20000.0   # recompute rate of one worker
+    bytes_per_token: float = 131072.0       # KV bytes per token of the model shard (all layers)
+    host_load_gbps: float = 50.0            # host -> GPU (measured PCIe, see LIMITS.md)
+    disk_load_gbps: float = 2.0             # disk -> host -> GPU
+    queued_weight: float = 1.0              # a: cost per queued prefill block
+    active_weight: float = 0.5              # b: cost per running request
+
+    def tier_weight(self, tier: str, load_gbps: float | None = None) -> float:
+        """``w_t``: the fraction of a recompute that loading a block from ``tier`` saves."""
+        if tier == "gpu":
+            return 1.0
+        bw = load_gbps or (self.host_load_gbps if tier == "host" else self.disk_load_gbps)
+        if bw <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.bytes_per_token * self.prefill_tokens_per_s / (bw * 1e9))
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Leading blocks held in gpu, in host-or-faster, and in any tier (``gpu <= host <= disk``)."""
+
+    gpu: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @classmethod
+    def from_ranks(cls, ranks: Iterable[int]) -> Overlap:
+        """From each key's best tier rank (0 gpu, 1 host, 2 disk, 3 not held), in request order."""
+        d = [0, 0, 0]
+        worst = 0  # tier t's leading run is unbroken while every key so far has rank <= t
+        for r in ranks:
+            worst = max(worst, r)
+            if worst >= NOT_HELD:
+                break
+            for t in range(worst, NOT_HELD):
+                d[t] += 1
+        return cls(d[0], d[1], d[2])
+
+
+@dataclass(frozen=True)
+class Load:
+    queued_blocks: float = 0.0
+    active_requests: float = 0.0
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One worker's place in a routing decision."""
+
+    worker: str
+    cost: float
+    overlap: Overlap
+    load: Load
+    saved_blocks: float = field(default=0.0)  # the bracket: blocks of prefill the cache saves
+
+
+def tie_hash(last_key: bytes, worker: str) -> int:
+    """Stable across processes and runs (unlike ``hash()``)."""
+    return int.from_bytes(hashlib.blake2b(last_key + worker.encode(), digest_size=8).digest(), "little")
+
+
+class Scorer:
+    """Ranks workers by the cost in the module docstring."""
+
+    def __init__(self, config: ScorerConfig | None = None, load_gbps: Mapping[str, float] | None = None) -> None:
+        self.config = config or ScorerConfig()
+        self.set_bandwidths(load_gbps or {})
+
+    def set_bandwidths(self, load_gbps: Mapping[str, float]) -> None:
+        """Use measured load bandwidths per tier (as daemons publish them) for the weights."""
+        self.w_host = self.config.tier_weight("host", load_gbps.get("host"))
+        self.w_disk = self.config.tier_weight("disk", load_gbps.get("disk"))
+
+    def saved(self, ov: Overlap) -> float:
+        return ov.gpu + self.w_host * (ov.host - ov.gpu) + self.w_disk * (ov.disk - ov.host)
+
+    def cost(self, n_blocks: int, ov: Overlap, load: Load) -> float:
+        c = self.config
+        return n_blocks - self.saved(ov) + c.queued_weight * load.queued_blocks + c.active_weight * load.active_requests
+
+    def rank(self, n_blocks: int, workers: Sequence[str], overlaps: Mapping[str, Overlap],
+             loads: Mapping[str, Load], last_key: bytes = b"") -> list[Ranked]:
+        """Workers best first. Missing overlaps or loads count as zero."""
+        out = []
+        for w in workers:
+            ov = overlaps.get(w, Overlap())
+            ld = loads.get(w, Load())
+            out.append(Ranked(w, self.cost(n_blocks, ov, ld), ov, ld, self.saved(ov)))
+        out.sort(key=lambda r: (round(r.cost, 9), r.load.queued_blocks, r.load.active_requests,
+                                tie_hash(last_key, r.worker)))
+        return out
