@@ -10,6 +10,13 @@ gRPC carries only slot grants, commits, leases and releases, one call per batch:
   each block out into the caller's buffer (or a new one) -> Release. The pin guarantees the
   slot is not reused while it is copied; the returned buffers are the caller's.
 
+``lookup`` and ``prefix_length`` read the daemon's shared-memory key table
+(:mod:`kvtier.tiers.keytable`, mapped read-only) without calling the daemon: a few
+microseconds instead of a gRPC round trip. The Lookup RPC stays the fallback: for remote
+clients (``target`` over TCP, where the table's path is not on this machine), when the table
+is unavailable (daemon stopped, killed, or gave up on it) or when ``use_key_table=False``. A
+key the table shows may be evicted before it is used: ``get`` then returns None for it.
+
 Each sidecar holds one session (a gRPC stream) for as long as it is open. If the process
 exits or is killed the stream ends and the daemon reclaims every grant and pin it held.
 Layout ids handed out by ``register_layout`` are the sidecar's own: if the daemon restarts,
@@ -27,6 +34,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +44,19 @@ import numpy as np
 
 from kvtier.paths import default_socket_path
 from kvtier.proto import TIER_NAMES, node_pb2, node_pb2_grpc
+from kvtier.tiers.keytable import (
+    _FASTEST,
+    TIER_BITS,
+    TIER_ORDER,
+    KeyTableError,
+    KeyTableReader,
+    TableUnavailable,
+    prefix_lengths,
+)
 from kvtier.tiers.layout import Layout, layout_to_proto
 
 MADV_POPULATE_WRITE = 23
+TABLE_RETRY_S = 1.0  # after losing the key table, ask the daemon for a new one at most this often
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
@@ -125,15 +143,20 @@ class _LayoutInfo:
     daemon_id: int = 0
     block_bytes: int = 0
     pool: _Pool | None = None
+    table: KeyTableReader | None = None
+    table_retry_at: float = 0.0
 
 
 class _SidecarCore:
-    """What the blocking and asyncio sidecars share: layouts, pools and byte movement."""
+    """What the blocking and asyncio sidecars share: layouts, pools, the key table and byte movement."""
 
-    def __init__(self, client_name: str | None) -> None:
+    def __init__(self, client_name: str | None, use_key_table: bool = True) -> None:
         self.client_name = client_name or f"{os.path.basename(sys.argv[0] or 'python')}:{os.getpid()}"
+        self.use_key_table = use_key_table
         self._layouts: dict[int, _LayoutInfo] = {}
         self._pools: dict[str, _Pool] = {}
+        self._tables: dict[str, KeyTableReader] = {}
+        self._had_table = False
         self.session_id = 0
         self.node_id = ""
         self.epoch = 0
@@ -162,6 +185,56 @@ class _SidecarCore:
         if pool is None:
             pool = self._pools[reply.pool_path] = _Pool(reply.pool_path, reply.pool_bytes)
         info.daemon_id, info.block_bytes, info.pool = reply.layout_id, reply.block_bytes, pool
+        info.table = self._open_table(reply.key_table_path) if self.use_key_table else None
+
+    # -- key table -----------------------------------------------------------------------
+
+    def _open_table(self, path: str) -> KeyTableReader | None:
+        """The reader of the table at ``path``, or None where it cannot be mapped (a remote
+        daemon, or one that publishes none)."""
+        if not path:
+            return None
+        table = self._tables.get(path)
+        if table is None:
+            try:
+                table = self._tables[path] = KeyTableReader(path)
+            except (OSError, KeyTableError):
+                return None
+            self._had_table = True
+        return table
+
+    def _table_masks(self, info: _LayoutInfo, keys: list[bytes]) -> np.ndarray | None:
+        """Per key, its tier bit set from the key table; None: ask the daemon instead."""
+        table = info.table
+        if table is None:
+            return None
+        try:
+            return table.masks(info.layout.fingerprint, keys)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        except TableUnavailable:
+            self._drop_table(table)
+            return None
+
+    def _drop_table(self, table: KeyTableReader) -> None:
+        self._tables.pop(table.path, None)
+        retry_at = time.monotonic() + TABLE_RETRY_S
+        for info in self._layouts.values():
+            if info.table is table:
+                info.table, info.table_retry_at = None, retry_at
+        table.close()
+
+    def _want_table(self, info: _LayoutInfo) -> bool:
+        """True when the table was lost and it is time to ask the daemon for its current one."""
+        if info.table is not None or not (self.use_key_table and self._had_table):
+            return False
+        if time.monotonic() < info.table_retry_at:
+            return False
+        info.table_retry_at = time.monotonic() + TABLE_RETRY_S
+        return True
+
+    def _register_request(self, info: _LayoutInfo) -> node_pb2.RegisterLayoutRequest:
+        return node_pb2.RegisterLayoutRequest(layout=layout_to_proto(info.layout, node_pb2.LayoutSpec))
 
     @staticmethod
     def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -221,10 +294,23 @@ class _SidecarCore:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        for table in self._tables.values():
+            table.close()
+        self._tables.clear()
+        for info in self._layouts.values():
+            info.table = None
 
 
 def _tiers(reply: node_pb2.LookupReply) -> list[str | None]:
     return [TIER_NAMES.get(t) for t in reply.tiers]
+
+
+def _mask_tiers(masks: np.ndarray) -> list[str | None]:
+    return [None if i < 0 else TIER_ORDER[i] for i in _FASTEST[masks].tolist()]
+
+
+def _tier_masks(tiers: list[str | None]) -> np.ndarray:
+    return np.array([TIER_BITS[t] if t else 0 for t in tiers], dtype=np.uint8)
 
 
 def _stats_dict(reply: node_pb2.StatsReply) -> dict:
@@ -246,8 +332,8 @@ class Sidecar(_SidecarCore):
     """Blocking client of the local kvtierd (see the module docstring)."""
 
     def __init__(self, socket_path: str | None = None, *, target: str | None = None,
-                 client_name: str | None = None, timeout: float = 60.0) -> None:
-        super().__init__(client_name)
+                 client_name: str | None = None, timeout: float = 60.0, use_key_table: bool = True) -> None:
+        super().__init__(client_name, use_key_table)
         self.target = _target(socket_path, target)
         self.timeout = timeout
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
@@ -298,12 +384,24 @@ class Sidecar(_SidecarCore):
         return lid
 
     def _register(self, info: _LayoutInfo) -> None:
-        req = node_pb2.RegisterLayoutRequest(layout=layout_to_proto(info.layout, node_pb2.LayoutSpec))
         try:
-            reply = self._stub.RegisterLayout(req, timeout=self.timeout, wait_for_ready=True)
+            reply = self._stub.RegisterLayout(self._register_request(info), timeout=self.timeout,
+                                              wait_for_ready=True)
         except grpc.RpcError as e:
             raise _error(e) from None
         self._adopt(info, reply)
+
+    def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> np.ndarray | None:
+        """Tier bit sets from the key table (asking the daemon for a new table once it was
+        lost, at most every TABLE_RETRY_S); None: use the Lookup RPC."""
+        masks = self._table_masks(info, keys)
+        if masks is None and self._want_table(info):
+            try:
+                self._adopt(info, self._stub.RegisterLayout(self._register_request(info), timeout=self.timeout))
+            except grpc.RpcError:
+                return None
+            masks = self._table_masks(info, keys)
+        return masks
 
     def _call(self, fn: Any) -> Any:
         """Run ``fn()`` (one RPC); after a daemon restart re-register and re-open once, then retry."""
@@ -373,11 +471,30 @@ class Sidecar(_SidecarCore):
         return self._call(run)
 
     def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
-        """The fastest tier holding each key ("gpu", "host", "disk"), or None."""
+        """The fastest tier holding each key ("gpu", "host", "disk"), or None.
+
+        Read from the key table when it is mapped, else asked with the Lookup RPC."""
         info = self._info(layout_id)
         keys = self._check_keys(keys)
+        masks = self._masks(info, keys)
+        if masks is not None:
+            return _mask_tiers(masks)
         return self._call(lambda: _tiers(self._stub.Lookup(
             node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys), timeout=self.timeout)))
+
+    def prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> tuple[int, int]:
+        """How many leading blocks of ``keys`` (a request's chained keys, in order) are held:
+        ``(n_gpu_or_host, n_any)``. The first is the length of the leading run of keys each
+        held in the gpu or host tier; the second the length of the leading run each held in
+        any tier (gpu, host or disk), so ``n_gpu_or_host <= n_any``. A key held only on disk
+        ends the first run but not the second."""
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        masks = self._masks(info, keys)
+        if masks is None:
+            masks = _tier_masks(self._call(lambda: _tiers(self._stub.Lookup(
+                node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys), timeout=self.timeout))))
+        return prefix_lengths(masks)
 
     def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
         info = self._info(layout_id)
@@ -414,8 +531,8 @@ class AsyncSidecar(_SidecarCore):
     """asyncio client of the local kvtierd; the same calls as :class:`Sidecar`, awaited."""
 
     def __init__(self, socket_path: str | None = None, *, target: str | None = None,
-                 client_name: str | None = None, timeout: float = 60.0) -> None:
-        super().__init__(client_name)
+                 client_name: str | None = None, timeout: float = 60.0, use_key_table: bool = True) -> None:
+        super().__init__(client_name, use_key_table)
         self.target = _target(socket_path, target)
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
@@ -440,9 +557,9 @@ class AsyncSidecar(_SidecarCore):
             if info.layout.fingerprint == layout.fingerprint:
                 return lid
         info = _LayoutInfo(layout)
-        req = node_pb2.RegisterLayoutRequest(layout=layout_to_proto(layout, node_pb2.LayoutSpec))
         try:
-            reply = await self._stub.RegisterLayout(req, timeout=self.timeout, wait_for_ready=True)
+            reply = await self._stub.RegisterLayout(self._register_request(info), timeout=self.timeout,
+                                                    wait_for_ready=True)
         except grpc.RpcError as e:
             raise _error(e) from None
         self._adopt(info, reply)
@@ -492,14 +609,42 @@ class AsyncSidecar(_SidecarCore):
             raise _error(e) from None
         return result
 
-    async def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
-        info = self._info(layout_id)
-        keys = self._check_keys(keys)
+    async def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> np.ndarray | None:
+        """As :meth:`Sidecar._masks`; the table read itself never waits."""
+        masks = self._table_masks(info, keys)
+        if masks is None and self._want_table(info):
+            try:
+                self._adopt(info, await self._stub.RegisterLayout(self._register_request(info),
+                                                                  timeout=self.timeout))
+            except grpc.RpcError:
+                return None
+            masks = self._table_masks(info, keys)
+        return masks
+
+    async def _rpc_tiers(self, info: _LayoutInfo, keys: list[bytes]) -> list[str | None]:
         try:
             return _tiers(await self._stub.Lookup(node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys),
                                                   timeout=self.timeout))
         except grpc.RpcError as e:
             raise _error(e) from None
+
+    async def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
+        """As :meth:`Sidecar.lookup`."""
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        masks = await self._masks(info, keys)
+        if masks is not None:
+            return _mask_tiers(masks)
+        return await self._rpc_tiers(info, keys)
+
+    async def prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> tuple[int, int]:
+        """As :meth:`Sidecar.prefix_length`: ``(n_gpu_or_host, n_any)`` leading blocks held."""
+        info = self._info(layout_id)
+        keys = self._check_keys(keys)
+        masks = await self._masks(info, keys)
+        if masks is None:
+            masks = _tier_masks(await self._rpc_tiers(info, keys))
+        return prefix_lengths(masks)
 
     async def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
         info = self._info(layout_id)

@@ -4,7 +4,7 @@ Listeners: a unix socket (mode 0600, in a directory made 0700) and optionally TC
 ``SO_REUSEPORT`` on by default, which would let a second daemon bind a taken port silently;
 it is turned off here and the port is probed first, so a taken port is a clear error.
 SIGTERM and SIGINT stop the server gracefully (in-flight calls get a grace period), then the
-pool files are removed.
+pool files and the key table are removed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.daemon.config import Config
+from kvtier.daemon.keytable import KeyTablePublisher
 from kvtier.daemon.metrics import start_metrics_server
 from kvtier.daemon.service import NodeService
 from kvtier.daemon.store import BlockStore
@@ -81,15 +82,26 @@ class Daemon:
         self.socket_path = cfg.resolved_socket()
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
-        host = HostTier(cfg.shm_dir, cfg.host_capacity, f"kvtier-{os.getpid()}-{self.epoch}")
+        name = f"kvtier-{os.getpid()}-{self.epoch}"
+        host = HostTier(cfg.shm_dir, cfg.host_capacity, name)
         self.store = BlockStore(host, cfg.max_batch_keys)
-        self.service = NodeService(self.store, self.node_id, self.epoch)
+        try:
+            self.key_table = KeyTablePublisher(self.store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
+        except OSError as e:
+            raise StartupError(f"cannot create the key table in --shm-dir {cfg.shm_dir}: {e.strerror}") from None
+        self.store.observers.append(self.key_table)
+        self.service = NodeService(self.store, self.node_id, self.epoch, key_table_path=self.key_table.path)
         self.server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.metrics_port = 0
 
+    def _tier_capacity(self) -> int:
+        """Bytes all tiers can hold: what the key table is presized from."""
+        return self.store.host.capacity + sum(t.get("capacity_bytes", 0) for t in self.store.extra_tier_stats())
+
     async def start(self) -> None:
         _prepare_unix_socket(self.socket_path)
+        self.key_table.start()
         tcp = _probe_tcp(self.cfg.tcp) if self.cfg.tcp else None
         opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -129,6 +141,7 @@ class Daemon:
             log.info("shutting down", extra={"grace_s": GRACE_S})
             await self.server.stop(GRACE_S)
             self.server = None
+        self.key_table.close()
         self.store.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)

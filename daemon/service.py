@@ -50,8 +50,9 @@ def _handle_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
-    def __init__(self, store: BlockStore, node_id: str, epoch: int) -> None:
+    def __init__(self, store: BlockStore, node_id: str, epoch: int, key_table_path: str = "") -> None:
         self.store = store
+        self.key_table_path = key_table_path
         self.node_id = node_id
         self.epoch = epoch
         self.started = time.monotonic()
@@ -64,7 +65,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         cls = self.store.host.size_class(reg.layout.slot_bytes)
         return node_pb2.RegisterLayoutReply(
             layout_id=reg.layout_id, fingerprint=reg.layout.fingerprint, block_bytes=reg.layout.block_bytes,
-            slot_bytes=cls.slot_bytes, pool_path=cls.path, pool_bytes=cls.pool_bytes)
+            slot_bytes=cls.slot_bytes, pool_path=cls.path, pool_bytes=cls.pool_bytes,
+            key_table_path=self.key_table_path)
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
