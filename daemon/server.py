@@ -84,7 +84,7 @@ class Daemon:
             raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
         name = f"kvtier-{os.getpid()}-{self.epoch}"
         host = HostTier(cfg.shm_dir, cfg.host_capacity, name)
-        self.store = BlockStore(host, cfg.max_batch_keys)
+        self.store = BlockStore(host, cfg.max_batch_keys, cfg.host_prefault)
         try:
             self.key_table = KeyTablePublisher(self.store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
         except OSError as e:

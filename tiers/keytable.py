@@ -168,11 +168,10 @@ def hash_keys(tag: int, words: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 def hash_key(tag: int, key: bytes) -> int:
     """:func:`hash_keys` of one key, in Python integers (the scalar path; same result)."""
-    w = _KEY_WORDS.unpack(key.ljust(KEY_MAX, b"\0"))
-    h = 0
-    for word, k in zip(w, _HASH_K_INT):
-        m = (word * k) & _M64
-        h ^= m ^ (m >> 32)
+    w0, w1, w2, w3 = _KEY_WORDS.unpack(key.ljust(KEY_MAX, b"\0"))
+    k0, k1, k2, k3 = _HASH_K_INT
+    m0, m1, m2, m3 = (w0 * k0) & _M64, (w1 * k1) & _M64, (w2 * k2) & _M64, (w3 * k3) & _M64
+    h = m0 ^ (m0 >> 32) ^ m1 ^ (m1 >> 32) ^ m2 ^ (m2 >> 32) ^ m3 ^ (m3 >> 32)
     h ^= len(key) | (tag << 8)
     h = (h * _HASH_FINAL) & _M64
     return h ^ (h >> 33)
