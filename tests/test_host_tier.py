@@ -320,3 +320,18 @@ def test_concurrent_clients_share_blocks(daemon: DaemonProcess) -> None:
             assert sum(ex.map(writer, range(8))) == 128
         # what b wrote, a sees (same layout fingerprint), byte-exact
         assert [bytes(g) for g in a.get(la, keys_for(16, bytes([7])))] == blocks
+
+
+def test_put_takes_cpu_torch_tensors(daemon: DaemonProcess) -> None:
+    torch = pytest.importorskip("torch")
+    layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16")
+    kv = torch.randn(4, 2, 2, 16, 2, 64).to(torch.bfloat16)  # 4 blocks, each [layers, K/V, tokens, heads, dim]
+    with Sidecar(daemon.socket) as sc:
+        lid = sc.register_layout(layout)
+        keys = keys_for(4)
+        assert sc.put(lid, keys, list(kv)).stored == 4
+        got = sc.get(lid, keys)
+        back = torch.stack([torch.frombuffer(bytearray(g), dtype=torch.bfloat16).view(2, 2, 16, 2, 64) for g in got])
+        assert torch.equal(back, kv)
+        with pytest.raises(InvalidArgument, match="bytes"):
+            sc.put(lid, keys_for(1, b"t"), [kv[0, 0]])  # half a block
