@@ -221,14 +221,14 @@ class _SidecarCore:
 
     def _drop_table(self, table: KeyTableReader) -> None:
         self._tables.pop(table.path, None)
-        retry_at = time.monotonic() + TABLE_RETRY_S
         for info in self._layouts.values():
             if info.table is table:
-                info.table, info.table_retry_at = None, retry_at
+                info.table, info.table_retry_at = None, 0.0
         table.close()
 
     def _want_table(self, info: _LayoutInfo) -> bool:
-        """True when the table was lost and it is time to ask the daemon for its current one."""
+        """True when the table was lost and it is time to ask the daemon for its current one
+        (at once after losing it, then at most every TABLE_RETRY_S)."""
         if info.table is not None or not (self.use_key_table and self._had_table):
             return False
         if time.monotonic() < info.table_retry_at:
@@ -406,8 +406,9 @@ class Sidecar(_SidecarCore):
         lost, at most every TABLE_RETRY_S); None: use the Lookup RPC."""
         masks = self._table_masks(info, keys)
         if masks is None and self._want_table(info):
-            try:
-                self._adopt(info, self._stub.RegisterLayout(self._register_request(info), timeout=self.timeout))
+            try:  # every layout, in registration order, as a restart recovery does
+                for each in self._layouts.values():
+                    self._adopt(each, self._stub.RegisterLayout(self._register_request(each), timeout=self.timeout))
             except grpc.RpcError:
                 return None
             masks = self._table_masks(info, keys)
@@ -640,8 +641,9 @@ class AsyncSidecar(_SidecarCore):
         masks = self._table_masks(info, keys)
         if masks is None and self._want_table(info):
             try:
-                self._adopt(info, await self._stub.RegisterLayout(self._register_request(info),
-                                                                  timeout=self.timeout))
+                for each in self._layouts.values():
+                    self._adopt(each, await self._stub.RegisterLayout(self._register_request(each),
+                                                                      timeout=self.timeout))
             except grpc.RpcError:
                 return None
             masks = self._table_masks(info, keys)

@@ -593,6 +593,10 @@ class KeyTableWriter:
         self.live += n
         self.tombstones -= reused
 
+    def compact(self) -> None:
+        """Rebuild now at the size the live entries need (drops tombstones)."""
+        self._rebuild(self.live)
+
     def reserve(self, entries: int) -> None:
         """Presize for ``entries`` live keys (capped at ``PRESIZE_MAX_SLOTS``; grows beyond on demand).
         The table never shrinks below a reserved size."""
