@@ -19,6 +19,7 @@ File format (little-endian; one file per daemon, in its ``--shm-dir``, mode 0400
         40  u64  heartbeat: the writer's CLOCK_MONOTONIC in ns, refreshed every 0.1 s
         48  u64  live entries (informational)
         56  u64  tombstones (informational)
+        64  u64  generation: odd while the writer is changing a batch of slots
         128      layout directory: ``MAX_LAYOUTS`` fingerprints of 16 bytes; the layout
                  with fingerprint ``directory[i]`` has tag ``i + 1``. Append-only.
 
@@ -39,7 +40,10 @@ Contract
       step a separate store; a reader reads ``seq``, the slot, ``seq`` again, and uses the
       slot only when both reads are equal and even. This relies on x86-64's store and load
       ordering (total store order): :data:`ORDERING_SAFE` is False elsewhere and clients
-      then keep asking the daemon.
+      then keep asking the daemon. The writer also wraps every batch of slot writes in a
+      table-wide generation (odd while writing); a batched probe that saw the same even
+      generation before and after reads no slot twice, and only falls back to the per-slot
+      checks when a write overlapped it.
     * Growth and cleaning rebuild the table into a new file, rename it over the path, then
       mark the old file retired. A reader checks the state after its probe: ``live`` means
       every slot it read was current when it read it; ``retired`` means reopen and probe
@@ -96,7 +100,7 @@ REBUILD_LOAD = 0.5               # live / slots right after a rebuild
 HEARTBEAT_S = 0.1
 STALE_NS = 2_000_000_000         # a heartbeat this old means the writer is gone
 SPIN_LIMIT_S = 0.05              # a slot odd for this long: give up, ask the daemon
-WINDOW = 4                       # slots gathered per key per vectorised probe step
+WINDOW = 8                       # slots gathered per key per vectorised probe step (8: see probe)
 
 #: the seqlock protocol needs x86-64's memory ordering (see the module docstring)
 ORDERING_SAFE = platform.machine().lower() in ("x86_64", "amd64")
@@ -109,9 +113,10 @@ _M64 = (1 << 64) - 1
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _SLOT_BODY = struct.Struct("<HBB4Q")
-_ONE, _16, _24, _32 = np.uint64(1), np.uint64(16), np.uint64(24), np.uint64(32)
-_ID_MASK, _TAG_MASK = np.uint64(0xFFFFFF), np.uint64(0xFFFF)
+_ONE, _16, _32, _56 = np.uint64(1), np.uint64(16), np.uint64(32), np.uint64(56)
+_ID_MASK, _USED = np.uint64(0xFFFFFF), np.uint64(0xFFFF << 32)
 _OFFS = np.arange(WINDOW)
+_NO_SLOTS = np.empty(0, dtype=np.int64)
 _KEY_WORDS = struct.Struct("<4Q")
 
 # fastest tier of each bit set: index into TIER_ORDER, or -1
@@ -159,7 +164,7 @@ def hash_keys(tag: int, words: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """64-bit hash of (tag, key) for a batch (wrapping uint64 arithmetic)."""
     m = words * _HASH_K
     m ^= m >> np.uint64(32)
-    h = np.bitwise_xor.reduce(m, axis=1)
+    h = m[:, 0] ^ m[:, 1] ^ m[:, 2] ^ m[:, 3]
     h ^= lens.astype(np.uint64) | np.uint64(tag << 8)
     h *= np.uint64(_HASH_FINAL)
     h ^= h >> np.uint64(33)
@@ -231,19 +236,33 @@ class _Mapping:
     def layout_count(self) -> int:
         return _U32.unpack_from(self.mm, 28)[0]
 
-    def probe(self, tag: int, words: np.ndarray, lens: np.ndarray, *, checked: bool,
+    def generation(self) -> int:
+        return _U64.unpack_from(self.mm, 64)[0]
+
+    def read(self, tag: int, words: np.ndarray, lens: np.ndarray, deadline: float) -> np.ndarray:
+        """Per key, its tiers (a reader's probe). Optimistic first: if the writer's batch
+        counter is even and unchanged across a probe, no slot changed while it ran and the
+        per-slot checks are skipped; otherwise probe again honouring each slot's seqlock."""
+        gen = self.generation()
+        if not gen & 1:
+            tiers = self.probe(tag, words, lens, checked=False, want_slots=False)[1]
+            if self.generation() == gen:
+                return tiers
+        return self.probe(tag, words, lens, checked=True, want_slots=False, deadline=deadline)[1]
+
+    def probe(self, tag: int, words: np.ndarray, lens: np.ndarray, *, checked: bool, want_slots: bool = True,
               deadline: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """Per key: (its slot or -1, the slot's tiers or 0). ``checked``: honour the seqlock
-        (readers); the writer reads its own table unchecked.
+        """Per key: (its slot or -1, the slot's tiers or 0). ``checked``: honour each slot's
+        seqlock (see :meth:`read`); the writer reads its own table unchecked.
 
         Each step gathers a window of ``WINDOW`` slots per pending key: their heads (seq, tag,
         length, tiers as one little-endian u64), the slots, then the heads again. The first
         slot in the window that is empty, or whose tag, length and first key word match,
-        decides, if it and every slot before it was stable; its whole key is then compared
-        (a first-word collision walks on). A key whose deciding slot was mid-update retries
-        from there."""
+        decides, if it (and so every slot before it) was stable; its whole key is then
+        compared (a first-word collision walks on). A key whose deciding slot was mid-update
+        retries from there."""
         n = len(lens)
-        slot = np.full(n, -1, dtype=np.int64)
+        slot = np.full(n, -1, dtype=np.int64) if want_slots else _NO_SLOTS
         tiers = np.zeros(n, dtype=np.uint8)
         ids: np.ndarray | None = None  # keys still probing (None: all of them)
         ident = (lens.astype(np.uint64) << _16) | np.uint64(tag)
@@ -254,24 +273,25 @@ class _Mapping:
             p = (ps[:, None] + _OFFS) & self.mask
             s1 = self.head[p]
             rows = np.take(self.words, p, axis=0)
-            x = s1 >> _32
+            idf = (s1 >> _32) & _ID_MASK  # tag | length << 16: 0 only in a never-used slot
             # deciding slot: empty, or tag, length and first key word match
-            event = ((x & _TAG_MASK) == 0) | (((x & _ID_MASK) == ident[:, None]) & (rows[:, :, 1] == w0))
+            event = (idf == 0) | ((idf == ident[:, None]) & (rows[:, :, 1] == w0))
             if checked:
                 s2 = self.head[p]
                 unstable = ((s1 ^ s2) | (s1 & _ONE)) != 0
                 event |= unstable
-            any_event = event.any(axis=1)
+            any_event = event.view(np.uint64)[:, 0] != 0  # WINDOW bools as one word: any
             first = event.argmax(axis=1)
             r = np.arange(len(ps))
-            xf = x[r, first]
+            sf = s1[r, first]
             decided = any_event & ~unstable[r, first] if checked else any_event
-            used = decided & ((xf & _TAG_MASK) != 0)
+            used = decided & ((sf & _USED) != 0)
             held = used & (rows[r, first, 1:] == words).all(axis=1)
             if held.any():
                 dst = held if ids is None else ids[held]
-                slot[dst] = p[r, first][held]
-                tiers[dst] = (xf[held] >> _24).astype(np.uint8)
+                if want_slots:
+                    slot[dst] = p[r, first][held]
+                tiers[dst] = (sf[held] >> _56).astype(np.uint8)
             collided = used & ~held
             retry = ~decided | collided
             if not retry.any():
@@ -365,7 +385,7 @@ class KeyTableReader:
                 out = np.array([self._probe_one(m, tag, bytes(keys[0]))], dtype=np.uint8)
             else:
                 words, lens = key_words(keys)
-                _, out = m.probe(tag, words, lens, checked=True, deadline=time.monotonic() + SPIN_LIMIT_S)
+                out = m.read(tag, words, lens, deadline=time.monotonic() + SPIN_LIMIT_S)
             if self._check(m):
                 return out
 
@@ -539,10 +559,19 @@ class KeyTableWriter:
             self.tombstones += emptied
             self._counts()
 
+    @staticmethod
+    def _begin(m: _Mapping) -> None:
+        """A batch of slot writes starts: the generation turns odd (see _Mapping.read)."""
+        _U64.pack_into(m.mm, 64, _U64.unpack_from(m.mm, 64)[0] + 1)
+
+    _end = _begin  # ... and even again when the batch is written
+
     def _write_tiers(self, m: _Mapping, idx: np.ndarray, new: np.ndarray) -> None:
+        self._begin(m)
         m.seq[idx] += 1
         m.tiers[idx] = new
         m.seq[idx] += 1
+        self._end(m)
 
     def _update(self, tag: int, keys: Sequence[bytes], bit: int, add: bool) -> None:
         words, lens = _distinct(*key_words(keys))
@@ -579,12 +608,14 @@ class KeyTableWriter:
             winners = cand[win]
             ws = p[free][win]
             reused += int((m.tags[ws] != 0).sum())
+            self._begin(m)
             m.seq[ws] += 1
             m.tags[ws] = tag
             m.slots["klen"][ws] = lens[winners]
             m.slots["key"][ws] = words[winners]
             m.tiers[ws] = bit
             m.seq[ws] += 1
+            self._end(m)
             placed = np.zeros(n, dtype=bool)
             placed[winners] = True
             losers = pending[~placed[pending]]
