@@ -155,7 +155,8 @@ def test_reader_never_uses_a_slot_mid_update(table: tuple[KeyTableWriter, KeyTab
     keys = rand_keys(random.Random(8), 20)
     w.set(FP_A, keys, "host")
     slot = int(w._map.probe(w.tag(FP_A), *key_words(keys[:1]), checked=False)[0][0])
-    w._map.seq[slot] += 1  # odd: as if the writer stopped halfway through this slot
+    w._begin(w._map)  # as if the writer stopped halfway through a batch, inside this slot:
+    w._map.seq[slot] += 1  # the table's generation and the slot's seq are both odd
     w.heartbeat()
     for batch in (keys[:1], keys):
         t0 = time.monotonic()
@@ -163,6 +164,8 @@ def test_reader_never_uses_a_slot_mid_update(table: tuple[KeyTableWriter, KeyTab
             r.masks(FP_A, batch)
         assert time.monotonic() - t0 >= SPIN_LIMIT_S * 0.9
     w._map.seq[slot] += 1
+    assert (r.masks(FP_A, keys) == TIER_BITS["host"]).all()  # the per-slot checks pass again
+    w._end(w._map)
     assert (r.masks(FP_A, keys) == TIER_BITS["host"]).all()
 
 

@@ -321,7 +321,8 @@ class KeyTableReader:
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # populate: map every page now, not by a fault inside the first probes that touch it
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
         finally:
             os.close(fd)
         self._tags = {}
