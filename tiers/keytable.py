@@ -239,16 +239,17 @@ class _Mapping:
     def generation(self) -> int:
         return _U64.unpack_from(self.mm, 64)[0]
 
-    def read(self, tag: int, words: np.ndarray, lens: np.ndarray, deadline: float) -> np.ndarray:
-        """Per key, its tiers (a reader's probe). Optimistic first: if the writer's batch
-        counter is even and unchanged across a probe, no slot changed while it ran and the
-        per-slot checks are skipped; otherwise probe again honouring each slot's seqlock."""
+    def read(self, tag: int, words: np.ndarray, lens: np.ndarray, deadline: float) -> tuple[np.ndarray, bool]:
+        """Per key, its tiers (a reader's probe), and whether the per-slot checks were needed.
+        Optimistic first: if the writer's batch counter is even and unchanged across a probe,
+        no slot changed while it ran and the per-slot checks are skipped; otherwise probe
+        again honouring each slot's seqlock."""
         gen = self.generation()
         if not gen & 1:
             tiers = self.probe(tag, words, lens, checked=False, want_slots=False)[1]
             if self.generation() == gen:
-                return tiers
-        return self.probe(tag, words, lens, checked=True, want_slots=False, deadline=deadline)[1]
+                return tiers, False
+        return self.probe(tag, words, lens, checked=True, want_slots=False, deadline=deadline)[1], True
 
     def probe(self, tag: int, words: np.ndarray, lens: np.ndarray, *, checked: bool, want_slots: bool = True,
               deadline: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
@@ -315,6 +316,7 @@ class KeyTableReader:
         self.stale_ns = stale_ns
         self._lock = threading.Lock()
         self._tags: dict[bytes, int] = {}
+        self.rechecked = 0  # batched probes a concurrent write sent through the per-slot checks
         self._map = self._open()
 
     def _open(self) -> _Mapping:
@@ -386,7 +388,8 @@ class KeyTableReader:
                 out = np.array([self._probe_one(m, tag, bytes(keys[0]))], dtype=np.uint8)
             else:
                 words, lens = key_words(keys)
-                out = m.read(tag, words, lens, deadline=time.monotonic() + SPIN_LIMIT_S)
+                out, rechecked = m.read(tag, words, lens, deadline=time.monotonic() + SPIN_LIMIT_S)
+                self.rechecked += rechecked
             if self._check(m):
                 return out
 
