@@ -30,7 +30,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +43,15 @@ log = logging.getLogger("kvtier.store")
 
 KEY_MIN, KEY_MAX = 8, 32
 TIERS = ("gpu", "host", "disk")
+
+
+def _grouped(tier: str, bkeys: Iterable[bytes]) -> Iterator[tuple[str, bytes, list[bytes]]]:
+    """(tier, fingerprint, keys) per fingerprint of these store keys (fingerprint + key)."""
+    by_fp: dict[bytes, list[bytes]] = {}
+    for bkey in bkeys:
+        by_fp.setdefault(bkey[:16], []).append(bkey[16:])
+    for fp, keys in by_fp.items():
+        yield tier, fp, keys
 
 
 class StoreError(Exception):
@@ -366,6 +375,11 @@ class BlockStore:
     def extra_tier_stats(self) -> list[dict]:
         """TierStats fields of the tiers below host (none without a disk tier)."""
         return []
+
+    def held(self) -> Iterator[tuple[str, bytes, list[bytes]]]:
+        """Everything visible now, as (tier, fingerprint, keys) groups: what an observer that
+        starts after the store has content (blocks restored from disk) folds in first."""
+        yield from _grouped("host", self.host.entries)
 
     def blocks_per_layout(self) -> dict[bytes, dict[str, int]]:
         out: dict[bytes, dict[str, int]] = {}
