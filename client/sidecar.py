@@ -241,6 +241,8 @@ class _SidecarCore:
 
     @staticmethod
     def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+        if all(type(k) is bytes for k in keys):  # the common case, on the lookup hot path
+            return list(keys)
         out = []
         for i, k in enumerate(keys):
             if not isinstance(k, (bytes, bytearray, memoryview)):
