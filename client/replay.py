@@ -112,8 +112,13 @@ class ReplayConfig:
     kv_bytes_per_token: float = 131_072.0  # KV bytes of one token (all layers of the shard)
     host_load_gbps: float = 50.0           # host -> GPU, 10^9 B/s
     disk_load_gbps: float = 6.0            # disk -> host -> GPU, 10^9 B/s
-    queued_weight: float = ScorerConfig.queued_weight  # kvtier policy: cost per queued prefill block
-    active_weight: float = ScorerConfig.active_weight  # kvtier policy: cost per active request
+    # kvtier policy's load weights (the Scorer's a and b). Lower than ScorerConfig's 1.0 and 0.5:
+    # routing a turn away from its session's cache costs more than this turn's recompute (the
+    # session's next turns lose it too), so the replay values affinity over a short queue; on
+    # conversation_trace.jsonl (8 replicas) 1.0/0.5 keeps 0.89 of the pooled-capacity hit rate,
+    # 0.25/0.1 keeps 0.97 at imbalance 1.05 (see docs/replay.md).
+    queued_weight: float = 0.25            # cost per queued prefill block
+    active_weight: float = 0.1             # cost per active request
     seed: int = 0
 
     def blocks(self, tokens: int) -> int:
@@ -212,8 +217,8 @@ def _router(policy: str, cfg: ReplayConfig, n: int) -> Router:
         names = [str(i) for i in range(n)]
 
         def kvtier(req: Request, now: float, reps: list[Replica]) -> int:
-            overlaps = {w: Overlap.from_ranks(rep.policy.leading_ranks(req.keys)) for w, rep in zip(names, reps)}
-            loads = {w: Load(queued_blocks(rep, now), len(rep.active)) for w, rep in zip(names, reps)}
+            overlaps = {w: Overlap.from_ranks(rep.policy.leading_ranks(req.keys)) for w, rep in zip(names, reps, strict=True)}
+            loads = {w: Load(queued_blocks(rep, now), len(rep.active)) for w, rep in zip(names, reps, strict=True)}
             last = req.keys[-1].to_bytes(16, "little", signed=True) if req.keys else b""
             return int(scorer.rank(len(req.keys), names, overlaps, loads, last)[0].worker)
         return kvtier
@@ -321,7 +326,7 @@ def format_table(rows: Sequence[Row]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = []
     for n, line in enumerate(lines):
-        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))))
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)

@@ -17,7 +17,8 @@ Contract
       gpu tier does and a gpu eviction moves nothing.
     * Demotion: a block evicted from ``host`` goes to ``disk`` if it has been *seen* (used by a
       request on this node) at least ``demote_min_seen`` times while it stayed in some tier;
-      otherwise it is dropped. A block evicted from ``disk`` is dropped. A dropped block
+      otherwise it is dropped. A victim that is already on disk stays there, untouched (an
+      eviction is not a use). A block evicted from ``disk`` is dropped. A dropped block
       forgets its seen count: a later request starts it again at one.
     * Promotion: a block a request finds on disk (and nowhere faster) is copied into ``host``
       (and, as every used block, into ``gpu``); it stays on disk too.
@@ -105,7 +106,7 @@ class TierPolicy:
         seen = self.seen
         for k in keys:
             seen[k] = seen.get(k, 0) + 1
-        promoted = [k for k, r in zip(keys, ranks) if r == DISK]
+        promoted = [k for k, r in zip(keys, ranks, strict=False) if r == DISK]
         if promoted:
             c.promotions += len(promoted)
             disk = self.tiers[DISK]
@@ -137,8 +138,8 @@ class TierPolicy:
         victims = [od.popitem(last=False)[0] for _ in range(n)]
         self.counts.evictions[tier] += n
         if tier == HOST:
-            keep = self.demote_min_seen
-            demote = [k for k in victims if self.seen.get(k, 0) >= keep]
+            keep, disk = self.demote_min_seen, self.tiers[DISK]
+            demote = [k for k in victims if k not in disk and self.seen.get(k, 0) >= keep]
             if demote and self.capacity[DISK]:
                 self.counts.demotions += len(demote)
                 self._store(DISK, demote)
