@@ -102,12 +102,15 @@ class _Pool:
             os.close(fd)
         self.arr = np.frombuffer(self.mm, dtype=np.uint8)
         self._populate = True
+        self._mapped: set[int] = set()  # offsets of slots whose pages this mapping has populated
 
     def prepare_write(self, offset: int, length: int) -> None:
-        """Map the slot's pages in one syscall instead of a fault per page (Linux >= 5.14)."""
-        if self._populate:
+        """Map the slot's pages in one syscall instead of a fault per 4 KiB page (Linux >= 5.14),
+        once per slot: later writes to the slot find its pages mapped."""
+        if self._populate and offset not in self._mapped:
             try:
                 self.mm.madvise(MADV_POPULATE_WRITE, offset, length)
+                self._mapped.add(offset)
             except OSError:
                 self._populate = False
 

@@ -60,7 +60,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
     async def RegisterLayout(self, request: node_pb2.RegisterLayoutRequest, context: Any) -> node_pb2.RegisterLayoutReply:
         if not request.HasField("layout"):
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, "RegisterLayout needs a layout")
-        reg = self.store.register_layout(layout_from_proto(request.layout))
+        reg = await self.store.register_layout(layout_from_proto(request.layout))
         cls = self.store.host.size_class(reg.layout.slot_bytes)
         return node_pb2.RegisterLayoutReply(
             layout_id=reg.layout_id, fingerprint=reg.layout.fingerprint, block_bytes=reg.layout.block_bytes,
