@@ -182,7 +182,8 @@ class Replica:
 Router = Callable[[Request, float, list[Replica]], int]
 
 
-def _router(policy: str, cfg: ReplayConfig, n: int) -> Router:
+def make_router(policy: str, cfg: ReplayConfig, n: int) -> Router:
+    """The routing decision of ``policy`` over ``n`` replicas: (request, now, replicas) -> index."""
     rng = random.Random(cfg.seed)
     bt_per_s = cfg.prefill_tps / cfg.block_tokens  # prefill blocks per second
 
@@ -232,7 +233,7 @@ def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas
         raise ValueError("replicas must be >= 1")
     if policy == "session" and not any(r.session is not None for r in requests):
         return Row(policy, replicas, requests=len(requests), na="trace has no session_id")
-    choose = _router(policy, cfg, replicas)
+    choose = make_router(policy, cfg, replicas)
     reps = [Replica(cfg) for _ in range(replicas)]
     bt = cfg.block_tokens
     load_s = [cfg.block_load_s(t) for t in (GPU, HOST, DISK)]
@@ -309,6 +310,13 @@ class Progress:
             sys.stderr.flush()
 
 
+def _human(tokens: int) -> str:
+    for div, suffix in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if tokens >= div and tokens % (div // 1000 or 1) == 0:
+            return f"{tokens / div:g}{suffix}"
+    return str(tokens)
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
@@ -342,6 +350,7 @@ def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ticks = sorted({r.replicas for r in rows})
     for pol in dict.fromkeys(r.policy for r in rows):
         pts = sorted((r.replicas, r.hit_rate, r.imbalance) for r in rows if r.policy == pol and r.na is None)
         if not pts:
@@ -351,6 +360,8 @@ def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
         ax2.plot(xs, [p[2] for p in pts], marker="o", label=pol)
     for ax, ylabel in ((ax1, "hit rate (blocks, any tier)"), (ax2, "imbalance (max / mean prefill work)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(x) for x in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("replicas")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
@@ -457,12 +468,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(replay(requests, cfg, pol, n, bar))
     bar.close()
     print(f"{args.trace}: {len(requests)} requests, {sum(len(r.keys) for r in requests)} blocks of "
-          f"{cfg.block_tokens} tokens; per replica gpu {cfg.gpu_tokens}, host {cfg.host_tokens}, "
-          f"disk {cfg.disk_tokens} tokens")
+          f"{cfg.block_tokens} tokens; per replica gpu {_human(cfg.gpu_tokens)}, host {_human(cfg.host_tokens)}, "
+          f"disk {_human(cfg.disk_tokens)} tokens")
     print(format_table(rows))
     if args.plot:
-        plot(rows, args.plot, title=f"{args.trace.rsplit('/', 1)[-1]}: gpu {cfg.gpu_tokens}, host {cfg.host_tokens}, "
-             f"disk {cfg.disk_tokens} tokens per replica")
+        plot(rows, args.plot, title=f"{args.trace.rsplit('/', 1)[-1]}: gpu {_human(cfg.gpu_tokens)}, host "
+             f"{_human(cfg.host_tokens)}, disk {_human(cfg.disk_tokens)} tokens per replica")
         print(f"plot written to {args.plot}")
     if args.json:
         print(json.dumps({"config": asdict(cfg), "rows": [asdict(r) for r in rows]}))

@@ -7,10 +7,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from kvtier.client.replay import ReplayConfig, Request, load_trace, main, parse_tokens, replay
+from kvtier.client.replay import (
+    ReplayConfig,
+    Replica,
+    Request,
+    load_trace,
+    main,
+    make_router,
+    parse_tokens,
+    replay,
+)
 from kvtier.tiers.policy import DISK, GPU, HOST, TierPolicy
 
 BIG = 10**9  # tokens: nothing is ever evicted
@@ -123,19 +133,16 @@ def test_kvtier_weighs_tiers_by_bandwidth_where_prefix_uses_fixed_weights() -> N
     weight is 1 - 4*4 B/token*4000 tok/s / 10^9 B/s ~ 1: 4 blocks beat 2; prefix counts them as
     4 * 0.25 = 1 < 2. So kvtier finds 4 blocks (on disk), prefix 2 (in gpu)."""
     c = cfg(gpu_tokens=4 * 2, host_tokens=4 * 2, disk_tokens=4 * 8, demote_min_seen=1, kv_bytes_per_token=4.0)
-    # a: [1,2,3,4] twice on r?, then [9,10,11] pushes it to disk; b puts [1,2] on the other
-    # replica's gpu. Built with the session policy so the placement is known, then the probe.
-    from kvtier.client.replay import Replica
+    # r0: [1,2,3,4], then [9,10,11] pushes it to disk; r1: [1,2] in gpu. Then one probe.
     r0, r1 = Replica(c), Replica(c)
     r0.policy.access([1, 2, 3, 4])
     r0.policy.access([9, 10, 11])
     r1.policy.access([1, 2])
     assert r0.policy.leading_ranks([1, 2, 3, 4, 5]) == [DISK] * 4
     assert r1.policy.leading_ranks([1, 2, 3, 4, 5]) == [GPU, GPU]
-    from kvtier.client.replay import _router
     probe = req(0, [1, 2, 3, 4, 5])
-    assert _router("kvtier", c, 2)(probe, 0.0, [r0, r1]) == 0
-    assert _router("prefix", c, 2)(probe, 0.0, [r0, r1]) == 1
+    assert make_router("kvtier", c, 2)(probe, 0.0, [r0, r1]) == 0
+    assert make_router("prefix", c, 2)(probe, 0.0, [r0, r1]) == 1
 
 
 def test_kvtier_leaves_a_queued_replica() -> None:
@@ -225,3 +232,36 @@ def test_plot_writes_a_png(tmp_path) -> None:
     png = tmp_path / "p.png"
     assert main([str(path), "--block-tokens", "4", "--replicas", "1,2", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the public traces in traces/ --------------------------------------------------------------
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+
+
+@pytest.mark.parametrize("name,ideal", [
+    # traces/README.md: one infinite cache, then N replicas behind random routing
+    ("conversation_trace.jsonl", {1: 0.366, 2: 0.269, 4: 0.188, 8: 0.128}),
+    ("synthetic_trace.jsonl", {1: 0.640, 2: 0.512, 4: 0.362, 8: 0.227}),
+])
+def test_unbounded_caches_reproduce_the_trace_readme(name: str, ideal: dict[int, float]) -> None:
+    trace = load_trace(str(TRACES / name))
+    c = ReplayConfig(gpu_tokens=10**12, host_tokens=0, disk_tokens=0)
+    for n, expect in ideal.items():
+        assert replay(trace, c, "random", n).hit_rate == pytest.approx(expect, abs=0.0015), n
+
+
+@pytest.mark.slow
+def test_conversation_acceptance_8_replicas() -> None:
+    """The issue's goal: 8 replicas of gpu 100k / host 1M / disk 10M tokens, routed by kvtier,
+    keep >= 0.95 of the hit rate of one replica with 8x the capacity, at imbalance <= 1.10,
+    and beat the Dynamo-like prefix policy on hit rate and p99 TTFT (replay defaults)."""
+    trace = load_trace(str(TRACES / "conversation_trace.jsonl"))
+    c = ReplayConfig(gpu_tokens=100_000, host_tokens=1_000_000, disk_tokens=10_000_000)
+    pooled = replay(trace, replace(c, gpu_tokens=800_000, host_tokens=8_000_000, disk_tokens=80_000_000), "kvtier", 1)
+    ours = replay(trace, c, "kvtier", 8)
+    prefix = replay(trace, c, "prefix", 8)
+    assert ours.hit_rate >= 0.95 * pooled.hit_rate
+    assert ours.imbalance <= 1.10
+    assert ours.hit_rate > prefix.hit_rate
+    assert ours.ttft_p99_s < prefix.ttft_p99_s
