@@ -23,13 +23,17 @@ The model
       replica with unbounded capacity it equals the trace's ideal prefix hit rate.
 
 Policies (``--policy``)
-    ``round-robin``; ``random`` (seeded); ``session`` (a session's requests stick to the replica
-    its first request was sent to, new sessions go round-robin; n/a when the trace has no
-    ``session_id``); ``prefix`` (Dynamo-like: cost = blocks to prefill, counting a device
-    prefix as held, host blocks beyond it as 0.75 and disk blocks beyond that as 0.25, plus
-    queued prefill blocks plus the blocks of the active requests; equal costs broken at random,
-    seeded); ``kvtier`` (ours: the Scorer's cost, tier weights from the bandwidths and the
-    prefill rate, load as queued prefill blocks and active requests, its deterministic ties).
+    ``round-robin``.
+    ``random``: seeded by ``--seed``.
+    ``session``: a session's requests stick to the replica its first request went to; new
+    sessions, and requests without a session, go round-robin; n/a when no request of the
+    trace has a ``session_id``.
+    ``prefix``: Dynamo-like: cost = blocks to prefill, counting a device prefix as held, host
+    blocks beyond it as 0.75 and disk blocks beyond that as 0.25, plus queued prefill blocks,
+    plus the blocks held by the active requests; equal costs broken at random (seeded).
+    ``kvtier``: ours: the Scorer's cost, with tier weights from the load bandwidths and the
+    prefill rate, load = ``--queued-weight`` x queued prefill blocks + ``--active-weight`` x
+    active requests, and its deterministic ties.
 
 Per (policy, replicas) the output has: ``hit_rate``, ``hit_rate_by_tier`` {gpu, host, disk},
 ``prefill_tokens_saved``, ``imbalance`` (max / mean of the prefill tokens each replica
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import math
 import random
@@ -191,16 +196,20 @@ def make_router(policy: str, cfg: ReplayConfig, n: int) -> Router:
         return max(0.0, rep.free_at - now) * bt_per_s
 
     if policy == "round-robin":
-        nxt = iter(range(1 << 62))
-        return lambda req, now, reps: next(nxt) % n
+        turn = itertools.count()
+        return lambda req, now, reps: next(turn) % n
     if policy == "random":
         return lambda req, now, reps: rng.randrange(n)
     if policy == "session":
         sticky: dict[str, int] = {}
+        turn = itertools.count()
 
         def session(req: Request, now: float, reps: list[Replica]) -> int:
-            assert req.session is not None
-            return sticky.setdefault(req.session, len(sticky) % n)
+            if req.session is None:           # a request without a session is a session of its own
+                return next(turn) % n
+            if req.session not in sticky:
+                sticky[req.session] = next(turn) % n
+            return sticky[req.session]
         return session
     if policy == "prefix":
         def prefix(req: Request, now: float, reps: list[Replica]) -> int:

@@ -265,3 +265,10 @@ def test_conversation_acceptance_8_replicas() -> None:
     assert ours.imbalance <= 1.10
     assert ours.hit_rate > prefix.hit_rate
     assert ours.ttft_p99_s < prefix.ttft_p99_s
+
+
+def test_session_policy_requests_without_a_session_take_turns() -> None:
+    trace = [req(0, [1], "a"), req(10, [2]), req(20, [1, 3], "a"), req(30, [2, 4])]
+    # a -> r0; the sessionless [2] -> r1; a again -> r0 (hit 1); [2, 4] -> r0 (misses its 2 on r1)
+    row = replay(trace, cfg(), "session", 2)
+    assert row.hit_rate == pytest.approx(1 / 6)
