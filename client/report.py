@@ -12,8 +12,9 @@ last interval beside the totals since each daemon started. ``--once`` prints one
 A daemon that does not answer within ``--timeout`` is shown as unreachable and the others
 are still reported; the exit status is 1 if any was unreachable.
 
-A target with a ``/`` (or ending in ``.sock``) is a unix socket path; anything else is a
-gRPC ``HOST:PORT``.
+A target is a unix socket path (has a ``/`` or ends in ``.sock``), a Prometheus endpoint
+(``http://HOST:PORT``, the daemon's ``--metrics-port``; ``/metrics`` is appended unless a path
+is given), or else a gRPC ``HOST:PORT``. Both sources carry the same counters.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ import argparse
 import json
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+import grpc
+
 from kvtier.client.sidecar import KvtierError, Sidecar
+from kvtier.proto import TIER_NAMES
 
 TIERS = ("gpu", "host", "disk")
 
@@ -88,6 +94,43 @@ def from_stats(target: str, stats: dict, op: str = "lookup") -> NodeReport:
     return rep
 
 
+def stats_from_prometheus(text: str) -> dict:
+    """The subset of ``Sidecar.stats()``'s dict that a report needs, from /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    tiers: dict[str, dict[str, float]] = {}
+    node_id = ""
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            lbl = smp.labels
+            node_id = lbl.get("node", node_id)
+            if smp.name in ("kvtier_hit_blocks_total", "kvtier_hit_tokens_total"):
+                unit = smp.name.split("_")[2]
+                counters[f"{lbl['op']}_hit_{unit}:{lbl['tier']}"] = smp.value
+            elif smp.name in ("kvtier_miss_blocks_total", "kvtier_miss_tokens_total"):
+                counters[f"{lbl['op']}_miss_{smp.name.split('_')[2]}"] = smp.value
+            elif smp.name in ("kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes") and lbl.get("tier") in TIER_NAMES.values():
+                tiers.setdefault(lbl["tier"], {})[smp.name.removeprefix("kvtier_tier_")] = smp.value
+    return {"node_id": node_id, "counters": counters, "tiers": tiers}
+
+
+class _PrometheusSource:
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url if url.count("/") > 2 else url.rstrip("/") + "/metrics"
+        self.timeout = timeout
+
+    def stats(self) -> dict:
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
+                return stats_from_prometheus(resp.read().decode())
+        except (urllib.error.URLError, OSError) as e:
+            raise KvtierError(grpc.StatusCode.UNAVAILABLE, f"{self.url}: {getattr(e, 'reason', e)}") from None
+
+    def close(self) -> None:
+        pass
+
+
 def fleet_total(nodes: Sequence[NodeReport]) -> NodeReport:
     total = NodeReport("fleet", reachable=any(n.reachable for n in nodes), node_id="(fleet)")
     for n in nodes:
@@ -105,7 +148,9 @@ def fleet_total(nodes: Sequence[NodeReport]) -> NodeReport:
     return total
 
 
-def _sidecar(target: str, timeout: float) -> Sidecar:
+def _source(target: str, timeout: float) -> Sidecar | _PrometheusSource:
+    if target.startswith(("http://", "https://")):
+        return _PrometheusSource(target, timeout)
     if "/" in target or target.endswith(".sock"):
         return Sidecar(target, client_name="kvtier-report", timeout=timeout)
     return Sidecar(target=target, client_name="kvtier-report", timeout=timeout)
@@ -116,7 +161,7 @@ class Fleet:
 
     def __init__(self, targets: Sequence[str], op: str, timeout: float) -> None:
         self.targets, self.op = list(targets), op
-        self.clients = {t: _sidecar(t, timeout) for t in self.targets}
+        self.clients = {t: _source(t, timeout) for t in self.targets}
 
     def poll(self) -> list[NodeReport]:
         out = []
@@ -182,6 +227,9 @@ def _recent(prev: dict[str, NodeReport], nodes: Sequence[NodeReport]) -> dict[st
             continue
         hits = sum(n.hit_blocks.values()) - sum(p.hit_blocks.values())
         asked = n.asked_blocks - p.asked_blocks
+        if asked < 0 or hits < 0:   # counters went back: a restart seen through /metrics (no epoch there)
+            out[n.target] = None
+            continue
         out[n.target] = hits / asked if asked > 0 else None
         hits_all += hits
         asked_all += asked

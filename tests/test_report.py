@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 from kvtier.client import Sidecar
 from kvtier.client.report import NodeReport, _recent, format_table, main
@@ -56,3 +57,18 @@ def test_recent_hit_rate_is_over_the_interval_and_resets_on_restart() -> None:
     restarted = NodeReport("t", True, epoch=2, hit_blocks={"gpu": 0, "host": 1, "disk": 0})
     assert _recent({"t": prev}, [restarted]) == {"t": None, "fleet": None}
     assert "-" in format_table([restarted], {"t": None, "fleet": None})
+
+
+def test_prometheus_target_reports_the_same_numbers(start_daemon, capsys) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon("--node-id", "prom", "--metrics-port", str(port))
+    _workload(d.socket, held=2, asked_missing=2)
+    url = f"http://127.0.0.1:{port}"
+    assert main(["--daemons", f"{d.socket},{url}", "--once", "--json"]) == 0
+    via_rpc, via_prom = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["nodes"]
+    for field in ("node_id", "asked_blocks", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "hit_rate"):
+        assert via_rpc[field] == via_prom[field], field
+    assert via_prom["hit_rate"] == 0.5 and via_prom["capacity_bytes"]["host"] > 0
+    assert main(["--daemons", "http://127.0.0.1:1", "--once", "--json", "--timeout", "1"]) == 1
