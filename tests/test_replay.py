@@ -129,9 +129,9 @@ def test_replay_tiers_eviction_and_demotion_by_hand() -> None:
 
 
 def test_kvtier_weighs_tiers_by_bandwidth_where_prefix_uses_fixed_weights() -> None:
-    """r0 holds [1,2,3,4] on disk only, r1 holds [1,2] in gpu. With a fast disk kvtier's disk
-    weight is 1 - 4*4 B/token*4000 tok/s / 10^9 B/s ~ 1: 4 blocks beat 2; prefix counts them as
-    4 * 0.25 = 1 < 2. So kvtier finds 4 blocks (on disk), prefix 2 (in gpu)."""
+    """r0 holds [1,2,3,4] on disk only, r1 holds [1,2] in gpu. With 4 KV bytes a token, kvtier's
+    disk weight is 1 - 4 B/token * 4000 tok/s / 6e9 B/s ~ 1: 4 blocks beat 2; prefix counts them
+    as 4 * 0.25 = 1 < 2. So kvtier finds 4 blocks (on disk), prefix 2 (in gpu)."""
     c = cfg(gpu_tokens=4 * 2, host_tokens=4 * 2, disk_tokens=4 * 8, demote_min_seen=1, kv_bytes_per_token=4.0)
     # r0: [1,2,3,4], then [9,10,11] pushes it to disk; r1: [1,2] in gpu. Then one probe.
     r0, r1 = Replica(c), Replica(c)
