@@ -2,6 +2,8 @@
 
     kvtier stats [--socket PATH | --target HOST:PORT] [--json]   a daemon's state
     kvtier demo [...]                                           a real daemon and a multi-turn workload
+    kvtier report --daemons A,B [--once --json]                 live hit rate by tier and node
+    kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
 
 Each command lives in its own module with a ``main(argv)``; see COMMANDS.
 """
@@ -69,6 +71,10 @@ def stats_main(argv: Sequence[str]) -> int:
 COMMANDS = {
     "stats": ("a daemon's tiers, layouts and counters", "kvtier.client.cli:stats_main"),
     "demo": ("start a daemon and play a multi-turn workload; print hit rate by tier", "kvtier.client.demo:main"),
+    "report": ("live hit rate by tier and node across daemons (--once --json for scripts)",
+               "kvtier.client.report:main"),
+    "replay": ("replay a Mooncake-format trace: hit rate by tier, replicas and router policy",
+               "kvtier.client.replay:main"),
 }
 
 
