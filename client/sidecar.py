@@ -29,6 +29,7 @@ different lengths) is :class:`InvalidArgument` (also a ``ValueError``).
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import queue
@@ -57,6 +58,7 @@ from kvtier.tiers.layout import Layout, layout_to_proto
 
 MADV_POPULATE_WRITE = 23
 TABLE_RETRY_S = 1.0  # after losing the key table, ask the daemon for a new one at most this often
+REPORT_S = 1.0       # table lookups are reported to the daemon's counters at most this often, and on close
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
@@ -148,6 +150,8 @@ class _LayoutInfo:
     pool: _Pool | None = None
     table: KeyTableReader | None = None
     table_retry_at: float = 0.0
+    # table lookups not yet reported, by the tier bit set found (index 0: misses)
+    table_counts: np.ndarray = field(default_factory=lambda: np.zeros(8, dtype=np.int64))
 
 
 class _SidecarCore:
@@ -160,6 +164,7 @@ class _SidecarCore:
         self._pools: dict[str, _Pool] = {}
         self._tables: dict[str, KeyTableReader] = {}
         self._had_table = False
+        self._report_at = 0.0
         self.session_id = 0
         self.node_id = ""
         self.epoch = 0
@@ -212,12 +217,33 @@ class _SidecarCore:
         if table is None:
             return None
         try:
-            return table.masks(info.layout.fingerprint, keys)
+            masks = table.masks(info.layout.fingerprint, keys)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         except TableUnavailable:
             self._drop_table(table)
             return None
+        if len(masks) == 1:
+            info.table_counts[masks[0]] += 1
+        else:
+            info.table_counts += np.bincount(masks, minlength=8)
+        return masks
+
+    def _report_due(self, force: bool = False) -> node_pb2.ReportLookupsRequest | None:
+        """The table lookups to report to the daemon's counters, if it is time (every REPORT_S,
+        or ``force``), as counts by the fastest tier found; None if nothing is due."""
+        now = time.monotonic()
+        if not force and now < self._report_at:
+            return None
+        self._report_at = now + REPORT_S
+        req = node_pb2.ReportLookupsRequest()
+        for info in self._layouts.values():
+            c = info.table_counts
+            if c.any():
+                req.layouts.add(layout_id=info.daemon_id, hit_gpu=int(c[1::2].sum()), hit_host=int(c[2] + c[6]),
+                                hit_disk=int(c[4]), miss=int(c[0]))
+                c[:] = 0
+        return req if req.layouts else None
 
     def _drop_table(self, table: KeyTableReader) -> None:
         self._tables.pop(table.path, None)
@@ -347,6 +373,7 @@ class Sidecar(_SidecarCore):
         self._session_call: Any = None
         self._lock = threading.RLock()
         self._pending_release: Any = None
+        self._pending_report: Any = None
 
     # -- session and layouts -------------------------------------------------------------
 
@@ -405,8 +432,14 @@ class Sidecar(_SidecarCore):
 
     def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> np.ndarray | None:
         """Tier bit sets from the key table (asking the daemon for a new table once it was
-        lost, at most every TABLE_RETRY_S); None: use the Lookup RPC."""
+        lost, at most every TABLE_RETRY_S); None: use the Lookup RPC. Table lookups are
+        reported to the daemon's counters in the background, at most every REPORT_S."""
         masks = self._table_masks(info, keys)
+        if masks is not None:
+            req = self._report_due()
+            if req is not None:  # without waiting: the answer is for the daemon's counters only
+                self._pending_report = self._stub.ReportLookups.future(req, timeout=self.timeout)
+            return masks
         if masks is None and self._want_table(info):
             try:  # every layout, in registration order, as a restart recovery does
                 for each in self._layouts.values():
@@ -540,6 +573,12 @@ class Sidecar(_SidecarCore):
             raise _error(e) from None
 
     def close(self) -> None:
+        req = self._report_due(force=True)
+        if req is not None:
+            try:
+                self._stub.ReportLookups(req, timeout=min(self.timeout, 5.0))
+            except grpc.RpcError:
+                pass  # counts only: a daemon that is gone does not need them
         if self._pending_release is not None:
             try:
                 self._pending_release.result()
@@ -567,6 +606,7 @@ class AsyncSidecar(_SidecarCore):
         self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = node_pb2_grpc.NodeStub(self._channel)
         self._session_call: Any = None
+        self._reports: set[asyncio.Task] = set()
 
     async def _ensure_session(self) -> int:
         if self._session_call is not None:
@@ -641,7 +681,14 @@ class AsyncSidecar(_SidecarCore):
     async def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> np.ndarray | None:
         """As :meth:`Sidecar._masks`; the table read itself never waits."""
         masks = self._table_masks(info, keys)
-        if masks is None and self._want_table(info):
+        if masks is not None:
+            req = self._report_due()
+            if req is not None:  # in the background: the answer is for the daemon's counters only
+                task = asyncio.get_running_loop().create_task(self._report(req))
+                self._reports.add(task)
+                task.add_done_callback(self._reports.discard)
+            return masks
+        if self._want_table(info):
             try:
                 for each in self._layouts.values():
                     self._adopt(each, await self._stub.RegisterLayout(self._register_request(each),
@@ -703,7 +750,16 @@ class AsyncSidecar(_SidecarCore):
         except grpc.RpcError as e:
             raise _error(e) from None
 
+    async def _report(self, req: node_pb2.ReportLookupsRequest) -> None:
+        try:
+            await self._stub.ReportLookups(req, timeout=min(self.timeout, 5.0))
+        except grpc.RpcError:
+            pass  # counts only: a daemon that is gone does not need them
+
     async def close(self) -> None:
+        req = self._report_due(force=True)
+        if req is not None:
+            await self._report(req)
         if self._session_call is not None:
             self._session_call.cancel()
             self._session_call = None

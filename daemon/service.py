@@ -128,6 +128,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.LookupReply(tiers=[TIER_BY_NAME[t] if t else node_pb2.TIER_NONE for t in tiers])
 
     @_handle_errors
+    async def ReportLookups(self, request: node_pb2.ReportLookupsRequest, context: Any) -> node_pb2.ReportLookupsReply:
+        for c in request.layouts:
+            self.store.count_table_lookups(c.layout_id, {"gpu": c.hit_gpu, "host": c.hit_host, "disk": c.hit_disk},
+                                           c.miss)
+        return node_pb2.ReportLookupsReply()
+
+    @_handle_errors
     async def Evict(self, request: node_pb2.EvictRequest, context: Any) -> node_pb2.EvictReply:
         return node_pb2.EvictReply(evicted=self.store.evict(request.layout_id, list(request.keys)))
 

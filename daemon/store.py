@@ -336,6 +336,10 @@ class BlockStore:
         self._count_hits("lookup", reg.layout, {"host": hits}, len(keys) - hits)
         return out
 
+    def count_table_lookups(self, layout_id: int, hits: dict[str, int], misses: int) -> None:
+        """Count lookups a client answered from the key table (reported in batches) as lookups."""
+        self._count_hits("lookup", self.layout(layout_id).layout, hits, misses)
+
     def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
         reg = self.layout(layout_id)
         self.check_keys(keys, unique=False)

@@ -452,3 +452,22 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
     finally:
         d.cleanup()
     assert ops == 2000 and restarts == 4
+
+
+def test_table_lookups_reach_the_daemons_counters(daemon: DaemonProcess) -> None:
+    """Lookups answered from the table are reported (in batches, and on close) to the daemon's
+    lookup counters, by the fastest tier found: hit rates stay visible in Stats and metrics."""
+    layout = Layout.flat(4096)
+    keys = rand_keys(random.Random(16), 6)
+    with Sidecar(daemon.socket) as sc:
+        lid = sc.register_layout(layout)
+        sc.put(lid, keys[:4], [bytes(4096)] * 4)
+        for _ in range(3):
+            assert sc.lookup(lid, keys) == ["host"] * 4 + [None] * 2
+        assert sc.lookup(lid, keys[:1]) == ["host"]
+        assert sc.prefix_length(lid, keys) == (4, 4)
+    with Sidecar(daemon.socket, use_key_table=False) as rpc:
+        counters = rpc.stats()["counters"]
+    assert counters.get("lookup_hit_blocks:host") == 3 * 4 + 1 + 4
+    assert counters.get("lookup_miss_blocks") == 3 * 2 + 2
+    assert counters.get("lookup_hit_tokens:host") == (3 * 4 + 1 + 4) * layout.block_tokens

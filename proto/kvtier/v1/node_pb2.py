@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvtier/v1/node.proto\x12\tkvtier.v1\"b\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tblock_dim\x18\x04 \x01(\x05\x12\x15\n\rtoken_indexed\x18\x05 \x01(\x08\"l\n\nLayoutSpec\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.kvtier.v1.TensorSpec\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x03 \x01(\x05\x12\x0f\n\x07tp_size\x18\x04 \x01(\x05\">\n\x15RegisterLayoutRequest\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.LayoutSpec\"\xa5\x01\n\x13RegisterLayoutReply\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x11\n\tpool_path\x18\x05 \x01(\t\x12\x12\n\npool_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ekey_table_path\x18\x07 \x01(\t\"0\n\x0cSessionHello\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"_\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1a\n\x12reclaim_deadline_s\x18\x04 \x01(\x01\"G\n\x14SessionClientMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.kvtier.v1.SessionHelloH\x00\x42\x05\n\x03msg\"I\n\x14SessionServerMessage\x12*\n\x06opened\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.SessionOpenedH\x00\x42\x05\n\x03msg\"F\n\x0f\x41llocateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"Q\n\x05Grant\x12&\n\x06status\x18\x01 \x01(\x0e\x32\x16.kvtier.v1.GrantStatus\x12\x10\n\x08grant_id\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"1\n\rAllocateReply\x12 \n\x06grants\x18\x01 \x03(\x0b\x32\x10.kvtier.v1.Grant\"`\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tgrant_ids\x18\x02 \x03(\x04\x12\x17\n\x0f\x61\x62ort_grant_ids\x18\x03 \x03(\x04\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\"1\n\x0b\x43ommitReply\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x0f\n\x07\x64urable\x18\x02 \x01(\r\"E\n\x0e\x41\x63quireRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"L\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12!\n\x08\x66ound_in\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\"0\n\x0c\x41\x63quireReply\x12 \n\x06leases\x18\x01 \x03(\x0b\x32\x10.kvtier.v1.Lease\"7\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\"\x0e\n\x0cReleaseReply\"0\n\rLookupRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"-\n\x0bLookupReply\x12\x1e\n\x05tiers\x18\x01 \x03(\x0e\x32\x0f.kvtier.v1.Tier\"/\n\x0c\x45victRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1d\n\nEvictReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\"2\n\x0fPrefetchRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"!\n\rPrefetchReply\x12\x10\n\x08promoted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"y\n\tTierStats\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x11\n\tload_gbps\x18\x05 \x01(\x01\"t\n\x0bLayoutStats\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x64isk_blocks\x18\x05 \x01(\x04\"\x97\x02\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12#\n\x05tiers\x18\x04 \x03(\x0b\x32\x14.kvtier.v1.TierStats\x12\'\n\x07layouts\x18\x05 \x03(\x0b\x32\x16.kvtier.v1.LayoutStats\x12\x10\n\x08sessions\x18\x06 \x01(\r\x12\x35\n\x08\x63ounters\x18\x07 \x03(\x0b\x32#.kvtier.v1.StatsReply.CountersEntry\x12\x0f\n\x07version\x18\x08 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*A\n\x04Tier\x12\r\n\tTIER_NONE\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*S\n\x0bGrantStatus\x12\x1c\n\x18GRANT_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07GRANTED\x10\x01\x12\x0b\n\x07PRESENT\x10\x02\x12\x0c\n\x08NO_SPACE\x10\x03\x32\x97\x05\n\x04Node\x12R\n\x0eRegisterLayout\x12 .kvtier.v1.RegisterLayoutRequest\x1a\x1e.kvtier.v1.RegisterLayoutReply\x12O\n\x07Session\x12\x1f.kvtier.v1.SessionClientMessage\x1a\x1f.kvtier.v1.SessionServerMessage(\x01\x30\x01\x12@\n\x08\x41llocate\x12\x1a.kvtier.v1.AllocateRequest\x1a\x18.kvtier.v1.AllocateReply\x12:\n\x06\x43ommit\x12\x18.kvtier.v1.CommitRequest\x1a\x16.kvtier.v1.CommitReply\x12=\n\x07\x41\x63quire\x12\x19.kvtier.v1.AcquireRequest\x1a\x17.kvtier.v1.AcquireReply\x12=\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x17.kvtier.v1.ReleaseReply\x12:\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x16.kvtier.v1.LookupReply\x12\x37\n\x05\x45vict\x12\x17.kvtier.v1.EvictRequest\x1a\x15.kvtier.v1.EvictReply\x12@\n\x08Prefetch\x12\x1a.kvtier.v1.PrefetchRequest\x1a\x18.kvtier.v1.PrefetchReply\x12\x37\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x15.kvtier.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvtier/v1/node.proto\x12\tkvtier.v1\"b\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tblock_dim\x18\x04 \x01(\x05\x12\x15\n\rtoken_indexed\x18\x05 \x01(\x08\"l\n\nLayoutSpec\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.kvtier.v1.TensorSpec\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x03 \x01(\x05\x12\x0f\n\x07tp_size\x18\x04 \x01(\x05\">\n\x15RegisterLayoutRequest\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.LayoutSpec\"\xa5\x01\n\x13RegisterLayoutReply\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x11\n\tpool_path\x18\x05 \x01(\t\x12\x12\n\npool_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ekey_table_path\x18\x07 \x01(\t\"0\n\x0cSessionHello\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"_\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1a\n\x12reclaim_deadline_s\x18\x04 \x01(\x01\"G\n\x14SessionClientMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.kvtier.v1.SessionHelloH\x00\x42\x05\n\x03msg\"I\n\x14SessionServerMessage\x12*\n\x06opened\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.SessionOpenedH\x00\x42\x05\n\x03msg\"F\n\x0f\x41llocateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"Q\n\x05Grant\x12&\n\x06status\x18\x01 \x01(\x0e\x32\x16.kvtier.v1.GrantStatus\x12\x10\n\x08grant_id\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"1\n\rAllocateReply\x12 \n\x06grants\x18\x01 \x03(\x0b\x32\x10.kvtier.v1.Grant\"`\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tgrant_ids\x18\x02 \x03(\x04\x12\x17\n\x0f\x61\x62ort_grant_ids\x18\x03 \x03(\x04\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\"1\n\x0b\x43ommitReply\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x0f\n\x07\x64urable\x18\x02 \x01(\r\"E\n\x0e\x41\x63quireRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"L\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12!\n\x08\x66ound_in\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\"0\n\x0c\x41\x63quireReply\x12 \n\x06leases\x18\x01 \x03(\x0b\x32\x10.kvtier.v1.Lease\"7\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\"\x0e\n\x0cReleaseReply\"0\n\rLookupRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"-\n\x0bLookupReply\x12\x1e\n\x05tiers\x18\x01 \x03(\x0e\x32\x0f.kvtier.v1.Tier\"d\n\x0cLookupCounts\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x0f\n\x07hit_gpu\x18\x02 \x01(\x04\x12\x10\n\x08hit_host\x18\x03 \x01(\x04\x12\x10\n\x08hit_disk\x18\x04 \x01(\x04\x12\x0c\n\x04miss\x18\x05 \x01(\x04\"@\n\x14ReportLookupsRequest\x12(\n\x07layouts\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.LookupCounts\"\x14\n\x12ReportLookupsReply\"/\n\x0c\x45victRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1d\n\nEvictReply\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\"2\n\x0fPrefetchRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"!\n\rPrefetchReply\x12\x10\n\x08promoted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"y\n\tTierStats\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x11\n\tload_gbps\x18\x05 \x01(\x01\"t\n\x0bLayoutStats\x12\x11\n\tlayout_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x64isk_blocks\x18\x05 \x01(\x04\"\x97\x02\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12#\n\x05tiers\x18\x04 \x03(\x0b\x32\x14.kvtier.v1.TierStats\x12\'\n\x07layouts\x18\x05 \x03(\x0b\x32\x16.kvtier.v1.LayoutStats\x12\x10\n\x08sessions\x18\x06 \x01(\r\x12\x35\n\x08\x63ounters\x18\x07 \x03(\x0b\x32#.kvtier.v1.StatsReply.CountersEntry\x12\x0f\n\x07version\x18\x08 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*A\n\x04Tier\x12\r\n\tTIER_NONE\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*S\n\x0bGrantStatus\x12\x1c\n\x18GRANT_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07GRANTED\x10\x01\x12\x0b\n\x07PRESENT\x10\x02\x12\x0c\n\x08NO_SPACE\x10\x03\x32\xe8\x05\n\x04Node\x12R\n\x0eRegisterLayout\x12 .kvtier.v1.RegisterLayoutRequest\x1a\x1e.kvtier.v1.RegisterLayoutReply\x12O\n\x07Session\x12\x1f.kvtier.v1.SessionClientMessage\x1a\x1f.kvtier.v1.SessionServerMessage(\x01\x30\x01\x12@\n\x08\x41llocate\x12\x1a.kvtier.v1.AllocateRequest\x1a\x18.kvtier.v1.AllocateReply\x12:\n\x06\x43ommit\x12\x18.kvtier.v1.CommitRequest\x1a\x16.kvtier.v1.CommitReply\x12=\n\x07\x41\x63quire\x12\x19.kvtier.v1.AcquireRequest\x1a\x17.kvtier.v1.AcquireReply\x12=\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x17.kvtier.v1.ReleaseReply\x12:\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x16.kvtier.v1.LookupReply\x12O\n\rReportLookups\x12\x1f.kvtier.v1.ReportLookupsRequest\x1a\x1d.kvtier.v1.ReportLookupsReply\x12\x37\n\x05\x45vict\x12\x17.kvtier.v1.EvictRequest\x1a\x15.kvtier.v1.EvictReply\x12@\n\x08Prefetch\x12\x1a.kvtier.v1.PrefetchRequest\x1a\x18.kvtier.v1.PrefetchReply\x12\x37\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x15.kvtier.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSREPLY_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2202
-  _globals['_TIER']._serialized_end=2267
-  _globals['_GRANTSTATUS']._serialized_start=2269
-  _globals['_GRANTSTATUS']._serialized_end=2352
+  _globals['_TIER']._serialized_start=2392
+  _globals['_TIER']._serialized_end=2457
+  _globals['_GRANTSTATUS']._serialized_start=2459
+  _globals['_GRANTSTATUS']._serialized_end=2542
   _globals['_TENSORSPEC']._serialized_start=35
   _globals['_TENSORSPEC']._serialized_end=133
   _globals['_LAYOUTSPEC']._serialized_start=135
@@ -77,24 +77,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_end=1447
   _globals['_LOOKUPREPLY']._serialized_start=1449
   _globals['_LOOKUPREPLY']._serialized_end=1494
-  _globals['_EVICTREQUEST']._serialized_start=1496
-  _globals['_EVICTREQUEST']._serialized_end=1543
-  _globals['_EVICTREPLY']._serialized_start=1545
-  _globals['_EVICTREPLY']._serialized_end=1574
-  _globals['_PREFETCHREQUEST']._serialized_start=1576
-  _globals['_PREFETCHREQUEST']._serialized_end=1626
-  _globals['_PREFETCHREPLY']._serialized_start=1628
-  _globals['_PREFETCHREPLY']._serialized_end=1661
-  _globals['_STATSREQUEST']._serialized_start=1663
-  _globals['_STATSREQUEST']._serialized_end=1677
-  _globals['_TIERSTATS']._serialized_start=1679
-  _globals['_TIERSTATS']._serialized_end=1800
-  _globals['_LAYOUTSTATS']._serialized_start=1802
-  _globals['_LAYOUTSTATS']._serialized_end=1918
-  _globals['_STATSREPLY']._serialized_start=1921
-  _globals['_STATSREPLY']._serialized_end=2200
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=2153
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=2200
-  _globals['_NODE']._serialized_start=2355
-  _globals['_NODE']._serialized_end=3018
+  _globals['_LOOKUPCOUNTS']._serialized_start=1496
+  _globals['_LOOKUPCOUNTS']._serialized_end=1596
+  _globals['_REPORTLOOKUPSREQUEST']._serialized_start=1598
+  _globals['_REPORTLOOKUPSREQUEST']._serialized_end=1662
+  _globals['_REPORTLOOKUPSREPLY']._serialized_start=1664
+  _globals['_REPORTLOOKUPSREPLY']._serialized_end=1684
+  _globals['_EVICTREQUEST']._serialized_start=1686
+  _globals['_EVICTREQUEST']._serialized_end=1733
+  _globals['_EVICTREPLY']._serialized_start=1735
+  _globals['_EVICTREPLY']._serialized_end=1764
+  _globals['_PREFETCHREQUEST']._serialized_start=1766
+  _globals['_PREFETCHREQUEST']._serialized_end=1816
+  _globals['_PREFETCHREPLY']._serialized_start=1818
+  _globals['_PREFETCHREPLY']._serialized_end=1851
+  _globals['_STATSREQUEST']._serialized_start=1853
+  _globals['_STATSREQUEST']._serialized_end=1867
+  _globals['_TIERSTATS']._serialized_start=1869
+  _globals['_TIERSTATS']._serialized_end=1990
+  _globals['_LAYOUTSTATS']._serialized_start=1992
+  _globals['_LAYOUTSTATS']._serialized_end=2108
+  _globals['_STATSREPLY']._serialized_start=2111
+  _globals['_STATSREPLY']._serialized_end=2390
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=2343
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=2390
+  _globals['_NODE']._serialized_start=2545
+  _globals['_NODE']._serialized_end=3289
 # @@protoc_insertion_point(module_scope)

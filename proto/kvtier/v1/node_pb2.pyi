@@ -209,6 +209,30 @@ class LookupReply(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
+class LookupCounts(_message.Message):
+    __slots__ = ("layout_id", "hit_gpu", "hit_host", "hit_disk", "miss")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    HIT_GPU_FIELD_NUMBER: _ClassVar[int]
+    HIT_HOST_FIELD_NUMBER: _ClassVar[int]
+    HIT_DISK_FIELD_NUMBER: _ClassVar[int]
+    MISS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: int
+    hit_gpu: int
+    hit_host: int
+    hit_disk: int
+    miss: int
+    def __init__(self, layout_id: _Optional[int] = ..., hit_gpu: _Optional[int] = ..., hit_host: _Optional[int] = ..., hit_disk: _Optional[int] = ..., miss: _Optional[int] = ...) -> None: ...
+
+class ReportLookupsRequest(_message.Message):
+    __slots__ = ("layouts",)
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    layouts: _containers.RepeatedCompositeFieldContainer[LookupCounts]
+    def __init__(self, layouts: _Optional[_Iterable[_Union[LookupCounts, _Mapping]]] = ...) -> None: ...
+
+class ReportLookupsReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class EvictRequest(_message.Message):
     __slots__ = ("layout_id", "keys")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class NodeStub:
                 request_serializer=kvtier_dot_v1_dot_node__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_node__pb2.LookupReply.FromString,
                 _registered_method=True)
+        self.ReportLookups = channel.unary_unary(
+                '/kvtier.v1.Node/ReportLookups',
+                request_serializer=kvtier_dot_v1_dot_node__pb2.ReportLookupsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_node__pb2.ReportLookupsReply.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/kvtier.v1.Node/Evict',
                 request_serializer=kvtier_dot_v1_dot_node__pb2.EvictRequest.SerializeToString,
@@ -131,6 +136,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportLookups(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Evict(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -186,6 +197,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvtier_dot_v1_dot_node__pb2.LookupRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_node__pb2.LookupReply.SerializeToString,
+            ),
+            'ReportLookups': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLookups,
+                    request_deserializer=kvtier_dot_v1_dot_node__pb2.ReportLookupsRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_node__pb2.ReportLookupsReply.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -392,6 +408,33 @@ class Node:
             '/kvtier.v1.Node/Lookup',
             kvtier_dot_v1_dot_node__pb2.LookupRequest.SerializeToString,
             kvtier_dot_v1_dot_node__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLookups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Node/ReportLookups',
+            kvtier_dot_v1_dot_node__pb2.ReportLookupsRequest.SerializeToString,
+            kvtier_dot_v1_dot_node__pb2.ReportLookupsReply.FromString,
             options,
             channel_credentials,
             insecure,
