@@ -46,13 +46,13 @@ import numpy as np
 from kvtier.paths import default_socket_path
 from kvtier.proto import TIER_NAMES, node_pb2, node_pb2_grpc
 from kvtier.tiers.keytable import (
-    _FASTEST,
+    ORDERING_SAFE,
     TIER_BITS,
-    TIER_ORDER,
     KeyTableError,
     KeyTableReader,
     TableUnavailable,
     prefix_lengths,
+    tier_names,
 )
 from kvtier.tiers.layout import Layout, layout_to_proto
 
@@ -200,7 +200,7 @@ class _SidecarCore:
     def _open_table(self, path: str) -> KeyTableReader | None:
         """The reader of the table at ``path``, or None where it cannot be mapped (a remote
         daemon, or one that publishes none)."""
-        if not path:
+        if not path or not ORDERING_SAFE:
             return None
         table = self._tables.get(path)
         if table is None:
@@ -334,10 +334,6 @@ class _SidecarCore:
 
 def _tiers(reply: node_pb2.LookupReply) -> list[str | None]:
     return [TIER_NAMES.get(t) for t in reply.tiers]
-
-
-def _mask_tiers(masks: np.ndarray) -> list[str | None]:
-    return [None if i < 0 else TIER_ORDER[i] for i in _FASTEST[masks].tolist()]
 
 
 def _tier_masks(tiers: list[str | None]) -> np.ndarray:
@@ -535,7 +531,7 @@ class Sidecar(_SidecarCore):
         keys = self._check_keys(keys)
         masks = self._masks(info, keys)
         if masks is not None:
-            return _mask_tiers(masks)
+            return tier_names(masks)
         return self._call(lambda: _tiers(self._stub.Lookup(
             node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys), timeout=self.timeout)))
 
@@ -711,7 +707,7 @@ class AsyncSidecar(_SidecarCore):
         keys = self._check_keys(keys)
         masks = await self._masks(info, keys)
         if masks is not None:
-            return _mask_tiers(masks)
+            return tier_names(masks)
         return await self._rpc_tiers(info, keys)
 
     async def prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> tuple[int, int]:

@@ -40,10 +40,10 @@ Contract
       step a separate store; a reader reads ``seq``, the slot, ``seq`` again, and uses the
       slot only when both reads are equal and even. This relies on x86-64's store and load
       ordering (total store order): :data:`ORDERING_SAFE` is False elsewhere and clients
-      then keep asking the daemon. The writer also wraps every batch of slot writes in a
-      table-wide generation (odd while writing); a batched probe that saw the same even
-      generation before and after reads no slot twice, and only falls back to the per-slot
-      checks when a write overlapped it.
+      then do not map the table and keep asking the daemon. The writer also wraps every
+      batch of slot writes in a table-wide generation (odd while writing): a batched probe
+      that sees the same even generation before and after it saw no slot change and skips
+      the per-slot checks; when a write overlapped it, it probes again with them.
     * Growth and cleaning rebuild the table into a new file, rename it over the path, then
       mark the old file retired. A reader checks the state after its probe: ``live`` means
       every slot it read was current when it read it; ``retired`` means reopen and probe
@@ -51,10 +51,13 @@ Contract
       without closing) raises :class:`TableUnavailable` and the caller asks the daemon.
     * Sizing: a table starts with ``INITIAL_SLOTS`` slots; :meth:`KeyTableWriter.reserve`
       presizes it from the tier capacities over a layout's slot size (the most blocks the
-      tiers can hold), up to ``PRESIZE_MAX_SLOTS``; beyond that, or when live entries and
-      tombstones pass ``MAX_LOAD`` of the slots, the table is rebuilt twice as large (or
-      as large, to drop tombstones). The whole file is allocated up front (``fallocate``),
-      so a full tmpfs is an error at rebuild time, never a SIGBUS later.
+      tiers can hold), up to ``PRESIZE_MAX_SLOTS``. When live entries and tombstones would
+      pass ``MAX_LOAD`` of the slots, the table is rebuilt with the live entries only, at
+      ``REBUILD_LOAD`` (so it doubles when full of live keys, and stays the same size when
+      tombstones filled it), never below a reserved size. 40 bytes a slot: 2 to 4 slots a
+      key. A rebuild is vectorised and runs in the writer's thread (about 0.3 s per million
+      keys here). The whole file is allocated up front (``fallocate``), so a full tmpfs is
+      an error at rebuild time, never a SIGBUS later.
     * A table only says what the daemon held when it was read: a key shown may be evicted
       before the caller acts on it. Acquire answers such a key as a miss; nothing ever
       reads a slot's bytes from this table.
@@ -135,6 +138,11 @@ def fastest_tier(mask: int) -> str | None:
     """The fastest tier in a ``tiers`` bit set, or None for 0."""
     i = int(_FASTEST[mask & 7])
     return None if i < 0 else TIER_ORDER[i]
+
+
+def tier_names(masks: np.ndarray) -> list[str | None]:
+    """The fastest tier of each ``tiers`` bit set ("gpu", "host", "disk"), or None for 0."""
+    return [None if i < 0 else TIER_ORDER[i] for i in _FASTEST[masks].tolist()]
 
 
 def key_words(keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -420,8 +428,7 @@ class KeyTableReader:
 
     def tiers(self, fingerprint: bytes, keys: Sequence[bytes]) -> list[str | None]:
         """The fastest tier holding each key ("gpu", "host", "disk") or None."""
-        fastest = _FASTEST[self.masks(fingerprint, keys)]
-        return [None if i < 0 else TIER_ORDER[i] for i in fastest.tolist()]
+        return tier_names(self.masks(fingerprint, keys))
 
     def prefix_length(self, fingerprint: bytes, keys: Sequence[bytes]) -> tuple[int, int]:
         """(leading keys held in gpu or host, leading keys held in any tier)."""
