@@ -103,7 +103,8 @@ REBUILD_LOAD = 0.5               # live / slots right after a rebuild
 HEARTBEAT_S = 0.1
 STALE_NS = 2_000_000_000         # a heartbeat this old means the writer is gone
 SPIN_LIMIT_S = 0.05              # a slot odd for this long: give up, ask the daemon
-WINDOW = 8                       # slots gathered per key per vectorised probe step (8: see probe)
+WINDOW = 8                       # slots gathered per key per vectorised probe step (8: see _probe)
+SCALAR_STRAGGLERS = 4            # keys a first vectorised step leaves undecided, finished one by one
 
 #: the seqlock protocol needs x86-64's memory ordering (see the module docstring)
 ORDERING_SAFE = platform.machine().lower() in ("x86_64", "amd64")
@@ -249,20 +250,62 @@ class _Mapping:
 
     def read(self, tag: int, words: np.ndarray, lens: np.ndarray, deadline: float) -> tuple[np.ndarray, bool]:
         """Per key, its tiers (a reader's probe), and whether the per-slot checks were needed.
+
         Optimistic first: if the writer's batch counter is even and unchanged across a probe,
         no slot changed while it ran and the per-slot checks are skipped; otherwise probe
-        again honouring each slot's seqlock."""
+        again honouring each slot's seqlock. The optimistic probe takes one vectorised step;
+        the few keys it leaves undecided (their run is longer than the window: about one
+        key in 300 at the usual load) finish with the scalar probe when there are at most
+        ``SCALAR_STRAGGLERS`` of them, else with more vectorised steps."""
         gen = self.generation()
         if not gen & 1:
-            tiers = self.probe(tag, words, lens, checked=False, want_slots=False)[1]
+            _, tiers, left = self._probe(tag, words, lens, checked=False, want_slots=False, max_steps=1)
+            if 0 < left.size <= SCALAR_STRAGGLERS:
+                for i in left.tolist():
+                    tiers[i] = self.probe_one(tag, words[i].tobytes()[:lens[i]])
+            elif left.size:
+                tiers[left] = self._probe(tag, words[left], lens[left], checked=False, want_slots=False)[1]
             if self.generation() == gen:
                 return tiers, False
         return self.probe(tag, words, lens, checked=True, want_slots=False, deadline=deadline)[1], True
 
+    def probe_one(self, tag: int, key: bytes) -> int:
+        """The tiers of one key: the scalar probe (same hash and slots, per-slot seqlock)."""
+        klen = len(key)
+        if not KEY_MIN <= klen <= KEY_MAX:
+            raise ValueError(f"key 0 is {klen} bytes; keys are {KEY_MIN} to {KEY_MAX} bytes")
+        want = _KEY_WORDS.unpack(key.ljust(KEY_MAX, b"\0"))
+        i = hash_key(tag, key) >> self.shift
+        mm, mask = self.mm, self.mask
+        deadline = 0.0
+        while True:
+            off = HEADER_BYTES + (i & mask) * SLOT_BYTES
+            s1 = _U32.unpack_from(mm, off)[0]
+            body = _SLOT_BODY.unpack_from(mm, off + 4)
+            s2 = _U32.unpack_from(mm, off)[0]
+            if s1 != s2 or s1 & 1:
+                if deadline == 0.0:
+                    deadline = time.monotonic() + SPIN_LIMIT_S
+                elif time.monotonic() > deadline:
+                    raise TableUnavailable("a key table slot stayed mid-update; the daemon may be stopped")
+                continue
+            if body[0] == 0:
+                return 0
+            if body[0] == tag and body[1] == klen and body[3:] == want:
+                return body[2]
+            i += 1
+
     def probe(self, tag: int, words: np.ndarray, lens: np.ndarray, *, checked: bool, want_slots: bool = True,
               deadline: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Per key: (its slot or -1, the slot's tiers or 0). ``checked``: honour each slot's
-        seqlock (see :meth:`read`); the writer reads its own table unchecked.
+        seqlock (see :meth:`read`); the writer reads its own table unchecked."""
+        slot, tiers, _ = self._probe(tag, words, lens, checked=checked, want_slots=want_slots, deadline=deadline)
+        return slot, tiers
+
+    def _probe(self, tag: int, words: np.ndarray, lens: np.ndarray, *, checked: bool, want_slots: bool,
+               deadline: float = 0.0, max_steps: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`probe`, stopping after ``max_steps`` steps (0: none) with the indices of the
+        keys still undecided as a third result (empty when all were decided).
 
         Each step gathers a window of ``WINDOW`` slots per pending key: their heads (seq, tag,
         length, tiers as one little-endian u64), the slots, then the heads again. The first
@@ -277,7 +320,7 @@ class _Mapping:
         ident = (lens.astype(np.uint64) << _16) | np.uint64(tag)
         ps = self.home(hash_keys(tag, words, lens))
         w0 = words[:, :1]
-        spins = 0
+        spins = steps = 0
         while True:
             p = (ps[:, None] + _OFFS) & self.mask
             s1 = self.head[p]
@@ -289,7 +332,7 @@ class _Mapping:
                 s2 = self.head[p]
                 unstable = ((s1 ^ s2) | (s1 & _ONE)) != 0
                 event |= unstable
-            any_event = event.view(np.uint64)[:, 0] != 0  # WINDOW bools as one word: any
+            any_event = event.view(np.uint64)[:, 0] != 0  # the window's 8 bools read as one word
             first = event.argmax(axis=1)
             r = np.arange(len(ps))
             sf = s1[r, first]
@@ -304,7 +347,7 @@ class _Mapping:
             collided = used & ~held
             retry = ~decided | collided
             if not retry.any():
-                return slot, tiers
+                return slot, tiers, _NO_SLOTS
             if checked and (any_event & ~decided).any():
                 spins += 1
                 if spins % 64 == 0 and time.monotonic() > deadline:
@@ -312,6 +355,9 @@ class _Mapping:
             # no deciding slot in the window: move past it; blocked or collided: from there
             ps = (ps + np.where(any_event, first + collided, WINDOW))[retry]
             ids = np.flatnonzero(retry) if ids is None else ids[retry]
+            steps += 1
+            if steps == max_steps:
+                return slot, tiers, ids
             words, ident = words[retry], ident[retry]
             w0 = words[:, :1]
 
@@ -393,38 +439,13 @@ class KeyTableReader:
                 if keys:
                     key_words(keys)  # same argument errors as a real probe
             elif len(keys) == 1:
-                out = np.array([self._probe_one(m, tag, bytes(keys[0]))], dtype=np.uint8)
+                out = np.array([m.probe_one(tag, bytes(keys[0]))], dtype=np.uint8)
             else:
                 words, lens = key_words(keys)
                 out, rechecked = m.read(tag, words, lens, deadline=time.monotonic() + SPIN_LIMIT_S)
                 self.rechecked += rechecked
             if self._check(m):
                 return out
-
-    def _probe_one(self, m: _Mapping, tag: int, key: bytes) -> int:
-        klen = len(key)
-        if not KEY_MIN <= klen <= KEY_MAX:
-            raise ValueError(f"key 0 is {klen} bytes; keys are {KEY_MIN} to {KEY_MAX} bytes")
-        want = _KEY_WORDS.unpack(key.ljust(KEY_MAX, b"\0"))
-        i = hash_key(tag, key) >> m.shift
-        mm, mask = m.mm, m.mask
-        deadline = 0.0
-        while True:
-            off = HEADER_BYTES + (i & mask) * SLOT_BYTES
-            s1 = _U32.unpack_from(mm, off)[0]
-            body = _SLOT_BODY.unpack_from(mm, off + 4)
-            s2 = _U32.unpack_from(mm, off)[0]
-            if s1 != s2 or s1 & 1:
-                if deadline == 0.0:
-                    deadline = time.monotonic() + SPIN_LIMIT_S
-                elif time.monotonic() > deadline:
-                    raise TableUnavailable("a key table slot stayed mid-update; the daemon may be stopped")
-                continue
-            if body[0] == 0:
-                return 0
-            if body[0] == tag and body[1] == klen and body[3:] == want:
-                return body[2]
-            i += 1
 
     def tiers(self, fingerprint: bytes, keys: Sequence[bytes]) -> list[str | None]:
         """The fastest tier holding each key ("gpu", "host", "disk") or None."""
