@@ -14,6 +14,7 @@ import asyncio
 import importlib.util
 import os
 import random
+import shutil
 import signal
 import stat
 import subprocess
@@ -417,6 +418,7 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
     args = ("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "8MiB") if disk else ()
     make = lambda shm=None: DaemonProcess(str(tmp_path), *args, host_capacity="1MiB", shm_dir=shm)  # noqa: E731
     d = make().start()
+    shm_dir = d.shm_dir  # the first daemon's; the restarted ones reuse it
     rng = random.Random(20)
     layouts = [Layout.flat(4096, name="a"), Layout.flat(8192, name="b")]
     universe = rand_keys(rng, 400, (8, 16, 32)) + first_word_twins(40)
@@ -450,7 +452,9 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
                 assert table == rpc.lookup(rid, query), f"step {step}"
                 assert sc.prefix_length(lid, query) == rpc.prefix_length(rid, query)
     finally:
+        d.stop()
         d.cleanup()
+        shutil.rmtree(shm_dir, ignore_errors=True)
     assert ops == 2000 and restarts == 4
 
 
