@@ -416,16 +416,28 @@ class BlockStore:
         self.check_keys(keys, unique=False)
         fp = reg.layout.fingerprint
         promoted: set[bytes] = set()
+        held: list[HostEntry] = []   # host hits, pinned while the rest is promoted, so it cannot evict them
         for k in keys:
             entry = self.host.get(fp + k)
             if entry is not None:
-                self.host.touch(entry)  # most recent first, so promoting the rest does not evict it
-        if self.disk is not None:
-            below = [fp + k for k in keys if fp + k not in self.host.entries and fp + k in self.disk.entries]
-            if below:
-                promoted = await self._promote(reg.layout, below)
-                if session_id not in self.sessions:
-                    raise StoreError(grpc.StatusCode.CANCELLED, "session closed during acquire")
+                self.host.touch(entry)
+                self.host.pin(entry)
+                held.append(entry)
+        try:
+            if self.disk is not None:
+                below = [fp + k for k in keys if fp + k not in self.host.entries and fp + k in self.disk.entries]
+                if below:
+                    promoted = await self._promote(reg.layout, below)
+                    if session_id not in self.sessions:
+                        raise StoreError(grpc.StatusCode.CANCELLED, "session closed during acquire")
+            return self._lease(sess, reg.layout, keys, promoted)
+        finally:
+            for entry in held:
+                self.host.unpin(entry)
+
+    def _lease(self, sess: Session, layout: Layout, keys: Sequence[bytes],
+               promoted: set[bytes]) -> list[tuple[int, int, str | None]]:
+        fp = layout.fingerprint
         out: list[tuple[int, int, str | None]] = []
         hits: Counter[str] = Counter()
         for k in keys:
@@ -439,8 +451,8 @@ class BlockStore:
             sess.leases[lid] = entry
             out.append((lid, entry.offset, tier))
             hits[tier] += 1
-        self._count_hits("acquire", reg.layout, dict(hits), len(keys) - hits.total())
-        self.counters["bytes_host_to_client"] += hits.total() * reg.layout.block_bytes
+        self._count_hits("acquire", layout, dict(hits), len(keys) - hits.total())
+        self.counters["bytes_host_to_client"] += hits.total() * layout.block_bytes
         return out
 
     def release(self, session_id: int, lease_ids: Sequence[int]) -> None:

@@ -386,7 +386,7 @@ class DiskTier:
         for fd, off, length in plan._punch:
             punch_hole(fd, off, length)
         for fd, off, length in plan._grow:
-            os.posix_fallocate(fd, off, length)
+            self._preallocate(fd, off, length, planned)
         for f in [self._io.submit(self._write_one, e, s) for e, s in zip(planned, sources, strict=True)]:
             f.result()
         for fd in {e.slab.fd for e in planned}:
@@ -394,6 +394,19 @@ class DiskTier:
         with self.env.begin(write=True, db=self._blocks) as txn:
             for e in planned:
                 txn.put(e.bkey, _VALUE.pack(e.slab.slot_bytes, e.slot, e.length, e.checksum, e.seq))
+
+    @staticmethod
+    def _preallocate(fd: int, off: int, length: int, planned: list[DiskEntry]) -> None:
+        """Preallocate a new chunk; if the filesystem cannot hold it all, just this batch's slots
+        in it (the rest of the chunk gets its space when written, or fails then)."""
+        try:
+            os.posix_fallocate(fd, off, length)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            for entry in planned:
+                if entry.slab.fd == fd and off <= entry.offset < off + length:
+                    os.posix_fallocate(fd, entry.offset, entry.slab.slot_bytes)
 
     @staticmethod
     def _write_one(entry: DiskEntry, src: memoryview) -> None:
