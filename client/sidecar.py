@@ -61,6 +61,7 @@ class PutResult:
     stored: int = 0                                     # newly written and committed
     present: int = 0                                    # already held: nothing written
     dropped: list[bytes] = field(default_factory=list)  # found no slot (all pinned or granted)
+    durable: int = 0                                    # of those stored, on disk and indexed (durable puts)
 
 
 def _target(socket_path: str | None, target: str | None) -> str:
@@ -346,8 +347,9 @@ class Sidecar(_SidecarCore):
                                   timeout=self.timeout)
                 raise
             if gids:
-                self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
-                                  timeout=self.timeout)
+                reply = self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
+                                          timeout=self.timeout)
+                result.durable = reply.durable
             result.stored = len(gids)
 
         self._call(run)
@@ -467,8 +469,9 @@ class AsyncSidecar(_SidecarCore):
                                         timeout=self.timeout)
                 raise
             if gids:
-                await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
-                                        timeout=self.timeout)
+                committed = await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids,
+                                                                           durable=durable), timeout=self.timeout)
+                result.durable = committed.durable
         except grpc.RpcError as e:
             raise _error(e) from None
         result.stored = len(gids)

@@ -198,7 +198,8 @@ _BURST_CLIENT = textwrap.dedent("""
     for i in range(0, 100000, 2):
         keys = [b"disktest" + j.to_bytes(8, "big") for j in (i, i + 1)]
         blocks = [np.random.default_rng(int.from_bytes(k, "big")).bytes(block) for k in keys]
-        sc.put(lid, keys, blocks, durable=True)
+        r = sc.put(lid, keys, blocks, durable=True)
+        assert r.stored == r.durable == 2, r
         print(" ".join(k.hex() for k in keys), flush=True)
 """)
 
@@ -283,7 +284,8 @@ def test_disk_smaller_than_burst_evicts_lru_and_keeps_serving(start_daemon, tmp_
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))
         for i in range(0, 40, 4):
-            assert sc.put(lid, keys[i:i + 4], [payload(k) for k in keys[i:i + 4]], durable=True).stored == 4
+            r = sc.put(lid, keys[i:i + 4], [payload(k) for k in keys[i:i + 4]], durable=True)
+            assert r.stored == r.durable == 4
         st = sc.stats()
         assert st["tiers"]["disk"]["blocks"] == 8 and st["tiers"]["disk"]["used_bytes"] <= 2 * MiB
         assert st["counters"]["evictions_disk"] >= 24
@@ -318,9 +320,13 @@ def test_full_filesystem_degrades_to_host_only(start_daemon, tmp_path):
         keys = [key(400 + i) for i in range(40)]
         with Sidecar(d.socket) as sc:
             lid = sc.register_layout(Layout.flat(BLOCK))
+            durable = []
             for i in range(0, 40, 4):
                 batch = keys[i:i + 4]
-                assert sc.put(lid, batch, [payload(k) for k in batch], durable=True).stored == 4
+                r = sc.put(lid, batch, [payload(k) for k in batch], durable=True)
+                assert r.stored == 4
+                durable.append(r.durable)
+            assert durable[0] == 4 and durable[-1] == 0   # the reply says which puts reached disk
             c = sc.stats()["counters"]
             assert c["disk_degraded"] == 1
             assert d.logs().count("disk tier degraded to host-only") == 1
@@ -348,3 +354,90 @@ def test_disk_dir_in_use_fails_to_start(start_daemon, tmp_path):
     start_daemon(*_disk_args(disk_dir))
     with pytest.raises(RuntimeError, match="in use by another kvtierd"):
         start_daemon(*_disk_args(disk_dir), name="second")
+
+
+def test_write_through_makes_every_put_durable(start_daemon, tmp_path):
+    disk_dir = str(tmp_path / "disk")
+    keys = [key(500 + i) for i in range(4)]
+    d = start_daemon(*_disk_args(disk_dir, "16MiB", "--disk-write-through", "true"))
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        r = sc.put(lid, keys, [payload(k) for k in keys])
+        assert r.stored == r.durable == 4
+    d.kill()
+    d2 = start_daemon(*_disk_args(disk_dir, "16MiB"), name="restarted")
+    with Sidecar(d2.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        assert [bytes(g) for g in sc.get(lid, keys)] == [payload(k) for k in keys]
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, int]] = []
+
+    def stored(self, tier: str, fingerprint: bytes, keys) -> None:
+        self.log.append(("stored", tier, len(keys)))
+
+    def removed(self, tier: str, fingerprint: bytes, keys) -> None:
+        self.log.append(("removed", tier, len(keys)))
+
+    def cleared(self, tier: str) -> None:
+        self.log.append(("cleared", tier, 0))
+
+
+def test_store_reports_every_disk_visibility_change(tmp_path):
+    """In-process BlockStore on a real HostTier (tmpfs) and DiskTier: demotion, promotion,
+    disk LRU eviction and a checksum drop each reach the location observers."""
+    import asyncio
+    import shutil
+    import tempfile
+
+    from kvtier.daemon.store import BlockStore
+    from kvtier.tiers.host import HostTier
+
+    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    layout = Layout.flat(BLOCK)
+    fp = layout.fingerprint
+
+    async def put(store: BlockStore, sid: int, lid: int, keys: list[bytes]) -> None:
+        grants = await store.allocate(sid, lid, keys)
+        cls = store.host.size_class(layout.slot_bytes)
+        with open(cls.path, "r+b") as fh:
+            for k, (_, _, off) in zip(keys, grants, strict=True):
+                fh.seek(off)
+                fh.write(payload(k))
+        await store.commit(sid, [g for _, g, _ in grants], [], durable=False)
+
+    async def main() -> None:
+        disk = DiskTier(str(tmp_path / "disk"), capacity=4 * BLOCK)
+        store = BlockStore(HostTier(shm, 2 * BLOCK, "obs"), disk=disk, demote_min_seen=1)
+        ev = _Events()
+        store.observers.append(ev)
+        lid = store.register_layout(layout).layout_id
+        sid = store.open_session("test", os.getpid()).session_id
+        try:
+            await put(store, sid, lid, [key(1), key(2)])
+            ev.log.clear()
+            await put(store, sid, lid, [key(3), key(4)])       # 1, 2 demoted
+            assert ev.log == [("stored", "disk", 2), ("removed", "host", 2), ("stored", "host", 2)]
+            ev.log.clear()
+            await put(store, sid, lid, [key(5), key(6)])       # 3, 4 demoted
+            await put(store, sid, lid, [key(7)])                # 5 demoted: disk full, 1 evicted
+            assert ("removed", "disk", 1) in ev.log and store.lookup(lid, [key(1)]) == [None]
+            ev.log.clear()
+            e = disk.get(fp + key(2))
+            with open(e.slab.path, "r+b") as fh:               # corrupt 2 on disk
+                fh.seek(e.offset + 10)
+                fh.write(b"\x00" if payload(key(2))[10] else b"\x01")
+            out = await store.acquire(sid, lid, [key(2), key(3)])
+            assert out[0] == (0, 0, None) and out[1][2] == "disk"
+            assert ("removed", "disk", 1) in ev.log and ("stored", "host", 1) in ev.log
+            assert store.counters["checksum_failures"] == 1
+            assert store.lookup(lid, [key(2)]) == [None]
+        finally:
+            store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

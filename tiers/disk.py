@@ -478,10 +478,6 @@ class DiskTier:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Wait for every queued index update (tests and shutdown)."""
-        self._writer.submit(lambda: None).result()
-
     def close(self) -> None:
         """Finish queued work, close the index and the slab files (daemon shutdown); keeps the data."""
         self._writer.shutdown(wait=True)
