@@ -101,6 +101,34 @@ def test_tier_roundtrip_reopen_and_lru(tmp_path):
     again.close()
 
 
+def test_tier_reopen_drops_stale_index_entries(tmp_path):
+    """An index entry naming a slot a newer entry holds, or a slot past the slab file, is dropped
+    on open, and the newer entry is served."""
+    import lmdb
+
+    from kvtier.tiers.disk import _VALUE
+
+    d = str(tmp_path / "disk")
+    tier = DiskTier(d, capacity=4 * BLOCK)
+    new = bytes(16) + key(1)
+    _write(tier, [new])
+    e = tier.get(new)
+    tier.close()
+    env = lmdb.open(os.path.join(d, "index"), max_dbs=2)
+    db = env.open_db(b"blocks")
+    with env.begin(write=True, db=db) as txn:
+        txn.put(bytes(16) + key(2), _VALUE.pack(BLOCK, e.slot, BLOCK, 12345, 0))        # older, same slot
+        txn.put(bytes(16) + key(3), _VALUE.pack(BLOCK, 10**6, BLOCK, 12345, e.seq + 1))  # past the file
+    env.close()
+    again = DiskTier(d, capacity=4 * BLOCK)
+    assert (again.restored, again.dropped_on_open) == (1, 2)
+    assert _read(again, new) == ("ok", payload(new))
+    again.close()
+    third = DiskTier(d, capacity=4 * BLOCK)
+    assert third.dropped_on_open == 0 and third.restored == 1   # the drops were committed
+    third.close()
+
+
 def test_tier_pinned_entries_are_not_evicted_and_dir_is_locked(tmp_path):
     d = str(tmp_path / "disk")
     tier = DiskTier(d, capacity=2 * BLOCK)

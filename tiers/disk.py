@@ -233,18 +233,20 @@ class DiskTier:
         bad: list[bytes] = []
         used: dict[int, set[int]] = {}
         with self.env.begin(db=self._blocks) as txn:
-            for bkey, value in txn.cursor():
-                slot_bytes, slot, length, csum, seq = _VALUE.unpack(value)
-                slab = self.slabs.get(slot_bytes)
-                taken = used.setdefault(slot_bytes, set())
-                if slab is None or slot >= slab.nslots or length > slot_bytes or slot in taken:
-                    bad.append(bytes(bkey))
-                    continue
-                taken.add(slot)
-                found.append(DiskEntry(bytes(bkey), slab, slot, length, csum, seq, visible=True))
+            rows = [(bytes(k), _VALUE.unpack(v)) for k, v in txn.cursor()]
+        rows.sort(key=lambda r: -r[1][4])   # newest first: of two entries naming one slot, keep the newer
+        for bkey, (slot_bytes, slot, length, csum, seq) in rows:
+            slab = self.slabs.get(slot_bytes)
+            taken = used.setdefault(slot_bytes, set())
+            if slab is None or slot >= slab.nslots or length > slot_bytes or slot in taken:
+                bad.append(bkey)
+                continue
+            taken.add(slot)
+            found.append(DiskEntry(bkey, slab, slot, length, csum, seq, visible=True))
         if bad:
             self._index_delete(bad)
-            log.warning("disk index entries dropped on open: they name slots outside the slab files",
+            log.warning("disk index entries dropped on open: they name slots outside the slab files "
+                        "or a slot a newer entry holds",
                         extra={"dropped": len(bad), "disk_dir": self.directory})
         found.sort(key=lambda e: e.seq)
         for e in found:
