@@ -25,8 +25,11 @@ Promises
     after its checksum matched. A slot is never reused while a lease pins it, and a host
     victim's slot is not reused before its demotion finished. A disk read whose checksum
     fails drops the disk entry (counted in ``checksum_failures``) and is a miss. A full or
-    failing disk degrades the daemon to host-only (``disk_degraded``), never stops it. A bad request raises :class:`StoreError` with a gRPC
-    status code and a message a person can act on, and changes nothing.
+    failing disk degrades the daemon to host-only (``disk_degraded``), never stops it; a
+    durable commit then answers how many blocks did reach disk. ``allocate`` answers
+    ``present`` for a key held on disk (nothing to write). A bad request raises
+    :class:`StoreError` with a gRPC status code and a message a person can act on, and
+    changes nothing.
 
 Threading: every method runs on the daemon's event loop; blocking work (fallocate, disk I/O)
 is awaited in an executor. Host evictions (reserve -> demotion -> ``finish_eviction``) are
@@ -41,7 +44,7 @@ import logging
 import mmap
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -514,13 +517,13 @@ class BlockStore:
             obs.removed(tier, fp, keys)
 
     @staticmethod
-    def _emit_grouped(emit: object, tier: str, bkeys: Sequence[bytes]) -> None:
+    def _emit_grouped(emit: Callable[[str, bytes, list[bytes]], None], tier: str, bkeys: Sequence[bytes]) -> None:
         """Call ``emit(tier, fp, keys)`` once per fingerprint among ``bkeys`` (fp + key)."""
         by_fp: dict[bytes, list[bytes]] = {}
         for b in bkeys:
             by_fp.setdefault(b[:16], []).append(b[16:])
         for fp, keys in by_fp.items():
-            emit(tier, fp, keys)  # type: ignore[operator]
+            emit(tier, fp, keys)
 
     async def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
         """Bring these blocks from disk to host ahead of need; returns how many were promoted.
