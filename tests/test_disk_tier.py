@@ -275,7 +275,7 @@ def test_flipped_byte_on_disk_is_a_counted_miss(start_daemon, tmp_path):
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))
         sc.put(lid, keys, [payload(k) for k in keys], durable=True)
-    d.stop()
+    assert d.stop() == 0                      # SIGTERM: the disk tier closes cleanly
     slab = os.path.join(disk_dir, f"slab-{BLOCK}.dat")
     with open(slab, "r+b") as fh:             # slot 3, somewhere inside the payload
         fh.seek(3 * BLOCK + 4321)
