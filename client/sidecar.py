@@ -61,6 +61,7 @@ class PutResult:
     stored: int = 0                                     # newly written and committed
     present: int = 0                                    # already held: nothing written
     dropped: list[bytes] = field(default_factory=list)  # found no slot (all pinned or granted)
+    durable: int = 0                                    # stored or present, and on disk and indexed (durable puts)
 
 
 def _target(socket_path: str | None, target: str | None) -> str:
@@ -195,6 +196,7 @@ class _SidecarCore:
                 gids.append(g.grant_id)
             elif g.status == node_pb2.PRESENT:
                 result.present += 1
+                result.durable += g.durable
             else:
                 result.dropped.append(key)
         return gids
@@ -345,9 +347,10 @@ class Sidecar(_SidecarCore):
             return result
 
         def run() -> None:
+            self._settle_release()
             sid = self._ensure_session()
             reply = self._stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                 keys=keys), timeout=self.timeout)
+                                                                 keys=keys, durable=durable), timeout=self.timeout)
             try:
                 gids = self._write(info, reply, keys, arrs, result)
             except BaseException:
@@ -356,8 +359,9 @@ class Sidecar(_SidecarCore):
                                   timeout=self.timeout)
                 raise
             if gids:
-                self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
-                                  timeout=self.timeout)
+                reply = self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
+                                          timeout=self.timeout)
+                result.durable += reply.durable
             result.stored = len(gids)
 
         self._call(run)
@@ -369,6 +373,7 @@ class Sidecar(_SidecarCore):
         keys = self._check_keys(keys)
 
         def run() -> list[memoryview | None]:
+            self._settle_release()
             sid = self._ensure_session()
             reply = self._stub.Acquire(node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
                                                                keys=keys), timeout=self.timeout)
@@ -384,14 +389,20 @@ class Sidecar(_SidecarCore):
 
     def _release_async(self, req: node_pb2.ReleaseRequest) -> None:
         """Send a release without waiting for its reply: the bytes are already copied out, so
-        nothing here depends on it. A failure (the session is gone, so its pins are too) is
-        reported by the next release."""
-        if self._pending_release is not None and self._pending_release.done():
-            err = self._pending_release.exception()
-            self._pending_release = None
-            if err is not None and err.code() not in _RESTART_CODES:
-                raise _error(err)
+        the caller goes on at once. The next put or get waits for it (usually long done), so
+        this client's own pins never outlive its next request."""
+        self._settle_release()
         self._pending_release = self._stub.Release.future(req, timeout=self.timeout)
+
+    def _settle_release(self) -> None:
+        fut, self._pending_release = self._pending_release, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except grpc.RpcError as e:
+            if e.code() not in _RESTART_CODES:  # a lost session took its pins with it
+                raise _error(e) from None
 
     def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         """The fastest tier holding each key ("gpu", "host", "disk"), or None."""
@@ -420,11 +431,10 @@ class Sidecar(_SidecarCore):
             raise _error(e) from None
 
     def close(self) -> None:
-        if self._pending_release is not None:
-            try:
-                self._pending_release.result()
-            except grpc.RpcError:
-                pass  # the session ends below: its pins are released with it
+        try:
+            self._settle_release()
+        except KvtierError:
+            pass  # the session ends below, and its pins with it
         self._drop_session()
         self._close_pools()
         self._channel.close()
@@ -483,8 +493,8 @@ class AsyncSidecar(_SidecarCore):
             return result
         try:
             sid = await self._ensure_session()
-            reply = await self._stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                       keys=keys), timeout=self.timeout)
+            reply = await self._stub.Allocate(node_pb2.AllocateRequest(
+                session_id=sid, layout_id=info.daemon_id, keys=keys, durable=durable), timeout=self.timeout)
             try:
                 gids = self._write(info, reply, keys, arrs, result)
             except BaseException:
@@ -493,8 +503,9 @@ class AsyncSidecar(_SidecarCore):
                                         timeout=self.timeout)
                 raise
             if gids:
-                await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
-                                        timeout=self.timeout)
+                committed = await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids,
+                                                                           durable=durable), timeout=self.timeout)
+                result.durable += committed.durable
         except grpc.RpcError as e:
             raise _error(e) from None
         result.stored = len(gids)

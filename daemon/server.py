@@ -27,6 +27,7 @@ from kvtier.daemon.metrics import start_metrics_server
 from kvtier.daemon.service import NodeService
 from kvtier.daemon.store import BlockStore
 from kvtier.proto import node_pb2, node_pb2_grpc
+from kvtier.tiers.disk import DiskTier, DiskTierError
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger("kvtier.server")
@@ -81,8 +82,18 @@ class Daemon:
         self.socket_path = cfg.resolved_socket()
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
+        disk = None
+        if cfg.disk_dir:
+            try:
+                disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_queue_depth, cfg.disk_map_size)
+            except DiskTierError as e:
+                raise StartupError(str(e)) from None
+            log.info("disk tier opened", extra={
+                "disk_dir": disk.directory, "disk_capacity": disk.capacity, "blocks_restored": disk.restored,
+                "entries_dropped": disk.dropped_on_open, "queue_depth": disk.queue_depth})
         host = HostTier(cfg.shm_dir, cfg.host_capacity, f"kvtier-{os.getpid()}-{self.epoch}")
-        self.store = BlockStore(host, cfg.max_batch_keys, cfg.host_prefault)
+        self.store = BlockStore(host, cfg.max_batch_keys, disk, cfg.demote_min_seen, cfg.disk_write_through,
+                                prefault=cfg.host_prefault)
         self.service = NodeService(self.store, self.node_id, self.epoch)
         self.server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
