@@ -1,0 +1,153 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+
+from kvtier.proto.kvtier.v1 import node_pb2 as _node_pb2
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LocationEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOCATION_EVENT_KIND_UNSPECIFIED: _ClassVar[LocationEventKind]
+    STORED: _ClassVar[LocationEventKind]
+    REMOVED: _ClassVar[LocationEventKind]
+    CLEARED: _ClassVar[LocationEventKind]
+LOCATION_EVENT_KIND_UNSPECIFIED: LocationEventKind
+STORED: LocationEventKind
+REMOVED: LocationEventKind
+CLEARED: LocationEventKind
+
+class LocationEvent(_message.Message):
+    __slots__ = ("seq", "kind", "tier", "worker_id", "fingerprint", "keys")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: LocationEventKind
+    tier: _node_pb2.Tier
+    worker_id: str
+    fingerprint: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq: int | None = ..., kind: LocationEventKind | str | None = ..., tier: _node_pb2.Tier | str | None = ..., worker_id: str | None = ..., fingerprint: bytes | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "fingerprints")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    fingerprints: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: str | None = ..., fingerprints: _Iterable[bytes] | None = ...) -> None: ...
+
+class TierInfo(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "load_gbps")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
+    tier: _node_pb2.Tier
+    capacity_bytes: int
+    load_gbps: float
+    def __init__(self, tier: _node_pb2.Tier | str | None = ..., capacity_bytes: int | None = ..., load_gbps: float | None = ...) -> None: ...
+
+class LayoutInfo(_message.Message):
+    __slots__ = ("fingerprint", "block_bytes", "block_tokens", "tp_rank", "tp_size")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    block_bytes: int
+    block_tokens: int
+    tp_rank: int
+    tp_size: int
+    def __init__(self, fingerprint: bytes | None = ..., block_bytes: int | None = ..., block_tokens: int | None = ..., tp_rank: int | None = ..., tp_size: int | None = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "epoch", "workers", "tiers", "layouts", "head_seq")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SEQ_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierInfo]
+    layouts: _containers.RepeatedCompositeFieldContainer[LayoutInfo]
+    head_seq: int
+    def __init__(self, node_id: str | None = ..., epoch: int | None = ..., workers: _Iterable[WorkerInfo | _Mapping] | None = ..., tiers: _Iterable[TierInfo | _Mapping] | None = ..., layouts: _Iterable[LayoutInfo | _Mapping] | None = ..., head_seq: int | None = ...) -> None: ...
+
+class SnapshotPart(_message.Message):
+    __slots__ = ("at_seq", "first", "last", "entries")
+    AT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    at_seq: int
+    first: bool
+    last: bool
+    entries: _containers.RepeatedCompositeFieldContainer[LocationEvent]
+    def __init__(self, at_seq: int | None = ..., first: bool | None = ..., last: bool | None = ..., entries: _Iterable[LocationEvent | _Mapping] | None = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events", "head_seq")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SEQ_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[LocationEvent]
+    head_seq: int
+    def __init__(self, events: _Iterable[LocationEvent | _Mapping] | None = ..., head_seq: int | None = ...) -> None: ...
+
+class WatchLocationsRequest(_message.Message):
+    __slots__ = ("epoch", "from_seq", "subscriber")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    from_seq: int
+    subscriber: str
+    def __init__(self, epoch: int | None = ..., from_seq: int | None = ..., subscriber: str | None = ...) -> None: ...
+
+class WatchLocationsReply(_message.Message):
+    __slots__ = ("epoch", "node", "snapshot", "events")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    node: NodeInfo
+    snapshot: SnapshotPart
+    events: EventBatch
+    def __init__(self, epoch: int | None = ..., node: NodeInfo | _Mapping | None = ..., snapshot: SnapshotPart | _Mapping | None = ..., events: EventBatch | _Mapping | None = ...) -> None: ...
+
+class ReportDeviceBlocksRequest(_message.Message):
+    __slots__ = ("worker_id", "layout_id", "stored", "removed", "clear")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    layout_id: int
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    clear: bool
+    def __init__(self, worker_id: str | None = ..., layout_id: int | None = ..., stored: _Iterable[bytes] | None = ..., removed: _Iterable[bytes] | None = ..., clear: bool | None = ...) -> None: ...
+
+class ReportDeviceBlocksReply(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: int | None = ...) -> None: ...
+
+class NodeInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
