@@ -15,7 +15,10 @@ and the worker id, so a new session lands on a spread-out but reproducible worke
 coin flip: the same inputs rank the same way in every process and run.
 
 This module is pure arithmetic: the index (``kvtier.client.index``) supplies the overlaps,
-the router the loads, and the daemons the bandwidths.
+the router the loads, and the daemons the bandwidths. :meth:`Scorer.rank` works on
+mappings; :meth:`Scorer.costs` and :meth:`Scorer.order` are the same cost and order over
+numpy arrays of all workers at once (per-worker tier weights allowed), for the router's hot
+path, and tie-hash only the workers tied for the places asked for.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 #: tier order, fastest first; a key's tier rank is its index here (3 = not held)
 TIER_ORDER = ("gpu", "host", "disk")
@@ -124,3 +129,39 @@ class Scorer:
         out.sort(key=lambda r: (round(r.cost, 9), r.load.queued_blocks, r.load.active_requests,
                                 tie_hash(last_key, r.worker)))
         return out
+
+    def costs(self, n_blocks: int, d_gpu: np.ndarray, d_host: np.ndarray, d_disk: np.ndarray,
+              queued: np.ndarray, active: np.ndarray, w_host: np.ndarray | float | None = None,
+              w_disk: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(cost, saved) per worker, vectorised; ``w_host``/``w_disk`` per worker or this
+        scorer's own weights when None."""
+        wh = self.w_host if w_host is None else w_host
+        wd = self.w_disk if w_disk is None else w_disk
+        saved = d_gpu + wh * (d_host - d_gpu) + wd * (d_disk - d_host)
+        c = self.config
+        return n_blocks - saved + c.queued_weight * queued + c.active_weight * active, saved
+
+    @staticmethod
+    def order(cost: np.ndarray, queued: np.ndarray, active: np.ndarray, workers: Sequence[str],
+              last_key: bytes = b"", top_k: int | None = None) -> list[int]:
+        """Indices of the best ``top_k`` workers (all when None), best first: the order of
+        :meth:`rank` (cost, then queued, then active, then :func:`tie_hash`)."""
+        n = len(cost)
+        k = n if top_k is None else min(top_k, n)
+        if k <= 0:
+            return []
+        rc = np.round(cost, 9)
+        idx = np.lexsort((active, queued, rc))
+        a, q, c = active[idx], queued[idx], rc[idx]
+        # positions where a new (cost, queued, active) group starts
+        starts = np.flatnonzero(np.r_[True, (c[1:] != c[:-1]) | (q[1:] != q[:-1]) | (a[1:] != a[:-1])])
+        out: list[int] = []
+        bounds = [*starts.tolist(), n]
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            group = idx[lo:hi].tolist()
+            if len(group) > 1:
+                group.sort(key=lambda i: tie_hash(last_key, workers[i]))
+            out.extend(group)
+            if len(out) >= k:
+                break
+        return out[:k]

@@ -74,6 +74,8 @@ class Config:
     log_level: str = _opt("info", "debug, info, warning or error")
     log_format: str = _opt("json", "json (one object a line) or text")
     max_batch_keys: int = _opt(65536, "most keys accepted in one request", int, "N")
+    event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
+                                        "router further behind gets a snapshot instead", int, "N")
     config: str = _opt("", "TOML file with any of these settings (keys as in the TOML column)",
                        metavar="FILE")
 
@@ -161,4 +163,6 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
         raise ConfigError(f"--log-level: {cfg.log_level!r} is not debug, info, warning or error")
     if cfg.host_capacity <= 0:
         raise ConfigError("--host-capacity must be positive")
+    if cfg.event_log_keys <= 0:
+        raise ConfigError("--event-log-keys must be positive")
     return cfg

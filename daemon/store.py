@@ -331,6 +331,14 @@ class BlockStore:
         """TierStats fields of the tiers below host (none without a disk tier)."""
         return []
 
+    def holdings(self) -> list[tuple[str, bytes, list[bytes]]]:
+        """Every visible block below the gpu tier as (tier, fingerprint, keys), for the
+        location log's snapshots; consistent because it runs within one loop step."""
+        by_fp: dict[bytes, list[bytes]] = {}
+        for bkey in self.host.entries:
+            by_fp.setdefault(bkey[:16], []).append(bkey[16:])
+        return [("host", fp, keys) for fp, keys in by_fp.items()]
+
     def blocks_per_layout(self) -> dict[bytes, dict[str, int]]:
         out: dict[bytes, dict[str, int]] = {}
         for bkey in self.host.entries:

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvtier.proto.kvtier.v1 import node_pb2 as kvtier_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvtier/v1/locations.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/node.proto\"\x9d\x01\n\rLocationEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.kvtier.v1.LocationEventKind\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\x0c\x12\x0c\n\x04keys\x18\x06 \x03(\x0c\"5\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66ingerprints\x18\x02 \x03(\x0c\"T\n\x08TierInfo\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x11\n\tload_gbps\x18\x03 \x01(\x01\"n\n\nLayoutInfo\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x04 \x01(\x05\x12\x0f\n\x07tp_size\x18\x05 \x01(\x05\"\xb0\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12&\n\x07workers\x18\x03 \x03(\x0b\x32\x15.kvtier.v1.WorkerInfo\x12\"\n\x05tiers\x18\x04 \x03(\x0b\x32\x13.kvtier.v1.TierInfo\x12&\n\x07layouts\x18\x05 \x03(\x0b\x32\x15.kvtier.v1.LayoutInfo\x12\x10\n\x08head_seq\x18\x06 \x01(\x04\"f\n\x0cSnapshotPart\x12\x0e\n\x06\x61t_seq\x18\x01 \x01(\x04\x12\r\n\x05\x66irst\x18\x02 \x01(\x08\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12)\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x18.kvtier.v1.LocationEvent\"H\n\nEventBatch\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.kvtier.v1.LocationEvent\x12\x10\n\x08head_seq\x18\x02 \x01(\x04\"L\n\x15WatchLocationsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\x12\x12\n\nsubscriber\x18\x03 \x01(\t\"\xa7\x01\n\x13WatchLocationsReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12#\n\x04node\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.NodeInfoH\x00\x12+\n\x08snapshot\x18\x03 \x01(\x0b\x32\x17.kvtier.v1.SnapshotPartH\x00\x12\'\n\x06\x65vents\x18\x04 \x01(\x0b\x32\x15.kvtier.v1.EventBatchH\x00\x42\x06\n\x04\x62ody\"q\n\x19ReportDeviceBlocksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tlayout_id\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\r\n\x05\x63lear\x18\x05 \x01(\x08\"&\n\x17ReportDeviceBlocksReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x11\n\x0fNodeInfoRequest*^\n\x11LocationEventKind\x12#\n\x1fLOCATION_EVENT_KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\x32\x81\x02\n\tLocations\x12T\n\x0eWatchLocations\x12 .kvtier.v1.WatchLocationsRequest\x1a\x1e.kvtier.v1.WatchLocationsReply0\x01\x12^\n\x12ReportDeviceBlocks\x12$.kvtier.v1.ReportDeviceBlocksRequest\x1a\".kvtier.v1.ReportDeviceBlocksReply\x12>\n\x0bGetNodeInfo\x12\x1a.kvtier.v1.NodeInfoRequest\x1a\x13.kvtier.v1.NodeInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvtier/v1/locations.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/node.proto\"\x9d\x01\n\rLocationEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.kvtier.v1.LocationEventKind\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\x0c\x12\x0c\n\x04keys\x18\x06 \x03(\x0c\"5\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66ingerprints\x18\x02 \x03(\x0c\"T\n\x08TierInfo\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x11\n\tload_gbps\x18\x03 \x01(\x01\"n\n\nLayoutInfo\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x04 \x01(\x05\x12\x0f\n\x07tp_size\x18\x05 \x01(\x05\"\xb0\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12&\n\x07workers\x18\x03 \x03(\x0b\x32\x15.kvtier.v1.WorkerInfo\x12\"\n\x05tiers\x18\x04 \x03(\x0b\x32\x13.kvtier.v1.TierInfo\x12&\n\x07layouts\x18\x05 \x03(\x0b\x32\x15.kvtier.v1.LayoutInfo\x12\x10\n\x08head_seq\x18\x06 \x01(\x04\"f\n\x0cSnapshotPart\x12\x0e\n\x06\x61t_seq\x18\x01 \x01(\x04\x12\r\n\x05\x66irst\x18\x02 \x01(\x08\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12)\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x18.kvtier.v1.LocationEvent\"H\n\nEventBatch\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.kvtier.v1.LocationEvent\x12\x10\n\x08head_seq\x18\x02 \x01(\x04\"L\n\x15WatchLocationsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\x12\x12\n\nsubscriber\x18\x03 \x01(\t\"\xa7\x01\n\x13WatchLocationsReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12#\n\x04node\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.NodeInfoH\x00\x12+\n\x08snapshot\x18\x03 \x01(\x0b\x32\x17.kvtier.v1.SnapshotPartH\x00\x12\'\n\x06\x65vents\x18\x04 \x01(\x0b\x32\x15.kvtier.v1.EventBatchH\x00\x42\x06\n\x04\x62ody\"\x85\x01\n\x19ReportDeviceBlocksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tlayout_id\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\r\n\x05\x63lear\x18\x05 \x01(\x08\x12\x12\n\nsession_id\x18\x06 \x01(\x04\"&\n\x17ReportDeviceBlocksReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x11\n\x0fNodeInfoRequest*^\n\x11LocationEventKind\x12#\n\x1fLOCATION_EVENT_KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\x32\x81\x02\n\tLocations\x12T\n\x0eWatchLocations\x12 .kvtier.v1.WatchLocationsRequest\x1a\x1e.kvtier.v1.WatchLocationsReply0\x01\x12^\n\x12ReportDeviceBlocks\x12$.kvtier.v1.ReportDeviceBlocksRequest\x1a\".kvtier.v1.ReportDeviceBlocksReply\x12>\n\x0bGetNodeInfo\x12\x1a.kvtier.v1.NodeInfoRequest\x1a\x13.kvtier.v1.NodeInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.locations_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOCATIONEVENTKIND']._serialized_start=1254
-  _globals['_LOCATIONEVENTKIND']._serialized_end=1348
+  _globals['_LOCATIONEVENTKIND']._serialized_start=1275
+  _globals['_LOCATIONEVENTKIND']._serialized_end=1369
   _globals['_LOCATIONEVENT']._serialized_start=63
   _globals['_LOCATIONEVENT']._serialized_end=220
   _globals['_WORKERINFO']._serialized_start=222
@@ -52,12 +52,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHLOCATIONSREQUEST']._serialized_end=908
   _globals['_WATCHLOCATIONSREPLY']._serialized_start=911
   _globals['_WATCHLOCATIONSREPLY']._serialized_end=1078
-  _globals['_REPORTDEVICEBLOCKSREQUEST']._serialized_start=1080
-  _globals['_REPORTDEVICEBLOCKSREQUEST']._serialized_end=1193
-  _globals['_REPORTDEVICEBLOCKSREPLY']._serialized_start=1195
-  _globals['_REPORTDEVICEBLOCKSREPLY']._serialized_end=1233
-  _globals['_NODEINFOREQUEST']._serialized_start=1235
-  _globals['_NODEINFOREQUEST']._serialized_end=1252
-  _globals['_LOCATIONS']._serialized_start=1351
-  _globals['_LOCATIONS']._serialized_end=1608
+  _globals['_REPORTDEVICEBLOCKSREQUEST']._serialized_start=1081
+  _globals['_REPORTDEVICEBLOCKSREQUEST']._serialized_end=1214
+  _globals['_REPORTDEVICEBLOCKSREPLY']._serialized_start=1216
+  _globals['_REPORTDEVICEBLOCKSREPLY']._serialized_end=1254
+  _globals['_NODEINFOREQUEST']._serialized_start=1256
+  _globals['_NODEINFOREQUEST']._serialized_end=1273
+  _globals['_LOCATIONS']._serialized_start=1372
+  _globals['_LOCATIONS']._serialized_end=1629
 # @@protoc_insertion_point(module_scope)

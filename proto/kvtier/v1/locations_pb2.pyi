@@ -129,18 +129,20 @@ class WatchLocationsReply(_message.Message):
     def __init__(self, epoch: int | None = ..., node: NodeInfo | _Mapping | None = ..., snapshot: SnapshotPart | _Mapping | None = ..., events: EventBatch | _Mapping | None = ...) -> None: ...
 
 class ReportDeviceBlocksRequest(_message.Message):
-    __slots__ = ("worker_id", "layout_id", "stored", "removed", "clear")
+    __slots__ = ("worker_id", "layout_id", "stored", "removed", "clear", "session_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEAR_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     layout_id: int
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     clear: bool
-    def __init__(self, worker_id: str | None = ..., layout_id: int | None = ..., stored: _Iterable[bytes] | None = ..., removed: _Iterable[bytes] | None = ..., clear: bool | None = ...) -> None: ...
+    session_id: int
+    def __init__(self, worker_id: str | None = ..., layout_id: int | None = ..., stored: _Iterable[bytes] | None = ..., removed: _Iterable[bytes] | None = ..., clear: bool | None = ..., session_id: int | None = ...) -> None: ...
 
 class ReportDeviceBlocksReply(_message.Message):
     __slots__ = ("seq",)
