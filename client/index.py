@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -86,7 +87,7 @@ class LocationIndex:
 
     def _reset(self, initial_rows: int = 16) -> None:
         self._rows: dict[bytes, int] = {}
-        self._keys: list[bytes | None] = []
+        self._keys: list[bytes | None] = [None]  # row 0 stays empty: the request padding
         self._free: list[int] = []
         self._bits = np.zeros((max(16, initial_rows), 1), dtype=np.uint64)
         self._ncols = _FIRST_COLUMN
@@ -162,13 +163,13 @@ class LocationIndex:
         self._rows.update(zip(keys, rows, strict=True))
         self._bits[np.asarray(rows, dtype=np.int64), 0] |= np.uint64(1 << ALWAYS)
 
-    def _rows_of(self, keys: Sequence[bytes], create: bool) -> np.ndarray:
-        get = self._rows.get
-        rows = [get(k, -1) for k in keys]
+    def _rows_of(self, keys: Sequence[bytes], create: bool, rows: list[int] | None = None) -> np.ndarray:
+        if rows is None:
+            rows = self.lookup(keys)
         if create and -1 in rows:
             missing = list(dict.fromkeys(k for k, r in zip(keys, rows, strict=True) if r < 0))
             self._alloc_rows(missing)
-            rows = [get(k, -1) for k in keys]
+            rows = self.lookup(keys)
         arr = np.fromiter(rows, dtype=np.int64, count=len(rows))
         return arr if create else arr[arr >= 0]
 
@@ -255,14 +256,15 @@ class LocationIndex:
 
     # -- speculative entries --------------------------------------------------------------
 
-    def speculate(self, worker: str, keys: Sequence[bytes], now: float) -> None:
-        """Mark ``keys`` as on ``worker``'s GPU until confirmed or expired (see module doc)."""
-        self.expire(now)
+    def speculate(self, worker: str, keys: Sequence[bytes], rows: list[int] | None = None) -> None:
+        """Mark ``keys`` as on ``worker``'s GPU until confirmed or expired (see module doc).
+        ``rows``: :meth:`lookup`'s answer for ``keys``, if the caller has it (no :meth:`expire`
+        or removal since: those may reclaim rows). Callers run :meth:`expire` themselves."""
         cols = self._spec_cols.get(worker)
         if cols is None:
             cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
             self._plan = None
-        self._set(self._rows_of(keys, create=True), cols[self._spec_gen])
+        self._set(self._rows_of(keys, create=True, rows=rows), cols[self._spec_gen])
 
     def expire(self, now: float) -> None:
         """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
@@ -368,24 +370,33 @@ class LocationIndex:
         return _Plan(workers, {t: _pad(and_cols[t], ALWAYS) for t in TIERS},
                      {t: _pad(or_cols[t], NEVER) for t in TIERS}, np.asarray(spec, dtype=np.int64).reshape(-1, 2))
 
-    def overlaps(self, keys: Sequence[bytes], workers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Row of each key, -1 where not indexed (pass to :meth:`overlaps`/:meth:`speculate`)."""
+        return list(map(self._rows.get, keys, repeat(-1, len(keys))))
+
+    def overlaps(self, keys: Sequence[bytes], workers: np.ndarray | None = None,
+                 rows: list[int] | None = None) -> np.ndarray:
         """Per worker (all, or the plan indices given): leading blocks of ``keys`` held on its
-        GPU, in GPU or host, and in any tier. Three int64 arrays."""
+        GPU, in GPU or host, and in any tier: a (3, workers) int64 array (unpack it as
+        ``d_gpu, d_host, d_disk``). ``rows``: :meth:`lookup`'s answer for ``keys``, if the
+        caller has it."""
         plan = self.plan()
         n_w = len(plan.workers) if workers is None else len(workers)
-        get = self._rows.get
-        rows = [get(k, -1) for k in keys]
+        if rows is None:
+            rows = self.lookup(keys)
         try:
             m = rows.index(-1)  # nobody holds a key past the first unknown one
         except ValueError:
             m = len(rows)
         if m == 0 or n_w == 0:
-            z = np.zeros(n_w, dtype=np.int64)
-            return z, z.copy(), z.copy()
-        bits = self._bits[np.asarray(rows[:m], dtype=np.int64)]
-        u = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(np.bool_)
-        lead = plan.held(u, workers).reshape(m + 1, 3 * n_w).argmin(axis=0).reshape(3, n_w)
-        return lead[0], lead[1], lead[2]
+            return np.zeros((3, n_w), dtype=np.int64)
+        # the known prefix, then row 0 (empty) up to a multiple of 8 keys: the first key
+        # not held is then always found, and the ORs can run eight keys at a time
+        padded = rows[:m] + [0] * (8 - m % 8)
+        bits = self._bits[np.asarray(padded, dtype=np.int64)]
+        u = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        held = plan.held(np.ascontiguousarray(u.T), workers)
+        return held.reshape(3 * n_w, len(padded)).argmin(axis=1).reshape(3, n_w)
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -480,33 +491,35 @@ class _Plan:
             self.fast = np.stack([self.and_cols["gpu"][:, 0], self.spec[:, 0], self.spec[:, 1],
                                   self.and_cols["host"][:, 0], self.and_cols["disk"][:, 0]])
 
-    def held(self, u: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
-        """(keys + 1, 3, workers) bool: held on GPU, in GPU or host, in any tier; the last
-        row is all False (so ``argmin`` over keys is the leading run)."""
-        m = u.shape[0]
+    def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
+        """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,
+        keys a multiple of 8, padded with empty rows): held on GPU, in GPU or host, in any
+        tier. The ORs run on the 0/1 bytes eight at a time (as uint64)."""
+        m = ut.shape[1]
         if self.fast is not None:
             idx = self.fast if sel is None else self.fast[:, sel]
             w = idx.shape[1]
-            g = u[:, idx.ravel()].reshape(m, 5, w)
-            gpu, s0, s1, host, disk = (g[:, i] for i in range(5))
+            g = ut[idx.ravel()].view(np.uint64).reshape(5, w, m // 8)
+            gpu, s0, s1, host, disk = g
         else:
             w = len(self.workers) if sel is None else len(sel)
-            gpu, host, disk = (self._tier(u, t, sel) for t in TIERS)
+            gpu, host, disk = (self._tier(ut, t, sel).view(np.uint64) for t in TIERS)
             spec = self.spec if sel is None else self.spec[sel]
-            s0, s1 = u[:, spec[:, 0]], u[:, spec[:, 1]]
-        out = np.zeros((m + 1, 3, w), dtype=np.bool_)
-        np.logical_or(gpu, s0, out=out[:m, 0])
-        out[:m, 0] |= s1
-        np.logical_or(out[:m, 0], host, out=out[:m, 1])
-        np.logical_or(out[:m, 1], disk, out=out[:m, 2])
-        return out
+            s0, s1 = ut[spec[:, 0]].view(np.uint64), ut[spec[:, 1]].view(np.uint64)
+        out = np.empty((3, w, m // 8), dtype=np.uint64)
+        np.bitwise_or(gpu, s0, out=out[0])
+        out[0] |= s1
+        np.bitwise_or(out[0], host, out=out[1])
+        np.bitwise_or(out[1], disk, out=out[2])
+        return out.view(np.bool_).reshape(3, w, m)
 
-    def _tier(self, u: np.ndarray, tier: str, sel: np.ndarray | None) -> np.ndarray:
+    def _tier(self, ut: np.ndarray, tier: str, sel: np.ndarray | None) -> np.ndarray:
         a = self.and_cols[tier] if sel is None else self.and_cols[tier][sel]
         o = self.or_cols[tier] if sel is None else self.or_cols[tier][sel]
-        m = u.shape[0]
-        held = u[:, a.ravel()].reshape(m, *a.shape).all(axis=2)
-        return held & u[:, o.ravel()].reshape(m, *o.shape).any(axis=2)
+        m = ut.shape[1]
+        held = ut[a.ravel()].view(np.bool_).reshape(*a.shape, m).all(axis=1)
+        held &= ut[o.ravel()].view(np.bool_).reshape(*o.shape, m).any(axis=1)
+        return held.view(np.uint8)
 
 
 def _pad(lists: list[list[int]], fill: int) -> np.ndarray:

@@ -46,7 +46,7 @@ import grpc
 import numpy as np
 
 from kvtier.client.index import LocationIndex
-from kvtier.client.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig
+from kvtier.client.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
 from kvtier.proto import TIER_NAMES, locations_pb2, locations_pb2_grpc
 
 log = logging.getLogger("kvtier.router")
@@ -73,18 +73,42 @@ class RouterConfig:
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
 
 
-@dataclass
 class Decision:
-    """The outcome of :meth:`Router.route`: ranked workers, best first."""
+    """The outcome of :meth:`Router.route`: workers best first (``ranked`` is built on first use)."""
 
-    ranked: list[Ranked]
-    nodes: list[str]            # node of each ranked worker ("" if no daemon publishes it)
-    n_blocks: int
-    decision_id: int = 0        # 0 unless dispatched
+    __slots__ = ("n_blocks", "decision_id", "_names", "_nodes", "_order", "_arrays", "_ranked")
+
+    def __init__(self, n_blocks: int, names: list[str], nodes: list[str], order: list[int],
+                 arrays: tuple[np.ndarray, ...]) -> None:
+        self.n_blocks = n_blocks
+        self.decision_id = 0  # set when dispatched
+        self._names, self._nodes, self._order, self._arrays = names, nodes, order, arrays
+        self._ranked: list[Ranked] | None = None
 
     @property
     def worker(self) -> str | None:
-        return self.ranked[0].worker if self.ranked else None
+        """The chosen worker (None when there was none to choose)."""
+        return self._names[self._order[0]] if self._order else None
+
+    @property
+    def workers(self) -> list[str]:
+        return [self._names[i] for i in self._order]
+
+    @property
+    def nodes(self) -> list[str]:
+        """Node of each ranked worker ("" for a worker no daemon publishes)."""
+        return [self._nodes[i] for i in self._order]
+
+    @property
+    def ranked(self) -> list[Ranked]:
+        if self._ranked is None:
+            cost, saved, dg, dh, dd, q, a = self._arrays
+            self._ranked = [Ranked(self._names[i], float(cost[i]), Overlap(int(dg[i]), int(dh[i]), int(dd[i])),
+                                   Load(float(q[i]), float(a[i])), float(saved[i])) for i in self._order]
+        return self._ranked
+
+    def __repr__(self) -> str:
+        return f"Decision(n_blocks={self.n_blocks}, decision_id={self.decision_id}, ranked={self.ranked!r})"
 
 
 @dataclass
@@ -139,6 +163,11 @@ class Router:
         self._wh = np.zeros(0)
         self._wd = np.zeros(0)
         self._names: list[str] = []
+        self._nodes: list[str] = []
+        self._digests = np.zeros(0, dtype=np.uint64)
+        self._weights = np.zeros((3, 0))
+        self._load_cost = np.zeros(0)
+        self._pos: dict[str, int] = {}
         self.feeds: dict[str, FeedStatus] = {}
         self._feed_tasks: dict[str, asyncio.Task] = {}
         self._node_owner: dict[str, str] = {}      # node id -> target of the feed that serves it
@@ -157,7 +186,7 @@ class Router:
         pass the returned ``decision_id`` to :meth:`finish` when the request ends."""
         now = time.monotonic() if now is None else now
         n = len(keys)
-        k = self.config.top_k if top_k is None else top_k
+        k = max(1, self.config.top_k if top_k is None else top_k)
         with self._lock:
             idx = self.index
             idx.expire(now)
@@ -167,28 +196,31 @@ class Router:
                     if idx.worker(c) is None:
                         idx.add_external_worker(c)
             self._refresh_loads()
-            names = self._names
-            if not names:
+            if not self._names:
                 raise RouterError("no workers to route to: no daemon has been heard from and no candidates "
                                   "were given")
             sel = None
             if candidates:
                 sel = np.fromiter((idx.worker(c).index for c in dict.fromkeys(candidates)),  # type: ignore[union-attr]
                                   dtype=np.int64)
-            dg, dh, dd = idx.overlaps(keys, sel)
-            q, a, wh, wd = ((x if sel is None else x[sel]) for x in (self._q, self._a, self._wh, self._wd))
-            cost, saved = self.scorer.costs(n, dg, dh, dd, q, a, wh, wd)
-            sel_names = names if sel is None else [names[i] for i in sel.tolist()]
-            order = self.scorer.order(cost, q, a, sel_names, keys[-1] if n else b"", max(k, 1))
-            ranked = [Ranked(sel_names[i], float(cost[i]), Overlap(int(dg[i]), int(dh[i]), int(dd[i])),
-                             Load(float(q[i]), float(a[i])), float(saved[i])) for i in order[:max(k, 1)]]
-            nodes = [idx.worker(r.worker).node_id for r in ranked]  # type: ignore[union-attr]
-            decision = Decision(ranked, nodes, n)
+            rows = idx.lookup(keys)
+            lead = idx.overlaps(keys, sel, rows)
+            if sel is None:
+                q, a, lc, wts, dig, names, nodes = (self._q, self._a, self._load_cost, self._weights,
+                                                    self._digests, self._names, self._nodes)
+            else:
+                q, a, lc, wts, dig = self._q[sel], self._a[sel], self._load_cost[sel], self._weights[:, sel], \
+                    self._digests[sel]
+                names = [self._names[i] for i in sel.tolist()]
+                nodes = [self._nodes[i] for i in sel.tolist()]
+            cost, saved = self.scorer.costs(n, lead, lc, wts)
+            order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
+            decision = Decision(n, names, nodes, order, (cost, saved, lead[0], lead[1], lead[2], q.copy(), a.copy()))
             if dispatch:
-                best = ranked[0]
-                decision.decision_id = self._dispatch(best.worker, n - best.saved_blocks, now)
+                best = order[0]
+                decision.decision_id = self._dispatch(names[best], n - float(saved[best]), now)
                 if n:
-                    idx.speculate(best.worker, keys, now)
+                    idx.speculate(names[best], keys, rows)
             return decision
 
     def finish(self, decision_id: int, prefill_only: bool = False) -> bool:
@@ -209,7 +241,7 @@ class Router:
         """An engine's own report of its load; the router counts at least this much."""
         with self._lock:
             self._reported[worker] = (queued_blocks, active_requests)
-            self._load_plan = None
+            self._add_load(worker, 0.0, 0.0)
 
     def load(self, worker: str) -> Load:
         with self._lock:
@@ -226,11 +258,13 @@ class Router:
     def _add_load(self, worker: str, queued: float, active: float) -> None:
         q = self._queued[worker] = max(0.0, self._queued.get(worker, 0.0) + queued)
         a = self._active[worker] = max(0.0, self._active.get(worker, 0.0) + active)
-        w = self.index.worker(worker)
-        if w is not None and self._load_plan is self.index.plan() and w.index < len(self._q):
+        i = self._pos.get(worker)
+        if i is not None:
             rq, ra = self._reported.get(worker, (0.0, 0.0))
-            self._q[w.index] = max(q, rq)
-            self._a[w.index] = max(a, ra)
+            self._q[i] = max(q, rq)
+            self._a[i] = max(a, ra)
+            c = self.config.scorer
+            self._load_cost[i] = c.queued_weight * self._q[i] + c.active_weight * self._a[i]
 
     def _expire_loads(self, now: float) -> None:
         order = self._dispatch_order
@@ -251,6 +285,11 @@ class Router:
         self._a = np.array([max(self._active.get(n, 0.0), rep.get(n, (0.0, 0.0))[1]) for n in names], dtype=np.float64)
         self._wh = np.array([w.w_host for w in plan.workers], dtype=np.float64)
         self._wd = np.array([w.w_disk for w in plan.workers], dtype=np.float64)
+        self._weights = Scorer.lead_weights(self._wh, self._wd)
+        self._load_cost = self.scorer.load_cost(self._q, self._a)
+        self._pos = {name: i for i, name in enumerate(names)}
+        self._digests = worker_digests(names)
+        self._nodes = [w.node_id for w in plan.workers]
         self._names = names
         self._load_plan = plan
 
