@@ -85,3 +85,41 @@ class FinishReply(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: bool | None = ...) -> None: ...
+
+class RouterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FeedState(_message.Message):
+    __slots__ = ("target", "node_id", "connected", "epoch", "seq", "head_seq", "snapshots", "resumes", "epoch_changes", "last_error")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    node_id: str
+    connected: bool
+    epoch: int
+    seq: int
+    head_seq: int
+    snapshots: int
+    resumes: int
+    epoch_changes: int
+    last_error: str
+    def __init__(self, target: str | None = ..., node_id: str | None = ..., connected: bool | None = ..., epoch: int | None = ..., seq: int | None = ..., head_seq: int | None = ..., snapshots: int | None = ..., resumes: int | None = ..., epoch_changes: int | None = ..., last_error: str | None = ...) -> None: ...
+
+class RouterStatusReply(_message.Message):
+    __slots__ = ("feeds", "indexed_keys", "workers")
+    FEEDS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    feeds: _containers.RepeatedCompositeFieldContainer[FeedState]
+    indexed_keys: int
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, feeds: _Iterable[FeedState | _Mapping] | None = ..., indexed_keys: int | None = ..., workers: _Iterable[str] | None = ...) -> None: ...

@@ -44,6 +44,11 @@ class RouterStub:
                 request_serializer=kvtier_dot_v1_dot_router__pb2.FinishRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_router__pb2.FinishReply.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvtier.v1.Router/Status',
+                request_serializer=kvtier_dot_v1_dot_router__pb2.RouterStatusRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_router__pb2.RouterStatusReply.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -61,6 +66,12 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=kvtier_dot_v1_dot_router__pb2.FinishRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_router__pb2.FinishReply.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvtier_dot_v1_dot_router__pb2.RouterStatusRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_router__pb2.RouterStatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Router:
             '/kvtier.v1.Router/Finish',
             kvtier_dot_v1_dot_router__pb2.FinishRequest.SerializeToString,
             kvtier_dot_v1_dot_router__pb2.FinishReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Router/Status',
+            kvtier_dot_v1_dot_router__pb2.RouterStatusRequest.SerializeToString,
+            kvtier_dot_v1_dot_router__pb2.RouterStatusReply.FromString,
             options,
             channel_credentials,
             insecure,
