@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,8 +146,11 @@ class RouterError(Exception):
 class Router:
     """See the module docstring."""
 
-    def __init__(self, config: RouterConfig | None = None) -> None:
+    def __init__(self, config: RouterConfig | None = None,
+                 resolve: Callable[[str, int], Awaitable[list[str]]] | None = None) -> None:
+        """``resolve(host, port)`` -> addresses, for the DNS feeds (default: the system resolver)."""
         self.config = config or RouterConfig()
+        self._resolve = resolve or _system_resolve
         self.scorer = Scorer(self.config.scorer)
         self.index = LocationIndex(self.config.scorer, self.config.speculative_ttl_s)
         self._lock = threading.RLock()
@@ -172,6 +175,7 @@ class Router:
         self._feed_tasks: dict[str, asyncio.Task] = {}
         self._node_owner: dict[str, str] = {}      # node id -> target of the feed that serves it
         self._target_node: dict[str, str] = {}     # target -> node id it served last
+        self._node_epoch: dict[str, int] = {}      # node id -> epoch of its last NodeInfo
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._synced = threading.Condition(self._lock)
@@ -320,12 +324,14 @@ class Router:
             st.node_id = info.node_id
             st.head_seq = info.head_seq
             view = idx.node(info.node_id)
-            if view.epoch and view.epoch != info.epoch:
+            known = self._node_epoch.get(info.node_id) or view.epoch
+            if known and known != info.epoch:
                 st.epoch_changes += 1
-                log.info("daemon restarted (new epoch)", extra={"node": info.node_id, "old_epoch": view.epoch,
+                log.info("daemon restarted (new epoch)", extra={"node": info.node_id, "old_epoch": known,
                                                                 "epoch": info.epoch})
                 if self.on_epoch_change:
-                    self.on_epoch_change(info.node_id, view.epoch, info.epoch)
+                    self.on_epoch_change(info.node_id, known, info.epoch)
+            self._node_epoch[info.node_id] = info.epoch
             if view.epoch and view.epoch == info.epoch:  # resuming: the position stands
                 st.epoch, st.seq = view.epoch, view.seq
             idx.set_node_info(info.node_id, {w.worker_id: list(w.fingerprints) for w in info.workers},
@@ -452,10 +458,10 @@ class Router:
                             self._apply(target, reply)
                         n += 1
                         delay = self.config.reconnect_min_s
-                    raise _FeedError("stream ended")
+                    raise _StreamEnded("the daemon ended the stream (stopping?)")
             except asyncio.CancelledError:
                 raise
-            except (grpc.RpcError, _FeedError, _DuplicateNode) as e:
+            except (grpc.RpcError, _FeedError, _StreamEnded, _DuplicateNode) as e:
                 msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 with self._lock:
                     st = self.feeds.get(target)
@@ -481,12 +487,9 @@ class Router:
             log.error("DNS feed name is not HOST:PORT; ignored", extra={"name": name})
             return
         mine: set[str] = set()
-        loop = asyncio.get_running_loop()
         while True:
             try:
-                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                found = {f"[{ai[4][0]}]:{port}" if ai[0] == socket.AF_INET6 else f"{ai[4][0]}:{port}"
-                         for ai in infos}
+                found = {f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in await self._resolve(host, int(port))}
             except OSError as e:
                 log.warning("DNS resolution failed; keeping the feeds we have",
                             extra={"name": name, "error": str(e)})
@@ -580,8 +583,17 @@ class Router:
                                                "positions": self.positions()})
 
 
+async def _system_resolve(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({ai[4][0] for ai in infos})
+
+
 class _FeedError(Exception):
     """A feed broke the protocol (gap, duplicate, or no NodeInfo first)."""
+
+
+class _StreamEnded(Exception):
+    """The daemon closed the stream cleanly; reconnect from the position held."""
 
 
 class _DuplicateNode(Exception):
