@@ -142,34 +142,38 @@ class LocationIndex:
         """Give rows to keys not yet indexed (distinct, absent from the table)."""
         n = len(keys)
         take = min(n, len(self._free))
-        rows = self._free[len(self._free) - take:] if take else []
         if take:
+            reused = self._free[len(self._free) - take:]
             del self._free[len(self._free) - take:]
+            for r, k in zip(reused, keys[:take], strict=True):
+                self._keys[r] = k
+            self._rows.update(zip(keys[:take], reused, strict=True))
+            self._bits[np.asarray(reused, dtype=np.int64), 0] |= np.uint64(1 << ALWAYS)
+        if take == n:
+            return
         start = len(self._keys)
-        fresh = n - take
-        if fresh:
-            need = start + fresh
-            if need > self._bits.shape[0]:
-                cap = self._bits.shape[0]
-                while cap < need:
-                    cap *= 2
-                grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
-                grown[:start] = self._bits[:start]
-                self._bits = grown
-            self._keys.extend(keys[take:])
-            rows = rows + list(range(start, need))
-        for r, k in zip(rows[:take], keys[:take], strict=True):
-            self._keys[r] = k
-        self._rows.update(zip(keys, rows, strict=True))
-        self._bits[np.asarray(rows, dtype=np.int64), 0] |= np.uint64(1 << ALWAYS)
+        need = start + n - take
+        if need > self._bits.shape[0]:
+            cap = self._bits.shape[0]
+            while cap < need:
+                cap *= 2
+            grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
+            grown[:start] = self._bits[:start]
+            self._bits = grown
+        fresh = keys[take:]
+        self._keys.extend(fresh)
+        self._rows.update(zip(fresh, range(start, need), strict=True))
+        self._bits[start:need, 0] |= np.uint64(1 << ALWAYS)
 
     def _rows_of(self, keys: Sequence[bytes], create: bool, rows: list[int] | None = None) -> np.ndarray:
+        if not isinstance(keys, list):
+            keys = list(keys)  # once: a protobuf field makes new bytes objects on every pass
         if rows is None:
             rows = self.lookup(keys)
         if create and -1 in rows:
-            missing = list(dict.fromkeys(k for k, r in zip(keys, rows, strict=True) if r < 0))
-            self._alloc_rows(missing)
-            rows = self.lookup(keys)
+            self._alloc_rows(list(dict.fromkeys([k for k, r in zip(keys, rows, strict=True) if r < 0])))
+            get = self._rows.__getitem__
+            rows = [r if r >= 0 else get(k) for k, r in zip(keys, rows, strict=True)]
         arr = np.fromiter(rows, dtype=np.int64, count=len(rows))
         return arr if create else arr[arr >= 0]
 
@@ -368,7 +372,8 @@ class LocationIndex:
         self._worker_by_name = {w.name: w for w in workers}
         self.workers = workers
         return _Plan(workers, {t: _pad(and_cols[t], ALWAYS) for t in TIERS},
-                     {t: _pad(or_cols[t], NEVER) for t in TIERS}, np.asarray(spec, dtype=np.int64).reshape(-1, 2))
+                     {t: _pad(or_cols[t], NEVER) for t in TIERS}, np.asarray(spec, dtype=np.int64).reshape(-1, 2),
+                     self._bits.shape[1] * 64)
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Row of each key, -1 where not indexed (pass to :meth:`overlaps`/:meth:`speculate`)."""
@@ -394,9 +399,18 @@ class LocationIndex:
         # not held is then always found, and the ORs can run eight keys at a time
         padded = rows[:m] + [0] * (8 - m % 8)
         bits = self._bits[np.asarray(padded, dtype=np.int64)]
-        u = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
-        held = plan.held(np.ascontiguousarray(u.T), workers)
-        return held.reshape(3 * n_w, len(padded)).argmin(axis=1).reshape(3, n_w)
+        # bytes of each key's row as columns, then bits: ut[c, i] is column c of key i
+        ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
+        # only workers with a column set in the first key can hold a leading block
+        touched = plan.col_workers[ut[:, 0].view(np.bool_)].any(axis=0)
+        if workers is not None:
+            touched = touched[workers]
+        cand = np.flatnonzero(touched)
+        lead = np.zeros((3, n_w), dtype=np.int64)
+        if cand.size:
+            held = plan.held(ut, cand if workers is None else workers[cand])
+            lead[:, cand] = held.reshape(3 * cand.size, len(padded)).argmin(axis=1).reshape(3, cand.size)
+        return lead
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -482,7 +496,9 @@ class _Plan:
     and_cols: dict[str, np.ndarray]   # tier -> (workers, F) columns, padded with ALWAYS
     or_cols: dict[str, np.ndarray]    # tier -> (workers, G) columns, padded with NEVER
     spec: np.ndarray                  # (workers, 2) speculative columns
+    n_columns: int = 64               # columns of the bit matrix (a multiple of 64)
     fast: np.ndarray | None = None    # (5, workers) columns, or None
+    col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
 
     def __post_init__(self) -> None:
         simple = all(self.and_cols[t].shape[1] == 1 and self.or_cols[t].shape[1] == 1
@@ -490,6 +506,15 @@ class _Plan:
         if simple:
             self.fast = np.stack([self.and_cols["gpu"][:, 0], self.spec[:, 0], self.spec[:, 1],
                                   self.and_cols["host"][:, 0], self.and_cols["disk"][:, 0]])
+        # col_workers[c, w]: column c is one of worker w's (a worker whose columns are all
+        # clear in a request's first key holds no leading block of it)
+        cw = np.zeros((self.n_columns, len(self.workers)), dtype=np.bool_)
+        for i in range(len(self.workers)):
+            cols = [*self.spec[i]]
+            for t in TIERS:
+                cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
+            cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
+        self.col_workers = cw
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,

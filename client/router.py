@@ -189,6 +189,8 @@ class Router:
         best one is charged the request's prefill and gets speculative entries for its keys;
         pass the returned ``decision_id`` to :meth:`finish` when the request ends."""
         now = time.monotonic() if now is None else now
+        if not isinstance(keys, list):
+            keys = list(keys)
         n = len(keys)
         k = max(1, self.config.top_k if top_k is None else top_k)
         with self._lock:
