@@ -399,17 +399,28 @@ class LocationIndex:
         # not held is then always found, and the ORs can run eight keys at a time
         padded = rows[:m] + [0] * (8 - m % 8)
         bits = self._bits[np.asarray(padded, dtype=np.int64)]
-        # bytes of each key's row as columns, then bits: ut[c, i] is column c of key i
-        ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
         # only workers with a column set in the first key can hold a leading block
-        touched = plan.col_workers[ut[:, 0].view(np.bool_)].any(axis=0)
+        first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
+        touched = plan.col_workers[first].any(axis=0)
         if workers is not None:
             touched = touched[workers]
         cand = np.flatnonzero(touched)
         lead = np.zeros((3, n_w), dtype=np.int64)
-        if cand.size:
-            held = plan.held(ut, cand if workers is None else workers[cand])
-            lead[:, cand] = held.reshape(3 * cand.size, len(padded)).argmin(axis=1).reshape(3, cand.size)
+        if not cand.size:
+            return lead
+        pick = cand if workers is None else workers[cand]
+        if plan.masks is not None:
+            # (keys, 3, candidates): some column of the tier's mask is set in the key's row
+            x = bits[:, None, None, :] & plan.masks[:, pick][None]
+            y = x[..., 0]
+            for j in range(1, x.shape[3]):
+                y = y | x[..., j]
+            lead[:, cand] = (y != 0).argmin(axis=0)
+            return lead
+        # bytes of each key's row as columns, then bits: ut[c, i] is column c of key i
+        ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
+        held = plan.held(ut, pick)
+        lead[:, cand] = held.reshape(3 * cand.size, len(padded)).argmin(axis=1).reshape(3, cand.size)
         return lead
 
     # -- inspection -----------------------------------------------------------------------
@@ -437,8 +448,9 @@ class LocationIndex:
 
     def state(self) -> dict[str, np.ndarray]:
         """Everything but speculative entries, as arrays (``numpy.savez``-able)."""
-        live = [r for r in range(len(self._keys)) if self._keys[r] is not None]
-        keys = [self._keys[r] for r in live]
+        hw = len(self._keys)
+        live = np.flatnonzero(self._bits[:hw, 0] & np.uint64(1 << ALWAYS))
+        keys = [self._keys[r] for r in live.tolist()]
         cols = sorted(self._columns.items(), key=lambda kv: kv[1])
         meta = {
             "columns": [[n, t, w, fp.hex(), c] for (n, t, w, fp), c in cols],
@@ -448,7 +460,7 @@ class LocationIndex:
                             "fingerprints": sorted(f.hex() for f in v.fingerprints)}
                       for nid, v in self.nodes.items()},
         }
-        bits = self._bits[np.asarray(live, dtype=np.int64)] if live else np.zeros((0, self._bits.shape[1]), np.uint64)
+        bits = self._bits[live]
         spec_mask = np.zeros(bits.shape[1], dtype=np.uint64)
         for c0, c1 in self._spec_cols.values():
             for c in (c0, c1):
@@ -515,6 +527,18 @@ class _Plan:
                 cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
             cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
         self.col_workers = cw
+        # with the fast plan each tier test is an OR of columns, so a word mask per worker:
+        # masks[t, w] has the columns of "on GPU (or speculative)", "... or host", "... or disk"
+        self.masks: np.ndarray | None = None
+        if self.fast is not None:
+            words = self.n_columns // 64
+            bits = np.zeros((5, len(self.workers), words * 64), dtype=np.bool_)
+            for j in range(5):
+                bits[j, np.arange(len(self.workers)), self.fast[j]] = True
+            bits[:, :, NEVER] = False
+            cum = np.stack([bits[0] | bits[1] | bits[2], bits[0] | bits[1] | bits[2] | bits[3],
+                            bits.any(axis=0)])
+            self.masks = np.packbits(cum, axis=2, bitorder="little").view(np.uint64).copy()
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,

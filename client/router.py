@@ -152,6 +152,7 @@ class Router:
         self.config = config or RouterConfig()
         self._resolve = resolve or _system_resolve
         self.scorer = Scorer(self.config.scorer)
+        self._qw, self._aw = self.config.scorer.queued_weight, self.config.scorer.active_weight
         self.index = LocationIndex(self.config.scorer, self.config.speculative_ttl_s)
         self._lock = threading.RLock()
         self._decision_ids = itertools.count(1)
@@ -266,11 +267,12 @@ class Router:
         a = self._active[worker] = max(0.0, self._active.get(worker, 0.0) + active)
         i = self._pos.get(worker)
         if i is not None:
-            rq, ra = self._reported.get(worker, (0.0, 0.0))
-            self._q[i] = max(q, rq)
-            self._a[i] = max(a, ra)
-            c = self.config.scorer
-            self._load_cost[i] = c.queued_weight * self._q[i] + c.active_weight * self._a[i]
+            rep = self._reported.get(worker)
+            if rep is not None:
+                q, a = max(q, rep[0]), max(a, rep[1])
+            self._q[i] = q
+            self._a[i] = a
+            self._load_cost[i] = self._qw * q + self._aw * a
 
     def _expire_loads(self, now: float) -> None:
         order = self._dispatch_order

@@ -282,6 +282,16 @@ def test_identical_requests_route_identically_across_runs(three, tmp_path) -> No
                 token_ids=tokens, namespace=router_pb2.NamespaceSpec(model="test-model"),
                 block_tokens=BLOCK_TOKENS), timeout=5)
             assert by_tokens.ranked[0].node_id == "B" and by_tokens.ranked[0].overlap.host == 8
+            dispatched = stub.Route(router_pb2.RouteRequest(keys=requests[0], dispatch=True), timeout=5)
+            first = runs[0][0][0]
+            assert dispatched.decision_id and dispatched.ranked[0].worker_id == first
+            busy = stub.Route(router_pb2.RouteRequest(keys=requests[0]), timeout=5)
+            mine = next(x for x in busy.ranked if x.worker_id == first)
+            assert mine.active_requests == 1 and mine.queued_blocks == 12 and mine.overlap.gpu == 12
+            assert stub.Finish(router_pb2.FinishRequest(decision_id=dispatched.decision_id), timeout=5).found
+            assert not stub.Finish(router_pb2.FinishRequest(decision_id=dispatched.decision_id), timeout=5).found
+            again = stub.Route(router_pb2.RouteRequest(keys=requests[0] + session_keys(99, 1)), timeout=5)
+            assert again.ranked[0].worker_id == first and again.ranked[0].overlap.gpu == 12
             for bad in [router_pb2.RouteRequest(keys=[b"x" * 16], token_ids=[1]),
                         router_pb2.RouteRequest(token_ids=[1, 2], block_tokens=1),
                         router_pb2.RouteRequest(keys=[b"tiny"])]:
