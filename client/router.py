@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import zipfile
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -389,7 +390,15 @@ class Router:
     def start(self) -> Router:
         """Load the saved state (if any) and start every feed in a background thread."""
         if self.config.state_path and os.path.exists(self.config.state_path):
-            self.load_state(self.config.state_path)
+            try:
+                self.load_state(self.config.state_path)
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+                log.warning("saved router state unreadable; starting from snapshots",
+                            extra={"path": self.config.state_path, "error": str(e)})
+                with self._lock:
+                    self.index = LocationIndex(self.config.scorer, self.config.speculative_ttl_s)
+                    self._target_node.clear()
+                    self._load_plan = None
         ready = threading.Event()
 
         def run() -> None:

@@ -104,14 +104,15 @@ class LocationLog:
         self.closed = True
         self._notify()
 
-    def since(self, seq: int) -> list[Event] | None:
-        """Events after ``seq`` (oldest first), or None if some of them are no longer held."""
+    def since(self, seq: int, limit: int = 4096) -> list[Event] | None:
+        """Up to ``limit`` events after ``seq`` (oldest first), or None if some of them are no
+        longer held."""
         if seq >= self.head:
             return []
         if seq + 1 < self.first_seq:
             return None
         i = self._start + (seq + 1 - self.first_seq)
-        return self._ring[i:]
+        return self._ring[i:i + limit]
 
     async def wait(self, seq: int, timeout: float) -> None:
         """Return once an event after ``seq`` exists, something else changed, or ``timeout``."""

@@ -349,3 +349,40 @@ def test_dns_names_follow_the_addresses_they_resolve_to(start_daemon) -> None:
         wait_for(lambda: sorted(r.positions()) == ["A"], what="B to leave with its address")
         assert r.route(session_keys(5, 4), dispatch=False).ranked[0].overlap == Overlap()
     del a
+
+
+def _watch(target: str, epoch: int, from_seq: int, messages: int) -> list[locations_pb2.WatchLocationsReply]:
+    with grpc.insecure_channel(target) as ch:
+        call = locations_pb2_grpc.LocationsStub(ch).WatchLocations(
+            locations_pb2.WatchLocationsRequest(epoch=epoch, from_seq=from_seq), timeout=10)
+        out = []
+        for reply in call:
+            out.append(reply)
+            if len(out) == messages:
+                call.cancel()
+                break
+        return out
+
+
+def test_the_feed_resumes_from_its_ring_and_sends_a_snapshot_when_too_far_behind(start_daemon) -> None:
+    d = start_daemon("--node-id", "A", "--event-log-keys", "64", name="A", host_capacity="16MiB")
+    target = f"unix:{d.socket}"
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(LAYOUT)
+        for s in range(20):  # 20 events of 8 keys: the ring keeps the newest 64 keys (8 events)
+            put(sc, lid, session_keys(300 + s, 8))
+        sc.evict(lid, session_keys(300, 8))
+    node, first = _watch(target, 0, 0, 2)
+    epoch = node.node.epoch
+    assert node.node.head_seq == 21 and first.snapshot.first and first.snapshot.at_seq == 21
+    assert sum(len(e.keys) for e in first.snapshot.entries) == 19 * 8
+    _, resumed = _watch(target, epoch, 17, 2)  # still in the ring: the events after 17
+    assert [e.seq for e in resumed.events.events] == [18, 19, 20, 21]
+    assert resumed.events.events[-1].kind == locations_pb2.REMOVED
+    _, behind = _watch(target, epoch, 3, 2)  # fell out of the ring: a snapshot instead
+    assert behind.WhichOneof("body") == "snapshot" and behind.snapshot.at_seq == 21
+    _, other = _watch(target, epoch + 1, 20, 2)  # another epoch: a snapshot
+    assert other.WhichOneof("body") == "snapshot"
+    _, current = _watch(target, epoch, 21, 2)  # up to date: nothing to send until a heartbeat
+    assert current.WhichOneof("body") == "events" and not current.events.events
+    assert current.events.head_seq == 21
