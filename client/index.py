@@ -265,7 +265,7 @@ class LocationIndex:
         ``rows``: :meth:`lookup`'s answer for ``keys``, if the caller has it (no :meth:`expire`
         or removal since: those may reclaim rows). Callers run :meth:`expire` themselves."""
         cols = self._spec_cols.get(worker)
-        if cols is None:
+        if cols is None:  # a worker the plan does not know (yet)
             cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
             self._plan = None
         self._set(self._rows_of(keys, create=True, rows=rows), cols[self._spec_gen])
@@ -349,7 +349,10 @@ class LocationIndex:
             bw = view.load_gbps if view else {}
             workers.append(Worker(name, node_id, i, cfg.tier_weight("host", bw.get("host")),
                                   cfg.tier_weight("disk", bw.get("disk"))))
-            spec.append(list(self._spec_cols.get(name, (NEVER, NEVER))))
+            cols = self._spec_cols.get(name)
+            if cols is None:  # made up front: a first speculation must not grow the matrix
+                cols = self._spec_cols[name] = (self._new_column(), self._new_column())
+            spec.append(list(cols))
             if view is None:
                 for t in TIERS:
                     and_cols[t].append([NEVER])
@@ -489,10 +492,11 @@ class LocationIndex:
         keys = [blob[s:e] for s, e in zip(starts, ends, strict=True)]
         bits = arrays["bits"]
         words = max((self._ncols + 63) // 64, bits.shape[1])
-        self._bits = np.zeros((max(16, len(keys)), words), dtype=np.uint64)
-        self._bits[:len(keys), :bits.shape[1]] = bits
-        self._keys = list(keys)
-        self._rows = dict(zip(keys, range(len(keys)), strict=True))
+        n = len(keys)
+        self._bits = np.zeros((max(16, n + 1), words), dtype=np.uint64)
+        self._bits[1:n + 1, :bits.shape[1]] = bits  # row 0 stays the empty padding row
+        self._keys = [None, *keys]
+        self._rows = dict(zip(keys, range(1, n + 1), strict=True))
         self._plan = None
 
 

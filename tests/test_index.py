@@ -124,6 +124,15 @@ def test_state_round_trip_keeps_holdings_and_drops_speculation() -> None:
     assert (copy.node("a").epoch, copy.node("a").seq) == (11, 42)
     assert copy.node("a").load_gbps == {"host": 40.0}
     assert copy.overlaps(keys(4, "s"))[0].tolist() == [0, 0]
+    for index in (idx, copy):
+        lead = {w.name: index.overlaps(keys(5)[:3] + keys(1, "zz"))[:, w.index].tolist()
+                for w in index.plan().workers}
+        assert lead == {"a0": [3, 3, 3], "b": [0, 0, 0]}
+        lead = {w.name: index.overlaps(keys(9, "h")[2:])[:, w.index].tolist() for w in index.plan().workers}
+        assert lead == {"a0": [0, 7, 7], "b": [0, 0, 0]}
+    copy.stored("b", "disk", "", FP2, keys(2, "new"))  # rows after a load are new rows, not row 0
+    assert copy.overlaps(keys(2, "new"))[:, 1].tolist() == [0, 0, 2]
+    assert copy.holdings()[("b", "disk", "", FP2)] == set(keys(3, "d")) | set(keys(2, "new"))
 
 
 def test_vectorised_order_equals_scorer_rank() -> None:
