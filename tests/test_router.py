@@ -214,14 +214,23 @@ def test_router_killed_mid_stream_resumes_and_ends_equal_to_a_fresh_subscriber(t
         with router_for(three) as fresh:
             want = fresh.positions()
             fresh_holdings = fresh.index.holdings()
-        assert all(want[n][1] > saved_pos[n][1] for n in want)  # there was something to catch up on
-        # the fresh subscriber holds exactly what the daemons hold
-        assert {n: set().union(*[ks for (node, *_), ks in fresh_holdings.items() if node == n])
-                for n in "ABC"} == writer.truth
-        wait_for(lambda: {f.node_id: (f.epoch, f.seq) for f in _status(target).feeds} == want,
-                 what="the restarted router to catch up")
-        st = _status(target)
-        assert sum(f.resumes for f in st.feeds) == 3 and sum(f.snapshots for f in st.feeds) == 0
+            assert all(want[n][1] > saved_pos[n][1] for n in want)  # there was something to catch up on
+            # the fresh subscriber holds exactly what the daemons hold
+            assert {n: set().union(*[ks for (node, *_), ks in fresh_holdings.items() if node == n])
+                    for n in "ABC"} == writer.truth
+            wait_for(lambda: {f.node_id: (f.epoch, f.seq) for f in _status(target).feeds} == want,
+                     what="the restarted router to catch up")
+            st = _status(target)
+            assert sum(f.resumes for f in st.feeds) == 3 and sum(f.snapshots for f in st.feeds) == 0
+            # and it routes exactly as the fresh subscriber does
+            with grpc.insecure_channel(target) as ch:
+                stub = router_pb2_grpc.RouterStub(ch)
+                for s in range(0, 400, 7):
+                    k = session_keys(s, 11)
+                    got = stub.Route(router_pb2.RouteRequest(keys=k), timeout=5).ranked
+                    exp = fresh.route(k, dispatch=False)
+                    assert [(x.worker_id, x.overlap.host) for x in got] == \
+                        [(x.worker, x.overlap.host) for x in exp.ranked]
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, (tmp_path / "router.log").read_text()
