@@ -25,10 +25,18 @@ Speculative entries
     confirmed one (the engine's gpu event arrived) stays through the real column.
 
 Overlaps
-    :meth:`overlaps` walks a request's keys and returns, per worker, the leading run held on
-    its GPU, in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``, as
-    :class:`~kvtier.client.scoring.Overlap`): rows of the request's known prefix, their bits
-    unpacked, gathered per worker and reduced, all vectorised.
+    :meth:`overlaps` returns, per worker, the leading run of a request's keys held on its
+    GPU, in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``, as
+    :class:`~kvtier.client.scoring.Overlap`). One dict probe per key finds the rows; nothing
+    past the first unknown key can count, and only workers with a column set in the first
+    key's row can hold a leading block, so just those are tested: per tier an OR-mask of
+    the worker's columns against the rows' words (or, for tensor-parallel workers, the
+    unpacked bits with an AND over ranks), then ``argmin`` for the first miss. Row 0 is never
+    given to a key: it pads the rows to a multiple of 8, so a first miss always exists.
+
+Cost: the dict probes of the request's keys dominate (at a million keys they miss the CPU
+caches: about 0.25 us a key on the 2-core development machine); the rest is a fixed
+number of numpy calls per request, independent of the number of workers.
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
 automatically once enough removals accumulate). Not thread-safe: the router serialises
@@ -505,7 +513,8 @@ class _Plan:
     """Per-worker column tables: a tier is held when all ``and_cols`` and any ``or_cols`` are set.
 
     ``fast`` (when every worker has one column per tier and no OR, the usual case) lists, for
-    all workers at once, the columns gpu, speculative 0, speculative 1, host, disk: one gather.
+    all workers at once, the columns gpu, speculative 0, speculative 1, host, disk; ``masks``
+    are then the per-worker word masks of the cumulative tier tests.
     """
 
     workers: list[Worker]

@@ -395,3 +395,19 @@ def test_the_feed_resumes_from_its_ring_and_sends_a_snapshot_when_too_far_behind
     _, current = _watch(target, epoch, 21, 2)  # up to date: nothing to send until a heartbeat
     assert current.WhichOneof("body") == "events" and not current.events.events
     assert current.events.head_seq == 21
+
+
+def test_capacity_evictions_reach_the_index(start_daemon) -> None:
+    d = start_daemon("--node-id", "A", name="A", host_capacity="1MiB")  # 256 slots of 4 KiB
+    keys = [k for s in range(50) for k in session_keys(500 + s, 8)]  # 400 blocks
+    with Sidecar(d.socket) as sc, router_for({"A": d}) as r:
+        lid = sc.register_layout(LAYOUT)
+        for i in range(0, len(keys), 40):
+            sc.put(lid, keys[i:i + 40], [bytes(4096)] * 40)
+        held = {k for k, t in zip(keys, sc.lookup(lid, keys), strict=True) if t == "host"}
+        assert 0 < len(held) < len(keys)
+
+        def indexed() -> set[bytes]:
+            return set().union(*r.index.holdings("A").values()) if r.index.holdings("A") else set()
+
+        wait_for(lambda: indexed() == held, what="the index to match the daemon after evictions")
