@@ -411,3 +411,25 @@ def test_capacity_evictions_reach_the_index(start_daemon) -> None:
             return set().union(*r.index.holdings("A").values()) if r.index.holdings("A") else set()
 
         wait_for(lambda: indexed() == held, what="the index to match the daemon after evictions")
+
+
+def test_the_async_sidecar_reports_device_blocks_too(daemon) -> None:
+    import asyncio
+
+    from kvtier.client.sidecar import AsyncSidecar
+
+    keys = session_keys(600, 4)
+
+    async def report() -> int:
+        async with AsyncSidecar(daemon.socket) as sc:
+            lid = await sc.register_layout(LAYOUT)
+            seq = await sc.report_device_blocks(lid, stored=keys, worker_id="w-async")
+            info = await locations_pb2_grpc.LocationsStub(sc._channel).GetNodeInfo(locations_pb2.NodeInfoRequest())
+            assert [w.worker_id for w in info.workers] == ["w-async"]
+            assert info.workers[0].fingerprints == [LAYOUT.fingerprint]
+            return seq
+
+    assert asyncio.run(report()) == 1
+    # the sidecar is gone: its session ended, so its device blocks were cleared
+    wait_for(lambda: not _watch(f"unix:{daemon.socket}", 0, 0, 2)[1].snapshot.entries,
+             what="the worker's device blocks to be cleared")
