@@ -149,8 +149,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.FinishReply(found=self.router.finish(request.decision_id, request.prefill_only))
 
     async def Status(self, request: router_pb2.RouterStatusRequest, context: Any) -> router_pb2.RouterStatusReply:
-        reply = router_pb2.RouterStatusReply(indexed_keys=len(self.router.index),
-                                             workers=[w.name for w in self.router.index.plan().workers])
+        reply = router_pb2.RouterStatusReply(indexed_keys=self.router.indexed_keys(),
+                                             workers=[w for w, _ in self.router.workers()])
         for st in self.router.status():
             reply.feeds.add(target=st.target, node_id=st.node_id, connected=st.connected, epoch=st.epoch,
                             seq=st.seq, head_seq=st.head_seq, snapshots=st.snapshots, resumes=st.resumes,

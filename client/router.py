@@ -547,6 +547,20 @@ class Router:
         with self._lock:
             return [FeedStatus(**vars(st)) for st in self.feeds.values()]
 
+    def holdings(self, node_id: str | None = None) -> dict[tuple[str, str, str, bytes], set[bytes]]:
+        """The index's contents, {(node, tier, worker, fingerprint): keys} (slow; tools, tests)."""
+        with self._lock:
+            return self.index.holdings(node_id)
+
+    def indexed_keys(self) -> int:
+        with self._lock:
+            return len(self.index)
+
+    def workers(self) -> list[tuple[str, str]]:
+        """(worker, node) of every worker routed to ("" node: named by a caller only)."""
+        with self._lock:
+            return [(w.name, w.node_id) for w in self.index.plan().workers]
+
     def positions(self) -> dict[str, tuple[int, int]]:
         """node id -> (epoch, seq) applied."""
         with self._lock:

@@ -109,9 +109,9 @@ def test_device_blocks_reported_by_a_sidecar_route_to_that_worker(three) -> None
             wait_for(lambda: r.route(keys, dispatch=False).ranked[0].overlap == Overlap(0, 16, 16),
                      what="a partial device prefix to lose to A's full host prefix")
             b.close()  # the engine's sidecar exits: its device blocks go with it
-            wait_for(lambda: "B/gpu0" not in [w.name for w in r.index.plan().workers] and
-                     "B" in [w.name for w in r.index.plan().workers], what="B's worker to be cleared")
-            assert r.index.holdings("B") == {}
+            wait_for(lambda: ("B/gpu0", "B") not in r.workers() and ("B", "B") in r.workers(),
+                     what="B's worker to be cleared")
+            assert r.holdings("B") == {}
     finally:
         a.close()
         b.close()
@@ -213,7 +213,7 @@ def test_router_killed_mid_stream_resumes_and_ends_equal_to_a_fresh_subscriber(t
     try:
         with router_for(three) as fresh:
             want = fresh.positions()
-            fresh_holdings = fresh.index.holdings()
+            fresh_holdings = fresh.holdings()
             assert all(want[n][1] > saved_pos[n][1] for n in want)  # there was something to catch up on
             # the fresh subscriber holds exactly what the daemons hold
             assert {n: set().union(*[ks for (node, *_), ks in fresh_holdings.items() if node == n])
@@ -255,7 +255,7 @@ def test_a_daemon_restart_is_noticed_as_a_new_epoch(three) -> None:
         wait_for(lambda: r.positions()["B"][0] not in (0, old_epoch), what="B's new epoch")
         assert r.wait_synced(10)
         assert [(n, o) for n, o, _ in epochs] == [("B", old_epoch)]
-        assert r.index.holdings("B") == {}  # a restarted daemon's host tier is empty
+        assert r.holdings("B") == {}  # a restarted daemon's host tier is empty
         assert r.route(keys, dispatch=False).ranked[0].overlap == Overlap()
         assert [f.epoch_changes for f in r.status() if f.node_id == "B"] == [1]
 
@@ -272,8 +272,7 @@ def test_identical_requests_route_identically_across_runs(three, tmp_path) -> No
     runs = []
     for _ in range(2):
         with router_for(three) as r:
-            wait_for(lambda r=r: r.index.holdings().keys() >= set(), what="index")
-            wait_for(lambda r=r: len(r.index) == 6 + 8 + 10, what="all holdings")
+            wait_for(lambda r=r: r.indexed_keys() == 6 + 8 + 10, what="all holdings")
             runs.append([r.route(k, dispatch=False).workers for k in requests])
     assert runs[0] == runs[1]
     assert len({w[0] for w in runs[0]}) == 3  # new sessions spread over the workers
@@ -324,7 +323,7 @@ def test_a_session_sticks_to_one_worker_before_any_event_arrives(three) -> None:
                 r.finish(d.decision_id)
         assert all(len(set(ws)) == 1 for ws in chosen.values()), chosen
         assert len({ws[0] for ws in chosen.values()}) > 1  # sessions spread, each one sticks
-        assert r.index.holdings() == {}
+        assert r.holdings() == {}
     with router_for(three, speculative_ttl_s=0.2) as r:
         keys = session_keys(200, 4)
         r.finish(r.route(keys).decision_id)
@@ -408,7 +407,7 @@ def test_capacity_evictions_reach_the_index(start_daemon) -> None:
         assert 0 < len(held) < len(keys)
 
         def indexed() -> set[bytes]:
-            return set().union(*r.index.holdings("A").values()) if r.index.holdings("A") else set()
+            return set().union(*r.holdings("A").values()) if r.holdings("A") else set()
 
         wait_for(lambda: indexed() == held, what="the index to match the daemon after evictions")
 
