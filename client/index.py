@@ -411,8 +411,11 @@ class LocationIndex:
         padded = rows[:m] + [0] * (8 - m % 8)
         bits = self._bits[np.asarray(padded, dtype=np.int64)]
         # only workers with a column set in the first key can hold a leading block
-        first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
-        touched = plan.col_workers[first].any(axis=0)
+        if plan.masks is not None:
+            touched = (plan.masks[2] & bits[0]).any(axis=1)
+        else:
+            first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
+            touched = plan.col_workers[first].any(axis=0)
         if workers is not None:
             touched = touched[workers]
         cand = np.flatnonzero(touched)

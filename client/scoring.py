@@ -159,7 +159,7 @@ class Scorer:
         d_disk; ``load_cost`` is ``a * queued + b * active`` per worker; ``weights`` is (3,
         workers): ``1 - w_host``, ``w_host - w_disk``, ``w_disk`` (see :meth:`lead_weights`),
         so that ``saved = d_gpu + w_host (d_host - d_gpu) + w_disk (d_disk - d_host)``."""
-        saved = (lead * weights).sum(axis=0)
+        saved = np.einsum("ij,ij->j", lead, weights)
         return (n_blocks - saved) + load_cost, saved
 
     @staticmethod
