@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 
 from kvtier.paths import default_socket_path
-from kvtier.proto import TIER_NAMES, node_pb2, node_pb2_grpc
+from kvtier.proto import TIER_NAMES, locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout, layout_to_proto
 
 MADV_POPULATE_WRITE = 23
@@ -257,6 +257,7 @@ class Sidecar(_SidecarCore):
         self.timeout = timeout
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = node_pb2_grpc.NodeStub(self._channel)
+        self._locations = locations_pb2_grpc.LocationsStub(self._channel)
         self._session_q: queue.Queue | None = None
         self._session_call: Any = None
         self._lock = threading.RLock()
@@ -424,6 +425,24 @@ class Sidecar(_SidecarCore):
         return self._call(lambda: self._stub.Prefetch(
             node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys), timeout=self.timeout).promoted)
 
+    def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
+                             worker_id: str | None = None, clear: bool = False) -> int:
+        """Tell the daemon (and through its location feed, the routers) which blocks the engine
+        itself now holds in GPU memory for this worker: ``stored`` arrived, ``removed`` left;
+        ``clear`` first forgets everything reported under this layout. The report is bound to
+        this sidecar's session: when the session ends the worker's device blocks are cleared.
+        ``worker_id`` defaults to the client name. Returns the daemon's seq of the last event."""
+        info = self._info(layout_id)
+        stored, removed = self._check_keys(stored), self._check_keys(removed)
+
+        def run() -> int:
+            req = locations_pb2.ReportDeviceBlocksRequest(
+                worker_id=worker_id or self.client_name, layout_id=info.daemon_id, stored=stored,
+                removed=removed, clear=clear, session_id=self._ensure_session())
+            return self._locations.ReportDeviceBlocks(req, timeout=self.timeout).seq
+
+        return self._call(run)
+
     def stats(self) -> dict:
         try:
             return _stats_dict(self._stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout, wait_for_ready=True))
@@ -456,6 +475,7 @@ class AsyncSidecar(_SidecarCore):
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = node_pb2_grpc.NodeStub(self._channel)
+        self._locations = locations_pb2_grpc.LocationsStub(self._channel)
         self._session_call: Any = None
 
     async def _ensure_session(self) -> int:
@@ -557,6 +577,20 @@ class AsyncSidecar(_SidecarCore):
         except grpc.RpcError as e:
             raise _error(e) from None
         return reply.promoted
+
+    async def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (),
+                                   removed: Sequence[bytes] = (), worker_id: str | None = None,
+                                   clear: bool = False) -> int:
+        """As :meth:`Sidecar.report_device_blocks`."""
+        info = self._info(layout_id)
+        stored, removed = self._check_keys(stored), self._check_keys(removed)
+        try:
+            req = locations_pb2.ReportDeviceBlocksRequest(
+                worker_id=worker_id or self.client_name, layout_id=info.daemon_id, stored=stored,
+                removed=removed, clear=clear, session_id=await self._ensure_session())
+            return (await self._locations.ReportDeviceBlocks(req, timeout=self.timeout)).seq
+        except grpc.RpcError as e:
+            raise _error(e) from None
 
     async def stats(self) -> dict:
         try:

@@ -85,6 +85,8 @@ class Config:
     log_level: str = _opt("info", "debug, info, warning or error")
     log_format: str = _opt("json", "json (one object a line) or text")
     max_batch_keys: int = _opt(65536, "most keys accepted in one request", int, "N")
+    event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
+                                        "router further behind gets a snapshot instead", int, "N")
     config: str = _opt("", "TOML file with any of these settings (keys as in the TOML column)",
                        metavar="FILE")
 
@@ -178,4 +180,6 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
         raise ConfigError(f"--demote-min-seen must be at least 1, got {cfg.demote_min_seen}")
     if cfg.disk_write_through and not cfg.disk_dir:
         raise ConfigError("--disk-write-through needs a disk tier: set --disk-dir")
+    if cfg.event_log_keys <= 0:
+        raise ConfigError("--event-log-keys must be positive")
     return cfg

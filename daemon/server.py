@@ -23,10 +23,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.daemon.config import Config
+from kvtier.daemon.events import LocationLog, LocationsService, watch_sessions
 from kvtier.daemon.metrics import start_metrics_server
 from kvtier.daemon.service import NodeService
 from kvtier.daemon.store import BlockStore
-from kvtier.proto import node_pb2, node_pb2_grpc
+from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers.disk import DiskTier, DiskTierError
 from kvtier.tiers.host import HostTier
 
@@ -95,6 +96,9 @@ class Daemon:
         self.store = BlockStore(host, cfg.max_batch_keys, disk, cfg.demote_min_seen, cfg.disk_write_through,
                                 prefault=cfg.host_prefault)
         self.service = NodeService(self.store, self.node_id, self.epoch)
+        self.locations = LocationLog(self.store, self.node_id, self.epoch, cfg.event_log_keys)
+        self.store.observers.append(self.locations)
+        self._session_watch: asyncio.Task | None = None
         self.server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.metrics_port = 0
@@ -108,9 +112,11 @@ class Daemon:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
         server = grpc.aio.server(options=opts)
         node_pb2_grpc.add_NodeServicer_to_server(self.service, server)
+        locations_pb2_grpc.add_LocationsServicer_to_server(LocationsService(self.locations), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = [node_pb2.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME,
+        names = [node_pb2.DESCRIPTOR.services_by_name["Node"].full_name,
+                 locations_pb2.DESCRIPTOR.services_by_name["Locations"].full_name, health.SERVICE_NAME,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
         old_umask = os.umask(0o177)
@@ -125,7 +131,8 @@ class Daemon:
                 raise StartupError(f"cannot listen on --tcp {self.cfg.tcp}")
         await server.start()
         os.chmod(self.socket_path, 0o600)
-        for svc in ("", "kvtier.v1.Node"):
+        self._session_watch = asyncio.get_running_loop().create_task(watch_sessions(self.locations))
+        for svc in ("", "kvtier.v1.Node", "kvtier.v1.Locations"):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         self.server = server
         if self.cfg.metrics_port:
@@ -136,6 +143,10 @@ class Daemon:
             "metrics_port": self.metrics_port or None, "pid": os.getpid()})
 
     async def stop(self) -> None:
+        if self._session_watch is not None:
+            self._session_watch.cancel()
+            self._session_watch = None
+        self.locations.close()
         if self.server is not None:
             log.info("shutting down", extra={"grace_s": GRACE_S})
             await self.server.stop(GRACE_S)

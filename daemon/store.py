@@ -601,6 +601,20 @@ class BlockStore:
                  "used_bytes": self.disk.used_bytes, "blocks": len(self.disk.entries),
                  "load_gbps": self.disk_load_gbps}]
 
+    def holdings(self) -> list[tuple[str, bytes, list[bytes]]]:
+        """Every visible block below the gpu tier as (tier, fingerprint, keys), for the
+        location log's snapshots; consistent because it runs within one loop step."""
+        out = []
+        tiers = [("host", self.host.entries)]
+        if self.disk is not None:
+            tiers.append(("disk", self.disk.entries))
+        for tier, entries in tiers:
+            by_fp: dict[bytes, list[bytes]] = {}
+            for bkey in entries:
+                by_fp.setdefault(bkey[:16], []).append(bkey[16:])
+            out.extend((tier, fp, keys) for fp, keys in by_fp.items())
+        return out
+
     def blocks_per_layout(self) -> dict[bytes, dict[str, int]]:
         out: dict[bytes, dict[str, int]] = {}
         for bkey in self.host.entries:
