@@ -6,8 +6,8 @@ RPC that caused it replies. So a block committed by a put is in the table before
 returns, and a block evicted from the host tier leaves the table before its slot is
 handed to anyone else.
 
-The table starts from what the store already holds (:meth:`BlockStore.held`: blocks a disk
-tier restored at start), then follows the events.
+The table starts from what the store already holds (:meth:`BlockStore.holdings`: blocks a
+disk tier restored at start), then follows the events.
 
 Owns
     * the table file ``<shm-dir>/<name>.keys`` (mode 0400: clients map it read-only); it is
@@ -50,7 +50,7 @@ class KeyTablePublisher:
         self.writer = KeyTableWriter(self.path, epoch)
         self.valid = True
         self._heartbeat: asyncio.Task | None = None
-        for tier, fingerprint, keys in store.held():  # e.g. blocks restored from disk
+        for tier, fingerprint, keys in store.holdings():  # e.g. blocks restored from disk
             self.stored(tier, fingerprint, keys)
 
     # -- LocationObserver ----------------------------------------------------------------
