@@ -427,12 +427,12 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
         with Sidecar(d.socket, timeout=30) as sc, Sidecar(d.socket, use_key_table=False, timeout=30) as rpc:
             lids = [sc.register_layout(lay) for lay in layouts]
             rids = [rpc.register_layout(lay) for lay in layouts]
-            for step in range(2000):
+            for step in range(1500):
                 i = rng.randrange(2)
                 lid, rid, lay = lids[i], rids[i], layouts[i]
                 batch = rng.sample(universe, rng.randint(1, 24))
                 op = rng.random()
-                if step % 500 == 250:  # four restarts over the run
+                if step % 500 == 250:  # three restarts over the run
                     d.stop()
                     d = make(d.shm_dir).start()
                     restarts += 1
@@ -455,7 +455,7 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
         d.stop()
         d.cleanup()
         shutil.rmtree(shm_dir, ignore_errors=True)
-    assert ops == 2000 and restarts == 4
+    assert ops == 1500 and restarts == 3
 
 
 def test_table_lookups_reach_the_daemons_counters(daemon: DaemonProcess) -> None:
