@@ -23,10 +23,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.daemon.config import Config
+from kvtier.daemon.gpu import EngineUnavailable, TransferService, build_engines
 from kvtier.daemon.metrics import start_metrics_server
 from kvtier.daemon.service import NodeService
 from kvtier.daemon.store import BlockStore
-from kvtier.proto import node_pb2, node_pb2_grpc
+from kvtier.proto import node_pb2, node_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger("kvtier.server")
@@ -84,6 +85,12 @@ class Daemon:
         host = HostTier(cfg.shm_dir, cfg.host_capacity, f"kvtier-{os.getpid()}-{self.epoch}")
         self.store = BlockStore(host, cfg.max_batch_keys)
         self.service = NodeService(self.store, self.node_id, self.epoch)
+        try:
+            engines = build_engines(cfg)
+        except EngineUnavailable as e:
+            host.close()
+            raise StartupError(str(e)) from None
+        self.transfer = TransferService(self.store, engines)
         self.server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.metrics_port = 0
@@ -97,9 +104,11 @@ class Daemon:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
         server = grpc.aio.server(options=opts)
         node_pb2_grpc.add_NodeServicer_to_server(self.service, server)
+        transfer_pb2_grpc.add_TransferServicer_to_server(self.transfer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = [node_pb2.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME,
+        names = [node_pb2.DESCRIPTOR.services_by_name["Node"].full_name,
+                 transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name, health.SERVICE_NAME,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
         old_umask = os.umask(0o177)
@@ -114,7 +123,7 @@ class Daemon:
                 raise StartupError(f"cannot listen on --tcp {self.cfg.tcp}")
         await server.start()
         os.chmod(self.socket_path, 0o600)
-        for svc in ("", "kvtier.v1.Node"):
+        for svc in ("", "kvtier.v1.Node", "kvtier.v1.Transfer"):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         self.server = server
         if self.cfg.metrics_port:
@@ -122,13 +131,15 @@ class Daemon:
         log.info("kvtierd serving", extra={
             "socket": self.socket_path, "tcp": self.cfg.tcp or None, "node_id": self.node_id,
             "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.cfg.shm_dir,
-            "metrics_port": self.metrics_port or None, "pid": os.getpid()})
+            "metrics_port": self.metrics_port or None, "pid": os.getpid(),
+            "copy_engines": sorted(e.name for e in self.transfer.engines.values())})
 
     async def stop(self) -> None:
         if self.server is not None:
             log.info("shutting down", extra={"grace_s": GRACE_S})
             await self.server.stop(GRACE_S)
             self.server = None
+        await self.transfer.close()
         self.store.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)

@@ -30,7 +30,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,6 +98,7 @@ class BlockStore:
         self._ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.observers: list[LocationObserver] = []
+        self.session_end_hooks: list[Callable[[int], None]] = []  # told each closed session id
         self._grants: dict[int, Grant] = {}
 
     # -- layouts and sessions ------------------------------------------------------------
@@ -145,6 +146,8 @@ class BlockStore:
             self.host.unpin(entry)
         self.counters["grants_reclaimed"] += len(sess.grants)
         self.counters["leases_reclaimed"] += len(sess.leases)
+        for hook in self.session_end_hooks:
+            hook(session_id)
         return len(sess.grants), len(sess.leases)
 
     def session(self, session_id: int) -> Session:
