@@ -94,10 +94,12 @@ class SharedKVArena:
             os.close(fd)
         self._buf = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
         self.tensors: list[Any] = []
+        self.offsets: list[int] = []  # byte offset of each tensor in the file
         off = 0
         for t, n in zip(layout.tensors, sizes, strict=True):
             dtype = getattr(torch, t.dtype)
             self.tensors.append(self._buf[off:off + n].view(dtype).view(t.shape))
+            self.offsets.append(off)
             off += -(-n // 4096) * 4096
 
     def close(self) -> None:

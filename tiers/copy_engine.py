@@ -239,7 +239,7 @@ class CopyEngine(ABC):
     def close(self) -> None: ...
 
 
-def _populate(mm: mmap.mmap, size: int, threads: int) -> None:
+def populate_mapping(mm: mmap.mmap, size: int, threads: int) -> None:
     """Fault in every page of a shared mapping from ``threads`` threads (MADV_POPULATE_WRITE,
     Linux >= 5.14; else touch one byte per page, which keeps the bytes)."""
     step = max(2 << 20, -(-size // threads) // mmap.PAGESIZE * mmap.PAGESIZE)
@@ -514,7 +514,7 @@ class CudaCopyEngine(CopyEngine):
             return self.pin_s_per_gib
         t0 = time.perf_counter()
         pool = _Pool(path, size)
-        _populate(pool.mm, size, self.touch_threads)
+        populate_mapping(pool.mm, size, self.touch_threads)
         ptr = pool.arr.ctypes.data
         with self.cp.cuda.Device(self.device):
             self.rt.hostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
@@ -552,6 +552,19 @@ class CudaCopyEngine(CopyEngine):
         mem.events = events    # type: ignore[attr-defined]
         return mem
 
+    def wrap_local(self, ptrs: Sequence[int], sizes: Sequence[int], slots: int) -> KVMemory:
+        """KV memory of this same process (CUDA IPC cannot open a handle in its exporter): for
+        benchmarks and tests of the engine alone. Its events are created here."""
+        ring = EventRing(slots)
+        mem = KVMemory([AllocationRef(size) for size in sizes], ring)
+        with self.cp.cuda.Device(self.device):
+            mem.events = [self.rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING)  # type: ignore[attr-defined]
+                          for _ in range(slots)]
+        mem.ptrs = list(ptrs)  # type: ignore[attr-defined]
+        mem.local = True       # type: ignore[attr-defined]
+        mem.events_open = slots
+        return mem
+
     def _open_handle(self, handle: bytes) -> int:
         with self._lock:
             opened = self._state.opened.get(handle)
@@ -575,7 +588,8 @@ class CudaCopyEngine(CopyEngine):
         mem.handles_open = mem.events_open = 0
 
     def close_kv(self, mem: KVMemory) -> None:
-        self._release(mem, mem.allocations, mem.events)  # type: ignore[attr-defined]
+        local = getattr(mem, "local", False)
+        self._release(mem, [] if local else mem.allocations, mem.events)  # type: ignore[attr-defined]
 
     def _choose(self, plan: ChunkPlan, src: np.ndarray, dst: np.ndarray) -> str:
         if self.mode != "auto":
