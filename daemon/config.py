@@ -83,7 +83,7 @@ class Config:
                                      "pool), batch (cudaMemcpyBatchAsync), or auto (chosen per batch)")
     copy_threads: int = _opt(4, "memcpy threads of the host copy engine; also the threads touching the "
                                 "pool before cudaHostRegister", int, "N")
-    offload_piece_bytes: int = _opt(32 * 1024**2, "offloads are copied in pieces of at most this many "
+    offload_piece_bytes: int = _opt(8 * 1024**2, "offloads are copied in pieces of at most this many "
                                                   "bytes so onboards never wait behind a whole offload",
                                     parse_size, "SIZE")
     config: str = _opt("", "TOML file with any of these settings (keys as in the TOML column)",

@@ -294,7 +294,7 @@ class HostCopyEngine(CopyEngine):
     name = "host"
     backend = "host"
 
-    def __init__(self, threads: int = 4, piece_bytes: int = 32 << 20, batch_chunks: int = 32) -> None:
+    def __init__(self, threads: int = 4, piece_bytes: int = 8 << 20, batch_chunks: int = 32) -> None:
         super().__init__(piece_bytes)
         self.batch_chunks = batch_chunks
         self._pools: dict[str, _Pool] = {}
@@ -479,7 +479,7 @@ class CudaCopyEngine(CopyEngine):
     name = "cuda"
     backend = "cuda"
 
-    def __init__(self, device: int = 0, backend: str = "auto", piece_bytes: int = 32 << 20,
+    def __init__(self, device: int = 0, backend: str = "auto", piece_bytes: int = 8 << 20,
                  touch_threads: int = 16) -> None:
         super().__init__(piece_bytes)
         if backend not in ("auto", "kernel", "batch"):
@@ -518,8 +518,9 @@ class CudaCopyEngine(CopyEngine):
         ptr = pool.arr.ctypes.data
         with self.cp.cuda.Device(self.device):
             self.rt.hostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-            dev_ptr = self.rt.hostGetDevicePointer(ptr, 0)
-        self._pools[path] = _CudaPool(pool, ptr, dev_ptr)
+        # unified addressing: the registered mapping's device address is its host address
+        # (LIMITS.md: a CuPy kernel wrote through the plain host pointer on the H200)
+        self._pools[path] = _CudaPool(pool, ptr, ptr)
         self.pin_s_per_gib = (time.perf_counter() - t0) / (size / GIB)
         return self.pin_s_per_gib
 
@@ -605,14 +606,18 @@ class CudaCopyEngine(CopyEngine):
         if how == "kernel":
             if ((src | dst | plan.size) & np.uint64(15)).any():
                 raise CopyError("the kernel backend needs 16-byte aligned chunks; use --cuda-backend batch")
-            table = self.cp.asarray(np.concatenate([src, dst, plan.size]))
             n = len(plan)
-            self._kernel((min(n, 65535),), (256,), (table[:n], table[n:2 * n], table[2 * n:], np.int32(n)),
-                         stream=stream)
+            with stream:  # the table upload and the launch are ordered on this stream
+                table = self.cp.asarray(np.concatenate([src, dst, plan.size]))
+                self._kernel((min(n, 65535),), (256,), (table[:n], table[n:2 * n], table[2 * n:], np.int32(n)))
             return
         rt = self._batch_copy()
         attr = rt.cudaMemcpyAttributes()
         attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        dev, host_loc = rt.cudaMemLocation(), rt.cudaMemLocation()
+        dev.type, dev.id = rt.cudaMemLocationType.cudaMemLocationTypeDevice, self.device
+        host_loc.type = rt.cudaMemLocationType.cudaMemLocationTypeHost
+        attr.srcLocHint, attr.dstLocHint = (dev, host_loc) if direction == OFFLOAD else (host_loc, dev)
         err = rt.cudaMemcpyBatchAsync([int(x) for x in dst], [int(x) for x in src], [int(x) for x in plan.size],
                                       len(plan), [attr], [0], 1, stream.ptr)[0]
         if err != rt.cudaError_t.cudaSuccess:
