@@ -287,6 +287,52 @@ def test_engine_killed_mid_transfer_leaves_nothing_open(start_daemon, shm_dir, b
         eng.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("how", ["kernel", "batch"])
+def test_cuda_backends_move_the_same_bytes(start_daemon, shm_dir, how: str) -> None:
+    d = start_daemon("--copy-engine", "cuda", "--cuda-backend", how, host_capacity="128MiB")
+    layout = Layout.vllm(num_layers=4, num_blocks=64, block_tokens=16, kv_heads=4, head_dim=128, dtype="bfloat16")
+    eng = Engine("cuda", layout, d.socket, shm_dir)
+    try:
+        assert eng.conn.copy_engine == f"cuda-{how}"
+        keys = keys_for(how, 24)
+        src, dst = np.arange(0, 48, 2), np.arange(1, 49, 2)
+        before = eng.snapshot()
+        assert eng.conn.offload(keys, src).wait() == ["copied"] * 24
+        stream = torch.cuda.Stream()
+        tr = eng.conn.onboard(keys, dst)
+        assert tr.wait_on(stream) == ["copied"] * 24  # the stream waits; the CPU only for the reply
+        stream.synchronize()
+        for t, b in zip(eng.tensors, before, strict=True):
+            assert torch.equal(t[:, torch.as_tensor(dst, device="cuda")].view(torch.int16),
+                               b[:, torch.as_tensor(src, device="cuda")].view(torch.int16))
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_expandable_segments_memory_is_refused_naming_the_cause(start_daemon, shm_dir) -> None:
+    d = start_daemon("--copy-engine", "cuda")
+    code = (
+        "import sys, torch\n"
+        "from kvtier.client.engine import ExportError, KVConnector\n"
+        "from kvtier.tiers.layout import Layout\n"
+        "lay = Layout.vllm(num_layers=1, num_blocks=8, block_tokens=16, kv_heads=1, head_dim=64, dtype='float16')\n"
+        "t = torch.zeros(lay.tensors[0].shape, dtype=torch.float16, device='cuda')\n"
+        "c = KVConnector(sys.argv[1])\n"
+        "try:\n"
+        "    c.register(lay, [t])\n"
+        "    print('REGISTERED')\n"
+        "except ExportError as e:\n"
+        "    print('REFUSED', e)\n")
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    out = subprocess.run([sys.executable, "-c", code, d.socket], env=env, capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+    assert "expandable_segments" in out.stdout
+
+
 def test_plan_chunks_matches_the_payload_order() -> None:
     """Pure logic: chunk offsets of a [NB, 2, ...] layout, one tensor at offset 4096."""
     layout = Layout.vllm(num_layers=2, num_blocks=10, block_tokens=4, kv_heads=1, head_dim=8, dtype="float32",

@@ -285,8 +285,8 @@ def _rows(buf: np.ndarray, offsets: np.ndarray, size: int) -> tuple[np.ndarray, 
 
 
 class HostCopyEngine(CopyEngine):
-    """CPU stand-in: engine KV memory is a shared-memory file; ``threads`` workers copy with
-    numpy gathers of ``batch_chunks`` chunks at a time. A copy is cut into jobs of at most
+    """CPU stand-in: engine KV memory is a shared-memory file; ``threads`` workers copy whole
+    blocks with numpy (see :func:`_copy_blocks`). A copy is cut into jobs of at most
     ``piece_bytes``; queued onboard jobs run before queued offload jobs, so an onboard waits
     for at most the job each worker is running. The pool is mapped, not touched (its memory
     stays sparse, as the host tier's budget expects)."""
@@ -294,9 +294,8 @@ class HostCopyEngine(CopyEngine):
     name = "host"
     backend = "host"
 
-    def __init__(self, threads: int = 4, piece_bytes: int = 8 << 20, batch_chunks: int = 32) -> None:
+    def __init__(self, threads: int = 4, piece_bytes: int = 8 << 20) -> None:
         super().__init__(piece_bytes)
-        self.batch_chunks = batch_chunks
         self._pools: dict[str, _Pool] = {}
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = iter(range(1 << 62))
@@ -349,9 +348,7 @@ class HostCopyEngine(CopyEngine):
         pool = self._pools[pool_path]
         if not 0 <= slot < mem.ring.slots:
             raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
-        n = len(plan)
-        step = max(self.batch_chunks, self.piece_bytes // max(1, int(plan.size.max(initial=1))))
-        jobs = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+        jobs = plan.pieces(self.piece_bytes)
         done = threading.Event()
         remaining = [len(jobs)]
         errors: list[BaseException] = []
@@ -389,7 +386,7 @@ class HostCopyEngine(CopyEngine):
                 return
             _, _, mem, pool, plan, direction, finished = item
             try:
-                _gather(mem.arrays, pool.arr, plan, direction, self.batch_chunks)
+                _copy_blocks(mem.arrays, pool.arr, plan, direction)
             except BaseException as e:  # reported to the waiter, never lost
                 finished(e)
             else:
@@ -397,7 +394,7 @@ class HostCopyEngine(CopyEngine):
 
     def close(self) -> None:
         for _ in self._threads:
-            self._jobs.put((-1, -1, None, None, None, None, None))
+            self._jobs.put((-1, next(self._order), None, None, None, None, None))
         for t in self._threads:
             t.join()
         for p in self._pools.values():
@@ -418,21 +415,31 @@ def _map_file(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _gather(arrays: list[np.ndarray], pool: np.ndarray, plan: ChunkPlan, direction: str, batch: int) -> None:
-    """Copy the chunks of ``plan`` with numpy fancy indexing, ``batch`` chunks per call, grouped
-    by (allocation, chunk size) so each group is one strided row view on each side."""
-    keys = plan.alloc.astype(np.int64) << 40 | plan.size.astype(np.int64)
-    for key in np.unique(keys):
-        sel = np.flatnonzero(keys == key)
-        size = int(plan.size[sel[0]])
-        kv_view, kv_rows = _rows(arrays[int(plan.alloc[sel[0]])], plan.kv_off[sel], size)
-        pool_view, pool_rows = _rows(pool, plan.pool_off[sel], size)
-        for i in range(0, sel.size, batch):
-            k, p = kv_rows[i:i + batch], pool_rows[i:i + batch]
+def _copy_blocks(arrays: list[np.ndarray], pool: np.ndarray, plan: ChunkPlan, direction: str) -> None:
+    """Copy whole blocks of ``plan``, one numpy call per block and run of same-sized chunks.
+
+    A block's payload is contiguous in the pool, so a run of equal chunks (all of a vLLM
+    block; each tensor's rows of an SGLang block) is one ``take`` from (offload) or one
+    scatter into (onboard) a strided row view of the engine memory: a single copy with no
+    temporary, the GIL released inside numpy."""
+    per = plan.chunks_per_block
+    nblocks = len(plan) // per
+    alloc, size = plan.alloc[:per], plan.size[:per]
+    cut = np.flatnonzero((alloc[1:] != alloc[:-1]) | (size[1:] != size[:-1])) + 1
+    kv_off = plan.kv_off.reshape(nblocks, per)
+    pool_off = plan.pool_off.reshape(nblocks, per)
+    for c0, c1 in zip(np.r_[0, cut], np.r_[cut, per], strict=True):
+        chunk = int(size[c0])
+        view, rows = _rows(arrays[int(alloc[c0])], kv_off[:, c0:c1].ravel(), chunk)
+        rows = rows.reshape(nblocks, c1 - c0)
+        starts = pool_off[:, c0].astype(np.int64)
+        run = (c1 - c0) * chunk
+        for b in range(nblocks):
+            region = pool[starts[b]:starts[b] + run].reshape(c1 - c0, chunk)
             if direction == OFFLOAD:
-                pool_view[p] = kv_view[k]
+                np.take(view, rows[b], axis=0, out=region, mode="clip")
             else:
-                kv_view[k] = pool_view[p]
+                view[rows[b]] = region
 
 
 # -- CUDA ----------------------------------------------------------------------------------
