@@ -102,12 +102,15 @@ class _Pool:
             os.close(fd)
         self.arr = np.frombuffer(self.mm, dtype=np.uint8)
         self._populate = True
+        self._mapped: set[int] = set()  # offsets of slots whose pages this mapping has populated
 
     def prepare_write(self, offset: int, length: int) -> None:
-        """Map the slot's pages in one syscall instead of a fault per page (Linux >= 5.14)."""
-        if self._populate:
+        """Map the slot's pages in one syscall instead of a fault per 4 KiB page (Linux >= 5.14),
+        once per slot: later writes to the slot find its pages mapped."""
+        if self._populate and offset not in self._mapped:
             try:
                 self.mm.madvise(MADV_POPULATE_WRITE, offset, length)
+                self._mapped.add(offset)
             except OSError:
                 self._populate = False
 
@@ -254,13 +257,20 @@ class Sidecar(_SidecarCore):
         self._stub = node_pb2_grpc.NodeStub(self._channel)
         self._session_q: queue.Queue | None = None
         self._session_call: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._pending_release: Any = None
 
     # -- session and layouts -------------------------------------------------------------
 
     def _ensure_session(self) -> int:
         if self._session_call is not None:
             return self.session_id
+        with self._lock:
+            if self._session_call is not None:
+                return self.session_id
+            return self._open_session()
+
+    def _open_session(self) -> int:
         q: queue.Queue = queue.Queue()
         hello = self._hello()
 
@@ -367,10 +377,21 @@ class Sidecar(_SidecarCore):
             finally:
                 held = [lease.lease_id for lease in reply.leases if lease.lease_id]
                 if held:
-                    self._stub.Release(node_pb2.ReleaseRequest(session_id=sid, lease_ids=held), timeout=self.timeout)
+                    self._release_async(node_pb2.ReleaseRequest(session_id=sid, lease_ids=held))
             return result
 
         return self._call(run)
+
+    def _release_async(self, req: node_pb2.ReleaseRequest) -> None:
+        """Send a release without waiting for its reply: the bytes are already copied out, so
+        nothing here depends on it. A failure (the session is gone, so its pins are too) is
+        reported by the next release."""
+        if self._pending_release is not None and self._pending_release.done():
+            err = self._pending_release.exception()
+            self._pending_release = None
+            if err is not None and err.code() not in _RESTART_CODES:
+                raise _error(err)
+        self._pending_release = self._stub.Release.future(req, timeout=self.timeout)
 
     def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         """The fastest tier holding each key ("gpu", "host", "disk"), or None."""
@@ -399,6 +420,11 @@ class Sidecar(_SidecarCore):
             raise _error(e) from None
 
     def close(self) -> None:
+        if self._pending_release is not None:
+            try:
+                self._pending_release.result()
+            except grpc.RpcError:
+                pass  # the session ends below: its pins are released with it
         self._drop_session()
         self._close_pools()
         self._channel.close()

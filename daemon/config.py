@@ -63,6 +63,9 @@ class Config:
                                     "container mount a tmpfs this large", metavar="DIR")
     host_capacity: int = _opt(8 * 1024**3, "bytes of host memory for KV blocks (e.g. 64GiB)", parse_size,
                               "SIZE")
+    host_prefault: bool = _opt(True, "allocate the host pool's memory when the first layout registers, so "
+                                     "writes never pay for page allocation and a too-small tmpfs is "
+                                     "found at once", parse_bool, "BOOL")
     state_dir: str = _opt("", "directory for daemon state (default $XDG_STATE_HOME/kvtier, "
                               "else ~/.local/state/kvtier)", metavar="DIR")
     disk_dir: str = _opt("", "directory for the disk tier's slab files and index; empty: no disk tier",

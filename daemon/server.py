@@ -83,7 +83,7 @@ class Daemon:
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
         host = HostTier(cfg.shm_dir, cfg.host_capacity, f"kvtier-{os.getpid()}-{self.epoch}")
-        self.store = BlockStore(host, cfg.max_batch_keys)
+        self.store = BlockStore(host, cfg.max_batch_keys, cfg.host_prefault)
         self.service = NodeService(self.store, self.node_id, self.epoch)
         try:
             engines = build_engines(cfg)

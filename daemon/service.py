@@ -2,7 +2,9 @@
 
 Every handler answers a refused request with the :class:`StoreError`'s status code and
 message; an unexpected exception is logged with its traceback and answered ``INTERNAL``,
-and the daemon keeps serving.
+and the daemon keeps serving. Every handler's time (errors included) goes into the
+``OpLatency`` histograms, exported as ``kvtier_op_latency_seconds{op}`` (op: the RPC's name in
+lower case).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvtier import __version__
+from kvtier.daemon.metrics import OpLatency
 from kvtier.daemon.store import BlockStore, StoreError
 from kvtier.proto import TIER_BY_NAME, node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import LayoutError, layout_from_proto
@@ -29,22 +32,30 @@ T = TypeVar("T")
 
 
 def _handle_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    op = fn.__name__.lower()
+
     @functools.wraps(fn)
     async def wrapper(self: NodeService, request: Any, context: grpc.aio.ServicerContext) -> T:
+        started = time.perf_counter()
         try:
-            return await fn(self, request, context)
+            reply = await fn(self, request, context)
         except StoreError as e:
-            self.store.counters[f"errors:{e.code.name}"] += 1
-            await context.abort(e.code, str(e))
+            code, message = e.code, str(e)
         except LayoutError as e:
-            self.store.counters["errors:INVALID_ARGUMENT"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad layout: {e}")
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, f"bad layout: {e}"
         except grpc.aio.AbortError:
+            self.latency.observe(op, time.perf_counter() - started)
             raise
         except Exception:
             log.exception("internal error in %s", fn.__name__)
-            self.store.counters["errors:INTERNAL"] += 1
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}; see the daemon log")
+            code, message = grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}; see the daemon log"
+        else:
+            self.latency.observe(op, time.perf_counter() - started)
+            return reply
+        # counted before the abort: the client sees the status as soon as abort sends it
+        self.store.counters[f"errors:{code.name}"] += 1
+        self.latency.observe(op, time.perf_counter() - started)
+        await context.abort(code, message)
         raise AssertionError("unreachable")
     return wrapper
 
@@ -55,12 +66,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.node_id = node_id
         self.epoch = epoch
         self.started = time.monotonic()
+        self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
 
     @_handle_errors
     async def RegisterLayout(self, request: node_pb2.RegisterLayoutRequest, context: Any) -> node_pb2.RegisterLayoutReply:
         if not request.HasField("layout"):
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, "RegisterLayout needs a layout")
-        reg = self.store.register_layout(layout_from_proto(request.layout))
+        reg = await self.store.register_layout(layout_from_proto(request.layout))
         cls = self.store.host.size_class(reg.layout.slot_bytes)
         return node_pb2.RegisterLayoutReply(
             layout_id=reg.layout_id, fingerprint=reg.layout.fingerprint, block_bytes=reg.layout.block_bytes,

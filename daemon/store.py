@@ -36,7 +36,7 @@ from typing import Protocol
 
 import grpc
 
-from kvtier.tiers.host import CapacityError, HostEntry, HostTier
+from kvtier.tiers.host import CapacityError, HostEntry, HostTier, Reservation
 from kvtier.tiers.layout import Layout
 
 log = logging.getLogger("kvtier.store")
@@ -89,8 +89,9 @@ class RegisteredLayout:
 class BlockStore:
     """See the module docstring."""
 
-    def __init__(self, host: HostTier, max_batch_keys: int = 65536) -> None:
+    def __init__(self, host: HostTier, max_batch_keys: int = 65536, prefault: bool = True) -> None:
         self.host = host
+        self.prefault = prefault
         self.max_batch_keys = max_batch_keys
         self.layouts: dict[int, RegisteredLayout] = {}
         self._layout_by_fp: dict[bytes, int] = {}
@@ -103,15 +104,30 @@ class BlockStore:
 
     # -- layouts and sessions ------------------------------------------------------------
 
-    def register_layout(self, layout: Layout) -> RegisteredLayout:
+    async def register_layout(self, layout: Layout) -> RegisteredLayout:
         fp = layout.fingerprint
         lid = self._layout_by_fp.get(fp)
         if lid is not None:
             return self.layouts[lid]
+        new_class = layout.slot_bytes not in self.host.classes
         try:
-            self.host.size_class(layout.slot_bytes)
+            cls = self.host.size_class(layout.slot_bytes, prefault=self.prefault)
         except CapacityError as e:
             raise StoreError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        job = self.host.prefault_job(cls) if new_class else None
+        if job and job.ranges:
+            t = time.monotonic()
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, job.run)
+            except OSError as e:
+                raise StoreError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"cannot allocate the {cls.pool_bytes} B host pool in {self.host.shm_dir}: "
+                                 f"{e.strerror}; lower --host-capacity or enlarge the tmpfs") from None
+            dt = time.monotonic() - t
+            log.info("host pool prefaulted", extra={"bytes": cls.pool_bytes, "seconds": round(dt, 3),
+                                                    "s_per_gib": round(dt / (cls.pool_bytes / 2**30), 3)})
+        if fp in self._layout_by_fp:  # registered by a concurrent call while we awaited
+            return self.layouts[self._layout_by_fp[fp]]
         lid = len(self.layouts) + 1
         reg = RegisteredLayout(lid, layout)
         self.layouts[lid] = reg
@@ -199,7 +215,10 @@ class BlockStore:
             await self._evicted(res.victims)
         self.host.finish_eviction()
         if res.backing.ranges:
-            await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
+            except OSError as e:
+                self._unbackable(sess, out, res, e)
         n_granted = sum(1 for o in out if o[0] == "granted")
         self.counters["grants"] += n_granted
         self.counters["no_space"] += sum(1 for o in out if o[0] == "no_space")
@@ -207,6 +226,23 @@ class BlockStore:
         if session_id not in self.sessions:
             raise StoreError(grpc.StatusCode.CANCELLED, "session closed during allocate")
         return out
+
+    def _unbackable(self, sess: Session, out: list[tuple[str, int, int]], res: Reservation, err: OSError) -> None:
+        """The tmpfs could not back fresh slots (full, or smaller than --host-capacity): refuse
+        those grants as no-space instead of letting a client fault writing them."""
+        fresh = {off for _, off, _ in res.backing.ranges}
+        dropped = []
+        for i, (status, gid, off) in enumerate(out):
+            if status == "granted" and off in fresh:
+                grant = sess.grants.pop(gid)
+                del self._grants[gid]
+                dropped.append(grant.entry)
+                out[i] = ("no_space", 0, 0)
+        self.host.unback(dropped)
+        if not self.counters["host_backing_failures"]:
+            log.error("host pool memory could not be allocated; the tmpfs is fuller than --host-capacity "
+                      "allows. Serving with less.", extra={"error": str(err), "shm_dir": self.host.shm_dir})
+        self.counters["host_backing_failures"] += len(dropped)
 
     async def _evicted(self, victims: list[HostEntry]) -> None:
         """Victims left the host tier (their bytes still intact until finish_eviction)."""

@@ -126,12 +126,16 @@ class HostTier:
         self.classes: dict[int, SizeClass] = {}
         self.entries: dict[bytes, HostEntry] = {}         # visible entries
         self.lru: OrderedDict[bytes, HostEntry] = OrderedDict()  # visible, oldest first
-        self._pending_punch: list[HostEntry] = []
+        self._pending_punch: list[tuple[SizeClass, int]] = []
 
     # -- size classes and budget ---------------------------------------------------------
 
-    def size_class(self, slot_bytes: int) -> SizeClass:
-        """The size class of ``slot_bytes``, creating its pool file on first use."""
+    def size_class(self, slot_bytes: int, prefault: bool = False) -> SizeClass:
+        """The size class of ``slot_bytes``, creating its pool file on first use.
+
+        With ``prefault``, the first class created counts its whole file as backed and free,
+        and the caller must run :meth:`prefault_job` (allocating the memory up front, so first
+        writes do not pay for page allocation and a full tmpfs is found now, not later)."""
         cls = self.classes.get(slot_bytes)
         if cls is not None:
             return cls
@@ -143,8 +147,15 @@ class HostTier:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.ftruncate(fd, nslots * slot_bytes)
         cls = SizeClass(slot_bytes, path, fd, nslots)
+        if prefault and not self.classes:
+            cls.hwm = nslots
+            cls.free = list(range(nslots - 1, -1, -1))
         self.classes[slot_bytes] = cls
         return cls
+
+    @staticmethod
+    def prefault_job(cls: SizeClass) -> BackingJob:
+        return BackingJob([(cls.fd, 0, cls.hwm * cls.slot_bytes)] if cls.hwm else [])
 
     @property
     def backed_bytes(self) -> int:
@@ -201,12 +212,15 @@ class HostTier:
         while True:
             if cls.free:
                 return cls.free.pop()
-            if self.backed_bytes + cls.slot_bytes <= self.capacity and (cls.holes or cls.hwm < cls.nslots):
-                slot = cls.holes.pop() if cls.holes else cls.hwm
-                if slot == cls.hwm:
-                    cls.hwm += 1
-                fresh.append(slot)
-                return slot
+            if cls.holes or cls.hwm < cls.nslots:
+                if self.backed_bytes + cls.slot_bytes > self.capacity:
+                    self._release_free_slot(cls)
+                if self.backed_bytes + cls.slot_bytes <= self.capacity:
+                    slot = cls.holes.pop() if cls.holes else cls.hwm
+                    if slot == cls.hwm:
+                        cls.hwm += 1
+                    fresh.append(slot)
+                    return slot
             victim = self._evict_one()
             if victim is None:
                 return None
@@ -216,7 +230,15 @@ class HostTier:
             # another class's slot: its memory is released in finish_eviction; count it as
             # released now so the budget admits a fresh slot of this class.
             victim.cls.holes.append(victim.slot)
-            self._pending_punch.append(victim)
+            self._pending_punch.append((victim.cls, victim.slot))
+
+    def _release_free_slot(self, needy: SizeClass) -> None:
+        """Give the budget of another class's free (backed, unused) slots to ``needy``."""
+        for other in self.classes.values():
+            while other is not needy and other.free and self.backed_bytes + needy.slot_bytes > self.capacity:
+                slot = other.free.pop()
+                other.holes.append(slot)
+                self._pending_punch.append((other, slot))
 
     def _evict_one(self) -> HostEntry | None:
         for bkey, entry in self.lru.items():
@@ -229,8 +251,8 @@ class HostTier:
 
     def finish_eviction(self) -> None:
         """Release the memory of victims taken from other size classes (after demotion)."""
-        for v in self._pending_punch:
-            punch_hole(v.cls.fd, v.offset, v.cls.slot_bytes)
+        for cls, slot in self._pending_punch:
+            punch_hole(cls.fd, slot * cls.slot_bytes, cls.slot_bytes)
         self._pending_punch.clear()
 
     def commit(self, entry: HostEntry) -> bool:
@@ -247,6 +269,12 @@ class HostTier:
     def abort(self, entry: HostEntry) -> None:
         """Give back a grant that was never committed."""
         self._free_slot(entry)
+
+    def unback(self, entries: list[HostEntry]) -> None:
+        """Give back grants whose memory could not be allocated (tmpfs full): their slots
+        become holes, so the budget shrinks to what the filesystem can really hold."""
+        for e in entries:
+            e.cls.holes.append(e.slot)
 
     def remove(self, bkeys: Iterable[bytes]) -> list[HostEntry]:
         """Hide these entries; free their slots now, or on the last unpin if pinned."""

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -43,7 +41,7 @@ class TensorSpec(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     block_dim: int
     token_indexed: bool
-    def __init__(self, name: str | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ..., block_dim: int | None = ..., token_indexed: bool | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., block_dim: _Optional[int] = ..., token_indexed: _Optional[bool] = ...) -> None: ...
 
 class LayoutSpec(_message.Message):
     __slots__ = ("tensors", "block_tokens", "tp_rank", "tp_size")
@@ -55,13 +53,13 @@ class LayoutSpec(_message.Message):
     block_tokens: int
     tp_rank: int
     tp_size: int
-    def __init__(self, tensors: _Iterable[TensorSpec | _Mapping] | None = ..., block_tokens: int | None = ..., tp_rank: int | None = ..., tp_size: int | None = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., block_tokens: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class RegisterLayoutRequest(_message.Message):
     __slots__ = ("layout",)
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     layout: LayoutSpec
-    def __init__(self, layout: LayoutSpec | _Mapping | None = ...) -> None: ...
+    def __init__(self, layout: _Optional[_Union[LayoutSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterLayoutReply(_message.Message):
     __slots__ = ("layout_id", "fingerprint", "block_bytes", "slot_bytes", "pool_path", "pool_bytes")
@@ -77,7 +75,7 @@ class RegisterLayoutReply(_message.Message):
     slot_bytes: int
     pool_path: str
     pool_bytes: int
-    def __init__(self, layout_id: int | None = ..., fingerprint: bytes | None = ..., block_bytes: int | None = ..., slot_bytes: int | None = ..., pool_path: str | None = ..., pool_bytes: int | None = ...) -> None: ...
+    def __init__(self, layout_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("client_name", "pid")
@@ -85,7 +83,7 @@ class SessionHello(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     pid: int
-    def __init__(self, client_name: str | None = ..., pid: int | None = ...) -> None: ...
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "node_id", "epoch", "reclaim_deadline_s")
@@ -97,19 +95,19 @@ class SessionOpened(_message.Message):
     node_id: str
     epoch: int
     reclaim_deadline_s: float
-    def __init__(self, session_id: int | None = ..., node_id: str | None = ..., epoch: int | None = ..., reclaim_deadline_s: float | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reclaim_deadline_s: _Optional[float] = ...) -> None: ...
 
 class SessionClientMessage(_message.Message):
     __slots__ = ("hello",)
     HELLO_FIELD_NUMBER: _ClassVar[int]
     hello: SessionHello
-    def __init__(self, hello: SessionHello | _Mapping | None = ...) -> None: ...
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ...) -> None: ...
 
 class SessionServerMessage(_message.Message):
     __slots__ = ("opened",)
     OPENED_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
-    def __init__(self, opened: SessionOpened | _Mapping | None = ...) -> None: ...
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("session_id", "layout_id", "keys")
@@ -119,7 +117,7 @@ class AllocateRequest(_message.Message):
     session_id: int
     layout_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: int | None = ..., layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("status", "grant_id", "offset")
@@ -129,13 +127,13 @@ class Grant(_message.Message):
     status: GrantStatus
     grant_id: int
     offset: int
-    def __init__(self, status: GrantStatus | str | None = ..., grant_id: int | None = ..., offset: int | None = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[GrantStatus, str]] = ..., grant_id: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("grants",)
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
-    def __init__(self, grants: _Iterable[Grant | _Mapping] | None = ...) -> None: ...
+    def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "grant_ids", "abort_grant_ids", "durable")
@@ -147,7 +145,7 @@ class CommitRequest(_message.Message):
     grant_ids: _containers.RepeatedScalarFieldContainer[int]
     abort_grant_ids: _containers.RepeatedScalarFieldContainer[int]
     durable: bool
-    def __init__(self, session_id: int | None = ..., grant_ids: _Iterable[int] | None = ..., abort_grant_ids: _Iterable[int] | None = ..., durable: bool | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., grant_ids: _Optional[_Iterable[int]] = ..., abort_grant_ids: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("committed", "durable")
@@ -155,7 +153,7 @@ class CommitReply(_message.Message):
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     committed: int
     durable: int
-    def __init__(self, committed: int | None = ..., durable: int | None = ...) -> None: ...
+    def __init__(self, committed: _Optional[int] = ..., durable: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("session_id", "layout_id", "keys")
@@ -165,7 +163,7 @@ class AcquireRequest(_message.Message):
     session_id: int
     layout_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: int | None = ..., layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "offset", "found_in")
@@ -175,13 +173,13 @@ class Lease(_message.Message):
     lease_id: int
     offset: int
     found_in: Tier
-    def __init__(self, lease_id: int | None = ..., offset: int | None = ..., found_in: Tier | str | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., offset: _Optional[int] = ..., found_in: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class AcquireReply(_message.Message):
     __slots__ = ("leases",)
     LEASES_FIELD_NUMBER: _ClassVar[int]
     leases: _containers.RepeatedCompositeFieldContainer[Lease]
-    def __init__(self, leases: _Iterable[Lease | _Mapping] | None = ...) -> None: ...
+    def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")
@@ -189,7 +187,7 @@ class ReleaseRequest(_message.Message):
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: int | None = ..., lease_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ()
@@ -201,13 +199,13 @@ class LookupRequest(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     layout_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("tiers",)
     TIERS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, tiers: _Iterable[Tier | str] | None = ...) -> None: ...
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("layout_id", "keys")
@@ -215,13 +213,13 @@ class EvictRequest(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     layout_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EvictReply(_message.Message):
     __slots__ = ("evicted",)
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     evicted: int
-    def __init__(self, evicted: int | None = ...) -> None: ...
+    def __init__(self, evicted: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("layout_id", "keys")
@@ -229,13 +227,13 @@ class PrefetchRequest(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     layout_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, layout_id: int | None = ..., keys: _Iterable[bytes] | None = ...) -> None: ...
+    def __init__(self, layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("promoted",)
     PROMOTED_FIELD_NUMBER: _ClassVar[int]
     promoted: int
-    def __init__(self, promoted: int | None = ...) -> None: ...
+    def __init__(self, promoted: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -253,7 +251,7 @@ class TierStats(_message.Message):
     used_bytes: int
     blocks: int
     load_gbps: float
-    def __init__(self, tier: Tier | str | None = ..., capacity_bytes: int | None = ..., used_bytes: int | None = ..., blocks: int | None = ..., load_gbps: float | None = ...) -> None: ...
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., load_gbps: _Optional[float] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
     __slots__ = ("layout_id", "fingerprint", "block_bytes", "host_blocks", "disk_blocks")
@@ -267,7 +265,7 @@ class LayoutStats(_message.Message):
     block_bytes: int
     host_blocks: int
     disk_blocks: int
-    def __init__(self, layout_id: int | None = ..., fingerprint: bytes | None = ..., block_bytes: int | None = ..., host_blocks: int | None = ..., disk_blocks: int | None = ...) -> None: ...
+    def __init__(self, layout_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("node_id", "epoch", "uptime_s", "tiers", "layouts", "sessions", "counters", "version")
@@ -277,7 +275,7 @@ class StatsReply(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: int
-        def __init__(self, key: str | None = ..., value: int | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -294,4 +292,4 @@ class StatsReply(_message.Message):
     sessions: int
     counters: _containers.ScalarMap[str, int]
     version: str
-    def __init__(self, node_id: str | None = ..., epoch: int | None = ..., uptime_s: float | None = ..., tiers: _Iterable[TierStats | _Mapping] | None = ..., layouts: _Iterable[LayoutStats | _Mapping] | None = ..., sessions: int | None = ..., counters: _Mapping[str, int] | None = ..., version: str | None = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,127 @@
+"""Host-tier throughput through the sidecar against a single-thread memcpy of the same bytes.
+
+Starts a real kvtierd whose pool holds exactly the blocks moved, fills it once with other
+blocks (warm-up, untimed: the state of a cache that has been running; the daemon prefaults
+the pool at registration, the client maps each slot's pages on first use), then puts at least
+1 GiB of distinct 2 MiB blocks in batches of 64 (each batch: Allocate RPC, which evicts the
+warm-up blocks LRU-first, copy into the mapped pool, Commit RPC), gets them all back into
+caller buffers (Acquire RPC, copy out, Release RPC), and times a one-key Lookup over the
+unix socket.
+The limit, measured in the same run: one thread copying the same total bytes between two
+prefaulted buffers (numpy, i.e. memcpy).
+
+    python bench/host_tier.py [--gib 1] [--batch 64] [--block-mib 2] [--out FILE.json]
+
+Last line of stdout: one JSON object (put_gbps, get_gbps, memcpy_gbps, ratio, lookup_p50_us,
+lookup_p99_us and the parameters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from kvtier.client import Sidecar
+from kvtier.client.local_daemon import DaemonProcess
+from kvtier.tiers.layout import Layout
+
+
+def memcpy_gbps(total: int, block: int) -> float:
+    src = np.random.default_rng(0).integers(0, 256, block * 64, dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = 0
+    n = max(1, total // src.size)
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            np.copyto(dst, src)
+        best = max(best, n * src.size / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="GiB of distinct blocks to move each way")
+    ap.add_argument("--batch", type=int, default=64, help="blocks per put/get call")
+    ap.add_argument("--block-mib", type=float, default=2.0, help="block size in MiB")
+    ap.add_argument("--lookups", type=int, default=2000, help="one-key lookups to time")
+    ap.add_argument("--out", help="also write the JSON here")
+    ns = ap.parse_args()
+
+    block = int(ns.block_mib * (1 << 20))
+    nblocks = max(ns.batch, int(ns.gib * (1 << 30)) // block // ns.batch * ns.batch)
+    total = nblocks * block
+    capacity = total
+    rng = np.random.default_rng(1)
+    # distinct payloads: a pool of random batches whose first 8 bytes carry the block index
+    src = [rng.integers(0, 256, (ns.batch, block), dtype=np.uint8) for _ in range(2)]
+    out = [bytearray(block) for _ in range(ns.batch)]
+    keys = [i.to_bytes(8, "little") + b"kvtier-b" for i in range(nblocks)]
+    warm_keys = [i.to_bytes(8, "little") + b"warm-up!" for i in range(nblocks)]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = DaemonProcess(tmp, host_capacity=str(capacity), name="bench").start()
+        try:
+            with Sidecar(d.socket) as sc:
+                lid = sc.register_layout(Layout.flat(block))
+                t = time.perf_counter()
+                for b0 in range(0, nblocks, ns.batch):
+                    sc.put(lid, warm_keys[b0:b0 + ns.batch], list(src[0]))
+                warm_s = time.perf_counter() - t
+                put_s = 0.0
+                for b0 in range(0, nblocks, ns.batch):
+                    batch = src[(b0 // ns.batch) % 2]
+                    batch[:, :8] = np.arange(b0, b0 + ns.batch, dtype="<u8").view(np.uint8).reshape(-1, 8)
+                    blocks = list(batch)
+                    t = time.perf_counter()
+                    res = sc.put(lid, keys[b0:b0 + ns.batch], blocks)
+                    put_s += time.perf_counter() - t
+                    if res.stored != ns.batch:
+                        raise SystemExit(f"put stored {res.stored} of {ns.batch}: {res}")
+                get_s = 0.0
+                for b0 in range(0, nblocks, ns.batch):
+                    t = time.perf_counter()
+                    got = sc.get(lid, keys[b0:b0 + ns.batch], out=out)
+                    get_s += time.perf_counter() - t
+                    if any(g is None for g in got):
+                        raise SystemExit("get missed a block that was put")
+                    if int.from_bytes(out[-1][:8], "little") != b0 + ns.batch - 1:
+                        raise SystemExit("get returned the wrong bytes")
+                lat = []
+                for i in range(ns.lookups):
+                    k = keys[i % nblocks:i % nblocks + 1]
+                    t = time.perf_counter()
+                    sc.lookup(lid, k)
+                    lat.append((time.perf_counter() - t) * 1e6)
+        finally:
+            d.cleanup()
+
+    mc = memcpy_gbps(total, block)
+    put_gbps, get_gbps = total / put_s / 1e9, total / get_s / 1e9
+    lat.sort()
+    result = {
+        "put_gbps": round(put_gbps, 3), "get_gbps": round(get_gbps, 3), "memcpy_gbps": round(mc, 3),
+        "ratio": round(min(put_gbps, get_gbps) / mc, 3),
+        "lookup_p50_us": round(statistics.median(lat), 1), "lookup_p99_us": round(lat[int(len(lat) * 0.99)], 1),
+        "block_bytes": block, "batch": ns.batch, "blocks": nblocks, "bytes_each_way": total,
+        "host_capacity": capacity, "lookups": ns.lookups, "memcpy_threads": 1,
+        "first_fill_gbps": round(total / warm_s / 1e9, 3),
+    }
+    print(f"put {put_gbps:.2f} GB/s, get {get_gbps:.2f} GB/s, memcpy {mc:.2f} GB/s "
+          f"-> ratio {result['ratio']:.2f}; lookup p50 {result['lookup_p50_us']} us", file=sys.stderr)
+    line = json.dumps(result)
+    if ns.out:
+        with open(ns.out, "w") as fh:
+            fh.write(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

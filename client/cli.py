@@ -1,0 +1,98 @@
+"""``kvtier``: the command-line tool.
+
+    kvtier stats [--socket PATH | --target HOST:PORT] [--json]   a daemon's state
+    kvtier demo [...]                                           a real daemon and a multi-turn workload
+    kvtier report --daemons A,B [--once --json]                 live hit rate by tier and node
+    kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
+
+Each command lives in its own module with a ``main(argv)``; see COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from kvtier.client.sidecar import KvtierError, Sidecar
+from kvtier.paths import default_socket_path
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def stats_main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier stats", description="Print a kvtierd's tiers, layouts and counters.")
+    ap.add_argument("--socket", help="daemon unix socket (default: the daemon's default path)")
+    ap.add_argument("--target", help="gRPC target instead of a socket, e.g. node7:7070")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ns = ap.parse_args(argv)
+    path = ns.socket or os.environ.get("KVTIER_SOCKET") or default_socket_path()
+    if not ns.target and not os.path.exists(path):
+        print(f"kvtier stats: no daemon socket at {path}; is kvtierd running? (--socket PATH)", file=sys.stderr)
+        return 1
+    try:
+        with Sidecar(ns.socket, target=ns.target, timeout=10) as sc:
+            st = sc.stats()
+    except KvtierError as e:
+        print(f"kvtier stats: {e}", file=sys.stderr)
+        return 1
+    if ns.json:
+        print(json.dumps(st))
+        return 0
+    print(f"node {st['node_id']}  epoch {st['epoch']}  up {st['uptime_s']:.0f} s  sessions {st['sessions']}  "
+          f"version {st['version']}")
+    print(f"\n{'tier':<6}{'blocks':>10}{'used':>14}{'capacity':>14}{'full':>7}")
+    for tier, t in st["tiers"].items():
+        full = t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
+        print(f"{tier:<6}{t['blocks']:>10}{_fmt_bytes(t['used_bytes']):>14}{_fmt_bytes(t['capacity_bytes']):>14}"
+              f"{full:>7.0%}")
+    if st["layouts"]:
+        print(f"\n{'layout':<8}{'fingerprint':<34}{'block':>12}{'host':>10}{'disk':>10}")
+        for lay in st["layouts"]:
+            print(f"{lay['layout_id']:<8}{lay['fingerprint']:<34}{_fmt_bytes(lay['block_bytes']):>12}"
+                  f"{lay['host_blocks']:>10}{lay['disk_blocks']:>10}")
+    if st["counters"]:
+        print("\ncounters")
+        for name in sorted(st["counters"]):
+            print(f"  {name:<40}{st['counters'][name]:>16}")
+    return 0
+
+
+#: command -> (one-line description, module with a ``main(argv) -> int``); imported on use
+COMMANDS = {
+    "stats": ("a daemon's tiers, layouts and counters", "kvtier.client.cli:stats_main"),
+    "demo": ("start a daemon and play a multi-turn workload; print hit rate by tier", "kvtier.client.demo:main"),
+    "report": ("live hit rate by tier and node across daemons (--once --json for scripts)",
+               "kvtier.client.report:main"),
+    "replay": ("replay a Mooncake-format trace: hit rate by tier, replicas and router policy",
+               "kvtier.client.replay:main"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: kvtier COMMAND [options]\n\ncommands:")
+        for name, (doc, _) in COMMANDS.items():
+            print(f"  {name:<14}{doc}")
+        print("\n`kvtier COMMAND --help` for a command's options.")
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"kvtier: unknown command {cmd!r}; see kvtier --help", file=sys.stderr)
+        return 2
+    module, func = COMMANDS[cmd][1].split(":")
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,291 @@
+"""``kvtier report --daemons SOCK_OR_HOST:PORT,...``: hit rate by tier and node, across a fleet.
+
+Reads each daemon's Stats RPC (the same counters its Prometheus endpoint exports) and shows,
+per node and for the whole fleet: blocks asked for, the share found in each tier (gpu, host,
+disk) and in any tier, and the share of tokens that were prefix reuse (tokens found / tokens
+asked for). Counts are of one operation's requests, ``--op``: ``lookup`` (what engines and
+routers asked, the default) or ``acquire`` (what clients actually read).
+
+Live (default): the table is redrawn every ``--interval`` seconds, with the hit rate over the
+last interval beside the totals since each daemon started. ``--once`` prints one table;
+``--once --json`` prints one JSON object (``{"nodes": [...], "fleet": {...}}``) for scripts.
+A daemon that does not answer within ``--timeout`` is shown as unreachable and the others
+are still reported; the exit status is 1 if any was unreachable.
+
+A target is a unix socket path (has a ``/`` or ends in ``.sock``), a Prometheus endpoint
+(``http://HOST:PORT``, the daemon's ``--metrics-port``; ``/metrics`` is appended unless a path
+is given), or else a gRPC ``HOST:PORT``. Both sources carry the same counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from kvtier.client.sidecar import KvtierError, Sidecar
+from kvtier.proto import TIER_NAMES
+
+TIERS = ("gpu", "host", "disk")
+
+
+@dataclass
+class NodeReport:
+    """One daemon's counters of one operation, cumulative since it started."""
+
+    target: str
+    reachable: bool = False
+    error: str = ""
+    node_id: str = ""
+    epoch: int = 0
+    uptime_s: float = 0.0
+    hit_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    miss_blocks: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    used_bytes: dict[str, int] = field(default_factory=dict)
+    capacity_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def asked_blocks(self) -> int:
+        return sum(self.hit_blocks.values()) + self.miss_blocks
+
+    def hit_rate_by_tier(self) -> dict[str, float]:
+        n = self.asked_blocks
+        return {t: (self.hit_blocks[t] / n if n else 0.0) for t in TIERS}
+
+    def hit_rate(self) -> float:
+        n = self.asked_blocks
+        return sum(self.hit_blocks.values()) / n if n else 0.0
+
+    def reuse_share(self) -> float:
+        n = self.hit_tokens + self.miss_tokens
+        return self.hit_tokens / n if n else 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.update(asked_blocks=self.asked_blocks, hit_rate=self.hit_rate(), hit_rate_by_tier=self.hit_rate_by_tier(),
+                 reuse_tokens_share=self.reuse_share())
+        return d
+
+
+def from_stats(target: str, stats: dict, op: str = "lookup") -> NodeReport:
+    """A :class:`NodeReport` from ``Sidecar.stats()``'s dict (counters ``<op>_hit_blocks:<tier>`` ...)."""
+    c = stats.get("counters", {})
+    rep = NodeReport(target, True, node_id=stats.get("node_id", ""), epoch=stats.get("epoch", 0),
+                     uptime_s=stats.get("uptime_s", 0.0))
+    for key, value in c.items():
+        if key.startswith(f"{op}_hit_blocks:"):
+            rep.hit_blocks[key.split(":", 1)[1]] = int(value)
+        elif key.startswith(f"{op}_hit_tokens:"):
+            rep.hit_tokens += int(value)
+    rep.miss_blocks = int(c.get(f"{op}_miss_blocks", 0))
+    rep.miss_tokens = int(c.get(f"{op}_miss_tokens", 0))
+    for tier, t in stats.get("tiers", {}).items():
+        rep.used_bytes[tier] = int(t.get("used_bytes", 0))
+        rep.capacity_bytes[tier] = int(t.get("capacity_bytes", 0))
+    return rep
+
+
+def stats_from_prometheus(text: str) -> dict:
+    """The subset of ``Sidecar.stats()``'s dict that a report needs, from /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    tiers: dict[str, dict[str, float]] = {}
+    node_id = ""
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            lbl = smp.labels
+            node_id = lbl.get("node", node_id)
+            if smp.name in ("kvtier_hit_blocks_total", "kvtier_hit_tokens_total"):
+                unit = smp.name.split("_")[2]
+                counters[f"{lbl['op']}_hit_{unit}:{lbl['tier']}"] = smp.value
+            elif smp.name in ("kvtier_miss_blocks_total", "kvtier_miss_tokens_total"):
+                counters[f"{lbl['op']}_miss_{smp.name.split('_')[2]}"] = smp.value
+            elif smp.name in ("kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes") and lbl.get("tier") in TIER_NAMES.values():
+                tiers.setdefault(lbl["tier"], {})[smp.name.removeprefix("kvtier_tier_")] = smp.value
+    return {"node_id": node_id, "counters": counters, "tiers": tiers}
+
+
+class _PrometheusSource:
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url if url.count("/") > 2 else url.rstrip("/") + "/metrics"
+        self.timeout = timeout
+
+    def stats(self) -> dict:
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
+                return stats_from_prometheus(resp.read().decode())
+        except (urllib.error.URLError, OSError) as e:
+            raise KvtierError(grpc.StatusCode.UNAVAILABLE, f"{self.url}: {getattr(e, 'reason', e)}") from None
+
+    def close(self) -> None:
+        pass
+
+
+def fleet_total(nodes: Sequence[NodeReport]) -> NodeReport:
+    total = NodeReport("fleet", reachable=any(n.reachable for n in nodes), node_id="(fleet)")
+    for n in nodes:
+        if not n.reachable:
+            continue
+        for t in TIERS:
+            total.hit_blocks[t] += n.hit_blocks.get(t, 0)
+        total.miss_blocks += n.miss_blocks
+        total.hit_tokens += n.hit_tokens
+        total.miss_tokens += n.miss_tokens
+        for tier, b in n.used_bytes.items():
+            total.used_bytes[tier] = total.used_bytes.get(tier, 0) + b
+        for tier, b in n.capacity_bytes.items():
+            total.capacity_bytes[tier] = total.capacity_bytes.get(tier, 0) + b
+    return total
+
+
+def _source(target: str, timeout: float) -> Sidecar | _PrometheusSource:
+    if target.startswith(("http://", "https://")):
+        return _PrometheusSource(target, timeout)
+    if "/" in target or target.endswith(".sock"):
+        return Sidecar(target, client_name="kvtier-report", timeout=timeout)
+    return Sidecar(target=target, client_name="kvtier-report", timeout=timeout)
+
+
+class Fleet:
+    """Open channels to every target once; ``poll()`` reads them all."""
+
+    def __init__(self, targets: Sequence[str], op: str, timeout: float) -> None:
+        self.targets, self.op = list(targets), op
+        self.clients = {t: _source(t, timeout) for t in self.targets}
+
+    def poll(self) -> list[NodeReport]:
+        out = []
+        for t, sc in self.clients.items():
+            try:
+                out.append(from_stats(t, sc.stats(), self.op))
+            except KvtierError as e:
+                out.append(NodeReport(t, False, error=f"{e.code.name}: {e.details}"))
+        return out
+
+    def close(self) -> None:
+        for sc in self.clients.values():
+            sc.close()
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f}%"
+
+
+def _gib(b: int) -> str:
+    return f"{b / 2**30:.1f}"
+
+
+def format_table(nodes: Sequence[NodeReport], recent: dict[str, float | None] | None = None) -> str:
+    head = ["node", "target", "asked_blocks", "gpu", "host", "disk", "hit_rate", "reuse_tokens"]
+    if recent is not None:
+        head.append("hit_rate_recent")
+    head += ["host_GiB", "disk_GiB"]
+    lines = [head]
+    for n in [*nodes, fleet_total(nodes)]:
+        if not n.reachable:
+            lines.append([n.node_id or "?", n.target, f"unreachable: {n.error}"[:60]])
+            continue
+        by = n.hit_rate_by_tier()
+        row = [n.node_id, n.target, f"{n.asked_blocks:,}", _pct(by["gpu"]), _pct(by["host"]), _pct(by["disk"]),
+               _pct(n.hit_rate()), _pct(n.reuse_share())]
+        if recent is not None:
+            r = recent.get(n.target)
+            row.append("-" if r is None else _pct(r))
+        for tier in ("host", "disk"):
+            row.append(f"{_gib(n.used_bytes[tier])}/{_gib(n.capacity_bytes[tier])}" if tier in n.capacity_bytes else "-")
+        lines.append(row)
+    widths = [max(len(r[i]) for r in lines if i < len(r) and len(r) == len(head)) for i in range(len(head))]
+    out = []
+    for k, r in enumerate(lines):
+        if len(r) != len(head):
+            out.append("  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2]]))
+        else:
+            out.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _recent(prev: dict[str, NodeReport], nodes: Sequence[NodeReport]) -> dict[str, float | None]:
+    """Hit rate over the last interval per target (and 'fleet'); None when nothing was asked."""
+    out: dict[str, float | None] = {}
+    hits_all = asked_all = 0
+    for n in nodes:
+        p = prev.get(n.target)
+        if not n.reachable or p is None or not p.reachable or p.epoch != n.epoch:
+            out[n.target] = None   # first sight, unreachable, or restarted: no interval to compare
+            continue
+        hits = sum(n.hit_blocks.values()) - sum(p.hit_blocks.values())
+        asked = n.asked_blocks - p.asked_blocks
+        if asked < 0 or hits < 0:   # counters went back: a restart seen through /metrics (no epoch there)
+            out[n.target] = None
+            continue
+        out[n.target] = hits / asked if asked > 0 else None
+        hits_all += hits
+        asked_all += asked
+    out["fleet"] = hits_all / asked_all if asked_all > 0 else None
+    return out
+
+
+def build_parser(prog: str = "kvtier report") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="Hit rate by tier and node across kvtierd daemons.")
+    ap.add_argument("--daemons", required=True,
+                    help="comma list of daemon sockets (paths) or gRPC HOST:PORT targets")
+    ap.add_argument("--op", choices=("lookup", "acquire"), default="lookup",
+                    help="count lookups (asked) or acquires (read) [%(default)s]")
+    ap.add_argument("--once", action="store_true", help="print once and exit")
+    ap.add_argument("--json", action="store_true", help='with --once: one JSON object {"nodes": [...], "fleet": {...}}')
+    ap.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes [%(default)s]")
+    ap.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each daemon [%(default)s]")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    targets = [t.strip() for t in args.daemons.split(",") if t.strip()]
+    if not targets:
+        ap.error("--daemons needs at least one socket path or HOST:PORT")
+    if args.json and not args.once:
+        ap.error("--json needs --once")
+    if args.interval <= 0:
+        ap.error("--interval must be > 0")
+    fleet = Fleet(targets, args.op, args.timeout)
+    try:
+        if args.once:
+            nodes = fleet.poll()
+            if args.json:
+                print(json.dumps({"op": args.op, "nodes": [n.to_json() for n in nodes],
+                                  "fleet": fleet_total(nodes).to_json()}))
+            else:
+                print(format_table(nodes))
+            return 0 if all(n.reachable for n in nodes) else 1
+        prev: dict[str, NodeReport] = {}
+        while True:
+            nodes = fleet.poll()
+            recent = _recent(prev, nodes)
+            prev = {n.target: n for n in nodes}
+            sys.stdout.write("\x1b[H\x1b[2J")  # home, clear screen
+            print(f"kvtier report  op={args.op}  {time.strftime('%H:%M:%S')}  every {args.interval:g}s "
+                  f"(recent: over the last interval; Ctrl-C to quit)\n")
+            print(format_table(nodes, recent))
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        fleet.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

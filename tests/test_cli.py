@@ -1,0 +1,54 @@
+"""The command-line tools, run as a user would: `kvtier demo`, `kvtier stats`, `kvtierd --help`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvtier.client.local_daemon import DaemonProcess
+from kvtier.daemon.config import Config, flag_name
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_demo_prints_hit_rate_by_tier() -> None:
+    p = run("-m", "kvtier.client.cli", "demo", "--sessions", "4", "--turns", "3", "--no-disk")
+    assert p.returncode == 0, p.stderr
+    assert "served from" in p.stdout and "prefix reuse" in p.stdout
+    reuse = next(line for line in p.stdout.splitlines() if line.startswith("prefix reuse"))
+    assert float(reuse.split()[-1].rstrip("%")) > 30.0  # shared system prompt + history
+    assert "checked byte-exact" in p.stdout
+
+
+def test_stats_of_a_running_daemon(daemon: DaemonProcess) -> None:
+    p = run("-m", "kvtier.client.cli", "stats", "--socket", daemon.socket, "--json")
+    assert p.returncode == 0, p.stderr
+    st = json.loads(p.stdout.strip().splitlines()[-1])
+    assert st["tiers"]["host"]["capacity_bytes"] == 256 << 20
+    p = run("-m", "kvtier.client.cli", "stats", "--socket", daemon.socket)
+    assert p.returncode == 0 and "capacity" in p.stdout
+
+
+def test_stats_without_a_daemon_says_so(tmp_path) -> None:
+    p = run("-m", "kvtier.client.cli", "stats", "--socket", str(tmp_path / "none.sock"))
+    assert p.returncode == 1 and "no daemon socket" in p.stderr
+
+
+def test_every_setting_is_in_help_and_readme() -> None:
+    help_text = run("-m", "kvtier.daemon.main", "--help").stdout
+    readme = (ROOT / "README.md").read_text()
+    for f in dataclasses.fields(Config):
+        assert flag_name(f.name) in help_text, f.name
+        assert f"`{flag_name(f.name)}`" in readme, f"README's configuration reference lacks {flag_name(f.name)}"
+
+
+def test_bad_setting_is_a_clear_error() -> None:
+    p = run("-m", "kvtier.daemon.main", "--host-capacity", "lots")
+    assert p.returncode == 2 and "--host-capacity" in p.stderr and "not a size" in p.stderr

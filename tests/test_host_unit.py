@@ -1,0 +1,104 @@
+"""HostTier's policy without a daemon: LRU order, pins, the byte budget across size classes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from kvtier.tiers.host import HostTier, HostTierError
+
+SLOT = 4096
+
+
+@pytest.fixture
+def tier():
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
+    t = HostTier(d, capacity=4 * SLOT, name_prefix="u")
+    yield t
+    t.close()
+    shutil.rmtree(d)
+
+
+def put(t: HostTier, cls, names: list[bytes]):
+    res = t.reserve(cls, names, SLOT)
+    res.backing.run()
+    t.finish_eviction()
+    for e in res.entries:
+        if e is not None:
+            t.commit(e)
+    return res
+
+
+def test_lru_evicts_oldest_unpinned(tier: HostTier) -> None:
+    cls = tier.size_class(SLOT)
+    put(tier, cls, [b"a", b"b", b"c", b"d"])
+    tier.touch(tier.get(b"a"))
+    tier.pin(tier.get(b"b"))
+    res = put(tier, cls, [b"e", b"f"])
+    assert sorted(v.bkey for v in res.victims) == [b"c", b"d"]
+    assert set(tier.entries) == {b"a", b"b", b"e", b"f"}
+    # everything pinned: no space, nothing evicted
+    for k in (b"a", b"e", b"f"):
+        tier.pin(tier.get(k))
+    res = tier.reserve(cls, [b"g"], SLOT)
+    assert res.entries == [None] and res.victims == []
+
+
+def test_removed_while_pinned_frees_on_last_unpin(tier: HostTier) -> None:
+    cls = tier.size_class(SLOT)
+    put(tier, cls, [b"a"])
+    e = tier.get(b"a")
+    tier.pin(e)
+    tier.pin(e)
+    assert tier.remove([b"a"]) == [e] and tier.get(b"a") is None
+    assert e.slot not in cls.free
+    tier.unpin(e)
+    assert e.slot not in cls.free
+    tier.unpin(e)
+    assert e.slot in cls.free
+    with pytest.raises(HostTierError):
+        tier.unpin(e)
+
+
+def test_first_commit_wins(tier: HostTier) -> None:
+    cls = tier.size_class(SLOT)
+    r1 = tier.reserve(cls, [b"a"], SLOT)
+    r2 = tier.reserve(cls, [b"a"], SLOT)
+    assert tier.commit(r1.entries[0]) is True
+    assert tier.commit(r2.entries[0]) is False
+    assert tier.get(b"a") is r1.entries[0] and r2.entries[0].slot in cls.free
+
+
+def test_budget_spans_size_classes_and_is_released(tier: HostTier) -> None:
+    small = tier.size_class(SLOT)
+    big = tier.size_class(2 * SLOT)
+    put(tier, small, [b"a", b"b", b"c", b"d"])
+    assert tier.backed_bytes == 4 * SLOT
+    res = tier.reserve(big, [b"X"], 2 * SLOT)
+    res.backing.run()
+    tier.finish_eviction()
+    tier.commit(res.entries[0])
+    assert sorted(v.bkey for v in res.victims) == [b"a", b"b"]
+    assert tier.backed_bytes <= tier.capacity
+    on_disk = sum(os.stat(c.path).st_blocks * 512 for c in tier.classes.values())
+    assert on_disk <= tier.capacity
+
+
+def test_prefaulted_pool_gives_budget_to_a_second_class(tier: HostTier) -> None:
+    tier.close()
+    t = HostTier(tier.shm_dir, capacity=4 * SLOT, name_prefix="p")
+    try:
+        small = t.size_class(SLOT, prefault=True)
+        t.prefault_job(small).run()
+        assert t.backed_bytes == 4 * SLOT and t.used_bytes == 0
+        big = t.size_class(2 * SLOT, prefault=True)  # not the first: not prefaulted
+        res = t.reserve(big, [b"X", b"Y"], 2 * SLOT)
+        res.backing.run()
+        t.finish_eviction()
+        assert all(e is not None for e in res.entries) and not res.victims
+        assert t.backed_bytes <= t.capacity
+    finally:
+        t.close()
