@@ -39,6 +39,7 @@ import grpc
 import numpy as np
 
 from kvtier.daemon.config import Config
+from kvtier.daemon.metrics import OpLatency
 from kvtier.daemon.service import _handle_errors
 from kvtier.daemon.store import BlockStore, StoreError
 from kvtier.proto import transfer_pb2, transfer_pb2_grpc
@@ -110,9 +111,11 @@ def _status(code: grpc.StatusCode, msg: str) -> StoreError:
 class TransferService(transfer_pb2_grpc.TransferServicer):
     """See the module docstring."""
 
-    def __init__(self, store: BlockStore, engines: dict[str, CopyEngine], threads: int = 8) -> None:
+    def __init__(self, store: BlockStore, engines: dict[str, CopyEngine], latency: OpLatency,
+                 threads: int = 8) -> None:
         self.store = store
         self.engines = engines
+        self.latency = latency  # shared with the Node service: kvtier_op_latency_seconds{op="offload"}
         self.registrations: dict[int, Registration] = {}
         self._ids = itertools.count(1)
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-transfer")
@@ -140,7 +143,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         if not 0 < slots <= MAX_RING_SLOTS:
             raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"ring_slots {slots} is not in [1, {MAX_RING_SLOTS}]")
         ring = EventRing(slots, tuple(request.event_handles), request.event_ring_path)
-        reg_layout = self.store.register_layout(layout)
+        reg_layout = await self.store.register_layout(layout)
         cls = self.store.host.size_class(layout.slot_bytes)
         loop = asyncio.get_running_loop()
         try:

@@ -90,7 +90,7 @@ class Daemon:
         except EngineUnavailable as e:
             host.close()
             raise StartupError(str(e)) from None
-        self.transfer = TransferService(self.store, engines)
+        self.transfer = TransferService(self.store, engines, self.service.latency)
         self.server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.metrics_port = 0
