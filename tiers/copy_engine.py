@@ -641,7 +641,10 @@ class CudaCopyEngine(CopyEngine):
         with self.cp.cuda.Device(self.device):
             if wait_written:
                 rt.streamWaitEvent(stream.ptr, ring_ev, 0)
-            pieces = plan.pieces(self.piece_bytes) if direction == OFFLOAD else [slice(0, len(plan))]
+            if direction == OFFLOAD:
+                pieces = plan.pieces(self.piece_bytes)
+            else:  # an onboard is one launch; nothing to launch when every key missed
+                pieces = [slice(0, len(plan))] if len(plan) else []
             marks: list[int] = []
             for s in pieces:
                 if len(marks) >= 2:  # at most two pieces queued: onboards slip in between
