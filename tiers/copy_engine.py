@@ -481,7 +481,15 @@ class _CudaState:
 
 
 class CudaCopyEngine(CopyEngine):
-    """Copies between CUDA IPC-opened engine memory and the registered pool (module docstring)."""
+    """Copies between CUDA IPC-opened engine memory and the registered pool (module docstring).
+
+    Each pool file is mapped, touched in parallel and ``cudaHostRegister``ed whole, once, and
+    stays registered until ``close``. Caveat: the host tier punches holes in a pool file only
+    to move memory between size classes; punching a registered range would leave the GPU
+    writing pinned pages the file no longer holds. With one size class (one block size per
+    daemon, the usual GPU deployment) that never happens; the Transfer service logs a warning
+    when a CUDA registration meets a second class.
+    """
 
     name = "cuda"
     backend = "cuda"
