@@ -85,7 +85,7 @@ def block_slices(tensors: list, layout: Layout, ids: np.ndarray) -> bytes:
     """A block's payload built naively from the tensors (DESIGN.md's data model)."""
     out = []
     for t, spec in zip(tensors, layout.tensors, strict=True):
-        idx = torch.as_tensor(ids.tolist())
+        idx = torch.as_tensor(ids.tolist(), device=t.device)
         part = t.index_select(spec.block_dim, idx) if spec.token_indexed else t.select(spec.block_dim, int(ids[0]))
         if spec.token_indexed:
             part = part.movedim(spec.block_dim, 0) if spec.block_dim else part
