@@ -126,6 +126,12 @@ def test_vllm_offload_overwrite_onboard_elsewhere(kvd, shm_dir, kv_first: bool) 
         assert eng.conn.offload(keys[:2], src[:2]).wait() == ["present", "present"]
     finally:
         eng.close()
+    with Sidecar(d.socket) as sc:
+        c = sc.stats()["counters"]
+    assert c["kv_registrations_opened"] == c["kv_registrations_closed"] == 1
+    assert c["kv_handles_opened"] == c["kv_handles_closed"] >= 1
+    if backend == "host":  # four tensors in one shared file: that allocation is opened once
+        assert c["kv_handles_opened"] == 1
 
 
 def test_sglang_token_indexed_roundtrip(kvd, shm_dir) -> None:
@@ -145,7 +151,12 @@ def test_sglang_token_indexed_roundtrip(kvd, shm_dir) -> None:
         assert bytes(got[1]) == block_slices(before, layout, src[1])
         for t in eng.tensors:
             t.zero_()
-        assert eng.conn.onboard(keys, dst).wait() == ["copied"] * n
+        tr = eng.conn.onboard(keys, dst)
+        deadline = time.monotonic() + 30
+        while not tr.done():  # the non-blocking completion an engine's scheduler polls
+            assert time.monotonic() < deadline, "onboard never completed"
+            time.sleep(0.001)
+        assert tr.statuses == ["copied"] * n
         for t, b in zip(eng.tensors, before, strict=True):
             moved = t[torch.as_tensor(dst.ravel().tolist(), device=t.device)]
             want = b[torch.as_tensor(src.ravel().tolist(), device=b.device)]
