@@ -362,6 +362,9 @@ class KVConnector:
         except grpc.RpcError as e:
             self._drop_ring()
             raise KVConnectorError(e.code(), e.details() or "") from None
+        if self._ring_path:  # the daemon has it mapped; the name is no longer needed (nothing leaks on a kill)
+            os.unlink(self._ring_path)
+            self._ring_path = ""
         self.reg = _Registration(reply.registration_id, reply.layout_id, reply.copy_engine, layout)
         self._free = collections.deque(range(self.ring_slots))
         self._tensors = list(tensors)  # keep the memory alive while the daemon has it open
