@@ -120,6 +120,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         self._ids = itertools.count(1)
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-transfer")
         self._tasks: set[asyncio.Task] = set()
+        self._attached: set[tuple[str, str]] = set()
         store.session_end_hooks.append(self._session_ended)
 
     # -- registration ----------------------------------------------------------------------
@@ -151,10 +152,15 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
                         extra={"classes": sorted(self.store.host.classes)})
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
+            s_per_gib = await loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
             memory = await loop.run_in_executor(self._executor, engine.open_kv, allocations, ring)
         except CopyError as e:
             raise _status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        if (engine.name, cls.path) not in self._attached:
+            self._attached.add((engine.name, cls.path))
+            log.info("host pool attached to the copy engine", extra={
+                "engine": engine.name, "pool_bytes": cls.pool_bytes,
+                "pin_s_per_gib": round(s_per_gib, 4) if engine.backend == "cuda" else None})
         internal = self.store.open_session(f"transfer:{sess.client_name}", sess.pid)
         reg = Registration(next(self._ids), sess.session_id, internal.session_id, reg_layout.layout_id, layout,
                            engine, memory, tensors, cls.path)
