@@ -344,6 +344,17 @@ def test_expandable_segments_memory_is_refused_naming_the_cause(start_daemon, sh
     assert "expandable_segments" in out.stdout
 
 
+def test_daemon_imports_no_torch_and_no_cuda_with_the_host_engine() -> None:
+    code = ("import sys\n"
+            "from kvtier.daemon.config import load_config\n"
+            "from kvtier.daemon.gpu import build_engines\n"
+            "engines = build_engines(load_config(['--copy-engine', 'host']))\n"
+            "bad = [m for m in ('torch', 'cupy', 'cuda') if m in sys.modules]\n"
+            "print(sorted(engines), bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "['host'] []", out.stdout + out.stderr
+
+
 def test_plan_chunks_matches_the_payload_order() -> None:
     """Pure logic: chunk offsets of a [NB, 2, ...] layout, one tensor at offset 4096."""
     layout = Layout.vllm(num_layers=2, num_blocks=10, block_tokens=4, kv_heads=1, head_dim=8, dtype="float32",
