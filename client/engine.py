@@ -17,7 +17,8 @@ Memory kinds
     shared-memory file (:class:`SharedKVArena` makes them), which the daemon maps by path.
 
 Completion, per request, through a ring of interprocess events exchanged at registration
-(CUDA: ``torch.cuda.Event(interprocess=True)``; stand-in: a shared file of sequence numbers):
+(CUDA: ``torch.cuda.Event(interprocess=True)``; stand-in: a shared file of sequence numbers,
+``2*seq`` once the engine's KV is written, ``2*seq + 1`` once the daemon's copy is complete):
 
 * ``offload`` records "KV written" on the engine's stream before asking; the daemon's stream
   waits for it. Don't reuse those pages until ``Transfer.done()`` (or ``wait()``).
@@ -423,9 +424,12 @@ class KVConnector:
         ids = np.asarray(engine_ids, dtype=np.int64).ravel()
         slot = self._take_slot()
         seq = next(self._seq)
-        if self.backend == "cuda" and wait_written:
-            torch = _torch()
-            self._events[slot].record(stream or torch.cuda.current_stream())
+        if wait_written:  # "KV written": everything queued (CUDA) or done (CPU) before this point
+            if self.backend == "cuda":
+                self._events[slot].record(stream or _torch().cuda.current_stream())
+            else:
+                assert self._ring is not None
+                self._ring[slot] = 2 * seq
         req = transfer_pb2.TransferRequest(session_id=self.session_id, registration_id=reg.registration_id,
                                            keys=[bytes(k) for k in keys], engine_ids=ids.tolist(),
                                            event_slot=slot, seq=seq, wait_written=wait_written)
@@ -459,7 +463,7 @@ class KVConnector:
         if self.backend == "cuda":
             return bool(self._events[slot].query())
         assert self._ring is not None
-        return int(self._ring[slot]) == seq
+        return int(self._ring[slot]) == 2 * seq + 1
 
     def _slot_wait(self, slot: int, seq: int) -> None:
         if self.backend == "cuda":

@@ -220,6 +220,8 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         if reg.closing:
             return
         reg.closing = True
+        self.store.counters["kv_inflight_at_close"] += reg.inflight  # copies the close waits for
+        reg.engine.cancel(reg.memory)
         if reg.inflight == 0:
             self._close(reg)
 
@@ -275,30 +277,63 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
 
         return await loop.run_in_executor(self._executor, run)
 
+    def _detached(self, reg: Registration, work: Any) -> asyncio.Task:
+        """Run ``work`` as a task of its own that holds one in-flight count on ``reg``: a
+        cancelled RPC (engine killed, deadline) stops waiting for it, but the copy, the commit
+        or abort and the release still run to the end before the registration may close."""
+        reg.inflight += 1
+
+        async def run() -> Any:
+            try:
+                return await work
+            finally:
+                self._done(reg)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._reap_task)
+        return task
+
+    def _reap_task(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), StoreError):
+            log.error("transfer failed", exc_info=task.exception())
+
     @_handle_errors
     async def Offload(self, request: transfer_pb2.TransferRequest, context: Any) -> transfer_pb2.TransferReply:
         reg = self._registration(request.session_id, request.registration_id)
         keys, ids = self._validate(reg, request)
-        reg.inflight += 1
+        task = self._detached(reg, self._offload(reg, keys, ids, request))
         try:
-            grants = await self.store.allocate(reg.store_session, reg.layout_id, keys)
-            granted = [i for i, g in enumerate(grants) if g[0] == "granted"]
-            gids = [grants[i][1] for i in granted]
-            offsets = np.array([grants[i][2] for i in granted], dtype=np.int64)
-            plan = plan_chunks(reg.layout, reg.tensors, ids[granted], offsets)
-            try:
-                await self._copy(reg, plan, OFFLOAD, request, wait_done=True)
-            except BaseException:
-                await self._abort(reg, gids)
-                raise
-            if reg.closing:  # the engine went away mid-copy: its KV cannot be vouched for
-                await self._abort(reg, gids)
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.store.counters["kv_transfers_cancelled"] += 1  # the engine went away (or gave up) mid-copy
+            raise
+
+    async def _offload(self, reg: Registration, keys: list[bytes], ids: np.ndarray,
+                       request: transfer_pb2.TransferRequest) -> transfer_pb2.TransferReply:
+        grants = await self.store.allocate(reg.store_session, reg.layout_id, keys)
+        granted = [i for i, g in enumerate(grants) if g[0] == "granted"]
+        gids = [grants[i][1] for i in granted]
+        offsets = np.array([grants[i][2] for i in granted], dtype=np.int64)
+        plan = plan_chunks(reg.layout, reg.tensors, ids[granted], offsets)
+        try:
+            await self._copy(reg, plan, OFFLOAD, request, wait_done=True)
+        except CopyError as e:
+            await self._abort(reg, gids)
+            if reg.closing:
                 self.store.counters["kv_offloads_aborted"] += 1
-                raise _status(grpc.StatusCode.CANCELLED, "the engine's session ended during the offload")
-            if gids:
-                await self.store.commit(reg.store_session, gids, [], False)
-        finally:
-            self._done(reg)
+                raise _status(grpc.StatusCode.CANCELLED, f"the engine's session ended during the offload: {e}") from None
+            raise
+        except BaseException:
+            await self._abort(reg, gids)
+            raise
+        if reg.closing:  # the engine went away mid-copy: its KV cannot be vouched for
+            await self._abort(reg, gids)
+            self.store.counters["kv_offloads_aborted"] += 1
+            raise _status(grpc.StatusCode.CANCELLED, "the engine's session ended during the offload")
+        if gids:
+            await self.store.commit(reg.store_session, gids, [], False)
         status = {"granted": transfer_pb2.TRANSFER_COPIED, "present": transfer_pb2.TRANSFER_PRESENT,
                   "no_space": transfer_pb2.TRANSFER_NO_SPACE}
         c = self.store.counters
@@ -314,26 +349,18 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
     async def Onboard(self, request: transfer_pb2.TransferRequest, context: Any) -> transfer_pb2.TransferReply:
         reg = self._registration(request.session_id, request.registration_id)
         keys, ids = self._validate(reg, request)
-        reg.inflight += 1
-        handed_off = False
+        leases = await self.store.acquire(reg.store_session, reg.layout_id, keys)
+        hits = [i for i, lease in enumerate(leases) if lease[0]]
+        lids = [leases[i][0] for i in hits]
+        offsets = np.array([leases[i][1] for i in hits], dtype=np.int64)
+        plan = plan_chunks(reg.layout, reg.tensors, ids[hits], offsets)
+        recorded = asyncio.get_running_loop().create_future()
+        self._detached(reg, self._onboard(reg, plan, lids, request, recorded))
         try:
-            leases = await self.store.acquire(reg.store_session, reg.layout_id, keys)
-            hits = [i for i, lease in enumerate(leases) if lease[0]]
-            lids = [leases[i][0] for i in hits]
-            offsets = np.array([leases[i][1] for i in hits], dtype=np.int64)
-            plan = plan_chunks(reg.layout, reg.tensors, ids[hits], offsets)
-            try:
-                done = await self._copy(reg, plan, ONBOARD, request, wait_done=False)
-            except BaseException:
-                self._release(reg, lids)
-                raise
-            task = asyncio.get_running_loop().create_task(self._finish_onboard(reg, done, lids))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            handed_off = True
-        finally:
-            if not handed_off:
-                self._done(reg)
+            await asyncio.shield(recorded)  # the completion record is issued: reply
+        except asyncio.CancelledError:
+            self.store.counters["kv_transfers_cancelled"] += 1
+            raise
         c = self.store.counters
         c["kv_onboard_blocks"] += len(hits)
         c["kv_onboard_missing"] += len(keys) - len(hits)
@@ -342,16 +369,25 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
             status=[transfer_pb2.TRANSFER_COPIED if lease[0] else transfer_pb2.TRANSFER_MISSING for lease in leases],
             bytes=plan.nbytes)
 
-    async def _finish_onboard(self, reg: Registration, done: Any, lids: list[int]) -> None:
-        """Keep the leases until the onboard's bytes have landed, then release them."""
+    async def _onboard(self, reg: Registration, plan: Any, lids: list[int], request: transfer_pb2.TransferRequest,
+                       recorded: asyncio.Future) -> None:
+        """Copy, tell the handler once the completion record is issued, keep the leases until
+        the bytes have landed, then release them."""
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, done.wait_done)
-        except Exception:
-            log.exception("onboard copy failed after its reply (registration %d)", reg.reg_id)
-            self.store.counters["kv_onboard_errors"] += 1
+            try:
+                done = await self._copy(reg, plan, ONBOARD, request, wait_done=False)
+            except BaseException as e:
+                if not recorded.done():
+                    recorded.set_exception(e)
+                return
+            recorded.set_result(None)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor, done.wait_done)
+            except Exception:
+                log.exception("onboard copy failed after its reply (registration %d)", reg.reg_id)
+                self.store.counters["kv_onboard_errors"] += 1
         finally:
             self._release(reg, lids)
-            self._done(reg)
 
     def _release(self, reg: Registration, lids: list[int]) -> None:
         if lids and reg.store_session in self.store.sessions:

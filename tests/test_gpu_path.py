@@ -248,43 +248,66 @@ def test_cuda_registration_without_cuda_engine_is_refused(start_daemon) -> None:
         conn.close()
 
 
+def _run_engine_until(socket: str, backend: str, shm_dir: str, mode: str, until: str) -> int:
+    """Start an engine process (tests/kv_engine_proc.py), read its lines until one starts with
+    ``until``, then kill it; returns the last round it finished."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(HERE / "kv_engine_proc.py"), socket, backend, shm_dir, mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=0)
+    rounds = -1  # (unbuffered: select() sees every line not yet read)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, f"the engine never printed {until!r}"
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = proc.stdout.readline().decode()
+            assert line, f"engine exited: {proc.stderr.read().decode()}"
+            if line.startswith("round"):
+                rounds = int(line.split()[1])
+            if line.startswith(until):
+                break
+        time.sleep(0.2 if mode == "stall" else 0.004)  # let the request reach the daemon / a copy start
+    finally:
+        proc.kill()
+        proc.wait()
+    for line in proc.stdout.read().decode().splitlines():  # rounds finished before the kill landed
+        if line.startswith("round"):
+            rounds = int(line.split()[1])
+    return rounds
+
+
+def _wait_closed(sc: Sidecar, registrations: int) -> dict:
+    deadline = time.monotonic() + 20
+    while True:
+        s = sc.stats()
+        c = s["counters"]
+        if s["sessions"] == 0 and c.get("kv_registrations_closed", 0) == registrations == c["kv_registrations_opened"]:
+            return c
+        assert time.monotonic() < deadline, f"registration not closed after the engine died: {s}"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_killed_mid_transfer_leaves_nothing_open(start_daemon, shm_dir, backend: str) -> None:
     sys.path.insert(0, str(HERE))
     import kv_engine_proc as proc_mod
 
     d = start_daemon("--copy-engine", "cuda" if backend == "cuda" else "host", host_capacity="96MiB")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(HERE / "kv_engine_proc.py"), d.socket, backend, shm_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    rounds = -1
-    try:
-        deadline = time.monotonic() + 60
-        while rounds < 2 and time.monotonic() < deadline:
-            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-            if ready:
-                line = proc.stdout.readline().decode()
-                assert line, f"engine exited: {proc.stderr.read().decode()}"
-                rounds = int(line.split()[1])
-        assert rounds >= 2, "the engine did not complete two rounds"
-        time.sleep(0.02)  # into the next round's copies
-    finally:
-        proc.kill()
-        proc.wait()
-    for line in proc.stdout.read().decode().splitlines():  # rounds finished before the kill landed
-        rounds = int(line.split()[1])
     with Sidecar(d.socket) as sc:
-        deadline = time.monotonic() + 20
-        while True:
-            s = sc.stats()
-            c = s["counters"]
-            if s["sessions"] == 0 and c.get("kv_registrations_closed", 0) == c.get("kv_registrations_opened", -1):
-                break
-            assert time.monotonic() < deadline, f"registration not closed after the engine died: {s}"
-            time.sleep(0.05)
-        assert c["kv_handles_closed"] == c["kv_handles_opened"] >= 1
-        assert c["kv_events_closed"] == c["kv_events_opened"] >= 1
         lid = sc.register_layout(proc_mod.LAYOUT)
+        # 1. killed while the daemon's offload waits for KV the engine never finished writing
+        _run_engine_until(d.socket, backend, shm_dir, "stall", "stalled")
+        c = _wait_closed(sc, 1)
+        if backend == "host":  # (a CUDA wait on an event never recorded passes at once)
+            assert c["kv_inflight_at_close"] == 1 and c["kv_offloads_aborted"] == 1
+            assert sc.lookup(lid, proc_mod.round_keys(1)) == [None] * proc_mod.BLOCKS
+        # 2. killed anywhere in a loop of offloads and onboards
+        rounds = _run_engine_until(d.socket, backend, shm_dir, "loop", "round 2")
+        c = _wait_closed(sc, 2)
+        assert c["kv_handles_closed"] == c["kv_handles_opened"] >= 2
+        assert c["kv_events_closed"] == c["kv_events_opened"] >= 2
         for r in range(rounds + 2):
             sc.evict(lid, proc_mod.round_keys(r))
         # no grant and no pin survives: with every block evicted, no slot is in use

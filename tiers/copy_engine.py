@@ -15,12 +15,17 @@ Primitives and their contract
         Copy every chunk of ``plan`` (built by :func:`plan_chunks`) in ``direction``
         (``OFFLOAD``: engine memory -> pool; ``ONBOARD``: pool -> engine memory). When
         ``wait_written`` is set the copy first waits for the engine's "KV written" record in
-        ``slot``; when the copy completes, completion is recorded into ``slot``, the stand-in
-        writing ``seq`` there. May block the calling thread (never call it on an event
+        ``slot``; when the copy completes, completion is recorded into ``slot``. The stand-in's
+        ring holds a uint64 per slot: the engine writes ``2*seq`` ("KV written") before asking,
+        the copy engine writes ``2*seq + 1`` when the copy is complete. May block the calling thread (never call it on an event
         loop). It returns once the completion record is *issued*: on CUDA that is at
         enqueue time, on the stand-in once the bytes are copied. ``Completion.wait_done``
         blocks until the bytes are in place; only then may the caller publish pool slots
         it wrote (offload) or release pool slots it read (onboard).
+    ``cancel(mem)``
+        The engine is gone: a copy still waiting for its "KV written" record gives up with
+        :class:`CopyError` (stand-in; a CUDA stream wait cannot be withdrawn, but a wait on an
+        event never recorded passes at once).
     Offloads are cut into pieces of at most ``piece_bytes`` and onboards are served first
     between pieces, so a small onboard never waits behind a whole large offload (copy
     engines do not honour stream priorities).
@@ -200,6 +205,7 @@ class KVMemory:
         self.ring = ring
         self.handles_open = 0
         self.events_open = 0
+        self.cancelled = False
 
 
 class Completion:
@@ -234,6 +240,9 @@ class CopyEngine(ABC):
     @abstractmethod
     def copy(self, mem: KVMemory, pool_path: str, plan: ChunkPlan, direction: str, slot: int, seq: int,
              wait_written: bool) -> Completion: ...
+
+    def cancel(self, mem: KVMemory) -> None:
+        mem.cancelled = True
 
     @abstractmethod
     def close(self) -> None: ...
@@ -348,6 +357,8 @@ class HostCopyEngine(CopyEngine):
         pool = self._pools[pool_path]
         if not 0 <= slot < mem.ring.slots:
             raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
+        if wait_written:
+            self._wait_written(mem, slot, 2 * seq)
         jobs = plan.pieces(self.piece_bytes)
         done = threading.Event()
         remaining = [len(jobs)]
@@ -361,12 +372,12 @@ class HostCopyEngine(CopyEngine):
                 last = remaining[0] == 0
             if last:
                 if not errors:
-                    mem.ring_arr[slot] = seq  # type: ignore[attr-defined]
+                    mem.ring_arr[slot] = 2 * seq + 1  # type: ignore[attr-defined]
                 done.set()
 
         prio = 0 if direction == ONBOARD else 1
         if not jobs:
-            mem.ring_arr[slot] = seq  # type: ignore[attr-defined]
+            mem.ring_arr[slot] = 2 * seq + 1  # type: ignore[attr-defined]
             done.set()
         for s in jobs:
             self._jobs.put((prio, next(self._order), mem, pool, plan.take(s), direction, finished))
@@ -378,6 +389,17 @@ class HostCopyEngine(CopyEngine):
 
         wait()
         return Completion(wait)
+
+    @staticmethod
+    def _wait_written(mem: KVMemory, slot: int, mark: int) -> None:
+        """Wait for the engine's "KV written" record (the stand-in of cudaStreamWaitEvent)."""
+        ring = mem.ring_arr  # type: ignore[attr-defined]
+        pause = 20e-6
+        while int(ring[slot]) < mark:
+            if mem.cancelled:
+                raise CopyError("the engine went away before its KV was written")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def _work(self) -> None:
         while True:
