@@ -14,11 +14,15 @@ Promises
       Onboard pins each hit (a lease) from before its copy until the copy has completed,
       replies once the completion record is issued, and copies nothing for a key not held
       (``TRANSFER_MISSING``: that engine page is untouched).
+    * A copy runs in a task of its own: a cancelled RPC (the engine killed mid-transfer, a
+      deadline) stops waiting for it, never stops it halfway.
     * When the engine's Node session ends (exit or kill), or on UnregisterKV, the
-      registration stops taking requests, waits for its copies in flight, aborts the grants of
-      unfinished offloads, releases its leases and closes every handle and event it opened.
-      Counters ``kv_registrations_opened/closed``, ``kv_handles_opened/closed`` and
-      ``kv_events_opened/closed`` show that nothing stays open.
+      registration stops taking requests, cancels copies still waiting for "KV written",
+      waits for its copies in flight, aborts the grants of unfinished offloads (their bytes
+      cannot be vouched for), releases its leases and closes every handle and event it
+      opened. Counters ``kv_registrations_opened/closed``, ``kv_handles_opened/closed`` and
+      ``kv_events_opened/closed`` show that nothing stays open; ``kv_inflight_at_close``,
+      ``kv_transfers_cancelled`` and ``kv_offloads_aborted`` count what was cut short.
     * A bad request gets INVALID_ARGUMENT / FAILED_PRECONDITION / NOT_FOUND and changes nothing.
 
 Threading: handlers run on the event loop; copies and their waits run in a dedicated
