@@ -3,6 +3,7 @@
     kvtier stats [--socket PATH | --target HOST:PORT] [--json]   a daemon's state
     kvtier demo [...]                                           a real daemon and a multi-turn workload
     kvtier report --daemons A,B [--once --json]                 live hit rate by tier and node
+    kvtier route-server --daemons A,B [--dns NAME:PORT]         the router as a gRPC service
     kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
 
 Each command lives in its own module with a ``main(argv)``; see COMMANDS.
@@ -73,6 +74,8 @@ COMMANDS = {
     "demo": ("start a daemon and play a multi-turn workload; print hit rate by tier", "kvtier.client.demo:main"),
     "report": ("live hit rate by tier and node across daemons (--once --json for scripts)",
                "kvtier.client.report:main"),
+    "route-server": ("serve cache-aware routing decisions over gRPC (kvtier.v1.Router)",
+                     "kvtier.client.route_server:main"),
     "replay": ("replay a Mooncake-format trace: hit rate by tier, replicas and router policy",
                "kvtier.client.replay:main"),
 }

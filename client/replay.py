@@ -117,13 +117,9 @@ class ReplayConfig:
     kv_bytes_per_token: float = 131_072.0  # KV bytes of one token (all layers of the shard)
     host_load_gbps: float = 50.0           # host -> GPU, 10^9 B/s
     disk_load_gbps: float = 6.0            # disk -> host -> GPU, 10^9 B/s
-    # kvtier policy's load weights (the Scorer's a and b). Lower than ScorerConfig's 1.0 and 0.5:
-    # routing a turn away from its session's cache costs more than this turn's recompute (the
-    # session's next turns lose it too), so the replay values affinity over a short queue; on
-    # conversation_trace.jsonl (8 replicas) 1.0/0.5 keeps 0.89 of the pooled-capacity hit rate,
-    # 0.25/0.1 keeps 0.97 at imbalance 1.05 (see docs/replay.md).
-    queued_weight: float = 0.25            # cost per queued prefill block
-    active_weight: float = 0.1             # cost per active request
+    # the kvtier policy's load weights: the Scorer's a and b, with the router's defaults
+    queued_weight: float = ScorerConfig.queued_weight
+    active_weight: float = ScorerConfig.active_weight
     seed: int = 0
 
     def blocks(self, tokens: int) -> int:

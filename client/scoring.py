@@ -15,7 +15,10 @@ and the worker id, so a new session lands on a spread-out but reproducible worke
 coin flip: the same inputs rank the same way in every process and run.
 
 This module is pure arithmetic: the index (``kvtier.client.index``) supplies the overlaps,
-the router the loads, and the daemons the bandwidths.
+the router the loads, and the daemons the bandwidths. :meth:`Scorer.rank` works on
+mappings; :meth:`Scorer.costs` and :meth:`Scorer.order` are the same cost and order over
+numpy arrays of all workers at once (per-worker tier weights allowed), for the router's hot
+path.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 #: tier order, fastest first; a key's tier rank is its index here (3 = not held)
 TIER_ORDER = ("gpu", "host", "disk")
@@ -37,8 +42,12 @@ class ScorerConfig:
     bytes_per_token: float = 131072.0       # KV bytes per token of the model shard (all layers)
     host_load_gbps: float = 50.0            # host -> GPU (measured PCIe, see LIMITS.md)
     disk_load_gbps: float = 2.0             # disk -> host -> GPU
-    queued_weight: float = 1.0              # a: cost per queued prefill block
-    active_weight: float = 0.5              # b: cost per running request
+    # a and b: cost per queued prefill block and per running request. Below 1: sending a turn
+    # away from its session's cache also costs that session's later turns, so affinity is worth
+    # a short queue. On conversation_trace.jsonl with 8 replicas, 0.25/0.1 keeps 0.97 of the
+    # pooled-capacity hit rate at imbalance 1.05, where 1.0/0.5 keeps 0.89 (docs/replay.md).
+    queued_weight: float = 0.25
+    active_weight: float = 0.1
 
     def tier_weight(self, tier: str, load_gbps: float | None = None) -> float:
         """``w_t``: the fraction of a recompute that loading a block from ``tier`` saves."""
@@ -89,9 +98,32 @@ class Ranked:
     saved_blocks: float = field(default=0.0)  # the bracket: blocks of prefill the cache saves
 
 
+_MIX1 = 0x9E3779B97F4A7C15  # odd: multiplication by it is a bijection mod 2^64
+_M64 = (1 << 64) - 1
+
+
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 def tie_hash(last_key: bytes, worker: str) -> int:
-    """Stable across processes and runs (unlike ``hash()``)."""
-    return int.from_bytes(hashlib.blake2b(last_key + worker.encode(), digest_size=8).digest(), "little")
+    """Stable across processes and runs (unlike ``hash()``): a 64-bit digest of the last key
+    xor one of the worker, multiplied by an odd constant (mod 2^64) so every bit of both
+    reaches the high bits that decide the order. A router digests the key once per request
+    and each worker once (:func:`tie_hashes`)."""
+    return ((_digest64(last_key) ^ _digest64(worker.encode())) * _MIX1) & _M64
+
+
+def worker_digests(workers: Sequence[str]) -> np.ndarray:
+    """Each worker's digest, for :func:`tie_hashes`."""
+    return np.fromiter((_digest64(w.encode()) for w in workers), dtype=np.uint64, count=len(workers))
+
+
+def tie_hashes(last_key: bytes, digests: np.ndarray) -> np.ndarray:
+    """:func:`tie_hash` of one key against many workers' :func:`worker_digests`, vectorised."""
+    x = digests ^ np.uint64(_digest64(last_key))
+    x *= np.uint64(_MIX1)
+    return x
 
 
 class Scorer:
@@ -124,3 +156,32 @@ class Scorer:
         out.sort(key=lambda r: (round(r.cost, 9), r.load.queued_blocks, r.load.active_requests,
                                 tie_hash(last_key, r.worker)))
         return out
+
+    def costs(self, n_blocks: int, lead: np.ndarray, load_cost: np.ndarray,
+              weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(cost, saved) for many workers at once. ``lead`` is (3, workers): d_gpu, d_host,
+        d_disk; ``load_cost`` is ``a * queued + b * active`` per worker; ``weights`` is (3,
+        workers): ``1 - w_host``, ``w_host - w_disk``, ``w_disk`` (see :meth:`lead_weights`),
+        so that ``saved = d_gpu + w_host (d_host - d_gpu) + w_disk (d_disk - d_host)``."""
+        saved = np.einsum("ij,ij->j", lead, weights)
+        return (n_blocks - saved) + load_cost, saved
+
+    @staticmethod
+    def lead_weights(w_host: np.ndarray, w_disk: np.ndarray) -> np.ndarray:
+        """The (3, workers) weights of :meth:`costs` from per-worker tier weights."""
+        return np.stack([1.0 - w_host, w_host - w_disk, w_disk])
+
+    def load_cost(self, queued: np.ndarray, active: np.ndarray) -> np.ndarray:
+        c = self.config
+        return c.queued_weight * queued + c.active_weight * active
+
+    @staticmethod
+    def order(cost: np.ndarray, queued: np.ndarray, active: np.ndarray, digests: np.ndarray,
+              last_key: bytes = b"", top_k: int | None = None) -> np.ndarray:
+        """Indices of the best ``top_k`` workers (all when None), best first, in the order of
+        :meth:`rank`: cost, then queued, then active, then :func:`tie_hash` (``digests`` are
+        the workers' :func:`worker_digests`)."""
+        n = len(cost)
+        k = n if top_k is None else min(top_k, n)
+        idx = np.lexsort((tie_hashes(last_key, digests), active, queued, np.round(cost, 9)))
+        return idx[:k]

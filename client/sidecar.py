@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 
 from kvtier.paths import default_socket_path
-from kvtier.proto import TIER_NAMES, node_pb2, node_pb2_grpc
+from kvtier.proto import TIER_NAMES, locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout, layout_to_proto
 
 MADV_POPULATE_WRITE = 23
@@ -61,6 +61,7 @@ class PutResult:
     stored: int = 0                                     # newly written and committed
     present: int = 0                                    # already held: nothing written
     dropped: list[bytes] = field(default_factory=list)  # found no slot (all pinned or granted)
+    durable: int = 0                                    # stored or present, and on disk and indexed (durable puts)
 
 
 def _target(socket_path: str | None, target: str | None) -> str:
@@ -195,6 +196,7 @@ class _SidecarCore:
                 gids.append(g.grant_id)
             elif g.status == node_pb2.PRESENT:
                 result.present += 1
+                result.durable += g.durable
             else:
                 result.dropped.append(key)
         return gids
@@ -255,6 +257,7 @@ class Sidecar(_SidecarCore):
         self.timeout = timeout
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = node_pb2_grpc.NodeStub(self._channel)
+        self._locations = locations_pb2_grpc.LocationsStub(self._channel)
         self._session_q: queue.Queue | None = None
         self._session_call: Any = None
         self._lock = threading.RLock()
@@ -345,9 +348,10 @@ class Sidecar(_SidecarCore):
             return result
 
         def run() -> None:
+            self._settle_release()
             sid = self._ensure_session()
             reply = self._stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                 keys=keys), timeout=self.timeout)
+                                                                 keys=keys, durable=durable), timeout=self.timeout)
             try:
                 gids = self._write(info, reply, keys, arrs, result)
             except BaseException:
@@ -356,8 +360,9 @@ class Sidecar(_SidecarCore):
                                   timeout=self.timeout)
                 raise
             if gids:
-                self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
-                                  timeout=self.timeout)
+                reply = self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
+                                          timeout=self.timeout)
+                result.durable += reply.durable
             result.stored = len(gids)
 
         self._call(run)
@@ -369,6 +374,7 @@ class Sidecar(_SidecarCore):
         keys = self._check_keys(keys)
 
         def run() -> list[memoryview | None]:
+            self._settle_release()
             sid = self._ensure_session()
             reply = self._stub.Acquire(node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
                                                                keys=keys), timeout=self.timeout)
@@ -384,14 +390,20 @@ class Sidecar(_SidecarCore):
 
     def _release_async(self, req: node_pb2.ReleaseRequest) -> None:
         """Send a release without waiting for its reply: the bytes are already copied out, so
-        nothing here depends on it. A failure (the session is gone, so its pins are too) is
-        reported by the next release."""
-        if self._pending_release is not None and self._pending_release.done():
-            err = self._pending_release.exception()
-            self._pending_release = None
-            if err is not None and err.code() not in _RESTART_CODES:
-                raise _error(err)
+        the caller goes on at once. The next put or get waits for it (usually long done), so
+        this client's own pins never outlive its next request."""
+        self._settle_release()
         self._pending_release = self._stub.Release.future(req, timeout=self.timeout)
+
+    def _settle_release(self) -> None:
+        fut, self._pending_release = self._pending_release, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except grpc.RpcError as e:
+            if e.code() not in _RESTART_CODES:  # a lost session took its pins with it
+                raise _error(e) from None
 
     def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         """The fastest tier holding each key ("gpu", "host", "disk"), or None."""
@@ -413,6 +425,24 @@ class Sidecar(_SidecarCore):
         return self._call(lambda: self._stub.Prefetch(
             node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys), timeout=self.timeout).promoted)
 
+    def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
+                             worker_id: str | None = None, clear: bool = False) -> int:
+        """Tell the daemon (and through its location feed, the routers) which blocks the engine
+        itself now holds in GPU memory for this worker: ``stored`` arrived, ``removed`` left;
+        ``clear`` first forgets everything reported under this layout. The report is bound to
+        this sidecar's session: when the session ends the worker's device blocks are cleared.
+        ``worker_id`` defaults to the client name. Returns the daemon's seq of the last event."""
+        info = self._info(layout_id)
+        stored, removed = self._check_keys(stored), self._check_keys(removed)
+
+        def run() -> int:
+            req = locations_pb2.ReportDeviceBlocksRequest(
+                worker_id=worker_id or self.client_name, layout_id=info.daemon_id, stored=stored,
+                removed=removed, clear=clear, session_id=self._ensure_session())
+            return self._locations.ReportDeviceBlocks(req, timeout=self.timeout).seq
+
+        return self._call(run)
+
     def stats(self) -> dict:
         try:
             return _stats_dict(self._stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout, wait_for_ready=True))
@@ -420,11 +450,10 @@ class Sidecar(_SidecarCore):
             raise _error(e) from None
 
     def close(self) -> None:
-        if self._pending_release is not None:
-            try:
-                self._pending_release.result()
-            except grpc.RpcError:
-                pass  # the session ends below: its pins are released with it
+        try:
+            self._settle_release()
+        except KvtierError:
+            pass  # the session ends below, and its pins with it
         self._drop_session()
         self._close_pools()
         self._channel.close()
@@ -446,6 +475,7 @@ class AsyncSidecar(_SidecarCore):
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = node_pb2_grpc.NodeStub(self._channel)
+        self._locations = locations_pb2_grpc.LocationsStub(self._channel)
         self._session_call: Any = None
 
     async def _ensure_session(self) -> int:
@@ -483,8 +513,8 @@ class AsyncSidecar(_SidecarCore):
             return result
         try:
             sid = await self._ensure_session()
-            reply = await self._stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                       keys=keys), timeout=self.timeout)
+            reply = await self._stub.Allocate(node_pb2.AllocateRequest(
+                session_id=sid, layout_id=info.daemon_id, keys=keys, durable=durable), timeout=self.timeout)
             try:
                 gids = self._write(info, reply, keys, arrs, result)
             except BaseException:
@@ -493,8 +523,9 @@ class AsyncSidecar(_SidecarCore):
                                         timeout=self.timeout)
                 raise
             if gids:
-                await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable),
-                                        timeout=self.timeout)
+                committed = await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids,
+                                                                           durable=durable), timeout=self.timeout)
+                result.durable += committed.durable
         except grpc.RpcError as e:
             raise _error(e) from None
         result.stored = len(gids)
@@ -546,6 +577,20 @@ class AsyncSidecar(_SidecarCore):
         except grpc.RpcError as e:
             raise _error(e) from None
         return reply.promoted
+
+    async def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (),
+                                   removed: Sequence[bytes] = (), worker_id: str | None = None,
+                                   clear: bool = False) -> int:
+        """As :meth:`Sidecar.report_device_blocks`."""
+        info = self._info(layout_id)
+        stored, removed = self._check_keys(stored), self._check_keys(removed)
+        try:
+            req = locations_pb2.ReportDeviceBlocksRequest(
+                worker_id=worker_id or self.client_name, layout_id=info.daemon_id, stored=stored,
+                removed=removed, clear=clear, session_id=await self._ensure_session())
+            return (await self._locations.ReportDeviceBlocks(req, timeout=self.timeout)).seq
+        except grpc.RpcError as e:
+            raise _error(e) from None
 
     async def stats(self) -> dict:
         try:

@@ -72,6 +72,14 @@ class Config:
                          metavar="DIR")
     disk_capacity: int = _opt(0, "bytes of disk for KV blocks (e.g. 1TiB); 0 with --disk-dir set: "
                                  "90% of the free space", parse_size, "SIZE")
+    disk_queue_depth: int = _opt(8, "disk I/Os in flight at once (O_DIRECT reads and writes)", int, "N")
+    disk_map_size: int = _opt(0, "LMDB map size of the disk index (its most bytes); 0: 256 B per 4 KiB "
+                                 "of --disk-capacity, at least 64MiB", parse_size, "SIZE")
+    demote_min_seen: int = _opt(2, "demote a block evicted from host to disk only if it was put or hit "
+                                   "at least this many times (1: every evicted block)", int, "N")
+    disk_write_through: bool = _opt(False, "write every committed block to disk before acknowledging it "
+                                           "(as if every put were durable); needs --disk-dir", parse_bool,
+                                    "BOOL")
     metrics_port: int = _opt(0, "serve Prometheus metrics on this TCP port (0: off)", int, "PORT")
     metrics_host: str = _opt("127.0.0.1", "address for the metrics listener", metavar="HOST")
     log_level: str = _opt("info", "debug, info, warning or error")
@@ -89,6 +97,8 @@ class Config:
     offload_piece_bytes: int = _opt(8 * 1024**2, "offloads are copied in pieces of at most this many "
                                                   "bytes so onboards never wait behind a whole offload",
                                     parse_size, "SIZE")
+    event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
+                                        "router further behind gets a snapshot instead", int, "N")
     config: str = _opt("", "TOML file with any of these settings (keys as in the TOML column)",
                        metavar="FILE")
 
@@ -182,4 +192,12 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
         raise ConfigError(f"--cuda-backend: {cfg.cuda_backend!r} is not auto, kernel or batch")
     if cfg.copy_threads <= 0 or cfg.offload_piece_bytes <= 0:
         raise ConfigError("--copy-threads and --offload-piece-bytes must be positive")
+    if cfg.disk_queue_depth < 1:
+        raise ConfigError(f"--disk-queue-depth must be at least 1, got {cfg.disk_queue_depth}")
+    if cfg.demote_min_seen < 1:
+        raise ConfigError(f"--demote-min-seen must be at least 1, got {cfg.demote_min_seen}")
+    if cfg.disk_write_through and not cfg.disk_dir:
+        raise ConfigError("--disk-write-through needs a disk tier: set --disk-dir")
+    if cfg.event_log_keys <= 0:
+        raise ConfigError("--event-log-keys must be positive")
     return cfg

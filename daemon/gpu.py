@@ -353,38 +353,41 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
     async def Onboard(self, request: transfer_pb2.TransferRequest, context: Any) -> transfer_pb2.TransferReply:
         reg = self._registration(request.session_id, request.registration_id)
         keys, ids = self._validate(reg, request)
-        leases = await self.store.acquire(reg.store_session, reg.layout_id, keys)
-        hits = [i for i, lease in enumerate(leases) if lease[0]]
-        lids = [leases[i][0] for i in hits]
-        offsets = np.array([leases[i][1] for i in hits], dtype=np.int64)
-        plan = plan_chunks(reg.layout, reg.tensors, ids[hits], offsets)
         recorded = asyncio.get_running_loop().create_future()
-        self._detached(reg, self._onboard(reg, plan, lids, request, recorded))
+        self._detached(reg, self._onboard(reg, keys, ids, request, recorded))
         try:
-            await asyncio.shield(recorded)  # the completion record is issued: reply
+            leases, nbytes = await asyncio.shield(recorded)  # the completion record is issued: reply
         except asyncio.CancelledError:
             self.store.counters["kv_transfers_cancelled"] += 1
             raise
+        hits = sum(1 for lease in leases if lease[0])
         c = self.store.counters
-        c["kv_onboard_blocks"] += len(hits)
-        c["kv_onboard_missing"] += len(keys) - len(hits)
-        c["bytes_host_to_gpu"] += plan.nbytes
+        c["kv_onboard_blocks"] += hits
+        c["kv_onboard_missing"] += len(keys) - hits
+        c["bytes_host_to_gpu"] += nbytes
         return transfer_pb2.TransferReply(
             status=[transfer_pb2.TRANSFER_COPIED if lease[0] else transfer_pb2.TRANSFER_MISSING for lease in leases],
-            bytes=plan.nbytes)
+            bytes=nbytes)
 
-    async def _onboard(self, reg: Registration, plan: Any, lids: list[int], request: transfer_pb2.TransferRequest,
-                       recorded: asyncio.Future) -> None:
-        """Copy, tell the handler once the completion record is issued, keep the leases until
-        the bytes have landed, then release them."""
+    async def _onboard(self, reg: Registration, keys: list[bytes], ids: np.ndarray,
+                       request: transfer_pb2.TransferRequest, recorded: asyncio.Future) -> None:
+        """Pin the hits (disk hits are promoted first), copy, hand the handler its reply once
+        the completion record is issued, keep the pins until the bytes have landed, release."""
+        lids: list[int] = []
         try:
             try:
+                leases = await self.store.acquire(reg.store_session, reg.layout_id, keys)
+                hits = [i for i, lease in enumerate(leases) if lease[0]]
+                lids = [leases[i][0] for i in hits]
+                offsets = np.array([leases[i][1] for i in hits], dtype=np.int64)
+                plan = plan_chunks(reg.layout, reg.tensors, ids[hits], offsets)
                 done = await self._copy(reg, plan, ONBOARD, request, wait_done=False)
             except BaseException as e:
                 if not recorded.done():
                     recorded.set_exception(e)
+                    recorded.exception()  # retrieved here too: the handler may be gone
                 return
-            recorded.set_result(None)
+            recorded.set_result((leases, plan.nbytes))
             try:
                 await asyncio.get_running_loop().run_in_executor(self._executor, done.wait_done)
             except Exception:

@@ -23,11 +23,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvtier.daemon.config import Config
+from kvtier.daemon.events import LocationLog, LocationsService, watch_sessions
 from kvtier.daemon.gpu import EngineUnavailable, TransferService, build_engines
 from kvtier.daemon.metrics import start_metrics_server
 from kvtier.daemon.service import NodeService
 from kvtier.daemon.store import BlockStore
-from kvtier.proto import node_pb2, node_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from kvtier.proto import (
+    locations_pb2,
+    locations_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
+from kvtier.tiers.disk import DiskTier, DiskTierError
 from kvtier.tiers.host import HostTier
 
 log = logging.getLogger("kvtier.server")
@@ -82,13 +91,26 @@ class Daemon:
         self.socket_path = cfg.resolved_socket()
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
+        disk = None
+        if cfg.disk_dir:
+            try:
+                disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_queue_depth, cfg.disk_map_size)
+            except DiskTierError as e:
+                raise StartupError(str(e)) from None
+            log.info("disk tier opened", extra={
+                "disk_dir": disk.directory, "disk_capacity": disk.capacity, "blocks_restored": disk.restored,
+                "entries_dropped": disk.dropped_on_open, "queue_depth": disk.queue_depth})
         host = HostTier(cfg.shm_dir, cfg.host_capacity, f"kvtier-{os.getpid()}-{self.epoch}")
-        self.store = BlockStore(host, cfg.max_batch_keys, cfg.host_prefault)
+        self.store = BlockStore(host, cfg.max_batch_keys, disk, cfg.demote_min_seen, cfg.disk_write_through,
+                                prefault=cfg.host_prefault)
         self.service = NodeService(self.store, self.node_id, self.epoch)
+        self.locations = LocationLog(self.store, self.node_id, self.epoch, cfg.event_log_keys)
+        self.store.observers.append(self.locations)
+        self._session_watch: asyncio.Task | None = None
         try:
             engines = build_engines(cfg)
         except EngineUnavailable as e:
-            host.close()
+            self.store.close()
             raise StartupError(str(e)) from None
         self.transfer = TransferService(self.store, engines, self.service.latency)
         self.server: grpc.aio.Server | None = None
@@ -104,10 +126,12 @@ class Daemon:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
         server = grpc.aio.server(options=opts)
         node_pb2_grpc.add_NodeServicer_to_server(self.service, server)
+        locations_pb2_grpc.add_LocationsServicer_to_server(LocationsService(self.locations), server)
         transfer_pb2_grpc.add_TransferServicer_to_server(self.transfer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = [node_pb2.DESCRIPTOR.services_by_name["Node"].full_name,
+                 locations_pb2.DESCRIPTOR.services_by_name["Locations"].full_name,
                  transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name, health.SERVICE_NAME,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
@@ -123,7 +147,8 @@ class Daemon:
                 raise StartupError(f"cannot listen on --tcp {self.cfg.tcp}")
         await server.start()
         os.chmod(self.socket_path, 0o600)
-        for svc in ("", "kvtier.v1.Node", "kvtier.v1.Transfer"):
+        self._session_watch = asyncio.get_running_loop().create_task(watch_sessions(self.locations))
+        for svc in ("", "kvtier.v1.Node", "kvtier.v1.Locations", "kvtier.v1.Transfer"):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         self.server = server
         if self.cfg.metrics_port:
@@ -135,6 +160,10 @@ class Daemon:
             "copy_engines": sorted(e.name for e in self.transfer.engines.values())})
 
     async def stop(self) -> None:
+        if self._session_watch is not None:
+            self._session_watch.cancel()
+            self._session_watch = None
+        self.locations.close()
         if self.server is not None:
             log.info("shutting down", extra={"grace_s": GRACE_S})
             await self.server.stop(GRACE_S)

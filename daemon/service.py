@@ -98,9 +98,14 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @_handle_errors
     async def Allocate(self, request: node_pb2.AllocateRequest, context: Any) -> node_pb2.AllocateReply:
-        out = await self.store.allocate(request.session_id, request.layout_id, list(request.keys))
-        return node_pb2.AllocateReply(grants=[node_pb2.Grant(status=_GRANT[s], grant_id=g, offset=o)
-                                              for s, g, o in out])
+        keys = list(request.keys)
+        out = await self.store.allocate(request.session_id, request.layout_id, keys, request.durable)
+        reply = node_pb2.AllocateReply(grants=[node_pb2.Grant(status=_GRANT[s], grant_id=g, offset=o)
+                                               for s, g, o in out])
+        if request.durable:
+            for grant, on_disk in zip(reply.grants, self.store.on_disk(request.layout_id, keys), strict=True):
+                grant.durable = grant.status == node_pb2.PRESENT and on_disk
+        return reply
 
     @_handle_errors
     async def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitReply:

@@ -6,7 +6,13 @@ Owns
       yet committed) and *leases* (pins taken by ``acquire``, until ``release``). When a
       session closes, every grant is aborted and every lease released at once;
     * the host tier (:class:`~kvtier.tiers.host.HostTier`) and, when configured, the disk
-      tier; blocks are stored under (fingerprint, key);
+      tier (:class:`~kvtier.tiers.disk.DiskTier`); blocks are stored under (fingerprint, key);
+    * placement between them: host victims seen at least ``demote_min_seen`` times are
+      written to disk before their slots are reused (demotion); an acquire or prefetch of a
+      block held only on disk reads it into a fresh host slot and verifies its checksum
+      before it becomes visible there (promotion; the disk copy stays); a durable commit
+      (or every commit, with ``disk_write_through``) is acknowledged once the blocks are on
+      disk and indexed;
     * counters (hits and misses per tier, in blocks and tokens; bytes per direction;
       evictions, ...), read by the Stats RPC and the Prometheus endpoint;
     * location observers: every change of what is visible in a tier is reported to each
@@ -15,12 +21,19 @@ Owns
       are observers.
 
 Promises
-    A block is visible (``lookup``, ``acquire``) only after its commit. A slot is never
-    reused while a lease pins it. A bad request raises :class:`StoreError` with a gRPC
-    status code and a message a person can act on, and changes nothing.
+    A block is visible (``lookup``, ``acquire``) only after its commit; a promoted block only
+    after its checksum matched. A slot is never reused while a lease pins it, and a host
+    victim's slot is not reused before its demotion finished. A disk read whose checksum
+    fails drops the disk entry (counted in ``checksum_failures``) and is a miss. A full or
+    failing disk degrades the daemon to host-only (``disk_degraded``), never stops it; a
+    durable commit then answers how many blocks did reach disk. ``allocate`` answers
+    ``present`` for a key held on disk (nothing to write). A bad request raises
+    :class:`StoreError` with a gRPC status code and a message a person can act on, and
+    changes nothing.
 
 Threading: every method runs on the daemon's event loop; blocking work (fallocate, disk I/O)
-is awaited in an executor.
+is awaited in an executor. Host evictions (reserve -> demotion -> ``finish_eviction``) are
+serialised by one lock, so a demotion never reads a slot another request had punched.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import mmap
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -36,7 +50,9 @@ from typing import Protocol
 
 import grpc
 
-from kvtier.tiers.host import CapacityError, HostEntry, HostTier, Reservation
+from kvtier.proto import TIER_BY_NAME
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import CapacityError, HostEntry, HostTier, Reservation, SizeClass
 from kvtier.tiers.layout import Layout
 
 log = logging.getLogger("kvtier.store")
@@ -89,9 +105,16 @@ class RegisteredLayout:
 class BlockStore:
     """See the module docstring."""
 
-    def __init__(self, host: HostTier, max_batch_keys: int = 65536, prefault: bool = True) -> None:
+    def __init__(self, host: HostTier, max_batch_keys: int = 65536, disk: DiskTier | None = None,
+                 demote_min_seen: int = 2, disk_write_through: bool = False, prefault: bool = True) -> None:
         self.host = host
         self.prefault = prefault
+        self.disk = disk
+        self.demote_min_seen = demote_min_seen
+        self.disk_write_through = disk_write_through
+        self.disk_load_gbps = 0.0
+        self._evict_lock = asyncio.Lock()
+        self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         self.max_batch_keys = max_batch_keys
         self.layouts: dict[int, RegisteredLayout] = {}
         self._layout_by_fp: dict[bytes, int] = {}
@@ -191,16 +214,36 @@ class BlockStore:
 
     # -- put: allocate, (client writes), commit ------------------------------------------
 
-    async def allocate(self, session_id: int, layout_id: int, keys: Sequence[bytes]) -> list[tuple[str, int, int]]:
-        """Per key: ("granted", grant_id, offset) | ("present", 0, 0) | ("no_space", 0, 0)."""
+    async def allocate(self, session_id: int, layout_id: int, keys: Sequence[bytes],
+                       durable: bool = False) -> list[tuple[str, int, int]]:
+        """Per key: ("granted", grant_id, offset) | ("present", 0, 0) | ("no_space", 0, 0).
+        With ``durable``, present keys not yet on disk are written there first (see
+        :meth:`on_disk` for which made it)."""
         sess = self.session(session_id)
         reg = self.layout(layout_id)
         self.check_keys(keys, unique=True)
+        if durable and self.disk is None:
+            raise StoreError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "durable put needs a disk tier: start kvtierd with --disk-dir")
         layout = reg.layout
         fp = layout.fingerprint
+        if durable:
+            present = [fp + k for k in keys if fp + k in self.host.entries]
+            if present:
+                await self._make_durable(present)
         cls = self.host.size_class(layout.slot_bytes)
-        want = [i for i, k in enumerate(keys) if fp + k not in self.host.entries]
-        res = self.host.reserve(cls, [fp + keys[i] for i in want], layout.block_bytes)
+        disk_entries = self.disk.entries if self.disk is not None else {}
+        want = [i for i, k in enumerate(keys) if fp + k not in self.host.entries and fp + k not in disk_entries]
+        async with self._evict_lock:
+            res = self.host.reserve(cls, [fp + keys[i] for i in want], layout.block_bytes)
+            if res.victims:
+                await self._evicted(res.victims)
+            self.host.finish_eviction()
+        if session_id not in self.sessions:  # it ended while a demotion was awaited
+            for entry in res.entries:
+                if entry is not None:
+                    self.host.abort(entry)
+            raise StoreError(grpc.StatusCode.CANCELLED, "session closed during allocate")
         out: list[tuple[str, int, int]] = [("present", 0, 0)] * len(keys)
         for i, entry in zip(want, res.entries, strict=True):
             if entry is None:
@@ -211,9 +254,6 @@ class BlockStore:
             sess.grants[gid] = grant
             self._grants[gid] = grant
             out[i] = ("granted", gid, entry.offset)
-        if res.victims:
-            await self._evicted(res.victims)
-        self.host.finish_eviction()
         if res.backing.ranges:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
@@ -245,13 +285,125 @@ class BlockStore:
         self.counters["host_backing_failures"] += len(dropped)
 
     async def _evicted(self, victims: list[HostEntry]) -> None:
-        """Victims left the host tier (their bytes still intact until finish_eviction)."""
+        """Victims left the host tier (their bytes still intact until finish_eviction): demote
+        those seen often enough to disk, then report them gone from host."""
         self.counters["evictions_host"] += len(victims)
-        by_fp: dict[bytes, list[bytes]] = {}
-        for v in victims:
-            by_fp.setdefault(v.bkey[:16], []).append(v.bkey[16:])
-        for fp, keys in by_fp.items():
-            self._emit_removed("host", fp, keys)
+        if self.disk is not None:
+            hot = [v for v in victims if v.seen >= self.demote_min_seen]
+            self.counters["demotions_skipped_cold"] += len(victims) - len(hot)
+            on_disk = [d for d in (self.disk.get(v.bkey) for v in hot) if d is not None]
+            for d in on_disk:
+                self.disk.touch(d)
+            todo = [v for v in hot if v.bkey not in self.disk.entries]
+            if todo and self.disk.degraded:
+                self.counters["demotions_skipped_degraded"] += len(todo)
+            elif todo:
+                written = await self._write_to_disk(todo)
+                self.counters["demotions"] += written
+        self._emit_grouped(self._emit_removed, "host", [v.bkey for v in victims])
+
+    def _slot_view(self, cls: SizeClass, offset: int) -> memoryview:
+        """The daemon's own view of one host slot (page-aligned: fit for O_DIRECT)."""
+        pm = self._pool_maps.get(cls.slot_bytes)
+        if pm is None:
+            mm = mmap.mmap(cls.fd, cls.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            pm = self._pool_maps[cls.slot_bytes] = (mm, memoryview(mm))
+        return pm[1][offset:offset + cls.slot_bytes]
+
+    async def _write_to_disk(self, entries: list[HostEntry]) -> int:
+        """Write these host blocks to disk and index them; returns how many became visible there.
+        The caller keeps their slots intact (pinned, or victims before finish_eviction)."""
+        disk = self.disk
+        assert disk is not None
+        plan = disk.plan_write([(e.bkey, e.block_bytes, e.cls.slot_bytes) for e in entries])
+        if plan.victims:
+            self.counters["evictions_disk"] += len(plan.victims)
+            self._emit_grouped(self._emit_removed, "disk", [v.bkey for v in plan.victims])
+        skipped = sum(1 for e, d in zip(entries, plan.entries, strict=True) if d is None)
+        if skipped and not disk.degraded:
+            self.counters["disk_no_space"] += skipped
+        srcs = [self._slot_view(e.cls, e.offset) for e, d in zip(entries, plan.entries, strict=True) if d]
+        if not srcs:
+            disk.finish_write(plan, None)
+            return 0
+        error: BaseException | None = None
+        try:
+            await asyncio.wrap_future(disk.submit_write(plan, srcs))
+        except Exception as e:  # any failure degrades the tier; the daemon keeps serving
+            error = e
+        finally:
+            for v in srcs:
+                v.release()
+        was_degraded = bool(disk.degraded)
+        visible = disk.finish_write(plan, error)
+        if disk.degraded and not was_degraded:
+            self.counters["disk_degraded"] += 1
+        self.counters["bytes_host_to_disk"] += sum(d.length for d in visible)
+        self._emit_grouped(self._emit_stored, "disk", [d.bkey for d in visible])
+        return len(visible)
+
+    async def _promote(self, layout: Layout, bkeys: list[bytes]) -> set[bytes]:
+        """Read disk-only blocks into fresh host slots, verify, make them visible in host.
+        Returns the keys promoted; a checksum failure drops the disk entry (a miss)."""
+        disk = self.disk
+        assert disk is not None
+        dents = [d for d in dict.fromkeys(disk.get(b) for b in bkeys) if d is not None]
+        if not dents:
+            return set()
+        for d in dents:
+            disk.pin(d)
+        try:
+            cls = self.host.size_class(layout.slot_bytes)
+            async with self._evict_lock:
+                res = self.host.reserve(cls, [d.bkey for d in dents], layout.block_bytes)
+                if res.victims:
+                    await self._evicted(res.victims)
+                self.host.finish_eviction()
+            if res.backing.ranges:
+                await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
+            pairs = [(d, h) for d, h in zip(dents, res.entries, strict=True) if h is not None]
+            self.counters["promotions_no_space"] += len(dents) - len(pairs)
+            views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
+            t0 = time.perf_counter()
+            try:
+                futs = disk.submit_read([d for d, _ in pairs], views)
+                results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+            except BaseException:
+                for _, h in pairs:
+                    self.host.abort(h)
+                raise
+            finally:
+                for v in views:
+                    v.release()
+            elapsed = time.perf_counter() - t0
+        finally:
+            for d in dents:
+                disk.unpin(d)
+        promoted: list[bytes] = []
+        bad: list[bytes] = []
+        for (d, h), status in zip(pairs, results, strict=True):
+            if status != "ok":
+                self.counters["checksum_failures" if status == "checksum" else "disk_read_errors"] += 1
+                log.warning("disk block dropped: %s", "checksum mismatch" if status == "checksum" else "read error",
+                            extra={"key": d.bkey[16:].hex(), "slab": d.slab.path, "slot": d.slot})
+                self.host.abort(h)
+                bad.append(d.bkey)
+                continue
+            disk.touch(d)
+            h.seen = d.hits + 1
+            if self.host.commit(h):
+                promoted.append(d.bkey)
+        if bad:
+            removed = disk.remove(bad)
+            self._emit_grouped(self._emit_removed, "disk", [e.bkey for e in removed])
+        nbytes = sum(d.length for d, _ in pairs)
+        if nbytes and elapsed > 0:
+            gbps = nbytes / elapsed / 1e9
+            self.disk_load_gbps = gbps if not self.disk_load_gbps else 0.8 * self.disk_load_gbps + 0.2 * gbps
+        self.counters["promotions"] += len(promoted)
+        self.counters["bytes_disk_to_host"] += len(promoted) * layout.block_bytes
+        self._emit_grouped(self._emit_stored, "host", promoted)
+        return set(promoted)
 
     async def commit(self, session_id: int, grant_ids: Sequence[int], abort_ids: Sequence[int],
                      durable: bool) -> tuple[int, int]:
@@ -263,18 +415,21 @@ class BlockStore:
                                  f"aborted, or never granted)")
         if len(set(grant_ids) | set(abort_ids)) != len(grant_ids) + len(abort_ids):
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, "a grant id appears twice in one commit")
-        if durable:
+        if durable and self.disk is None:
             raise StoreError(grpc.StatusCode.FAILED_PRECONDITION,
                              "durable commit needs a disk tier: start kvtierd with --disk-dir")
+        durable = durable or self.disk_write_through
         for gid in abort_ids:
             grant = sess.grants.pop(gid)
             del self._grants[gid]
             self.host.abort(grant.entry)
         by_fp: dict[bytes, list[bytes]] = {}
         committed = 0
+        bkeys: list[bytes] = []
         for gid in grant_ids:
             grant = sess.grants.pop(gid)
             del self._grants[gid]
+            bkeys.append(grant.entry.bkey)
             if self.host.commit(grant.entry):
                 committed += 1
                 by_fp.setdefault(grant.entry.bkey[:16], []).append(grant.entry.bkey[16:])
@@ -282,7 +437,34 @@ class BlockStore:
         self.counters["commits"] += committed
         for fp, keys in by_fp.items():
             self._emit_stored("host", fp, keys)
-        return committed, 0
+        if not durable or self.disk is None:
+            return committed, 0
+        return committed, await self._make_durable(bkeys)
+
+    def on_disk(self, layout_id: int, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is on disk and indexed (durable)."""
+        if self.disk is None:
+            return [False] * len(keys)
+        fp = self.layout(layout_id).layout.fingerprint
+        return [fp + k in self.disk.entries for k in keys]
+
+    async def _make_durable(self, bkeys: list[bytes]) -> int:
+        """Write the host blocks of ``bkeys`` that are not on disk yet; returns how many of
+        ``bkeys`` are on disk and indexed afterwards (their host slots are pinned meanwhile)."""
+        disk = self.disk
+        assert disk is not None
+        todo = [e for e in (self.host.get(b) for b in bkeys if b not in disk.entries) if e is not None]
+        if todo and not disk.degraded:
+            for e in todo:
+                self.host.pin(e)
+            try:
+                await self._write_to_disk(todo)
+            finally:
+                for e in todo:
+                    self.host.unpin(e)
+        n = sum(1 for b in bkeys if b in disk.entries)
+        self.counters["durable_commits"] += n
+        return n
 
     # -- get: acquire, (client reads), release -------------------------------------------
 
@@ -292,21 +474,44 @@ class BlockStore:
         reg = self.layout(layout_id)
         self.check_keys(keys, unique=False)
         fp = reg.layout.fingerprint
+        promoted: set[bytes] = set()
+        held: list[HostEntry] = []   # host hits, pinned while the rest is promoted, so it cannot evict them
+        for k in keys:
+            entry = self.host.get(fp + k)
+            if entry is not None:
+                self.host.touch(entry)
+                self.host.pin(entry)
+                held.append(entry)
+        try:
+            if self.disk is not None:
+                below = [fp + k for k in keys if fp + k not in self.host.entries and fp + k in self.disk.entries]
+                if below:
+                    promoted = await self._promote(reg.layout, below)
+                    if session_id not in self.sessions:
+                        raise StoreError(grpc.StatusCode.CANCELLED, "session closed during acquire")
+            return self._lease(sess, reg.layout, keys, promoted)
+        finally:
+            for entry in held:
+                self.host.unpin(entry)
+
+    def _lease(self, sess: Session, layout: Layout, keys: Sequence[bytes],
+               promoted: set[bytes]) -> list[tuple[int, int, str | None]]:
+        fp = layout.fingerprint
         out: list[tuple[int, int, str | None]] = []
-        hits = 0
+        hits: Counter[str] = Counter()
         for k in keys:
             entry = self.host.get(fp + k)
             if entry is None:
                 out.append((0, 0, None))
                 continue
-            self.host.touch(entry)
+            tier = "disk" if entry.bkey in promoted else "host"
             self.host.pin(entry)
             lid = next(self._ids)
             sess.leases[lid] = entry
-            out.append((lid, entry.offset, "host"))
-            hits += 1
-        self._count_hits("acquire", reg.layout, {"host": hits}, len(keys) - hits)
-        self.counters["bytes_host_to_client"] += hits * reg.layout.block_bytes
+            out.append((lid, entry.offset, tier))
+            hits[tier] += 1
+        self._count_hits("acquire", layout, dict(hits), len(keys) - hits.total())
+        self.counters["bytes_host_to_client"] += hits.total() * layout.block_bytes
         return out
 
     def release(self, session_id: int, lease_ids: Sequence[int]) -> None:
@@ -325,9 +530,11 @@ class BlockStore:
         self.check_keys(keys, unique=False)
         fp = reg.layout.fingerprint
         entries = self.host.entries
-        out: list[str | None] = ["host" if fp + k in entries else None for k in keys]
-        hits = sum(1 for t in out if t)
-        self._count_hits("lookup", reg.layout, {"host": hits}, len(keys) - hits)
+        disk_entries = self.disk.entries if self.disk is not None else {}
+        out: list[str | None] = ["host" if fp + k in entries else "disk" if fp + k in disk_entries else None
+                                 for k in keys]
+        hits = Counter(t for t in out if t)
+        self._count_hits("lookup", reg.layout, dict(hits), len(keys) - hits.total())
         return out
 
     def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
@@ -337,8 +544,14 @@ class BlockStore:
         removed = self.host.remove(fp + k for k in keys)
         if removed:
             self._emit_removed("host", fp, [e.bkey[16:] for e in removed])
-        self.counters["evicted_by_request"] += len(removed)
-        return len(removed)
+        n = len(removed)
+        if self.disk is not None:
+            gone = self.disk.remove(fp + k for k in keys)
+            if gone:
+                self._emit_removed("disk", fp, [e.bkey[16:] for e in gone])
+            n += len(gone)
+        self.counters["evicted_by_request"] += n
+        return n
 
     # -- counters and observers ----------------------------------------------------------
 
@@ -359,25 +572,69 @@ class BlockStore:
         for obs in self.observers:
             obs.removed(tier, fp, keys)
 
+    @staticmethod
+    def _emit_grouped(emit: Callable[[str, bytes, list[bytes]], None], tier: str, bkeys: Sequence[bytes]) -> None:
+        """Call ``emit(tier, fp, keys)`` once per fingerprint among ``bkeys`` (fp + key)."""
+        by_fp: dict[bytes, list[bytes]] = {}
+        for b in bkeys:
+            by_fp.setdefault(b[:16], []).append(b[16:])
+        for fp, keys in by_fp.items():
+            emit(tier, fp, keys)
+
     async def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
         """Bring these blocks from disk to host ahead of need; returns how many were promoted.
         Without a disk tier nothing is below host, so nothing is promoted."""
-        self.layout(layout_id)
+        reg = self.layout(layout_id)
         self.check_keys(keys, unique=False)
-        return 0
+        if self.disk is None:
+            return 0
+        fp = reg.layout.fingerprint
+        below = [fp + k for k in keys if fp + k not in self.host.entries and fp + k in self.disk.entries]
+        if not below:
+            return 0
+        promoted = await self._promote(reg.layout, below)
+        self.counters["prefetch_promotions"] += len(promoted)
+        return len(promoted)
 
     def extra_tier_stats(self) -> list[dict]:
         """TierStats fields of the tiers below host (none without a disk tier)."""
-        return []
+        if self.disk is None:
+            return []
+        return [{"tier": TIER_BY_NAME["disk"], "capacity_bytes": self.disk.capacity,
+                 "used_bytes": self.disk.used_bytes, "blocks": len(self.disk.entries),
+                 "load_gbps": self.disk_load_gbps}]
+
+    def holdings(self) -> list[tuple[str, bytes, list[bytes]]]:
+        """Every visible block below the gpu tier as (tier, fingerprint, keys), for the
+        location log's snapshots; consistent because it runs within one loop step."""
+        out = []
+        tiers = [("host", self.host.entries)]
+        if self.disk is not None:
+            tiers.append(("disk", self.disk.entries))
+        for tier, entries in tiers:
+            by_fp: dict[bytes, list[bytes]] = {}
+            for bkey in entries:
+                by_fp.setdefault(bkey[:16], []).append(bkey[16:])
+            out.extend((tier, fp, keys) for fp, keys in by_fp.items())
+        return out
 
     def blocks_per_layout(self) -> dict[bytes, dict[str, int]]:
         out: dict[bytes, dict[str, int]] = {}
         for bkey in self.host.entries:
             d = out.setdefault(bkey[:16], {})
             d["host"] = d.get("host", 0) + 1
+        if self.disk is not None:
+            for fp, n in self.disk.per_fp.items():
+                out.setdefault(fp, {})["disk"] = n
         return out
 
     def close(self) -> None:
         for sid in list(self.sessions):
             self.close_session(sid)
+        for mm, view in self._pool_maps.values():
+            view.release()
+            mm.close()
+        self._pool_maps.clear()
+        if self.disk is not None:
+            self.disk.close()
         self.host.close()

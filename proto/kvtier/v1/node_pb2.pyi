@@ -110,24 +110,28 @@ class SessionServerMessage(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("session_id", "layout_id", "keys")
+    __slots__ = ("session_id", "layout_id", "keys", "durable")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     layout_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    durable: bool
+    def __init__(self, session_id: _Optional[int] = ..., layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("status", "grant_id", "offset")
+    __slots__ = ("status", "grant_id", "offset", "durable")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     status: GrantStatus
     grant_id: int
     offset: int
-    def __init__(self, status: _Optional[_Union[GrantStatus, str]] = ..., grant_id: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    durable: bool
+    def __init__(self, status: _Optional[_Union[GrantStatus, str]] = ..., grant_id: _Optional[int] = ..., offset: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
     __slots__ = ("grants",)

@@ -1,0 +1,240 @@
+"""Disk tier bandwidth against raw O_DIRECT on the same directory, in the same run.
+
+Starts its own kvtierd (``DaemonProcess``) with ``--disk-dir`` under a temporary directory on
+a real filesystem (``--dir``, default /var/tmp; not tmpfs), then measures:
+
+* ``write_gbps``: durable puts of ``--block-mib`` blocks through the tier (a Sidecar writes
+  each batch into the host pool, the daemon writes it to disk, fdatasyncs, commits the LMDB
+  index, then acknowledges), ``--gib`` in all;
+* ``read_gbps``: gets of blocks that were evicted from host (the daemon promotes them from
+  disk into host slots, verifies their checksums, the Sidecar copies them out), random order,
+  ``--gib`` in all;
+* ``raw_write_gbps`` / ``raw_read_gbps``: plain O_DIRECT writes of the same block size into a
+  preallocated file in the same directory, one fdatasync per batch of the same size, and
+  random O_DIRECT reads, both at the same queue depth (a thread pool; the GIL is released in
+  the syscalls). The raw runs go once before and once after the tier runs; their mean is
+  the reference, to damp the drift of a shared disk;
+* ``ratio``: the lower of write/raw_write and read/raw_read (goal >= 0.85);
+* ``promote_1block_p99_ms``: latency of a one-block get of a disk-only block.
+
+Prints one JSON object as its last line (bandwidths in 10^9 B/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvtier.client.local_daemon import DaemonProcess
+from kvtier.client.sidecar import Sidecar
+from kvtier.tiers.layout import Layout
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+def raw_write(path: str, nblocks: int, block: int, batch: int, qd: int) -> float:
+    """O_DIRECT writes of ``block`` bytes at queue depth ``qd``, fdatasync per ``batch``; GB/s."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    bufs = [mmap.mmap(-1, block) for _ in range(qd)]
+    for b in bufs:
+        b.write(np.random.default_rng(1).bytes(block))
+    try:
+        os.posix_fallocate(fd, 0, nblocks * block)
+        os.fsync(fd)
+        with ThreadPoolExecutor(qd) as pool:
+            t0 = time.perf_counter()
+            for first in range(0, nblocks, batch):
+                idx = range(first, min(first + batch, nblocks))
+                list(pool.map(lambda i: os.pwritev(fd, [bufs[i % qd]], i * block), idx))
+                os.fdatasync(fd)
+            dt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return nblocks * block / dt / 1e9
+
+
+def raw_read(path: str, nblocks: int, block: int, qd: int) -> float:
+    """Random O_DIRECT reads of ``block`` bytes at queue depth ``qd``; GB/s."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    bufs = [mmap.mmap(-1, block) for _ in range(qd)]
+    order = list(range(nblocks))
+    random.Random(2).shuffle(order)
+    try:
+        with ThreadPoolExecutor(qd) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(lambda j: os.preadv(fd, [bufs[j % qd]], order[j] * block), range(nblocks)))
+            dt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return nblocks * block / dt / 1e9
+
+
+def key(i: int) -> bytes:
+    return b"benchdsk" + i.to_bytes(8, "big")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=2.0, help="GiB moved each way (default 2)")
+    ap.add_argument("--quick", action="store_true", help="0.25 GiB each way (a smoke run)")
+    ap.add_argument("--block-mib", type=float, default=2.0, help="block size in MiB (default 2)")
+    ap.add_argument("--batch", type=int, default=32, help="blocks per put / get (default 32)")
+    ap.add_argument("--queue-depth", type=int, default=8, help="disk I/Os in flight (default 8)")
+    ap.add_argument("--host-mib", type=int, default=0,
+                    help="host tier capacity in MiB (default: a quarter of the bytes moved, at most 256)")
+    ap.add_argument("--dir", default="/var/tmp", help="parent of the temporary disk dir (a real filesystem)")
+    ap.add_argument("--streams", type=int, default=2, help="concurrent writers of durable puts (default 2)")
+    ap.add_argument("--latency-samples", type=int, default=200)
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    args = ap.parse_args()
+    gib = 0.25 if args.quick else args.gib
+    block = int(args.block_mib * MiB)
+    nblocks = max(args.batch, int(gib * GiB) // block)
+    qd, batch = args.queue_depth, args.batch
+    host_mib = args.host_mib or max(int(2 * batch * args.block_mib), min(256, int(nblocks * args.block_mib) // 4))
+    if host_mib * MiB >= nblocks * block:
+        raise SystemExit(f"--host-mib {host_mib} holds every block: reads would never come from disk")
+    work = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=args.dir)
+    raw_path = os.path.join(work, "raw.dat")
+    try:
+        rw1 = raw_write(raw_path, nblocks, block, batch, qd)
+        rr1 = raw_read(raw_path, nblocks, block, qd)
+        os.unlink(raw_path)
+
+        disk_dir = os.path.join(work, "disk")
+        d = DaemonProcess(work, "--disk-dir", disk_dir, "--disk-capacity", str(int(nblocks * block * 1.25)),
+                          "--disk-queue-depth", str(qd), "--log-level", "warning",
+                          host_capacity=f"{host_mib}MiB").start()
+        try:
+            res = run_tier(d, nblocks, block, batch, args.latency_samples, args.streams, host_mib * MiB)
+        finally:
+            d.stop()
+            d.cleanup()
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+        rw2 = raw_write(raw_path, nblocks, block, batch, qd)
+        rr2 = raw_read(raw_path, nblocks, block, qd)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    raw_w, raw_r = (rw1 + rw2) / 2, (rr1 + rr2) / 2
+    out = {
+        "bench": "disk_tier",
+        "write_gbps": round(res["write_gbps"], 3),
+        "read_gbps": round(res["read_gbps"], 3),
+        "raw_write_gbps": round(raw_w, 3),
+        "raw_read_gbps": round(raw_r, 3),
+        "ratio": round(min(res["write_gbps"] / raw_w, res["read_gbps"] / raw_r), 3),
+        "write_ratio": round(res["write_gbps"] / raw_w, 3),
+        "read_ratio": round(res["read_gbps"] / raw_r, 3),
+        "promote_1block_p99_ms": round(res["p99_ms"], 3),
+        "promote_1block_p50_ms": round(res["p50_ms"], 3),
+        "raw_runs_gbps": {"write": [round(rw1, 3), round(rw2, 3)], "read": [round(rr1, 3), round(rr2, 3)]},
+        "block_bytes": block, "batch_blocks": batch, "queue_depth": qd, "write_streams": args.streams,
+        "bytes_written": res["bytes_written"], "bytes_read": res["bytes_read"],
+        "host_capacity_bytes": host_mib * MiB, "disk_dir_parent": args.dir,
+        "checksum_failures": res["checksum_failures"], "cpus": os.cpu_count(),
+    }
+    line = json.dumps(out)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(line + "\n")
+    print(line)
+
+
+def run_tier(d: DaemonProcess, nblocks: int, block: int, batch: int, samples: int, streams: int,
+             host_bytes: int) -> dict:
+    rng = np.random.default_rng(3)
+    distinct = [rng.bytes(block) for _ in range(min(nblocks, 64))]
+    keys = [key(i) for i in range(nblocks)]
+
+    def data(i: int) -> bytes:
+        return distinct[i % len(distinct)]
+
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(block))
+        # warm-up, untimed: fill the host pool once (its tmpfs pages are allocated on first use)
+        # with blocks put once, which leave host without a disk write (below --demote-min-seen)
+        host_blocks = host_bytes // block
+        for first in range(0, host_blocks, batch):
+            idx = range(first, min(first + batch, host_blocks))
+            sc.put(lid, [b"benchwrm" + i.to_bytes(8, "big") for i in idx], [data(i) for i in idx])
+        # durable puts from `streams` writers (each its own sidecar), so one writer's copy into the
+        # pool overlaps another's disk write, as an engine offloading every step would
+        writers = [Sidecar(d.socket) for _ in range(streams)]
+        wlids = [w.register_layout(Layout.flat(block)) for w in writers]
+
+        def put_batches(w: int) -> None:
+            for first in range(w * batch, nblocks, batch * streams):
+                idx = range(first, min(first + batch, nblocks))
+                r = writers[w].put(wlids[w], [keys[i] for i in idx], [data(i) for i in idx], durable=True)
+                if r.stored != len(idx):
+                    raise SystemExit(f"durable put stored {r.stored} of {len(idx)} blocks: {r}")
+
+        with ThreadPoolExecutor(streams) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(put_batches, range(streams)))
+            write_s = time.perf_counter() - t0
+        for w in writers:
+            w.close()
+        st = sc.stats()
+        if st["tiers"]["disk"]["blocks"] != nblocks or st["counters"].get("demotions", 0):
+            raise SystemExit(f"disk tier holds {st['tiers']['disk']['blocks']} of {nblocks} blocks")
+
+        # gets of blocks evicted from host, random order, until as many bytes as were written
+        order = list(range(nblocks))
+        random.Random(4).shuffle(order)
+        out = [bytearray(block) for _ in range(batch)]
+        read_blocks, read_s, pos = 0, 0.0, 0
+        before = sc.stats()["counters"]
+        while read_blocks < nblocks:
+            if pos > 100 * nblocks:
+                raise SystemExit("too few blocks left host: lower --host-mib")
+            cand = [order[(pos + j) % nblocks] for j in range(batch * 2)]
+            pos += batch * 2
+            where = sc.lookup(lid, [keys[i] for i in cand])
+            pick = [i for i, t in zip(cand, where, strict=True) if t == "disk"][:min(batch, nblocks - read_blocks)]
+            if not pick:
+                continue
+            t0 = time.perf_counter()
+            got = sc.get(lid, [keys[i] for i in pick], out=out[:len(pick)])
+            read_s += time.perf_counter() - t0
+            if any(g is None for g in got):
+                raise SystemExit("a block evicted from host was not served from disk")
+            if read_blocks == 0 and bytes(got[0]) != data(pick[0]):
+                raise SystemExit("block served with wrong bytes")
+            read_blocks += len(pick)
+        after = sc.stats()["counters"]
+        from_disk = after.get("acquire_hit_blocks:disk", 0) - before.get("acquire_hit_blocks:disk", 0)
+        if from_disk != read_blocks:
+            raise SystemExit(f"{read_blocks} blocks read, but the daemon promoted {from_disk}")
+
+        # one-block promotion latency
+        lat = []
+        for j in range(samples):
+            i = order[(pos + j) % nblocks]
+            if sc.lookup(lid, [keys[i]]) != ["disk"]:
+                continue
+            t0 = time.perf_counter()
+            g = sc.get(lid, [keys[i]], out=out[:1])
+            lat.append(time.perf_counter() - t0)
+            assert g[0] is not None
+        lat_ms = np.array(lat) * 1e3
+        return {"write_gbps": nblocks * block / write_s / 1e9, "read_gbps": read_blocks * block / read_s / 1e9,
+                "bytes_written": nblocks * block, "bytes_read": read_blocks * block,
+                "p99_ms": float(np.percentile(lat_ms, 99)), "p50_ms": float(np.percentile(lat_ms, 50)),
+                "checksum_failures": int(after.get("checksum_failures", 0))}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,594 @@
+"""The block-location index a router holds: the fold of the daemons' location events.
+
+Owns
+    * a key table: each distinct key (opaque bytes) gets a *row*; ``dict[bytes, int]`` plus
+      the reverse list, so a batch of keys becomes row numbers with one dict probe each;
+    * a bit matrix ``rows x columns`` (``uint64`` words): one *column* per location, where a
+      location is ``(node, tier, worker, fingerprint)``: ``host``/``disk`` of a node (worker
+      empty) or ``gpu`` of one worker, per layout fingerprint; plus two *speculative*
+      columns per worker (see below). A stored event sets a column's bit in the rows of its
+      keys, a removed event clears it, a cleared event clears the whole column. Memory per
+      key is the dict entry, the key's bytes and one row of the matrix, independent of how
+      many locations hold it (``index_bytes_per_block`` in ``bench/router.py``);
+    * nodes (what each daemon published: its workers, layouts, tier bandwidths) and the
+      *workers* routed to. A worker sees its own ``gpu`` blocks and its node's ``host`` and
+      ``disk`` blocks. A worker declared by its node (its sidecar reported device blocks)
+      holds a block only when every layout fingerprint it registered (one per
+      tensor-parallel rank) holds it; a node that declared no worker is routed to as one
+      worker named after the node, which holds a block under any fingerprint.
+
+Speculative entries
+    :meth:`LocationIndex.speculate` marks keys as on a worker's GPU at once, before its
+    engine reports them, so a session's next turn sticks to that worker. They live in two
+    generations of columns; :meth:`expire` clears the older generation every ``ttl``, so an
+    unconfirmed entry disappears between ``ttl`` and ``2 * ttl`` after it was made. A
+    confirmed one (the engine's gpu event arrived) stays through the real column.
+
+Overlaps
+    :meth:`overlaps` returns, per worker, the leading run of a request's keys held on its
+    GPU, in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``, as
+    :class:`~kvtier.client.scoring.Overlap`). One dict probe per key finds the rows; nothing
+    past the first unknown key can count, and only workers with a column set in the first
+    key's row can hold a leading block, so just those are tested: per tier an OR-mask of
+    the worker's columns against the rows' words (or, for tensor-parallel workers, the
+    unpacked bits with an AND over ranks), then ``argmin`` for the first miss. Row 0 is never
+    given to a key: it pads the rows to a multiple of 8, so a first miss always exists.
+
+Cost: the dict probes of the request's keys dominate (at a million keys they miss the CPU
+caches: about 0.25 us a key on the 2-core development machine); the rest is a fixed
+number of numpy calls per request, independent of the number of workers.
+
+Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
+automatically once enough removals accumulate). Not thread-safe: the router serialises
+calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+
+import numpy as np
+
+from kvtier.client.scoring import ScorerConfig
+
+TIERS = ("gpu", "host", "disk")
+ALWAYS = 0  # column set in every live row (the neutral element of an AND over columns)
+NEVER = 1   # column set in no row (the neutral element of an OR)
+_FIRST_COLUMN = 2
+
+
+@dataclass
+class NodeView:
+    """What the index knows of one daemon."""
+
+    node_id: str
+    epoch: int = 0
+    seq: int = 0                                                   # last event applied
+    workers: dict[str, tuple[bytes, ...]] = field(default_factory=dict)  # declared, with fingerprints
+    fingerprints: set[bytes] = field(default_factory=set)           # seen in host/disk events
+    load_gbps: dict[str, float] = field(default_factory=dict)       # published, 0 = unknown
+    capacity_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Worker:
+    """A worker the router can send requests to."""
+
+    name: str
+    node_id: str           # "" for a worker no daemon published (a candidate named by a caller)
+    index: int             # position in the per-worker arrays
+    w_host: float = 0.0    # tier weights from its node's bandwidths
+    w_disk: float = 0.0
+
+
+class LocationIndex:
+    """See the module docstring."""
+
+    def __init__(self, scorer_config: ScorerConfig | None = None, speculative_ttl_s: float = 10.0,
+                 initial_rows: int = 1 << 16) -> None:
+        self.scorer_config = scorer_config or ScorerConfig()
+        self.speculative_ttl_s = speculative_ttl_s
+        self._reset(initial_rows)
+
+    def _reset(self, initial_rows: int = 16) -> None:
+        self._rows: dict[bytes, int] = {}
+        self._keys: list[bytes | None] = [None]  # row 0 stays empty: the request padding
+        self._free: list[int] = []
+        self._bits = np.zeros((max(16, initial_rows), 1), dtype=np.uint64)
+        self._ncols = _FIRST_COLUMN
+        self._columns: dict[tuple[str, str, str, bytes], int] = {}
+        self._spec_cols: dict[str, tuple[int, int]] = {}  # worker -> its columns of generation 0 and 1
+        self._spec_gen = 0
+        self._spec_rotated_at: float | None = None
+        self._removals = 0
+        self.nodes: dict[str, NodeView] = {}
+        self.workers: list[Worker] = []
+        self._worker_by_name: dict[str, Worker] = {}
+        self._external: list[str] = []
+        self._plan: _Plan | None = None
+
+    # -- sizes ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Distinct keys indexed (held somewhere, or speculative)."""
+        return len(self._rows)
+
+    @property
+    def columns(self) -> int:
+        return self._ncols
+
+    def nbytes(self) -> int:
+        """Bytes of the index's own arrays (the bit matrix and the row list; not the dict)."""
+        return int(self._bits.nbytes) + 8 * len(self._keys)
+
+    # -- columns and rows -----------------------------------------------------------------
+
+    def _column(self, node: str, tier: str, worker: str, fp: bytes) -> int:
+        loc = (node, tier, worker, fp)
+        col = self._columns.get(loc)
+        if col is None:
+            col = self._columns[loc] = self._new_column()
+            if tier != "gpu" and fp not in self.node(node).fingerprints:
+                self.node(node).fingerprints.add(fp)
+            self._plan = None
+        return col
+
+    def _new_column(self) -> int:
+        col = self._ncols
+        self._ncols += 1
+        words = (self._ncols + 63) // 64
+        if words > self._bits.shape[1]:
+            grown = np.zeros((self._bits.shape[0], words), dtype=np.uint64)
+            grown[:, :self._bits.shape[1]] = self._bits
+            self._bits = grown
+        return col
+
+    def _alloc_rows(self, keys: list[bytes]) -> None:
+        """Give rows to keys not yet indexed (distinct, absent from the table)."""
+        n = len(keys)
+        take = min(n, len(self._free))
+        if take:
+            reused = self._free[len(self._free) - take:]
+            del self._free[len(self._free) - take:]
+            for r, k in zip(reused, keys[:take], strict=True):
+                self._keys[r] = k
+            self._rows.update(zip(keys[:take], reused, strict=True))
+            self._bits[np.asarray(reused, dtype=np.int64), 0] |= np.uint64(1 << ALWAYS)
+        if take == n:
+            return
+        start = len(self._keys)
+        need = start + n - take
+        if need > self._bits.shape[0]:
+            cap = self._bits.shape[0]
+            while cap < need:
+                cap *= 2
+            grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
+            grown[:start] = self._bits[:start]
+            self._bits = grown
+        fresh = keys[take:]
+        self._keys.extend(fresh)
+        self._rows.update(zip(fresh, range(start, need), strict=True))
+        self._bits[start:need, 0] |= np.uint64(1 << ALWAYS)
+
+    def _rows_of(self, keys: Sequence[bytes], create: bool, rows: list[int] | None = None) -> np.ndarray:
+        if not isinstance(keys, list):
+            keys = list(keys)  # once: a protobuf field makes new bytes objects on every pass
+        if rows is None:
+            rows = self.lookup(keys)
+        if create and -1 in rows:
+            self._alloc_rows(list(dict.fromkeys([k for k, r in zip(keys, rows, strict=True) if r < 0])))
+            get = self._rows.__getitem__
+            rows = [r if r >= 0 else get(k) for k, r in zip(keys, rows, strict=True)]
+        arr = np.fromiter(rows, dtype=np.int64, count=len(rows))
+        return arr if create else arr[arr >= 0]
+
+    def _set(self, rows: np.ndarray, col: int) -> None:
+        if rows.size:
+            self._bits[rows, col >> 6] |= np.uint64(1 << (col & 63))
+
+    def _clear(self, rows: np.ndarray, col: int) -> None:
+        if rows.size:
+            self._bits[rows, col >> 6] &= np.uint64(~(1 << (col & 63)) & 0xFFFFFFFFFFFFFFFF)
+            self._removals += int(rows.size)
+
+    def _clear_columns(self, cols: Iterable[int]) -> None:
+        masks: dict[int, int] = {}
+        for col in cols:
+            masks[col >> 6] = masks.get(col >> 6, 0) | (1 << (col & 63))
+        hw = len(self._keys)
+        for word, mask in masks.items():
+            self._bits[:hw, word] &= np.uint64(~mask & 0xFFFFFFFFFFFFFFFF)
+        self._removals += hw if masks else 0
+
+    # -- nodes and events -----------------------------------------------------------------
+
+    def node(self, node_id: str) -> NodeView:
+        view = self.nodes.get(node_id)
+        if view is None:
+            view = self.nodes[node_id] = NodeView(node_id)
+            self._plan = None
+        return view
+
+    def set_node_info(self, node_id: str, workers: dict[str, Sequence[bytes]] | None = None,
+                      load_gbps: dict[str, float] | None = None,
+                      capacity_bytes: dict[str, int] | None = None) -> None:
+        """What a daemon published about itself (its NodeInfo)."""
+        view = self.node(node_id)
+        if workers is not None:
+            declared = {w: tuple(sorted(fps)) for w, fps in workers.items()}
+            if declared != view.workers:
+                view.workers = declared
+                self._plan = None
+        if load_gbps is not None and load_gbps != view.load_gbps:
+            view.load_gbps = dict(load_gbps)
+            self._plan = None
+        if capacity_bytes is not None:
+            view.capacity_bytes = dict(capacity_bytes)
+
+    def stored(self, node: str, tier: str, worker: str, fp: bytes, keys: Sequence[bytes]) -> None:
+        """Keys became visible in (node, tier) or on worker's GPU, under layout ``fp``."""
+        col = self._column(node, tier, worker if tier == "gpu" else "", fp)
+        if tier == "gpu":
+            view = self.node(node)
+            fps = view.workers.get(worker, ())
+            if fp not in fps:
+                view.workers[worker] = tuple(sorted((*fps, fp)))
+                self._plan = None
+        self._set(self._rows_of(keys, create=True), col)
+
+    def removed(self, node: str, tier: str, worker: str, fp: bytes, keys: Sequence[bytes]) -> None:
+        col = self._columns.get((node, tier, worker if tier == "gpu" else "", fp))
+        if col is not None:
+            self._clear(self._rows_of(keys, create=False), col)
+            self._maybe_compact()
+
+    def cleared(self, node: str, tier: str, worker: str = "") -> None:
+        """Everything of (node, tier) is gone (for gpu: of that worker; "" for every worker)."""
+        cols = [c for (n, t, w, _), c in self._columns.items()
+                if n == node and t == tier and (tier != "gpu" or not worker or w == worker)]
+        self._clear_columns(cols)
+        self._maybe_compact()
+
+    def reset_node(self, node_id: str) -> None:
+        """Forget every location of a node (a snapshot follows, or the node is gone)."""
+        cols = [c for (n, _, _, _), c in self._columns.items() if n == node_id]
+        self._clear_columns(cols)
+        view = self.node(node_id)
+        view.seq = 0
+        self._maybe_compact()
+
+    def drop_node(self, node_id: str) -> None:
+        """The node left (its address is gone): forget it and its workers."""
+        self.reset_node(node_id)
+        self.nodes.pop(node_id, None)
+        self._plan = None
+
+    # -- speculative entries --------------------------------------------------------------
+
+    def speculate(self, worker: str, keys: Sequence[bytes], rows: list[int] | None = None) -> None:
+        """Mark ``keys`` as on ``worker``'s GPU until confirmed or expired (see module doc).
+        ``rows``: :meth:`lookup`'s answer for ``keys``, if the caller has it (no :meth:`expire`
+        or removal since: those may reclaim rows). Callers run :meth:`expire` themselves."""
+        cols = self._spec_cols.get(worker)
+        if cols is None:  # a worker the plan does not know (yet)
+            cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
+            self._plan = None
+        self._set(self._rows_of(keys, create=True, rows=rows), cols[self._spec_gen])
+
+    def expire(self, now: float) -> None:
+        """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
+        if self._spec_rotated_at is None:
+            self._spec_rotated_at = now
+            return
+        if now - self._spec_rotated_at < self.speculative_ttl_s:
+            return
+        periods = int((now - self._spec_rotated_at) // self.speculative_ttl_s)
+        gens = (0, 1) if periods >= 2 else (1 - self._spec_gen,)
+        self._clear_columns(cols[g] for cols in self._spec_cols.values() for g in gens)
+        self._spec_gen = 1 - self._spec_gen
+        self._spec_rotated_at += periods * self.speculative_ttl_s
+        self._maybe_compact()
+
+    # -- reclaiming rows ------------------------------------------------------------------
+
+    def _maybe_compact(self) -> None:
+        if self._removals > max(65536, len(self._rows) // 2):
+            self.compact()
+
+    def compact(self) -> int:
+        """Give back the rows of keys no location holds; returns how many."""
+        self._removals = 0
+        hw = len(self._keys)
+        if not hw:
+            return 0
+        bits = self._bits[:hw]
+        only_always = bits[:, 0] == np.uint64(1 << ALWAYS)
+        for w in range(1, bits.shape[1]):
+            only_always &= bits[:, w] == 0
+        dead = np.flatnonzero(only_always)
+        if not dead.size:
+            return 0
+        self._bits[dead] = 0
+        keys, rows = self._keys, self._rows
+        for r in dead.tolist():
+            del rows[keys[r]]
+            keys[r] = None
+        self._free.extend(dead.tolist())
+        return int(dead.size)
+
+    # -- workers and overlaps -------------------------------------------------------------
+
+    def add_external_worker(self, name: str) -> None:
+        """A worker no daemon publishes (a caller named it): it holds nothing but can be picked."""
+        if name not in self._external:
+            self._external.append(name)
+            self._plan = None
+
+    def worker(self, name: str) -> Worker | None:
+        self.plan()
+        return self._worker_by_name.get(name)
+
+    def plan(self) -> _Plan:
+        """The per-worker column tables, rebuilt when nodes, workers or columns change."""
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    def _build_plan(self) -> _Plan:
+        cfg = self.scorer_config
+        names: list[tuple[str, str]] = []  # (worker, node)
+        for node_id in sorted(self.nodes):
+            view = self.nodes[node_id]
+            if view.workers:
+                names.extend((w, node_id) for w in sorted(view.workers))
+            else:
+                names.append((node_id, node_id))
+        seen = {w for w, _ in names}
+        names.extend((w, "") for w in self._external if w not in seen)
+        and_cols: dict[str, list[list[int]]] = {t: [] for t in TIERS}
+        or_cols: dict[str, list[list[int]]] = {t: [] for t in TIERS}
+        spec: list[list[int]] = []
+        workers: list[Worker] = []
+        for i, (name, node_id) in enumerate(names):
+            view = self.nodes.get(node_id)
+            bw = view.load_gbps if view else {}
+            workers.append(Worker(name, node_id, i, cfg.tier_weight("host", bw.get("host")),
+                                  cfg.tier_weight("disk", bw.get("disk"))))
+            cols = self._spec_cols.get(name)
+            if cols is None:  # made up front: a first speculation must not grow the matrix
+                cols = self._spec_cols[name] = (self._new_column(), self._new_column())
+            spec.append(list(cols))
+            if view is None:
+                for t in TIERS:
+                    and_cols[t].append([NEVER])
+                    or_cols[t].append([ALWAYS])
+                continue
+            declared = view.workers.get(name)
+            if declared:
+                for t in TIERS:
+                    who = name if t == "gpu" else ""
+                    and_cols[t].append([self._column(node_id, t, who, fp) for fp in declared])
+                    or_cols[t].append([ALWAYS])
+            else:
+                # an undeclared node worker (or a declared one with no layout yet): any fingerprint
+                for t in TIERS:
+                    who = name if t == "gpu" else ""
+                    cols = [c for (n, tt, w, _), c in self._columns.items()
+                            if n == node_id and tt == t and w == who]
+                    and_cols[t].append([ALWAYS])
+                    or_cols[t].append(cols or [NEVER])
+        self._worker_by_name = {w.name: w for w in workers}
+        self.workers = workers
+        return _Plan(workers, {t: _pad(and_cols[t], ALWAYS) for t in TIERS},
+                     {t: _pad(or_cols[t], NEVER) for t in TIERS}, np.asarray(spec, dtype=np.int64).reshape(-1, 2),
+                     self._bits.shape[1] * 64)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Row of each key, -1 where not indexed (pass to :meth:`overlaps`/:meth:`speculate`)."""
+        return list(map(self._rows.get, keys, repeat(-1, len(keys))))
+
+    def overlaps(self, keys: Sequence[bytes], workers: np.ndarray | None = None,
+                 rows: list[int] | None = None) -> np.ndarray:
+        """Per worker (all, or the plan indices given): leading blocks of ``keys`` held on its
+        GPU, in GPU or host, and in any tier: a (3, workers) int64 array (unpack it as
+        ``d_gpu, d_host, d_disk``). ``rows``: :meth:`lookup`'s answer for ``keys``, if the
+        caller has it."""
+        plan = self.plan()
+        n_w = len(plan.workers) if workers is None else len(workers)
+        if rows is None:
+            rows = self.lookup(keys)
+        try:
+            m = rows.index(-1)  # nobody holds a key past the first unknown one
+        except ValueError:
+            m = len(rows)
+        if m == 0 or n_w == 0:
+            return np.zeros((3, n_w), dtype=np.int64)
+        # the known prefix, then row 0 (empty) up to a multiple of 8 keys: the first key
+        # not held is then always found, and the ORs can run eight keys at a time
+        padded = rows[:m] + [0] * (8 - m % 8)
+        bits = self._bits[np.asarray(padded, dtype=np.int64)]
+        # only workers with a column set in the first key can hold a leading block
+        if plan.masks is not None:
+            touched = (plan.masks[2] & bits[0]).any(axis=1)
+        else:
+            first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
+            touched = plan.col_workers[first].any(axis=0)
+        if workers is not None:
+            touched = touched[workers]
+        cand = np.flatnonzero(touched)
+        lead = np.zeros((3, n_w), dtype=np.int64)
+        if not cand.size:
+            return lead
+        pick = cand if workers is None else workers[cand]
+        if plan.masks is not None:
+            # (keys, 3, candidates): some column of the tier's mask is set in the key's row
+            x = bits[:, None, None, :] & plan.masks[:, pick][None]
+            y = x[..., 0]
+            for j in range(1, x.shape[3]):
+                y = y | x[..., j]
+            lead[:, cand] = (y != 0).argmin(axis=0)
+            return lead
+        # bytes of each key's row as columns, then bits: ut[c, i] is column c of key i
+        ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
+        held = plan.held(ut, pick)
+        lead[:, cand] = held.reshape(3 * cand.size, len(padded)).argmin(axis=1).reshape(3, cand.size)
+        return lead
+
+    # -- inspection -----------------------------------------------------------------------
+
+    def holdings(self, node_id: str | None = None, speculative: bool = False) -> dict[tuple[str, str, str, bytes], set[bytes]]:
+        """{(node, tier, worker, fingerprint): keys} (slow; for tests and tools)."""
+        out: dict[tuple[str, str, str, bytes], set[bytes]] = {}
+        hw = len(self._keys)
+        keys = self._keys
+        for loc, col in self._columns.items():
+            if node_id is not None and loc[0] != node_id:
+                continue
+            hit = np.flatnonzero((self._bits[:hw, col >> 6] >> np.uint64(col & 63)) & np.uint64(1))
+            if hit.size:
+                out[loc] = {keys[r] for r in hit.tolist()}  # type: ignore[misc]
+        if speculative:
+            for worker, cols in self._spec_cols.items():
+                for col in cols:
+                    hit = np.flatnonzero((self._bits[:hw, col >> 6] >> np.uint64(col & 63)) & np.uint64(1))
+                    if hit.size:
+                        out.setdefault(("", "speculative", worker, b""), set()).update(keys[r] for r in hit.tolist())
+        return out
+
+    # -- persistence ----------------------------------------------------------------------
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Everything but speculative entries, as arrays (``numpy.savez``-able)."""
+        hw = len(self._keys)
+        live = np.flatnonzero(self._bits[:hw, 0] & np.uint64(1 << ALWAYS))
+        keys = [self._keys[r] for r in live.tolist()]
+        cols = sorted(self._columns.items(), key=lambda kv: kv[1])
+        meta = {
+            "columns": [[n, t, w, fp.hex(), c] for (n, t, w, fp), c in cols],
+            "nodes": {nid: {"epoch": v.epoch, "seq": v.seq, "load_gbps": v.load_gbps,
+                            "capacity_bytes": v.capacity_bytes,
+                            "workers": {w: [f.hex() for f in fps] for w, fps in v.workers.items()},
+                            "fingerprints": sorted(f.hex() for f in v.fingerprints)}
+                      for nid, v in self.nodes.items()},
+        }
+        bits = self._bits[live]
+        spec_mask = np.zeros(bits.shape[1], dtype=np.uint64)
+        for c0, c1 in self._spec_cols.values():
+            for c in (c0, c1):
+                spec_mask[c >> 6] |= np.uint64(1 << (c & 63))
+        bits &= ~spec_mask
+        return {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                "key_lengths": np.fromiter((len(k) for k in keys), dtype=np.uint8, count=len(keys)),
+                "key_bytes": np.frombuffer(b"".join(keys), dtype=np.uint8), "bits": bits}  # type: ignore[arg-type]
+
+    def load_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Replace everything with a :meth:`state` (speculative entries start empty)."""
+        meta = json.loads(bytes(arrays["meta"]).decode())
+        self._reset()
+        for n, t, w, fp_hex, c in meta["columns"]:
+            self._columns[(n, t, w, bytes.fromhex(fp_hex))] = c
+            self._ncols = max(self._ncols, c + 1)
+        for nid, v in meta["nodes"].items():
+            self.nodes[nid] = NodeView(nid, v["epoch"], v["seq"],
+                                       {w: tuple(bytes.fromhex(f) for f in fps) for w, fps in v["workers"].items()},
+                                       {bytes.fromhex(f) for f in v["fingerprints"]}, v["load_gbps"],
+                                       v["capacity_bytes"])
+        lengths = arrays["key_lengths"].astype(np.int64)
+        blob = arrays["key_bytes"].tobytes()
+        ends = np.cumsum(lengths).tolist()
+        starts = [0, *ends[:-1]]
+        keys = [blob[s:e] for s, e in zip(starts, ends, strict=True)]
+        bits = arrays["bits"]
+        words = max((self._ncols + 63) // 64, bits.shape[1])
+        n = len(keys)
+        self._bits = np.zeros((max(16, n + 1), words), dtype=np.uint64)
+        self._bits[1:n + 1, :bits.shape[1]] = bits  # row 0 stays the empty padding row
+        self._keys = [None, *keys]
+        self._rows = dict(zip(keys, range(1, n + 1), strict=True))
+        self._plan = None
+
+
+@dataclass
+class _Plan:
+    """Per-worker column tables: a tier is held when all ``and_cols`` and any ``or_cols`` are set.
+
+    ``fast`` (when every worker has one column per tier and no OR, the usual case) lists, for
+    all workers at once, the columns gpu, speculative 0, speculative 1, host, disk; ``masks``
+    are then the per-worker word masks of the cumulative tier tests.
+    """
+
+    workers: list[Worker]
+    and_cols: dict[str, np.ndarray]   # tier -> (workers, F) columns, padded with ALWAYS
+    or_cols: dict[str, np.ndarray]    # tier -> (workers, G) columns, padded with NEVER
+    spec: np.ndarray                  # (workers, 2) speculative columns
+    n_columns: int = 64               # columns of the bit matrix (a multiple of 64)
+    fast: np.ndarray | None = None    # (5, workers) columns, or None
+    col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
+
+    def __post_init__(self) -> None:
+        simple = all(self.and_cols[t].shape[1] == 1 and self.or_cols[t].shape[1] == 1
+                     and bool((self.or_cols[t] == ALWAYS).all()) for t in TIERS)
+        if simple:
+            self.fast = np.stack([self.and_cols["gpu"][:, 0], self.spec[:, 0], self.spec[:, 1],
+                                  self.and_cols["host"][:, 0], self.and_cols["disk"][:, 0]])
+        # col_workers[c, w]: column c is one of worker w's (a worker whose columns are all
+        # clear in a request's first key holds no leading block of it)
+        cw = np.zeros((self.n_columns, len(self.workers)), dtype=np.bool_)
+        for i in range(len(self.workers)):
+            cols = [*self.spec[i]]
+            for t in TIERS:
+                cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
+            cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
+        self.col_workers = cw
+        # with the fast plan each tier test is an OR of columns, so a word mask per worker:
+        # masks[t, w] has the columns of "on GPU (or speculative)", "... or host", "... or disk"
+        self.masks: np.ndarray | None = None
+        if self.fast is not None:
+            words = self.n_columns // 64
+            bits = np.zeros((5, len(self.workers), words * 64), dtype=np.bool_)
+            for j in range(5):
+                bits[j, np.arange(len(self.workers)), self.fast[j]] = True
+            bits[:, :, NEVER] = False
+            cum = np.stack([bits[0] | bits[1] | bits[2], bits[0] | bits[1] | bits[2] | bits[3],
+                            bits.any(axis=0)])
+            self.masks = np.packbits(cum, axis=2, bitorder="little").view(np.uint64).copy()
+
+    def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
+        """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,
+        keys a multiple of 8, padded with empty rows): held on GPU, in GPU or host, in any
+        tier. The ORs run on the 0/1 bytes eight at a time (as uint64)."""
+        m = ut.shape[1]
+        if self.fast is not None:
+            idx = self.fast if sel is None else self.fast[:, sel]
+            w = idx.shape[1]
+            g = ut[idx.ravel()].view(np.uint64).reshape(5, w, m // 8)
+            gpu, s0, s1, host, disk = g
+        else:
+            w = len(self.workers) if sel is None else len(sel)
+            gpu, host, disk = (self._tier(ut, t, sel).view(np.uint64) for t in TIERS)
+            spec = self.spec if sel is None else self.spec[sel]
+            s0, s1 = ut[spec[:, 0]].view(np.uint64), ut[spec[:, 1]].view(np.uint64)
+        out = np.empty((3, w, m // 8), dtype=np.uint64)
+        np.bitwise_or(gpu, s0, out=out[0])
+        out[0] |= s1
+        np.bitwise_or(out[0], host, out=out[1])
+        np.bitwise_or(out[1], disk, out=out[2])
+        return out.view(np.bool_).reshape(3, w, m)
+
+    def _tier(self, ut: np.ndarray, tier: str, sel: np.ndarray | None) -> np.ndarray:
+        a = self.and_cols[tier] if sel is None else self.and_cols[tier][sel]
+        o = self.or_cols[tier] if sel is None else self.or_cols[tier][sel]
+        m = ut.shape[1]
+        held = ut[a.ravel()].view(np.bool_).reshape(*a.shape, m).all(axis=1)
+        held &= ut[o.ravel()].view(np.bool_).reshape(*o.shape, m).any(axis=1)
+        return held.view(np.uint8)
+
+
+def _pad(lists: list[list[int]], fill: int) -> np.ndarray:
+    width = max((len(x) for x in lists), default=1)
+    return np.asarray([x + [fill] * (width - len(x)) for x in lists], dtype=np.int64).reshape(len(lists), width)
+
+

@@ -1,0 +1,229 @@
+"""Unit tests of the location index, the vectorised scorer and the feed fold (pure logic)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvtier.client.index import LocationIndex
+from kvtier.client.router import Router, RouterConfig, RouterError, _FeedError
+from kvtier.client.scoring import Load, Overlap, Scorer, ScorerConfig, tie_hash, tie_hashes, worker_digests
+from kvtier.proto import locations_pb2 as L
+from kvtier.proto import node_pb2 as N
+
+FP = b"f" * 16
+FP2 = b"g" * 16
+RANK = {"gpu": 0, "host": 1, "disk": 2}
+
+
+def keys(n: int, tag: str = "k") -> list[bytes]:
+    return [f"{tag}{i:014d}".encode()[:16].ljust(16, b".") for i in range(n)]
+
+
+def test_overlaps_match_the_definition_on_random_holdings() -> None:
+    """d_t is the leading run held in tier t or faster, per worker (Overlap.from_ranks)."""
+    rng = random.Random(7)
+    idx = LocationIndex()
+    workers = {f"w{i}": f"n{i % 3}" for i in range(7)}
+    for node in set(workers.values()):
+        idx.set_node_info(node, {w: [FP] for w, n in workers.items() if n == node})
+    ks = keys(200)
+    held: dict[tuple[str, str], set[bytes]] = {}
+    for _ in range(400):
+        w = rng.choice(sorted(workers))
+        tier = rng.choice(["gpu", "host", "disk"])
+        who, node = (w, workers[w]) if tier == "gpu" else ("", workers[w])
+        lo = rng.randrange(200)
+        batch = ks[lo:lo + rng.randrange(1, 40)]
+        loc = (who or node, tier)
+        if rng.random() < 0.7:
+            idx.stored(node, tier, who, FP, batch)
+            held.setdefault(loc, set()).update(batch)
+        else:
+            idx.removed(node, tier, who, FP, batch)
+            held.setdefault(loc, set()).difference_update(batch)
+    for start in range(0, 200, 13):
+        req = ks[start:start + 64] + keys(3, "new")
+        lead = idx.overlaps(req)
+        for w in idx.plan().workers:
+            node = workers[w.name]
+
+            def rank(k: bytes, w: str = w.name, node: str = node) -> int:
+                for tier, loc in (("gpu", w), ("host", node), ("disk", node)):
+                    if k in held.get((loc, tier), ()):
+                        return RANK[tier]
+                return 3
+
+            want = Overlap.from_ranks(rank(k) for k in req)
+            assert (want.gpu, want.host, want.disk) == tuple(lead[:, w.index]), w.name
+
+
+def test_a_tensor_parallel_worker_holds_a_block_only_when_every_rank_does() -> None:
+    idx = LocationIndex()
+    idx.set_node_info("n", {"tp2": [FP, FP2]})
+    ks = keys(8)
+    idx.stored("n", "host", "", FP, ks)
+    idx.stored("n", "host", "", FP2, ks[:5])
+    assert idx.overlaps(ks)[:, 0].tolist() == [0, 5, 5]
+
+
+def test_an_undeclared_node_is_one_worker_that_takes_any_fingerprint() -> None:
+    idx = LocationIndex()
+    ks = keys(6)
+    idx.stored("solo", "host", "", FP, ks[:3])
+    idx.stored("solo", "disk", "", FP2, ks[3:])
+    assert [w.name for w in idx.plan().workers] == ["solo"]
+    assert idx.overlaps(ks)[:, 0].tolist() == [0, 3, 6]
+
+
+def test_speculative_entries_expire_between_ttl_and_twice_ttl() -> None:
+    idx = LocationIndex(speculative_ttl_s=1.0)
+    idx.stored("n", "host", "", FP, keys(1, "other"))  # a node, so there is a worker
+    ks = keys(4)
+    idx.expire(0.0)
+    idx.speculate("n", ks)
+    idx.expire(0.99)
+    assert idx.overlaps(ks)[0, 0] == 4
+    idx.expire(1.5)   # one rotation: the entry is in the older generation now, still there
+    assert idx.overlaps(ks)[0, 0] == 4
+    idx.expire(2.01)  # second rotation: gone
+    assert idx.overlaps(ks)[0, 0] == 0
+    idx.compact()
+    assert len(idx) == 1  # only the stored key is left
+
+
+def test_rows_of_removed_keys_are_reclaimed_and_reused() -> None:
+    idx = LocationIndex()
+    ks = keys(1000)
+    idx.stored("n", "host", "", FP, ks)
+    assert len(idx) == 1000
+    idx.removed("n", "host", "", FP, ks[:600])
+    assert idx.compact() == 600
+    assert len(idx) == 400
+    rows_before = len(idx._keys)
+    idx.stored("n", "disk", "", FP, keys(500, "x"))
+    assert len(idx._keys) == rows_before  # the 500 new keys took freed rows
+    assert idx.overlaps(ks[600:])[:, 0].tolist() == [0, 400, 400]
+    assert idx.overlaps(keys(500, "x"))[:, 0].tolist() == [0, 0, 500]
+
+
+def test_state_round_trip_keeps_holdings_and_drops_speculation() -> None:
+    idx = LocationIndex()
+    idx.set_node_info("a", {"a0": [FP]}, {"host": 40.0})
+    idx.stored("a", "gpu", "a0", FP, keys(5))
+    idx.stored("a", "host", "", FP, keys(9, "h"))
+    idx.stored("b", "disk", "", FP2, keys(3, "d"))
+    idx.removed("a", "host", "", FP, keys(2, "h"))
+    idx.speculate("b", keys(4, "s"))
+    idx.node("a").epoch, idx.node("a").seq = 11, 42
+    copy = LocationIndex()
+    copy.load_state(idx.state())
+    assert copy.holdings() == idx.holdings()
+    assert (copy.node("a").epoch, copy.node("a").seq) == (11, 42)
+    assert copy.node("a").load_gbps == {"host": 40.0}
+    assert copy.overlaps(keys(4, "s"))[0].tolist() == [0, 0]
+    for index in (idx, copy):
+        lead = {w.name: index.overlaps(keys(5)[:3] + keys(1, "zz"))[:, w.index].tolist()
+                for w in index.plan().workers}
+        assert lead == {"a0": [3, 3, 3], "b": [0, 0, 0]}
+        lead = {w.name: index.overlaps(keys(9, "h")[2:])[:, w.index].tolist() for w in index.plan().workers}
+        assert lead == {"a0": [0, 7, 7], "b": [0, 0, 0]}
+    copy.stored("b", "disk", "", FP2, keys(2, "new"))  # rows after a load are new rows, not row 0
+    assert copy.overlaps(keys(2, "new"))[:, 1].tolist() == [0, 0, 2]
+    assert copy.holdings()[("b", "disk", "", FP2)] == set(keys(3, "d")) | set(keys(2, "new"))
+
+
+def test_vectorised_order_equals_scorer_rank() -> None:
+    rng = np.random.default_rng(3)
+    scorer = Scorer(ScorerConfig(), {"host": 30.0, "disk": 3.0})
+    names = [f"worker-{i}" for i in range(40)]
+    for trial in range(50):
+        n = 64
+        dg = rng.integers(0, 8, size=40) * (trial % 2)
+        dh = dg + rng.integers(0, 20, size=40)
+        dd = dh + rng.integers(0, 20, size=40)
+        q = rng.integers(0, 3, size=40).astype(float)
+        a = rng.integers(0, 2, size=40).astype(float)
+        last = bytes(rng.integers(0, 256, size=16, dtype=np.uint8))
+        ranked = scorer.rank(n, names, {w: Overlap(int(dg[i]), int(dh[i]), int(dd[i])) for i, w in enumerate(names)},
+                             {w: Load(q[i], a[i]) for i, w in enumerate(names)}, last)
+        wts = Scorer.lead_weights(np.full(40, scorer.w_host), np.full(40, scorer.w_disk))
+        cost, saved = scorer.costs(n, np.stack([dg, dh, dd]), scorer.load_cost(q, a), wts)
+        order = Scorer.order(cost, q, a, worker_digests(names), last)
+        assert [names[i] for i in order] == [r.worker for r in ranked]
+        assert np.allclose(cost[order], [r.cost for r in ranked])
+
+
+def test_tie_hash_is_stable_and_vectorised_the_same() -> None:
+    names = ["a", "b", "engine-7:8000"]
+    got = tie_hashes(b"k" * 16, worker_digests(names)).tolist()
+    assert got == [tie_hash(b"k" * 16, w) for w in names]
+    assert tie_hash(b"k" * 16, "a") == 0x386129ACDE85A366  # the same in every process and run
+
+
+def _node(nid: str, epoch: int, head: int = 0, workers: dict[str, list[bytes]] | None = None) -> L.WatchLocationsReply:
+    info = L.NodeInfo(node_id=nid, epoch=epoch, head_seq=head)
+    for w, fps in (workers or {}).items():
+        info.workers.add(worker_id=w, fingerprints=fps)
+    return L.WatchLocationsReply(epoch=epoch, node=info)
+
+
+def _snap(epoch: int, at: int, *entries: L.LocationEvent) -> L.WatchLocationsReply:
+    return L.WatchLocationsReply(epoch=epoch, snapshot=L.SnapshotPart(at_seq=at, first=True, last=True,
+                                                                      entries=list(entries)))
+
+
+def _events(epoch: int, *events: L.LocationEvent) -> L.WatchLocationsReply:
+    return L.WatchLocationsReply(epoch=epoch, events=L.EventBatch(events=list(events), head_seq=events[-1].seq))
+
+
+def _ev(seq: int, kind: int, tier: int, ks: list[bytes], worker: str = "") -> L.LocationEvent:
+    return L.LocationEvent(seq=seq, kind=kind, tier=tier, worker_id=worker, fingerprint=FP, keys=ks)
+
+
+def test_feed_fold_rejects_gaps_and_duplicates_and_resets_on_a_new_epoch() -> None:
+    r = Router()
+    ks = keys(10)
+    r.apply("t", _node("A", 5, 1))
+    r.apply("t", _snap(5, 1, _ev(1, L.STORED, N.TIER_HOST, ks)))
+    r.apply("t", _events(5, _ev(2, L.REMOVED, N.TIER_HOST, ks[:2])))
+    with pytest.raises(_FeedError):
+        r.apply("t", _events(5, _ev(2, L.REMOVED, N.TIER_HOST, ks[:2])))  # duplicate
+    with pytest.raises(_FeedError):
+        r.apply("t", _events(5, _ev(4, L.REMOVED, N.TIER_HOST, ks[:2])))  # gap
+    assert r.positions() == {"A": (5, 2)}
+    seen = []
+    r.on_epoch_change = lambda node, old, new: seen.append((node, old, new))
+    r.apply("t", _node("A", 9, 0))
+    r.apply("t", _snap(9, 0))
+    assert seen == [("A", 5, 9)]
+    assert r.positions() == {"A": (9, 0)}
+    assert r.index.holdings() == {}
+    assert r.status()[0].epoch_changes == 1
+
+
+def test_router_prefers_faster_tiers_and_records_loads() -> None:
+    r = Router(RouterConfig(scorer=ScorerConfig(host_load_gbps=50.0, disk_load_gbps=2.0)))
+    ks = keys(32)
+    r.apply("a", _node("A", 1))
+    r.apply("a", _snap(1, 1, _ev(1, L.STORED, N.TIER_HOST, ks)))
+    r.apply("b", _node("B", 1))
+    r.apply("b", _snap(1, 1, _ev(1, L.STORED, N.TIER_DISK, ks)))
+    d = r.route(ks, dispatch=False)
+    assert d.workers == ["A", "B"]
+    assert d.ranked[0].overlap == Overlap(0, 32, 32) and d.ranked[1].overlap == Overlap(0, 0, 32)
+    assert d.ranked[0].cost < d.ranked[1].cost
+    d = r.route(ks)
+    assert d.worker == "A" and r.load("A") == Load(pytest.approx(32 - d.ranked[0].saved_blocks), 1.0)
+    assert r.finish(d.decision_id) and r.load("A") == Load(0.0, 0.0)
+    assert not r.finish(d.decision_id)
+
+
+def test_route_with_candidates_includes_unknown_workers() -> None:
+    r = Router()
+    with pytest.raises(RouterError):
+        r.route(keys(3))
+    d = r.route(keys(3), candidates=["x", "y"], dispatch=False)
+    assert sorted(d.workers) == ["x", "y"] and d.nodes == ["", ""]

@@ -1,0 +1,492 @@
+"""Disk tier: fixed-size slots in preallocated slab files, an LMDB index, xxh3 checksums.
+
+What it owns
+    A directory (``--disk-dir``) holding one slab file per size class (``slab-<slot_bytes>.dat``;
+    one class per distinct block size), an LMDB environment (``index/``) and a lock file that
+    keeps a second daemon out. Slot ``i`` of a class lies at byte ``i * slot_bytes`` of its
+    file; slot sizes are multiples of 4 KiB, so every read and write is ``O_DIRECT`` from or
+    into page-aligned memory (the daemon's mapping of the host pool). Slab files grow in
+    preallocated (``fallocate``) chunks; ``capacity`` bounds the bytes of all of them
+    together, always. When a class needs the budget held by another class, the victim's slot
+    is punched out of its file.
+
+The index
+    LMDB maps ``fingerprint + key`` to (slot bytes, slot, length, xxh3-64 checksum, write
+    sequence). One write transaction per batch. Access times and hit counts live in memory
+    only (a write transaction per read would cost an fsync each); after a restart the LRU
+    order is the write order.
+
+Durability order (what survives a crash)
+    A write batch runs on the tier's single writer thread, in this order: index entries of
+    the slots it reuses are deleted (committed), their space is punched or preallocated, the
+    payloads are written (``pwritev``, up to ``queue_depth`` in flight), every slab file
+    touched is ``fdatasync``-ed, and only then do the new index entries commit. So a torn
+    write is never indexed, and every committed entry names bytes that reached the disk.
+    Removals (LRU, checksum failures, explicit evictions) are queued on the same thread, so a
+    slot's old entry is gone from the index before new bytes land in it. On restart the tier
+    reopens the index and serves every committed entry again (warm restart).
+
+Integrity
+    Every read recomputes the xxh3-64 of the payload; a mismatch (or a read error) is
+    reported to the caller, which must :meth:`DiskTier.remove` the entry and treat the block
+    as a miss. Wrong bytes are never made visible by this tier.
+
+Entries and their states
+    ``plan_write`` reserves slots (evicting least recently used unpinned entries: they are
+    hidden at once and returned as *victims*); the planned entries are invisible until
+    ``finish_write`` after the batch is durable. ``pin`` keeps an entry's slot from being
+    evicted or reused while a read is in flight; ``remove`` of a pinned entry hides it and
+    frees the slot on the last ``unpin``. Pin counts never go negative.
+
+Failure
+    ``ENOSPC`` (or any other ``OSError``) during a write batch, or a full LMDB map, turns the
+    tier *degraded*: the batch is not made visible, one log line says why, and every later
+    ``plan_write`` is refused (host-only operation); reads of committed entries go on.
+
+Threading
+    Bookkeeping (``get``, ``plan_write``, ``finish_write``, ``remove``, pins) is not
+    thread-safe: the daemon calls it from its event loop only. ``submit_write`` and
+    ``submit_read`` return :class:`concurrent.futures.Future` objects whose work runs on the
+    tier's own threads (the GIL is released during the syscalls and the checksum).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import lmdb
+import xxhash
+
+from kvtier.tiers.host import punch_hole
+from kvtier.tiers.layout import SLOT_ALIGN
+
+log = logging.getLogger("kvtier.disk")
+
+FP_BYTES = 16
+GROW_BYTES = 256 * 1024 * 1024          # slab files grow by preallocated chunks of up to this
+INDEX_FORMAT = b"kvtier-disk-index-v1"
+_VALUE = struct.Struct("<IQQQQ")        # slot_bytes, slot, length, xxh3-64, write sequence
+_SLAB_NAME = re.compile(r"^slab-([0-9]+)\.dat$")
+
+
+class DiskTierError(Exception):
+    """The disk tier cannot be opened as configured; the message says what to change."""
+
+
+def checksum(buf: memoryview | bytes) -> int:
+    """The payload checksum the index stores: xxh3-64."""
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def default_map_size(capacity: int) -> int:
+    """LMDB map size for ``capacity`` bytes of slots: 256 B per 4 KiB slot, at least 64 MiB."""
+    return max(64 * 1024 * 1024, capacity // SLOT_ALIGN * 256)
+
+
+@dataclass(eq=False)
+class Slab:
+    """The slots of one size, in one slab file."""
+
+    slot_bytes: int
+    path: str
+    fd: int
+    nslots: int                                     # slots the file has room for
+    free: list[int] = field(default_factory=list)   # preallocated slots, unused
+    holes: list[int] = field(default_factory=list)  # slots below nslots without space (punched)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return (self.nslots - len(self.holes)) * self.slot_bytes
+
+
+@dataclass(eq=False)
+class DiskEntry:
+    """A block in the disk tier (``bkey`` = layout fingerprint + key)."""
+
+    bkey: bytes
+    slab: Slab
+    slot: int
+    length: int
+    checksum: int = 0
+    seq: int = 0
+    hits: int = 0
+    pins: int = 0
+    visible: bool = False
+    removed: bool = False
+
+    @property
+    def offset(self) -> int:
+        return self.slot * self.slab.slot_bytes
+
+
+@dataclass
+class WritePlan:
+    """What ``plan_write`` gives back: one entry (or None: no slot) per item, and the victims."""
+
+    entries: list[DiskEntry | None]
+    victims: list[DiskEntry]
+    _deletes: list[bytes] = field(default_factory=list)
+    _punch: list[tuple[int, int, int]] = field(default_factory=list)   # (fd, offset, length)
+    _grow: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def planned(self) -> list[DiskEntry]:
+        return [e for e in self.entries if e is not None]
+
+
+class DiskTier:
+    """Slots, index, LRU and pins of the disk tier (see the module docstring)."""
+
+    def __init__(self, directory: str, capacity: int = 0, queue_depth: int = 8, map_size: int = 0) -> None:
+        if queue_depth < 1:
+            raise DiskTierError(f"disk queue depth must be at least 1, got {queue_depth}")
+        self.directory = os.path.abspath(directory)
+        self.queue_depth = queue_depth
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise DiskTierError(f"--disk-dir {directory}: cannot create it: {e.strerror}") from None
+        self._lock_fd = self._take_lock()
+        self._probe_odirect()
+        self.slabs: dict[int, Slab] = {}
+        self._open_slabs()
+        existing = sum(s.allocated_bytes for s in self.slabs.values())
+        if capacity <= 0:
+            st = os.statvfs(self.directory)
+            capacity = int((st.f_bavail * st.f_frsize + existing) * 0.9)
+        self.capacity = capacity
+        self.map_size = map_size or default_map_size(capacity)
+        try:
+            self.env = lmdb.open(os.path.join(self.directory, "index"), map_size=self.map_size, subdir=True,
+                                 max_dbs=2, sync=True, metasync=True, readahead=False, meminit=False)
+        except lmdb.Error as e:
+            raise DiskTierError(f"--disk-dir {directory}: cannot open the LMDB index: {e}") from None
+        self._blocks = self.env.open_db(b"blocks")
+        self._meta = self.env.open_db(b"meta")
+        self.entries: dict[bytes, DiskEntry] = {}              # visible
+        self.lru: OrderedDict[bytes, DiskEntry] = OrderedDict()  # visible, oldest first
+        self.per_fp: Counter[bytes] = Counter()                 # visible blocks per fingerprint
+        self._writing: set[bytes] = set()
+        self._seq = 0
+        self.degraded = ""                                       # why writes stopped; "" while healthy
+        self.restored, self.dropped_on_open = self._restore()
+        self._io = ThreadPoolExecutor(queue_depth, thread_name_prefix="kvtier-disk-io")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-writer")
+
+    # -- open and restore -----------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        fd = os.open(os.path.join(self.directory, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DiskTierError(f"--disk-dir {self.directory} is in use by another kvtierd; give each "
+                                f"daemon its own directory") from None
+        return fd
+
+    def _probe_odirect(self) -> None:
+        path = os.path.join(self.directory, ".odirect-probe")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                raise DiskTierError(f"--disk-dir {self.directory} does not support O_DIRECT; put it on "
+                                    f"a local filesystem (ext4, xfs) on the NVMe") from None
+            raise DiskTierError(f"--disk-dir {self.directory}: {e.strerror}") from None
+        os.close(fd)
+        os.unlink(path)
+
+    def _open_slab(self, slot_bytes: int) -> Slab:
+        path = os.path.join(self.directory, f"slab-{slot_bytes}.dat")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        nslots = os.fstat(fd).st_size // slot_bytes
+        slab = Slab(slot_bytes, path, fd, nslots)
+        self.slabs[slot_bytes] = slab
+        return slab
+
+    def _open_slabs(self) -> None:
+        for name in sorted(os.listdir(self.directory)):
+            m = _SLAB_NAME.match(name)
+            if m and int(m.group(1)) % SLOT_ALIGN == 0 and int(m.group(1)) > 0:
+                self._open_slab(int(m.group(1)))
+
+    def _restore(self) -> tuple[int, int]:
+        """Rebuild the in-memory state from the committed index; returns (restored, dropped)."""
+        with self.env.begin(write=True) as txn:
+            fmt = txn.get(b"format", db=self._meta)
+            if fmt is None:
+                txn.put(b"format", INDEX_FORMAT, db=self._meta)
+            elif fmt != INDEX_FORMAT:
+                raise DiskTierError(f"--disk-dir {self.directory} holds an index of format {fmt!r}; this "
+                                    f"kvtierd writes {INDEX_FORMAT!r}: use another directory")
+        found: list[DiskEntry] = []
+        bad: list[bytes] = []
+        used: dict[int, set[int]] = {}
+        with self.env.begin(db=self._blocks) as txn:
+            rows = [(bytes(k), _VALUE.unpack(v)) for k, v in txn.cursor()]
+        rows.sort(key=lambda r: -r[1][4])   # newest first: of two entries naming one slot, keep the newer
+        for bkey, (slot_bytes, slot, length, csum, seq) in rows:
+            slab = self.slabs.get(slot_bytes)
+            taken = used.setdefault(slot_bytes, set())
+            if slab is None or slot >= slab.nslots or length > slot_bytes or slot in taken:
+                bad.append(bkey)
+                continue
+            taken.add(slot)
+            found.append(DiskEntry(bkey, slab, slot, length, csum, seq, visible=True))
+        if bad:
+            self._index_delete(bad)
+            log.warning("disk index entries dropped on open: they name slots outside the slab files "
+                        "or a slot a newer entry holds",
+                        extra={"dropped": len(bad), "disk_dir": self.directory})
+        found.sort(key=lambda e: e.seq)
+        for e in found:
+            self.entries[e.bkey] = e
+            self.lru[e.bkey] = e
+            self.per_fp[e.bkey[:FP_BYTES]] += 1
+        self._seq = found[-1].seq if found else 0
+        for slot_bytes, slab in self.slabs.items():
+            taken = used.get(slot_bytes, set())
+            slab.free = [s for s in range(slab.nslots - 1, -1, -1) if s not in taken]
+        return len(found), len(bad)
+
+    # -- accounting -----------------------------------------------------------------------
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of slab files holding (or reserved for) slots."""
+        return sum(s.allocated_bytes for s in self.slabs.values())
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slots holding visible blocks or writes in flight."""
+        return sum((s.nslots - len(s.holes) - len(s.free)) * s.slot_bytes for s in self.slabs.values())
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, bkey: bytes) -> DiskEntry | None:
+        return self.entries.get(bkey)
+
+    def touch(self, entry: DiskEntry) -> None:
+        entry.hits += 1
+        if entry.visible:
+            self.lru.move_to_end(entry.bkey)
+
+    def pin(self, entry: DiskEntry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: DiskEntry) -> None:
+        if entry.pins <= 0:
+            raise RuntimeError(f"unpin of a disk entry with no pins (slot {entry.slot})")
+        entry.pins -= 1
+        if entry.pins == 0 and entry.removed:
+            entry.slab.free.append(entry.slot)
+
+    def submit_read(self, entries: Sequence[DiskEntry], dests: Sequence[memoryview]) -> list[Future[str]]:
+        """Read each entry's slot into ``dests[i]`` (page-aligned, ``slot_bytes`` long) and verify it.
+        Each future yields ``"ok"``, ``"checksum"`` (bytes differ from what was stored) or
+        ``"ioerror"``. Pin the entries until the futures are done."""
+        return [self._io.submit(self._read_one, e, d) for e, d in zip(entries, dests, strict=True)]
+
+    @staticmethod
+    def _read_one(entry: DiskEntry, dest: memoryview) -> str:
+        try:
+            n = os.preadv(entry.slab.fd, [dest], entry.offset)
+        except OSError as e:
+            log.error("disk read failed", extra={"path": entry.slab.path, "offset": entry.offset,
+                                                 "error": e.strerror})
+            return "ioerror"
+        if n < entry.length:
+            return "ioerror"
+        return "ok" if checksum(dest[:entry.length]) == entry.checksum else "checksum"
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def plan_write(self, items: Sequence[tuple[bytes, int, int]]) -> WritePlan:
+        """Reserve a slot per (bkey, length, slot_bytes); None where nothing can be freed, the key
+        is already on disk or being written, or the tier is degraded. Victims are hidden now."""
+        plan = WritePlan([], [])
+        for bkey, length, slot_bytes in items:
+            if self.degraded or bkey in self.entries or bkey in self._writing:
+                plan.entries.append(None)
+                continue
+            slab = self.slabs.get(slot_bytes) or self._open_slab(slot_bytes)
+            slot = self._take_slot(slab, plan)
+            if slot is None:
+                plan.entries.append(None)
+                continue
+            self._writing.add(bkey)
+            plan.entries.append(DiskEntry(bkey, slab, slot, length))
+        return plan
+
+    def _take_slot(self, slab: Slab, plan: WritePlan) -> int | None:
+        while True:
+            if slab.free:
+                return slab.free.pop()
+            room = self.capacity - self.allocated_bytes
+            if room >= slab.slot_bytes:
+                if slab.holes:
+                    slot = slab.holes.pop()
+                    plan._grow.append((slab.fd, slot * slab.slot_bytes, slab.slot_bytes))
+                    return slot
+                n = max(1, min(room, GROW_BYTES) // slab.slot_bytes)
+                first = slab.nslots
+                slab.nslots += n
+                plan._grow.append((slab.fd, first * slab.slot_bytes, n * slab.slot_bytes))
+                slab.free.extend(range(first + n - 1, first, -1))
+                return first
+            victim = self._evict_one()
+            if victim is None:
+                return None
+            plan.victims.append(victim)
+            plan._deletes.append(victim.bkey)
+            if victim.slab is slab:
+                return victim.slot
+            victim.slab.holes.append(victim.slot)
+            plan._punch.append((victim.slab.fd, victim.offset, victim.slab.slot_bytes))
+
+    def _evict_one(self) -> DiskEntry | None:
+        for entry in self.lru.values():
+            if entry.pins == 0:
+                self._hide(entry)
+                entry.removed = True
+                return entry
+        return None
+
+    def _hide(self, entry: DiskEntry) -> None:
+        del self.entries[entry.bkey]
+        del self.lru[entry.bkey]
+        entry.visible = False
+        self.per_fp[entry.bkey[:FP_BYTES]] -= 1
+        if not self.per_fp[entry.bkey[:FP_BYTES]]:
+            del self.per_fp[entry.bkey[:FP_BYTES]]
+
+    def submit_write(self, plan: WritePlan, sources: Sequence[memoryview]) -> Future[None]:
+        """Run the batch on the writer thread: one source (page-aligned, ``slot_bytes`` long) per
+        planned entry, in order. The future raises ``OSError`` or ``lmdb.Error`` on failure.
+        The caller keeps the sources' bytes intact until the future is done."""
+        planned = plan.planned
+        if len(sources) != len(planned):
+            raise ValueError(f"{len(sources)} sources for {len(planned)} planned entries")
+        for e in planned:
+            self._seq += 1
+            e.seq = self._seq
+        return self._writer.submit(self._write_batch, plan, planned, list(sources))
+
+    def _write_batch(self, plan: WritePlan, planned: list[DiskEntry], sources: list[memoryview]) -> None:
+        if plan._deletes:
+            self._index_delete(plan._deletes)
+        for fd, off, length in plan._punch:
+            punch_hole(fd, off, length)
+        for fd, off, length in plan._grow:
+            self._preallocate(fd, off, length, planned)
+        for f in [self._io.submit(self._write_one, e, s) for e, s in zip(planned, sources, strict=True)]:
+            f.result()
+        for fd in {e.slab.fd for e in planned}:
+            os.fdatasync(fd)
+        with self.env.begin(write=True, db=self._blocks) as txn:
+            for e in planned:
+                txn.put(e.bkey, _VALUE.pack(e.slab.slot_bytes, e.slot, e.length, e.checksum, e.seq))
+
+    @staticmethod
+    def _preallocate(fd: int, off: int, length: int, planned: list[DiskEntry]) -> None:
+        """Preallocate a new chunk; if the filesystem cannot hold it all, just this batch's slots
+        in it (the rest of the chunk gets its space when written, or fails then)."""
+        try:
+            os.posix_fallocate(fd, off, length)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            for entry in planned:
+                if entry.slab.fd == fd and off <= entry.offset < off + length:
+                    os.posix_fallocate(fd, entry.offset, entry.slab.slot_bytes)
+
+    @staticmethod
+    def _write_one(entry: DiskEntry, src: memoryview) -> None:
+        entry.checksum = checksum(src[:entry.length])
+        n = os.pwritev(entry.slab.fd, [src], entry.offset)
+        if n != len(src):
+            raise OSError(errno.EIO, f"short write: {n} of {len(src)} bytes at {entry.offset} of {entry.slab.path}")
+
+    def finish_write(self, plan: WritePlan, error: BaseException | None) -> list[DiskEntry]:
+        """Make a finished batch visible (``error`` None), or give its slots up and degrade the
+        tier (``error`` set). Returns the entries made visible."""
+        planned = plan.planned
+        for e in planned:
+            self._writing.discard(e.bkey)
+        if error is not None:
+            for e in planned:
+                e.slab.holes.append(e.slot)   # its space may not exist: never hand it out again
+            self._degrade(error)
+            return []
+        for e in planned:
+            e.visible = True
+            self.entries[e.bkey] = e
+            self.lru[e.bkey] = e
+            self.per_fp[e.bkey[:FP_BYTES]] += 1
+        return planned
+
+    def _degrade(self, error: BaseException) -> None:
+        if self.degraded:
+            return
+        if isinstance(error, lmdb.MapFullError):
+            why = f"LMDB index map is full ({self.map_size} B): raise --disk-map-size"
+        elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            why = f"{self.directory} is full ({os.strerror(error.errno)}): free space or lower --disk-capacity"
+        else:
+            why = f"write to {self.directory} failed: {error}"
+        self.degraded = why
+        log.error("disk tier degraded to host-only: %s; committed disk blocks are still served", why,
+                  extra={"disk_dir": self.directory})
+
+    # -- removal --------------------------------------------------------------------------
+
+    def remove(self, bkeys: Iterable[bytes]) -> list[DiskEntry]:
+        """Hide these entries now; their index entries are deleted on the writer thread (before any
+        later batch reuses the slots); slots of pinned entries are freed on the last unpin."""
+        out = []
+        for bkey in bkeys:
+            entry = self.entries.get(bkey)
+            if entry is None:
+                continue
+            self._hide(entry)
+            entry.removed = True
+            if entry.pins == 0:
+                entry.slab.free.append(entry.slot)
+            out.append(entry)
+        if out:
+            self._writer.submit(self._index_delete_logged, [e.bkey for e in out])
+        return out
+
+    def _index_delete(self, bkeys: Sequence[bytes]) -> None:
+        with self.env.begin(write=True, db=self._blocks) as txn:
+            for bkey in bkeys:
+                txn.delete(bkey)
+
+    def _index_delete_logged(self, bkeys: list[bytes]) -> None:
+        try:
+            self._index_delete(bkeys)
+        except lmdb.Error as e:
+            log.error("disk index delete failed", extra={"error": str(e), "keys": len(bkeys)})
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish queued work, close the index and the slab files (daemon shutdown); keeps the data."""
+        self._writer.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self.env.close()
+        for slab in self.slabs.values():
+            os.close(slab.fd)
+        self.slabs.clear()
+        os.close(self._lock_fd)
+
