@@ -11,7 +11,8 @@ Owns
 
 Promises
     * Offload commits a block only after its bytes are in the host slot, then replies.
-      Onboard pins each hit (a lease) from before its copy until the copy has completed,
+      Onboard pins each hit (a lease; disk hits are promoted to host first) from before its
+      copy until the copy has completed,
       replies once the completion record is issued, and copies nothing for a key not held
       (``TRANSFER_MISSING``: that engine page is untouched).
     * A copy runs in a task of its own: a cancelled RPC (the engine killed mid-transfer, a

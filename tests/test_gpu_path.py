@@ -192,6 +192,29 @@ def test_layouts_never_mix_and_missing_keys_leave_pages_untouched(kvd, shm_dir) 
         eb.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_onboard_of_blocks_demoted_to_disk(start_daemon, shm_dir, tmp_path, backend: str) -> None:
+    """Offload more than the host tier holds: the oldest blocks go to disk, and onboarding
+    them promotes them back to host first, with the same bytes."""
+    layout = Layout.vllm(num_layers=2, num_blocks=32, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
+    d = start_daemon("--copy-engine", "cuda" if backend == "cuda" else "host", "--disk-dir", str(tmp_path / "disk"),
+                     "--disk-capacity", "4MiB", "--demote-min-seen", "1", host_capacity=str(6 * layout.slot_bytes))
+    eng = Engine(backend, layout, d.socket, shm_dir)
+    try:
+        keys = keys_for("disk", 12)
+        before = eng.snapshot()
+        for i in range(0, 12, 3):
+            assert eng.conn.offload(keys[i:i + 3], list(range(i, i + 3))).wait() == ["copied"] * 3
+        with Sidecar(d.socket) as sc:
+            where = sc.lookup(sc.register_layout(layout), keys[:3])
+        assert where == ["disk"] * 3
+        assert eng.conn.onboard(keys[:3], [20, 21, 22]).wait() == ["copied"] * 3
+        for t, b in zip(eng.tensors, before, strict=True):
+            assert torch.equal(t[:, 20:23], b[:, 0:3])
+    finally:
+        eng.close()
+
+
 def test_bad_requests_are_refused_and_change_nothing(kvd, shm_dir) -> None:
     backend, d = kvd
     layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
