@@ -57,6 +57,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -198,7 +199,7 @@ def plan_chunks(layout: Layout, tensors: Sequence[TensorRef], ids: np.ndarray,
 
 
 class KVMemory:
-    """An engine's opened KV memory and event ring (backend-specific fields)."""
+    """An engine's opened KV memory and event ring; each engine subclasses it with what it opened."""
 
     def __init__(self, allocations: Sequence[AllocationRef], ring: EventRing) -> None:
         self.allocations = list(allocations)
@@ -206,6 +207,27 @@ class KVMemory:
         self.handles_open = 0
         self.events_open = 0
         self.cancelled = False
+
+
+class HostKVMemory(KVMemory):
+    """Stand-in: the mapped engine memory files and the mapped event ring file."""
+
+    def __init__(self, allocations: Sequence[AllocationRef], ring: EventRing) -> None:
+        super().__init__(allocations, ring)
+        self.maps: list[mmap.mmap] = []
+        self.arrays: list[np.ndarray] = []
+        self.ring_map: mmap.mmap | None = None
+        self.ring_arr: np.ndarray = np.zeros(0, dtype=np.uint64)
+
+
+class CudaKVMemory(KVMemory):
+    """CUDA: the device address of each opened allocation and the opened ring events."""
+
+    def __init__(self, allocations: Sequence[AllocationRef], ring: EventRing, local: bool = False) -> None:
+        super().__init__(allocations, ring)
+        self.ptrs: list[int] = []
+        self.events: list[int] = []
+        self.local = local  # this process's own memory: no IPC handle to close
 
 
 class Completion:
@@ -320,8 +342,8 @@ class HostCopyEngine(CopyEngine):
         self._pools[path] = _Pool(path, size)
         return self.pin_s_per_gib
 
-    def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> KVMemory:
-        mem = KVMemory(allocations, ring)
+    def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> HostKVMemory:
+        mem = HostKVMemory(allocations, ring)
         maps: list[mmap.mmap] = []
         try:
             for a in allocations:
@@ -336,24 +358,28 @@ class HostCopyEngine(CopyEngine):
             for m in maps:
                 m.close()
             raise
-        mem.maps = maps                                           # type: ignore[attr-defined]
-        mem.arrays = [np.frombuffer(m, dtype=np.uint8) for m in maps]  # type: ignore[attr-defined]
-        mem.ring_map = ring_map                                   # type: ignore[attr-defined]
-        mem.ring_arr = np.frombuffer(ring_map, dtype=np.uint64)   # type: ignore[attr-defined]
+        mem.maps = maps
+        mem.arrays = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+        mem.ring_map = ring_map
+        mem.ring_arr = np.frombuffer(ring_map, dtype=np.uint64)
         mem.events_open = ring.slots
         return mem
 
     def close_kv(self, mem: KVMemory) -> None:
-        mem.arrays = mem.ring_arr = None  # type: ignore[attr-defined]
-        for m in [*mem.maps, mem.ring_map]:  # type: ignore[attr-defined]
+        assert isinstance(mem, HostKVMemory)
+        mem.arrays = []
+        mem.ring_arr = np.zeros(0, dtype=np.uint64)
+        for m in [*mem.maps, mem.ring_map]:
             try:
-                m.close()
+                if m is not None:
+                    m.close()
             except BufferError:
-                pass
+                pass  # a view is still alive somewhere; the mapping goes with it
         mem.handles_open = mem.events_open = 0
 
     def copy(self, mem: KVMemory, pool_path: str, plan: ChunkPlan, direction: str, slot: int, seq: int,
              wait_written: bool) -> Completion:
+        assert isinstance(mem, HostKVMemory)
         pool = self._pools[pool_path]
         if not 0 <= slot < mem.ring.slots:
             raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
@@ -372,12 +398,12 @@ class HostCopyEngine(CopyEngine):
                 last = remaining[0] == 0
             if last:
                 if not errors:
-                    mem.ring_arr[slot] = 2 * seq + 1  # type: ignore[attr-defined]
+                    mem.ring_arr[slot] = 2 * seq + 1
                 done.set()
 
         prio = 0 if direction == ONBOARD else 1
         if not jobs:
-            mem.ring_arr[slot] = 2 * seq + 1  # type: ignore[attr-defined]
+            mem.ring_arr[slot] = 2 * seq + 1
             done.set()
         for s in jobs:
             self._jobs.put((prio, next(self._order), mem, pool, plan.take(s), direction, finished))
@@ -391,9 +417,9 @@ class HostCopyEngine(CopyEngine):
         return Completion(wait)
 
     @staticmethod
-    def _wait_written(mem: KVMemory, slot: int, mark: int) -> None:
+    def _wait_written(mem: HostKVMemory, slot: int, mark: int) -> None:
         """Wait for the engine's "KV written" record (the stand-in of cudaStreamWaitEvent)."""
-        ring = mem.ring_arr  # type: ignore[attr-defined]
+        ring = mem.ring_arr
         pause = 20e-6
         while int(ring[slot]) < mark:
             if mem.cancelled:
@@ -561,8 +587,8 @@ class CudaCopyEngine(CopyEngine):
         self.pin_s_per_gib = (time.perf_counter() - t0) / (size / GIB)
         return self.pin_s_per_gib
 
-    def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> KVMemory:
-        mem = KVMemory(allocations, ring)
+    def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> CudaKVMemory:
+        mem = CudaKVMemory(allocations, ring)
         ptrs: list[int] = []
         events: list[int] = []
         try:
@@ -586,20 +612,17 @@ class CudaCopyEngine(CopyEngine):
         except BaseException:
             self._release(mem, allocations[:len(ptrs)], events)
             raise
-        mem.ptrs = ptrs        # type: ignore[attr-defined]
-        mem.events = events    # type: ignore[attr-defined]
+        mem.ptrs = ptrs
+        mem.events = events
         return mem
 
-    def wrap_local(self, ptrs: Sequence[int], sizes: Sequence[int], slots: int) -> KVMemory:
+    def wrap_local(self, ptrs: Sequence[int], sizes: Sequence[int], slots: int) -> CudaKVMemory:
         """KV memory of this same process (CUDA IPC cannot open a handle in its exporter): for
         benchmarks and tests of the engine alone. Its events are created here."""
-        ring = EventRing(slots)
-        mem = KVMemory([AllocationRef(size) for size in sizes], ring)
+        mem = CudaKVMemory([AllocationRef(size) for size in sizes], EventRing(slots), local=True)
         with self.cp.cuda.Device(self.device):
-            mem.events = [self.rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING)  # type: ignore[attr-defined]
-                          for _ in range(slots)]
-        mem.ptrs = list(ptrs)  # type: ignore[attr-defined]
-        mem.local = True       # type: ignore[attr-defined]
+            mem.events = [self.rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING) for _ in range(slots)]
+        mem.ptrs = list(ptrs)
         mem.events_open = slots
         return mem
 
@@ -626,8 +649,8 @@ class CudaCopyEngine(CopyEngine):
         mem.handles_open = mem.events_open = 0
 
     def close_kv(self, mem: KVMemory) -> None:
-        local = getattr(mem, "local", False)
-        self._release(mem, [] if local else mem.allocations, mem.events)  # type: ignore[attr-defined]
+        assert isinstance(mem, CudaKVMemory)
+        self._release(mem, [] if mem.local else mem.allocations, mem.events)
 
     def _choose(self, plan: ChunkPlan, src: np.ndarray, dst: np.ndarray) -> str:
         if self.mode != "auto":
@@ -635,8 +658,8 @@ class CudaCopyEngine(CopyEngine):
         aligned = not ((src | dst | plan.size) & np.uint64(15)).any()
         return "kernel" if aligned and int(plan.size.max(initial=0)) < KERNEL_MAX_CHUNK else "batch"
 
-    def _launch(self, plan: ChunkPlan, mem: KVMemory, pool: _CudaPool, direction: str, stream: object) -> None:
-        kv = np.asarray(mem.ptrs, dtype=np.uint64)[plan.alloc] + plan.kv_off  # type: ignore[attr-defined]
+    def _launch(self, plan: ChunkPlan, mem: CudaKVMemory, pool: _CudaPool, direction: str, stream: Any) -> None:
+        kv = np.asarray(mem.ptrs, dtype=np.uint64)[plan.alloc] + plan.kv_off
         host = np.uint64(pool.dev_ptr) + plan.pool_off
         src, dst = (kv, host) if direction == OFFLOAD else (host, kv)
         how = self._choose(plan, src, dst)
@@ -662,10 +685,11 @@ class CudaCopyEngine(CopyEngine):
 
     def copy(self, mem: KVMemory, pool_path: str, plan: ChunkPlan, direction: str, slot: int, seq: int,
              wait_written: bool) -> Completion:
+        assert isinstance(mem, CudaKVMemory)
         pool = self._pools[pool_path]
         if not 0 <= slot < mem.ring.slots:
             raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
-        ring_ev = mem.events[slot]  # type: ignore[attr-defined]
+        ring_ev = mem.events[slot]
         stream = self.offload_stream if direction == OFFLOAD else self.onboard_stream
         rt = self.rt
         with self.cp.cuda.Device(self.device):
