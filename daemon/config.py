@@ -85,6 +85,18 @@ class Config:
     log_level: str = _opt("info", "debug, info, warning or error")
     log_format: str = _opt("json", "json (one object a line) or text")
     max_batch_keys: int = _opt(65536, "most keys accepted in one request", int, "N")
+    copy_engine: str = _opt("auto", "engine KV copies (Transfer service): cuda (needs cupy and a GPU; "
+                                    "refuse to start without), host (CPU stand-in only), or auto (cuda "
+                                    "when cupy is installed and a GPU is visible); host-memory engines "
+                                    "are always served")
+    cuda_device: int = _opt(0, "CUDA device ordinal the copy engine drives (one kvtierd per GPU)", int, "N")
+    cuda_backend: str = _opt("auto", "GPU copy method: kernel (gather/scatter kernel over the pinned "
+                                     "pool), batch (cudaMemcpyBatchAsync), or auto (chosen per batch)")
+    copy_threads: int = _opt(4, "memcpy threads of the host copy engine; also the threads touching the "
+                                "pool before cudaHostRegister", int, "N")
+    offload_piece_bytes: int = _opt(8 * 1024**2, "offloads are copied in pieces of at most this many "
+                                                  "bytes so onboards never wait behind a whole offload",
+                                    parse_size, "SIZE")
     event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
                                         "router further behind gets a snapshot instead", int, "N")
     config: str = _opt("", "TOML file with any of these settings (keys as in the TOML column)",
@@ -174,6 +186,12 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
         raise ConfigError(f"--log-level: {cfg.log_level!r} is not debug, info, warning or error")
     if cfg.host_capacity <= 0:
         raise ConfigError("--host-capacity must be positive")
+    if cfg.copy_engine not in ("auto", "host", "cuda"):
+        raise ConfigError(f"--copy-engine: {cfg.copy_engine!r} is not auto, host or cuda")
+    if cfg.cuda_backend not in ("auto", "kernel", "batch"):
+        raise ConfigError(f"--cuda-backend: {cfg.cuda_backend!r} is not auto, kernel or batch")
+    if cfg.copy_threads <= 0 or cfg.offload_piece_bytes <= 0:
+        raise ConfigError("--copy-threads and --offload-piece-bytes must be positive")
     if cfg.disk_queue_depth < 1:
         raise ConfigError(f"--disk-queue-depth must be at least 1, got {cfg.disk_queue_depth}")
     if cfg.demote_min_seen < 1:

@@ -24,11 +24,19 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier.daemon.config import Config
 from kvtier.daemon.events import LocationLog, LocationsService, watch_sessions
+from kvtier.daemon.gpu import EngineUnavailable, TransferService, build_engines
 from kvtier.daemon.keytable import KeyTablePublisher
 from kvtier.daemon.metrics import start_metrics_server
 from kvtier.daemon.service import NodeService
 from kvtier.daemon.store import BlockStore
-from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
+from kvtier.proto import (
+    locations_pb2,
+    locations_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
 from kvtier.tiers.disk import DiskTier, DiskTierError
 from kvtier.tiers.host import HostTier
 
@@ -106,6 +114,12 @@ class Daemon:
         self.locations = LocationLog(self.store, self.node_id, self.epoch, cfg.event_log_keys)
         self.store.observers.append(self.locations)
         self._session_watch: asyncio.Task | None = None
+        try:
+            engines = build_engines(cfg)
+        except EngineUnavailable as e:
+            self.store.close()
+            raise StartupError(str(e)) from None
+        self.transfer = TransferService(self.store, engines, self.service.latency)
         self.server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.metrics_port = 0
@@ -125,10 +139,12 @@ class Daemon:
         server = grpc.aio.server(options=opts)
         node_pb2_grpc.add_NodeServicer_to_server(self.service, server)
         locations_pb2_grpc.add_LocationsServicer_to_server(LocationsService(self.locations), server)
+        transfer_pb2_grpc.add_TransferServicer_to_server(self.transfer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = [node_pb2.DESCRIPTOR.services_by_name["Node"].full_name,
-                 locations_pb2.DESCRIPTOR.services_by_name["Locations"].full_name, health.SERVICE_NAME,
+                 locations_pb2.DESCRIPTOR.services_by_name["Locations"].full_name,
+                 transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name, health.SERVICE_NAME,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
         old_umask = os.umask(0o177)
@@ -144,7 +160,7 @@ class Daemon:
         await server.start()
         os.chmod(self.socket_path, 0o600)
         self._session_watch = asyncio.get_running_loop().create_task(watch_sessions(self.locations))
-        for svc in ("", "kvtier.v1.Node", "kvtier.v1.Locations"):
+        for svc in ("", "kvtier.v1.Node", "kvtier.v1.Locations", "kvtier.v1.Transfer"):
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         self.server = server
         if self.cfg.metrics_port:
@@ -152,7 +168,8 @@ class Daemon:
         log.info("kvtierd serving", extra={
             "socket": self.socket_path, "tcp": self.cfg.tcp or None, "node_id": self.node_id,
             "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.cfg.shm_dir,
-            "metrics_port": self.metrics_port or None, "pid": os.getpid()})
+            "metrics_port": self.metrics_port or None, "pid": os.getpid(),
+            "copy_engines": sorted(e.name for e in self.transfer.engines.values())})
 
     async def stop(self) -> None:
         if self._session_watch is not None:
@@ -163,6 +180,7 @@ class Daemon:
             log.info("shutting down", extra={"grace_s": GRACE_S})
             await self.server.stop(GRACE_S)
             self.server = None
+        await self.transfer.close()
         self.key_table.close()
         self.store.close()
         with contextlib.suppress(FileNotFoundError):

@@ -122,6 +122,7 @@ class BlockStore:
         self._ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.observers: list[LocationObserver] = []
+        self.session_end_hooks: list[Callable[[int], None]] = []  # told each closed session id
         self._grants: dict[int, Grant] = {}
 
     # -- layouts and sessions ------------------------------------------------------------
@@ -184,6 +185,8 @@ class BlockStore:
             self.host.unpin(entry)
         self.counters["grants_reclaimed"] += len(sess.grants)
         self.counters["leases_reclaimed"] += len(sess.leases)
+        for hook in self.session_end_hooks:
+            hook(session_id)
         return len(sess.grants), len(sess.leases)
 
     def session(self, session_id: int) -> Session:

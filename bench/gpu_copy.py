@@ -1,0 +1,287 @@
+"""Benchmark of the engine data path: offload and onboard of scattered KV blocks, against a
+bulk copy of the same bytes measured in the same run.
+
+    python bench/gpu_copy.py                     # CUDA when a GPU is there, else the CPU stand-in
+    python bench/gpu_copy.py --engine host --blocks 64
+
+Shape (issue 3): ``--blocks`` blocks (256) of ``--chunks`` scattered chunks (64) of
+``--chunk-kib`` KiB (32): a vLLM layout of chunks/2 layers, [2, num_blocks, 16, heads, 128]
+fp16, blocks at random engine ids. Reports:
+
+* ``engine_offload_gbps`` / ``engine_onboard_gbps``: the copy engine alone, in this process;
+* ``offload_gbps`` / ``onboard_gbps``: through a real kvtierd (request to completion);
+* ``bulk_d2h_gbps`` / ``bulk_h2d_gbps``: one bulk copy of the same bytes between the same
+  memories (CUDA: one ``cudaMemcpyAsync`` to/from the registered pool; stand-in: memcpy
+  with as many threads as the copy engine has);
+* ``ratio_engine`` and ``ratio_end_to_end``: the lower direction's fraction of bulk;
+* ``onboard_1block_p50_us`` / ``_p99_us``: one-block onboards, idle and
+  (``_p99_under_offload_us``) while offloads of ``--blocks`` blocks run back to back;
+* ``pin_s_per_gib``: CUDA: parallel touch + ``cudaHostRegister`` of the pool; stand-in: the
+  parallel touch alone (there is nothing to pin).
+
+The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from kvtier.client.engine import KVConnector, SharedKVArena
+from kvtier.client.local_daemon import DaemonProcess
+from kvtier.client.sidecar import Sidecar
+from kvtier.tiers.copy_engine import (
+    OFFLOAD,
+    ONBOARD,
+    AllocationRef,
+    EventRing,
+    HostCopyEngine,
+    TensorRef,
+    check_engine_ids,
+    plan_chunks,
+    populate_mapping,
+)
+from kvtier.tiers.layout import Layout
+
+
+def keys(tag: str, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{tag}:{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 1)
+
+
+def make_pool(shm: str, size: int) -> str:
+    path = os.path.join(shm, "bench.pool")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    return path
+
+
+def threaded_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
+    step = -(-src.size // threads)
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda i: np.copyto(dst[i:i + step], src[i:i + step]), range(0, src.size, step)))
+
+
+def engine_alone(args: argparse.Namespace, layout: Layout, shm: str, src: np.ndarray, dst: np.ndarray) -> dict:
+    """The copy engine without the daemon, plus the bulk limit between the same memories."""
+    n = args.blocks
+    nbytes = n * layout.block_bytes
+    pool_size = n * layout.slot_bytes
+    pool_path = make_pool(shm, pool_size)
+    offsets = np.arange(n, dtype=np.int64) * layout.slot_bytes
+    out: dict = {}
+    if args.engine == "cuda":
+        from kvtier.tiers.copy_engine import CudaCopyEngine
+
+        eng = CudaCopyEngine(0, args.cuda_backend, args.piece_mib << 20)
+        out["pin_s_per_gib"] = round(eng.attach_pool(pool_path, pool_size), 4)
+        base = torch.empty(sum(int(np.prod(t.shape)) * 2 for t in layout.tensors), dtype=torch.uint8, device="cuda")
+        base.random_(0, 255)
+        tensor_bytes = int(np.prod(layout.tensors[0].shape)) * 2
+        mem = eng.wrap_local([base.data_ptr()], [base.numel()], 2)
+        refs = [TensorRef(0, i * tensor_bytes) for i in range(len(layout.tensors))]
+        pool_ptr = eng._pools[pool_path].dev_ptr
+        stream = eng.offload_stream
+
+        def bulk(direction: str) -> float:
+            s, d = (base.data_ptr(), pool_ptr) if direction == OFFLOAD else (pool_ptr, base.data_ptr())
+            t0 = time.perf_counter()
+            eng.rt.memcpyAsync(d, s, nbytes, 4, stream.ptr)  # cudaMemcpyDefault
+            stream.synchronize()
+            return time.perf_counter() - t0
+    else:
+        eng = HostCopyEngine(args.copy_threads, args.piece_mib << 20)
+        eng.attach_pool(pool_path, pool_size)
+        t0 = time.perf_counter()
+        populate_mapping(eng._pools[pool_path].mm, pool_size, args.copy_threads)
+        out["pin_s_per_gib"] = round((time.perf_counter() - t0) / (pool_size / (1 << 30)), 4)
+        arena = SharedKVArena(layout, shm)
+        for t in arena.tensors:
+            t.view(torch.int16).random_(-30000, 30000)
+        ring_path = os.path.join(shm, "bench.ring")
+        with open(ring_path, "wb") as fh:
+            fh.write(b"\0" * 16)
+        mem = eng.open_kv([AllocationRef(arena.size, path=arena.path)], EventRing(2, path=ring_path))
+        refs = [TensorRef(0, off) for off in arena.offsets]
+        pool_arr = eng._pools[pool_path].arr
+        kv_arr = mem.arrays[0]
+
+        def bulk(direction: str) -> float:
+            a, b = kv_arr[:nbytes], pool_arr[:nbytes]
+            s, d = (a, b) if direction == OFFLOAD else (b, a)
+            t0 = time.perf_counter()
+            threaded_copy(d, s, args.copy_threads)
+            return time.perf_counter() - t0
+
+    def run(direction: str, ids: np.ndarray) -> float:
+        plan = plan_chunks(layout, refs, check_engine_ids(layout, ids, n), offsets)
+        t0 = time.perf_counter()
+        eng.copy(mem, pool_path, plan, direction, 0, 1, False).wait_done()
+        return time.perf_counter() - t0
+
+    for direction, ids, key in ((OFFLOAD, src, "engine_offload_gbps"), (ONBOARD, dst, "engine_onboard_gbps")):
+        run(direction, ids)
+        out[key] = gbps(nbytes, min(run(direction, ids) for _ in range(args.iters)))
+    for direction, key in ((OFFLOAD, "bulk_d2h_gbps"), (ONBOARD, "bulk_h2d_gbps")):
+        bulk(direction)
+        out[key] = gbps(nbytes, min(bulk(direction) for _ in range(args.iters)))
+    out["backend"] = eng.name
+    eng.close_kv(mem)
+    eng.close()
+    if args.engine != "cuda":
+        arena.close()
+    os.unlink(pool_path)
+    return out
+
+
+def through_daemon(args: argparse.Namespace, layout: Layout, shm: str, src: np.ndarray, dst: np.ndarray) -> dict:
+    n = args.blocks
+    nbytes = n * layout.block_bytes
+    work = tempfile.mkdtemp(prefix="kvtier-bench-")
+    # every round's blocks are evicted after it, so rounds after the first reuse backed slots
+    # (steady state: no first touch of tmpfs pages inside the timing)
+    cap = (2 * n + 32) * layout.slot_bytes
+    d = DaemonProcess(work, "--copy-engine", args.engine, "--copy-threads", str(args.copy_threads),
+                      "--offload-piece-bytes", str(args.piece_mib << 20), "--cuda-backend", args.cuda_backend,
+                      "--log-level", "warning", host_capacity=str(cap), shm_dir=shm).start(60)
+    out: dict = {}
+    arena = None
+    try:
+        if args.engine == "cuda":
+            tensors = [torch.randn(t.shape, dtype=torch.float16, device="cuda") for t in layout.tensors]
+        else:
+            arena = SharedKVArena(layout, shm)
+            tensors = arena.tensors
+            for t in tensors:
+                t.view(torch.int16).random_(-30000, 30000)
+        conn = KVConnector(d.socket, ring_dir=shm, ring_slots=16)
+        conn.register(layout, tensors)
+        sc = Sidecar(d.socket)
+        lid = sc.register_layout(layout)
+        off_t, on_t = [], []
+        for it in range(args.iters + 1):  # round 0 backs fresh slots; it is not counted
+            k = keys(f"bulk{it}", n)
+            t0 = time.perf_counter()
+            st = conn.offload(k, src).wait()
+            off_t.append(time.perf_counter() - t0)
+            assert st == ["copied"] * n, st
+            t0 = time.perf_counter()
+            st = conn.onboard(k, dst).wait()
+            on_t.append(time.perf_counter() - t0)
+            assert st == ["copied"] * n, st
+            sc.evict(lid, k)
+        out["offload_gbps"] = gbps(nbytes, min(off_t[1:]))
+        out["onboard_gbps"] = gbps(nbytes, min(on_t[1:]))
+        probe = keys("probe", 1)
+        conn.offload(probe, src[:1]).wait()
+
+        def one_block_us() -> float:
+            t0 = time.perf_counter()
+            st = conn.onboard(probe, dst[:1]).wait()
+            us = (time.perf_counter() - t0) * 1e6
+            if st != ["copied"]:
+                raise SystemExit(f"the probe block was not onboarded ({st}); raise the bench capacity")
+            return us
+
+        idle = [one_block_us() for _ in range(args.samples)]
+        out["onboard_1block_p50_us"] = pct(idle, 0.5)
+        out["onboard_1block_p99_us"] = pct(idle, 0.99)
+        stop = threading.Event()
+        offloads = [0]
+
+        def offload_loop() -> None:
+            # each round evicts the one before, so the probe block is never the one evicted
+            r = 0
+            while not stop.is_set():
+                conn.offload(keys(f"bg{r}", n), src).wait()
+                sc.evict(lid, keys(f"bg{r - 1}", n))
+                offloads[0] += 1
+                r += 1
+
+        bg = threading.Thread(target=offload_loop)
+        bg.start()
+        time.sleep(0.05)
+        busy = [one_block_us() for _ in range(args.samples)]
+        stop.set()
+        bg.join()
+        out["onboard_1block_p99_under_offload_us"] = pct(busy, 0.99)
+        out["onboard_1block_p50_under_offload_us"] = pct(busy, 0.5)
+        out["offloads_during_probe"] = offloads[0]
+        conn.close()
+        sc.close()
+    finally:
+        d.stop()
+        if arena is not None:
+            arena.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["auto", "host", "cuda"], default="auto")
+    ap.add_argument("--cuda-backend", choices=["auto", "kernel", "batch"], default="auto")
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=64, help="chunks per block (two per layer)")
+    ap.add_argument("--chunk-kib", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=200, help="one-block onboards per latency figure")
+    ap.add_argument("--copy-threads", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--piece-mib", type=int, default=8)
+    ap.add_argument("--shm-dir", default="/dev/shm")
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    args = ap.parse_args()
+    if args.engine == "auto":
+        args.engine = "cuda" if torch.cuda.is_available() else "host"
+    heads = args.chunk_kib * 1024 // (16 * 128 * 2)
+    if heads < 1 or heads * 16 * 128 * 2 != args.chunk_kib * 1024 or args.chunks % 2:
+        raise SystemExit("--chunk-kib must be a multiple of 4 and --chunks even")
+    num_blocks = 2 * args.blocks + 64
+    layout = Layout.vllm(num_layers=args.chunks // 2, num_blocks=num_blocks, block_tokens=16, kv_heads=heads,
+                         head_dim=128, dtype="float16")
+    perm = np.random.default_rng(0).permutation(num_blocks)
+    src, dst = perm[:args.blocks], perm[args.blocks:2 * args.blocks]
+    shm = tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.shm_dir)
+    try:
+        result = engine_alone(args, layout, shm, src, dst)
+        result.update(through_daemon(args, layout, shm, src, dst))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    result["ratio_engine"] = round(min(result["engine_offload_gbps"] / result["bulk_d2h_gbps"],
+                                       result["engine_onboard_gbps"] / result["bulk_h2d_gbps"]), 3)
+    result["ratio_end_to_end"] = round(min(result["offload_gbps"] / result["bulk_d2h_gbps"],
+                                           result["onboard_gbps"] / result["bulk_h2d_gbps"]), 3)
+    result.update({"engine": args.engine, "blocks": args.blocks, "chunks_per_block": args.chunks,
+                   "chunk_bytes": args.chunk_kib * 1024, "block_bytes": layout.block_bytes,
+                   "copy_threads": args.copy_threads, "piece_bytes": args.piece_mib << 20,
+                   "limit": "cudaMemcpyAsync pinned" if args.engine == "cuda" else "memcpy, same threads",
+                   "python": sys.version.split()[0]})
+    line = json.dumps(result, sort_keys=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,493 @@
+"""Engine-side connector of the ``kvtier.v1.Transfer`` service: :class:`KVConnector`.
+
+An inference engine registers its paged KV tensors once and then asks the daemon to copy
+blocks between them and the node's host tier; no KV byte passes through this process or
+through gRPC. Supported tensors, given in the layout's order:
+
+* vLLM per-layer tensors ``[2, num_blocks, block_tokens, heads, dim]`` or
+  ``[num_blocks, 2, ...]`` (``Layout.vllm``): engine ids are block ids, one per key;
+* SGLang per-layer K and V buffers indexed by token (``Layout.sglang``, page size 1):
+  engine ids are ``block_tokens`` token indices per key.
+
+Memory kinds
+    CUDA tensors are exported with CUDA IPC (``torch``'s storage IPC handle; the daemon opens
+    each allocation once). Memory CUDA IPC cannot export (virtual-memory-managed allocations:
+    PyTorch's ``expandable_segments:True``, vLLM's sleep-mode allocator) is refused with
+    :class:`ExportError` naming the cause. The CPU stand-in takes CPU tensors backed by a named
+    shared-memory file (:class:`SharedKVArena` makes them), which the daemon maps by path.
+
+Completion, per request, through a ring of interprocess events exchanged at registration
+(CUDA: ``torch.cuda.Event(interprocess=True)``; stand-in: a shared file of sequence numbers,
+``2*seq`` once the engine's KV is written, ``2*seq + 1`` once the daemon's copy is complete):
+
+* ``offload`` records "KV written" on the engine's stream before asking; the daemon's stream
+  waits for it. Don't reuse those pages until ``Transfer.done()`` (or ``wait()``).
+* ``onboard`` returns at once; ``Transfer.wait_on(stream)`` makes the engine's stream wait for
+  the copy without blocking the CPU thread once the reply is in; ``done()`` polls;
+  ``wait()`` blocks. A key the daemon does not hold comes back ``"missing"`` and its engine
+  page is not touched.
+
+The connector holds a Node session for as long as it is open: if the process dies, the daemon
+closes the registration, its handles and its slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import mmap
+import os
+import queue
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvtier.paths import default_socket_path
+from kvtier.proto import node_pb2, node_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from kvtier.tiers.layout import DTYPE_BYTES, Layout, layout_to_proto
+
+_STATUS = {transfer_pb2.TRANSFER_COPIED: "copied", transfer_pb2.TRANSFER_PRESENT: "present",
+           transfer_pb2.TRANSFER_NO_SPACE: "no_space", transfer_pb2.TRANSFER_MISSING: "missing"}
+
+
+class KVConnectorError(Exception):
+    """A call the daemon refused (``code`` is a grpc.StatusCode), or a misuse found before calling."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.details = message
+
+
+class ExportError(KVConnectorError):
+    """KV memory this process cannot share with the daemon; the message says why and what to change."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def _torch() -> Any:
+    import torch  # noqa: PLC0415 - engine side only
+
+    return torch
+
+
+class SharedKVArena:
+    """CPU stand-in KV memory: one shared-memory file, carved into a layout's tensors.
+
+    The file lives in ``directory`` (a tmpfs) owner-only, until :meth:`close`."""
+
+    def __init__(self, layout: Layout, directory: str = "/dev/shm", name: str | None = None) -> None:
+        torch = _torch()
+        self.layout = layout
+        sizes = [int(np.prod(t.shape)) * DTYPE_BYTES[t.dtype] for t in layout.tensors]
+        self.size = max(mmap.PAGESIZE, sum(-(-s // 4096) * 4096 for s in sizes))
+        self.path = os.path.join(directory, name or f"kvtier-kv-{os.getpid()}-{id(self):x}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+        finally:
+            os.close(fd)
+        self._buf = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
+        self.tensors: list[Any] = []
+        self.offsets: list[int] = []  # byte offset of each tensor in the file
+        off = 0
+        for t, n in zip(layout.tensors, sizes, strict=True):
+            dtype = getattr(torch, t.dtype)
+            self.tensors.append(self._buf[off:off + n].view(dtype).view(t.shape))
+            self.offsets.append(off)
+            off += -(-n // 4096) * 4096
+
+    def close(self) -> None:
+        self.tensors.clear()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _maps() -> list[tuple[int, int, int, str]]:
+    out = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi, int(parts[2], 16), parts[5].rstrip("\n")))
+    return out
+
+
+def _host_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[list[transfer_pb2.KVAllocation],
+                                                                               list[transfer_pb2.KVTensorRef]]:
+    """Find the shared-memory file behind each CPU tensor (``/proc/self/maps``)."""
+    maps = _maps()
+    allocs: dict[str, int] = {}
+    out_allocs: list[transfer_pb2.KVAllocation] = []
+    refs = []
+    for name, t in zip(names, tensors, strict=True):
+        ptr = t.data_ptr()
+        hit = next(((lo, off, path) for lo, hi, off, path in maps if lo <= ptr < hi), None)
+        if hit is None or not hit[2].startswith("/") or hit[2].endswith("(deleted)"):
+            raise ExportError(f"tensor {name}: CPU KV memory must be backed by a named shared-memory file the "
+                              f"daemon can open (this one is {hit[2] if hit else 'unmapped'!r}); allocate it "
+                              f"with kvtier.client.engine.SharedKVArena or torch.from_file(path, shared=True)")
+        lo, off, path = hit
+        if path not in allocs:
+            allocs[path] = len(out_allocs)
+            out_allocs.append(transfer_pb2.KVAllocation(path=path, size=os.stat(path).st_size))
+        refs.append(transfer_pb2.KVTensorRef(allocation=allocs[path], offset=off + ptr - lo))
+    return out_allocs, refs
+
+
+def _check_ipc_capable(ptr: int, name: str) -> None:
+    """Refuse virtual-memory-managed allocations, which cudaIpcGetMemHandle cannot export."""
+    try:
+        from cuda.bindings import driver  # noqa: PLC0415
+    except ImportError:
+        return  # torch's own export below still fails on such memory, with a less precise message
+    attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+    err, capable = driver.cuPointerGetAttribute(attr, ptr)
+    if err == driver.CUresult.CUDA_SUCCESS and not capable:
+        raise ExportError(_VMM_MESSAGE.format(name=name))
+
+
+_VMM_MESSAGE = ("tensor {name}: its memory cannot be exported with CUDA IPC: it is a virtual-memory-managed "
+                "allocation (cuMemCreate), as made by PyTorch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                "or vLLM's sleep-mode allocator (--enable-sleep-mode). Allocate the KV cache without them.")
+
+
+def _cuda_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[list[transfer_pb2.KVAllocation],
+                                                                               list[transfer_pb2.KVTensorRef]]:
+    """Export each CUDA tensor's allocation once (CUDA IPC handle of its caching-allocator block)."""
+    allocs: dict[bytes, int] = {}
+    out_allocs: list[transfer_pb2.KVAllocation] = []
+    refs = []
+    for name, t in zip(names, tensors, strict=True):
+        _check_ipc_capable(t.data_ptr(), name)
+        storage = t.untyped_storage()
+        try:
+            device, handle, size, base_off = storage._share_cuda_()[:4]
+        except RuntimeError as e:
+            raise ExportError(f"{_VMM_MESSAGE.format(name=name)} (torch said: {e})") from None
+        if not isinstance(handle, bytes) or len(handle) != 64:
+            raise ExportError(_VMM_MESSAGE.format(name=name))
+        if handle not in allocs:
+            allocs[handle] = len(out_allocs)
+            out_allocs.append(transfer_pb2.KVAllocation(ipc_handle=handle, size=0, device=int(device)))
+        a = out_allocs[allocs[handle]]
+        a.size = max(a.size, base_off + size)
+        refs.append(transfer_pb2.KVTensorRef(allocation=allocs[handle],
+                                             offset=base_off + t.storage_offset() * t.element_size()))
+    return out_allocs, refs
+
+
+class Transfer:
+    """One offload or onboard in flight (see the module docstring)."""
+
+    def __init__(self, conn: KVConnector, future: Any, slot: int, seq: int, nkeys: int) -> None:
+        self._conn = conn
+        self._future = future
+        self.slot = slot
+        self.seq = seq
+        self.nkeys = nkeys
+        self._released = False
+        self._statuses: list[str] | None = None
+
+    def _reply(self, timeout: float | None = None) -> transfer_pb2.TransferReply:
+        try:
+            return self._future.result(timeout)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(f"no reply for transfer {self.seq} within {timeout} s") from None
+        except grpc.RpcError as e:
+            self._release()
+            raise KVConnectorError(e.code(), e.details() or "") from None
+
+    def _complete(self) -> bool:
+        return self._conn._slot_complete(self.slot, self.seq)
+
+    def done(self) -> bool:
+        """Non-blocking: the reply is in and the completion has been recorded and reached."""
+        if self._released:
+            return True
+        if not self._future.done():
+            return False
+        if self._future.exception() is not None or self._complete():
+            self._release()
+            return True
+        return False
+
+    def wait(self, timeout: float | None = None) -> list[str]:
+        """Block until the copy is complete; per key ``copied | present | no_space | missing``."""
+        reply = self._reply(timeout)
+        self._conn._slot_wait(self.slot, self.seq)
+        self._release()
+        return [_STATUS[s] for s in reply.status]
+
+    def wait_on(self, stream: Any = None) -> list[str]:
+        """CUDA: make ``stream`` (default: the current one) wait for the copy; the CPU thread waits
+        only for the reply. The stand-in has no streams and waits for the copy."""
+        reply = self._reply()
+        if self._conn.backend == "cuda":
+            torch = _torch()
+            (stream or torch.cuda.current_stream()).wait_event(self._conn._events[self.slot])
+            self._conn._defer_release(self)
+        else:
+            self._conn._slot_wait(self.slot, self.seq)
+            self._release()
+        return [_STATUS[s] for s in reply.status]
+
+    @property
+    def statuses(self) -> list[str]:
+        return [_STATUS[s] for s in self._reply().status]
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._conn._free_slot(self.slot)
+
+
+@dataclass
+class _Registration:
+    registration_id: int
+    layout_id: int
+    copy_engine: str
+    layout: Layout
+
+
+class KVConnector:
+    """Registers one engine's KV tensors with the local kvtierd and moves blocks (module docstring)."""
+
+    def __init__(self, socket_path: str | None = None, *, target: str | None = None,
+                 client_name: str | None = None, ring_slots: int = 64, timeout: float = 60.0,
+                 ring_dir: str = "/dev/shm") -> None:
+        self.target = target or f"unix:{socket_path or os.environ.get('KVTIER_SOCKET') or default_socket_path()}"
+        self.client_name = client_name or f"engine:{os.path.basename(sys.argv[0] or 'python')}:{os.getpid()}"
+        self.timeout = timeout
+        self.ring_slots = ring_slots
+        self.ring_dir = ring_dir
+        self._channel = grpc.insecure_channel(self.target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._node = node_pb2_grpc.NodeStub(self._channel)
+        self._stub = transfer_pb2_grpc.TransferStub(self._channel)
+        self._session_q: queue.Queue | None = None
+        self._session_call: Any = None
+        self.session_id = 0
+        self.backend = ""
+        self.reg: _Registration | None = None
+        self._events: list[Any] = []
+        self._ring: np.ndarray | None = None
+        self._ring_path = ""
+        self._seq = itertools.count(1)
+        self._lock = threading.Condition()
+        self._free: collections.deque[int] = collections.deque()
+        self._deferred: collections.deque[Transfer] = collections.deque()
+        self._tensors: list[Any] = []
+
+    # -- session ---------------------------------------------------------------------------
+
+    def _open_session(self) -> int:
+        q: queue.Queue = queue.Queue()
+        hello = node_pb2.SessionClientMessage(hello=node_pb2.SessionHello(client_name=self.client_name,
+                                                                          pid=os.getpid()))
+
+        def requests() -> Any:
+            yield hello
+            while q.get() is not None:
+                pass
+
+        call = self._node.Session(requests(), wait_for_ready=True, timeout=None)
+        try:
+            opened = next(call).opened
+        except grpc.RpcError as e:
+            q.put(None)
+            raise KVConnectorError(e.code(), e.details() or "") from None
+        self._session_q, self._session_call, self.session_id = q, call, opened.session_id
+        return self.session_id
+
+    # -- registration ----------------------------------------------------------------------
+
+    def register(self, layout: Layout, tensors: Sequence[Any]) -> int:
+        """Register ``tensors`` (one per layout tensor, in order; all CUDA or all CPU) and the
+        event ring. Returns the layout's Node id (for Lookup and Evict through a Sidecar)."""
+        if self.reg is not None:
+            raise KVConnectorError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   "this connector already holds a registration: unregister() first")
+        if len(tensors) != len(layout.tensors):
+            raise KVConnectorError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{len(tensors)} tensors for a layout of {len(layout.tensors)}")
+        names = [t.name for t in layout.tensors]
+        for spec, t in zip(layout.tensors, tensors, strict=True):
+            if tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
+                raise KVConnectorError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"tensor {spec.name}: {str(t.dtype)} {list(t.shape)} does not match the "
+                                       f"layout's {spec.dtype} {list(spec.shape)}")
+            if not t.is_contiguous():
+                raise KVConnectorError(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {spec.name} is not contiguous")
+        kinds = {t.device.type for t in tensors}
+        if kinds == {"cuda"}:
+            self.backend = "cuda"
+            allocations, refs = _cuda_allocations(names, tensors)
+            torch = _torch()
+            with torch.cuda.device(tensors[0].device):
+                self._events = [torch.cuda.Event(enable_timing=False, interprocess=True)
+                                for _ in range(self.ring_slots)]
+                handles = [ev.ipc_handle() for ev in self._events]
+            ring = {"event_handles": handles}
+        elif kinds == {"cpu"}:
+            self.backend = "host"
+            allocations, refs = _host_allocations(names, tensors)
+            self._ring_path = os.path.join(self.ring_dir, f"kvtier-ring-{os.getpid()}-{id(self):x}")
+            fd = os.open(self._ring_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, self.ring_slots * 8)
+            finally:
+                os.close(fd)
+            self._ring = np.memmap(self._ring_path, dtype=np.uint64, mode="r+", shape=(self.ring_slots,))
+            ring = {"event_ring_path": self._ring_path}
+        else:
+            raise KVConnectorError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"KV tensors must be all CUDA or all CPU tensors, not {sorted(kinds)}")
+        if not self.session_id:
+            self._open_session()
+        req = transfer_pb2.RegisterKVRequest(session_id=self.session_id,
+                                             layout=layout_to_proto(layout, node_pb2.LayoutSpec),
+                                             backend=self.backend, allocations=allocations, tensors=refs,
+                                             ring_slots=self.ring_slots, **ring)
+        try:
+            reply = self._stub.RegisterKV(req, timeout=self.timeout, wait_for_ready=True)
+        except grpc.RpcError as e:
+            self._drop_ring()
+            raise KVConnectorError(e.code(), e.details() or "") from None
+        if self._ring_path:  # the daemon has it mapped; the name is no longer needed (nothing leaks on a kill)
+            os.unlink(self._ring_path)
+            self._ring_path = ""
+        self.reg = _Registration(reply.registration_id, reply.layout_id, reply.copy_engine, layout)
+        self._free = collections.deque(range(self.ring_slots))
+        self._tensors = list(tensors)  # keep the memory alive while the daemon has it open
+        return reply.layout_id
+
+    @property
+    def copy_engine(self) -> str:
+        return self.reg.copy_engine if self.reg else ""
+
+    def unregister(self) -> None:
+        """Wait for every transfer in flight, then close the registration in the daemon."""
+        if self.reg is None:
+            return
+        with self._lock:
+            while len(self._free) + len(self._deferred) < self.ring_slots:
+                self._lock.wait(0.05)
+                self._reap()
+        for t in list(self._deferred):
+            self._slot_wait(t.slot, t.seq)
+        try:
+            self._stub.UnregisterKV(transfer_pb2.UnregisterKVRequest(session_id=self.session_id,
+                                                                     registration_id=self.reg.registration_id),
+                                    timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise KVConnectorError(e.code(), e.details() or "") from None
+        finally:
+            self.reg = None
+            self._tensors = []
+            self._drop_ring()
+
+    def _drop_ring(self) -> None:
+        self._events = []
+        self._ring = None
+        if self._ring_path:
+            try:
+                os.unlink(self._ring_path)
+            except FileNotFoundError:
+                pass
+            self._ring_path = ""
+
+    # -- transfers -------------------------------------------------------------------------
+
+    def offload(self, keys: Sequence[bytes], engine_ids: Sequence[int] | np.ndarray, stream: Any = None) -> Transfer:
+        """Copy these engine pages to the host tier under ``keys``. On CUDA, first records
+        "KV written" on ``stream`` (default: current), which the daemon's copy waits for."""
+        return self._request("Offload", keys, engine_ids, stream, wait_written=True)
+
+    def onboard(self, keys: Sequence[bytes], engine_ids: Sequence[int] | np.ndarray) -> Transfer:
+        """Copy the host tier's blocks ``keys`` into these engine pages."""
+        return self._request("Onboard", keys, engine_ids, None, wait_written=False)
+
+    def _request(self, rpc: str, keys: Sequence[bytes], engine_ids: Any, stream: Any, wait_written: bool) -> Transfer:
+        reg = self.reg
+        if reg is None:
+            raise KVConnectorError(grpc.StatusCode.FAILED_PRECONDITION, "register() the KV tensors first")
+        ids = np.asarray(engine_ids, dtype=np.int64).ravel()
+        slot = self._take_slot()
+        seq = next(self._seq)
+        if wait_written:  # "KV written": everything queued (CUDA) or done (CPU) before this point
+            if self.backend == "cuda":
+                self._events[slot].record(stream or _torch().cuda.current_stream())
+            else:
+                assert self._ring is not None
+                self._ring[slot] = 2 * seq
+        req = transfer_pb2.TransferRequest(session_id=self.session_id, registration_id=reg.registration_id,
+                                           keys=[bytes(k) for k in keys], engine_ids=ids.tolist(),
+                                           event_slot=slot, seq=seq, wait_written=wait_written)
+        future = getattr(self._stub, rpc).future(req, timeout=self.timeout)
+        return Transfer(self, future, slot, seq, len(keys))
+
+    def _take_slot(self) -> int:
+        with self._lock:
+            while not self._free:
+                self._reap()
+                if not self._free:
+                    self._lock.wait(0.01)
+            return self._free.popleft()
+
+    def _free_slot(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+            self._lock.notify()
+
+    def _defer_release(self, t: Transfer) -> None:
+        """A CUDA onboard whose wait was put on a stream: free its slot once its event is reached."""
+        t._released = True
+        with self._lock:
+            self._deferred.append(t)
+
+    def _reap(self) -> None:
+        while self._deferred and self._slot_complete(self._deferred[0].slot, self._deferred[0].seq):
+            self._free.append(self._deferred.popleft().slot)
+
+    def _slot_complete(self, slot: int, seq: int) -> bool:
+        if self.backend == "cuda":
+            return bool(self._events[slot].query())
+        assert self._ring is not None
+        return int(self._ring[slot]) == 2 * seq + 1
+
+    def _slot_wait(self, slot: int, seq: int) -> None:
+        if self.backend == "cuda":
+            self._events[slot].synchronize()
+            return
+        if not self._slot_complete(slot, seq):
+            raise KVConnectorError(grpc.StatusCode.INTERNAL,
+                                   f"the daemon replied but event slot {slot} does not hold sequence {seq}")
+
+    def close(self) -> None:
+        """Unregister (after the transfers in flight) and end the session."""
+        try:
+            self.unregister()
+        finally:
+            if self._session_q is not None:
+                self._session_q.put(None)
+            if self._session_call is not None:
+                self._session_call.cancel()
+            self._session_call = self._session_q = None
+            self.session_id = 0
+            self._channel.close()
+
+    def __enter__(self) -> KVConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

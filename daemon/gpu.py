@@ -1,0 +1,416 @@
+"""The ``kvtier.v1.Transfer`` service: engine KV registrations and the copies between them and the host tier.
+
+Owns
+    * the copy engines: a :class:`HostCopyEngine` always (CPU stand-in registrations), and a
+      :class:`CudaCopyEngine` when ``--copy-engine`` is ``cuda`` (or ``auto`` on a GPU node);
+      cupy is imported only then;
+    * registrations: per engine session, its layout, its opened allocations and event ring
+      (each allocation opened once per registration; the CUDA engine also shares one open
+      handle between registrations of the same allocation), and an internal store session
+      that holds the grants and leases of its copies in flight.
+
+Promises
+    * Offload commits a block only after its bytes are in the host slot, then replies.
+      Onboard pins each hit (a lease; disk hits are promoted to host first) from before its
+      copy until the copy has completed,
+      replies once the completion record is issued, and copies nothing for a key not held
+      (``TRANSFER_MISSING``: that engine page is untouched).
+    * A copy runs in a task of its own: a cancelled RPC (the engine killed mid-transfer, a
+      deadline) stops waiting for it, never stops it halfway.
+    * When the engine's Node session ends (exit or kill), or on UnregisterKV, the
+      registration stops taking requests, cancels copies still waiting for "KV written",
+      waits for its copies in flight, aborts the grants of unfinished offloads (their bytes
+      cannot be vouched for), releases its leases and closes every handle and event it
+      opened. Counters ``kv_registrations_opened/closed``, ``kv_handles_opened/closed`` and
+      ``kv_events_opened/closed`` show that nothing stays open; ``kv_inflight_at_close``,
+      ``kv_transfers_cancelled`` and ``kv_offloads_aborted`` count what was cut short.
+    * A bad request gets INVALID_ARGUMENT / FAILED_PRECONDITION / NOT_FOUND and changes nothing.
+
+Threading: handlers run on the event loop; copies and their waits run in a dedicated
+executor so the loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvtier.daemon.config import Config
+from kvtier.daemon.metrics import OpLatency
+from kvtier.daemon.service import _handle_errors
+from kvtier.daemon.store import BlockStore, StoreError
+from kvtier.proto import transfer_pb2, transfer_pb2_grpc
+from kvtier.tiers.copy_engine import (
+    OFFLOAD,
+    ONBOARD,
+    AllocationRef,
+    CopyEngine,
+    CopyError,
+    EventRing,
+    HostCopyEngine,
+    KVMemory,
+    TensorRef,
+    check_engine_ids,
+    plan_chunks,
+    tensor_geometry,
+)
+from kvtier.tiers.layout import Layout, LayoutError, layout_from_proto
+
+log = logging.getLogger("kvtier.transfer")
+
+MAX_RING_SLOTS = 4096
+
+
+class EngineUnavailable(RuntimeError):
+    """``--copy-engine cuda`` was asked for and cannot be built; the message says why."""
+
+
+def build_engines(cfg: Config) -> dict[str, CopyEngine]:
+    """The copy engines ``cfg`` asks for, keyed by the engine memory kind they open."""
+    engines: dict[str, CopyEngine] = {"host": HostCopyEngine(cfg.copy_threads, cfg.offload_piece_bytes)}
+    if cfg.copy_engine == "host":
+        return engines
+    if cfg.copy_engine == "auto" and importlib.util.find_spec("cupy") is None:
+        return engines
+    try:
+        from kvtier.tiers.copy_engine import CudaCopyEngine  # noqa: PLC0415
+
+        engines["cuda"] = CudaCopyEngine(cfg.cuda_device, cfg.cuda_backend, cfg.offload_piece_bytes,
+                                         cfg.copy_threads)
+    except Exception as e:  # cupy missing, no driver, no device: all say the same to the operator
+        if cfg.copy_engine == "cuda":
+            raise EngineUnavailable(f"--copy-engine cuda: cannot start the CUDA copy engine on "
+                                    f"cuda:{cfg.cuda_device}: {e}") from None
+        log.info("no CUDA copy engine; serving host-memory engines only", extra={"reason": str(e)})
+    return engines
+
+
+@dataclass(eq=False)
+class Registration:
+    reg_id: int
+    session_id: int          # the engine's Node session
+    store_session: int       # internal session holding this registration's grants and leases
+    layout_id: int
+    layout: Layout
+    engine: CopyEngine
+    memory: KVMemory
+    tensors: list[TensorRef]
+    pool_path: str
+    inflight: int = 0
+    closing: bool = False
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _status(code: grpc.StatusCode, msg: str) -> StoreError:
+    return StoreError(code, msg)
+
+
+class TransferService(transfer_pb2_grpc.TransferServicer):
+    """See the module docstring."""
+
+    def __init__(self, store: BlockStore, engines: dict[str, CopyEngine], latency: OpLatency,
+                 threads: int = 8) -> None:
+        self.store = store
+        self.engines = engines
+        self.latency = latency  # shared with the Node service: kvtier_op_latency_seconds{op="offload"}
+        self.registrations: dict[int, Registration] = {}
+        self._ids = itertools.count(1)
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-transfer")
+        self._tasks: set[asyncio.Task] = set()
+        self._attached: set[tuple[str, str]] = set()
+        store.session_end_hooks.append(self._session_ended)
+
+    # -- registration ----------------------------------------------------------------------
+
+    @_handle_errors
+    async def RegisterKV(self, request: transfer_pb2.RegisterKVRequest, context: Any) -> transfer_pb2.RegisterKVReply:
+        sess = self.store.session(request.session_id)
+        if not request.HasField("layout"):
+            raise _status(grpc.StatusCode.INVALID_ARGUMENT, "RegisterKV needs the KV layout")
+        engine = self.engines.get(request.backend)
+        if engine is None:
+            known = ", ".join(sorted(self.engines))
+            raise _status(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this kvtierd has no {request.backend!r} copy engine (it serves: {known}); "
+                          f"start it with --copy-engine cuda on a GPU node for CUDA KV memory")
+        layout = layout_from_proto(request.layout)
+        allocations = [AllocationRef(a.size, a.ipc_handle, a.path, a.device) for a in request.allocations]
+        tensors = [TensorRef(t.allocation, t.offset) for t in request.tensors]
+        self._check_tensors(layout, allocations, tensors)
+        slots = request.ring_slots
+        if not 0 < slots <= MAX_RING_SLOTS:
+            raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"ring_slots {slots} is not in [1, {MAX_RING_SLOTS}]")
+        ring = EventRing(slots, tuple(request.event_handles), request.event_ring_path)
+        reg_layout = await self.store.register_layout(layout)
+        cls = self.store.host.size_class(layout.slot_bytes)
+        if engine.backend == "cuda" and len(self.store.host.classes) > 1:
+            log.warning("a CUDA-registered pool shares the host tier with another size class; moving "
+                        "memory between classes punches holes in the registered pool (see CudaCopyEngine)",
+                        extra={"classes": sorted(self.store.host.classes)})
+        loop = asyncio.get_running_loop()
+        try:
+            s_per_gib = await loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
+            memory = await loop.run_in_executor(self._executor, engine.open_kv, allocations, ring)
+        except CopyError as e:
+            raise _status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        if (engine.name, cls.path) not in self._attached:
+            self._attached.add((engine.name, cls.path))
+            log.info("host pool attached to the copy engine", extra={
+                "engine": engine.name, "pool_bytes": cls.pool_bytes,
+                "pin_s_per_gib": round(s_per_gib, 4) if engine.backend == "cuda" else None})
+        internal = self.store.open_session(f"transfer:{sess.client_name}", sess.pid)
+        reg = Registration(next(self._ids), sess.session_id, internal.session_id, reg_layout.layout_id, layout,
+                           engine, memory, tensors, cls.path)
+        self.registrations[reg.reg_id] = reg
+        c = self.store.counters
+        c["kv_registrations_opened"] += 1
+        c["kv_handles_opened"] += memory.handles_open
+        c["kv_events_opened"] += memory.events_open
+        if sess.session_id not in self.store.sessions:  # the engine went away while we opened
+            self._close(reg)
+            raise _status(grpc.StatusCode.CANCELLED, "session closed during RegisterKV")
+        log.info("kv registered", extra={"registration_id": reg.reg_id, "session_id": sess.session_id,
+                                         "engine": engine.name, "allocations": len(allocations),
+                                         "layout_id": reg.layout_id})
+        return transfer_pb2.RegisterKVReply(registration_id=reg.reg_id, layout_id=reg.layout_id,
+                                            copy_engine=engine.name, block_bytes=layout.block_bytes)
+
+    @staticmethod
+    def _check_tensors(layout: Layout, allocations: list[AllocationRef], tensors: list[TensorRef]) -> None:
+        if len(tensors) != len(layout.tensors):
+            raise _status(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{len(tensors)} tensor refs for a layout of {len(layout.tensors)} tensors")
+        for spec, ref, (outer, extent, inner, _) in zip(layout.tensors, tensors, tensor_geometry(layout), strict=True):
+            if ref.allocation >= len(allocations):
+                raise _status(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"tensor {spec.name!r} names allocation {ref.allocation}; there are {len(allocations)}")
+            end = ref.offset + outer * extent * inner
+            if end > allocations[ref.allocation].size:
+                raise _status(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"tensor {spec.name!r} ends at byte {end}, past its allocation of "
+                              f"{allocations[ref.allocation].size} bytes")
+
+    @_handle_errors
+    async def UnregisterKV(self, request: transfer_pb2.UnregisterKVRequest, context: Any) -> transfer_pb2.UnregisterKVReply:
+        reg = self._registration(request.session_id, request.registration_id)
+        self._begin_close(reg)
+        await reg.closed.wait()
+        return transfer_pb2.UnregisterKVReply()
+
+    def _registration(self, session_id: int, reg_id: int) -> Registration:
+        self.store.session(session_id)
+        reg = self.registrations.get(reg_id)
+        if reg is None or reg.closing:
+            raise _status(grpc.StatusCode.NOT_FOUND,
+                          f"KV registration {reg_id} is not open (unregistered, or its session ended): "
+                          f"call RegisterKV again")
+        if reg.session_id != session_id:
+            raise _status(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"KV registration {reg_id} belongs to session {reg.session_id}, not {session_id}")
+        return reg
+
+    def _session_ended(self, session_id: int) -> None:
+        for reg in [r for r in self.registrations.values() if r.session_id == session_id]:
+            self._begin_close(reg)
+
+    def _begin_close(self, reg: Registration) -> None:
+        if reg.closing:
+            return
+        reg.closing = True
+        self.store.counters["kv_inflight_at_close"] += reg.inflight  # copies the close waits for
+        reg.engine.cancel(reg.memory)
+        if reg.inflight == 0:
+            self._close(reg)
+
+    def _close(self, reg: Registration) -> None:
+        """Close the handles and give back the slots of a registration with nothing in flight."""
+        reg.closing = True
+        self.registrations.pop(reg.reg_id, None)
+        c = self.store.counters
+        c["kv_handles_closed"] += reg.memory.handles_open
+        c["kv_events_closed"] += reg.memory.events_open
+        try:
+            reg.engine.close_kv(reg.memory)
+        except Exception:
+            log.exception("closing KV registration %d failed", reg.reg_id)
+            c["kv_close_errors"] += 1
+        self.store.close_session(reg.store_session)
+        c["kv_registrations_closed"] += 1
+        reg.closed.set()
+        log.info("kv registration closed", extra={"registration_id": reg.reg_id})
+
+    def _done(self, reg: Registration) -> None:
+        reg.inflight -= 1
+        if reg.closing and reg.inflight == 0:
+            self._close(reg)
+
+    # -- transfers -------------------------------------------------------------------------
+
+    def _validate(self, reg: Registration, request: transfer_pb2.TransferRequest) -> tuple[list[bytes], np.ndarray]:
+        keys = list(request.keys)
+        self.store.check_keys(keys, unique=True)
+        try:
+            ids = check_engine_ids(reg.layout, np.asarray(request.engine_ids, dtype=np.int64), len(keys))
+        except CopyError as e:
+            raise _status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if request.event_slot >= reg.memory.ring.slots:
+            raise _status(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"event_slot {request.event_slot} is outside the ring of {reg.memory.ring.slots}")
+        if np.unique(ids).size != ids.size:
+            raise _status(grpc.StatusCode.INVALID_ARGUMENT,
+                          "an engine block id (or token index) appears twice in one request")
+        return keys, ids
+
+    async def _copy(self, reg: Registration, plan: Any, direction: str, request: transfer_pb2.TransferRequest,
+                    wait_done: bool) -> Any:
+        loop = asyncio.get_running_loop()
+
+        def run() -> Any:
+            done = reg.engine.copy(reg.memory, reg.pool_path, plan, direction, request.event_slot, request.seq,
+                                   request.wait_written)
+            if wait_done:
+                done.wait_done()
+            return done
+
+        return await loop.run_in_executor(self._executor, run)
+
+    def _detached(self, reg: Registration, work: Any) -> asyncio.Task:
+        """Run ``work`` as a task of its own that holds one in-flight count on ``reg``: a
+        cancelled RPC (engine killed, deadline) stops waiting for it, but the copy, the commit
+        or abort and the release still run to the end before the registration may close."""
+        reg.inflight += 1
+
+        async def run() -> Any:
+            try:
+                return await work
+            finally:
+                self._done(reg)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._reap_task)
+        return task
+
+    def _reap_task(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), StoreError):
+            log.error("transfer failed", exc_info=task.exception())
+
+    @_handle_errors
+    async def Offload(self, request: transfer_pb2.TransferRequest, context: Any) -> transfer_pb2.TransferReply:
+        reg = self._registration(request.session_id, request.registration_id)
+        keys, ids = self._validate(reg, request)
+        task = self._detached(reg, self._offload(reg, keys, ids, request))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.store.counters["kv_transfers_cancelled"] += 1  # the engine went away (or gave up) mid-copy
+            raise
+
+    async def _offload(self, reg: Registration, keys: list[bytes], ids: np.ndarray,
+                       request: transfer_pb2.TransferRequest) -> transfer_pb2.TransferReply:
+        grants = await self.store.allocate(reg.store_session, reg.layout_id, keys)
+        granted = [i for i, g in enumerate(grants) if g[0] == "granted"]
+        gids = [grants[i][1] for i in granted]
+        offsets = np.array([grants[i][2] for i in granted], dtype=np.int64)
+        plan = plan_chunks(reg.layout, reg.tensors, ids[granted], offsets)
+        try:
+            await self._copy(reg, plan, OFFLOAD, request, wait_done=True)
+        except CopyError as e:
+            await self._abort(reg, gids)
+            if reg.closing:
+                self.store.counters["kv_offloads_aborted"] += 1
+                raise _status(grpc.StatusCode.CANCELLED, f"the engine's session ended during the offload: {e}") from None
+            raise
+        except BaseException:
+            await self._abort(reg, gids)
+            raise
+        if reg.closing:  # the engine went away mid-copy: its KV cannot be vouched for
+            await self._abort(reg, gids)
+            self.store.counters["kv_offloads_aborted"] += 1
+            raise _status(grpc.StatusCode.CANCELLED, "the engine's session ended during the offload")
+        if gids:
+            await self.store.commit(reg.store_session, gids, [], False)
+        status = {"granted": transfer_pb2.TRANSFER_COPIED, "present": transfer_pb2.TRANSFER_PRESENT,
+                  "no_space": transfer_pb2.TRANSFER_NO_SPACE}
+        c = self.store.counters
+        c["kv_offload_blocks"] += len(gids)
+        c["bytes_gpu_to_host"] += plan.nbytes
+        return transfer_pb2.TransferReply(status=[status[g[0]] for g in grants], bytes=plan.nbytes)
+
+    async def _abort(self, reg: Registration, gids: list[int]) -> None:
+        if gids and reg.store_session in self.store.sessions:
+            await self.store.commit(reg.store_session, [], gids, False)
+
+    @_handle_errors
+    async def Onboard(self, request: transfer_pb2.TransferRequest, context: Any) -> transfer_pb2.TransferReply:
+        reg = self._registration(request.session_id, request.registration_id)
+        keys, ids = self._validate(reg, request)
+        recorded = asyncio.get_running_loop().create_future()
+        self._detached(reg, self._onboard(reg, keys, ids, request, recorded))
+        try:
+            leases, nbytes = await asyncio.shield(recorded)  # the completion record is issued: reply
+        except asyncio.CancelledError:
+            self.store.counters["kv_transfers_cancelled"] += 1
+            raise
+        hits = sum(1 for lease in leases if lease[0])
+        c = self.store.counters
+        c["kv_onboard_blocks"] += hits
+        c["kv_onboard_missing"] += len(keys) - hits
+        c["bytes_host_to_gpu"] += nbytes
+        return transfer_pb2.TransferReply(
+            status=[transfer_pb2.TRANSFER_COPIED if lease[0] else transfer_pb2.TRANSFER_MISSING for lease in leases],
+            bytes=nbytes)
+
+    async def _onboard(self, reg: Registration, keys: list[bytes], ids: np.ndarray,
+                       request: transfer_pb2.TransferRequest, recorded: asyncio.Future) -> None:
+        """Pin the hits (disk hits are promoted first), copy, hand the handler its reply once
+        the completion record is issued, keep the pins until the bytes have landed, release."""
+        lids: list[int] = []
+        try:
+            try:
+                leases = await self.store.acquire(reg.store_session, reg.layout_id, keys)
+                hits = [i for i, lease in enumerate(leases) if lease[0]]
+                lids = [leases[i][0] for i in hits]
+                offsets = np.array([leases[i][1] for i in hits], dtype=np.int64)
+                plan = plan_chunks(reg.layout, reg.tensors, ids[hits], offsets)
+                done = await self._copy(reg, plan, ONBOARD, request, wait_done=False)
+            except BaseException as e:
+                if not recorded.done():
+                    recorded.set_exception(e)
+                    recorded.exception()  # retrieved here too: the handler may be gone
+                return
+            recorded.set_result((leases, plan.nbytes))
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor, done.wait_done)
+            except Exception:
+                log.exception("onboard copy failed after its reply (registration %d)", reg.reg_id)
+                self.store.counters["kv_onboard_errors"] += 1
+        finally:
+            self._release(reg, lids)
+
+    def _release(self, reg: Registration, lids: list[int]) -> None:
+        if lids and reg.store_session in self.store.sessions:
+            self.store.release(reg.store_session, lids)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close every registration (after its copies in flight) and the copy engines."""
+        for reg in list(self.registrations.values()):
+            self._begin_close(reg)
+            await reg.closed.wait()
+        self._executor.shutdown(wait=True)
+        for engine in self.engines.values():
+            engine.close()
+
+
+__all__ = ["TransferService", "build_engines", "EngineUnavailable", "LayoutError"]

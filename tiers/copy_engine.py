@@ -1,0 +1,732 @@
+"""Copy engines: move batches of KV blocks between an engine's KV memory and the host pool.
+
+Primitives and their contract
+    ``attach_pool(path, size)``
+        Map a host pool file read-write (the host tier's tmpfs file, same bytes clients see)
+        and, for CUDA, touch it in parallel and ``cudaHostRegister`` it once. Returns the
+        seconds per GiB that took. The engine owns the mapping until ``close``.
+    ``open_kv(allocations, ring)`` -> :class:`KVMemory`
+        Open an engine's KV memory: each allocation once (CUDA: ``cudaIpcOpenMemHandle``;
+        stand-in: ``mmap`` of the shared file), and its ring of completion events (CUDA:
+        ``cudaIpcOpenEventHandle`` per slot; stand-in: a file of uint64 sequence numbers).
+        The caller owns the returned memory and must ``close_kv`` it exactly once, after
+        every copy issued on it has completed (``Completion.wait_done``).
+    ``copy(mem, plan, direction, slot, seq, wait_written)`` -> :class:`Completion`
+        Copy every chunk of ``plan`` (built by :func:`plan_chunks`) in ``direction``
+        (``OFFLOAD``: engine memory -> pool; ``ONBOARD``: pool -> engine memory). When
+        ``wait_written`` is set the copy first waits for the engine's "KV written" record in
+        ``slot``; when the copy completes, completion is recorded into ``slot``. The stand-in's
+        ring holds a uint64 per slot: the engine writes ``2*seq`` ("KV written") before asking,
+        the copy engine writes ``2*seq + 1`` when the copy is complete. May block the calling thread (never call it on an event
+        loop). It returns once the completion record is *issued*: on CUDA that is at
+        enqueue time, on the stand-in once the bytes are copied. ``Completion.wait_done``
+        blocks until the bytes are in place; only then may the caller publish pool slots
+        it wrote (offload) or release pool slots it read (onboard).
+    ``cancel(mem)``
+        The engine is gone: a copy still waiting for its "KV written" record gives up with
+        :class:`CopyError` (stand-in; a CUDA stream wait cannot be withdrawn, but a wait on an
+        event never recorded passes at once).
+    Offloads are cut into pieces of at most ``piece_bytes`` and onboards are served first
+    between pieces, so a small onboard never waits behind a whole large offload (copy
+    engines do not honour stream priorities).
+
+Who owns what
+    The engine process owns its KV memory and its events; the copy engine only holds opened
+    handles, closed by ``close_kv``. The daemon owns pool slots (grants and leases in the
+    store) and must keep them held until ``wait_done`` returns.
+
+Backends
+    :class:`HostCopyEngine` (the CPU stand-in): engine "device" memory is a shared-memory
+    file; worker threads move the bytes with vectorised numpy gathers, onboard jobs ahead of
+    offload pieces. :class:`CudaCopyEngine`: a cupy gather/scatter kernel (16-byte accesses,
+    one thread block per chunk) over the registered pool mapping, or
+    ``cudaMemcpyBatchAsync`` through cuda.bindings; ``backend="auto"`` picks the kernel for
+    16-byte aligned chunks under 1 MiB and the batch copy otherwise. cupy and cuda.bindings
+    are imported only when a :class:`CudaCopyEngine` is built.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.tiers.layout import DTYPE_BYTES, Layout
+
+OFFLOAD, ONBOARD = "offload", "onboard"
+MADV_POPULATE_WRITE = 23
+GIB = 1 << 30
+
+
+class CopyError(Exception):
+    """A copy or registration the engine refuses; the message says what to change."""
+
+
+class ExportError(CopyError):
+    """Engine memory that cannot be opened from another process (the message names why)."""
+
+
+@dataclass(frozen=True)
+class AllocationRef:
+    """One engine allocation: a CUDA IPC handle (CUDA) or a shared-memory file (stand-in)."""
+
+    size: int
+    ipc_handle: bytes = b""
+    path: str = ""
+    device: int = 0
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one layout tensor starts: allocation index and byte offset (C-contiguous)."""
+
+    allocation: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class EventRing:
+    """Completion events of one registration: CUDA IPC event handles, or a stand-in file."""
+
+    slots: int
+    handles: tuple[bytes, ...] = ()
+    path: str = ""
+
+
+@dataclass
+class ChunkPlan:
+    """One batch as flat, equally long arrays: per chunk, its allocation, byte offset there,
+    byte offset in the pool and size. Chunks are ordered block by block."""
+
+    alloc: np.ndarray     # int32
+    kv_off: np.ndarray    # uint64
+    pool_off: np.ndarray  # uint64
+    size: np.ndarray      # uint64
+    chunks_per_block: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.size.sum())
+
+    def __len__(self) -> int:
+        return int(self.size.size)
+
+    def pieces(self, piece_bytes: int) -> list[slice]:
+        """Cut into slices of whole blocks, each at most ``piece_bytes`` (at least one block)."""
+        n = len(self)
+        if n == 0:
+            return []
+        per_block = self.chunks_per_block
+        block_bytes = int(self.size[:per_block].sum())
+        blocks = max(1, piece_bytes // max(block_bytes, 1))
+        step = blocks * per_block
+        return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def take(self, s: slice) -> ChunkPlan:
+        return ChunkPlan(self.alloc[s], self.kv_off[s], self.pool_off[s], self.size[s], self.chunks_per_block)
+
+
+def tensor_geometry(layout: Layout) -> list[tuple[int, int, int, int]]:
+    """Per tensor: (outer, extent, inner_bytes, rows) where a block's slice is ``outer`` runs of
+    ``rows`` pieces of ``inner_bytes``, and ``extent`` is the size of the block dimension."""
+    out = []
+    for t in layout.tensors:
+        inner = math.prod(t.shape[t.block_dim + 1:]) * DTYPE_BYTES[t.dtype]
+        outer = math.prod(t.shape[:t.block_dim])
+        rows = layout.block_tokens if t.token_indexed else 1
+        out.append((outer, t.shape[t.block_dim], inner, rows))
+    return out
+
+
+def ids_per_block(layout: Layout) -> int:
+    """Engine ids per block: 1 for block-indexed layouts, block_tokens for token-indexed ones."""
+    kinds = {t.token_indexed for t in layout.tensors}
+    if len(kinds) != 1:
+        raise CopyError("a layout mixes token-indexed and block-indexed tensors; register them separately")
+    return layout.block_tokens if kinds.pop() else 1
+
+
+def check_engine_ids(layout: Layout, engine_ids: np.ndarray, nkeys: int) -> np.ndarray:
+    """``engine_ids`` as an (nkeys, ids_per_block) int64 array; raises CopyError when the count
+    or a value is out of range (nothing has been touched)."""
+    per = ids_per_block(layout)
+    ids = np.asarray(engine_ids, dtype=np.int64)
+    if ids.size != nkeys * per:
+        what = f"{per} token indices" if per > 1 else "one engine block id"
+        raise CopyError(f"{ids.size} engine ids for {nkeys} keys; this layout takes {what} per key")
+    ids = ids.reshape(nkeys, per)
+    extent = min(t.shape[t.block_dim] for t in layout.tensors)
+    if ids.size and (ids.min() < 0 or ids.max() >= extent):
+        bad = int(ids[(ids < 0) | (ids >= extent)][0])
+        raise CopyError(f"engine id {bad} is outside [0, {extent}) of the registered KV tensors")
+    return ids
+
+
+def plan_chunks(layout: Layout, tensors: Sequence[TensorRef], ids: np.ndarray,
+                pool_offsets: np.ndarray) -> ChunkPlan:
+    """Every contiguous chunk of the blocks ``ids`` (from :func:`check_engine_ids`) and where it
+    goes in the pool: block i's payload starts at ``pool_offsets[i]`` and lists each tensor's
+    slice in layout order, as DESIGN.md's data model says. Vectorised; no per-chunk loop."""
+    n = ids.shape[0]
+    pool = np.asarray(pool_offsets, dtype=np.int64).reshape(n, 1)
+    parts_alloc, parts_kv, parts_pool, parts_size = [], [], [], []
+    toff = 0
+    for ref, (outer, extent, inner, rows) in zip(tensors, tensor_geometry(layout), strict=True):
+        o = np.arange(outer, dtype=np.int64).reshape(1, outer, 1)
+        kv = ref.offset + (o * extent + ids.reshape(n, 1, rows)) * inner            # (n, outer, rows)
+        unit = np.arange(outer * rows, dtype=np.int64).reshape(1, outer * rows)
+        dst = pool + toff + unit * inner                                               # (n, outer*rows)
+        parts_kv.append(kv.reshape(n, outer * rows))
+        parts_pool.append(dst)
+        parts_size.append(np.full((n, outer * rows), inner, dtype=np.int64))
+        parts_alloc.append(np.full((n, outer * rows), ref.allocation, dtype=np.int32))
+        toff += outer * rows * inner
+    per_block = sum(p.shape[1] for p in parts_kv)
+    return ChunkPlan(np.concatenate(parts_alloc, axis=1).ravel(),
+                     np.concatenate(parts_kv, axis=1).ravel().astype(np.uint64),
+                     np.concatenate(parts_pool, axis=1).ravel().astype(np.uint64),
+                     np.concatenate(parts_size, axis=1).ravel().astype(np.uint64), per_block)
+
+
+class KVMemory:
+    """An engine's opened KV memory and event ring; each engine subclasses it with what it opened."""
+
+    def __init__(self, allocations: Sequence[AllocationRef], ring: EventRing) -> None:
+        self.allocations = list(allocations)
+        self.ring = ring
+        self.handles_open = 0
+        self.events_open = 0
+        self.cancelled = False
+
+
+class HostKVMemory(KVMemory):
+    """Stand-in: the mapped engine memory files and the mapped event ring file."""
+
+    def __init__(self, allocations: Sequence[AllocationRef], ring: EventRing) -> None:
+        super().__init__(allocations, ring)
+        self.maps: list[mmap.mmap] = []
+        self.arrays: list[np.ndarray] = []
+        self.ring_map: mmap.mmap | None = None
+        self.ring_arr: np.ndarray = np.zeros(0, dtype=np.uint64)
+
+
+class CudaKVMemory(KVMemory):
+    """CUDA: the device address of each opened allocation and the opened ring events."""
+
+    def __init__(self, allocations: Sequence[AllocationRef], ring: EventRing, local: bool = False) -> None:
+        super().__init__(allocations, ring)
+        self.ptrs: list[int] = []
+        self.events: list[int] = []
+        self.local = local  # this process's own memory: no IPC handle to close
+
+
+class Completion:
+    """A copy in flight. ``wait_done`` blocks until its bytes are in place."""
+
+    def __init__(self, wait: Callable[[], None]) -> None:
+        self._wait = wait
+
+    def wait_done(self) -> None:
+        self._wait()
+
+
+class CopyEngine(ABC):
+    """See the module docstring for the contract."""
+
+    name: str = ""
+    backend: str = ""  # "cuda" or "host": the kind of engine memory it opens
+
+    def __init__(self, piece_bytes: int) -> None:
+        self.piece_bytes = piece_bytes
+        self.pin_s_per_gib = 0.0
+
+    @abstractmethod
+    def attach_pool(self, path: str, size: int) -> float: ...
+
+    @abstractmethod
+    def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> KVMemory: ...
+
+    @abstractmethod
+    def close_kv(self, mem: KVMemory) -> None: ...
+
+    @abstractmethod
+    def copy(self, mem: KVMemory, pool_path: str, plan: ChunkPlan, direction: str, slot: int, seq: int,
+             wait_written: bool) -> Completion: ...
+
+    def cancel(self, mem: KVMemory) -> None:
+        mem.cancelled = True
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def populate_mapping(mm: mmap.mmap, size: int, threads: int) -> None:
+    """Fault in every page of a shared mapping from ``threads`` threads (MADV_POPULATE_WRITE,
+    Linux >= 5.14; else touch one byte per page, which keeps the bytes)."""
+    step = max(2 << 20, -(-size // threads) // mmap.PAGESIZE * mmap.PAGESIZE)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+
+    def touch(off: int) -> None:
+        length = min(step, size - off)
+        try:
+            mm.madvise(MADV_POPULATE_WRITE, off, length)
+        except OSError:
+            view = arr[off:off + length:mmap.PAGESIZE]
+            view[:] = view
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(touch, range(0, size, step)))
+
+
+class _Pool:
+    def __init__(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        del self.arr
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+
+def _rows(buf: np.ndarray, offsets: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A view of ``buf`` whose row k starts at byte ``k * g`` and is ``size`` long, with g the
+    largest stride dividing every offset, and the row index of each offset."""
+    g = int(np.gcd.reduce(np.append(offsets, np.uint64(size)).astype(np.int64)))
+    rows = (buf.size - size) // g + 1
+    view = np.lib.stride_tricks.as_strided(buf, shape=(rows, size), strides=(g, 1))
+    return view, (offsets // np.uint64(g)).astype(np.int64)
+
+
+class HostCopyEngine(CopyEngine):
+    """CPU stand-in: engine KV memory is a shared-memory file; ``threads`` workers copy whole
+    blocks with numpy (see :func:`_copy_blocks`). A copy is cut into jobs of at most
+    ``piece_bytes``; queued onboard jobs run before queued offload jobs, so an onboard waits
+    for at most the job each worker is running. The pool is mapped, not touched (its memory
+    stays sparse, as the host tier's budget expects)."""
+
+    name = "host"
+    backend = "host"
+
+    def __init__(self, threads: int = 4, piece_bytes: int = 8 << 20) -> None:
+        super().__init__(piece_bytes)
+        self._pools: dict[str, _Pool] = {}
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = iter(range(1 << 62))
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._work, name=f"kvtier-copy-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def attach_pool(self, path: str, size: int) -> float:
+        if path in self._pools:
+            return self.pin_s_per_gib
+        self._pools[path] = _Pool(path, size)
+        return self.pin_s_per_gib
+
+    def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> HostKVMemory:
+        mem = HostKVMemory(allocations, ring)
+        maps: list[mmap.mmap] = []
+        try:
+            for a in allocations:
+                if not a.path:
+                    raise ExportError("the host copy engine opens shared-memory files: give each allocation a path")
+                maps.append(_map_file(a.path, a.size))
+                mem.handles_open += 1
+            if not ring.path:
+                raise ExportError("the host copy engine needs an event ring file (event_ring_path)")
+            ring_map = _map_file(ring.path, ring.slots * 8)
+        except BaseException:
+            for m in maps:
+                m.close()
+            raise
+        mem.maps = maps
+        mem.arrays = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+        mem.ring_map = ring_map
+        mem.ring_arr = np.frombuffer(ring_map, dtype=np.uint64)
+        mem.events_open = ring.slots
+        return mem
+
+    def close_kv(self, mem: KVMemory) -> None:
+        assert isinstance(mem, HostKVMemory)
+        mem.arrays = []
+        mem.ring_arr = np.zeros(0, dtype=np.uint64)
+        for m in [*mem.maps, mem.ring_map]:
+            try:
+                if m is not None:
+                    m.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with it
+        mem.handles_open = mem.events_open = 0
+
+    def copy(self, mem: KVMemory, pool_path: str, plan: ChunkPlan, direction: str, slot: int, seq: int,
+             wait_written: bool) -> Completion:
+        assert isinstance(mem, HostKVMemory)
+        pool = self._pools[pool_path]
+        if not 0 <= slot < mem.ring.slots:
+            raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
+        if wait_written:
+            self._wait_written(mem, slot, 2 * seq)
+        jobs = plan.pieces(self.piece_bytes)
+        done = threading.Event()
+        remaining = [len(jobs)]
+        errors: list[BaseException] = []
+
+        def finished(err: BaseException | None) -> None:
+            with self._lock:
+                if err is not None:
+                    errors.append(err)
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                if not errors:
+                    mem.ring_arr[slot] = 2 * seq + 1
+                done.set()
+
+        prio = 0 if direction == ONBOARD else 1
+        if not jobs:
+            mem.ring_arr[slot] = 2 * seq + 1
+            done.set()
+        for s in jobs:
+            self._jobs.put((prio, next(self._order), mem, pool, plan.take(s), direction, finished))
+        done.wait()
+
+        def wait() -> None:
+            if errors:
+                raise CopyError(f"{direction} copy failed: {errors[0]}") from errors[0]
+
+        wait()
+        return Completion(wait)
+
+    @staticmethod
+    def _wait_written(mem: HostKVMemory, slot: int, mark: int) -> None:
+        """Wait for the engine's "KV written" record (the stand-in of cudaStreamWaitEvent)."""
+        ring = mem.ring_arr
+        pause = 20e-6
+        while int(ring[slot]) < mark:
+            if mem.cancelled:
+                raise CopyError("the engine went away before its KV was written")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item[2] is None:
+                return
+            _, _, mem, pool, plan, direction, finished = item
+            try:
+                _copy_blocks(mem.arrays, pool.arr, plan, direction)
+            except BaseException as e:  # reported to the waiter, never lost
+                finished(e)
+            else:
+                finished(None)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put((-1, next(self._order), None, None, None, None, None))
+        for t in self._threads:
+            t.join()
+        for p in self._pools.values():
+            p.close()
+        self._pools.clear()
+
+
+def _map_file(path: str, size: int) -> mmap.mmap:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise ExportError(f"cannot open engine memory file {path}: {e.strerror}") from None
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ExportError(f"engine memory file {path} is {os.fstat(fd).st_size} bytes, not {size}")
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _copy_blocks(arrays: list[np.ndarray], pool: np.ndarray, plan: ChunkPlan, direction: str) -> None:
+    """Copy whole blocks of ``plan``, one numpy call per block and run of same-sized chunks.
+
+    A block's payload is contiguous in the pool, so a run of equal chunks (all of a vLLM
+    block; each tensor's rows of an SGLang block) is one ``take`` from (offload) or one
+    scatter into (onboard) a strided row view of the engine memory: a single copy with no
+    temporary, the GIL released inside numpy."""
+    per = plan.chunks_per_block
+    nblocks = len(plan) // per
+    alloc, size = plan.alloc[:per], plan.size[:per]
+    cut = np.flatnonzero((alloc[1:] != alloc[:-1]) | (size[1:] != size[:-1])) + 1
+    kv_off = plan.kv_off.reshape(nblocks, per)
+    pool_off = plan.pool_off.reshape(nblocks, per)
+    for c0, c1 in zip(np.r_[0, cut], np.r_[cut, per], strict=True):
+        chunk = int(size[c0])
+        view, rows = _rows(arrays[int(alloc[c0])], kv_off[:, c0:c1].ravel(), chunk)
+        rows = rows.reshape(nblocks, c1 - c0)
+        starts = pool_off[:, c0].astype(np.int64)
+        run = (c1 - c0) * chunk
+        for b in range(nblocks):
+            region = pool[starts[b]:starts[b] + run].reshape(c1 - c0, chunk)
+            if direction == OFFLOAD:
+                np.take(view, rows[b], axis=0, out=region, mode="clip")
+            else:
+                view[rows[b]] = region
+
+
+# -- CUDA ----------------------------------------------------------------------------------
+
+_KERNEL = r"""
+extern "C" __global__ void kv_copy(const unsigned long long* src, const unsigned long long* dst,
+                                   const unsigned long long* size, const int n) {
+    for (int c = blockIdx.x; c < n; c += gridDim.x) {
+        const uint4* s = reinterpret_cast<const uint4*>(src[c]);
+        uint4* d = reinterpret_cast<uint4*>(dst[c]);
+        const unsigned long long m = size[c] >> 4;
+        for (unsigned long long i = threadIdx.x; i < m; i += blockDim.x) d[i] = s[i];
+    }
+}
+"""
+
+CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
+CUDA_EVENT_DISABLE_TIMING, CUDA_EVENT_BLOCKING_SYNC = 2, 1
+KERNEL_MAX_CHUNK = 1 << 20
+
+
+@dataclass
+class _OpenedAllocation:
+    ptr: int
+    refs: int = 1
+
+
+@dataclass
+class _CudaPool:
+    pool: _Pool
+    ptr: int          # host address, also the device address (unified addressing)
+    dev_ptr: int
+
+
+@dataclass
+class _CudaState:
+    opened: dict[bytes, _OpenedAllocation] = field(default_factory=dict)
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copies between CUDA IPC-opened engine memory and the registered pool (module docstring).
+
+    Each pool file is mapped, touched in parallel and ``cudaHostRegister``ed whole, once, and
+    stays registered until ``close``. Caveat: the host tier punches holes in a pool file only
+    to move memory between size classes; punching a registered range would leave the GPU
+    writing pinned pages the file no longer holds. With one size class (one block size per
+    daemon, the usual GPU deployment) that never happens; the Transfer service logs a warning
+    when a CUDA registration meets a second class.
+    """
+
+    name = "cuda"
+    backend = "cuda"
+
+    def __init__(self, device: int = 0, backend: str = "auto", piece_bytes: int = 8 << 20,
+                 touch_threads: int = 16) -> None:
+        super().__init__(piece_bytes)
+        if backend not in ("auto", "kernel", "batch"):
+            raise CopyError(f"cuda backend {backend!r} is not auto, kernel or batch")
+        import cupy  # noqa: PLC0415 - only a CUDA engine touches CUDA
+
+        self.cp = cupy
+        self.rt = cupy.cuda.runtime
+        self.device = device
+        self.mode = backend
+        self.name = f"cuda-{backend}"
+        self.touch_threads = touch_threads
+        self._state = _CudaState()
+        self._pools: dict[str, _CudaPool] = {}
+        self._lock = threading.Lock()
+        with cupy.cuda.Device(device):
+            lo, hi = self.rt.deviceGetStreamPriorityRange()
+            self.offload_stream = cupy.cuda.Stream(non_blocking=True, priority=lo)
+            self.onboard_stream = cupy.cuda.Stream(non_blocking=True, priority=hi)
+            self._kernel = cupy.RawKernel(_KERNEL, "kv_copy")
+        self._batch = None
+
+    def _batch_copy(self) -> object:
+        if self._batch is None:
+            from cuda.bindings import runtime  # noqa: PLC0415
+
+            self._batch = runtime
+        return self._batch
+
+    def attach_pool(self, path: str, size: int) -> float:
+        if path in self._pools:
+            return self.pin_s_per_gib
+        t0 = time.perf_counter()
+        pool = _Pool(path, size)
+        populate_mapping(pool.mm, size, self.touch_threads)
+        ptr = pool.arr.ctypes.data
+        with self.cp.cuda.Device(self.device):
+            self.rt.hostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        # unified addressing: the registered mapping's device address is its host address
+        # (LIMITS.md: a CuPy kernel wrote through the plain host pointer on the H200)
+        self._pools[path] = _CudaPool(pool, ptr, ptr)
+        self.pin_s_per_gib = (time.perf_counter() - t0) / (size / GIB)
+        return self.pin_s_per_gib
+
+    def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> CudaKVMemory:
+        mem = CudaKVMemory(allocations, ring)
+        ptrs: list[int] = []
+        events: list[int] = []
+        try:
+            with self.cp.cuda.Device(self.device):
+                for a in allocations:
+                    if len(a.ipc_handle) != 64:
+                        raise ExportError("a CUDA allocation needs its 64-byte cudaIpcMemHandle_t")
+                    if a.device != self.device:
+                        raise ExportError(f"allocation on cuda:{a.device}, this daemon's copy engine "
+                                          f"drives cuda:{self.device}; run one kvtierd per GPU (--cuda-device)")
+                    ptrs.append(self._open_handle(a.ipc_handle))
+                    mem.handles_open += 1
+                if len(ring.handles) != ring.slots:
+                    raise ExportError(f"{len(ring.handles)} event handles for a ring of {ring.slots}")
+                for h in ring.handles:
+                    events.append(self.rt.ipcOpenEventHandle(h))
+                    mem.events_open += 1
+        except self.rt.CUDARuntimeError as e:
+            self._release(mem, allocations[:len(ptrs)], events)
+            raise ExportError(f"cannot open the engine's CUDA IPC handles: {e}") from None
+        except BaseException:
+            self._release(mem, allocations[:len(ptrs)], events)
+            raise
+        mem.ptrs = ptrs
+        mem.events = events
+        return mem
+
+    def wrap_local(self, ptrs: Sequence[int], sizes: Sequence[int], slots: int) -> CudaKVMemory:
+        """KV memory of this same process (CUDA IPC cannot open a handle in its exporter): for
+        benchmarks and tests of the engine alone. Its events are created here."""
+        mem = CudaKVMemory([AllocationRef(size) for size in sizes], EventRing(slots), local=True)
+        with self.cp.cuda.Device(self.device):
+            mem.events = [self.rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING) for _ in range(slots)]
+        mem.ptrs = list(ptrs)
+        mem.events_open = slots
+        return mem
+
+    def _open_handle(self, handle: bytes) -> int:
+        with self._lock:
+            opened = self._state.opened.get(handle)
+            if opened is not None:
+                opened.refs += 1
+                return opened.ptr
+            ptr = self.rt.ipcOpenMemHandle(handle, CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+            self._state.opened[handle] = _OpenedAllocation(ptr)
+            return ptr
+
+    def _release(self, mem: KVMemory, allocations: Sequence[AllocationRef], events: Sequence[int]) -> None:
+        with self.cp.cuda.Device(self.device), self._lock:
+            for a in allocations:
+                opened = self._state.opened[a.ipc_handle]
+                opened.refs -= 1
+                if opened.refs == 0:
+                    del self._state.opened[a.ipc_handle]
+                    self.rt.ipcCloseMemHandle(opened.ptr)
+            for ev in events:
+                self.rt.eventDestroy(ev)
+        mem.handles_open = mem.events_open = 0
+
+    def close_kv(self, mem: KVMemory) -> None:
+        assert isinstance(mem, CudaKVMemory)
+        self._release(mem, [] if mem.local else mem.allocations, mem.events)
+
+    def _choose(self, plan: ChunkPlan, src: np.ndarray, dst: np.ndarray) -> str:
+        if self.mode != "auto":
+            return self.mode
+        aligned = not ((src | dst | plan.size) & np.uint64(15)).any()
+        return "kernel" if aligned and int(plan.size.max(initial=0)) < KERNEL_MAX_CHUNK else "batch"
+
+    def _launch(self, plan: ChunkPlan, mem: CudaKVMemory, pool: _CudaPool, direction: str, stream: Any) -> None:
+        kv = np.asarray(mem.ptrs, dtype=np.uint64)[plan.alloc] + plan.kv_off
+        host = np.uint64(pool.dev_ptr) + plan.pool_off
+        src, dst = (kv, host) if direction == OFFLOAD else (host, kv)
+        how = self._choose(plan, src, dst)
+        if how == "kernel":
+            if ((src | dst | plan.size) & np.uint64(15)).any():
+                raise CopyError("the kernel backend needs 16-byte aligned chunks; use --cuda-backend batch")
+            n = len(plan)
+            with stream:  # the table upload and the launch are ordered on this stream
+                table = self.cp.asarray(np.concatenate([src, dst, plan.size]))
+                self._kernel((min(n, 65535),), (256,), (table[:n], table[n:2 * n], table[2 * n:], np.int32(n)))
+            return
+        rt = self._batch_copy()
+        attr = rt.cudaMemcpyAttributes()
+        attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        dev, host_loc = rt.cudaMemLocation(), rt.cudaMemLocation()
+        dev.type, dev.id = rt.cudaMemLocationType.cudaMemLocationTypeDevice, self.device
+        host_loc.type = rt.cudaMemLocationType.cudaMemLocationTypeHost
+        attr.srcLocHint, attr.dstLocHint = (dev, host_loc) if direction == OFFLOAD else (host_loc, dev)
+        err = rt.cudaMemcpyBatchAsync([int(x) for x in dst], [int(x) for x in src], [int(x) for x in plan.size],
+                                      len(plan), [attr], [0], 1, stream.ptr)[0]
+        if err != rt.cudaError_t.cudaSuccess:
+            raise CopyError(f"cudaMemcpyBatchAsync failed: {err}")
+
+    def copy(self, mem: KVMemory, pool_path: str, plan: ChunkPlan, direction: str, slot: int, seq: int,
+             wait_written: bool) -> Completion:
+        assert isinstance(mem, CudaKVMemory)
+        pool = self._pools[pool_path]
+        if not 0 <= slot < mem.ring.slots:
+            raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
+        ring_ev = mem.events[slot]
+        stream = self.offload_stream if direction == OFFLOAD else self.onboard_stream
+        rt = self.rt
+        with self.cp.cuda.Device(self.device):
+            if wait_written:
+                rt.streamWaitEvent(stream.ptr, ring_ev, 0)
+            if direction == OFFLOAD:
+                pieces = plan.pieces(self.piece_bytes)
+            else:  # an onboard is one launch; nothing to launch when every key missed
+                pieces = [slice(0, len(plan))] if len(plan) else []
+            marks: list[int] = []
+            for s in pieces:
+                if len(marks) >= 2:  # at most two pieces queued: onboards slip in between
+                    rt.eventSynchronize(marks[-2])
+                self._launch(plan.take(s), mem, pool, direction, stream)
+                ev = rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_BLOCKING_SYNC)
+                rt.eventRecord(ev, stream.ptr)
+                marks.append(ev)
+            rt.eventRecord(ring_ev, stream.ptr)
+            end = rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_BLOCKING_SYNC)
+            rt.eventRecord(end, stream.ptr)
+
+        def wait() -> None:
+            with self.cp.cuda.Device(self.device):
+                rt.eventSynchronize(end)
+                for ev in [*marks, end]:
+                    rt.eventDestroy(ev)
+
+        return Completion(wait)
+
+    def close(self) -> None:
+        with self.cp.cuda.Device(self.device):
+            self.offload_stream.synchronize()
+            self.onboard_stream.synchronize()
+            for p in self._pools.values():
+                self.rt.hostUnregister(p.ptr)
+                p.pool.close()
+            for opened in self._state.opened.values():
+                self.rt.ipcCloseMemHandle(opened.ptr)
+        self._pools.clear()
+        self._state.opened.clear()
