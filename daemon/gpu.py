@@ -151,10 +151,8 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         ring = EventRing(slots, tuple(request.event_handles), request.event_ring_path)
         reg_layout = await self.store.register_layout(layout)
         cls = self.store.host.size_class(layout.slot_bytes)
-        if engine.backend == "cuda" and len(self.store.host.classes) > 1:
-            log.warning("a CUDA-registered pool shares the host tier with another size class; moving "
-                        "memory between classes punches holes in the registered pool (see CudaCopyEngine)",
-                        extra={"classes": sorted(self.store.host.classes)})
+        if engine.backend == "cuda":
+            self.store.host.mark_registered(cls)  # never punch memory the GPU has pinned
         loop = asyncio.get_running_loop()
         try:
             s_per_gib = await loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)

@@ -102,3 +102,15 @@ def test_prefaulted_pool_gives_budget_to_a_second_class(tier: HostTier) -> None:
         assert t.backed_bytes <= t.capacity
     finally:
         t.close()
+
+
+def test_registered_pool_memory_never_moves_to_another_class(tier: HostTier) -> None:
+    small = tier.size_class(SLOT)
+    put(tier, small, [b"a", b"b", b"c", b"d"])
+    tier.mark_registered(small)
+    big = tier.size_class(2 * SLOT)
+    res = tier.reserve(big, [b"X"], 2 * SLOT)
+    assert res.entries == [None] and res.victims == []  # nothing punched out of the pinned file
+    assert set(tier.entries) == {b"a", b"b", b"c", b"d"}
+    res = put(tier, small, [b"e"])  # its own slots are reused as usual
+    assert [v.bkey for v in res.victims] == [b"a"]

@@ -532,11 +532,9 @@ class CudaCopyEngine(CopyEngine):
     """Copies between CUDA IPC-opened engine memory and the registered pool (module docstring).
 
     Each pool file is mapped, touched in parallel and ``cudaHostRegister``ed whole, once, and
-    stays registered until ``close``. Caveat: the host tier punches holes in a pool file only
-    to move memory between size classes; punching a registered range would leave the GPU
-    writing pinned pages the file no longer holds. With one size class (one block size per
-    daemon, the usual GPU deployment) that never happens; the Transfer service logs a warning
-    when a CUDA registration meets a second class.
+    stays registered until ``close``. The Transfer service marks such a pool registered in the
+    host tier, which then never punches holes in it (a punched range would leave the GPU
+    writing pinned pages the file no longer holds): its memory stays with its size class.
     """
 
     name = "cuda"

@@ -127,6 +127,7 @@ class HostTier:
         self.entries: dict[bytes, HostEntry] = {}         # visible entries
         self.lru: OrderedDict[bytes, HostEntry] = OrderedDict()  # visible, oldest first
         self._pending_punch: list[tuple[SizeClass, int]] = []
+        self._registered: set[int] = set()  # slot sizes whose pool file a GPU has pinned
 
     # -- size classes and budget ---------------------------------------------------------
 
@@ -152,6 +153,12 @@ class HostTier:
             cls.free = list(range(nslots - 1, -1, -1))
         self.classes[slot_bytes] = cls
         return cls
+
+    def mark_registered(self, cls: SizeClass) -> None:
+        """The class's file is pinned for a GPU (``cudaHostRegister``): its memory must never be
+        punched (the GPU would keep writing pages the file no longer holds), so it is never
+        handed to another size class; its own slots are reused as usual."""
+        self._registered.add(cls.slot_bytes)
 
     @staticmethod
     def prefault_job(cls: SizeClass) -> BackingJob:
@@ -221,7 +228,7 @@ class HostTier:
                         cls.hwm += 1
                     fresh.append(slot)
                     return slot
-            victim = self._evict_one()
+            victim = self._evict_one(cls)
             if victim is None:
                 return None
             victims.append(victim)
@@ -235,14 +242,18 @@ class HostTier:
     def _release_free_slot(self, needy: SizeClass) -> None:
         """Give the budget of another class's free (backed, unused) slots to ``needy``."""
         for other in self.classes.values():
+            if other.slot_bytes in self._registered:
+                continue
             while other is not needy and other.free and self.backed_bytes + needy.slot_bytes > self.capacity:
                 slot = other.free.pop()
                 other.holes.append(slot)
                 self._pending_punch.append((other, slot))
 
-    def _evict_one(self) -> HostEntry | None:
+    def _evict_one(self, needy: SizeClass) -> HostEntry | None:
+        """The least recently used unpinned entry whose slot ``needy`` can use: its own class's,
+        or another class's whose memory may be released (not GPU-registered)."""
         for bkey, entry in self.lru.items():
-            if entry.pins == 0:
+            if entry.pins == 0 and (entry.cls is needy or entry.cls.slot_bytes not in self._registered):
                 del self.lru[bkey]
                 del self.entries[bkey]
                 entry.visible = False
