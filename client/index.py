@@ -406,16 +406,38 @@ class LocationIndex:
             m = len(rows)
         if m == 0 or n_w == 0:
             return np.zeros((3, n_w), dtype=np.int64)
+        if plan.fast is not None:
+            # consecutive keys with equal rows are held alike, so the walk runs over the
+            # segments of equal rows (a few per request), not over the keys: the known
+            # prefix then row 0 (empty: the last segment, where every worker's run ends)
+            padded = rows[:m]
+            padded.append(0)
+            bits = self._bits.take(np.fromiter(padded, dtype=np.intp, count=m + 1), axis=0)
+            new_seg = np.empty(m + 1, dtype=np.bool_)
+            new_seg[0] = True
+            np.any(bits[1:] != bits[:-1], axis=1, out=new_seg[1:])
+            starts = np.flatnonzero(new_seg)
+            fast = plan.fast_flat if workers is None else plan.fast[:, workers].ravel()
+            n_seg = starts.size
+            # (segments, 5, workers): the bits of each worker's gpu, speculative 0 and 1,
+            # host and disk columns; their running sums at 2, 3, 4 count the set columns of
+            # "on GPU", "on GPU or host", "anywhere": a run ends at the first segment where
+            # the count is 0 (its minimum)
+            seg_bits = np.unpackbits(bits[starts].view(np.uint8), axis=1, bitorder="little")
+            col = seg_bits.take(fast, axis=1).reshape(n_seg, 5, n_w)
+            held = np.empty((n_seg, 3, n_w), dtype=np.uint8)
+            np.add(col[:, 0], col[:, 1], out=held[:, 0])
+            held[:, 0] += col[:, 2]
+            np.add(held[:, 0], col[:, 3], out=held[:, 1])
+            np.add(held[:, 1], col[:, 4], out=held[:, 2])
+            return starts[held.argmin(axis=0)]
         # the known prefix, then row 0 (empty) up to a multiple of 8 keys: the first key
         # not held is then always found, and the ORs can run eight keys at a time
         padded = rows[:m] + [0] * (8 - m % 8)
         bits = self._bits[np.asarray(padded, dtype=np.int64)]
         # only workers with a column set in the first key can hold a leading block
-        if plan.masks is not None:
-            touched = (plan.masks[2] & bits[0]).any(axis=1)
-        else:
-            first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
-            touched = plan.col_workers[first].any(axis=0)
+        first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
+        touched = plan.col_workers[first].any(axis=0)
         if workers is not None:
             touched = touched[workers]
         cand = np.flatnonzero(touched)
@@ -423,14 +445,6 @@ class LocationIndex:
         if not cand.size:
             return lead
         pick = cand if workers is None else workers[cand]
-        if plan.masks is not None:
-            # (keys, 3, candidates): some column of the tier's mask is set in the key's row
-            x = bits[:, None, None, :] & plan.masks[:, pick][None]
-            y = x[..., 0]
-            for j in range(1, x.shape[3]):
-                y = y | x[..., j]
-            lead[:, cand] = (y != 0).argmin(axis=0)
-            return lead
         # bytes of each key's row as columns, then bits: ut[c, i] is column c of key i
         ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
         held = plan.held(ut, pick)
@@ -516,8 +530,8 @@ class _Plan:
     """Per-worker column tables: a tier is held when all ``and_cols`` and any ``or_cols`` are set.
 
     ``fast`` (when every worker has one column per tier and no OR, the usual case) lists, for
-    all workers at once, the columns gpu, speculative 0, speculative 1, host, disk; ``masks``
-    are then the per-worker word masks of the cumulative tier tests.
+    all workers at once, the columns gpu, speculative 0, speculative 1, host, disk (a
+    worker holds a key in a tier when one of the tier's columns or a faster one is set).
     """
 
     workers: list[Worker]
@@ -526,6 +540,7 @@ class _Plan:
     spec: np.ndarray                  # (workers, 2) speculative columns
     n_columns: int = 64               # columns of the bit matrix (a multiple of 64)
     fast: np.ndarray | None = None    # (5, workers) columns, or None
+    fast_flat: np.ndarray | None = None  # ``fast.ravel()``
     col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
 
     def __post_init__(self) -> None:
@@ -534,6 +549,7 @@ class _Plan:
         if simple:
             self.fast = np.stack([self.and_cols["gpu"][:, 0], self.spec[:, 0], self.spec[:, 1],
                                   self.and_cols["host"][:, 0], self.and_cols["disk"][:, 0]])
+            self.fast_flat = self.fast.ravel()
         # col_workers[c, w]: column c is one of worker w's (a worker whose columns are all
         # clear in a request's first key holds no leading block of it)
         cw = np.zeros((self.n_columns, len(self.workers)), dtype=np.bool_)
@@ -543,18 +559,6 @@ class _Plan:
                 cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
             cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
         self.col_workers = cw
-        # with the fast plan each tier test is an OR of columns, so a word mask per worker:
-        # masks[t, w] has the columns of "on GPU (or speculative)", "... or host", "... or disk"
-        self.masks: np.ndarray | None = None
-        if self.fast is not None:
-            words = self.n_columns // 64
-            bits = np.zeros((5, len(self.workers), words * 64), dtype=np.bool_)
-            for j in range(5):
-                bits[j, np.arange(len(self.workers)), self.fast[j]] = True
-            bits[:, :, NEVER] = False
-            cum = np.stack([bits[0] | bits[1] | bits[2], bits[0] | bits[1] | bits[2] | bits[3],
-                            bits.any(axis=0)])
-            self.masks = np.packbits(cum, axis=2, bitorder="little").view(np.uint64).copy()
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,
