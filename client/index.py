@@ -49,6 +49,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from operator import eq as _eq
 
 import numpy as np
 
@@ -278,6 +279,21 @@ class LocationIndex:
             self._plan = None
         self._set(self._rows_of(keys, create=True, rows=rows), cols[self._spec_gen])
 
+    def speculate_rows(self, worker: str, keys: list[bytes], rows: np.ndarray) -> None:
+        """:meth:`speculate` with :meth:`rows`' answer for ``keys`` (-1 rows get new rows)."""
+        cols = self._spec_cols.get(worker)
+        if cols is None:
+            cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
+            self._plan = None
+        missing = np.flatnonzero(rows < 0)
+        if missing.size:
+            rows = rows.copy()
+            miss = missing.tolist()
+            new = [keys[i] for i in miss]
+            self._alloc_rows(list(dict.fromkeys(new)))
+            rows[missing] = list(map(self._rows.__getitem__, new))
+        self._set(rows, cols[self._spec_gen])
+
     def expire(self, now: float) -> None:
         """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
         if self._spec_rotated_at is None:
@@ -388,7 +404,42 @@ class LocationIndex:
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Row of each key, -1 where not indexed (pass to :meth:`overlaps`/:meth:`speculate`)."""
-        return list(map(self._rows.get, keys, repeat(-1, len(keys))))
+        if not isinstance(keys, list):
+            keys = list(keys)
+        return self.rows(keys)[0].tolist()
+
+    def rows(self, keys: list[bytes]) -> tuple[np.ndarray, int]:
+        """(row of each key as int64, -1 where not indexed; the number of leading keys that
+        are indexed). The rows stay valid until the next :meth:`expire`, removal or compaction.
+
+        Keys that arrived together got consecutive rows, so a request is a few *runs* of
+        rows: one dict probe finds a run's first row, and comparing the request's keys with
+        the keys stored at the following rows (one list comparison, no hashing) confirms
+        the run's length. Exact: a row is only taken when its stored key equals the key."""
+        n = len(keys)
+        out = np.empty(n, dtype=np.int64)
+        get = self._rows.get
+        stored = self._keys
+        first_miss = n
+        i = 0
+        while i < n:
+            r = get(keys[i])
+            if r is None:
+                if first_miss == n:
+                    first_miss = i
+                # after an unknown key the rest usually is unknown too: one probe each
+                out[i:] = list(map(get, keys[i:], repeat(-1, n - i)))
+                break
+            span = n - i
+            if stored[r:r + span] == keys[i:]:
+                run = span
+            else:
+                same = list(map(_eq, stored[r:r + span], keys[i:]))
+                same.append(False)
+                run = same.index(False)  # >= 1: the dict said keys[i] is at row r
+            out[i:i + run] = np.arange(r, r + run, dtype=np.int64)
+            i += run
+        return out, first_miss
 
     def overlaps(self, keys: Sequence[bytes], workers: np.ndarray | None = None,
                  rows: list[int] | None = None) -> np.ndarray:
@@ -396,23 +447,30 @@ class LocationIndex:
         GPU, in GPU or host, and in any tier: a (3, workers) int64 array (unpack it as
         ``d_gpu, d_host, d_disk``). ``rows``: :meth:`lookup`'s answer for ``keys``, if the
         caller has it."""
+        if rows is None:
+            arr, m = self.rows(keys if isinstance(keys, list) else list(keys))
+        else:
+            try:
+                m = rows.index(-1)  # nobody holds a key past the first unknown one
+            except ValueError:
+                m = len(rows)
+            arr = np.asarray(rows[:m], dtype=np.int64)
+        return self.overlaps_rows(arr, m, workers)
+
+    def overlaps_rows(self, rows: np.ndarray, m: int, workers: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`overlaps` from :meth:`rows`' answer (``rows[:m]`` are the leading indexed keys)."""
         plan = self.plan()
         n_w = len(plan.workers) if workers is None else len(workers)
-        if rows is None:
-            rows = self.lookup(keys)
-        try:
-            m = rows.index(-1)  # nobody holds a key past the first unknown one
-        except ValueError:
-            m = len(rows)
         if m == 0 or n_w == 0:
             return np.zeros((3, n_w), dtype=np.int64)
         if plan.fast is not None:
             # consecutive keys with equal rows are held alike, so the walk runs over the
             # segments of equal rows (a few per request), not over the keys: the known
             # prefix then row 0 (empty: the last segment, where every worker's run ends)
-            padded = rows[:m]
-            padded.append(0)
-            bits = self._bits.take(np.fromiter(padded, dtype=np.intp, count=m + 1), axis=0)
+            take = np.empty(m + 1, dtype=np.int64)
+            take[:m] = rows[:m]
+            take[m] = 0
+            bits = self._bits.take(take, axis=0)
             new_seg = np.empty(m + 1, dtype=np.bool_)
             new_seg[0] = True
             np.any(bits[1:] != bits[:-1], axis=1, out=new_seg[1:])
@@ -433,8 +491,9 @@ class LocationIndex:
             return starts[held.argmin(axis=0)]
         # the known prefix, then row 0 (empty) up to a multiple of 8 keys: the first key
         # not held is then always found, and the ORs can run eight keys at a time
-        padded = rows[:m] + [0] * (8 - m % 8)
-        bits = self._bits[np.asarray(padded, dtype=np.int64)]
+        padded = np.zeros(m + 8 - m % 8, dtype=np.int64)
+        padded[:m] = rows[:m]
+        bits = self._bits[padded]
         # only workers with a column set in the first key can hold a leading block
         first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
         touched = plan.col_workers[first].any(axis=0)

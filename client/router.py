@@ -211,8 +211,8 @@ class Router:
             if candidates:
                 sel = np.fromiter((idx.worker(c).index for c in dict.fromkeys(candidates)),  # type: ignore[union-attr]
                                   dtype=np.int64)
-            rows = idx.lookup(keys)
-            lead = idx.overlaps(keys, sel, rows)
+            rows, m = idx.rows(keys)
+            lead = idx.overlaps_rows(rows, m, sel)
             if sel is None:
                 q, a, lc, wts, dig, names, nodes = (self._q, self._a, self._load_cost, self._weights,
                                                     self._digests, self._names, self._nodes)
@@ -228,7 +228,7 @@ class Router:
                 best = order[0]
                 decision.decision_id = self._dispatch(names[best], n - float(saved[best]), now)
                 if n:
-                    idx.speculate(names[best], keys, rows)
+                    idx.speculate_rows(names[best], keys, rows)
             return decision
 
     def finish(self, decision_id: int, prefill_only: bool = False) -> bool:
