@@ -59,6 +59,8 @@ TIERS = ("gpu", "host", "disk")
 ALWAYS = 0  # column set in every live row (the neutral element of an AND over columns)
 NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
+# rows: the tiers; columns: gpu, speculative 0, speculative 1, host, disk (see _Plan.fast)
+_TIER_SUMS = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=np.float32)
 
 
 @dataclass
@@ -473,22 +475,18 @@ class LocationIndex:
             bits = self._bits.take(take, axis=0)
             new_seg = np.empty(m + 1, dtype=np.bool_)
             new_seg[0] = True
-            np.any(bits[1:] != bits[:-1], axis=1, out=new_seg[1:])
-            starts = np.flatnonzero(new_seg)
-            fast = plan.fast_flat if workers is None else plan.fast[:, workers].ravel()
+            np.not_equal(bits[1:], bits[:-1]).any(axis=1, out=new_seg[1:])
+            starts = new_seg.nonzero()[0]
+            fast = plan.fast_flat if workers is None else plan.fast[:, workers].reshape(-1)
             n_seg = starts.size
-            # (segments, 5, workers): the bits of each worker's gpu, speculative 0 and 1,
-            # host and disk columns; their running sums at 2, 3, 4 count the set columns of
-            # "on GPU", "on GPU or host", "anywhere": a run ends at the first segment where
-            # the count is 0 (its minimum)
+            # per worker and segment, the bits of its gpu, speculative 0 and 1, host and disk
+            # columns (5, workers x segments); summed three, four and five at a time (one
+            # small matrix product) they count the set columns of "on GPU", "on GPU or
+            # host", "anywhere": a run ends at the first segment where the count is 0
             seg_bits = np.unpackbits(bits[starts].view(np.uint8), axis=1, bitorder="little")
-            col = seg_bits.take(fast, axis=1).reshape(n_seg, 5, n_w)
-            held = np.empty((n_seg, 3, n_w), dtype=np.uint8)
-            np.add(col[:, 0], col[:, 1], out=held[:, 0])
-            held[:, 0] += col[:, 2]
-            np.add(held[:, 0], col[:, 3], out=held[:, 1])
-            np.add(held[:, 1], col[:, 4], out=held[:, 2])
-            return starts[held.argmin(axis=0)]
+            col = seg_bits.T.take(fast, axis=0).reshape(5, n_w * n_seg)
+            held = np.matmul(_TIER_SUMS, col).reshape(3, n_w, n_seg)
+            return starts[held.argmin(axis=2)]
         # the known prefix, then row 0 (empty) up to a multiple of 8 keys: the first key
         # not held is then always found, and the ORs can run eight keys at a time
         padded = np.zeros(m + 8 - m % 8, dtype=np.int64)
