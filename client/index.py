@@ -281,14 +281,15 @@ class LocationIndex:
             self._plan = None
         self._set(self._rows_of(keys, create=True, rows=rows), cols[self._spec_gen])
 
-    def speculate_rows(self, worker: str, keys: list[bytes], rows: np.ndarray) -> None:
-        """:meth:`speculate` with :meth:`rows`' answer for ``keys`` (-1 rows get new rows)."""
+    def speculate_rows(self, worker: str, keys: list[bytes], rows: np.ndarray, indexed: int = 0) -> None:
+        """:meth:`speculate` with :meth:`rows`' answer for ``keys`` (-1 rows get new rows;
+        ``indexed``: its count of leading indexed keys, when known)."""
         cols = self._spec_cols.get(worker)
         if cols is None:
             cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
             self._plan = None
-        missing = np.flatnonzero(rows < 0)
-        if missing.size:
+        missing = None if indexed == len(rows) else (rows < 0).nonzero()[0]
+        if missing is not None and missing.size:
             rows = rows.copy()
             miss = missing.tolist()
             new = [keys[i] for i in miss]
