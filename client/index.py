@@ -164,9 +164,9 @@ class LocationIndex:
             return
         start = len(self._keys)
         need = start + n - take
-        if need > self._bits.shape[0]:
+        if need >= self._bits.shape[0]:  # the last row stays empty: row -1 reads as "no key"
             cap = self._bits.shape[0]
-            while cap < need:
+            while cap <= need:
                 cap *= 2
             grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
             grown[:start] = self._bits[:start]
@@ -282,13 +282,14 @@ class LocationIndex:
         self._set(self._rows_of(keys, create=True, rows=rows), cols[self._spec_gen])
 
     def speculate_rows(self, worker: str, keys: list[bytes], rows: np.ndarray, indexed: int = 0) -> None:
-        """:meth:`speculate` with :meth:`rows`' answer for ``keys`` (-1 rows get new rows;
+        """:meth:`speculate` with :meth:`rows`' answer for ``keys`` (keys at -1 get new rows;
         ``indexed``: its count of leading indexed keys, when known)."""
         cols = self._spec_cols.get(worker)
         if cols is None:
             cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
             self._plan = None
-        missing = None if indexed == len(rows) else (rows < 0).nonzero()[0]
+        rows = rows[:len(keys)]
+        missing = None if indexed == len(keys) else (rows < 0).nonzero()[0]
         if missing is not None and missing.size:
             rows = rows.copy()
             miss = missing.tolist()
@@ -409,18 +410,20 @@ class LocationIndex:
         """Row of each key, -1 where not indexed (pass to :meth:`overlaps`/:meth:`speculate`)."""
         if not isinstance(keys, list):
             keys = list(keys)
-        return self.rows(keys)[0].tolist()
+        return self.rows(keys)[0][:-1].tolist()
 
     def rows(self, keys: list[bytes]) -> tuple[np.ndarray, int]:
-        """(row of each key as int64, -1 where not indexed; the number of leading keys that
-        are indexed). The rows stay valid until the next :meth:`expire`, removal or compaction.
+        """(row of each key as int64, -1 where not indexed, then one more -1; the number of
+        leading keys that are indexed). The rows stay valid until the next :meth:`expire`,
+        removal or compaction. Row -1 (the matrix's last) is always empty.
 
         Keys that arrived together got consecutive rows, so a request is a few *runs* of
         rows: one dict probe finds a run's first row, and comparing the request's keys with
         the keys stored at the following rows (one list comparison, no hashing) confirms
         the run's length. Exact: a row is only taken when its stored key equals the key."""
         n = len(keys)
-        out = np.empty(n, dtype=np.int64)
+        out = np.empty(n + 1, dtype=np.int64)
+        out[n] = -1
         get = self._rows.get
         stored = self._keys
         first_miss = n
@@ -431,15 +434,23 @@ class LocationIndex:
                 if first_miss == n:
                     first_miss = i
                 # after an unknown key the rest usually is unknown too: one probe each
-                out[i:] = list(map(get, keys[i:], repeat(-1, n - i)))
+                out[i:n] = list(map(get, keys[i:], repeat(-1, n - i)))
                 break
             span = n - i
-            if stored[r:r + span] == keys[i:]:
+            if stored[r:r + span] == (keys[i:] if i else keys):
                 run = span
             else:
-                same = list(map(_eq, stored[r:r + span], keys[i:]))
-                same.append(False)
-                run = same.index(False)  # >= 1: the dict said keys[i] is at row r
+                # the run breaks somewhere: find the chunk (of doubling size) it breaks in
+                # with slice comparisons, then the key in that chunk
+                lo, step = 1, 8  # keys[i] is at row r: the dict said so
+                while True:
+                    hi = min(lo + step, span)
+                    if hi >= span or stored[r + lo:r + hi] != keys[i + lo:i + hi]:
+                        same = list(map(_eq, stored[r + lo:r + hi], keys[i + lo:i + hi]))
+                        same.append(False)
+                        run = lo + same.index(False)
+                        break
+                    lo, step = hi, step * 2
             out[i:i + run] = np.arange(r, r + run, dtype=np.int64)
             i += run
         return out, first_miss
@@ -457,11 +468,12 @@ class LocationIndex:
                 m = rows.index(-1)  # nobody holds a key past the first unknown one
             except ValueError:
                 m = len(rows)
-            arr = np.asarray(rows[:m], dtype=np.int64)
+            arr = np.asarray([*rows[:m], -1], dtype=np.int64)
         return self.overlaps_rows(arr, m, workers)
 
     def overlaps_rows(self, rows: np.ndarray, m: int, workers: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`overlaps` from :meth:`rows`' answer (``rows[:m]`` are the leading indexed keys)."""
+        """:meth:`overlaps` from :meth:`rows`' answer: ``rows[:m]`` are the leading indexed
+        keys and ``rows[m]`` is -1."""
         plan = self.plan()
         n_w = len(plan.workers) if workers is None else len(workers)
         if m == 0 or n_w == 0:
@@ -469,11 +481,8 @@ class LocationIndex:
         if plan.fast is not None:
             # consecutive keys with equal rows are held alike, so the walk runs over the
             # segments of equal rows (a few per request), not over the keys: the known
-            # prefix then row 0 (empty: the last segment, where every worker's run ends)
-            take = np.empty(m + 1, dtype=np.int64)
-            take[:m] = rows[:m]
-            take[m] = 0
-            bits = self._bits.take(take, axis=0)
+            # prefix then row -1 (empty: the last segment, where every worker's run ends)
+            bits = self._bits.take(rows[:m + 1], axis=0)
             new_seg = np.empty(m + 1, dtype=np.bool_)
             new_seg[0] = True
             np.not_equal(bits[1:], bits[:-1]).any(axis=1, out=new_seg[1:])
@@ -576,7 +585,7 @@ class LocationIndex:
         bits = arrays["bits"]
         words = max((self._ncols + 63) // 64, bits.shape[1])
         n = len(keys)
-        self._bits = np.zeros((max(16, n + 1), words), dtype=np.uint64)
+        self._bits = np.zeros((max(16, n + 2), words), dtype=np.uint64)  # row 0 and the last: empty
         self._bits[1:n + 1, :bits.shape[1]] = bits  # row 0 stays the empty padding row
         self._keys = [None, *keys]
         self._rows = dict(zip(keys, range(1, n + 1), strict=True))

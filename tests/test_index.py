@@ -255,7 +255,8 @@ def test_rows_equal_plain_dict_lookups_through_inserts_removals_and_reuse() -> N
                 req.insert(rng.randrange(len(req)), b"never-seen-key..")
             want = [idx._rows.get(k, -1) for k in req]
             rows, m = idx.rows(req)
-            assert rows.tolist() == want
+            assert rows.tolist() == [*want, -1]  # one more -1: the empty row that ends a walk
+            assert not idx._bits[-1].any()
             assert m == (want.index(-1) if -1 in want else len(want))
             assert idx.lookup(req) == want
 
