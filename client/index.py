@@ -142,12 +142,16 @@ class LocationIndex:
     def _new_column(self) -> int:
         col = self._ncols
         self._ncols += 1
-        words = (self._ncols + 63) // 64
+        self._reserve_columns(0)
+        return col
+
+    def _reserve_columns(self, more: int) -> None:
+        """Widen the matrix (one copy) to hold the columns made so far and ``more``."""
+        words = (self._ncols + more + 63) // 64
         if words > self._bits.shape[1]:
             grown = np.zeros((self._bits.shape[0], words), dtype=np.uint64)
             grown[:, :self._bits.shape[1]] = self._bits
             self._bits = grown
-        return col
 
     def _alloc_rows(self, keys: list[bytes]) -> None:
         """Give rows to keys not yet indexed (distinct, absent from the table)."""
@@ -372,6 +376,7 @@ class LocationIndex:
         or_cols: dict[str, list[list[int]]] = {t: [] for t in TIERS}
         spec: list[list[int]] = []
         workers: list[Worker] = []
+        self._reserve_columns(2 * sum(1 for name, _ in names if name not in self._spec_cols))
         for i, (name, node_id) in enumerate(names):
             view = self.nodes.get(node_id)
             bw = view.load_gbps if view else {}
