@@ -103,7 +103,7 @@ class Decision:
     @property
     def ranked(self) -> list[Ranked]:
         if self._ranked is None:
-            cost, saved, dg, dh, dd, q, a = self._arrays
+            cost, saved, (dg, dh, dd), q, a = self._arrays
             self._ranked = [Ranked(self._names[i], float(cost[i]), Overlap(int(dg[i]), int(dh[i]), int(dd[i])),
                                    Load(float(q[i]), float(a[i])), float(saved[i])) for i in self._order]
         return self._ranked
@@ -198,7 +198,8 @@ class Router:
         with self._lock:
             idx = self.index
             idx.expire(now)
-            self._expire_loads(now)
+            if self._dispatch_order:
+                self._expire_loads(now)
             if candidates:
                 for c in candidates:
                     if idx.worker(c) is None:
@@ -223,7 +224,7 @@ class Router:
                 nodes = [self._nodes[i] for i in sel.tolist()]
             cost, saved = self.scorer.costs(n, lead, lc, wts)
             order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
-            decision = Decision(n, names, nodes, order, (cost, saved, lead[0], lead[1], lead[2], q.copy(), a.copy()))
+            decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
             if dispatch:
                 best = order[0]
                 decision.decision_id = self._dispatch(names[best], n - float(saved[best]), now)
