@@ -2,7 +2,7 @@
 
 Owns
     * a key table: each distinct key (opaque bytes) gets a *row*; ``dict[bytes, int]`` plus
-      the reverse list, so a batch of keys becomes row numbers with one dict probe each;
+      the reverse list (see Rows);
     * a bit matrix ``rows x columns`` (``uint64`` words): one *column* per location, where a
       location is ``(node, tier, worker, fingerprint)``: ``host``/``disk`` of a node (worker
       empty) or ``gpu`` of one worker, per layout fingerprint; plus two *speculative*
@@ -24,19 +24,32 @@ Speculative entries
     unconfirmed entry disappears between ``ttl`` and ``2 * ttl`` after it was made. A
     confirmed one (the engine's gpu event arrived) stays through the real column.
 
+Rows
+    :meth:`rows` finds a request's rows without a dict probe per key: keys that arrived
+    together got consecutive rows, so a request is a few *runs* of rows (2.3 on average in
+    ``bench/router.py``). One probe finds a run's first row; one comparison of the request's
+    keys with the keys stored at the following rows (a list comparison in C, no hashing)
+    confirms how far it goes. Exact: a row is taken only when its stored key equals the
+    request's key. After the first unknown key every key gets its own probe (those keys are
+    usually new, so nobody holds them).
+
 Overlaps
     :meth:`overlaps` returns, per worker, the leading run of a request's keys held on its
     GPU, in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``, as
-    :class:`~kvtier.client.scoring.Overlap`). One dict probe per key finds the rows; nothing
-    past the first unknown key can count, and only workers with a column set in the first
-    key's row can hold a leading block, so just those are tested: per tier an OR-mask of
-    the worker's columns against the rows' words (or, for tensor-parallel workers, the
-    unpacked bits with an AND over ranks), then ``argmin`` for the first miss. Row 0 is never
-    given to a key: it pads the rows to a multiple of 8, so a first miss always exists.
+    :class:`~kvtier.client.scoring.Overlap`). Nothing past the first unknown key can count.
+    Consecutive keys whose rows have equal bits are held alike, so the walk runs over the
+    *segments* of equal rows (about 7 per request), not over the keys: one row gather, one
+    comparison of neighbours, then, for every worker at once, its five columns (gpu, two
+    speculative, host, disk) of each segment summed into the three tier tests by one small
+    matrix product, and ``argmin`` for the first segment that fails each. The last row of
+    the matrix is never given to a key, so row -1 (the "unknown" mark) ends every walk.
+    Plans with tensor-parallel workers (an AND over ranks) or nodes that declared no
+    worker (an OR over fingerprints) take a general, slower path over the keys.
 
-Cost: the dict probes of the request's keys dominate (at a million keys they miss the CPU
-caches: about 0.25 us a key on the 2-core development machine); the rest is a fixed
-number of numpy calls per request, independent of the number of workers.
+Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM): about 10 us for
+the rows, 12 us for the overlaps, 8 us for cost and order, 8 us for the dispatch
+bookkeeping; a fixed number of numpy calls per request, independent of the number of keys
+indexed and nearly so of the number of workers.
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
 automatically once enough removals accumulate). Not thread-safe: the router serialises
