@@ -305,7 +305,7 @@ class LocationIndex:
         if cols is None:
             cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
             self._plan = None
-        rows = rows[:len(keys)]
+        rows = rows[1:len(keys) + 1]
         missing = None if indexed == len(keys) else (rows < 0).nonzero()[0]
         if missing is not None and missing.size:
             rows = rows.copy()
@@ -428,26 +428,34 @@ class LocationIndex:
         """Row of each key, -1 where not indexed (pass to :meth:`overlaps`/:meth:`speculate`)."""
         if not isinstance(keys, list):
             keys = list(keys)
-        return self.rows(keys)[0][:-1].tolist()
+        return self.rows(keys)[0][1:-1].tolist()
 
     def rows(self, keys: list[bytes]) -> tuple[np.ndarray, int]:
-        """(row of each key as int64, -1 where not indexed, then one more -1; the number of
-        leading keys that are indexed). The rows stay valid until the next :meth:`expire`,
-        removal or compaction. Row -1 (the matrix's last) is always empty.
+        """(``n + 2`` int64: -1, the row of each of the ``n`` keys or -1 where it is not
+        indexed, -1; the number of leading keys that are indexed). The rows stay valid until
+        the next :meth:`expire`, removal or compaction. Row -1 (the matrix's last) is always
+        empty, so the -1 around the keys' rows bound a walk over them.
 
         Keys that arrived together got consecutive rows, so a request is a few *runs* of
         rows: one dict probe finds a run's first row, and comparing the request's keys with
         the keys stored at the following rows (one list comparison, no hashing) confirms
         the run's length. Exact: a row is only taken when its stored key equals the key."""
         n = len(keys)
-        out = np.empty(n + 1, dtype=np.int64)
-        out[n] = -1
         get = self._rows.get
         stored = self._keys
+        r = get(keys[0]) if n else None
+        if r is not None and stored[r:r + n] == keys:  # one run: the common case
+            out = np.arange(r - 1, r + n + 1, dtype=np.int64)
+            out[0] = out[n + 1] = -1
+            return out, n
+        buf = np.empty(n + 2, dtype=np.int64)
+        buf[0] = buf[n + 1] = -1
+        out = buf[1:]
         first_miss = n
         i = 0
         while i < n:
-            r = get(keys[i])
+            if i:
+                r = get(keys[i])
             if r is None:
                 if first_miss == n:
                     first_miss = i
@@ -455,23 +463,28 @@ class LocationIndex:
                 out[i:n] = list(map(get, keys[i:], repeat(-1, n - i)))
                 break
             span = n - i
-            if stored[r:r + span] == (keys[i:] if i else keys):
+            if i and stored[r:r + span] == keys[i:]:  # (for i == 0 the test above failed)
                 run = span
             else:
-                # the run breaks somewhere: find the chunk (of doubling size) it breaks in
-                # with slice comparisons, then the key in that chunk
-                lo, step = 1, 8  # keys[i] is at row r: the dict said so
-                while True:
-                    hi = min(lo + step, span)
-                    if hi >= span or stored[r + lo:r + hi] != keys[i + lo:i + hi]:
-                        same = list(map(_eq, stored[r + lo:r + hi], keys[i + lo:i + hi]))
-                        same.append(False)
-                        run = lo + same.index(False)
-                        break
-                    lo, step = hi, step * 2
+                # the run breaks somewhere: bisect for the first key not stored at its place
+                # (past the break the rows belong to other keys), then confirm that all keys
+                # before it are in place with one slice comparison
+                lo, hi = 1, span  # keys[i] is at row r: the dict said so
+                end = len(stored) - r
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if mid < end and stored[r + mid] == keys[i + mid]:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                run = lo
+                if run > 1 and stored[r + 1:r + run] != keys[i + 1:i + run]:  # not one break: walk
+                    same = list(map(_eq, stored[r:r + span], keys[i:]))
+                    same.append(False)
+                    run = same.index(False)
             out[i:i + run] = np.arange(r, r + run, dtype=np.int64)
             i += run
-        return out, first_miss
+        return buf, first_miss
 
     def overlaps(self, keys: Sequence[bytes], workers: np.ndarray | None = None,
                  rows: list[int] | None = None) -> np.ndarray:
@@ -486,39 +499,37 @@ class LocationIndex:
                 m = rows.index(-1)  # nobody holds a key past the first unknown one
             except ValueError:
                 m = len(rows)
-            arr = np.asarray([*rows[:m], -1], dtype=np.int64)
+            arr = np.asarray([-1, *rows[:m], -1], dtype=np.int64)
         return self.overlaps_rows(arr, m, workers)
 
     def overlaps_rows(self, rows: np.ndarray, m: int, workers: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`overlaps` from :meth:`rows`' answer: ``rows[:m]`` are the leading indexed
-        keys and ``rows[m]`` is -1."""
+        """:meth:`overlaps` from :meth:`rows`' answer: ``rows[1:m + 1]`` are the rows of the
+        leading indexed keys, ``rows[0]`` and ``rows[m + 1]`` are -1."""
         plan = self.plan()
         n_w = len(plan.workers) if workers is None else len(workers)
         if m == 0 or n_w == 0:
             return np.zeros((3, n_w), dtype=np.int64)
         if plan.fast is not None:
             # consecutive keys with equal rows are held alike, so the walk runs over the
-            # segments of equal rows (a few per request), not over the keys: the known
-            # prefix then row -1 (empty: the last segment, where every worker's run ends)
-            bits = self._bits.take(rows[:m + 1], axis=0)
-            new_seg = np.empty(m + 1, dtype=np.bool_)
-            new_seg[0] = True
-            np.not_equal(bits[1:], bits[:-1]).any(axis=1, out=new_seg[1:])
-            starts = new_seg.nonzero()[0]
+            # segments of equal rows (a few per request), not over the keys. Around the known
+            # prefix, row -1 (empty): before it, so the first key starts a segment (a live
+            # row has the ALWAYS bit); after it, as the last segment, where every run ends
+            bits = self._bits.take(rows[:m + 2], axis=0)
+            starts = np.not_equal(bits[1:], bits[:-1]).any(axis=1).nonzero()[0]
             fast = plan.fast_flat if workers is None else plan.fast[:, workers].reshape(-1)
             n_seg = starts.size
             # per worker and segment, the bits of its gpu, speculative 0 and 1, host and disk
             # columns (5, workers x segments); summed three, four and five at a time (one
             # small matrix product) they count the set columns of "on GPU", "on GPU or
             # host", "anywhere": a run ends at the first segment where the count is 0
-            seg_bits = np.unpackbits(bits[starts].view(np.uint8), axis=1, bitorder="little")
+            seg_bits = np.unpackbits(bits[1:][starts].view(np.uint8), axis=1, bitorder="little")
             col = seg_bits.T.take(fast, axis=0).reshape(5, n_w * n_seg)
             held = np.matmul(_TIER_SUMS, col).reshape(3, n_w, n_seg)
             return starts[held.argmin(axis=2)]
         # the known prefix, then row 0 (empty) up to a multiple of 8 keys: the first key
         # not held is then always found, and the ORs can run eight keys at a time
         padded = np.zeros(m + 8 - m % 8, dtype=np.int64)
-        padded[:m] = rows[:m]
+        padded[:m] = rows[1:m + 1]
         bits = self._bits[padded]
         # only workers with a column set in the first key can hold a leading block
         first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)

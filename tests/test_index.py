@@ -255,10 +255,16 @@ def test_rows_equal_plain_dict_lookups_through_inserts_removals_and_reuse() -> N
                 req.insert(rng.randrange(len(req)), b"never-seen-key..")
             want = [idx._rows.get(k, -1) for k in req]
             rows, m = idx.rows(req)
-            assert rows.tolist() == [*want, -1]  # one more -1: the empty row that ends a walk
+            assert rows.tolist() == [-1, *want, -1]  # the empty row around: it bounds a walk
             assert not idx._bits[-1].any()
             assert m == (want.index(-1) if -1 in want else len(want))
             assert idx.lookup(req) == want
+    # a key out of place inside a run (the run's rows line up again after it)
+    fresh = LocationIndex()
+    ks = keys(12, "r")
+    fresh.stored("n", "host", "", FP, ks)
+    req = ks[0:2] + [ks[9]] + ks[3:8]
+    assert fresh.rows(req)[0][1:-1].tolist() == [fresh._rows[k] for k in req]
 
 
 def _reference_ranking(r: Router, req: list[bytes], names: list[str]) -> list[tuple[str, float, Overlap]]:
