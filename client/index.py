@@ -27,10 +27,10 @@ Speculative entries
 Rows
     :meth:`rows` finds a request's rows without a dict probe per key: keys that arrived
     together got consecutive rows, so a request is a few *runs* of rows (2.3 on average in
-    ``bench/router.py``). One probe finds a run's first row; one comparison of the request's
-    keys with the keys stored at the following rows (a list comparison in C, no hashing)
-    confirms how far it goes. Exact: a row is taken only when its stored key equals the
-    request's key. After the first unknown key every key gets its own probe (those keys are
+    ``bench/router.py``). One probe finds a run's first row; comparing the request's keys
+    with the keys stored at the following rows (a list comparison in C, no hashing; where
+    the run ends early, a bisection for its end confirmed by one slice comparison) finds how
+    far it goes. Exact: a row is taken only when its stored key equals the request's key. After the first unknown key every key gets its own probe (those keys are
     usually new, so nobody holds them).
 
 Overlaps
@@ -436,10 +436,8 @@ class LocationIndex:
         the next :meth:`expire`, removal or compaction. Row -1 (the matrix's last) is always
         empty, so the -1 around the keys' rows bound a walk over them.
 
-        Keys that arrived together got consecutive rows, so a request is a few *runs* of
-        rows: one dict probe finds a run's first row, and comparing the request's keys with
-        the keys stored at the following rows (one list comparison, no hashing) confirms
-        the run's length. Exact: a row is only taken when its stored key equals the key."""
+        See the module docstring (Rows). Exact: a row is only taken when its stored key
+        equals the key."""
         n = len(keys)
         get = self._rows.get
         stored = self._keys
