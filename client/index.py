@@ -2,7 +2,7 @@
 
 Owns
     * a key table: each distinct key (opaque bytes) gets a *row*; ``dict[bytes, int]`` plus
-      the reverse list, so a batch of keys becomes row numbers with one dict probe each;
+      the reverse list (see Rows);
     * a bit matrix ``rows x columns`` (``uint64`` words): one *column* per location, where a
       location is ``(node, tier, worker, fingerprint)``: ``host``/``disk`` of a node (worker
       empty) or ``gpu`` of one worker, per layout fingerprint; plus two *speculative*
@@ -24,19 +24,32 @@ Speculative entries
     unconfirmed entry disappears between ``ttl`` and ``2 * ttl`` after it was made. A
     confirmed one (the engine's gpu event arrived) stays through the real column.
 
+Rows
+    :meth:`rows` finds a request's rows without a dict probe per key: keys that arrived
+    together got consecutive rows, so a request is a few *runs* of rows (2.3 on average in
+    ``bench/router.py``). One probe finds a run's first row; comparing the request's keys
+    with the keys stored at the following rows (a list comparison in C, no hashing; where
+    the run ends early, a bisection for its end confirmed by one slice comparison) finds how
+    far it goes. Exact: a row is taken only when its stored key equals the request's key. After the first unknown key every key gets its own probe (those keys are
+    usually new, so nobody holds them).
+
 Overlaps
     :meth:`overlaps` returns, per worker, the leading run of a request's keys held on its
     GPU, in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``, as
-    :class:`~kvtier.client.scoring.Overlap`). One dict probe per key finds the rows; nothing
-    past the first unknown key can count, and only workers with a column set in the first
-    key's row can hold a leading block, so just those are tested: per tier an OR-mask of
-    the worker's columns against the rows' words (or, for tensor-parallel workers, the
-    unpacked bits with an AND over ranks), then ``argmin`` for the first miss. Row 0 is never
-    given to a key: it pads the rows to a multiple of 8, so a first miss always exists.
+    :class:`~kvtier.client.scoring.Overlap`). Nothing past the first unknown key can count.
+    Consecutive keys whose rows have equal bits are held alike, so the walk runs over the
+    *segments* of equal rows (about 7 per request), not over the keys: one row gather, one
+    comparison of neighbours, then, for every worker at once, its five columns (gpu, two
+    speculative, host, disk) of each segment summed into the three tier tests by one small
+    matrix product, and ``argmin`` for the first segment that fails each. The last row of
+    the matrix is never given to a key, so row -1 (the "unknown" mark) ends every walk.
+    Plans with tensor-parallel workers (an AND over ranks) or nodes that declared no
+    worker (an OR over fingerprints) take a general, slower path over the keys.
 
-Cost: the dict probes of the request's keys dominate (at a million keys they miss the CPU
-caches: about 0.25 us a key on the 2-core development machine); the rest is a fixed
-number of numpy calls per request, independent of the number of workers.
+Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM): about 10 us for
+the rows, 12 us for the overlaps, 8 us for cost and order, 8 us for the dispatch
+bookkeeping; a fixed number of numpy calls per request, independent of the number of keys
+indexed and nearly so of the number of workers.
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
 automatically once enough removals accumulate). Not thread-safe: the router serialises
@@ -49,6 +62,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from operator import eq as _eq
 
 import numpy as np
 
@@ -58,6 +72,8 @@ TIERS = ("gpu", "host", "disk")
 ALWAYS = 0  # column set in every live row (the neutral element of an AND over columns)
 NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
+# rows: the tiers; columns: gpu, speculative 0, speculative 1, host, disk (see _Plan.fast)
+_TIER_SUMS = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=np.float32)
 
 
 @dataclass
@@ -139,12 +155,16 @@ class LocationIndex:
     def _new_column(self) -> int:
         col = self._ncols
         self._ncols += 1
-        words = (self._ncols + 63) // 64
+        self._reserve_columns(0)
+        return col
+
+    def _reserve_columns(self, more: int) -> None:
+        """Widen the matrix (one copy) to hold the columns made so far and ``more``."""
+        words = (self._ncols + more + 63) // 64
         if words > self._bits.shape[1]:
             grown = np.zeros((self._bits.shape[0], words), dtype=np.uint64)
             grown[:, :self._bits.shape[1]] = self._bits
             self._bits = grown
-        return col
 
     def _alloc_rows(self, keys: list[bytes]) -> None:
         """Give rows to keys not yet indexed (distinct, absent from the table)."""
@@ -161,9 +181,9 @@ class LocationIndex:
             return
         start = len(self._keys)
         need = start + n - take
-        if need > self._bits.shape[0]:
+        if need >= self._bits.shape[0]:  # the last row stays empty: row -1 reads as "no key"
             cap = self._bits.shape[0]
-            while cap < need:
+            while cap <= need:
                 cap *= 2
             grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
             grown[:start] = self._bits[:start]
@@ -278,6 +298,23 @@ class LocationIndex:
             self._plan = None
         self._set(self._rows_of(keys, create=True, rows=rows), cols[self._spec_gen])
 
+    def speculate_rows(self, worker: str, keys: list[bytes], rows: np.ndarray, indexed: int = 0) -> None:
+        """:meth:`speculate` with :meth:`rows`' answer for ``keys`` (keys at -1 get new rows;
+        ``indexed``: its count of leading indexed keys, when known)."""
+        cols = self._spec_cols.get(worker)
+        if cols is None:
+            cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
+            self._plan = None
+        rows = rows[1:len(keys) + 1]
+        missing = None if indexed == len(keys) else (rows < 0).nonzero()[0]
+        if missing is not None and missing.size:
+            rows = rows.copy()
+            miss = missing.tolist()
+            new = [keys[i] for i in miss]
+            self._alloc_rows(list(dict.fromkeys(new)))
+            rows[missing] = list(map(self._rows.__getitem__, new))
+        self._set(rows, cols[self._spec_gen])
+
     def expire(self, now: float) -> None:
         """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
         if self._spec_rotated_at is None:
@@ -352,6 +389,7 @@ class LocationIndex:
         or_cols: dict[str, list[list[int]]] = {t: [] for t in TIERS}
         spec: list[list[int]] = []
         workers: list[Worker] = []
+        self._reserve_columns(2 * sum(1 for name, _ in names if name not in self._spec_cols))
         for i, (name, node_id) in enumerate(names):
             view = self.nodes.get(node_id)
             bw = view.load_gbps if view else {}
@@ -388,7 +426,63 @@ class LocationIndex:
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Row of each key, -1 where not indexed (pass to :meth:`overlaps`/:meth:`speculate`)."""
-        return list(map(self._rows.get, keys, repeat(-1, len(keys))))
+        if not isinstance(keys, list):
+            keys = list(keys)
+        return self.rows(keys)[0][1:-1].tolist()
+
+    def rows(self, keys: list[bytes]) -> tuple[np.ndarray, int]:
+        """(``n + 2`` int64: -1, the row of each of the ``n`` keys or -1 where it is not
+        indexed, -1; the number of leading keys that are indexed). The rows stay valid until
+        the next :meth:`expire`, removal or compaction. Row -1 (the matrix's last) is always
+        empty, so the -1 around the keys' rows bound a walk over them.
+
+        See the module docstring (Rows). Exact: a row is only taken when its stored key
+        equals the key."""
+        n = len(keys)
+        get = self._rows.get
+        stored = self._keys
+        r = get(keys[0]) if n else None
+        if r is not None and stored[r:r + n] == keys:  # one run: the common case
+            out = np.arange(r - 1, r + n + 1, dtype=np.int64)
+            out[0] = out[n + 1] = -1
+            return out, n
+        buf = np.empty(n + 2, dtype=np.int64)
+        buf[0] = buf[n + 1] = -1
+        out = buf[1:]
+        first_miss = n
+        i = 0
+        while i < n:
+            if i:
+                r = get(keys[i])
+            if r is None:
+                if first_miss == n:
+                    first_miss = i
+                # after an unknown key the rest usually is unknown too: one probe each
+                out[i:n] = list(map(get, keys[i:], repeat(-1, n - i)))
+                break
+            span = n - i
+            if i and stored[r:r + span] == keys[i:]:  # (for i == 0 the test above failed)
+                run = span
+            else:
+                # the run breaks somewhere: bisect for the first key not stored at its place
+                # (past the break the rows belong to other keys), then confirm that all keys
+                # before it are in place with one slice comparison
+                lo, hi = 1, span  # keys[i] is at row r: the dict said so
+                end = len(stored) - r
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if mid < end and stored[r + mid] == keys[i + mid]:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                run = lo
+                if run > 1 and stored[r + 1:r + run] != keys[i + 1:i + run]:  # not one break: walk
+                    same = list(map(_eq, stored[r:r + span], keys[i:]))
+                    same.append(False)
+                    run = same.index(False)
+            out[i:i + run] = np.arange(r, r + run, dtype=np.int64)
+            i += run
+        return buf, first_miss
 
     def overlaps(self, keys: Sequence[bytes], workers: np.ndarray | None = None,
                  rows: list[int] | None = None) -> np.ndarray:
@@ -396,26 +490,48 @@ class LocationIndex:
         GPU, in GPU or host, and in any tier: a (3, workers) int64 array (unpack it as
         ``d_gpu, d_host, d_disk``). ``rows``: :meth:`lookup`'s answer for ``keys``, if the
         caller has it."""
+        if rows is None:
+            arr, m = self.rows(keys if isinstance(keys, list) else list(keys))
+        else:
+            try:
+                m = rows.index(-1)  # nobody holds a key past the first unknown one
+            except ValueError:
+                m = len(rows)
+            arr = np.asarray([-1, *rows[:m], -1], dtype=np.int64)
+        return self.overlaps_rows(arr, m, workers)
+
+    def overlaps_rows(self, rows: np.ndarray, m: int, workers: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`overlaps` from :meth:`rows`' answer: ``rows[1:m + 1]`` are the rows of the
+        leading indexed keys, ``rows[0]`` and ``rows[m + 1]`` are -1."""
         plan = self.plan()
         n_w = len(plan.workers) if workers is None else len(workers)
-        if rows is None:
-            rows = self.lookup(keys)
-        try:
-            m = rows.index(-1)  # nobody holds a key past the first unknown one
-        except ValueError:
-            m = len(rows)
         if m == 0 or n_w == 0:
             return np.zeros((3, n_w), dtype=np.int64)
+        if plan.fast is not None:
+            # consecutive keys with equal rows are held alike, so the walk runs over the
+            # segments of equal rows (a few per request), not over the keys. Around the known
+            # prefix, row -1 (empty): before it, so the first key starts a segment (a live
+            # row has the ALWAYS bit); after it, as the last segment, where every run ends
+            bits = self._bits.take(rows[:m + 2], axis=0)
+            starts = np.not_equal(bits[1:], bits[:-1]).any(axis=1).nonzero()[0]
+            fast = plan.fast_flat if workers is None else plan.fast[:, workers].reshape(-1)
+            n_seg = starts.size
+            # per worker and segment, the bits of its gpu, speculative 0 and 1, host and disk
+            # columns (5, workers x segments); summed three, four and five at a time (one
+            # small matrix product) they count the set columns of "on GPU", "on GPU or
+            # host", "anywhere": a run ends at the first segment where the count is 0
+            seg_bits = np.unpackbits(bits[1:][starts].view(np.uint8), axis=1, bitorder="little")
+            col = seg_bits.T.take(fast, axis=0).reshape(5, n_w * n_seg)
+            held = np.matmul(_TIER_SUMS, col).reshape(3, n_w, n_seg)
+            return starts[held.argmin(axis=2)]
         # the known prefix, then row 0 (empty) up to a multiple of 8 keys: the first key
         # not held is then always found, and the ORs can run eight keys at a time
-        padded = rows[:m] + [0] * (8 - m % 8)
-        bits = self._bits[np.asarray(padded, dtype=np.int64)]
+        padded = np.zeros(m + 8 - m % 8, dtype=np.int64)
+        padded[:m] = rows[1:m + 1]
+        bits = self._bits[padded]
         # only workers with a column set in the first key can hold a leading block
-        if plan.masks is not None:
-            touched = (plan.masks[2] & bits[0]).any(axis=1)
-        else:
-            first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
-            touched = plan.col_workers[first].any(axis=0)
+        first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
+        touched = plan.col_workers[first].any(axis=0)
         if workers is not None:
             touched = touched[workers]
         cand = np.flatnonzero(touched)
@@ -423,14 +539,6 @@ class LocationIndex:
         if not cand.size:
             return lead
         pick = cand if workers is None else workers[cand]
-        if plan.masks is not None:
-            # (keys, 3, candidates): some column of the tier's mask is set in the key's row
-            x = bits[:, None, None, :] & plan.masks[:, pick][None]
-            y = x[..., 0]
-            for j in range(1, x.shape[3]):
-                y = y | x[..., j]
-            lead[:, cand] = (y != 0).argmin(axis=0)
-            return lead
         # bytes of each key's row as columns, then bits: ut[c, i] is column c of key i
         ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
         held = plan.held(ut, pick)
@@ -504,7 +612,7 @@ class LocationIndex:
         bits = arrays["bits"]
         words = max((self._ncols + 63) // 64, bits.shape[1])
         n = len(keys)
-        self._bits = np.zeros((max(16, n + 1), words), dtype=np.uint64)
+        self._bits = np.zeros((max(16, n + 2), words), dtype=np.uint64)  # row 0 and the last: empty
         self._bits[1:n + 1, :bits.shape[1]] = bits  # row 0 stays the empty padding row
         self._keys = [None, *keys]
         self._rows = dict(zip(keys, range(1, n + 1), strict=True))
@@ -516,8 +624,8 @@ class _Plan:
     """Per-worker column tables: a tier is held when all ``and_cols`` and any ``or_cols`` are set.
 
     ``fast`` (when every worker has one column per tier and no OR, the usual case) lists, for
-    all workers at once, the columns gpu, speculative 0, speculative 1, host, disk; ``masks``
-    are then the per-worker word masks of the cumulative tier tests.
+    all workers at once, the columns gpu, speculative 0, speculative 1, host, disk (a
+    worker holds a key in a tier when one of the tier's columns or a faster one is set).
     """
 
     workers: list[Worker]
@@ -526,6 +634,7 @@ class _Plan:
     spec: np.ndarray                  # (workers, 2) speculative columns
     n_columns: int = 64               # columns of the bit matrix (a multiple of 64)
     fast: np.ndarray | None = None    # (5, workers) columns, or None
+    fast_flat: np.ndarray | None = None  # ``fast.ravel()``
     col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
 
     def __post_init__(self) -> None:
@@ -534,6 +643,7 @@ class _Plan:
         if simple:
             self.fast = np.stack([self.and_cols["gpu"][:, 0], self.spec[:, 0], self.spec[:, 1],
                                   self.and_cols["host"][:, 0], self.and_cols["disk"][:, 0]])
+            self.fast_flat = self.fast.ravel()
         # col_workers[c, w]: column c is one of worker w's (a worker whose columns are all
         # clear in a request's first key holds no leading block of it)
         cw = np.zeros((self.n_columns, len(self.workers)), dtype=np.bool_)
@@ -543,18 +653,6 @@ class _Plan:
                 cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
             cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
         self.col_workers = cw
-        # with the fast plan each tier test is an OR of columns, so a word mask per worker:
-        # masks[t, w] has the columns of "on GPU (or speculative)", "... or host", "... or disk"
-        self.masks: np.ndarray | None = None
-        if self.fast is not None:
-            words = self.n_columns // 64
-            bits = np.zeros((5, len(self.workers), words * 64), dtype=np.bool_)
-            for j in range(5):
-                bits[j, np.arange(len(self.workers)), self.fast[j]] = True
-            bits[:, :, NEVER] = False
-            cum = np.stack([bits[0] | bits[1] | bits[2], bits[0] | bits[1] | bits[2] | bits[3],
-                            bits.any(axis=0)])
-            self.masks = np.packbits(cum, axis=2, bitorder="little").view(np.uint64).copy()
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,

@@ -103,7 +103,7 @@ class Decision:
     @property
     def ranked(self) -> list[Ranked]:
         if self._ranked is None:
-            cost, saved, dg, dh, dd, q, a = self._arrays
+            cost, saved, (dg, dh, dd), q, a = self._arrays
             self._ranked = [Ranked(self._names[i], float(cost[i]), Overlap(int(dg[i]), int(dh[i]), int(dd[i])),
                                    Load(float(q[i]), float(a[i])), float(saved[i])) for i in self._order]
         return self._ranked
@@ -112,7 +112,7 @@ class Decision:
         return f"Decision(n_blocks={self.n_blocks}, decision_id={self.decision_id}, ranked={self.ranked!r})"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Dispatched:
     worker: str
     queued: float
@@ -198,7 +198,8 @@ class Router:
         with self._lock:
             idx = self.index
             idx.expire(now)
-            self._expire_loads(now)
+            if self._dispatch_order:
+                self._expire_loads(now)
             if candidates:
                 for c in candidates:
                     if idx.worker(c) is None:
@@ -211,8 +212,8 @@ class Router:
             if candidates:
                 sel = np.fromiter((idx.worker(c).index for c in dict.fromkeys(candidates)),  # type: ignore[union-attr]
                                   dtype=np.int64)
-            rows = idx.lookup(keys)
-            lead = idx.overlaps(keys, sel, rows)
+            rows, m = idx.rows(keys)  # m: the leading keys that are indexed
+            lead = idx.overlaps_rows(rows, m, sel)
             if sel is None:
                 q, a, lc, wts, dig, names, nodes = (self._q, self._a, self._load_cost, self._weights,
                                                     self._digests, self._names, self._nodes)
@@ -223,12 +224,12 @@ class Router:
                 nodes = [self._nodes[i] for i in sel.tolist()]
             cost, saved = self.scorer.costs(n, lead, lc, wts)
             order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
-            decision = Decision(n, names, nodes, order, (cost, saved, lead[0], lead[1], lead[2], q.copy(), a.copy()))
+            decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
             if dispatch:
                 best = order[0]
                 decision.decision_id = self._dispatch(names[best], n - float(saved[best]), now)
                 if n:
-                    idx.speculate(names[best], keys, rows)
+                    idx.speculate_rows(names[best], keys, rows, m)
             return decision
 
     def finish(self, decision_id: int, prefill_only: bool = False) -> bool:
@@ -237,11 +238,12 @@ class Router:
             d = self._dispatched.get(decision_id)
             if d is None:
                 return False
-            if not d.prefilled:
-                self._add_load(d.worker, -d.queued, 0.0)
-                d.prefilled = True
-            if not prefill_only:
-                self._add_load(d.worker, 0.0, -1.0)
+            if prefill_only:
+                if not d.prefilled:
+                    self._add_load(d.worker, -d.queued, 0.0)
+                    d.prefilled = True
+            else:
+                self._add_load(d.worker, 0.0 if d.prefilled else -d.queued, -1.0)
                 del self._dispatched[decision_id]
             return True
 
@@ -264,8 +266,14 @@ class Router:
         return did
 
     def _add_load(self, worker: str, queued: float, active: float) -> None:
-        q = self._queued[worker] = max(0.0, self._queued.get(worker, 0.0) + queued)
-        a = self._active[worker] = max(0.0, self._active.get(worker, 0.0) + active)
+        q = self._queued.get(worker, 0.0) + queued
+        a = self._active.get(worker, 0.0) + active
+        if q < 0.0:
+            q = 0.0
+        if a < 0.0:
+            a = 0.0
+        self._queued[worker] = q
+        self._active[worker] = a
         i = self._pos.get(worker)
         if i is not None:
             rep = self._reported.get(worker)
@@ -276,12 +284,18 @@ class Router:
             self._load_cost[i] = self._qw * q + self._aw * a
 
     def _expire_loads(self, now: float) -> None:
+        """Finish what was dispatched more than ``load_ttl_s`` ago; drop finished entries
+        from the front of the queue (so it holds about the requests still running)."""
         order = self._dispatch_order
+        live = self._dispatched
         limit = now - self.config.load_ttl_s
-        while order and order[0][0] < limit:
-            _, did = order.popleft()
-            if did in self._dispatched:
+        while order:
+            at, did = order[0]
+            if did in live:
+                if at >= limit:
+                    break
                 self.finish(did)
+            order.popleft()
 
     def _refresh_loads(self) -> None:
         """Per-worker arrays of the current plan (rebuilt only when the workers change)."""

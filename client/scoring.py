@@ -100,6 +100,7 @@ class Ranked:
 
 _MIX1 = 0x9E3779B97F4A7C15  # odd: multiplication by it is a bijection mod 2^64
 _M64 = (1 << 64) - 1
+_MIX1_U64 = np.uint64(_MIX1)
 
 
 def _digest64(data: bytes) -> int:
@@ -122,7 +123,7 @@ def worker_digests(workers: Sequence[str]) -> np.ndarray:
 def tie_hashes(last_key: bytes, digests: np.ndarray) -> np.ndarray:
     """:func:`tie_hash` of one key against many workers' :func:`worker_digests`, vectorised."""
     x = digests ^ np.uint64(_digest64(last_key))
-    x *= np.uint64(_MIX1)
+    x *= _MIX1_U64
     return x
 
 
@@ -164,7 +165,9 @@ class Scorer:
         workers): ``1 - w_host``, ``w_host - w_disk``, ``w_disk`` (see :meth:`lead_weights`),
         so that ``saved = d_gpu + w_host (d_host - d_gpu) + w_disk (d_disk - d_host)``."""
         saved = np.einsum("ij,ij->j", lead, weights)
-        return (n_blocks - saved) + load_cost, saved
+        cost = n_blocks - saved
+        cost += load_cost
+        return cost, saved
 
     @staticmethod
     def lead_weights(w_host: np.ndarray, w_disk: np.ndarray) -> np.ndarray:

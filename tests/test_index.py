@@ -227,3 +227,131 @@ def test_route_with_candidates_includes_unknown_workers() -> None:
         r.route(keys(3))
     d = r.route(keys(3), candidates=["x", "y"], dispatch=False)
     assert sorted(d.workers) == ["x", "y"] and d.nodes == ["", ""]
+
+
+def test_rows_equal_plain_dict_lookups_through_inserts_removals_and_reuse() -> None:
+    """The run-based row lookup agrees with one dict probe per key, whatever the row order."""
+    rng = random.Random(11)
+    idx = LocationIndex()
+    pool = keys(600) + keys(300, "z")
+    for _ in range(60):
+        lo = rng.randrange(len(pool))
+        batch = pool[lo:lo + rng.randrange(1, 50)]
+        if rng.random() < 0.3:
+            batch = batch[::-1]  # rows in the opposite order of the keys
+        if rng.random() < 0.75:
+            idx.stored("n", rng.choice(["host", "disk"]), "", FP, batch)
+        else:
+            idx.removed("n", "host", "", FP, batch)
+            idx.removed("n", "disk", "", FP, batch)
+        if rng.random() < 0.1:
+            idx.compact()  # frees rows that later keys take again
+        for _ in range(5):
+            start = rng.randrange(len(pool))
+            req = pool[start:start + rng.randrange(0, 70)] + keys(rng.randrange(3), "new")
+            if req and rng.random() < 0.3:
+                req = req + req[: rng.randrange(len(req))]  # repeated keys
+            if req and rng.random() < 0.3:
+                req.insert(rng.randrange(len(req)), b"never-seen-key..")
+            want = [idx._rows.get(k, -1) for k in req]
+            rows, m = idx.rows(req)
+            assert rows.tolist() == [-1, *want, -1]  # the empty row around: it bounds a walk
+            assert not idx._bits[-1].any()
+            assert m == (want.index(-1) if -1 in want else len(want))
+            assert idx.lookup(req) == want
+    # a key out of place inside a run (the run's rows line up again after it)
+    fresh = LocationIndex()
+    ks = keys(12, "r")
+    fresh.stored("n", "host", "", FP, ks)
+    req = ks[0:2] + [ks[9]] + ks[3:8]
+    assert fresh.rows(req)[0][1:-1].tolist() == [fresh._rows[k] for k in req]
+
+
+def _reference_ranking(r: Router, req: list[bytes], names: list[str]) -> list[tuple[str, float, Overlap]]:
+    """Overlaps walked key by key from the index's holdings, then Scorer.rank: the definition."""
+    held = r.index.holdings(speculative=True)
+    node_of = {w: n for w, n in r.workers()}
+    fps = {w: r.index.node(n).workers.get(w, ()) for w, n in node_of.items() if n}
+
+    def has(node: str, tier: str, who: str, k: bytes, w: str) -> bool:
+        locs = [(node, tier, who, fp) for fp in fps.get(w, ())] or \
+            [loc for loc in held if loc[:3] == (node, tier, who)]
+        if fps.get(w):
+            return all(k in held.get(loc, ()) for loc in locs)
+        return any(k in held.get(loc, ()) for loc in locs)
+
+    overlaps = {}
+    for w in names:
+        node = node_of.get(w, "")
+
+        def rank(k: bytes, w: str = w, node: str = node) -> int:
+            if k in held.get(("", "speculative", w, b""), ()):
+                return 0
+            if not node:
+                return 3
+            if has(node, "gpu", w, k, w):
+                return 0
+            if has(node, "host", "", k, w):
+                return 1
+            return 2 if has(node, "disk", "", k, w) else 3
+
+        overlaps[w] = Overlap.from_ranks(rank(k) for k in req)
+    ranked = r.scorer.rank(len(req), names, overlaps, {w: r.load(w) for w in names}, req[-1] if req else b"")
+    return [(x.worker, x.cost, x.overlap) for x in ranked]
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True])
+def test_route_equals_the_reference_walk_and_rank_on_random_holdings(tensor_parallel: bool) -> None:
+    """The vectorised route (row runs, segment walk, array cost and order, speculative
+    entries and loads from dispatches) ranks exactly as the key-by-key definition."""
+    rng = random.Random(5 + tensor_parallel)
+    r = Router(RouterConfig(top_k=100))
+    nodes = {f"n{j}": [f"n{j}w{i}" for i in range(3)] for j in range(3)}
+    for node, ws in nodes.items():
+        decl = {w: [FP] for w in ws}
+        if tensor_parallel and node == "n1":
+            decl[ws[0]] = [FP, FP2]
+        r.index.set_node_info(node, decl)
+    others = [*nodes]
+    if tensor_parallel:  # also a node that declares no worker: one worker, any fingerprint
+        r.index.set_node_info("solo")
+        others.append("solo")
+    chains = [keys(40, f"c{c}") for c in range(6)]
+    for _ in range(120):
+        chain = rng.choice(chains)
+        node = rng.choice(others)
+        tier = rng.choice(["gpu", "host", "disk"])
+        if node == "solo" and tier == "gpu":
+            tier = "host"
+        who = rng.choice(nodes[node]) if tier == "gpu" else ""
+        fp = FP2 if (node == "solo" and rng.random() < 0.5) or (tensor_parallel and rng.random() < 0.2) else FP
+        lo = rng.randrange(0, 30)
+        part = chain[lo:lo + rng.randrange(1, 40)]
+        if rng.random() < 0.75:
+            r.index.stored(node, tier, who, fp, part)
+        else:
+            r.index.removed(node, tier, who, fp, part)
+    inflight: list[int] = []
+    for i in range(150):
+        chain = rng.choice(chains)
+        req = chain[:rng.randrange(1, 41)] + keys(rng.randrange(0, 5), f"fresh{i % 7}")
+        cands = None
+        if i % 5 == 0:
+            cands = rng.sample([w for ws in nodes.values() for w in ws] + others[len(nodes):] + ["ext"], 4)
+        names = [w for w, _ in r.workers()] if cands is None else list(dict.fromkeys(cands))
+        for c in names:
+            if c not in {w for w, _ in r.workers()}:
+                r.index.add_external_worker(c)
+        now = float(i) * 0.5  # speculative entries expire along the way (ttl 10 s)
+        r.index.expire(now)
+        want = _reference_ranking(r, req, names)
+        d = r.route(req, cands, dispatch=i % 3 != 0, now=now)
+        got = [(x.worker, x.cost, x.overlap) for x in d.ranked]
+        assert [g[0] for g in got] == [w[0] for w in want], (i, got, want)
+        assert [g[2] for g in got] == [w[2] for w in want], (i, got, want)
+        assert (r.index.plan().fast is None) == tensor_parallel  # the general path, or the fast one
+        assert np.allclose([g[1] for g in got], [w[1] for w in want])
+        if d.decision_id:
+            inflight.append(d.decision_id)
+        if len(inflight) > 4:
+            r.finish(inflight.pop(rng.randrange(len(inflight))), prefill_only=rng.random() < 0.3)
