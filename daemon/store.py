@@ -42,6 +42,7 @@ import asyncio
 import itertools
 import logging
 import mmap
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -59,6 +60,13 @@ log = logging.getLogger("kvtier.store")
 
 KEY_MIN, KEY_MAX = 8, 32
 TIERS = ("gpu", "host", "disk")
+
+
+def layout_id_of(fingerprint: bytes) -> int:
+    """A layout's id is its fingerprint's first 31 bits: the same on every daemon and across
+    restarts, so a client that kept an id from before a restart can never reach another
+    layout's blocks with it (it gets FAILED_PRECONDITION and registers again)."""
+    return int.from_bytes(fingerprint[:4], "little") & 0x7FFFFFFF or 1
 
 
 class StoreError(Exception):
@@ -119,7 +127,9 @@ class BlockStore:
         self.layouts: dict[int, RegisteredLayout] = {}
         self._layout_by_fp: dict[bytes, int] = {}
         self.sessions: dict[int, Session] = {}
-        self._ids = itertools.count(1)
+        # session, grant and lease ids start at a random point per daemon run, so an id a
+        # client kept from before a restart names nothing here instead of someone else's
+        self._ids = itertools.count(secrets.randbits(40) << 20)
         self.counters: Counter[str] = Counter()
         self.observers: list[LocationObserver] = []
         self.session_end_hooks: list[Callable[[int], None]] = []  # told each closed session id
@@ -151,7 +161,12 @@ class BlockStore:
                                                     "s_per_gib": round(dt / (cls.pool_bytes / 2**30), 3)})
         if fp in self._layout_by_fp:  # registered by a concurrent call while we awaited
             return self.layouts[self._layout_by_fp[fp]]
-        lid = len(self.layouts) + 1
+        lid = layout_id_of(fp)
+        other = self.layouts.get(lid)
+        if other is not None:  # two fingerprints share 31 bits: refuse rather than mix them
+            raise StoreError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"layout id {lid} of fingerprint {fp.hex()} is taken by fingerprint "
+                             f"{other.layout.fingerprint.hex()} on this daemon; restart it without one of them")
         reg = RegisteredLayout(lid, layout)
         self.layouts[lid] = reg
         self._layout_by_fp[fp] = lid

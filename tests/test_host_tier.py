@@ -18,7 +18,7 @@ import pytest
 from kvtier.client import InvalidArgument, KvtierError, Sidecar
 from kvtier.client.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
 from kvtier.proto import node_pb2, node_pb2_grpc
-from kvtier.tiers.layout import Layout
+from kvtier.tiers.layout import Layout, layout_to_proto
 
 MiB = 1 << 20
 # Stated bound: the daemon's resident memory (Python, gRPC, indexes) beyond the pool.
@@ -335,3 +335,25 @@ def test_put_takes_cpu_torch_tensors(daemon: DaemonProcess) -> None:
         assert torch.equal(back, kv)
         with pytest.raises(InvalidArgument, match="bytes"):
             sc.put(lid, keys_for(1, b"t"), [kv[0, 0]])  # half a block
+
+
+def test_a_layout_id_kept_across_a_restart_never_reaches_another_layout(start_daemon) -> None:
+    """Tensor-parallel ranks share keys; a stale layout id must not serve the other rank's bytes."""
+    rank0 = Layout.vllm(2, 8, 16, 2, 64, tp_rank=0, tp_size=2)
+    rank1 = Layout.vllm(2, 8, 16, 2, 64, tp_rank=1, tp_size=2)
+    d = start_daemon()
+    ch, stub = _raw(d)
+    with ch:
+        id0 = stub.RegisterLayout(node_pb2.RegisterLayoutRequest(layout=layout_to_proto(rank0, node_pb2.LayoutSpec))).layout_id
+        d.stop()
+        d.start()
+        with Sidecar(d.socket) as other:  # after the restart, rank 1 registers first
+            lid1 = other.register_layout(rank1)
+            other.put(lid1, keys_for(1), rand_blocks(1, rank1.block_bytes, 14))
+            assert other._info(lid1).daemon_id != id0
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Lookup(node_pb2.LookupRequest(layout_id=id0, keys=keys_for(1)))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        again = stub.RegisterLayout(node_pb2.RegisterLayoutRequest(layout=layout_to_proto(rank0, node_pb2.LayoutSpec)))
+        assert again.layout_id == id0
+        assert list(stub.Lookup(node_pb2.LookupRequest(layout_id=id0, keys=keys_for(1))).tiers) == [node_pb2.TIER_NONE]
