@@ -220,8 +220,11 @@ class LocationIndex:
             masks[col >> 6] = masks.get(col >> 6, 0) | (1 << (col & 63))
         hw = len(self._keys)
         for word, mask in masks.items():
-            self._bits[:hw, word] &= np.uint64(~mask & 0xFFFFFFFFFFFFFFFF)
-        self._removals += hw if masks else 0
+            col = self._bits[:hw, word]
+            # count only the rows that held one of these columns, so clearing speculative
+            # columns every TTL does not look like a million removals and force a compaction
+            self._removals += int(np.count_nonzero(col & np.uint64(mask)))
+            col &= np.uint64(~mask & 0xFFFFFFFFFFFFFFFF)
 
     # -- nodes and events -----------------------------------------------------------------
 
