@@ -30,7 +30,6 @@ different lengths) is :class:`InvalidArgument` (also a ``ValueError``).
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 import queue
 import sys
@@ -45,6 +44,7 @@ import numpy as np
 
 from kvtier.paths import default_socket_path
 from kvtier.proto import TIER_NAMES, locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
+from kvtier.tiers.host import PoolMapping
 from kvtier.tiers.keytable import (
     ORDERING_SAFE,
     TIER_BITS,
@@ -56,7 +56,6 @@ from kvtier.tiers.keytable import (
 )
 from kvtier.tiers.layout import Layout, layout_to_proto
 
-MADV_POPULATE_WRITE = 23
 TABLE_RETRY_S = 1.0  # after losing the key table, ask the daemon for a new one at most this often
 REPORT_S = 1.0       # table lookups are reported to the daemon's counters at most this often, and on close
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -112,43 +111,12 @@ def _as_bytes(block: Any, block_bytes: int, index: int) -> np.ndarray:
     return arr
 
 
-class _Pool:
-    """A client's read-write mapping of one pool file."""
-
-    def __init__(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
-        self._populate = True
-        self._mapped: set[int] = set()  # offsets of slots whose pages this mapping has populated
-
-    def prepare_write(self, offset: int, length: int) -> None:
-        """Map the slot's pages in one syscall instead of a fault per 4 KiB page (Linux >= 5.14),
-        once per slot: later writes to the slot find its pages mapped."""
-        if self._populate and offset not in self._mapped:
-            try:
-                self.mm.madvise(MADV_POPULATE_WRITE, offset, length)
-                self._mapped.add(offset)
-            except OSError:
-                self._populate = False
-
-    def close(self) -> None:
-        del self.arr
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes with the last one
-
-
 @dataclass
 class _LayoutInfo:
     layout: Layout
     daemon_id: int = 0
     block_bytes: int = 0
-    pool: _Pool | None = None
+    pool: PoolMapping | None = None
     table: KeyTableReader | None = None
     table_retry_at: float = 0.0
     # table lookups not yet reported, by the tier bit set found (index 0: misses)
@@ -162,7 +130,7 @@ class _SidecarCore:
         self.client_name = client_name or f"{os.path.basename(sys.argv[0] or 'python')}:{os.getpid()}"
         self.use_key_table = use_key_table
         self._layouts: dict[int, _LayoutInfo] = {}
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, PoolMapping] = {}
         self._tables: dict[str, KeyTableReader] = {}
         self._had_table = False
         self._report_at = 0.0
@@ -192,7 +160,7 @@ class _SidecarCore:
                                                         "client and daemon versions differ")
         pool = self._pools.get(reply.pool_path)
         if pool is None:
-            pool = self._pools[reply.pool_path] = _Pool(reply.pool_path, reply.pool_bytes)
+            pool = self._pools[reply.pool_path] = PoolMapping(reply.pool_path, reply.pool_bytes)
         info.daemon_id, info.block_bytes, info.pool = reply.layout_id, reply.block_bytes, pool
         info.table = self._open_table(reply.key_table_path) if self.use_key_table else None
 

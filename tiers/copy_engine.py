@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.tiers.host import PoolMapping
 from kvtier.tiers.layout import DTYPE_BYTES, Layout
 
 OFFLOAD, ONBOARD = "offload", "onboard"
@@ -288,24 +289,6 @@ def populate_mapping(mm: mmap.mmap, size: int, threads: int) -> None:
         list(ex.map(touch, range(0, size, step)))
 
 
-class _Pool:
-    def __init__(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.size = size
-        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
-
-    def close(self) -> None:
-        del self.arr
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-
-
 def _rows(buf: np.ndarray, offsets: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """A view of ``buf`` whose row k starts at byte ``k * g`` and is ``size`` long, with g the
     largest stride dividing every offset, and the row index of each offset."""
@@ -327,7 +310,7 @@ class HostCopyEngine(CopyEngine):
 
     def __init__(self, threads: int = 4, piece_bytes: int = 8 << 20) -> None:
         super().__init__(piece_bytes)
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, PoolMapping] = {}
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = iter(range(1 << 62))
         self._lock = threading.Lock()
@@ -339,7 +322,7 @@ class HostCopyEngine(CopyEngine):
     def attach_pool(self, path: str, size: int) -> float:
         if path in self._pools:
             return self.pin_s_per_gib
-        self._pools[path] = _Pool(path, size)
+        self._pools[path] = PoolMapping(path, size)
         return self.pin_s_per_gib
 
     def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> HostKVMemory:
@@ -518,7 +501,7 @@ class _OpenedAllocation:
 
 @dataclass
 class _CudaPool:
-    pool: _Pool
+    pool: PoolMapping
     ptr: int          # host address, also the device address (unified addressing)
     dev_ptr: int
 
@@ -574,7 +557,7 @@ class CudaCopyEngine(CopyEngine):
         if path in self._pools:
             return self.pin_s_per_gib
         t0 = time.perf_counter()
-        pool = _Pool(path, size)
+        pool = PoolMapping(path, size)
         populate_mapping(pool.mm, size, self.touch_threads)
         ptr = pool.arr.ctypes.data
         with self.cp.cuda.Device(self.device):

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -47,6 +50,42 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+
+
+MADV_POPULATE_WRITE = 23
+
+
+class PoolMapping:
+    """A process's read-write mapping of one pool file (sidecars and copy engines map the
+    files the daemon names; they write a slot only under a grant, read it only under a lease)."""
+
+    def __init__(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self._populate = True
+        self._mapped: set[int] = set()  # offsets of slots whose pages this mapping has populated
+
+    def prepare_write(self, offset: int, length: int) -> None:
+        """Map a slot's pages in one syscall instead of a fault per 4 KiB page (Linux >= 5.14),
+        once per slot: later writes to the slot find its pages mapped."""
+        if self._populate and offset not in self._mapped:
+            try:
+                self.mm.madvise(MADV_POPULATE_WRITE, offset, length)
+                self._mapped.add(offset)
+            except OSError:
+                self._populate = False
+
+    def close(self) -> None:
+        del self.arr
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the last one
 
 
 class HostTierError(Exception):
