@@ -13,9 +13,9 @@ def start_daemon(tmp_path) -> Iterator[Callable[..., DaemonProcess]]:
     started: list[DaemonProcess] = []
 
     def start(*args: str, name: str = "kvtierd", **kw) -> DaemonProcess:
-        d = DaemonProcess(str(tmp_path), *args, name=name, **kw).start()
-        started.append(d)
-        return d
+        d = DaemonProcess(str(tmp_path), *args, name=name, **kw)
+        started.append(d)  # cleaned up even when it fails to start
+        return d.start()
 
     yield start
     for d in started:
