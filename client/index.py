@@ -610,7 +610,7 @@ class LocationIndex:
         lengths = arrays["key_lengths"].astype(np.int64)
         blob = arrays["key_bytes"].tobytes()
         ends = np.cumsum(lengths).tolist()
-        starts = [0, *ends[:-1]]
+        starts = [0, *ends[:-1]] if ends else []
         keys = [blob[s:e] for s, e in zip(starts, ends, strict=True)]
         bits = arrays["bits"]
         words = max((self._ncols + 63) // 64, bits.shape[1])

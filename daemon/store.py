@@ -315,7 +315,11 @@ class BlockStore:
             elif todo:
                 written = await self._write_to_disk(todo)
                 self.counters["demotions"] += written
-        self._emit_grouped(self._emit_removed, "host", [v.bkey for v in victims])
+        # a victim's key may be visible in host again by now (another session committed its
+        # own grant for it while the demotion was awaited): that commit was published last
+        # and stands, so reporting this old entry gone would hide a block the host tier holds
+        entries = self.host.entries
+        self._emit_grouped(self._emit_removed, "host", [v.bkey for v in victims if v.bkey not in entries])
 
     def _slot_view(self, cls: SizeClass, offset: int) -> memoryview:
         """The daemon's own view of one host slot (page-aligned: fit for O_DIRECT)."""
