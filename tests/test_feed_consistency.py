@@ -101,3 +101,19 @@ def test_a_grant_committed_while_its_key_is_being_demoted_stays_published(shm, t
             store.close()
 
     asyncio.run(main())
+
+
+def test_a_saved_router_state_with_no_keys_keeps_its_positions(tmp_path) -> None:
+    """A router whose daemons hold nothing yet (or whose blocks were all removed) saves its
+    positions; started again it resumes from them instead of discarding the file."""
+    from kvtier.client.router import Router, RouterConfig
+
+    r = Router(RouterConfig())
+    r.apply("t", L.WatchLocationsReply(epoch=5, node=L.NodeInfo(node_id="A", epoch=5, head_seq=7)))
+    r.apply("t", L.WatchLocationsReply(epoch=5, snapshot=L.SnapshotPart(at_seq=7, first=True, last=True)))
+    path = str(tmp_path / "router.state")
+    r.save_state(path)
+    again = Router(RouterConfig(state_path=path))
+    again.load_state(path)
+    assert again.positions() == {"A": (5, 7)}
+    assert again.indexed_keys() == 0
