@@ -71,6 +71,9 @@ class LocationLog:
         self.worker_sessions: dict[str, int] = {}
         self.counters = store.counters
         self.closed = False
+        # cleared the moment the store closes the session: a successor engine reporting under
+        # the same worker id right after must not inherit the dead engine's blocks
+        store.session_end_hooks.append(self._session_ended)
 
     # -- the ring -------------------------------------------------------------------------
 
@@ -181,9 +184,16 @@ class LocationLog:
             self._notify()  # NodeInfo may have changed
         return self.head if self.head != before else 0
 
+    def _session_ended(self, session_id: int) -> None:
+        self._drop([w for w, sid in self.worker_sessions.items() if sid == session_id])
+
     def drop_ended_sessions(self) -> int:
-        """Clear the device blocks of workers whose reporting session ended; returns how many."""
-        ended = [w for w, sid in self.worker_sessions.items() if sid not in self.store.sessions]
+        """Clear the device blocks of workers whose reporting session ended; returns how many.
+        (Sessions the store closes are cleared at once through its session-end hook; this
+        catches any other way a session could disappear.)"""
+        return self._drop([w for w, sid in self.worker_sessions.items() if sid not in self.store.sessions])
+
+    def _drop(self, ended: list[str]) -> int:
         for worker in ended:
             del self.worker_sessions[worker]
             self.device.pop(worker, None)

@@ -117,3 +117,43 @@ def test_a_saved_router_state_with_no_keys_keeps_its_positions(tmp_path) -> None
     again.load_state(path)
     assert again.positions() == {"A": (5, 7)}
     assert again.indexed_keys() == 0
+
+
+def test_a_workers_device_blocks_go_with_its_session_even_if_it_reports_again_at_once(shm) -> None:
+    """An engine's sidecar session ends (the engine died) and a new engine under the same
+    worker id reports its own device blocks before the daemon's periodic session check ran:
+    the dead engine's blocks must not be published as the new engine's."""
+    layout = Layout.flat(BLOCK)
+    fp = layout.fingerprint
+
+    async def main() -> None:
+        store = BlockStore(HostTier(shm, 4 * layout.slot_bytes, "dev"))
+        loc = LocationLog(store, "node", epoch=1)
+        store.observers.append(loc)
+        lid = (await store.register_layout(layout)).layout_id
+        try:
+            old = store.open_session("engine", 1).session_id
+            loc.report_device("w", lid, [key(1), key(2)], [], False, old)
+            store.close_session(old)                                  # the engine is gone
+            new = store.open_session("engine", 2).session_id
+            loc.report_device("w", lid, [key(3)], [], False, new)     # its successor, at once
+            loc.drop_ended_sessions()                                 # the periodic check
+            assert loc.device == {"w": {fp: {key(3)}}}
+            gpu: set[bytes] = set()
+            for ev in loc.since(0):
+                if ev.kind == L.STORED:
+                    gpu.update(ev.keys)
+                elif ev.kind == L.REMOVED:
+                    gpu.difference_update(ev.keys)
+                elif ev.kind == L.CLEARED:
+                    gpu.clear()
+            assert gpu == {key(3)}
+            _, parts = loc.snapshot()
+            snap = {k for p in parts for e in p.entries if e.worker_id == "w" for k in e.keys}
+            assert snap == {key(3)}
+            store.close_session(new)                                  # and the successor's go with it
+            assert loc.device == {} and loc.snapshot()[1][0].entries == []
+        finally:
+            store.close()
+
+    asyncio.run(main())
