@@ -215,10 +215,12 @@ class _SidecarCore:
         return req if req.layouts else None
 
     def _drop_table(self, table: KeyTableReader) -> None:
+        # the retry time stays: a table lost long ago is asked for again at once, but one that
+        # was just handed out again and is still unusable (invalid, stale) waits TABLE_RETRY_S
         self._tables.pop(table.path, None)
         for info in self._layouts.values():
             if info.table is table:
-                info.table, info.table_retry_at = None, 0.0
+                info.table = None
         table.close()
 
     def _want_table(self, info: _LayoutInfo) -> bool:
