@@ -20,7 +20,9 @@ Owns
       arrive (they expire after ``speculative_ttl_s`` to ``2 * speculative_ttl_s``);
     * the saved position: with ``state_path`` the index and every node's position are
       written atomically every ``save_interval_s`` and on :meth:`close`; a router started
-      again loads them and resumes each feed where the file says.
+      again loads them and resumes each feed where the file says; nodes of the file that no
+      feed of the new run serves (a static target dropped, an address gone from DNS) are
+      forgotten once the static feeds are started and every DNS name has resolved once.
 
 Threading: feeds run on a private asyncio loop in a background thread; one lock serialises
 the feeds' folding and :meth:`route`, so ``route`` may be called from any thread.
@@ -178,6 +180,7 @@ class Router:
         self._node_owner: dict[str, str] = {}      # node id -> target of the feed that serves it
         self._target_node: dict[str, str] = {}     # target -> node id it served last
         self._node_epoch: dict[str, int] = {}      # node id -> epoch of its last NodeInfo
+        self._unresolved: set[str] = set()         # DNS names not yet resolved in this run
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._synced = threading.Condition(self._lock)
@@ -434,6 +437,9 @@ class Router:
     async def _run(self) -> None:
         for target in self.config.daemons:
             self._start_feed(target)
+        self._unresolved = set(self.config.dns)
+        if not self._unresolved:
+            self._forget_unserved()
         tasks = [asyncio.ensure_future(self._resolve_loop(name)) for name in self.config.dns]
         if self.config.state_path:
             tasks.append(asyncio.ensure_future(self._save_loop()))
@@ -502,6 +508,21 @@ class Router:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.config.reconnect_max_s)
 
+    def _forget_unserved(self) -> None:
+        """Forget the nodes of a loaded state that no feed of this run serves: their daemon
+        left the static list, or its address left DNS while the router was down. (Nodes a
+        feed drops while running are forgotten by :meth:`_stop_feed`.)"""
+        with self._lock:
+            gone = [t for t in self._target_node if t not in self._feed_tasks]
+            for target in gone:
+                del self._target_node[target]
+            served = set(self._target_node.values())
+            for node in [n for n in self.index.nodes if n not in served]:
+                log.info("saved node not served by any feed now; forgotten", extra={"node": node})
+                self.index.drop_node(node)
+                self._node_owner.pop(node, None)
+                self._node_epoch.pop(node, None)
+
     def _invalidate(self, target: str) -> None:
         """A feed broke its contract: drop its position so the next connect takes a snapshot."""
         node = self._target_node.get(target)
@@ -526,6 +547,10 @@ class Router:
             for target in sorted(mine - found):
                 await self._stop_feed(target)
             mine = found
+            if name in self._unresolved and mine:
+                self._unresolved.discard(name)
+                if not self._unresolved:  # every name answered once: the feeds are all known
+                    self._forget_unserved()
             await asyncio.sleep(self.config.resolve_interval_s)
 
     async def _save_loop(self) -> None:

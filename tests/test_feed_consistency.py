@@ -1,9 +1,9 @@
 """The location feed, the router's fold and the key table against the store's real state.
 
-Review tests (location feed, router, key table): each reproduces a way the published state
-could drift from what the daemon holds, on real components (an in-process BlockStore on a
-real tmpfs HostTier and a real O_DIRECT DiskTier with LMDB, the daemon's own LocationLog and
-KeyTablePublisher), driven into the interleavings a busy daemon sees.
+Each test reproduces a way the published state could drift from what the daemons hold: on
+real components in process (a BlockStore on a real tmpfs HostTier and a real O_DIRECT
+DiskTier with LMDB, the daemon's own LocationLog and KeyTablePublisher) driven into the
+interleavings a busy daemon sees, or on a router following a real kvtierd.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ import pytest
 from kvtier.daemon.events import LocationLog
 from kvtier.daemon.keytable import KeyTablePublisher
 from kvtier.daemon.store import BlockStore
-from kvtier.proto import TIER_NAMES
+from kvtier.proto import TIER_BY_NAME, TIER_NAMES
 from kvtier.proto import locations_pb2 as L
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
@@ -157,3 +159,50 @@ def test_a_workers_device_blocks_go_with_its_session_even_if_it_reports_again_at
             store.close()
 
     asyncio.run(main())
+
+
+def _ghost_state(path: str, target: str) -> list[bytes]:
+    """A saved router state in which ``target`` served node "ghost", holding a few keys."""
+    from kvtier.client.router import Router, RouterConfig
+
+    ks = [key(100 + i) for i in range(4)]
+    r = Router(RouterConfig())
+    r.apply(target, L.WatchLocationsReply(epoch=5, node=L.NodeInfo(node_id="ghost", epoch=5, head_seq=1)))
+    r.apply(target, L.WatchLocationsReply(epoch=5, snapshot=L.SnapshotPart(
+        at_seq=1, first=True, last=True,
+        entries=[L.LocationEvent(seq=1, kind=L.STORED, tier=TIER_BY_NAME["host"], fingerprint=b"f" * 16, keys=ks)])))
+    assert r.holdings("ghost")
+    r.save_state(path)
+    return ks
+
+
+@pytest.mark.parametrize("via", ["static", "dns"])
+def test_a_reloaded_state_forgets_nodes_no_configured_feed_serves(start_daemon, tmp_path, via: str) -> None:
+    """The router saved its index while it followed a daemon that is no longer configured
+    (the static list changed, or its address left DNS while the router was down). Started
+    again from that file, it must not keep routing to the old node's workers and blocks."""
+    from kvtier.client.router import Router, RouterConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", name="A", host_capacity="16MiB")
+    path = str(tmp_path / "router.state")
+    ks = _ghost_state(path, "unix:/nonexistent/kvtierd.sock" if via == "static" else f"127.0.0.2:{port}")
+
+    async def resolve(host: str, p: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    if via == "static":
+        cfg = RouterConfig(daemons=(f"unix:{d.socket}",), state_path=path, reconnect_min_s=0.05)
+    else:
+        cfg = RouterConfig(dns=(f"kvtierd.test:{port}",), state_path=path, resolve_interval_s=0.1,
+                           reconnect_min_s=0.05)
+    with Router(cfg, resolve=resolve).start() as r:
+        assert r.wait_synced(15, nodes=1), r.status()
+        deadline = time.monotonic() + 10
+        while "ghost" in r.positions() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(r.positions()) == ["A"]
+        assert [w for w, _ in r.workers()] == ["A"]
+        assert r.route(ks, dispatch=False).ranked[0].overlap.host == 0
