@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from kvtier.client.keys import Namespace, block_keys
-from kvtier.client.router import Router, RouterConfig, RouterError
+from kvtier.client.router import Decision, Router, RouterConfig, RouterError
 from kvtier.client.scoring import ScorerConfig
 from kvtier.proto import router_pb2, router_pb2_grpc
 
@@ -111,6 +111,9 @@ def request_keys(req: router_pb2.RouteRequest) -> list[bytes]:
             raise ValueError("token_ids need a namespace with a model")
         if req.block_tokens <= 0:
             raise ValueError("token_ids need block_tokens > 0 (the engine's block size)")
+        if len(req.token_ids) // req.block_tokens > MAX_KEYS:
+            raise ValueError(f"{len(req.token_ids)} token ids make {len(req.token_ids) // req.block_tokens} "
+                             f"blocks of {req.block_tokens}; at most {MAX_KEYS} blocks")
         return block_keys(list(req.token_ids), req.block_tokens,
                           Namespace(req.namespace.model, req.namespace.tenant_salt))
     keys = list(req.keys)
@@ -122,21 +125,36 @@ def request_keys(req: router_pb2.RouteRequest) -> list[bytes]:
     return keys
 
 
+def request_candidates(req: router_pb2.RouteRequest) -> list[str] | None:
+    """The request's candidate workers (None: every worker); raises ValueError for an empty name."""
+    for i, c in enumerate(req.candidates):
+        if not c:
+            raise ValueError(f"candidate {i} is an empty worker name")
+    return list(req.candidates) or None
+
+
+class _BadRequest(Exception):
+    """A Route request that cannot be ranked as given (answered INVALID_ARGUMENT)."""
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-route")
 
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteReply:
+        def route() -> Decision:  # hashing token ids is work too: off the event loop
+            try:
+                keys, candidates = request_keys(request), request_candidates(request)
+            except ValueError as e:
+                raise _BadRequest(str(e)) from None
+            return self.router.route(keys, candidates, dispatch=request.dispatch,
+                                     top_k=request.top_k or self.router.config.top_k)
+
         try:
-            keys = request_keys(request)
-        except ValueError as e:
+            d = await asyncio.get_running_loop().run_in_executor(self._pool, route)
+        except _BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        loop = asyncio.get_running_loop()
-        try:
-            d = await loop.run_in_executor(self._pool, lambda: self.router.route(
-                keys, list(request.candidates) or None, dispatch=request.dispatch,
-                top_k=request.top_k or self.router.config.top_k))
         except RouterError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         reply = router_pb2.RouteReply(n_blocks=d.n_blocks, decision_id=d.decision_id)

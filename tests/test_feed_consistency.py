@@ -206,3 +206,49 @@ def test_a_reloaded_state_forgets_nodes_no_configured_feed_serves(start_daemon, 
         assert sorted(r.positions()) == ["A"]
         assert [w for w, _ in r.workers()] == ["A"]
         assert r.route(ks, dispatch=False).ranked[0].overlap.host == 0
+
+
+def test_the_route_server_refuses_bad_requests_with_clear_errors(tmp_path) -> None:
+    """Malformed Route calls get INVALID_ARGUMENT (a token request as long as the key limit
+    allows at most, an empty candidate name) and the server keeps serving."""
+    import grpc
+
+    from kvtier.client.route_server import MAX_KEYS, RouterService
+    from kvtier.client.router import Router, RouterConfig
+    from kvtier.proto import router_pb2 as R
+    from kvtier.proto import router_pb2_grpc
+
+    r = Router(RouterConfig())
+    r.apply("t", L.WatchLocationsReply(epoch=5, node=L.NodeInfo(node_id="A", epoch=5)))
+    r.apply("t", L.WatchLocationsReply(epoch=5, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)))
+    sock = f"unix:{tmp_path / 'route.sock'}"
+    ns = R.NamespaceSpec(model="m")
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(RouterService(r), server)
+        server.add_insecure_port(sock)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(sock) as ch:
+                stub = router_pb2_grpc.RouterStub(ch)
+                bad = [
+                    (R.RouteRequest(token_ids=[1] * (MAX_KEYS + 1), namespace=ns, block_tokens=1), "at most"),
+                    (R.RouteRequest(keys=[key(1)], candidates=["A", ""]), "candidate 1"),
+                    (R.RouteRequest(keys=[b"short"]), "8 to 32 bytes"),
+                    (R.RouteRequest(token_ids=[1, 2], block_tokens=1), "namespace"),
+                    (R.RouteRequest(keys=[key(1)], token_ids=[1]), "not both"),
+                ]
+                for req, words in bad:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await stub.Route(req, timeout=30)
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.details(), words)
+                    assert words in e.value.details()
+                ok = await stub.Route(R.RouteRequest(token_ids=list(range(64)), namespace=ns, block_tokens=16),
+                                      timeout=30)
+                assert ok.n_blocks == 4 and [w.worker_id for w in ok.ranked] == ["A"]
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+    assert [w for w, _ in r.workers()] == ["A"]  # no worker named "" was made up
