@@ -134,6 +134,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @_handle_errors
     async def ReportLookups(self, request: node_pb2.ReportLookupsRequest, context: Any) -> node_pb2.ReportLookupsReply:
+        for c in request.layouts:  # every layout checked first: a bad report counts nothing
+            self.store.layout(c.layout_id)
         for c in request.layouts:
             self.store.count_table_lookups(c.layout_id, {"gpu": c.hit_gpu, "host": c.hit_host, "disk": c.hit_disk},
                                            c.miss)

@@ -62,3 +62,27 @@ def test_an_unusable_table_is_asked_for_again_at_most_once_per_retry_period(star
         elapsed = time.monotonic() - started
         calls = register_calls(port) - before
         assert calls <= 1 + elapsed / TABLE_RETRY_S, f"{calls} RegisterLayout calls in {elapsed:.2f} s"
+
+
+def test_a_lookup_report_naming_an_unknown_layout_counts_nothing(daemon) -> None:
+    import grpc
+    import pytest
+
+    from kvtier.proto import node_pb2, node_pb2_grpc
+
+    layout = Layout.flat(4096)
+    with Sidecar(daemon.socket) as sc:
+        lid = sc._info(sc.register_layout(layout)).daemon_id  # the daemon's id of the layout
+        before = sc.stats()["counters"]
+        with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
+            req = node_pb2.ReportLookupsRequest()
+            req.layouts.add(layout_id=lid, hit_host=5, miss=3)
+            req.layouts.add(layout_id=lid ^ 1, hit_host=1)
+            with pytest.raises(grpc.RpcError) as e:
+                node_pb2_grpc.NodeStub(ch).ReportLookups(req, timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            req.layouts.pop()
+            node_pb2_grpc.NodeStub(ch).ReportLookups(req, timeout=10)  # the good part alone counts
+        after = sc.stats()["counters"]
+        assert after["lookup_hit_blocks:host"] - before.get("lookup_hit_blocks:host", 0) == 5
+        assert after["lookup_miss_blocks"] - before.get("lookup_miss_blocks", 0) == 3
