@@ -300,9 +300,15 @@ class BlockStore:
         self.counters["host_backing_failures"] += len(dropped)
 
     async def _evicted(self, victims: list[HostEntry]) -> None:
-        """Victims left the host tier (their bytes still intact until finish_eviction): demote
-        those seen often enough to disk, then report them gone from host."""
+        """Victims left the host tier (their bytes still intact until finish_eviction): report
+        them gone from host at once, then demote those seen often enough to disk.
+
+        At once, in the step that took them out of ``host.entries``: while a demotion is
+        awaited, the location feed, its snapshots and the key table must not show them in
+        host (an acquire there misses), and a commit of another grant for one of them (which
+        makes it visible in host again) must come after its removal, not before."""
         self.counters["evictions_host"] += len(victims)
+        self._emit_grouped(self._emit_removed, "host", [v.bkey for v in victims])
         if self.disk is not None:
             hot = [v for v in victims if v.seen >= self.demote_min_seen]
             self.counters["demotions_skipped_cold"] += len(victims) - len(hot)
@@ -315,11 +321,6 @@ class BlockStore:
             elif todo:
                 written = await self._write_to_disk(todo)
                 self.counters["demotions"] += written
-        # a victim's key may be visible in host again by now (another session committed its
-        # own grant for it while the demotion was awaited): that commit was published last
-        # and stands, so reporting this old entry gone would hide a block the host tier holds
-        entries = self.host.entries
-        self._emit_grouped(self._emit_removed, "host", [v.bkey for v in victims if v.bkey not in entries])
 
     def _slot_view(self, cls: SizeClass, offset: int) -> memoryview:
         """The daemon's own view of one host slot (page-aligned: fit for O_DIRECT)."""

@@ -447,7 +447,7 @@ def test_store_reports_every_disk_visibility_change(tmp_path):
             await put(store, sid, lid, [key(1), key(2)])
             ev.log.clear()
             await put(store, sid, lid, [key(3), key(4)])       # 1, 2 demoted
-            assert ev.log == [("stored", "disk", 2), ("removed", "host", 2), ("stored", "host", 2)]
+            assert ev.log == [("removed", "host", 2), ("stored", "disk", 2), ("stored", "host", 2)]
             ev.log.clear()
             await put(store, sid, lid, [key(5), key(6)])       # 3, 4 demoted
             await put(store, sid, lid, [key(7)])                # 5 demoted: disk full, 1 evicted

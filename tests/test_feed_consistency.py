@@ -64,10 +64,11 @@ def shm():
 
 def test_a_grant_committed_while_its_key_is_being_demoted_stays_published(shm, tmp_path) -> None:
     """Two sessions hold grants for one key (allowed: the first commit wins). The key is
-    committed by one, then chosen as a host victim and demoted to disk; while the demotion
-    is on disk, the other session commits its grant, so the key is visible in host again.
-    The victim's "removed from host" must not be published after that commit: the feed's
-    fold and the key table must still show the key in host, where the store holds it."""
+    committed by one, then chosen as a host victim and demoted to disk. While the demotion
+    is on disk, the key is in no tier (the feed and the key table must not show it in host);
+    then the other session commits its grant, so it is visible in host again, and the
+    victim's "removed from host" must not be published after that commit: the feed's fold
+    and the key table must show the key in host, where the store holds it."""
     layout = Layout.flat(BLOCK)
     fp = layout.fingerprint
 
@@ -90,6 +91,9 @@ def test_a_grant_committed_while_its_key_is_being_demoted_stays_published(shm, t
             evicting = asyncio.ensure_future(store.allocate(s2, lid, [key(2)]))
             await asyncio.sleep(0)                                   # it runs up to the disk write
             assert not evicting.done() and fp + key(0) not in store.host.entries, "key 0 is not mid-demotion"
+            # mid-demotion the key is in no tier an acquire finds it in: the feed and the table agree
+            assert fold(loc.since(0)) == holdings(store)
+            assert not table.writer.masks(fp, [key(0)])[0] & TIER_BITS["host"], "the key table shows a key in host"
             await store.commit(s1, [g1], [], durable=False)          # key 0 visible in host again
             await evicting
             assert fp + key(0) in store.host.entries
