@@ -256,3 +256,78 @@ def test_the_route_server_refuses_bad_requests_with_clear_errors(tmp_path) -> No
 
     asyncio.run(main())
     assert [w for w, _ in r.workers()] == ["A"]  # no worker named "" was made up
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_feed_and_the_key_table_equal_the_store_at_every_step_of_concurrent_operations(
+        shm, tmp_path, seed: int) -> None:
+    """Sessions put (some durably), get (promoting from disk), evict and prefetch at once
+    on a small host tier over a small disk tier, so evictions, demotions, promotions and
+    disk evictions interleave at their awaits. After every step of the event loop, the
+    fold of the location log and the key table both equal what the store holds."""
+    import random
+
+    from kvtier.daemon.store import StoreError
+
+    block = 16 * 1024
+    layout = Layout.flat(block)
+    fp = layout.fingerprint
+    pool = [key(i) for i in range(40)]
+    rng = random.Random(seed)
+
+    def table_view(table: KeyTablePublisher) -> dict[tuple[str, bytes], set[bytes]]:
+        masks = table.writer.masks(fp, pool)
+        out: dict[tuple[str, bytes], set[bytes]] = {}
+        for k, m in zip(pool, masks.tolist(), strict=True):
+            for tier in ("host", "disk"):
+                if m & TIER_BITS[tier]:
+                    out.setdefault((tier, fp), set()).add(k)
+        return out
+
+    async def main() -> None:
+        disk = DiskTier(str(tmp_path / "disk"), capacity=12 * block)
+        store = BlockStore(HostTier(shm, 6 * layout.slot_bytes, "mix"), disk=disk, demote_min_seen=1)
+        loc = LocationLog(store, "node", epoch=1)
+        table = KeyTablePublisher(store, shm, "mix", 1, lambda: 18 * block)
+        store.observers += [table, loc]
+        lid = (await store.register_layout(layout)).layout_id
+        sids = [store.open_session(f"s{i}", os.getpid()).session_id for i in range(3)]
+
+        def check(where: str) -> None:
+            held = holdings(store)
+            assert fold(loc.since(0)) == held, f"the feed's fold differs from the store ({where})"
+            assert table_view(table) == held, f"the key table differs from the store ({where})"
+
+        async def op(sid: int) -> None:
+            ks = rng.sample(pool, rng.randrange(1, 4))
+            r = rng.random()
+            try:
+                if r < 0.5:
+                    grants = await store.allocate(sid, lid, ks)
+                    await asyncio.sleep(0)
+                    await store.commit(sid, [g for s, g, _ in grants if s == "granted"], [],
+                                       durable=rng.random() < 0.2)
+                elif r < 0.7:
+                    leases = await store.acquire(sid, lid, ks)
+                    store.release(sid, [lease for lease, _, _ in leases if lease])
+                elif r < 0.85:
+                    store.evict(lid, ks)
+                else:
+                    await store.prefetch(lid, ks)
+            except StoreError:
+                pass  # e.g. a batch that found no slot: not what this test is about
+
+        try:
+            for step in range(150):
+                tasks = [asyncio.ensure_future(op(rng.choice(sids))) for _ in range(rng.randrange(1, 4))]
+                for _ in range(rng.randrange(4)):
+                    await asyncio.sleep(0)
+                    check(f"step {step}, operations in flight")
+                await asyncio.gather(*tasks)
+                check(f"step {step}")
+            assert store.counters["demotions"] and store.counters["promotions"], "no interleaving exercised"
+        finally:
+            table.close()
+            store.close()
+
+    asyncio.run(main())
