@@ -251,10 +251,13 @@ class LocationIndex:
         if capacity_bytes is not None:
             view.capacity_bytes = dict(capacity_bytes)
 
-    def stored(self, node: str, tier: str, worker: str, fp: bytes, keys: Sequence[bytes]) -> None:
-        """Keys became visible in (node, tier) or on worker's GPU, under layout ``fp``."""
+    def stored(self, node: str, tier: str, worker: str, fp: bytes, keys: Sequence[bytes],
+               declare: bool = True) -> None:
+        """Keys became visible in (node, tier) or on worker's GPU, under layout ``fp``. A gpu
+        event declares its worker (and fingerprint) on the node unless ``declare`` is False
+        (the event is history: the node's newer NodeInfo no longer lists that worker)."""
         col = self._column(node, tier, worker if tier == "gpu" else "", fp)
-        if tier == "gpu":
+        if tier == "gpu" and declare:
             view = self.node(node)
             fps = view.workers.get(worker, ())
             if fp not in fps:

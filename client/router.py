@@ -181,6 +181,9 @@ class Router:
         self._target_node: dict[str, str] = {}     # target -> node id it served last
         self._node_epoch: dict[str, int] = {}      # node id -> epoch of its last NodeInfo
         self._unresolved: set[str] = set()         # DNS names not yet resolved in this run
+        # node id -> (epoch, head_seq, workers) of its last NodeInfo: a gpu event at or before
+        # that seq of a worker it does not list is history (the worker is gone since)
+        self._info_workers: dict[str, tuple[int, int, frozenset[str]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._synced = threading.Condition(self._lock)
@@ -354,6 +357,8 @@ class Router:
                 if self.on_epoch_change:
                     self.on_epoch_change(info.node_id, known, info.epoch)
             self._node_epoch[info.node_id] = info.epoch
+            self._info_workers[info.node_id] = (info.epoch, info.head_seq,
+                                                frozenset(w.worker_id for w in info.workers))
             if view.epoch and view.epoch == info.epoch:  # resuming: the position stands
                 st.epoch, st.seq = view.epoch, view.seq
             idx.set_node_info(info.node_id, {w.worker_id: list(w.fingerprints) for w in info.workers},
@@ -371,7 +376,7 @@ class Router:
                 view.epoch = 0  # not a valid position until the last part
                 st.snapshots += 1
             for ev in part.entries:
-                self._fold(node, ev)
+                self._fold(node, ev, reply.epoch)
             if part.last:
                 view.epoch, view.seq = reply.epoch, part.at_seq
                 st.epoch, st.seq = view.epoch, view.seq
@@ -383,20 +388,24 @@ class Router:
             for ev in batch.events:
                 if ev.seq != view.seq + 1:
                     raise _FeedError(f"event seq {ev.seq} after {view.seq}: a gap or a duplicate")
-                self._fold(node, ev)
+                self._fold(node, ev, reply.epoch)
                 view.seq = ev.seq
             st.epoch, st.seq = view.epoch, view.seq
             st.head_seq = max(batch.head_seq, view.seq)
         if st.synced:
             self._synced.notify_all()
 
-    def _fold(self, node: str, ev: locations_pb2.LocationEvent) -> None:
+    def _fold(self, node: str, ev: locations_pb2.LocationEvent, epoch: int) -> None:
         tier = TIER_NAMES.get(ev.tier)
         if tier is None:
             return
         idx = self.index
         if ev.kind == locations_pb2.STORED:
-            idx.stored(node, tier, ev.worker_id, ev.fingerprint, ev.keys)
+            declare = True
+            if tier == "gpu":  # a resume replays events older than the NodeInfo that opened it
+                info = self._info_workers.get(node)
+                declare = info is None or info[0] != epoch or ev.seq > info[1] or ev.worker_id in info[2]
+            idx.stored(node, tier, ev.worker_id, ev.fingerprint, ev.keys, declare=declare)
         elif ev.kind == locations_pb2.REMOVED:
             idx.removed(node, tier, ev.worker_id, ev.fingerprint, ev.keys)
         elif ev.kind == locations_pb2.CLEARED:

@@ -19,7 +19,9 @@ Promises (the feed contract of ``locations.proto``)
     after ``from_seq`` exactly once when the ring still holds them; otherwise (new, other
     epoch, too far behind, or fallen behind while connected) it gets a snapshot first. A
     snapshot is built in one pass of the event loop, so it is exactly the state at its
-    ``at_seq``; its parts are sent afterwards.
+    ``at_seq``; its parts are sent afterwards. NodeInfo (its workers) is sent again whenever
+    it changed, and once after the events a resume replays (they are older than the NodeInfo
+    that opened the stream), so the subscriber ends with the node's current workers.
 
 Load bandwidth: NodeInfo publishes per tier the measured bandwidth of loading a block into an
 engine. The host -> GPU copy engine is not measured in this daemon yet, so host (and disk,
@@ -280,6 +282,10 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
         if request.epoch == epoch and request.from_seq <= loc.head and loc.since(request.from_seq) is not None:
             pos = request.from_seq
             loc.counters["location_resumes"] += 1
+            if pos < loc.head:
+                # the events replayed are older than the NodeInfo just sent (a worker they
+                # report may be gone by now): send the NodeInfo again once they are through
+                sent_version = -1
         log.info("location subscriber", extra={"subscriber": request.subscriber or context.peer(),
                                                "resumed": pos is not None, "from_seq": request.from_seq,
                                                "head": loc.head})

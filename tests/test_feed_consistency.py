@@ -331,3 +331,56 @@ def test_the_feed_and_the_key_table_equal_the_store_at_every_step_of_concurrent_
             store.close()
 
     asyncio.run(main())
+
+
+def test_a_resumed_feed_ends_with_the_workers_a_fresh_subscriber_sees(start_daemon, tmp_path) -> None:
+    """While a router was away, an engine reported device blocks and its sidecar then went
+    away (its worker cleared). The router resumes from its saved position and replays both
+    events; it must end with the node's current workers, as a fresh subscriber does, not
+    keep routing to the worker that is gone."""
+    from kvtier.client import Sidecar
+    from kvtier.client.router import Router, RouterConfig
+
+    d = start_daemon("--node-id", "N", name="N", host_capacity="16MiB")
+    path = str(tmp_path / "router.state")
+    cfg = RouterConfig(daemons=(f"unix:{d.socket}",), state_path=path, reconnect_min_s=0.05)
+    layout = Layout.flat(4096)
+    ks = [key(200 + i) for i in range(4)]
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(layout)
+        sc.put(lid, ks[:1], [bytes(4096)])
+        with Router(cfg).start() as r:
+            assert r.wait_synced(15, nodes=1)
+            assert r.workers() == [("N", "N")]
+            epoch, seq = r.positions()["N"]
+        engine = Sidecar(d.socket)
+        engine.report_device_blocks(engine.register_layout(layout), stored=ks, worker_id="N/gpu0")
+        engine.close()                                   # the engine is gone: its worker is cleared
+        with Router(RouterConfig(daemons=cfg.daemons)).start() as fresh:
+            assert fresh.wait_synced(15, nodes=1)
+            want = fresh.workers()
+        assert want == [("N", "N")]
+        with Router(cfg).start() as r:                   # resumes from the saved position
+            assert r.wait_synced(15, nodes=1)
+            assert r.status()[0].resumes == 1 and r.status()[0].snapshots == 0
+            assert r.workers() == want
+            assert r.route(ks, dispatch=False).worker == "N"
+    # the daemon's side: after the replayed events it sends its NodeInfo again, so any
+    # subscriber learns the current workers without having to infer them
+    import grpc
+
+    from kvtier.proto import locations_pb2_grpc
+
+    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+        call = locations_pb2_grpc.LocationsStub(ch).WatchLocations(
+            L.WatchLocationsRequest(epoch=epoch, from_seq=seq), timeout=10)
+        got = []
+        for reply in call:
+            got.append(reply)
+            if reply.WhichOneof("body") == "node" and len(got) > 1 or len(got) == 4:
+                call.cancel()
+                break
+    kinds = [m.WhichOneof("body") for m in got]
+    assert kinds[0] == "node" and [w.worker_id for w in got[0].node.workers] == []
+    assert kinds[1] == "events" and [ev.kind for ev in got[1].events.events] == [L.STORED, L.CLEARED]
+    assert kinds[2] == "node" and [w.worker_id for w in got[2].node.workers] == [], kinds
