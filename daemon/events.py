@@ -10,7 +10,8 @@ Owns
     * the gpu tier as reported by sidecars: per worker and layout fingerprint, the set of keys
       its engine holds in HBM. The daemon does not hold those blocks; it republishes what the
       engine says so routers see the device tier. When the reporting sidecar's session ends,
-      the worker's device blocks are cleared (its engine is gone);
+      the device blocks it reported are cleared at once (its engine is gone): the whole
+      worker when no other session reports for it, else that rank's fingerprint only;
     * :class:`LocationsService`: ``WatchLocations``, ``ReportDeviceBlocks``, ``GetNodeInfo``.
 
 Promises (the feed contract of ``locations.proto``)
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -70,7 +71,9 @@ class LocationLog:
         self.info_version = 0           # bumped when workers change
         # worker -> fingerprint -> keys its engine holds on device
         self.device: dict[str, dict[bytes, set[bytes]]] = {}
-        self.worker_sessions: dict[str, int] = {}
+        # worker -> fingerprint -> the session that last reported it (a tensor-parallel
+        # worker's ranks report their own fingerprints through their own sidecars)
+        self.worker_sessions: dict[str, dict[bytes, int]] = {}
         self.counters = store.counters
         self.closed = False
         # cleared the moment the store closes the session: a successor engine reporting under
@@ -168,7 +171,7 @@ class LocationLog:
             held = per_fp[fp] = set()
             self.info_version += 1
         if session_id:
-            self.worker_sessions[worker] = session_id
+            self.worker_sessions.setdefault(worker, {})[fp] = session_id
         if clear and held:
             gone = list(held)
             held.clear()
@@ -187,22 +190,45 @@ class LocationLog:
         return self.head if self.head != before else 0
 
     def _session_ended(self, session_id: int) -> None:
-        self._drop([w for w, sid in self.worker_sessions.items() if sid == session_id])
+        self._release(lambda sid: sid == session_id)
 
     def drop_ended_sessions(self) -> int:
-        """Clear the device blocks of workers whose reporting session ended; returns how many.
-        (Sessions the store closes are cleared at once through its session-end hook; this
-        catches any other way a session could disappear.)"""
-        return self._drop([w for w, sid in self.worker_sessions.items() if sid not in self.store.sessions])
+        """Clear the device blocks reported through sessions that ended; returns how many
+        workers lost some. (Sessions the store closes are cleared at once through its
+        session-end hook; this catches any other way a session could disappear.)"""
+        return self._release(lambda sid: sid not in self.store.sessions)
 
-    def _drop(self, ended: list[str]) -> int:
-        for worker in ended:
-            del self.worker_sessions[worker]
-            self.device.pop(worker, None)
-            self.info_version += 1
-            self._append(locations_pb2.CLEARED, "gpu", b"", [], worker)
-            log.info("device blocks cleared: the worker's session ended", extra={"worker_id": worker})
-        return len(ended)
+    def _release(self, ended: Callable[[int], bool]) -> int:
+        """Clear what ended sessions reported: a worker none of whose fingerprints is bound
+        to an open session any more is cleared and forgotten; otherwise only the ended
+        sessions' fingerprints are emptied (a tensor-parallel worker missing a rank then
+        holds nothing, but still lists the rank, so it does not look whole)."""
+        hit = 0
+        for worker in list(self.worker_sessions):
+            bound = self.worker_sessions[worker]
+            gone = [fp for fp, sid in bound.items() if ended(sid)]
+            if not gone:
+                continue
+            hit += 1
+            for fp in gone:
+                del bound[fp]
+            if not bound:
+                del self.worker_sessions[worker]
+                self.device.pop(worker, None)
+                self.info_version += 1
+                self._append(locations_pb2.CLEARED, "gpu", b"", [], worker)
+                log.info("device blocks cleared: the worker's session ended", extra={"worker_id": worker})
+                continue
+            per_fp = self.device.get(worker, {})
+            for fp in gone:
+                held = per_fp.get(fp)
+                if held:
+                    keys = list(held)
+                    held.clear()
+                    self._append(locations_pb2.REMOVED, "gpu", fp, keys, worker)
+            log.info("device blocks of a rank cleared: its session ended",
+                     extra={"worker_id": worker, "fingerprints": [fp.hex() for fp in gone]})
+        return hit
 
     # -- snapshot and node info -----------------------------------------------------------
 

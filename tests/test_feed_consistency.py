@@ -384,3 +384,44 @@ def test_a_resumed_feed_ends_with_the_workers_a_fresh_subscriber_sees(start_daem
     assert kinds[0] == "node" and [w.worker_id for w in got[0].node.workers] == []
     assert kinds[1] == "events" and [ev.kind for ev in got[1].events.events] == [L.STORED, L.CLEARED]
     assert kinds[2] == "node" and [w.worker_id for w in got[2].node.workers] == [], kinds
+
+
+def test_a_tensor_parallel_workers_device_blocks_go_with_any_ranks_session(shm) -> None:
+    """A tensor-parallel worker's ranks report their shards through their own sidecars (one
+    session and layout fingerprint each). When one rank's session ends, that rank's blocks
+    are gone: the worker (which holds a block only when every rank does) holds nothing, even
+    if the other rank's session, which reported last, is still open. A sidecar that
+    reconnects under a new session while its old one is still closing keeps its blocks."""
+    from kvtier.tiers.layout import TensorSpec
+
+    rank0 = Layout((TensorSpec("kv", "uint8", (1, BLOCK), 0),), 16, tp_rank=0, tp_size=2)
+    rank1 = Layout((TensorSpec("kv", "uint8", (1, BLOCK), 0),), 16, tp_rank=1, tp_size=2)
+
+    async def main() -> None:
+        store = BlockStore(HostTier(shm, 4 * rank0.slot_bytes, "tp"))
+        loc = LocationLog(store, "node", epoch=1)
+        store.observers.append(loc)
+        l0 = (await store.register_layout(rank0)).layout_id
+        l1 = (await store.register_layout(rank1)).layout_id
+        try:
+            s0 = store.open_session("rank0", 1).session_id
+            s1 = store.open_session("rank1", 2).session_id
+            ks = [key(1), key(2)]
+            loc.report_device("w", l0, ks, [], False, s0)
+            loc.report_device("w", l1, ks, [], False, s1)        # rank 1 reported last
+            store.close_session(s0)                              # rank 0's engine is gone
+            assert loc.device["w"] == {rank0.fingerprint: set(), rank1.fingerprint: set(ks)}
+            _, parts = loc.snapshot()
+            assert {(e.fingerprint, k) for p in parts for e in p.entries for k in e.keys} == \
+                {(rank1.fingerprint, k) for k in ks}
+            # rank 1's sidecar reconnects: its new session reports before the old one closes
+            s1b = store.open_session("rank1", 2).session_id
+            loc.report_device("w", l1, [key(3)], [], False, s1b)
+            store.close_session(s1)
+            assert loc.device["w"][rank1.fingerprint] == {*ks, key(3)}
+            store.close_session(s1b)                             # every rank gone: the worker too
+            assert loc.device == {}
+        finally:
+            store.close()
+
+    asyncio.run(main())
