@@ -344,3 +344,76 @@ def test_session_closed_while_fresh_slots_fail_to_back_lists_each_slot_once(tmp_
         host_slots_accounted(store.host)
         assert store.host.used_bytes == 0
     run(tmp_path, body, prefault=False)
+
+
+# -- the Transfer service: a RegisterKV whose caller goes away while handles are opened ---------
+
+
+def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_path):
+    """The engine dies (its RPC is cancelled) while the daemon opens its KV allocations in an
+    executor thread: the handles that thread opens must be closed (``close_kv``), not orphaned.
+    The host stand-in's maps would go with garbage collection; the CUDA engine's IPC handles
+    would stay open, so the test checks the contract: every opened memory is closed."""
+    from kvtier.daemon.gpu import TransferService
+    from kvtier.daemon.metrics import OpLatency
+    from kvtier.proto import node_pb2, transfer_pb2
+    from kvtier.tiers.copy_engine import HostCopyEngine
+    from kvtier.tiers.layout import layout_to_proto
+
+    kv_path, ring_path = str(tmp_path / "kv"), str(tmp_path / "ring")
+    with open(kv_path, "wb") as fh:
+        fh.truncate(4 * BLOCK)
+    with open(ring_path, "wb") as fh:
+        fh.truncate(8 * 8)
+    layout = Layout.flat(BLOCK, num_blocks=4)
+
+    async def body(store, disk, lid, sid):
+        engine = HostCopyEngine(1)
+        svc = TransferService(store, {"host": engine}, OpLatency(), threads=1)
+        try:
+            req = transfer_pb2.RegisterKVRequest(
+                session_id=sid, layout=layout_to_proto(layout, node_pb2.LayoutSpec), backend="host",
+                allocations=[transfer_pb2.KVAllocation(path=kv_path, size=4 * BLOCK)],
+                tensors=[transfer_pb2.KVTensorRef(allocation=0, offset=0)],
+                event_ring_path=ring_path, ring_slots=8)
+            await svc.RegisterKV(req, None)                      # a first one: pool attached, layout known
+            # opening takes a while (cudaIpcOpenMemHandle can): hold the real open_kv until released
+            opening, go = threading.Event(), threading.Event()
+            real_open = engine.open_kv
+
+            opened, closed = [], []
+            real_close = engine.close_kv
+
+            def slow_open(*args):
+                opening.set()
+                go.wait(5)
+                mem = real_open(*args)
+                opened.append(mem)
+                return mem
+
+            def close(mem):
+                closed.append(mem)
+                real_close(mem)
+
+            engine.open_kv, engine.close_kv = slow_open, close
+            task = asyncio.ensure_future(svc.RegisterKV(req, None))
+            while not opening.is_set():
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            go.set()
+            await settle(store)
+            store.close_session(sid)                             # the engine's session ends
+            await settle(store)
+            c = store.counters
+            assert not svc.registrations
+            # every KV memory opened is closed explicitly (CUDA IPC handles are not freed by GC)
+            assert len(opened) == 1 and [m for m in opened if m not in closed] == [], "opened KV memory never closed"
+            assert c["kv_handles_opened"] == c["kv_handles_closed"], dict(c)
+            assert c["kv_events_opened"] == c["kv_events_closed"], dict(c)
+            with open("/proc/self/maps") as fh:
+                assert kv_path not in fh.read(), "an engine allocation is still mapped by the daemon"
+        finally:
+            await svc.close()
+    run(tmp_path, body)
