@@ -631,6 +631,8 @@ class BlockStore:
         if missing:
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"lease {missing[0]} is not held by session {session_id} (already released?)")
+        if len(set(lease_ids)) != len(lease_ids):
+            raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, "a lease id appears twice in one release")
         for lid in lease_ids:
             self.host.unpin(sess.leases.pop(lid))
 
