@@ -422,15 +422,19 @@ class Sidecar(_SidecarCore):
         return masks
 
     def _call(self, fn: Any) -> Any:
-        """Run ``fn()`` (one RPC); after a daemon restart re-register and re-open once, then retry."""
+        """Run ``fn()`` (one RPC); after a daemon restart re-register and re-open once, then retry
+        (a FAILED_PRECONDITION from the daemon the session lives on re-registers and retries
+        once, keeping the session)."""
         try:
             return fn()
         except grpc.RpcError as e:
             if e.code() not in _RESTART_CODES:
                 raise _error(e) from None
             first = e
+        restarted = self._restarted(first)
         with self._lock:
-            self._drop_session()
+            if restarted:
+                self._drop_session()
             try:
                 for info in self._layouts.values():
                     self._register(info)
@@ -440,6 +444,19 @@ class Sidecar(_SidecarCore):
             return fn()
         except grpc.RpcError as e:
             raise _error(e) from None
+
+    def _restarted(self, e: grpc.RpcError) -> bool:
+        """Whether an UNAVAILABLE or FAILED_PRECONDITION answer means the daemon our session
+        lives on is gone (a new epoch). If not, the session is kept: dropping it would take the
+        grants and pins of this sidecar's other threads with it, mid-put and mid-copy; the
+        layouts are still registered again (harmless: the daemon may lack them if it restarted
+        while this sidecar had no session)."""
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not self.epoch:
+            return True
+        try:
+            return self._stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout).epoch != self.epoch
+        except grpc.RpcError:
+            return True
 
     # -- block operations ----------------------------------------------------------------
 
@@ -636,6 +653,15 @@ class AsyncSidecar(_SidecarCore):
         self._session_call = None
         self.session_id = 0
 
+    async def _restarted(self, e: grpc.RpcError) -> bool:
+        """As :meth:`Sidecar._restarted`."""
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not self.epoch:
+            return True
+        try:
+            return (await self._stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout)).epoch != self.epoch
+        except grpc.RpcError:
+            return True
+
     async def _call(self, fn: Any) -> Any:
         """Await ``fn()`` (the RPCs of one operation); after a daemon restart re-register and
         re-open once, then retry, as :meth:`Sidecar._call` does."""
@@ -646,9 +672,11 @@ class AsyncSidecar(_SidecarCore):
             if e.code() not in _RESTART_CODES:
                 raise _error(e) from None
             first = e
+        restarted = await self._restarted(first)
         async with self._lock():
             if generation == self._generation:  # not recovered yet by a concurrent call
-                self._drop_session()
+                if restarted:
+                    self._drop_session()
                 try:
                     for info in self._layouts.values():
                         self._adopt(info, await self._stub.RegisterLayout(
