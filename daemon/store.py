@@ -306,13 +306,14 @@ class BlockStore:
             if res.victims:
                 await self._evicted(res.victims)
             self.host.finish_eviction()
-        if session_id not in self.sessions:  # it ended while a demotion was awaited
-            for entry in res.entries:
+        entries = await self._back(res)
+        if session_id not in self.sessions:  # it ended while a demotion or the fallocate was awaited
+            for entry in entries:
                 if entry is not None:
                     self.host.abort(entry)
             raise StoreError(grpc.StatusCode.CANCELLED, "session closed during allocate")
         out: list[tuple[str, int, int]] = [("present", 0, 0)] * len(keys)
-        for i, entry in zip(want, res.entries, strict=True):
+        for i, entry in zip(want, entries, strict=True):
             if entry is None:
                 out[i] = ("no_space", 0, 0)
                 continue
@@ -321,39 +322,30 @@ class BlockStore:
             sess.grants[gid] = grant
             self._grants[gid] = grant
             out[i] = ("granted", gid, entry.offset)
-        if res.backing.ranges:
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
-            except OSError as e:
-                self._unbackable(sess, out, res, e)
-        n_granted = sum(1 for o in out if o[0] == "granted")
-        self.counters["grants"] += n_granted
+        self.counters["grants"] += sum(1 for o in out if o[0] == "granted")
         self.counters["no_space"] += sum(1 for o in out if o[0] == "no_space")
-        # A session that ended while we awaited must not keep its grants.
-        if session_id not in self.sessions:
-            raise StoreError(grpc.StatusCode.CANCELLED, "session closed during allocate")
         return out
 
-    def _unbackable(self, sess: Session, out: list[tuple[str, int, int]], res: Reservation, err: OSError) -> None:
-        """The tmpfs could not back fresh slots (full, or smaller than --host-capacity): refuse
-        those grants as no-space instead of letting a client fault writing them."""
-        fresh = {off for _, off, _ in res.backing.ranges}
-        dropped = [e for e in res.entries if e is not None and e.offset in fresh]
-        for i, (status, gid, off) in enumerate(out):
-            if status == "granted" and off in fresh:
-                if sess.grants.pop(gid, None) is not None:
-                    del self._grants[gid]
-                out[i] = ("no_space", 0, 0)
-        if sess.session_id not in self.sessions:
-            # the session closed meanwhile and aborted these grants into the free list: take
-            # them out again, or a slot would be listed both free and a hole (handed out twice)
-            for e in dropped:
-                e.cls.free.remove(e.slot)
-        self.host.unback(dropped)
-        if not self.counters["host_backing_failures"]:
-            log.error("host pool memory could not be allocated; the tmpfs is fuller than --host-capacity "
-                      "allows. Serving with less.", extra={"error": str(err), "shm_dir": self.host.shm_dir})
-        self.counters["host_backing_failures"] += len(dropped)
+    async def _back(self, res: Reservation) -> list[HostEntry | None]:
+        """Allocate the memory of a reservation's fresh slots (before anyone may write them);
+        returns its entries. Where the tmpfs cannot back them (full, or smaller than
+        --host-capacity) those slots become holes and their entries None (no space), instead
+        of letting a client fault writing them."""
+        entries = list(res.entries)
+        if not res.backing.ranges:
+            return entries
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
+        except OSError as err:
+            fresh = {off for _, off, _ in res.backing.ranges}
+            dropped = [e for e in entries if e is not None and e.offset in fresh]
+            self.host.unback(dropped)
+            entries = [None if e is not None and e.offset in fresh else e for e in entries]
+            if not self.counters["host_backing_failures"]:
+                log.error("host pool memory could not be allocated; the tmpfs is fuller than --host-capacity "
+                          "allows. Serving with less.", extra={"error": str(err), "shm_dir": self.host.shm_dir})
+            self.counters["host_backing_failures"] += len(dropped)
+        return entries
 
     async def _evicted(self, victims: list[HostEntry]) -> None:
         """Victims left the host tier (their bytes still intact until finish_eviction): demote
@@ -430,20 +422,7 @@ class BlockStore:
                 if res.victims:
                     await self._evicted(res.victims)
                 self.host.finish_eviction()
-            hosts: list[HostEntry | None] = list(res.entries)
-            if res.backing.ranges:
-                try:
-                    await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
-                except OSError as e:  # the tmpfs cannot back fresh slots: those promotions are misses
-                    fresh = {off for _, off, _ in res.backing.ranges}
-                    unbacked = [h for h in hosts if h is not None and h.offset in fresh]
-                    self.host.unback(unbacked)
-                    hosts = [None if h is not None and h.offset in fresh else h for h in hosts]
-                    if not self.counters["host_backing_failures"]:
-                        log.error("host pool memory could not be allocated; the tmpfs is fuller than "
-                                  "--host-capacity allows. Serving with less.",
-                                  extra={"error": str(e), "shm_dir": self.host.shm_dir})
-                    self.counters["host_backing_failures"] += len(unbacked)
+            hosts = await self._back(res)
             pairs = [(d, h) for d, h in zip(dents, hosts, strict=True) if h is not None]
             self.counters["promotions_no_space"] += len(dents) - len(pairs)
             views = [self._slot_view(h.cls, h.offset) for _, h in pairs]

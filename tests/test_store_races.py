@@ -417,3 +417,38 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
         finally:
             await svc.close()
     run(tmp_path, body)
+
+
+def test_slots_of_a_session_closed_during_fallocate_are_not_handed_out_unbacked(tmp_path, monkeypatch):
+    """The session ends while its Allocate's fallocate runs: another client's Allocate meanwhile
+    must not be handed those slots (their memory may never be allocated: a write would SIGBUS
+    on a full tmpfs); once the fallocate is done they are free again."""
+    started, proceed = threading.Event(), threading.Event()
+    real = BackingJob.run
+    first = [True]
+
+    def run_(self: BackingJob) -> None:
+        if first[0]:
+            first[0] = False
+            started.set()
+            proceed.wait(5)
+        real(self)
+
+    async def body(store, disk, lid, sid):
+        monkeypatch.setattr(BackingJob, "run", run_)
+        task = asyncio.ensure_future(store.allocate(sid, lid, [key(1), key(2)]))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        store.close_session(sid)
+        other = store.open_session("other", os.getpid()).session_id
+        grants = await store.allocate(other, lid, [key(3)])
+        assert grants[0][0] == "granted" and grants[0][2] not in (0, BLOCK), \
+            "a slot whose fallocate is still running was handed to another client"
+        proceed.set()
+        with pytest.raises(StoreError) as ei:
+            await task
+        assert ei.value.code == grpc.StatusCode.CANCELLED
+        store.close_session(other)
+        host_slots_accounted(store.host)
+        assert store.host.used_bytes == 0
+    run(tmp_path, body, prefault=False)
