@@ -728,6 +728,11 @@ class BlockStore:
                 out.setdefault(fp, {})["disk"] = n
         return out
 
+    async def drain(self) -> None:
+        """Wait for requests whose callers were cancelled (they finish their disk and slot work)."""
+        while self._to_end:
+            await asyncio.gather(*list(self._to_end), return_exceptions=True)
+
     def close(self) -> None:
         for sid in list(self.sessions):
             self.close_session(sid)

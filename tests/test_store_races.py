@@ -452,3 +452,23 @@ def test_slots_of_a_session_closed_during_fallocate_are_not_handed_out_unbacked(
         host_slots_accounted(store.host)
         assert store.host.used_bytes == 0
     run(tmp_path, body, prefault=False)
+
+
+def test_drain_waits_for_requests_whose_callers_were_cancelled(tmp_path):
+    """Daemon shutdown cancels calls past the grace period; drain (before the store closes its
+    files) waits for their disk work, so nothing runs against closed files."""
+    async def body(store, disk, lid, sid):
+        grants = await store.allocate(sid, lid, [key(1)])
+        write_slot(store, grants[0][2], payload(key(1)))
+        gate = Gate(disk._writer, 1)
+        task = await parked(store.commit(sid, [grants[0][1]], [], durable=True))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        drain = asyncio.ensure_future(store.drain())
+        await asyncio.sleep(0.05)
+        assert not drain.done(), "drain returned while a cancelled request's disk write was pending"
+        gate.open()
+        await asyncio.wait_for(drain, 10)
+        assert not disk._writing and store.on_disk(lid, [key(1)]) == [True]
+    run(tmp_path, body, disk_blocks=8)
