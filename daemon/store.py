@@ -533,11 +533,6 @@ class BlockStore:
             finally:
                 for e in todo:
                     self.host.unpin(e)
-            # evicted (Evict) while being written: it must not stay on disk after Evict answered
-            gone = [e.bkey for e in todo if e.removed and e.bkey not in self.host.entries]
-            if gone:
-                removed = disk.remove(gone)
-                self._emit_grouped(self._emit_removed, "disk", [d.bkey for d in removed])
         n = sum(1 for b in bkeys if b in disk.entries)
         self.counters["durable_commits"] += n
         return n

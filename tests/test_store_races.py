@@ -472,3 +472,23 @@ def test_drain_waits_for_requests_whose_callers_were_cancelled(tmp_path):
         await asyncio.wait_for(drain, 10)
         assert not disk._writing and store.on_disk(lid, [key(1)]) == [True]
     run(tmp_path, body, disk_blocks=8)
+
+
+def test_evict_during_demotion_does_not_leave_the_block_on_disk(tmp_path):
+    """Evict of a key whose demotion is being written: the block must not appear on disk
+    after Evict answered, and its disk slot is not lost."""
+    async def body(store, disk, lid, sid):
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        gate = Gate(disk._writer, 1)
+        task = await parked(store.allocate(sid, lid, [key(10), key(11)]))  # demotes 0 and 1
+        store.evict(lid, [key(0)])
+        gate.open()
+        grants = await task
+        for k, (_, _, off) in zip([key(10), key(11)], grants, strict=True):
+            write_slot(store, off, payload(k))
+        await store.commit(sid, [g for _, g, _ in grants], [], durable=False)
+        await settle(store, disk)
+        assert store.lookup(lid, [key(0), key(1)]) == [None, "disk"], "an evicted key came back through its demotion"
+        assert disk.used_bytes == len(disk.entries) * BLOCK
+        assert await get(store, sid, lid, [key(1)]) == [payload(key(1))]
+    run(tmp_path, body, disk_blocks=16)
