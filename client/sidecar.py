@@ -522,7 +522,9 @@ class Sidecar(_SidecarCore):
         try:
             fut.result()
         except grpc.RpcError as e:
-            if e.code() not in _RESTART_CODES:  # a lost session took its pins with it
+            # a lost session took its pins with it; CANCELLED: the daemon stopped (its shutdown
+            # cancels calls in flight) and its sessions with it
+            if e.code() not in (*_RESTART_CODES, grpc.StatusCode.CANCELLED):
                 raise _error(e) from None
 
     def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
