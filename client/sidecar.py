@@ -162,6 +162,11 @@ class _SidecarCore:
         if pool is None:
             pool = self._pools[reply.pool_path] = PoolMapping(reply.pool_path, reply.pool_bytes)
         info.daemon_id, info.block_bytes, info.pool = reply.layout_id, reply.block_bytes, pool
+        # forget pools no layout uses any more (a restarted daemon's old, unlinked pool): the
+        # mapping goes with its last user, so its memory is freed instead of kept by this process
+        used = {id(i.pool) for i in self._layouts.values()} | {id(pool)}
+        for path in [p for p, m in self._pools.items() if id(m) not in used]:
+            del self._pools[path]
         info.table = self._open_table(reply.key_table_path) if self.use_key_table else None
 
     # -- key table -----------------------------------------------------------------------
@@ -419,15 +424,19 @@ class Sidecar(_SidecarCore):
         return masks
 
     def _call(self, fn: Any) -> Any:
-        """Run ``fn()`` (one RPC); after a daemon restart re-register and re-open once, then retry."""
+        """Run ``fn()`` (one RPC); after a daemon restart re-register and re-open once, then retry
+        (a FAILED_PRECONDITION from the daemon the session lives on re-registers and retries
+        once, keeping the session)."""
         try:
             return fn()
         except grpc.RpcError as e:
             if e.code() not in _RESTART_CODES:
                 raise _error(e) from None
             first = e
+        restarted = self._restarted(first)
         with self._lock:
-            self._drop_session()
+            if restarted:
+                self._drop_session()
             try:
                 for info in self._layouts.values():
                     self._register(info)
@@ -437,6 +446,19 @@ class Sidecar(_SidecarCore):
             return fn()
         except grpc.RpcError as e:
             raise _error(e) from None
+
+    def _restarted(self, e: grpc.RpcError) -> bool:
+        """Whether an UNAVAILABLE or FAILED_PRECONDITION answer means the daemon our session
+        lives on is gone (a new epoch). If not, the session is kept: dropping it would take the
+        grants and pins of this sidecar's other threads with it, mid-put and mid-copy; the
+        layouts are still registered again (harmless: the daemon may lack them if it restarted
+        while this sidecar had no session)."""
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not self.epoch:
+            return True
+        try:
+            return self._stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout).epoch != self.epoch
+        except grpc.RpcError:
+            return True
 
     # -- block operations ----------------------------------------------------------------
 
@@ -502,7 +524,9 @@ class Sidecar(_SidecarCore):
         try:
             fut.result()
         except grpc.RpcError as e:
-            if e.code() not in _RESTART_CODES:  # a lost session took its pins with it
+            # a lost session took its pins with it; CANCELLED: the daemon stopped (its shutdown
+            # cancels calls in flight) and its sessions with it
+            if e.code() not in (*_RESTART_CODES, grpc.StatusCode.CANCELLED):
                 raise _error(e) from None
 
     def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
@@ -603,19 +627,71 @@ class AsyncSidecar(_SidecarCore):
         self._locations = locations_pb2_grpc.LocationsStub(self._channel)
         self._session_call: Any = None
         self._reports: set[asyncio.Task] = set()
+        self._session_lock: asyncio.Lock | None = None
+        self._generation = 0  # bumped by each restart recovery
+
+    def _lock(self) -> asyncio.Lock:
+        if self._session_lock is None:  # made on first use, inside the caller's loop
+            self._session_lock = asyncio.Lock()
+        return self._session_lock
 
     async def _ensure_session(self) -> int:
         if self._session_call is not None:
             return self.session_id
-        call = self._stub.Session(wait_for_ready=True)
+        async with self._lock():  # concurrent first calls share one session
+            if self._session_call is not None:
+                return self.session_id
+            call = self._stub.Session(wait_for_ready=True)
+            try:
+                await call.write(self._hello())
+                self._opened(await call.read())
+            except grpc.RpcError as e:
+                call.cancel()
+                raise _error(e) from None
+            self._session_call = call
+            return self.session_id
+
+    def _drop_session(self) -> None:
+        if self._session_call is not None:
+            self._session_call.cancel()
+        self._session_call = None
+        self.session_id = 0
+
+    async def _restarted(self, e: grpc.RpcError) -> bool:
+        """As :meth:`Sidecar._restarted`."""
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not self.epoch:
+            return True
         try:
-            await call.write(self._hello())
-            self._opened(await call.read())
+            return (await self._stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout)).epoch != self.epoch
+        except grpc.RpcError:
+            return True
+
+    async def _call(self, fn: Any) -> Any:
+        """Await ``fn()`` (the RPCs of one operation); after a daemon restart re-register and
+        re-open once, then retry, as :meth:`Sidecar._call` does."""
+        generation = self._generation
+        try:
+            return await fn()
         except grpc.RpcError as e:
-            call.cancel()
+            if e.code() not in _RESTART_CODES:
+                raise _error(e) from None
+            first = e
+        restarted = await self._restarted(first)
+        async with self._lock():
+            if generation == self._generation:  # not recovered yet by a concurrent call
+                if restarted:
+                    self._drop_session()
+                try:
+                    for info in self._layouts.values():
+                        self._adopt(info, await self._stub.RegisterLayout(
+                            self._register_request(info), timeout=self.timeout, wait_for_ready=True))
+                except grpc.RpcError:
+                    raise _error(first) from None
+                self._generation += 1
+        try:
+            return await fn()
+        except grpc.RpcError as e:
             raise _error(e) from None
-        self._session_call = call
-        return self.session_id
 
     async def register_layout(self, layout: Layout) -> int:
         for lid, info in self._layouts.items():
@@ -634,10 +710,11 @@ class AsyncSidecar(_SidecarCore):
 
     async def put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any], durable: bool = False) -> PutResult:
         info, keys, arrs = self._prepare_put(layout_id, keys, blocks)
-        result = PutResult()
         if not keys:
-            return result
-        try:
+            return PutResult()
+
+        async def run() -> PutResult:
+            result = PutResult()
             sid = await self._ensure_session()
             reply = await self._stub.Allocate(node_pb2.AllocateRequest(
                 session_id=sid, layout_id=info.daemon_id, keys=keys, durable=durable), timeout=self.timeout)
@@ -652,15 +729,16 @@ class AsyncSidecar(_SidecarCore):
                 committed = await self._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=gids,
                                                                            durable=durable), timeout=self.timeout)
                 result.durable += committed.durable
-        except grpc.RpcError as e:
-            raise _error(e) from None
-        result.stored = len(gids)
-        return result
+            result.stored = len(gids)
+            return result
+
+        return await self._call(run)
 
     async def get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None = None) -> list[memoryview | None]:
         info = self._info(layout_id)
         keys = self._check_keys(keys)
-        try:
+
+        async def run() -> list[memoryview | None]:
             sid = await self._ensure_session()
             reply = await self._stub.Acquire(node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
                                                                      keys=keys), timeout=self.timeout)
@@ -671,9 +749,9 @@ class AsyncSidecar(_SidecarCore):
                 if held:
                     await self._stub.Release(node_pb2.ReleaseRequest(session_id=sid, lease_ids=held),
                                              timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise _error(e) from None
-        return result
+            return result
+
+        return await self._call(run)
 
     async def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> np.ndarray | None:
         """As :meth:`Sidecar._masks`; the table read itself never waits."""
@@ -696,11 +774,10 @@ class AsyncSidecar(_SidecarCore):
         return masks
 
     async def _rpc_tiers(self, info: _LayoutInfo, keys: list[bytes]) -> list[str | None]:
-        try:
+        async def run() -> list[str | None]:
             return _tiers(await self._stub.Lookup(node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys),
                                                   timeout=self.timeout))
-        except grpc.RpcError as e:
-            raise _error(e) from None
+        return await self._call(run)
 
     async def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         """As :meth:`Sidecar.lookup`."""
@@ -723,22 +800,18 @@ class AsyncSidecar(_SidecarCore):
     async def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
         info = self._info(layout_id)
         keys = self._check_keys(keys)
-        try:
-            reply = await self._stub.Evict(node_pb2.EvictRequest(layout_id=info.daemon_id, keys=keys),
-                                           timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise _error(e) from None
-        return reply.evicted
+        async def run() -> int:
+            return (await self._stub.Evict(node_pb2.EvictRequest(layout_id=info.daemon_id, keys=keys),
+                                           timeout=self.timeout)).evicted
+        return await self._call(run)
 
     async def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
         info = self._info(layout_id)
         keys = self._check_keys(keys)
-        try:
-            reply = await self._stub.Prefetch(node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys),
-                                              timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise _error(e) from None
-        return reply.promoted
+        async def run() -> int:
+            return (await self._stub.Prefetch(node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys),
+                                              timeout=self.timeout)).promoted
+        return await self._call(run)
 
     async def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (),
                                    removed: Sequence[bytes] = (), worker_id: str | None = None,
@@ -746,13 +819,13 @@ class AsyncSidecar(_SidecarCore):
         """As :meth:`Sidecar.report_device_blocks`."""
         info = self._info(layout_id)
         stored, removed = self._check_keys(stored), self._check_keys(removed)
-        try:
+
+        async def run() -> int:
             req = locations_pb2.ReportDeviceBlocksRequest(
                 worker_id=worker_id or self.client_name, layout_id=info.daemon_id, stored=stored,
                 removed=removed, clear=clear, session_id=await self._ensure_session())
             return (await self._locations.ReportDeviceBlocks(req, timeout=self.timeout)).seq
-        except grpc.RpcError as e:
-            raise _error(e) from None
+        return await self._call(run)
 
     async def stats(self) -> dict:
         try:

@@ -33,6 +33,7 @@ executor so the loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import itertools
 import logging
@@ -156,7 +157,12 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         loop = asyncio.get_running_loop()
         try:
             s_per_gib = await loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
-            memory = await loop.run_in_executor(self._executor, engine.open_kv, allocations, ring)
+            opening = loop.run_in_executor(self._executor, engine.open_kv, allocations, ring)
+            try:
+                memory = await asyncio.shield(opening)
+            except asyncio.CancelledError:  # the engine went away: close what the thread opens
+                opening.add_done_callback(functools.partial(self._close_orphan, engine))
+                raise
         except CopyError as e:
             raise _status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         if (engine.name, cls.path) not in self._attached:
@@ -180,6 +186,16 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
                                          "layout_id": reg.layout_id})
         return transfer_pb2.RegisterKVReply(registration_id=reg.reg_id, layout_id=reg.layout_id,
                                             copy_engine=engine.name, block_bytes=layout.block_bytes)
+
+    def _close_orphan(self, engine: CopyEngine, opening: asyncio.Future) -> None:
+        """Close KV memory opened for a RegisterKV whose caller was cancelled meanwhile."""
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        try:
+            engine.close_kv(opening.result())
+        except Exception:
+            log.exception("closing the KV memory of a cancelled RegisterKV failed")
+            self.store.counters["kv_close_errors"] += 1
 
     @staticmethod
     def _check_tensors(layout: Layout, allocations: list[AllocationRef], tensors: list[TensorRef]) -> None:

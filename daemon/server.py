@@ -181,6 +181,7 @@ class Daemon:
             await self.server.stop(GRACE_S)
             self.server = None
         await self.transfer.close()
+        await self.store.drain()  # requests cut off by the grace period finish their disk and slot work
         self.key_table.close()
         self.store.close()
         with contextlib.suppress(FileNotFoundError):

@@ -45,9 +45,9 @@ import mmap
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -60,6 +60,7 @@ log = logging.getLogger("kvtier.store")
 
 KEY_MIN, KEY_MAX = 8, 32
 TIERS = ("gpu", "host", "disk")
+T = TypeVar("T")
 
 
 def layout_id_of(fingerprint: bytes) -> int:
@@ -134,10 +135,36 @@ class BlockStore:
         self.observers: list[LocationObserver] = []
         self.session_end_hooks: list[Callable[[int], None]] = []  # told each closed session id
         self._grants: dict[int, Grant] = {}
+        self._to_end: set[asyncio.Task] = set()  # requests whose caller was cancelled, still running
+
+    async def _run_to_end(self, coro: Awaitable[T], undo: Callable[[T], None] | None = None) -> T:
+        """Run a request to its end even when its caller is cancelled (a gRPC deadline, a client
+        gone): a cancellation at an ``await`` would leave host slots reserved by nobody, pins
+        dropped while a disk thread still reads or writes the slot, and disk writes whose keys
+        stay in flight forever. The caller sees the cancellation at once; the request finishes
+        on its own, and ``undo`` gives back what it produced for the gone caller (grants, leases)."""
+        task = asyncio.ensure_future(coro)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._to_end.add(task)
+
+            def done(t: asyncio.Task) -> None:
+                self._to_end.discard(t)
+                if t.cancelled() or t.exception() is not None:
+                    return
+                if undo is not None:
+                    undo(t.result())
+
+            task.add_done_callback(done)
+            raise
 
     # -- layouts and sessions ------------------------------------------------------------
 
     async def register_layout(self, layout: Layout) -> RegisteredLayout:
+        return await self._run_to_end(self._register_layout(layout))
+
+    async def _register_layout(self, layout: Layout) -> RegisteredLayout:
         fp = layout.fingerprint
         lid = self._layout_by_fp.get(fp)
         if lid is not None:
@@ -153,6 +180,10 @@ class BlockStore:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, job.run)
             except OSError as e:
+                # nothing of the pool is backed: its slots are handed out as fresh ones (each
+                # fallocated first), never as if the prefault had allocated them
+                cls.holes.extend(cls.free)
+                cls.free.clear()
                 raise StoreError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"cannot allocate the {cls.pool_bytes} B host pool in {self.host.shm_dir}: "
                                  f"{e.strerror}; lower --host-capacity or enlarge the tmpfs") from None
@@ -198,11 +229,15 @@ class BlockStore:
             self.host.abort(grant.entry)
         for entry in sess.leases.values():
             self.host.unpin(entry)
-        self.counters["grants_reclaimed"] += len(sess.grants)
-        self.counters["leases_reclaimed"] += len(sess.leases)
+        n = len(sess.grants), len(sess.leases)
+        # emptied, so a request still holding this Session (awaiting) finds nothing to give back twice
+        sess.grants.clear()
+        sess.leases.clear()
+        self.counters["grants_reclaimed"] += n[0]
+        self.counters["leases_reclaimed"] += n[1]
         for hook in self.session_end_hooks:
             hook(session_id)
-        return len(sess.grants), len(sess.leases)
+        return n
 
     def session(self, session_id: int) -> Session:
         sess = self.sessions.get(session_id)
@@ -232,6 +267,23 @@ class BlockStore:
     async def allocate(self, session_id: int, layout_id: int, keys: Sequence[bytes],
                        durable: bool = False) -> list[tuple[str, int, int]]:
         """Per key: ("granted", grant_id, offset) | ("present", 0, 0) | ("no_space", 0, 0).
+        See :meth:`_allocate`; a cancelled caller's grants are aborted once it finishes."""
+        return await self._run_to_end(self._allocate(session_id, layout_id, keys, durable),
+                                      lambda out: self._drop_grants(session_id, out))
+
+    def _drop_grants(self, session_id: int, out: list[tuple[str, int, int]]) -> None:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            return  # closing the session aborted them
+        for status, gid, _ in out:
+            grant = sess.grants.pop(gid, None) if status == "granted" else None
+            if grant is not None:
+                del self._grants[gid]
+                self.host.abort(grant.entry)
+
+    async def _allocate(self, session_id: int, layout_id: int, keys: Sequence[bytes],
+                        durable: bool = False) -> list[tuple[str, int, int]]:
+        """Per key: ("granted", grant_id, offset) | ("present", 0, 0) | ("no_space", 0, 0).
         With ``durable``, present keys not yet on disk are written there first (see
         :meth:`on_disk` for which made it)."""
         sess = self.session(session_id)
@@ -254,13 +306,14 @@ class BlockStore:
             if res.victims:
                 await self._evicted(res.victims)
             self.host.finish_eviction()
-        if session_id not in self.sessions:  # it ended while a demotion was awaited
-            for entry in res.entries:
+        entries = await self._back(res)
+        if session_id not in self.sessions:  # it ended while a demotion or the fallocate was awaited
+            for entry in entries:
                 if entry is not None:
                     self.host.abort(entry)
             raise StoreError(grpc.StatusCode.CANCELLED, "session closed during allocate")
         out: list[tuple[str, int, int]] = [("present", 0, 0)] * len(keys)
-        for i, entry in zip(want, res.entries, strict=True):
+        for i, entry in zip(want, entries, strict=True):
             if entry is None:
                 out[i] = ("no_space", 0, 0)
                 continue
@@ -269,35 +322,30 @@ class BlockStore:
             sess.grants[gid] = grant
             self._grants[gid] = grant
             out[i] = ("granted", gid, entry.offset)
-        if res.backing.ranges:
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
-            except OSError as e:
-                self._unbackable(sess, out, res, e)
-        n_granted = sum(1 for o in out if o[0] == "granted")
-        self.counters["grants"] += n_granted
+        self.counters["grants"] += sum(1 for o in out if o[0] == "granted")
         self.counters["no_space"] += sum(1 for o in out if o[0] == "no_space")
-        # A session that ended while we awaited must not keep its grants.
-        if session_id not in self.sessions:
-            raise StoreError(grpc.StatusCode.CANCELLED, "session closed during allocate")
         return out
 
-    def _unbackable(self, sess: Session, out: list[tuple[str, int, int]], res: Reservation, err: OSError) -> None:
-        """The tmpfs could not back fresh slots (full, or smaller than --host-capacity): refuse
-        those grants as no-space instead of letting a client fault writing them."""
-        fresh = {off for _, off, _ in res.backing.ranges}
-        dropped = []
-        for i, (status, gid, off) in enumerate(out):
-            if status == "granted" and off in fresh:
-                grant = sess.grants.pop(gid)
-                del self._grants[gid]
-                dropped.append(grant.entry)
-                out[i] = ("no_space", 0, 0)
-        self.host.unback(dropped)
-        if not self.counters["host_backing_failures"]:
-            log.error("host pool memory could not be allocated; the tmpfs is fuller than --host-capacity "
-                      "allows. Serving with less.", extra={"error": str(err), "shm_dir": self.host.shm_dir})
-        self.counters["host_backing_failures"] += len(dropped)
+    async def _back(self, res: Reservation) -> list[HostEntry | None]:
+        """Allocate the memory of a reservation's fresh slots (before anyone may write them);
+        returns its entries. Where the tmpfs cannot back them (full, or smaller than
+        --host-capacity) those slots become holes and their entries None (no space), instead
+        of letting a client fault writing them."""
+        entries = list(res.entries)
+        if not res.backing.ranges:
+            return entries
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
+        except OSError as err:
+            fresh = {off for _, off, _ in res.backing.ranges}
+            dropped = [e for e in entries if e is not None and e.offset in fresh]
+            self.host.unback(dropped)
+            entries = [None if e is not None and e.offset in fresh else e for e in entries]
+            if not self.counters["host_backing_failures"]:
+                log.error("host pool memory could not be allocated; the tmpfs is fuller than --host-capacity "
+                          "allows. Serving with less.", extra={"error": str(err), "shm_dir": self.host.shm_dir})
+            self.counters["host_backing_failures"] += len(dropped)
+        return entries
 
     async def _evicted(self, victims: list[HostEntry]) -> None:
         """Victims left the host tier (their bytes still intact until finish_eviction): report
@@ -379,9 +427,8 @@ class BlockStore:
                 if res.victims:
                     await self._evicted(res.victims)
                 self.host.finish_eviction()
-            if res.backing.ranges:
-                await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
-            pairs = [(d, h) for d, h in zip(dents, res.entries, strict=True) if h is not None]
+            hosts = await self._back(res)
+            pairs = [(d, h) for d, h in zip(dents, hosts, strict=True) if h is not None]
             self.counters["promotions_no_space"] += len(dents) - len(pairs)
             views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
             t0 = time.perf_counter()
@@ -402,6 +449,9 @@ class BlockStore:
         promoted: list[bytes] = []
         bad: list[bytes] = []
         for (d, h), status in zip(pairs, results, strict=True):
+            if d.removed:  # evicted (Evict) while it was read: it must not come back in host
+                self.host.abort(h)
+                continue
             if status != "ok":
                 self.counters["checksum_failures" if status == "checksum" else "disk_read_errors"] += 1
                 log.warning("disk block dropped: %s", "checksum mismatch" if status == "checksum" else "read error",
@@ -427,6 +477,12 @@ class BlockStore:
 
     async def commit(self, session_id: int, grant_ids: Sequence[int], abort_ids: Sequence[int],
                      durable: bool) -> tuple[int, int]:
+        """Abort ``abort_ids``, make ``grant_ids`` visible; returns (committed, on disk). A
+        cancelled caller's durable write still runs to its end."""
+        return await self._run_to_end(self._commit(session_id, grant_ids, abort_ids, durable))
+
+    async def _commit(self, session_id: int, grant_ids: Sequence[int], abort_ids: Sequence[int],
+                      durable: bool) -> tuple[int, int]:
         sess = self.session(session_id)
         for gid in itertools.chain(grant_ids, abort_ids):
             if gid not in sess.grants:
@@ -489,7 +545,21 @@ class BlockStore:
     # -- get: acquire, (client reads), release -------------------------------------------
 
     async def acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes]) -> list[tuple[int, int, str | None]]:
-        """Per key: (lease_id, offset, tier found in) or (0, 0, None) for a miss. Pins each hit."""
+        """Per key: (lease_id, offset, tier found in) or (0, 0, None) for a miss. Pins each hit.
+        A cancelled caller's leases are released once the promotions it started finish."""
+        return await self._run_to_end(self._acquire(session_id, layout_id, keys),
+                                      lambda out: self._drop_leases(session_id, out))
+
+    def _drop_leases(self, session_id: int, out: list[tuple[int, int, str | None]]) -> None:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            return
+        for lid, _, _ in out:
+            entry = sess.leases.pop(lid, None) if lid else None
+            if entry is not None:
+                self.host.unpin(entry)
+
+    async def _acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes]) -> list[tuple[int, int, str | None]]:
         sess = self.session(session_id)
         reg = self.layout(layout_id)
         self.check_keys(keys, unique=False)
@@ -540,6 +610,8 @@ class BlockStore:
         if missing:
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"lease {missing[0]} is not held by session {session_id} (already released?)")
+        if len(set(lease_ids)) != len(lease_ids):
+            raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, "a lease id appears twice in one release")
         for lid in lease_ids:
             self.host.unpin(sess.leases.pop(lid))
 
@@ -606,6 +678,10 @@ class BlockStore:
             emit(tier, fp, keys)
 
     async def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
+        """See :meth:`_prefetch`; runs to its end even if the caller is cancelled."""
+        return await self._run_to_end(self._prefetch(layout_id, keys))
+
+    async def _prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
         """Bring these blocks from disk to host ahead of need; returns how many were promoted.
         Without a disk tier nothing is below host, so nothing is promoted."""
         reg = self.layout(layout_id)
@@ -651,6 +727,11 @@ class BlockStore:
             for fp, n in self.disk.per_fp.items():
                 out.setdefault(fp, {})["disk"] = n
         return out
+
+    async def drain(self) -> None:
+        """Wait for requests whose callers were cancelled (they finish their disk and slot work)."""
+        while self._to_end:
+            await asyncio.gather(*list(self._to_end), return_exceptions=True)
 
     def close(self) -> None:
         for sid in list(self.sessions):

@@ -176,6 +176,7 @@ class DiskTier:
         self.lru: OrderedDict[bytes, DiskEntry] = OrderedDict()  # visible, oldest first
         self.per_fp: Counter[bytes] = Counter()                 # visible blocks per fingerprint
         self._writing: set[bytes] = set()
+        self._unwanted: set[bytes] = set()   # removed while being written: dropped when the write finishes
         self._seq = 0
         self.degraded = ""                                       # why writes stopped; "" while healthy
         self.restored, self.dropped_on_open = self._restore()
@@ -425,9 +426,18 @@ class DiskTier:
             self._writing.discard(e.bkey)
         if error is not None:
             for e in planned:
+                self._unwanted.discard(e.bkey)
                 e.slab.holes.append(e.slot)   # its space may not exist: never hand it out again
             self._degrade(error)
             return []
+        unwanted = [e for e in planned if e.bkey in self._unwanted]
+        if unwanted:  # removed while written: never visible; index entries deleted before the slots are reused
+            for e in unwanted:
+                self._unwanted.discard(e.bkey)
+                e.removed = True
+                e.slab.free.append(e.slot)
+            self._writer.submit(self._index_delete_logged, [e.bkey for e in unwanted])
+            planned = [e for e in planned if not e.removed]
         for e in planned:
             e.visible = True
             self.entries[e.bkey] = e
@@ -452,11 +462,14 @@ class DiskTier:
 
     def remove(self, bkeys: Iterable[bytes]) -> list[DiskEntry]:
         """Hide these entries now; their index entries are deleted on the writer thread (before any
-        later batch reuses the slots); slots of pinned entries are freed on the last unpin."""
+        later batch reuses the slots); slots of pinned entries are freed on the last unpin. A key
+        being written is dropped when its write finishes (it never becomes visible)."""
         out = []
         for bkey in bkeys:
             entry = self.entries.get(bkey)
             if entry is None:
+                if bkey in self._writing:  # not visible yet: it must not become visible
+                    self._unwanted.add(bkey)
                 continue
             self._hide(entry)
             entry.removed = True

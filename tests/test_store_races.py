@@ -1,0 +1,494 @@
+"""The BlockStore when state changes across an ``await``: cancelled requests, concurrent Evict,
+failing fallocate. In-process BlockStore on a real HostTier (tmpfs under /dev/shm) and a real
+DiskTier (O_DIRECT slab files, LMDB), driven on one asyncio loop so interleavings are exact.
+
+The disk tier's threads are held busy with a gate (a job that waits on an Event) so that a
+request is provably parked at its ``await`` when the test cancels it or changes the state.
+A failing ``fallocate`` (a full tmpfs) is injected at the one OS boundary, ``BackingJob.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Awaitable, Callable
+
+import grpc
+import numpy as np
+import pytest
+
+from kvtier.daemon.store import BlockStore, StoreError
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import BackingJob, HostTier
+from kvtier.tiers.layout import Layout
+
+BLOCK = 64 * 1024
+LAYOUT = Layout.flat(BLOCK)
+FP = LAYOUT.fingerprint
+
+
+def key(i: int) -> bytes:
+    return b"racetest" + i.to_bytes(8, "big")
+
+
+def payload(k: bytes) -> bytes:
+    return np.random.default_rng(int.from_bytes(k, "big")).bytes(BLOCK)
+
+
+class Gate:
+    """Holds every thread of an executor until opened."""
+
+    def __init__(self, executor, threads: int) -> None:
+        self.event = threading.Event()
+        self.futs = [executor.submit(self.event.wait) for _ in range(threads)]
+
+    def open(self) -> None:
+        self.event.set()
+        for f in self.futs:
+            f.result()
+
+
+async def settle(store: BlockStore, disk: DiskTier | None = None) -> None:
+    """Let detached work finish: loop steps, the disk writer's queue, then loop steps again."""
+    for _ in range(3):
+        for _ in range(50):
+            await asyncio.sleep(0)
+        if disk is not None:
+            await asyncio.wrap_future(disk._writer.submit(lambda: None))
+        await asyncio.sleep(0.01)
+
+
+def write_slot(store: BlockStore, off: int, data: bytes) -> None:
+    cls = store.host.size_class(LAYOUT.slot_bytes)
+    with open(cls.path, "r+b") as fh:
+        fh.seek(off)
+        fh.write(data)
+
+
+def read_slot(store: BlockStore, off: int) -> bytes:
+    cls = store.host.size_class(LAYOUT.slot_bytes)
+    with open(cls.path, "rb") as fh:
+        fh.seek(off)
+        return fh.read(BLOCK)
+
+
+async def put(store: BlockStore, sid: int, lid: int, keys: list[bytes], durable: bool = False) -> tuple[int, int]:
+    grants = await store.allocate(sid, lid, keys)
+    assert all(g[0] == "granted" for g in grants), grants
+    for k, (_, _, off) in zip(keys, grants, strict=True):
+        write_slot(store, off, payload(k))
+    return await store.commit(sid, [g for _, g, _ in grants], [], durable=durable)
+
+
+async def get(store: BlockStore, sid: int, lid: int, keys: list[bytes]) -> list[bytes | None]:
+    leases = await store.acquire(sid, lid, keys)
+    out = [read_slot(store, off) if lid_ else None for lid_, off, _ in leases]
+    store.release(sid, [lid_ for lid_, _, _ in leases if lid_])
+    return out
+
+
+def host_slots_accounted(host: HostTier) -> None:
+    """Every slot below hwm is exactly one of: free, a hole, or held by a visible entry (the
+    tests hold no grants and no leases when they call this)."""
+    for cls in host.classes.values():
+        held = [e.slot for e in host.entries.values() if e.cls is cls]
+        every = sorted(cls.free + cls.holes + held)
+        assert every == list(range(cls.hwm)), (
+            f"slots leaked or listed twice: free={sorted(cls.free)} holes={sorted(cls.holes)} held={sorted(held)}")
+
+
+def run(tmp_path, body: Callable[[BlockStore, DiskTier | None, int, int], Awaitable[None]], *,
+        host_blocks: int = 4, disk_blocks: int = 0, prefault: bool = True, demote_min_seen: int = 1) -> None:
+    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+
+    async def main() -> None:
+        disk = DiskTier(str(tmp_path / "disk"), capacity=disk_blocks * BLOCK, queue_depth=1) if disk_blocks else None
+        store = BlockStore(HostTier(shm, host_blocks * BLOCK, "race"), disk=disk,
+                           demote_min_seen=demote_min_seen, prefault=prefault)
+        try:
+            lid = (await store.register_layout(LAYOUT)).layout_id
+            sid = store.open_session("test", os.getpid()).session_id
+            await body(store, disk, lid, sid)
+        finally:
+            await asyncio.sleep(0.05)
+            store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+async def parked(coro: Awaitable) -> asyncio.Task:
+    """Start ``coro`` and let it run until it waits on a gated thread."""
+    task = asyncio.ensure_future(coro)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done(), "the request should be parked on the gated disk threads"
+    return task
+
+
+# -- a cancelled request (gRPC deadline, client gone) ------------------------------------------
+
+
+def test_cancelled_durable_commit_still_reaches_disk_and_leaks_no_disk_slot(tmp_path):
+    """A Commit(durable) whose RPC is cancelled while its disk write is queued: the write must
+    run to its end (the host slot stays pinned until then) and leave the key writable; before
+    the fix the write was orphaned: its key stayed in the writer set forever (never durable
+    again) and its disk slot was lost."""
+    async def body(store, disk, lid, sid):
+        k = key(1)
+        grants = await store.allocate(sid, lid, [k])
+        write_slot(store, grants[0][2], payload(k))
+        gate = Gate(disk._writer, 1)
+        task = await parked(store.commit(sid, [grants[0][1]], [], durable=True))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.open()
+        await settle(store, disk)
+        assert not disk._writing, "a cancelled write must not leave its key marked in flight"
+        # the key can be made durable (it is already, since the write ran to its end)
+        await store.allocate(sid, lid, [k], durable=True)
+        assert store.on_disk(lid, [k]) == [True]
+        assert disk.used_bytes == len(disk.entries) * BLOCK
+        store.host.remove([FP + k])
+        assert await get(store, sid, lid, [k]) == [payload(k)]
+    run(tmp_path, body, disk_blocks=8)
+
+
+def test_cancelled_allocate_during_demotion_leaks_no_host_slot(tmp_path):
+    """An Allocate cancelled while its victims' demotion is awaited: its reservation must not
+    keep host slots nobody owns, and the victims' pending work must finish."""
+    async def body(store, disk, lid, sid):
+        await put(store, sid, lid, [key(i) for i in range(4)])           # host full
+        gate = Gate(disk._writer, 1)
+        task = await parked(store.allocate(sid, lid, [key(10), key(11)]))  # evicts 2, demotes them
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.open()
+        await settle(store, disk)
+        assert not store.sessions[sid].grants and not store._grants, "the cancelled allocate's grants were given back"
+        host_slots_accounted(store.host)
+        assert store.host.used_bytes == len(store.host.entries) * BLOCK
+        # the capacity is all usable again, and the demoted blocks come back byte-exact
+        assert store.lookup(lid, [key(0), key(1)]) == ["disk", "disk"]
+        await put(store, sid, lid, [key(20 + i) for i in range(4)])
+        assert await get(store, sid, lid, [key(0), key(1)]) == [payload(key(0)), payload(key(1))]
+    run(tmp_path, body, disk_blocks=16)
+
+
+def test_cancelled_acquire_during_promotion_leaks_no_pin(tmp_path):
+    """An Acquire cancelled while its promotion read is queued: the read finishes into a slot
+    nobody else can get meanwhile, and the leases it took for the gone caller are released."""
+    async def body(store, disk, lid, sid):
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        await put(store, sid, lid, [key(4 + i) for i in range(4)])      # 0..3 demoted to disk
+        assert store.lookup(lid, [key(0)]) == ["disk"]
+        gate = Gate(disk._io, 1)
+        task = await parked(store.acquire(sid, lid, [key(0), key(4)]))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.open()
+        await settle(store, disk)
+        assert not store.sessions[sid].leases
+        assert all(e.pins == 0 for e in store.host.entries.values()), "a lease of the cancelled acquire is still held"
+        assert all(e.pins == 0 for e in disk.entries.values())
+        host_slots_accounted(store.host)
+        assert await get(store, sid, lid, [key(0), key(4)]) == [payload(key(0)), payload(key(4))]
+    run(tmp_path, body, disk_blocks=16)
+
+
+# -- Evict of a key while it is promoted -------------------------------------------------------
+
+
+def test_evict_during_promotion_does_not_bring_the_block_back(tmp_path):
+    """Evict answers that the key is gone; a promotion of it already reading from disk must not
+    make it visible in host afterwards."""
+    async def body(store, disk, lid, sid):
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        await put(store, sid, lid, [key(4 + i) for i in range(4)])      # 0..3 demoted to disk
+        gate = Gate(disk._io, 1)
+        task = await parked(store.prefetch(lid, [key(0)]))
+        assert store.evict(lid, [key(0)]) == 1
+        assert store.lookup(lid, [key(0)]) == [None]
+        gate.open()
+        assert await task == 0
+        assert store.lookup(lid, [key(0)]) == [None], "an evicted key came back through its promotion"
+        await settle(store, disk)
+        host_slots_accounted(store.host)
+        assert all(e.pins == 0 for e in disk.entries.values())
+    run(tmp_path, body, disk_blocks=16)
+
+
+def test_evict_during_durable_write_does_not_leave_the_block_on_disk(tmp_path):
+    """Evict during a durable commit's disk write: the block must not appear on disk after the
+    Evict answered (the commit then reports it not durable)."""
+    async def body(store, disk, lid, sid):
+        k = key(1)
+        grants = await store.allocate(sid, lid, [k])
+        write_slot(store, grants[0][2], payload(k))
+        gate = Gate(disk._writer, 1)
+        task = await parked(store.commit(sid, [grants[0][1]], [], durable=True))
+        assert store.evict(lid, [k]) == 1
+        gate.open()
+        assert await task == (1, 0)
+        await settle(store, disk)
+        assert store.lookup(lid, [k]) == [None], "an evicted key came back through its durable write"
+        assert store.on_disk(lid, [k]) == [False]
+        host_slots_accounted(store.host)
+    run(tmp_path, body, disk_blocks=16)
+
+
+# -- a tmpfs that cannot back slots (fallocate fails) ------------------------------------------
+
+
+@pytest.fixture
+def failing_backing(monkeypatch):
+    """``BackingJob.run`` (posix_fallocate of fresh slots) fails with ENOSPC while ``fail[0]``."""
+    real = BackingJob.run
+    fail = [True]
+    calls = []
+
+    def run_(self: BackingJob) -> None:
+        calls.append(sum(r[2] for r in self.ranges))
+        if fail[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self)
+
+    monkeypatch.setattr(BackingJob, "run", run_)
+    return fail, calls
+
+
+def test_failed_pool_prefault_leaves_no_slot_counted_as_backed(tmp_path, failing_backing):
+    """RegisterLayout whose pool prefault fails answers RESOURCE_EXHAUSTED; a retry must not
+    then hand out slots that were never allocated (a client writing one would SIGBUS)."""
+    fail, calls = failing_backing
+    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+
+    async def main() -> None:
+        store = BlockStore(HostTier(shm, 4 * BLOCK, "race"), prefault=True)
+        try:
+            with pytest.raises(StoreError) as ei:
+                await store.register_layout(LAYOUT)
+            assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert store.host.backed_bytes == 0
+            fail[0] = False
+            lid = (await store.register_layout(LAYOUT)).layout_id
+            sid = store.open_session("test", os.getpid()).session_id
+            calls.clear()
+            grants = await store.allocate(sid, lid, [key(1), key(2)])
+            assert [g[0] for g in grants] == ["granted", "granted"]
+            assert sum(calls) == 2 * BLOCK, "the granted slots were never fallocated"
+        finally:
+            store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_promotion_into_unbackable_slots_is_a_miss_and_leaks_nothing(tmp_path, failing_backing):
+    """A promotion whose fresh host slots cannot be fallocated: a miss (not INTERNAL), the disk
+    copy stays, and the reserved slots are not lost."""
+    fail, _ = failing_backing
+    fail[0] = False
+
+    async def body(store, disk, lid, sid):
+        await put(store, sid, lid, [key(0)], durable=True)
+        assert store.on_disk(lid, [key(0)]) == [True]
+        assert store.evict(lid, [key(0)]) == 2
+        await put(store, sid, lid, [key(1)], durable=True)
+        store.host.remove([FP + key(1)])                                  # on disk only; its slot free
+        fail[0] = True
+        # key 2 takes the one backed free slot; promoting key 1 needs a fresh one
+        await put(store, sid, lid, [key(2)])
+        out = await store.acquire(sid, lid, [key(1)])
+        assert out == [(0, 0, None)]
+        assert store.counters["promotions_no_space"] == 1
+        assert store.lookup(lid, [key(1)]) == ["disk"]
+        assert not any(e.pins for e in disk.entries.values())
+        host_slots_accounted(store.host)
+        fail[0] = False
+        assert await get(store, sid, lid, [key(1)]) == [payload(key(1))]
+    run(tmp_path, body, disk_blocks=16, prefault=False)
+
+
+def test_session_closed_while_fresh_slots_fail_to_back_lists_each_slot_once(tmp_path, monkeypatch):
+    """The session ends while its Allocate's fallocate runs, then the fallocate fails: every slot
+    must end up exactly once in free or holes (twice would hand one slot to two writers)."""
+    started, proceed = threading.Event(), threading.Event()
+
+    def run_(self: BackingJob) -> None:
+        started.set()
+        proceed.wait(5)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def body(store, disk, lid, sid):
+        monkeypatch.setattr(BackingJob, "run", run_)
+        task = asyncio.ensure_future(store.allocate(sid, lid, [key(1), key(2)]))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        store.close_session(sid)
+        proceed.set()
+        with pytest.raises(StoreError) as ei:
+            await task
+        assert ei.value.code == grpc.StatusCode.CANCELLED
+        host_slots_accounted(store.host)
+        assert store.host.used_bytes == 0
+    run(tmp_path, body, prefault=False)
+
+
+# -- the Transfer service: a RegisterKV whose caller goes away while handles are opened ---------
+
+
+def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_path):
+    """The engine dies (its RPC is cancelled) while the daemon opens its KV allocations in an
+    executor thread: the handles that thread opens must be closed (``close_kv``), not orphaned.
+    The host stand-in's maps would go with garbage collection; the CUDA engine's IPC handles
+    would stay open, so the test checks the contract: every opened memory is closed."""
+    from kvtier.daemon.gpu import TransferService
+    from kvtier.daemon.metrics import OpLatency
+    from kvtier.proto import node_pb2, transfer_pb2
+    from kvtier.tiers.copy_engine import HostCopyEngine
+    from kvtier.tiers.layout import layout_to_proto
+
+    kv_path, ring_path = str(tmp_path / "kv"), str(tmp_path / "ring")
+    with open(kv_path, "wb") as fh:
+        fh.truncate(4 * BLOCK)
+    with open(ring_path, "wb") as fh:
+        fh.truncate(8 * 8)
+    layout = Layout.flat(BLOCK, num_blocks=4)
+
+    async def body(store, disk, lid, sid):
+        engine = HostCopyEngine(1)
+        svc = TransferService(store, {"host": engine}, OpLatency(), threads=1)
+        try:
+            req = transfer_pb2.RegisterKVRequest(
+                session_id=sid, layout=layout_to_proto(layout, node_pb2.LayoutSpec), backend="host",
+                allocations=[transfer_pb2.KVAllocation(path=kv_path, size=4 * BLOCK)],
+                tensors=[transfer_pb2.KVTensorRef(allocation=0, offset=0)],
+                event_ring_path=ring_path, ring_slots=8)
+            await svc.RegisterKV(req, None)                      # a first one: pool attached, layout known
+            # opening takes a while (cudaIpcOpenMemHandle can): hold the real open_kv until released
+            opening, go = threading.Event(), threading.Event()
+            real_open = engine.open_kv
+
+            opened, closed = [], []
+            real_close = engine.close_kv
+
+            def slow_open(*args):
+                opening.set()
+                go.wait(5)
+                mem = real_open(*args)
+                opened.append(mem)
+                return mem
+
+            def close(mem):
+                closed.append(mem)
+                real_close(mem)
+
+            engine.open_kv, engine.close_kv = slow_open, close
+            task = asyncio.ensure_future(svc.RegisterKV(req, None))
+            while not opening.is_set():
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            go.set()
+            await settle(store)
+            store.close_session(sid)                             # the engine's session ends
+            await settle(store)
+            c = store.counters
+            assert not svc.registrations
+            # every KV memory opened is closed explicitly (CUDA IPC handles are not freed by GC)
+            assert len(opened) == 1 and [m for m in opened if m not in closed] == [], "opened KV memory never closed"
+            assert c["kv_handles_opened"] == c["kv_handles_closed"], dict(c)
+            assert c["kv_events_opened"] == c["kv_events_closed"], dict(c)
+            with open("/proc/self/maps") as fh:
+                assert kv_path not in fh.read(), "an engine allocation is still mapped by the daemon"
+        finally:
+            await svc.close()
+    run(tmp_path, body)
+
+
+def test_slots_of_a_session_closed_during_fallocate_are_not_handed_out_unbacked(tmp_path, monkeypatch):
+    """The session ends while its Allocate's fallocate runs: another client's Allocate meanwhile
+    must not be handed those slots (their memory may never be allocated: a write would SIGBUS
+    on a full tmpfs); once the fallocate is done they are free again."""
+    started, proceed = threading.Event(), threading.Event()
+    real = BackingJob.run
+    first = [True]
+
+    def run_(self: BackingJob) -> None:
+        if first[0]:
+            first[0] = False
+            started.set()
+            proceed.wait(5)
+        real(self)
+
+    async def body(store, disk, lid, sid):
+        monkeypatch.setattr(BackingJob, "run", run_)
+        task = asyncio.ensure_future(store.allocate(sid, lid, [key(1), key(2)]))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        store.close_session(sid)
+        other = store.open_session("other", os.getpid()).session_id
+        grants = await store.allocate(other, lid, [key(3)])
+        assert grants[0][0] == "granted" and grants[0][2] not in (0, BLOCK), \
+            "a slot whose fallocate is still running was handed to another client"
+        proceed.set()
+        with pytest.raises(StoreError) as ei:
+            await task
+        assert ei.value.code == grpc.StatusCode.CANCELLED
+        store.close_session(other)
+        host_slots_accounted(store.host)
+        assert store.host.used_bytes == 0
+    run(tmp_path, body, prefault=False)
+
+
+def test_drain_waits_for_requests_whose_callers_were_cancelled(tmp_path):
+    """Daemon shutdown cancels calls past the grace period; drain (before the store closes its
+    files) waits for their disk work, so nothing runs against closed files."""
+    async def body(store, disk, lid, sid):
+        grants = await store.allocate(sid, lid, [key(1)])
+        write_slot(store, grants[0][2], payload(key(1)))
+        gate = Gate(disk._writer, 1)
+        task = await parked(store.commit(sid, [grants[0][1]], [], durable=True))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        drain = asyncio.ensure_future(store.drain())
+        await asyncio.sleep(0.05)
+        assert not drain.done(), "drain returned while a cancelled request's disk write was pending"
+        gate.open()
+        await asyncio.wait_for(drain, 10)
+        assert not disk._writing and store.on_disk(lid, [key(1)]) == [True]
+    run(tmp_path, body, disk_blocks=8)
+
+
+def test_evict_during_demotion_does_not_leave_the_block_on_disk(tmp_path):
+    """Evict of a key whose demotion is being written: the block must not appear on disk
+    after Evict answered, and its disk slot is not lost."""
+    async def body(store, disk, lid, sid):
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        gate = Gate(disk._writer, 1)
+        task = await parked(store.allocate(sid, lid, [key(10), key(11)]))  # demotes 0 and 1
+        store.evict(lid, [key(0)])
+        gate.open()
+        grants = await task
+        for k, (_, _, off) in zip([key(10), key(11)], grants, strict=True):
+            write_slot(store, off, payload(k))
+        await store.commit(sid, [g for _, g, _ in grants], [], durable=False)
+        await settle(store, disk)
+        assert store.lookup(lid, [key(0), key(1)]) == [None, "disk"], "an evicted key came back through its demotion"
+        assert disk.used_bytes == len(disk.entries) * BLOCK
+        assert await get(store, sid, lid, [key(1)]) == [payload(key(1))]
+    run(tmp_path, body, disk_blocks=16)
