@@ -23,7 +23,6 @@ Prints one JSON object as its last line (bandwidths in 10^9 B/s).
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import random
@@ -34,6 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client.local_daemon import DaemonProcess
 from kvtier.client.sidecar import Sidecar
@@ -145,11 +145,7 @@ def main() -> None:
         "host_capacity_bytes": host_mib * MiB, "disk_dir_parent": args.dir,
         "checksum_failures": res["checksum_failures"], "cpus": os.cpu_count(),
     }
-    line = json.dumps(out)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(line + "\n")
-    print(line)
+    emit(out, args.out)
 
 
 def run_tier(d: DaemonProcess, nblocks: int, block: int, batch: int, samples: int, streams: int,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -37,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client.engine import KVConnector, SharedKVArena
 from kvtier.client.local_daemon import DaemonProcess
@@ -276,11 +276,7 @@ def main() -> None:
                    "copy_threads": args.copy_threads, "piece_bytes": args.piece_mib << 20,
                    "limit": "cudaMemcpyAsync pinned" if args.engine == "cuda" else "memcpy, same threads",
                    "python": sys.version.split()[0]})
-    line = json.dumps(result, sort_keys=True)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(line + "\n")
-    print(line)
+    emit(result, args.out, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ lookup_p99_us and the parameters).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 
 import numpy as np
+from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
 from kvtier.client.local_daemon import DaemonProcess
@@ -127,11 +127,7 @@ def main() -> None:
     }
     print(f"put {put_gbps:.2f} GB/s, get {get_gbps:.2f} GB/s, memcpy {mc:.2f} GB/s "
           f"-> ratio {result['ratio']:.2f}; lookup p50 {result['lookup_p50_us']} us", file=sys.stderr)
-    line = json.dumps(result)
-    if ns.out:
-        with open(ns.out, "w") as fh:
-            fh.write(line + "\n")
-    print(line)
+    emit(result, ns.out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ the echo, and the parameters.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -46,6 +45,7 @@ from collections.abc import Callable
 
 import grpc
 import numpy as np
+from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
 from kvtier.client.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
@@ -220,11 +220,7 @@ def main() -> None:
     }
     print(f"shm: 1 key p50 {result['shm_1key_p50_us']} us, 128 keys p99 {result['shm_128keys_p99_us']} us; "
           f"rpc: 1 key p50 {result['rpc_1key_p50_us']} us (echo {result['grpc_echo_p50_us']} us)", file=sys.stderr)
-    line = json.dumps(result)
-    if ns.out:
-        with open(ns.out, "w") as fh:
-            fh.write(line + "\n")
-    print(line)
+    emit(result, ns.out)
 
 
 if __name__ == "__main__":

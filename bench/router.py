@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
 
 import numpy as np
+from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client.local_daemon import rss_bytes
 from kvtier.client.router import Router, RouterConfig
@@ -201,11 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         "route_p99_us": result["route_p99_us"] < GOALS["route_p99_us"],
         "index_bytes_per_block": result["index_bytes_per_block"] <= GOALS["index_bytes_per_block"],
     }
-    line = json.dumps(result)
-    if ns.out:
-        with open(ns.out, "w") as fh:
-            fh.write(line + "\n")
-    print(line)
+    emit(result, ns.out)
     return result
 
 
