@@ -78,7 +78,7 @@ _ECHO_SERVER = textwrap.dedent("""
 def timed(fn: Callable[[int], object], n: int, warmup: int = 200) -> np.ndarray:
     """Latencies of ``fn(i)`` for i in range(n), in microseconds (after ``warmup`` calls)."""
     for i in range(warmup):
-        fn(i)
+        fn(i % n)
     out = np.empty(n)
     clock = time.perf_counter_ns
     for i in range(n):
