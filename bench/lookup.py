@@ -96,7 +96,7 @@ def interleaved(fns: list[Callable[[int], object]], n: int, warmup: int = 200) -
     """Latencies (us) of each ``fns[j](i)``, called in turn for each i: one series per function."""
     for i in range(warmup):
         for fn in fns:
-            fn(i)
+            fn(i % n)
     out = np.empty((len(fns), n))
     clock = time.perf_counter_ns
     for i in range(n):
