@@ -162,6 +162,29 @@ _VMM_MESSAGE = ("tensor {name}: its memory cannot be exported with CUDA IPC: it 
                 "or vLLM's sleep-mode allocator (--enable-sleep-mode). Allocate the KV cache without them.")
 
 
+_CUDA_IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def raw_ipc_handle(handle: object, name: str) -> bytes:
+    """The 64-byte cudaIpcMemHandle_t inside what ``UntypedStorage._share_cuda_()`` returned.
+
+    Older PyTorch returns the raw handle; newer PyTorch (seen: 2.11 on the H200 machine) returns
+    a versioned one: a version byte, a type byte (``'c'`` for a cudaMalloc block, ``'e'`` for an
+    expandable segment), then for ``'c'`` the raw handle. Only ``'c'`` memory can be opened with
+    cudaIpcOpenMemHandle; anything else is refused with the cause named.
+    """
+    if not isinstance(handle, bytes):
+        raise ExportError(f"tensor {name}: torch returned a {type(handle).__name__} CUDA IPC handle, not bytes")
+    if len(handle) == _CUDA_IPC_HANDLE_SIZE:
+        return handle
+    if len(handle) == _CUDA_IPC_HANDLE_SIZE + 2 and handle[1] == ord("c"):
+        return handle[2:]
+    if len(handle) >= 2 and handle[1] == ord("e"):
+        raise ExportError(_VMM_MESSAGE.format(name=name))
+    raise ExportError(f"tensor {name}: torch returned a CUDA IPC handle of {len(handle)} bytes in a format "
+                      f"kvtier does not know (version byte {handle[:1].hex() or 'none'})")
+
+
 def _cuda_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[list[transfer_pb2.KVAllocation],
                                                                                list[transfer_pb2.KVTensorRef]]:
     """Export each CUDA tensor's allocation once (CUDA IPC handle of its caching-allocator block)."""
@@ -175,8 +198,7 @@ def _cuda_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[lis
             device, handle, size, base_off = storage._share_cuda_()[:4]
         except RuntimeError as e:
             raise ExportError(f"{_VMM_MESSAGE.format(name=name)} (torch said: {e})") from None
-        if not isinstance(handle, bytes) or len(handle) != 64:
-            raise ExportError(_VMM_MESSAGE.format(name=name))
+        handle = raw_ipc_handle(handle, name)
         if handle not in allocs:
             allocs[handle] = len(out_allocs)
             out_allocs.append(transfer_pb2.KVAllocation(ipc_handle=handle, size=0, device=int(device)))

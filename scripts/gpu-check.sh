@@ -28,6 +28,9 @@ cp "$ROOT"/kvtier/*.py "$PKG/kvtier/"
 for part in proto tiers daemon client; do ln -s "$ROOT/$part" "$PKG/kvtier/$part"; done
 export PYTHONPATH="$PKG:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# The checkout's own kvtier/ (only __init__.py and paths.py) must not shadow the assembled package:
+# python3 - and python3 -m put the working directory first on sys.path unless this is set.
+export PYTHONSAFEPATH=1
 MARK=gpu; ENGINE=cuda; BENCH_ARGS=(); GPU_MODS='"cupy", "cuda.bindings.runtime"'
 if [ "${REHEARSE:-0}" = 1 ]; then
   MARK="not gpu"; ENGINE=host; BENCH_ARGS=(--blocks 16 --samples 50); GPU_MODS=""
@@ -48,7 +51,7 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "$MARK" tests/test_gpu_pat
 tests_rc=${PIPESTATUS[0]}
 
 echo "== bench/gpu_copy.py"
-timeout 150 "$PY" bench/gpu_copy.py --engine "$ENGINE" "${BENCH_ARGS[@]}" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -3
+PYTHONPATH="$ROOT/bench:$PYTHONPATH" timeout 150 "$PY" bench/gpu_copy.py --engine "$ENGINE" "${BENCH_ARGS[@]}" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -3
 bench_rc=${PIPESTATUS[0]}
 
 "$PY" - "$OUT/bench.json" "$tests_rc" "$bench_rc" <<'EOF'

@@ -539,14 +539,28 @@ class CudaCopyEngine(CopyEngine):
         self._state = _CudaState()
         self._pools: dict[str, _CudaPool] = {}
         self._lock = threading.Lock()
+        self._batch: Any = None
         with cupy.cuda.Device(device):
-            lo, hi = self.rt.deviceGetStreamPriorityRange()
+            lo, hi = self._stream_priority_range()
             self.offload_stream = cupy.cuda.Stream(non_blocking=True, priority=lo)
             self.onboard_stream = cupy.cuda.Stream(non_blocking=True, priority=hi)
             self._kernel = cupy.RawKernel(_KERNEL, "kv_copy")
-        self._batch = None
 
-    def _batch_copy(self) -> object:
+    def _stream_priority_range(self) -> tuple[int, int]:
+        """(least, greatest) stream priority of the current device. CuPy 14 dropped
+        ``runtime.deviceGetStreamPriorityRange`` (seen on the H200 machine), so cuda.bindings
+        answers when CuPy cannot."""
+        get = getattr(self.rt, "deviceGetStreamPriorityRange", None)
+        if get is not None:
+            least, greatest = get()
+            return int(least), int(greatest)
+        rt = self._batch_copy()
+        err, least, greatest = rt.cudaDeviceGetStreamPriorityRange()
+        if err != rt.cudaError_t.cudaSuccess:
+            raise CopyError(f"cudaDeviceGetStreamPriorityRange failed: {err}")
+        return int(least), int(greatest)
+
+    def _batch_copy(self) -> Any:
         if self._batch is None:
             from cuda.bindings import runtime  # noqa: PLC0415
 
