@@ -127,6 +127,9 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-transfer")
         self._tasks: set[asyncio.Task] = set()
         self._attached: set[tuple[str, str]] = set()
+        # (engine name, pool path) -> registrations that attached it, opening ones included; a
+        # CUDA pool is pinned (never punched) while this is above zero
+        self._pool_users: dict[tuple[str, str], int] = {}
         store.session_end_hooks.append(self._session_ended)
 
     # -- registration ----------------------------------------------------------------------
@@ -152,11 +155,12 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         ring = EventRing(slots, tuple(request.event_handles), request.event_ring_path)
         reg_layout = await self.store.register_layout(layout)
         cls = self.store.host.size_class(layout.slot_bytes)
-        if engine.backend == "cuda":
-            self.store.host.mark_registered(cls)  # never punch memory the GPU has pinned
+        self._use_pool(engine, cls)
         loop = asyncio.get_running_loop()
+        attached = False
         try:
             s_per_gib = await loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
+            attached = True
             opening = loop.run_in_executor(self._executor, engine.open_kv, allocations, ring)
             try:
                 memory = await asyncio.shield(opening)
@@ -164,7 +168,11 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
                 opening.add_done_callback(functools.partial(self._close_orphan, engine))
                 raise
         except CopyError as e:
+            self._leave_pool(engine, cls.path, attached)
             raise _status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        except BaseException:
+            self._leave_pool(engine, cls.path, attached)
+            raise
         if (engine.name, cls.path) not in self._attached:
             self._attached.add((engine.name, cls.path))
             log.info("host pool attached to the copy engine", extra={
@@ -186,6 +194,41 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
                                          "layout_id": reg.layout_id})
         return transfer_pb2.RegisterKVReply(registration_id=reg.reg_id, layout_id=reg.layout_id,
                                             copy_engine=engine.name, block_bytes=layout.block_bytes)
+
+    def _use_pool(self, engine: CopyEngine, cls: Any) -> None:
+        key = (engine.name, cls.path)
+        self._pool_users[key] = self._pool_users.get(key, 0) + 1
+        if engine.backend == "cuda":
+            self.store.host.mark_registered(cls)  # never punch memory the GPU has pinned
+
+    def _leave_pool(self, engine: CopyEngine, path: str, attached: bool) -> None:
+        """A registration of the pool closed (or failed to open). When it was the last, a CUDA
+        engine unpins the pool (on an executor thread: unpinning a large pool takes a while) and
+        then the host tier may release its free slots to other classes: without this, a second
+        layout on the same daemon found no memory once the first had taken the budget (seen on
+        the H200)."""
+        key = (engine.name, path)
+        self._pool_users[key] -= 1
+        if self._pool_users[key] == 0:
+            del self._pool_users[key]
+            self._attached.discard(key)
+        if not attached:
+            self._unpinned(engine, path, None)
+            return
+        detach = asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, path)
+        detach.add_done_callback(functools.partial(self._unpinned, engine, path))
+
+    def _unpinned(self, engine: CopyEngine, path: str, detach: asyncio.Future | None) -> None:
+        if detach is not None and (detach.cancelled() or detach.exception() is not None):
+            log.error("detaching the host pool %s from %s failed: %s", path, engine.name,
+                      "cancelled" if detach.cancelled() else detach.exception())
+            self.store.counters["kv_close_errors"] += 1
+            return  # still pinned for all we know: keep it out of other classes' reach
+        if engine.backend != "cuda" or any(k[1] == path for k in self._pool_users):
+            return  # a registration (re)attached meanwhile, or the pool was never pinned
+        cls = next((c for c in self.store.host.classes.values() if c.path == path), None)
+        if cls is not None:
+            self.store.host.unmark_registered(cls)
 
     def _close_orphan(self, engine: CopyEngine, opening: asyncio.Future) -> None:
         """Close KV memory opened for a RegisterKV whose caller was cancelled meanwhile."""
@@ -257,6 +300,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
             log.exception("closing KV registration %d failed", reg.reg_id)
             c["kv_close_errors"] += 1
         self.store.close_session(reg.store_session)
+        self._leave_pool(reg.engine, reg.pool_path, attached=True)
         c["kv_registrations_closed"] += 1
         reg.closed.set()
         log.info("kv registration closed", extra={"registration_id": reg.reg_id})

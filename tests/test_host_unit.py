@@ -114,3 +114,19 @@ def test_registered_pool_memory_never_moves_to_another_class(tier: HostTier) -> 
     assert set(tier.entries) == {b"a", b"b", b"c", b"d"}
     res = put(tier, small, [b"e"])  # its own slots are reused as usual
     assert [v.bkey for v in res.victims] == [b"a"]
+
+
+def test_unregistered_pool_gives_its_free_memory_back(tier: HostTier) -> None:
+    """The last KV registration of a CUDA pool closed (the engine died): its free slots go to
+    another layout's class again (on the H200 a second layout found no space before)."""
+    small = tier.size_class(SLOT)
+    put(tier, small, [b"a", b"b", b"c", b"d"])
+    tier.mark_registered(small)
+    tier.remove([b"a", b"b", b"c", b"d"])  # the test evicts every block, as the GPU test does
+    assert tier.used_bytes == 0 and tier.backed_bytes == 4 * SLOT
+    big = tier.size_class(2 * SLOT)
+    assert tier.reserve(big, [b"X"], 2 * SLOT).entries == [None]  # still pinned: refused
+    tier.unmark_registered(small)
+    res = put(tier, big, [b"X", b"Y"])
+    assert all(e is not None for e in res.entries)
+    assert tier.backed_bytes <= tier.capacity and set(tier.entries) == {b"X", b"Y"}

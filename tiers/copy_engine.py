@@ -254,6 +254,10 @@ class CopyEngine(ABC):
     @abstractmethod
     def attach_pool(self, path: str, size: int) -> float: ...
 
+    def detach_pool(self, path: str) -> None:
+        """One ``attach_pool`` of ``path`` is over (its registration closed); an engine that
+        pinned the pool unpins it when the last one is. No copy may be in flight to it."""
+
     @abstractmethod
     def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> KVMemory: ...
 
@@ -504,6 +508,7 @@ class _CudaPool:
     pool: PoolMapping
     ptr: int          # host address, also the device address (unified addressing)
     dev_ptr: int
+    users: int = 1    # attach_pool calls not yet matched by detach_pool
 
 
 @dataclass
@@ -539,6 +544,7 @@ class CudaCopyEngine(CopyEngine):
         self._state = _CudaState()
         self._pools: dict[str, _CudaPool] = {}
         self._lock = threading.Lock()
+        self._pool_lock = threading.Lock()
         self._batch: Any = None
         with cupy.cuda.Device(device):
             lo, hi = self._stream_priority_range()
@@ -568,19 +574,41 @@ class CudaCopyEngine(CopyEngine):
         return self._batch
 
     def attach_pool(self, path: str, size: int) -> float:
-        if path in self._pools:
+        with self._pool_lock:  # attach and detach of one pool may run on two executor threads
+            known = self._pools.get(path)
+            if known is not None:
+                known.users += 1
+                return self.pin_s_per_gib
+            t0 = time.perf_counter()
+            pool = PoolMapping(path, size)
+            try:
+                populate_mapping(pool.mm, size, self.touch_threads)
+                ptr = pool.arr.ctypes.data
+                with self.cp.cuda.Device(self.device):
+                    self.rt.hostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+            except BaseException:
+                pool.close()
+                raise
+            # unified addressing: the registered mapping's device address is its host address
+            # (LIMITS.md: a CuPy kernel wrote through the plain host pointer on the H200)
+            self._pools[path] = _CudaPool(pool, ptr, ptr)
+            self.pin_s_per_gib = (time.perf_counter() - t0) / (size / GIB)
             return self.pin_s_per_gib
-        t0 = time.perf_counter()
-        pool = PoolMapping(path, size)
-        populate_mapping(pool.mm, size, self.touch_threads)
-        ptr = pool.arr.ctypes.data
-        with self.cp.cuda.Device(self.device):
-            self.rt.hostRegister(ptr, size, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-        # unified addressing: the registered mapping's device address is its host address
-        # (LIMITS.md: a CuPy kernel wrote through the plain host pointer on the H200)
-        self._pools[path] = _CudaPool(pool, ptr, ptr)
-        self.pin_s_per_gib = (time.perf_counter() - t0) / (size / GIB)
-        return self.pin_s_per_gib
+
+    def detach_pool(self, path: str) -> None:
+        """Unpin the pool when its last registration closed, so that the host tier may again
+        hand its free memory to other size classes (another layout's engine)."""
+        with self._pool_lock:
+            p = self._pools.get(path)
+            if p is None:
+                return
+            p.users -= 1
+            if p.users > 0:
+                return
+            del self._pools[path]
+            with self.cp.cuda.Device(self.device):
+                self.rt.hostUnregister(p.ptr)
+            p.pool.close()
 
     def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> CudaKVMemory:
         mem = CudaKVMemory(allocations, ring)

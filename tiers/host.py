@@ -199,6 +199,11 @@ class HostTier:
         handed to another size class; its own slots are reused as usual."""
         self._registered.add(cls.slot_bytes)
 
+    def unmark_registered(self, cls: SizeClass) -> None:
+        """The GPU no longer pins the class's file (its last KV registration closed): its free
+        memory may go to other size classes again."""
+        self._registered.discard(cls.slot_bytes)
+
     @staticmethod
     def prefault_job(cls: SizeClass) -> BackingJob:
         return BackingJob([(cls.fd, 0, cls.hwm * cls.slot_bytes)] if cls.hwm else [])
