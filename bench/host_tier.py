@@ -29,7 +29,7 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
-from kvtier.client.local_daemon import DaemonProcess
+from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
 
 

@@ -48,7 +48,7 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
-from kvtier.client.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
+from kvtier.client.testing.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
 from kvtier.proto import node_pb2
 from kvtier.tiers.keytable import KeyTableReader, KeyTableWriter
 from kvtier.tiers.layout import Layout

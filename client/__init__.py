@@ -1,7 +1,15 @@
-"""What engines, routers and tools embed: the sidecar, key hashing, and the CLI."""
+"""What other programs embed, split by audience:
 
-from kvtier.client.keys import Namespace, as_key, block_keys
-from kvtier.client.sidecar import AsyncSidecar, InvalidArgument, KvtierError, PutResult, Sidecar
+* ``kvtier.client.engine``: the engine library (sidecars, the KV connector, key hashing);
+* ``kvtier.client.routing``: the location feed and index, the scorer, the router;
+* ``kvtier.client.tools``: the CLI, report, replay and demo;
+* ``kvtier.client.testing``: a real daemon in a subprocess, for tests and benchmarks.
+
+The engine library's main names are re-exported here.
+"""
+
+from kvtier.client.engine.keys import Namespace, as_key, block_keys
+from kvtier.client.engine.sidecar import AsyncSidecar, InvalidArgument, KvtierError, PutResult, Sidecar
 
 __all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "Namespace", "PutResult", "Sidecar",
            "as_key", "block_keys"]

@@ -4,7 +4,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtier.client.local_daemon import DaemonProcess
+from kvtier.client.testing.local_daemon import DaemonProcess
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.client.local_daemon import DaemonProcess
+from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.daemon.config import Config, flag_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_demo_prints_hit_rate_by_tier() -> None:
-    p = run("-m", "kvtier.client.cli", "demo", "--sessions", "4", "--turns", "3", "--no-disk")
+    p = run("-m", "kvtier.client.tools.cli", "demo", "--sessions", "4", "--turns", "3", "--no-disk")
     assert p.returncode == 0, p.stderr
     assert "served from" in p.stdout and "prefix reuse" in p.stdout
     reuse = next(line for line in p.stdout.splitlines() if line.startswith("prefix reuse"))
@@ -28,16 +28,16 @@ def test_demo_prints_hit_rate_by_tier() -> None:
 
 
 def test_stats_of_a_running_daemon(daemon: DaemonProcess) -> None:
-    p = run("-m", "kvtier.client.cli", "stats", "--socket", daemon.socket, "--json")
+    p = run("-m", "kvtier.client.tools.cli", "stats", "--socket", daemon.socket, "--json")
     assert p.returncode == 0, p.stderr
     st = json.loads(p.stdout.strip().splitlines()[-1])
     assert st["tiers"]["host"]["capacity_bytes"] == 256 << 20
-    p = run("-m", "kvtier.client.cli", "stats", "--socket", daemon.socket)
+    p = run("-m", "kvtier.client.tools.cli", "stats", "--socket", daemon.socket)
     assert p.returncode == 0 and "capacity" in p.stdout
 
 
 def test_stats_without_a_daemon_says_so(tmp_path) -> None:
-    p = run("-m", "kvtier.client.cli", "stats", "--socket", str(tmp_path / "none.sock"))
+    p = run("-m", "kvtier.client.tools.cli", "stats", "--socket", str(tmp_path / "none.sock"))
     assert p.returncode == 1 and "no daemon socket" in p.stderr
 
 

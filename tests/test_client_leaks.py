@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from kvtier.client import AsyncSidecar
-from kvtier.client.sidecar import Sidecar
+from kvtier.client.engine.sidecar import Sidecar
 from kvtier.tiers.layout import Layout
 
 BLOCK = 64 * 1024

@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvtier.client.sidecar import KvtierError, Sidecar
+from kvtier.client.engine.sidecar import KvtierError, Sidecar
 from kvtier.proto import node_pb2
 from kvtier.tiers.layout import Layout
 

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvtier.client.sidecar import KvtierError, Sidecar
+from kvtier.client.engine.sidecar import KvtierError, Sidecar
 from kvtier.tiers.disk import DiskTier, DiskTierError
 from kvtier.tiers.layout import Layout
 
@@ -218,7 +218,7 @@ def test_cold_blocks_are_not_demoted_below_threshold(start_daemon, tmp_path):
 _BURST_CLIENT = textwrap.dedent("""
     import sys
     import numpy as np
-    from kvtier.client.sidecar import Sidecar
+    from kvtier.client.engine.sidecar import Sidecar
     from kvtier.tiers.layout import Layout
     sock, block = sys.argv[1], int(sys.argv[2])
     sc = Sidecar(sock, timeout=10)

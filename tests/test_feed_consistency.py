@@ -115,7 +115,7 @@ def test_a_grant_committed_while_its_key_is_being_demoted_stays_published(shm, t
 def test_a_saved_router_state_with_no_keys_keeps_its_positions(tmp_path) -> None:
     """A router whose daemons hold nothing yet (or whose blocks were all removed) saves its
     positions; started again it resumes from them instead of discarding the file."""
-    from kvtier.client.router import Router, RouterConfig
+    from kvtier.client.routing.router import Router, RouterConfig
 
     r = Router(RouterConfig())
     r.apply("t", L.WatchLocationsReply(epoch=5, node=L.NodeInfo(node_id="A", epoch=5, head_seq=7)))
@@ -170,7 +170,7 @@ def test_a_workers_device_blocks_go_with_its_session_even_if_it_reports_again_at
 
 def _ghost_state(path: str, target: str) -> list[bytes]:
     """A saved router state in which ``target`` served node "ghost", holding a few keys."""
-    from kvtier.client.router import Router, RouterConfig
+    from kvtier.client.routing.router import Router, RouterConfig
 
     ks = [key(100 + i) for i in range(4)]
     r = Router(RouterConfig())
@@ -188,7 +188,7 @@ def test_a_reloaded_state_forgets_nodes_no_configured_feed_serves(start_daemon, 
     """The router saved its index while it followed a daemon that is no longer configured
     (the static list changed, or its address left DNS while the router was down). Started
     again from that file, it must not keep routing to the old node's workers and blocks."""
-    from kvtier.client.router import Router, RouterConfig
+    from kvtier.client.routing.router import Router, RouterConfig
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -220,8 +220,8 @@ def test_the_route_server_refuses_bad_requests_with_clear_errors(tmp_path) -> No
     allows at most, an empty candidate name) and the server keeps serving."""
     import grpc
 
-    from kvtier.client.route_server import MAX_KEYS, RouterService
-    from kvtier.client.router import Router, RouterConfig
+    from kvtier.client.routing.route_server import MAX_KEYS, RouterService
+    from kvtier.client.routing.router import Router, RouterConfig
     from kvtier.proto import router_pb2 as R
     from kvtier.proto import router_pb2_grpc
 
@@ -342,7 +342,7 @@ def test_a_resumed_feed_ends_with_the_workers_a_fresh_subscriber_sees(start_daem
     events; it must end with the node's current workers, as a fresh subscriber does, not
     keep routing to the worker that is gone."""
     from kvtier.client import Sidecar
-    from kvtier.client.router import Router, RouterConfig
+    from kvtier.client.routing.router import Router, RouterConfig
 
     d = start_daemon("--node-id", "N", name="N", host_capacity="16MiB")
     path = str(tmp_path / "router.state")

@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier.client.engine import ExportError, KVConnector, KVConnectorError, SharedKVArena  # noqa: E402
-from kvtier.client.sidecar import Sidecar  # noqa: E402
+from kvtier.client.engine.sidecar import Sidecar  # noqa: E402
 from kvtier.tiers.copy_engine import CopyError, check_engine_ids, plan_chunks  # noqa: E402
 from kvtier.tiers.copy_engine import TensorRef as Ref  # noqa: E402
 from kvtier.tiers.layout import Layout  # noqa: E402

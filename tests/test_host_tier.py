@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import InvalidArgument, KvtierError, Sidecar
-from kvtier.client.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
+from kvtier.client.testing.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
 from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout, layout_to_proto
 

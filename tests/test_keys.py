@@ -5,7 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvtier.client.keys import ROOT_KEY, Namespace, as_key, block_keys
+from kvtier.client.engine.keys import ROOT_KEY, Namespace, as_key, block_keys
 
 
 def reference(tokens: list[int], block_tokens: int, ns: Namespace) -> list[bytes]:

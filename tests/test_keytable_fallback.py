@@ -16,7 +16,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import Sidecar
-from kvtier.client.sidecar import TABLE_RETRY_S
+from kvtier.client.engine.sidecar import TABLE_RETRY_S
 from kvtier.tiers.keytable import STATE_INVALID
 from kvtier.tiers.layout import Layout
 

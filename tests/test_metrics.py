@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import Sidecar
-from kvtier.client.local_daemon import DaemonProcess
+from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.client.replay import (
+from kvtier.client.tools.replay import (
     ReplayConfig,
     Replica,
     Request,

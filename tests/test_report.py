@@ -6,7 +6,7 @@ import json
 import socket
 
 from kvtier.client import Sidecar
-from kvtier.client.report import NodeReport, _recent, format_table, main
+from kvtier.client.tools.report import NodeReport, _recent, format_table, main
 from kvtier.tiers.layout import Layout
 
 BLOCK = 64 * 1024

@@ -15,12 +15,12 @@ import grpc
 import numpy as np
 import pytest
 
-from kvtier.client.index import LocationIndex
-from kvtier.client.keys import Namespace, block_keys
-from kvtier.client.local_daemon import DaemonProcess
-from kvtier.client.router import Router, RouterConfig
-from kvtier.client.scoring import Overlap, ScorerConfig
-from kvtier.client.sidecar import KvtierError, Sidecar
+from kvtier.client.routing.index import LocationIndex
+from kvtier.client.engine.keys import Namespace, block_keys
+from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.routing.router import Router, RouterConfig
+from kvtier.client.routing.scoring import Overlap, ScorerConfig
+from kvtier.client.engine.sidecar import KvtierError, Sidecar
 from kvtier.proto import locations_pb2, locations_pb2_grpc, router_pb2, router_pb2_grpc
 from kvtier.tiers.layout import Layout
 
@@ -163,7 +163,7 @@ def test_bad_device_reports_are_refused_and_change_nothing(daemon) -> None:
 
 def _route_server(tmp_path, daemons: dict[str, DaemonProcess], *extra: str) -> tuple[subprocess.Popen, str]:
     sock = str(tmp_path / "router.sock")
-    args = [sys.executable, "-m", "kvtier.client.route_server", "--listen", f"unix:{sock}"]
+    args = [sys.executable, "-m", "kvtier.client.routing.route_server", "--listen", f"unix:{sock}"]
     for d in daemons.values():
         args += ["--daemon", f"unix:{d.socket}"]
     log = open(tmp_path / "router.log", "ab")
@@ -440,7 +440,7 @@ def test_capacity_evictions_reach_the_index(start_daemon) -> None:
 def test_the_async_sidecar_reports_device_blocks_too(daemon) -> None:
     import asyncio
 
-    from kvtier.client.sidecar import AsyncSidecar
+    from kvtier.client.engine.sidecar import AsyncSidecar
 
     keys = session_keys(600, 4)
 

@@ -3,7 +3,7 @@
 One :class:`TierPolicy` is one node with one engine worker: which block keys each tier holds,
 in which recency order, and how blocks move between tiers when a request uses them. It is the
 placement policy of DESIGN.md written as a small pure class, so the trace replay
-(``kvtier.client.replay``) and the daemon can share one definition of it. Keys are any
+(``kvtier.client.tools.replay``) and the daemon can share one definition of it. Keys are any
 hashable values (the replay uses a trace's integer hash ids, the daemon key bytes).
 
 Contract

@@ -1,8 +1,8 @@
 """The cache-aware router: subscribes to many daemons' location feeds and ranks workers.
 
 Owns
-    * a :class:`~kvtier.client.index.LocationIndex` (the fold of every feed) and a
-      :class:`~kvtier.client.scoring.Scorer` (DESIGN.md's cost, tier weights from the
+    * a :class:`~kvtier.client.routing.index.LocationIndex` (the fold of every feed) and a
+      :class:`~kvtier.client.routing.scoring.Scorer` (DESIGN.md's cost, tier weights from the
       bandwidths each node publishes);
     * one feed per daemon: the static targets of :class:`RouterConfig` (``unix:/path`` or
       ``host:port``) and the addresses DNS names resolve to (re-resolved every
@@ -48,8 +48,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvtier.client.index import LocationIndex
-from kvtier.client.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
+from kvtier.client.routing.index import LocationIndex
+from kvtier.client.routing.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
 from kvtier.proto import TIER_NAMES, locations_pb2, locations_pb2_grpc
 
 log = logging.getLogger("kvtier.router")

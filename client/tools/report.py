@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from kvtier.client.sidecar import KvtierError, Sidecar
+from kvtier.client.engine.sidecar import KvtierError, Sidecar
 from kvtier.proto import TIER_NAMES
 
 TIERS = ("gpu", "host", "disk")

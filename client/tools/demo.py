@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.client.keys import Namespace, block_keys
-from kvtier.client.local_daemon import DaemonProcess
-from kvtier.client.sidecar import Sidecar
+from kvtier.client.engine.keys import Namespace, block_keys
+from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.engine.sidecar import Sidecar
 from kvtier.tiers.layout import Layout
 
 

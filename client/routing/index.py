@@ -36,7 +36,7 @@ Rows
 Overlaps
     :meth:`overlaps` returns, per worker, the leading run of a request's keys held on its
     GPU, in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``, as
-    :class:`~kvtier.client.scoring.Overlap`). Nothing past the first unknown key can count.
+    :class:`~kvtier.client.routing.scoring.Overlap`). Nothing past the first unknown key can count.
     Consecutive keys whose rows have equal bits are held alike, so the walk runs over the
     *segments* of equal rows (about 7 per request), not over the keys: one row gather, one
     comparison of neighbours, then, for every worker at once, its five columns (gpu, two
@@ -66,7 +66,7 @@ from operator import eq as _eq
 
 import numpy as np
 
-from kvtier.client.scoring import ScorerConfig
+from kvtier.client.routing.scoring import ScorerConfig
 
 TIERS = ("gpu", "host", "disk")
 ALWAYS = 0  # column set in every live row (the neutral element of an AND over columns)

@@ -1,4 +1,4 @@
-"""``kvtier route-server``: the :class:`~kvtier.client.router.Router` as a gRPC service.
+"""``kvtier route-server``: the :class:`~kvtier.client.routing.router.Router` as a gRPC service.
 
 Serves ``kvtier.v1.Router`` (``Route``, ``Finish``, ``Status``; see router.proto) on a unix
 socket or TCP address, for external routers and gateways; the Python API is the same
@@ -26,9 +26,9 @@ from typing import Any
 
 import grpc
 
-from kvtier.client.keys import Namespace, block_keys
-from kvtier.client.router import Decision, Router, RouterConfig, RouterError
-from kvtier.client.scoring import ScorerConfig
+from kvtier.client.engine.keys import Namespace, block_keys
+from kvtier.client.routing.router import Decision, Router, RouterConfig, RouterError
+from kvtier.client.routing.scoring import ScorerConfig
 from kvtier.proto import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("kvtier.route_server")

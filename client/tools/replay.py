@@ -2,7 +2,7 @@
 
 Replays a request trace in the Mooncake format (one JSON object a line, time-ordered:
 ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``, optional
-``session_id``) through the real routing cost (:class:`kvtier.client.scoring.Scorer`) and the
+``session_id``) through the real routing cost (:class:`kvtier.client.routing.scoring.Scorer`) and the
 real placement policy (:class:`kvtier.tiers.policy.TierPolicy`), as a simulation of metadata
 only: no payload bytes move, so an hour of traffic replays in seconds.
 
@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from kvtier.client.scoring import Load, Overlap, Scorer, ScorerConfig
+from kvtier.client.routing.scoring import Load, Overlap, Scorer, ScorerConfig
 from kvtier.tiers.policy import DISK, GPU, HOST, TIER_NAMES, TierPolicy
 
 POLICIES = ("round-robin", "random", "session", "prefix", "kvtier")

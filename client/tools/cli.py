@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvtier.client.sidecar import KvtierError, Sidecar
+from kvtier.client.engine.sidecar import KvtierError, Sidecar
 from kvtier.paths import default_socket_path
 
 
@@ -70,14 +70,14 @@ def stats_main(argv: Sequence[str]) -> int:
 
 #: command -> (one-line description, module with a ``main(argv) -> int``); imported on use
 COMMANDS = {
-    "stats": ("a daemon's tiers, layouts and counters", "kvtier.client.cli:stats_main"),
-    "demo": ("start a daemon and play a multi-turn workload; print hit rate by tier", "kvtier.client.demo:main"),
+    "stats": ("a daemon's tiers, layouts and counters", "kvtier.client.tools.cli:stats_main"),
+    "demo": ("start a daemon and play a multi-turn workload; print hit rate by tier", "kvtier.client.tools.demo:main"),
     "report": ("live hit rate by tier and node across daemons (--once --json for scripts)",
-               "kvtier.client.report:main"),
+               "kvtier.client.tools.report:main"),
     "route-server": ("serve cache-aware routing decisions over gRPC (kvtier.v1.Router)",
-                     "kvtier.client.route_server:main"),
+                     "kvtier.client.routing.route_server:main"),
     "replay": ("replay a Mooncake-format trace: hit rate by tier, replicas and router policy",
-               "kvtier.client.replay:main"),
+               "kvtier.client.tools.replay:main"),
 }
 
 

@@ -14,7 +14,7 @@ worker (queued blocks, then active requests), then to a stable hash of the reque
 and the worker id, so a new session lands on a spread-out but reproducible worker. Never a
 coin flip: the same inputs rank the same way in every process and run.
 
-This module is pure arithmetic: the index (``kvtier.client.index``) supplies the overlaps,
+This module is pure arithmetic: the index (``kvtier.client.routing.index``) supplies the overlaps,
 the router the loads, and the daemons the bandwidths. :meth:`Scorer.rank` works on
 mappings; :meth:`Scorer.costs` and :meth:`Scorer.order` are the same cost and order over
 numpy arrays of all workers at once (per-worker tier weights allowed), for the router's hot

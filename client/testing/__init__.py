@@ -1,0 +1,1 @@
+"""Test and benchmark support: start a real kvtierd in a subprocess (``DaemonProcess``)."""

@@ -1,0 +1,1 @@
+"""Operator tools: the ``kvtier`` CLI, ``kvtier report``, ``kvtier replay`` and the demo."""
