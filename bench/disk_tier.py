@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
-from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
 
 MiB = 1024 * 1024

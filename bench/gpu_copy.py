@@ -39,8 +39,8 @@ import torch
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client.engine import KVConnector, SharedKVArena
-from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.tiers.copy_engine import (
     OFFLOAD,
     ONBOARD,

@@ -49,8 +49,8 @@ import time
 import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
-from kvtier.client.testing.local_daemon import rss_bytes
 from kvtier.client.routing.router import Router, RouterConfig
+from kvtier.client.testing.local_daemon import rss_bytes
 from kvtier.proto import locations_pb2 as L
 from kvtier.proto import node_pb2 as N
 

@@ -9,7 +9,15 @@ import pytest
 
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig, RouterError, _FeedError
-from kvtier.client.routing.scoring import Load, Overlap, Scorer, ScorerConfig, tie_hash, tie_hashes, worker_digests
+from kvtier.client.routing.scoring import (
+    Load,
+    Overlap,
+    Scorer,
+    ScorerConfig,
+    tie_hash,
+    tie_hashes,
+    worker_digests,
+)
 from kvtier.proto import locations_pb2 as L
 from kvtier.proto import node_pb2 as N
 

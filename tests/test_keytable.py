@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from kvtier.client import InvalidArgument, KvtierError, Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.client.engine.sidecar import AsyncSidecar
+from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.tiers.keytable import (
     SPIN_LIMIT_S,
     TIER_BITS,

@@ -15,12 +15,12 @@ import grpc
 import numpy as np
 import pytest
 
-from kvtier.client.routing.index import LocationIndex
 from kvtier.client.engine.keys import Namespace, block_keys
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.engine.sidecar import KvtierError, Sidecar
+from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import Overlap, ScorerConfig
-from kvtier.client.engine.sidecar import KvtierError, Sidecar
+from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.proto import locations_pb2, locations_pb2_grpc, router_pb2, router_pb2_grpc
 from kvtier.tiers.layout import Layout
 

@@ -254,7 +254,7 @@ class CopyEngine(ABC):
     @abstractmethod
     def attach_pool(self, path: str, size: int) -> float: ...
 
-    def detach_pool(self, path: str) -> None:
+    def detach_pool(self, path: str) -> None:  # noqa: B027 - optional: only an engine that pins overrides it
         """One ``attach_pool`` of ``path`` is over (its registration closed); an engine that
         pinned the pool unpins it when the last one is. No copy may be in flight to it."""
 
