@@ -262,7 +262,7 @@ def test_router_killed_mid_stream_resumes_and_ends_equal_to_a_fresh_subscriber(t
     with np.load(state) as z:
         restarted = LocationIndex()
         restarted.load_state({k: z[k] for k in z.files if k != "router_meta"})
-    assert restarted.holdings() == fresh_holdings
+    assert restarted.locations() == fresh_holdings
     assert {n: (v.epoch, v.seq) for n, v in restarted.nodes.items()} == want
 
 
