@@ -556,7 +556,9 @@ class LocationIndex:
                 out[i:n] = list(map(get, keys[i:], repeat(-1, n - i)))
                 break
             span = n - i
-            if i and stored[r:r + span] == keys[i:]:  # (for i == 0 the test above failed)
+            if stored[r + 1:r + 2] != keys[i + 1:i + 2]:  # a run of one (scattered keys): no slices
+                run = 1
+            elif i and stored[r:r + span] == keys[i:]:  # (for i == 0 the test above failed)
                 run = span
             else:
                 # the run breaks somewhere: bisect for the first key not stored at its place
