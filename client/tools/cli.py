@@ -3,7 +3,7 @@
     kvtier stats [--socket PATH | --target HOST:PORT] [--json]   a daemon's state
     kvtier demo [...]                                           a real daemon and a multi-turn workload
     kvtier report --daemons A,B [--once --json]                 live hit rate by tier and node
-    kvtier route-server --daemons A,B [--dns NAME:PORT]         the router as a gRPC service
+    kvtier route-server --daemon A [--daemon B] [--dns H:P]     the router as a gRPC service
     kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
 
 Each command lives in its own module with a ``main(argv)``; see COMMANDS.
