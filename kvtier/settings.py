@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +210,19 @@ class Settings:
         if CONFIG in self.by_name:
             values[self.by_name[CONFIG].path] = cfg_path
         return _build(self.cls, values)
+
+    def load_or_exit(self, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+                     check: Callable[[Any], None] | None = None) -> Any:
+        """:meth:`load`, then ``check(settings)`` (which raises :class:`SettingsError`); on an
+        error, print it after the program's name and exit with status 2, as argparse does."""
+        try:
+            loaded = self.load(argv, env)
+            if check is not None:
+                check(loaded)
+        except SettingsError as e:
+            print(f"{self.prog}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return loaded
 
     def _load_file(self, path: str, values: dict[tuple[str, ...], Any]) -> None:
         try:

@@ -60,11 +60,16 @@ def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | No
     """Flags, variables (``env``, default ``os.environ``) and the TOML file; raises
     :class:`~kvtier.settings.SettingsError` for a value that cannot be used."""
     cfg: RouteServerConfig = SETTINGS.load(argv, env)
+    check_settings(cfg)
+    return cfg
+
+
+def check_settings(cfg: RouteServerConfig) -> None:
+    """Refuse a server with nothing to follow, or an unknown log level."""
     if not cfg.router.daemons and not cfg.router.dns:
         raise SettingsError("give at least one --daemon or --dns to subscribe to")
     if cfg.log_level.lower() not in LOG_LEVELS:
         raise SettingsError(f"--log-level: {cfg.log_level!r} is not debug, info, warning or error")
-    return cfg
 
 
 def request_keys(req: router_pb2.RouteRequest) -> list[bytes]:
@@ -162,11 +167,7 @@ async def serve(cfg: RouterConfig, listen: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        cfg = load_settings(argv)
-    except SettingsError as e:
-        print(f"kvtier route-server: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg: RouteServerConfig = SETTINGS.load_or_exit(argv, check=check_settings)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(serve(cfg.router, cfg.listen))
