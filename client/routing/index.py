@@ -126,6 +126,9 @@ class Rows(NamedTuple):
     indexed: int      # how many leading keys are indexed
 
 
+_rows = tuple.__new__  # a Rows without the Python-level constructor (rows() is on the routing path)
+
+
 class FoldError(Exception):
     """A feed message that does not follow its node's position: a gap or a duplicate in the
     event sequence, or events of another epoch. The feed must start again from a snapshot."""
@@ -413,11 +416,13 @@ class LocationIndex:
         if cols is None:  # a worker the plan does not know (yet)
             cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
             self._plan = None
-        if not isinstance(keys, list):
-            keys = list(keys)
         if found is None:
+            if not isinstance(keys, list):
+                keys = list(keys)
             found = self.rows(keys)
-        self._set(self._fill(keys, found.rows[1:len(keys) + 1], found.indexed), cols[self._spec_gen])
+        rows, indexed = found
+        rows = rows[1:len(keys) + 1]
+        self._set(rows if indexed == len(keys) else self._fill(keys, rows, indexed), cols[self._spec_gen])
 
     def expire(self, now: float) -> None:
         """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
@@ -540,7 +545,7 @@ class LocationIndex:
         if r is not None and stored[r:r + n] == keys:  # one run: the common case
             out = np.arange(r - 1, r + n + 1, dtype=np.int64)
             out[0] = out[n + 1] = -1
-            return Rows(out, n)
+            return _rows(Rows, (out, n))
         buf = np.empty(n + 2, dtype=np.int64)
         buf[0] = buf[n + 1] = -1
         out = buf[1:]
@@ -579,7 +584,7 @@ class LocationIndex:
                     run = same.index(False)
             out[i:i + run] = np.arange(r, r + run, dtype=np.int64)
             i += run
-        return Rows(buf, first_miss)
+        return _rows(Rows, (buf, first_miss))
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from kvtier.client.routing.scoring import Load
+from kvtier.client.routing.scoring import Load, Scorer
 
 
 @dataclass(slots=True)
@@ -36,12 +35,14 @@ class _Dispatched:
 
 
 class Loads:
-    """See the module docstring. ``load_cost(queued, active)`` is the scorer's load term
-    (:meth:`~kvtier.client.routing.scoring.Scorer.load_cost`, on arrays or numbers)."""
+    """See the module docstring; ``scorer`` prices the load (its
+    :meth:`~kvtier.client.routing.scoring.Scorer.load_cost`)."""
 
-    def __init__(self, load_ttl_s: float, load_cost: Callable[[Any, Any], Any]) -> None:
+    def __init__(self, load_ttl_s: float, scorer: Scorer) -> None:
         self.load_ttl_s = load_ttl_s
-        self._load_cost = load_cost
+        self._load_cost = scorer.load_cost
+        # the same term for one worker, inline: it is updated on every dispatch and finish
+        self._qw, self._aw = scorer.config.queued_weight, scorer.config.active_weight
         self._ids = itertools.count(1)
         self._dispatched: dict[int, _Dispatched] = {}
         self._order: deque[tuple[float, int]] = deque()  # (dispatched at, id), oldest first
@@ -126,4 +127,4 @@ class Loads:
                 q, a = max(q, rep[0]), max(a, rep[1])
             self.queued[i] = q
             self.active[i] = a
-            self.cost[i] = self._load_cost(q, a)
+            self.cost[i] = self._qw * q + self._aw * a

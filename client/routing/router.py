@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.client.routing.feed import Feeds, FeedStatus, Resolve
-from kvtier.client.routing.index import LocationIndex, Rows
+from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.loads import Loads
 from kvtier.client.routing.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
 from kvtier.proto import locations_pb2
@@ -146,7 +146,7 @@ class Router:
         self._feeds = Feeds(self.index, self._lock, daemons=cfg.daemons, dns=cfg.dns,
                             resolve_interval_s=cfg.resolve_interval_s, reconnect_min_s=cfg.reconnect_min_s,
                             reconnect_max_s=cfg.reconnect_max_s, subscriber=cfg.name, resolve=resolve)
-        self._loads = Loads(cfg.load_ttl_s, self.scorer.load_cost)
+        self._loads = Loads(cfg.load_ttl_s, self.scorer)
         self._w = _Workers()
 
     @property
@@ -193,8 +193,11 @@ class Router:
             cost, saved = self.scorer.costs(n, lead, lc, wts)
             order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
             decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
-            if dispatch:
-                self._dispatch(decision, keys, found, float(saved[order[0]]), now)
+            if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
+                best = order[0]
+                decision.decision_id = loads.dispatch(names[best], n - float(saved[best]), now)
+                if n:
+                    idx.speculate(names[best], keys, found)
             return decision
 
     def _select(self, candidates: Sequence[str]) -> np.ndarray:
@@ -205,13 +208,6 @@ class Router:
                 idx.add_external_worker(c)
         return np.fromiter((idx.worker(c).index for c in dict.fromkeys(candidates)),  # type: ignore[union-attr]
                            dtype=np.int64)
-
-    def _dispatch(self, decision: Decision, keys: list[bytes], found: Rows, saved: float, now: float) -> None:
-        best = decision.worker
-        assert best is not None
-        decision.decision_id = self._loads.dispatch(best, decision.n_blocks - saved, now)
-        if keys:
-            self.index.speculate(best, keys, found)
 
     def _workers(self) -> _Workers:
         """The per-worker arrays of the index's current plan."""
