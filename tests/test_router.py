@@ -163,6 +163,8 @@ def test_bad_device_reports_are_refused_and_change_nothing(daemon) -> None:
 
 def _route_server(tmp_path, daemons: dict[str, DaemonProcess], *extra: str) -> tuple[subprocess.Popen, str]:
     sock = str(tmp_path / "router.sock")
+    if os.path.exists(sock):  # left by a server killed with SIGKILL: wait for the new one's, not this
+        os.unlink(sock)
     args = [sys.executable, "-m", "kvtier.client.routing.route_server", "--listen", f"unix:{sock}"]
     for d in daemons.values():
         args += ["--daemon", f"unix:{d.socket}"]
