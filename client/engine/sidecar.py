@@ -60,6 +60,7 @@ from kvtier.client.engine.transport import (
     Locked,
     Op,
     Transport,
+    one_call,
     restarted,
 )
 from kvtier.proto import locations_pb2, node_pb2
@@ -142,11 +143,6 @@ def _tiers(reply: node_pb2.LookupReply) -> list[str | None]:
 
 def _tier_masks(tiers: list[str | None]) -> np.ndarray:
     return np.array([TIER_BITS[t] if t else 0 for t in tiers], dtype=np.uint8)
-
-
-def _reply(call: Call) -> Op[Any]:
-    """The operation of one call: its reply."""
-    return (yield call)
 
 
 @dataclass
@@ -282,17 +278,17 @@ class _SidecarCore:
 
     def _lookup_rpc(self, info: _LayoutInfo, keys: list[bytes]) -> Op[list[str | None]]:
         call = Call("node", "Lookup", node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys))
-        return _tiers((yield from self._recovering(lambda: _reply(call))))
+        return _tiers((yield from self._recovering(lambda: one_call(call))))
 
     def _evict(self, layout_id: int, keys: Sequence[bytes]) -> Op[int]:
         info, keys = self._info(layout_id), _check_keys(keys)
         call = Call("node", "Evict", node_pb2.EvictRequest(layout_id=info.daemon_id, keys=keys))
-        return (yield from self._recovering(lambda: _reply(call))).evicted
+        return (yield from self._recovering(lambda: one_call(call))).evicted
 
     def _prefetch(self, layout_id: int, keys: Sequence[bytes]) -> Op[int]:
         info, keys = self._info(layout_id), _check_keys(keys)
         call = Call("node", "Prefetch", node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys))
-        return (yield from self._recovering(lambda: _reply(call))).promoted
+        return (yield from self._recovering(lambda: one_call(call))).promoted
 
     def _report_device_blocks(self, layout_id: int, stored: Sequence[bytes], removed: Sequence[bytes],
                               worker_id: str | None, clear: bool) -> Op[int]:

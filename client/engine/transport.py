@@ -292,6 +292,11 @@ Step = Call | Background | Locked | str
 Op = Generator[Step, Any, T]
 
 
+def one_call(call: Call) -> Op[Any]:
+    """The operation of one call: its reply."""
+    return (yield call)
+
+
 def restarted(error: KvtierError, session: _Session) -> Op[bool]:
     """Whether a FAILED_PRECONDITION or UNAVAILABLE answer means the session is gone with the
     daemon it lived on (UNAVAILABLE; its stream ended; the daemon answers with another
