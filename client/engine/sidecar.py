@@ -49,6 +49,7 @@ import grpc
 import numpy as np
 
 from kvtier.client.engine.transport import (
+    RESTART_CODES,
     SESSION,
     SETTLE,
     AsyncTransport,
@@ -341,7 +342,7 @@ class _SidecarCore:
         try:
             return (yield from once())
         except KvtierError as e:
-            if e.code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
+            if e.code not in RESTART_CODES:
                 raise
             first = e
         gone = yield from restarted(first, self._transport.session)

@@ -26,10 +26,12 @@ Owned here, once:
   - :data:`SESSION`: the session id, opening the stream if none is open;
   - :class:`Background`: send an RPC without waiting for it (``settle=True``: the next
     :data:`SETTLE` waits for it and raises its error; else its outcome is ignored);
-  - :data:`SETTLE`: wait for the background calls to settle, raising the first error that
-    is not the session being gone (its pins went with it);
+  - :data:`SETTLE`: wait for the ``settle=True`` background calls, raising the first error
+    that is not the session being gone (its pins went with it);
   - :class:`Locked`: run another operation holding the transport's lock (which the session
     opening takes too: such an operation must not yield :data:`SESSION`).
+
+  :func:`one_call` is the operation of a single :class:`Call`.
 
   :meth:`Transport.run` performs the steps with blocking calls; :meth:`AsyncTransport.run`
   awaits them. That is the only difference between the blocking and the asyncio clients.
@@ -76,9 +78,9 @@ def socket_path(path: str | None = None) -> str:
     return path.removeprefix("unix:")
 
 
-def resolve_target(socket: str | None = None, target: str | None = None) -> str:
-    """The gRPC target: ``target`` as given, else ``unix:`` + :func:`socket_path` of ``socket``."""
-    return target or f"unix:{socket_path(socket)}"
+def resolve_target(path: str | None = None, target: str | None = None) -> str:
+    """The gRPC target: ``target`` as given, else ``unix:`` + :func:`socket_path` of ``path``."""
+    return target or f"unix:{socket_path(path)}"
 
 
 def default_client_name(prefix: str = "") -> str:
@@ -159,7 +161,6 @@ class _Session:
         self.session_id = 0
         self.node_id = ""
         self.epoch = 0  # kept when the session is dropped: a later answer is compared with it
-        self.reclaim_deadline_s = 0.0
 
     @property
     def alive(self) -> bool:
@@ -178,7 +179,6 @@ class _Session:
         self.session_id = msg.opened.session_id
         self.node_id = msg.opened.node_id
         self.epoch = msg.opened.epoch
-        self.reclaim_deadline_s = msg.opened.reclaim_deadline_s
         return self.session_id
 
 
@@ -330,9 +330,9 @@ class _Transport:
 
     session: Any
 
-    def __init__(self, socket: str | None, target: str | None, client_name: str | None, timeout: float,
+    def __init__(self, path: str | None, target: str | None, client_name: str | None, timeout: float,
                  channel: Any) -> None:
-        self.target = resolve_target(socket, target)
+        self.target = resolve_target(path, target)
         self.client_name = client_name or default_client_name()
         self.timeout = timeout
         self.channel = channel(self.target, options=CHANNEL_OPTIONS)
@@ -419,9 +419,9 @@ class _Transport:
 class Transport(_Transport):
     """The blocking transport: a ``grpc.Channel``, thread-safe."""
 
-    def __init__(self, socket: str | None = None, *, target: str | None = None, client_name: str | None = None,
+    def __init__(self, path: str | None = None, *, target: str | None = None, client_name: str | None = None,
                  timeout: float = 60.0) -> None:
-        super().__init__(socket, target, client_name, timeout, grpc.insecure_channel)
+        super().__init__(path, target, client_name, timeout, grpc.insecure_channel)
         self._lock = threading.RLock()
         self.session = SessionStream(self.node, self.client_name, self._lock)
 
@@ -456,9 +456,9 @@ class Transport(_Transport):
 class AsyncTransport(_Transport):
     """The asyncio transport: a ``grpc.aio.Channel``, used from one event loop."""
 
-    def __init__(self, socket: str | None = None, *, target: str | None = None, client_name: str | None = None,
+    def __init__(self, path: str | None = None, *, target: str | None = None, client_name: str | None = None,
                  timeout: float = 60.0) -> None:
-        super().__init__(socket, target, client_name, timeout, grpc.aio.insecure_channel)
+        super().__init__(path, target, client_name, timeout, grpc.aio.insecure_channel)
         self._lock = asyncio.Lock()
         self.session = AsyncSessionStream(self.node, self.client_name, self._lock)
 
