@@ -36,9 +36,9 @@ class Op(enum.Enum):
 class Place(enum.Enum):
     """Where payload bytes move from or to."""
 
-    GPU = "gpu"
-    HOST = "host"
-    DISK = "disk"
+    GPU = Tier.GPU.label
+    HOST = Tier.HOST.label
+    DISK = Tier.DISK.label
     CLIENT = "client"  # a client process on this node, through the host pool
 
 

@@ -97,7 +97,7 @@ STATE_LIVE, STATE_RETIRED, STATE_CLOSED, STATE_INVALID = 1, 2, 3, 4
 #: tier label -> its bit in a slot's ``tiers`` (bit ``Tier.rank``: gpu 1, host 2, disk 4)
 TIER_BITS: dict[str, int] = {t.label: 1 << t.rank for t in TIERS}
 TIER_ORDER = TIER_LABELS  # fastest first
-FAST_BITS = TIER_BITS["gpu"] | TIER_BITS["host"]
+FAST_BITS = TIER_BITS[Tier.GPU.label] | TIER_BITS[Tier.HOST.label]
 
 INITIAL_SLOTS = 1 << 16
 PRESIZE_MAX_SLOTS = 1 << 22      # 160 MiB of table; beyond this the table grows on demand

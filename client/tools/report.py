@@ -35,6 +35,7 @@ from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.vocab import TIER_LABELS, Tier
 
 TIERS = TIER_LABELS
+STORED_TIERS = (Tier.HOST.label, Tier.DISK.label)  # the tiers a daemon holds bytes in: occupancy columns
 #: ``--op`` -> the Stats reply's CountedOp
 OPS = {"lookup": node_pb2.COUNTED_OP_LOOKUP, "acquire": node_pb2.COUNTED_OP_ACQUIRE}
 
@@ -220,22 +221,22 @@ def _gib(b: int) -> str:
 
 
 def format_table(nodes: Sequence[NodeReport], recent: dict[str, float | None] | None = None) -> str:
-    head = ["node", "target", "asked_blocks", "gpu", "host", "disk", "hit_rate", "reuse_tokens"]
+    head = ["node", "target", "asked_blocks", *TIERS, "hit_rate", "reuse_tokens"]
     if recent is not None:
         head.append("hit_rate_recent")
-    head += ["host_GiB", "disk_GiB"]
+    head += [f"{t}_GiB" for t in STORED_TIERS]
     lines = [head]
     for n in [*nodes, fleet_total(nodes)]:
         if not n.reachable:
             lines.append([n.node_id or "?", n.target, f"unreachable: {n.error}"[:60]])
             continue
         by = n.hit_rate_by_tier()
-        row = [n.node_id, n.target, f"{n.asked_blocks:,}", _pct(by["gpu"]), _pct(by["host"]), _pct(by["disk"]),
+        row = [n.node_id, n.target, f"{n.asked_blocks:,}", *(_pct(by[t]) for t in TIERS),
                _pct(n.hit_rate()), _pct(n.reuse_share())]
         if recent is not None:
             r = recent.get(n.target)
             row.append("-" if r is None else _pct(r))
-        for tier in ("host", "disk"):
+        for tier in STORED_TIERS:
             row.append(f"{_gib(n.used_bytes[tier])}/{_gib(n.capacity_bytes[tier])}" if tier in n.capacity_bytes else "-")
         lines.append(row)
     widths = [max(len(r[i]) for r in lines if i < len(r) and len(r) == len(head)) for i in range(len(head))]
