@@ -1,8 +1,9 @@
 """The words every part of kvtier shares: tiers, keys, and a block's identity.
 
 Defined once here (``kvtier.tiers`` imports nothing of the daemon or client, so every part can
-import this), used by the store, the services, the location index, the scorer, the replay,
-metrics and reports alike.
+import this): the daemon (store, placement, gpu tier, services, metrics), the tiers (host,
+disk, key table, placement policy) and ``kvtier report`` take their tiers, key limits and
+block ids from it.
 
 * :class:`Tier`: where a block lives, fastest first. Its values are the wire enum's
   (``kvtier.v1.Tier``: ``TIER_GPU = 1`` ...), so a conversion is ``Tier(msg.tier)``; its
