@@ -58,7 +58,8 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from kvtier.client.routing.scoring import Load, Overlap, Scorer, ScorerConfig
-from kvtier.tiers.policy import DISK, GPU, HOST, TIER_NAMES, TierPolicy
+from kvtier.tiers.policy import DISK, GPU, HOST, TierPolicy
+from kvtier.tiers.vocab import TIER_LABELS as TIER_NAMES
 
 POLICIES = ("round-robin", "random", "session", "prefix", "kvtier")
 #: the Dynamo-like ``prefix`` policy's fixed tier weights
@@ -212,7 +213,7 @@ def make_router(policy: str, cfg: ReplayConfig, n: int) -> Router:
             nblk = len(req.keys)
             costs = []
             for rep in reps:
-                ov = Overlap.from_ranks(rep.policy.leading_ranks(req.keys))
+                ov = Overlap.from_ranks(t.rank for t in rep.policy.leading_ranks(req.keys))
                 held = ov.gpu + PREFIX_HOST_WEIGHT * (ov.host - ov.gpu) + PREFIX_DISK_WEIGHT * (ov.disk - ov.host)
                 costs.append(nblk - held + queued_blocks(rep, now) + rep.active_blocks)
             best = min(costs)
@@ -223,7 +224,7 @@ def make_router(policy: str, cfg: ReplayConfig, n: int) -> Router:
         names = [str(i) for i in range(n)]
 
         def kvtier(req: Request, now: float, reps: list[Replica]) -> int:
-            overlaps = {w: Overlap.from_ranks(rep.policy.leading_ranks(req.keys)) for w, rep in zip(names, reps, strict=True)}
+            overlaps = {w: Overlap.from_ranks(t.rank for t in rep.policy.leading_ranks(req.keys)) for w, rep in zip(names, reps, strict=True)}
             loads = {w: Load(queued_blocks(rep, now), len(rep.active)) for w, rep in zip(names, reps, strict=True)}
             last = req.keys[-1].to_bytes(16, "little", signed=True) if req.keys else b""
             return int(scorer.rank(len(req.keys), names, overlaps, loads, last)[0].worker)
@@ -241,7 +242,7 @@ def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas
     choose = make_router(policy, cfg, replicas)
     reps = [Replica(cfg) for _ in range(replicas)]
     bt = cfg.block_tokens
-    load_s = [cfg.block_load_s(t) for t in (GPU, HOST, DISK)]
+    load_s = {t: cfg.block_load_s(t) for t in (GPU, HOST, DISK)}
     ttft = np.empty(len(requests))
     hits = [0, 0, 0]
     total_blocks = 0
