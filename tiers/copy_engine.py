@@ -590,7 +590,7 @@ class CudaCopyEngine(CopyEngine):
                 pool.close()
                 raise
             # unified addressing: the registered mapping's device address is its host address
-            # (LIMITS.md: a CuPy kernel wrote through the plain host pointer on the H200)
+            # (the measured limits, shared/LIMITS.md: a CuPy kernel wrote through the plain host pointer on the H200)
             self._pools[path] = _CudaPool(pool, ptr, ptr)
             self.pin_s_per_gib = (time.perf_counter() - t0) / (size / GIB)
             return self.pin_s_per_gib

@@ -71,7 +71,7 @@ from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import ScorerConfig
 from kvtier.proto import locations_pb2 as L
-from kvtier.tiers.policy import DISK, GPU, HOST, TierPolicy
+from kvtier.tiers.policy import TierPolicy
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
 POLICIES = ("round-robin", "random", "session", "prefix", "kvtier")
@@ -195,19 +195,19 @@ class SimulatedNode:
     """One replica's node: its tiers (a :class:`~kvtier.tiers.policy.TierPolicy`) and the
     location feed a daemon would publish for them (to ``feed``, when given).
 
-    The adapter to ``TierPolicy``: the replay uses its API here and nowhere else. What changed
-    in a tier during a request is found from its blocks in least-recently-used order (its
-    ``tiers``): a request of ``n`` blocks stores at most ``n`` new ones in a tier, so what
-    leaves is among the ``2n`` least recent before it; what enters is among the request's
-    blocks and host's leavers (demoted to disk). Where the counts do not add up, the whole
-    tier is compared with what was published instead."""
+    The adapter to ``TierPolicy``: the replay uses its API here and nowhere else (``access``,
+    ``victims``, ``tiers``, ``counts``). What changed in a tier during a request is found from
+    its blocks in least-recently-used order (``victims``): a request of ``n`` blocks stores at
+    most ``n`` new ones in a tier, so what leaves is among the ``2n`` least recent before it;
+    what enters is among the request's blocks and host's leavers (demoted to disk). Where the
+    counts do not add up, the whole tier is compared with what was published instead."""
 
     def __init__(self, cfg: ReplayConfig, node_id: str, worker_id: str, feed: Feed | None = None) -> None:
         self.node_id, self.worker_id = node_id, worker_id
         self._policy = TierPolicy(cfg.blocks(cfg.gpu_tokens), cfg.blocks(cfg.host_tokens),
                                   cfg.blocks(cfg.disk_tokens), cfg.demote_min_seen)
         self._feed = feed
-        self._published: tuple[set[bytes], ...] = (set(), set(), set())
+        self._published: dict[Tier, set[bytes]] = {t: set() for t in TIERS}
         self._seq = 0
         if feed is not None:
             info = L.NodeInfo(node_id=node_id, epoch=1)
@@ -222,19 +222,19 @@ class SimulatedNode:
     def access(self, keys: list[bytes]) -> tuple[int, int, int]:
         """Serve one request: blocks of its leading run found in gpu, host and disk. Every
         block it used is then held (``TierPolicy.access``); the changes go to the feed."""
+        policy = self._policy
         if self._feed is None:
-            ranks = self._policy.access(keys)
+            ranks = policy.access(keys)
         else:
-            tiers = self._policy.tiers
-            fronts = [list(islice(od, 2 * len(keys) + 2)) for od in tiers]
-            ranks = self._policy.access(keys)
-            self._publish(list(dict.fromkeys([*keys, *fronts[HOST]])), fronts)
-        return ranks.count(GPU), ranks.count(HOST), ranks.count(DISK)
+            fronts = {t: list(islice(policy.victims(t), 2 * len(keys) + 2)) for t in TIERS}
+            ranks = policy.access(keys)
+            self._publish(list(dict.fromkeys([*keys, *fronts[Tier.HOST]])), fronts)
+        return ranks.count(Tier.GPU), ranks.count(Tier.HOST), ranks.count(Tier.DISK)
 
-    def _publish(self, entering: list[bytes], fronts: list[list[bytes]]) -> None:
+    def _publish(self, entering: list[bytes], fronts: dict[Tier, list[bytes]]) -> None:
         batch = L.EventBatch()
-        tiers = (Tier.GPU, Tier.HOST, Tier.DISK)  # the order of TierPolicy.tiers: GPU, HOST, DISK
-        for tier, od, pub, front in zip(tiers, self._policy.tiers, self._published, fronts, strict=True):
+        for tier in TIERS:
+            od, pub, front = self._policy.tiers[tier], self._published[tier], fronts[tier]
             stored = [k for k in entering if k in od and k not in pub]
             gone = len(pub) + len(stored) - len(od)  # how many left, if all that entered is in stored
             removed = list(islice((k for k in front if k not in od), gone)) if gone > 0 else []
@@ -255,7 +255,7 @@ class SimulatedNode:
 
     def tiers(self) -> tuple[set[bytes], ...]:
         """What gpu, host and disk hold now (for tests)."""
-        return tuple(set(od) for od in self._policy.tiers)
+        return tuple(set(self._policy.tiers[t]) for t in TIERS)
 
     def counts(self) -> tuple[list[int], int, int]:
         """(evictions from gpu, host, disk; demotions; promotions) so far."""
