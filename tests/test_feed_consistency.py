@@ -22,7 +22,6 @@ from kvtier.daemon.counters import Count
 from kvtier.daemon.events import EventKind, LocationEvent, LocationLog
 from kvtier.daemon.keytable import KeyTablePublisher
 from kvtier.daemon.store import BlockStore, StoreError
-from kvtier.proto import TIER_BY_NAME
 from kvtier.proto import locations_pb2 as L
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
@@ -181,7 +180,7 @@ def _ghost_state(path: str, target: str) -> list[bytes]:
     r.apply(target, L.WatchLocationsReply(epoch=5, node=L.NodeInfo(node_id="ghost", epoch=5, head_seq=1)))
     r.apply(target, L.WatchLocationsReply(epoch=5, snapshot=L.SnapshotPart(
         at_seq=1, first=True, last=True,
-        entries=[L.LocationEvent(seq=1, kind=L.STORED, tier=TIER_BY_NAME["host"], fingerprint=b"f" * 16, keys=ks)])))
+        entries=[L.LocationEvent(seq=1, kind=L.STORED, tier=int(Tier.HOST), fingerprint=b"f" * 16, keys=ks)])))
     assert r.holdings("ghost")
     r.save_state(path)
     return ks

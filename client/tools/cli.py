@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.client.engine.sidecar import KvtierError, Sidecar
-from kvtier.paths import default_socket_path
+from kvtier.client.engine.transport import socket_path
 
 
 def _fmt_bytes(n: float) -> str:
@@ -36,7 +36,7 @@ def stats_main(argv: Sequence[str]) -> int:
     ap.add_argument("--target", help="gRPC target instead of a socket, e.g. node7:7070")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ns = ap.parse_args(argv)
-    path = ns.socket or os.environ.get("KVTIER_SOCKET") or default_socket_path()
+    path = socket_path(ns.socket)
     if not ns.target and not os.path.exists(path):
         print(f"kvtier stats: no daemon socket at {path}; is kvtierd running? (--socket PATH)", file=sys.stderr)
         return 1
