@@ -26,6 +26,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.errors import Code, StoreError, check_keys
@@ -41,24 +42,25 @@ SESSION_CHECK_S = 1.0  # how often device blocks of ended sessions are looked fo
 GPU = Tier.GPU
 
 
+@dataclass(eq=False)
 class DeviceTier:
     """See the module docstring."""
 
-    def __init__(self, layouts: Layouts, sessions: Sessions, observers: Observers, counters: Counters,
-                 max_keys: int) -> None:
-        self.layouts = layouts
-        self.sessions = sessions
-        self.observers = observers
-        self.counters = counters
-        self.max_keys = max_keys
-        self.held: dict[str, dict[bytes, set[bytes]]] = {}     # worker -> fingerprint -> keys on device
-        self.bound: dict[str, dict[bytes, int]] = {}           # worker -> fingerprint -> reporting session
-        self._holders: Counter[bytes] = Counter()              # packed block id -> workers holding it
-        self._per_fp: Counter[bytes] = Counter()               # fingerprint -> blocks some worker holds
-        self.version = 0                                       # bumped when workers or their layouts change
+    layouts: Layouts
+    sessions: Sessions
+    observers: Observers
+    counters: Counters
+    max_keys: int
+    held: dict[str, dict[bytes, set[bytes]]] = field(default_factory=dict)  # worker -> fingerprint -> keys
+    bound: dict[str, dict[bytes, int]] = field(default_factory=dict)  # worker -> fingerprint -> reporting session
+    _holders: Counter[bytes] = field(default_factory=Counter)  # packed block id -> workers holding it
+    _per_fp: Counter[bytes] = field(default_factory=Counter)   # fingerprint -> blocks some worker holds
+    version: int = 0                                            # bumped when workers or their layouts change
+
+    def __post_init__(self) -> None:
         # cleared the moment the session closes: a successor engine reporting under the same
         # worker id right after must not inherit the dead engine's blocks
-        sessions.end_hooks.append(self._session_ended)
+        self.sessions.end_hooks.append(self._session_ended)
 
     # -- reads -----------------------------------------------------------------------------
 

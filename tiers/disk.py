@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 import lmdb
 import xxhash
 
-from kvtier.tiers.host import punch_hole
+from kvtier.tiers.host import PinnedTier, hide_entry, punch_hole, take_unpinned
 from kvtier.tiers.layout import SLOT_ALIGN
 from kvtier.tiers.vocab import fingerprint_of
 
@@ -154,7 +154,7 @@ class WritePlan:
         return [e for e in self.entries if e is not None]
 
 
-class DiskTier:
+class DiskTier(PinnedTier[DiskEntry]):
     """Slots, index and pins of the disk tier (see the module docstring)."""
 
     def __init__(self, directory: str, capacity: int = 0, queue_depth: int = 8, map_size: int = 0) -> None:
@@ -283,18 +283,8 @@ class DiskTier:
 
     # -- reads ----------------------------------------------------------------------------
 
-    def get(self, bkey: bytes) -> DiskEntry | None:
-        return self.entries.get(bkey)
-
-    def pin(self, entry: DiskEntry) -> None:
-        entry.pins += 1
-
-    def unpin(self, entry: DiskEntry) -> None:
-        if entry.pins <= 0:
-            raise RuntimeError(f"unpin of a disk entry with no pins (slot {entry.slot})")
-        entry.pins -= 1
-        if entry.pins == 0 and entry.removed:
-            entry.slab.free.append(entry.slot)
+    def _reclaim(self, entry: DiskEntry) -> None:
+        entry.slab.free.append(entry.slot)
 
     def submit_read(self, entries: Sequence[DiskEntry], dests: Sequence[memoryview]) -> list[Future[ReadOutcome]]:
         """Read each entry's slot into ``dests[i]`` (page-aligned, ``slot_bytes`` long) and verify it;
@@ -364,21 +354,13 @@ class DiskTier:
     def _evict_one(self, order: Iterator[bytes]) -> DiskEntry | None:
         """The next candidate that is an unpinned visible entry (passed-over candidates stay
         passed over for the rest of one ``plan_write``)."""
-        for bkey in order:
-            entry = self.entries.get(bkey)
-            if entry is not None and entry.pins == 0:
-                self._hide(entry)
-                entry.removed = True
-                return entry
-        return None
+        entry = take_unpinned(self.entries, self.per_fp, order)
+        if entry is not None:
+            entry.removed = True
+        return entry
 
     def _hide(self, entry: DiskEntry) -> None:
-        del self.entries[entry.bkey]
-        entry.visible = False
-        fp = fingerprint_of(entry.bkey)
-        self.per_fp[fp] -= 1
-        if not self.per_fp[fp]:
-            del self.per_fp[fp]
+        hide_entry(self.entries, self.per_fp, entry)
 
     def submit_write(self, plan: WritePlan, sources: Sequence[memoryview]) -> Future[None]:
         """Run the batch on the writer thread: one source (page-aligned, ``slot_bytes`` long) per

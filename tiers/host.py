@@ -36,8 +36,9 @@ import ctypes.util
 import mmap
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -91,6 +92,66 @@ class PoolMapping:
             self.mm.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with the last one
+
+
+E = TypeVar("E", bound="Pinned")
+
+
+class Pinned(Protocol):
+    """A host or disk entry, as :class:`PinnedTier` and :func:`take_unpinned` see it."""
+
+    bkey: bytes
+    visible: bool
+    pins: int
+    removed: bool
+    slot: int
+
+
+def hide_entry(entries: dict[bytes, Any], per_fp: Counter[bytes], entry: Pinned) -> None:
+    """Take a host or disk entry out of its tier's lookups (its slot is the caller's to free)."""
+    del entries[entry.bkey]
+    entry.visible = False
+    fp = fingerprint_of(entry.bkey)
+    per_fp[fp] -= 1
+    if not per_fp[fp]:
+        del per_fp[fp]
+
+
+def take_unpinned(entries: dict[bytes, E], per_fp: Counter[bytes], order: Iterable[bytes],
+                  usable: Callable[[E], bool] = lambda e: True) -> E | None:
+    """Hide and return the first entry of ``order`` (the policy's victims, best first) that is
+    held, unpinned and ``usable``; candidates passed over are left as they are."""
+    for bkey in order:
+        entry = entries.get(bkey)
+        if entry is not None and entry.pins == 0 and usable(entry):
+            hide_entry(entries, per_fp, entry)
+            return entry
+    return None
+
+
+class PinnedTier(Generic[E]):
+    """Lookups and pins of a tier's visible entries (host and disk alike): an entry removed
+    while pinned keeps its slot until its last pin goes, then ``_reclaim`` frees the slot."""
+
+    entries: dict[bytes, E]
+
+    def get(self, bkey: bytes) -> E | None:
+        return self.entries.get(bkey)
+
+    def pin(self, entry: E) -> None:
+        entry.pins += 1
+
+    error: type[Exception] = RuntimeError  # what an unpin without a pin raises
+
+    def unpin(self, entry: E) -> None:
+        if entry.pins <= 0:
+            raise self.error(f"unpin of an entry with no pins (slot {entry.slot})")
+        entry.pins -= 1
+        if entry.pins == 0 and entry.removed:
+            self._reclaim(entry)
+
+    def _reclaim(self, entry: E) -> None:
+        raise NotImplementedError
 
 
 class HostTierError(Exception):
@@ -159,8 +220,10 @@ class Reservation:
     backing: BackingJob
 
 
-class HostTier:
+class HostTier(PinnedTier[HostEntry]):
     """Slots and pins of the host pool (see the module docstring for the contract)."""
+
+    error = HostTierError
 
     def __init__(self, shm_dir: str, capacity: int, name_prefix: str) -> None:
         self.shm_dir = shm_dir
@@ -233,18 +296,8 @@ class HostTier:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def get(self, bkey: bytes) -> HostEntry | None:
-        return self.entries.get(bkey)
-
-    def pin(self, entry: HostEntry) -> None:
-        entry.pins += 1
-
-    def unpin(self, entry: HostEntry) -> None:
-        if entry.pins <= 0:
-            raise HostTierError(f"unpin of an entry with no pins (slot {entry.slot})")
-        entry.pins -= 1
-        if entry.pins == 0 and entry.removed:
-            self._free_slot(entry)
+    def _reclaim(self, entry: HostEntry) -> None:
+        self._free_slot(entry)
 
     # -- writes --------------------------------------------------------------------------
 
@@ -303,21 +356,11 @@ class HostTier:
         own class's, or another class's whose memory may be released (not GPU-registered).
         Candidates passed over stay passed over for the rest of one ``reserve`` (nothing
         changes their pins or classes meanwhile)."""
-        for bkey in order:
-            entry = self.entries.get(bkey)
-            if entry is not None and entry.pins == 0 and (
-                    entry.cls is needy or entry.cls.slot_bytes not in self._registered):
-                self._hide(entry)
-                return entry
-        return None
+        return take_unpinned(self.entries, self.per_fp, order,
+                             lambda e: e.cls is needy or e.cls.slot_bytes not in self._registered)
 
     def _hide(self, entry: HostEntry) -> None:
-        del self.entries[entry.bkey]
-        entry.visible = False
-        fp = fingerprint_of(entry.bkey)
-        self.per_fp[fp] -= 1
-        if not self.per_fp[fp]:
-            del self.per_fp[fp]
+        hide_entry(self.entries, self.per_fp, entry)
 
     def finish_eviction(self) -> None:
         """Release the memory of victims taken from other size classes (after demotion)."""
