@@ -36,18 +36,22 @@ tells layouts and ranks apart.
 ``clear()``: kvtier has no delete-by-namespace; each shard keeps a random 16-byte key epoch in
 kvtierd (a small marker block), hashed into every key. ``clear()`` replaces it, so nothing
 stored before is visible again; the old pages age out by LRU. Other processes serving the same
-shard pick the new epoch up within ``kvtier_epoch_refresh_s``. A marker lost to eviction or a
-daemon restart is replaced by a new epoch: the cache starts cold, never stale.
+shard pick the new epoch up within ``kvtier_epoch_refresh_s``. The marker is stored durably
+where the daemon has a disk tier (it survives a restart with the pages on disk); a marker lost
+anyway is replaced by a new epoch: the cache starts cold, never stale.
 
-Failures: a daemon that is down, restarting or refusing never raises into SGLang's cache
+Failures: a daemon that is gone, restarting or stuck never raises into SGLang's cache
 controller: the call answers misses (``False`` per page, 0 pages present), the failure is
 counted (:meth:`KvtierHiCacheStorage.kvtier_stats`), and for ``kvtier_retry_s`` later calls
 answer misses at once; then a connect to the unix socket (microseconds) says whether to try
-the daemon again. Configuration errors (an unsupported pool or layout) raise at attach.
+the daemon again, through a new sidecar, re-reading the key epoch. The first call after the
+daemon dies waits up to ``kvtier_timeout_s``. Configuration errors (an unsupported pool or
+layout) raise at attach.
 
 SGLang is not a dependency of kvtier. With SGLang importable the class derives from its
-``HiCacheStorage`` (the factory checks); without it from a stand-in with the same methods, so
-this module imports, and the backend runs, anywhere kvtier and torch do (the tests use that).
+``HiCacheStorage`` (the factory checks); without it from a stand-in (the class implements
+every method itself), so this module imports, and the backend runs, anywhere kvtier and torch
+do (the tests use that).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ except ImportError as _torch_missing:  # pragma: no cover - the torch extra is w
 
 from kvtier.client.engine.keys import Namespace
 from kvtier.client.engine.sidecar import Sidecar
-from kvtier.client.engine.transport import KvtierError, Unavailable, socket_path
+from kvtier.client.engine.transport import FailedPrecondition, KvtierError, Unavailable, socket_path
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, TensorSpec
 
 try:
@@ -261,8 +265,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         self._marker_key = hashlib.blake2b(b"epoch", digest_size=16, key=self._shard_digest).digest()
         self.mem_pool_host: Any = None
         self.layout: Layout | None = None
-        self._sc = Sidecar(self.config.socket, target=self.config.target, timeout=self.config.timeout_s,
-                           client_name=f"sglang-hicache:tp{storage_config.tp_rank}:pid{os.getpid()}")
+        self._sc = self._new_sidecar()
         self._lock = threading.RLock()     # readiness, epoch, down state
         self._stats_lock = threading.Lock()
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -272,6 +275,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         self._epoch: bytes | None = None
         self._epoch_digest = b""
         self._epoch_at = 0.0
+        self._marker_durable = True
         self._down_until = 0.0
         self._down = False
         self.last_error = ""
@@ -443,6 +447,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         with self._stats_lock:
             out: dict = dict(self._counts)
         out.update(ready=bool(self._lid and self._epoch), down=self._down, last_error=self.last_error,
+                   epoch=self._epoch.hex() if self._epoch else "",
                    layout_fingerprint=self.layout.fingerprint.hex() if self.layout else "", shard=self.shard)
         return out
 
@@ -466,6 +471,8 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
             if not self._reachable():  # a connect, not a call that would wait for the daemon
                 self._failed("connect", Unavailable(f"nothing listens at {self._sc.target}"))
                 return False
+            if self._down:
+                self._renew_sidecar()
             try:
                 self._connect(now)
             except Exception as e:
@@ -476,8 +483,29 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
             self._down = False
             return True
 
+    def _new_sidecar(self) -> Sidecar:
+        return Sidecar(self.config.socket, target=self.config.target, timeout=self.config.timeout_s,
+                       client_name=f"sglang-hicache:tp{self.storage_config.tp_rank}:pid{os.getpid()}")
+
+    def _renew_sidecar(self) -> None:
+        """After an outage, talk to the daemon through a new sidecar: new registrations, pool
+        mappings and session. (A sidecar whose own restart recovery failed while the daemon was
+        down can open a session on the restarted daemon and read its lease offsets from the old
+        daemon's pool mapping; a new one cannot.) The old one is closed once a call still on it
+        has surely ended (its deadline, twice over)."""
+        old, self._sc = self._sc, self._new_sidecar()
+        self._lid = self._marker_lid = 0
+
+        def close_old() -> None:
+            with contextlib.suppress(Exception):
+                old.close()
+
+        t = threading.Timer(2 * self.config.timeout_s + 1.0, close_old)
+        t.daemon = True
+        t.start()
+
     def _connect(self, now: float) -> None:
-        if not self._lid:
+        if not (self._lid and self._marker_lid):  # (registering again is a no-op in the sidecar)
             self._lid = self._sc.register_layout(self.layout)
             self._marker_lid = self._sc.register_layout(Layout.flat(EPOCH_BYTES, block_tokens=1, name="sglang.epoch"))
         if self._epoch is None or now >= self._epoch_at:
@@ -487,11 +515,22 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         """The shard's key epoch as kvtierd holds it, storing a new random one if it holds none."""
         got = self._sc.get(self._marker_lid, [self._marker_key])[0]
         if got is None:
-            self._sc.put(self._marker_lid, [self._marker_key], [os.urandom(EPOCH_BYTES)])
+            self._put_marker(os.urandom(EPOCH_BYTES))
             got = self._sc.get(self._marker_lid, [self._marker_key])[0]  # another process's may have won
             if got is None:
                 raise Unavailable("the key epoch marker could not be stored")
         return bytes(got)
+
+    def _put_marker(self, epoch: bytes) -> None:
+        """Store the epoch marker, on disk where the daemon has a disk tier (it outlives a restart
+        there, with the pages on disk)."""
+        if self._marker_durable:
+            try:
+                self._sc.put(self._marker_lid, [self._marker_key], [epoch], durable=True)
+                return
+            except FailedPrecondition:  # no disk tier
+                self._marker_durable = False
+        self._sc.put(self._marker_lid, [self._marker_key], [epoch])
 
     def _set_epoch(self, epoch: bytes) -> None:
         if self._epoch is not None and epoch != self._epoch:
@@ -528,6 +567,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
                 logger.warning("kvtier %s failed (%s); answering misses, retrying in %.1fs", op, e, self.config.retry_s)
             self._down = True
             self._down_until = time.monotonic() + self.config.retry_s
+            self._epoch_at = 0.0  # re-read the epoch when the daemon is back (it may have restarted)
 
     def _missed(self, keys: Sequence[str]) -> list[bool]:
         if self._down:

@@ -198,6 +198,13 @@ def flip_last_byte(pool, page: int) -> None:
     pool.kv_buffer.view(torch.uint8).reshape(-1)[(last + 1) * v.element_size() - 1] ^= 1
 
 
+def eventually(ok, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.1)
+
+
 def backend(socket: str, kind: str = "mha", layout: str = "layer_first", pool=None, **kw) -> KvtierHiCacheStorage:
     be = KvtierHiCacheStorage(make_config(socket, kind, layout, **kw), {})
     be.register_mem_pool_host(pool if pool is not None else make_pool(kind, layout))
@@ -421,8 +428,9 @@ def test_daemon_down_means_misses_then_recovery(tmp_path) -> None:
         d2 = DaemonProcess(str(tmp_path), host_capacity="16MiB")  # the same socket path, a new daemon
         d2.start()
         try:
-            time.sleep(0.4)
-            assert be.batch_set_v1(keys + fresh, host_indices([0, 1, 2, 3, 4, 5])) == [True] * 6
+            fill_random(src, 13)  # new bytes: a read from the old daemon's pool would show
+            # back within retry_s of the daemon answering (polled: this machine may be loaded)
+            eventually(lambda: be.batch_set_v1(keys + fresh, host_indices([0, 1, 2, 3, 4, 5])) == [True] * 6)
             assert rd.batch_exists(keys + fresh) == 6
             assert rd.batch_get_v1(keys, host_indices([5, 6, 7])) == [True] * 3
             assert_pages_equal(dst, [5, 6, 7], src, [0, 1, 2])
@@ -433,6 +441,31 @@ def test_daemon_down_means_misses_then_recovery(tmp_path) -> None:
             d2.cleanup()
     finally:
         d.cleanup()
+
+
+def test_durable_pages_and_epoch_survive_a_daemon_restart(start_daemon, tmp_path) -> None:
+    """With a disk tier and kvtier_durable, a backup is on disk when it returns; the shard's key
+    epoch is kept on disk too, so an engine started after the daemon restarted (a killed one,
+    here) finds the pages, byte-exact."""
+    disk = ["--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "16MiB"]
+    d = start_daemon(*disk, host_capacity="8MiB")
+    src = make_pool("mla", "page_first")
+    fill_random(src, 15)
+    be = backend(d.socket, "mla", "page_first", src, kvtier_durable=True)
+    keys = page_keys(3, "durable")
+    assert be.batch_set_v1(keys, host_indices([1, 2, 3])) == [True] * 3
+    epoch = be.kvtier_stats()["epoch"]
+    be.close()
+    d.kill()
+    d2 = start_daemon(*disk, host_capacity="8MiB", name="restarted")
+    dst = make_pool("mla", "page_first")
+    rd = backend(d2.socket, "mla", "page_first", dst)
+    try:
+        assert rd.batch_exists(keys) == 3 and rd.kvtier_stats()["epoch"] == epoch
+        assert rd.batch_get_v1(keys, host_indices([7, 8, 9])) == [True] * 3
+        assert_pages_equal(dst, [7, 8, 9], src, [1, 2, 3])
+    finally:
+        rd.close()
 
 
 def test_daemon_absent_at_attach(tmp_path) -> None:
