@@ -86,7 +86,12 @@ class StandInPool:
 
 def real_pool(kind: str, layout: str):
     """SGLang's own host pool, built on the CPU (as SGLang's assembler would from device buffers)."""
-    warnings.filterwarnings("ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SGLang warns about its CUDA kernels being absent
+        return _real_pool(kind, layout)
+
+
+def _real_pool(kind: str, layout: str):
     if kind == "mha":
         from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
