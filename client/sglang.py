@@ -1,0 +1,666 @@
+"""SGLang HiCache L3 storage on the node's kvtierd: :class:`KvtierHiCacheStorage`.
+
+SGLang loads it with its "dynamic" storage backend (docs/sglang.md)::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+    --hicache-storage-backend-extra-config '{"backend_name":"kvtier","module_path":"kvtier.client.sglang",
+        "class_name":"KvtierHiCacheStorage","interface_v1":1}'
+
+SGLang's storage factory constructs it as ``KvtierHiCacheStorage(storage_config, kwargs)`` and
+then calls ``register_mem_pool_host(host_pool)`` with its ``MHATokenToKVPoolHost`` or
+``MLATokenToKVPoolHost``. With ``interface_v1`` its cache controller calls:
+
+* ``batch_exists(keys)``: how many leading pages are stored; answered from the daemon's
+  shared-memory key table (:meth:`Sidecar.prefix_length`), no RPC;
+* ``batch_get_v1(keys, host_indices)`` / ``batch_set_v1(keys, host_indices)``: copy pages
+  between the host pool (page ``i`` starts at host row ``host_indices[i * page_size]``) and
+  kvtier's host pool; per-page success.
+
+A page's bytes are the host pool's own flat page (``get_data_page(index, flat=True)``): for the
+``layer_first`` layout the page's rows of every layer's K and V, for ``page_first`` the page's
+K rows then its V rows (MLA: one contiguous run), for ``page_first_direct`` the page's block.
+The copy goes through the page's view (``get_data_page(index, flat=False)``): a contiguous page
+is read by the sidecar straight out of, or written straight into, SGLang's pool (one copy);
+a strided one goes through a reusable staging buffer. A get writes only the pages the daemon
+holds: a miss leaves its page untouched.
+
+Keys. SGLang's page keys are strings (chained page hashes) that name tokens, not a model or a
+shard; the backend maps each to a 16-byte kvtier key with blake2b keyed by the namespace
+(:class:`~kvtier.client.engine.keys.Namespace`: model and tenant), the shard (pipeline stage;
+tensor-parallel rank and size, which MLA models leave out: their KV is replicated across TP
+ranks; context-parallel and decode-context-parallel ranks) and the key epoch (below). The
+kvtier :class:`~kvtier.tiers.layout.Layout` is the host pool's buffer (dtype, shape, the
+page or token dimension, the layout name) with the TP rank and size, so its fingerprint, too,
+tells layouts and ranks apart.
+
+``clear()``: kvtier has no delete-by-namespace; each shard keeps a random 16-byte key epoch in
+kvtierd (a small marker block), hashed into every key. ``clear()`` replaces it, so nothing
+stored before is visible again; the old pages age out by LRU. Other processes serving the same
+shard pick the new epoch up within ``kvtier_epoch_refresh_s``. The marker is stored durably
+where the daemon has a disk tier (it survives a restart with the pages on disk); a marker lost
+anyway is replaced by a new epoch: the cache starts cold, never stale.
+
+Failures: a daemon that is gone, restarting or stuck never raises into SGLang's cache
+controller: the call answers misses (``False`` per page, 0 pages present), the failure is
+counted (:meth:`KvtierHiCacheStorage.kvtier_stats`), and for ``kvtier_retry_s`` later calls
+answer misses at once; then a connect to the unix socket (microseconds) says whether to try
+the daemon again, through a new sidecar, re-reading the key epoch. The first call after the
+daemon dies waits up to ``kvtier_timeout_s``. Configuration errors (an unsupported pool or
+layout) raise at attach.
+
+SGLang is not a dependency of kvtier. With SGLang importable the class derives from its
+``HiCacheStorage`` (the factory checks); without it from a stand-in (the class implements
+every method itself), so this module imports, and the backend runs, anywhere kvtier and torch
+do (the tests use that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+try:
+    import torch
+except ImportError as _torch_missing:  # pragma: no cover - the torch extra is what this module needs
+    raise ImportError("kvtier.client.sglang copies SGLang's torch host pools and needs torch: "
+                      "pip install 'kvtier[torch]' (SGLang brings torch with it)") from _torch_missing
+
+from kvtier.client.engine.keys import Namespace
+from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.engine.transport import FailedPrecondition, KvtierError, Unavailable, socket_path
+from kvtier.tiers.layout import DTYPE_BYTES, Layout, TensorSpec
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _HiCacheStorageBase
+    SGLANG_IMPORT_ERROR: ImportError | None = None
+except ImportError as _sglang_missing:  # kvtier never requires SGLang
+    SGLANG_IMPORT_ERROR = _sglang_missing
+
+    class _HiCacheStorageBase:  # type: ignore[no-redef]
+        """Stand-in for ``sglang.srt.mem_cache.hicache_storage.HiCacheStorage`` where SGLang is not
+        importable (install SGLang, e.g. ``pip install sglang``, in the engine's environment to
+        load this backend from SGLang)."""
+
+        def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+            self.mem_pool_host = mem_pool_host
+
+SGLANG_AVAILABLE = SGLANG_IMPORT_ERROR is None
+
+__all__ = ["SGLANG_AVAILABLE", "BackendConfig", "KvtierHiCacheStorage", "page_layout", "shard_identity"]
+
+logger = logging.getLogger(__name__)
+
+KEY_SCHEME = "sglang-hicache/1"
+EPOCH_BYTES = 16
+PAGE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # tested; others are refused
+_PROBE_TIMEOUT_S = 0.2
+# answers that mean the daemon is gone, restarting or stuck (the sidecar already retried once);
+# others (no room, a bad argument) fail the call alone
+_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+def _flag(v: Any) -> bool:
+    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """The ``kvtier_*`` keys of ``--hicache-storage-backend-extra-config`` (docs/sglang.md)."""
+
+    socket: str | None = None        # kvtier_socket: the daemon's unix socket (else $KVTIER_SOCKET, the default)
+    target: str | None = None        # kvtier_target: a gRPC target instead (no key table: lookups are RPCs)
+    model: str = ""                  # kvtier_model: the namespace's model id (else SGLang's model name)
+    tenant: str = ""                 # kvtier_tenant: tenant salt; tenants never share pages
+    timeout_s: float = 5.0           # kvtier_timeout_s: one daemon call
+    retry_s: float = 5.0             # kvtier_retry_s: after a failure, answer misses this long
+    staging_bytes: int = 64 << 20    # kvtier_staging_mib: bytes copied per daemon call (and staging)
+    durable: bool = False            # kvtier_durable: puts return once the pages are on disk
+    epoch_refresh_s: float = 10.0    # kvtier_epoch_refresh_s: re-read the shard's key epoch this often
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None, model_name: str | None) -> BackendConfig:
+        e = extra or {}
+        return cls(
+            socket=e.get("kvtier_socket") or None,
+            target=e.get("kvtier_target") or None,
+            model=str(e.get("kvtier_model") or model_name or ""),
+            tenant=str(e.get("kvtier_tenant") or ""),
+            timeout_s=float(e.get("kvtier_timeout_s", cls.timeout_s)),
+            retry_s=float(e.get("kvtier_retry_s", cls.retry_s)),
+            staging_bytes=max(1, int(float(e.get("kvtier_staging_mib", cls.staging_bytes >> 20)) * (1 << 20))),
+            durable=_flag(e.get("kvtier_durable", False)),
+            epoch_refresh_s=float(e.get("kvtier_epoch_refresh_s", cls.epoch_refresh_s)),
+        )
+
+
+def shard_identity(storage_config: Any) -> dict:
+    """What tells this rank's pages from other ranks' (HiCacheStorageConfig fields): the pipeline
+    stage; the TP rank and size unless the model is MLA (its KV is replicated across TP ranks,
+    one rank writes and all read); context-parallel and DCP ranks where they split pages."""
+    c = storage_config
+    ident: dict = {"pp": [int(c.pp_rank), int(c.pp_size)]}
+    if not c.is_mla_model:
+        ident["tp"] = [int(c.tp_rank), int(c.tp_size)]
+    if int(getattr(c, "attn_cp_size", 1)) > 1:
+        ident["cp"] = [int(c.attn_cp_rank), int(c.attn_cp_size)]
+    if int(getattr(c, "dcp_size", 1)) > 1:
+        ident["dcp"] = [int(c.dcp_rank), int(c.dcp_size), int(c.logical_page_size or 0)]
+    return ident
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _block_dim(buffer: torch.Tensor, page: torch.Tensor, page_size: int, pool_size: int) -> tuple[int, bool]:
+    """The dimension of ``buffer`` the page view ``page`` cuts, and whether it is token-indexed
+    (``page_size`` rows of ``pool_size``) rather than page-indexed (one of the pages)."""
+    if buffer.dim() != page.dim():
+        raise ValueError(f"page view {tuple(page.shape)} is not a slice of buffer {tuple(buffer.shape)}")
+    cut = [d for d in range(buffer.dim()) if buffer.shape[d] != page.shape[d]]
+    if len(cut) != 1:
+        raise ValueError(f"page view {tuple(page.shape)} is not a slice along one dimension of "
+                         f"buffer {tuple(buffer.shape)}")
+    d = cut[0]
+    if page.shape[d] == page_size and buffer.shape[d] == pool_size:
+        return d, True
+    if page.shape[d] == 1:
+        return d, False
+    raise ValueError(f"page view cuts dimension {d} to {page.shape[d]}; expected {page_size} rows or one page")
+
+
+def page_layout(host_pool: Any, storage_config: Any) -> Layout:
+    """The kvtier layout of one SGLang page of ``host_pool`` for this rank.
+
+    One tensor, the pool's ``kv_buffer`` (dtype and shape as allocated; the page or token
+    dimension found from the pool's own page view), named after the model kind, the host layout
+    and the pool's storage format tag, with the TP rank and size (MLA: 0 and 1, shared by all
+    ranks). Its block is the page's flat bytes."""
+    buffer = getattr(host_pool, "kv_buffer", None)
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(f"{type(host_pool).__name__} has no single kv_buffer tensor; kvtier stores the plain "
+                         f"MHA/MLA KV pool (layouts {', '.join(PAGE_LAYOUTS)})")
+    page = host_pool.get_data_page(0, flat=False)
+    d, token_indexed = _block_dim(buffer, page, int(host_pool.page_size), int(host_pool.size))
+    name = ".".join(filter(None, ["sglang", "mla" if storage_config.is_mla_model else "mha", host_pool.layout,
+                                  getattr(host_pool, "storage_format_tag", None)]))
+    dtype, shape = _dtype_name(buffer.dtype), tuple(int(x) for x in buffer.shape)
+    if dtype not in DTYPE_BYTES:  # described as bytes; the dtype stays in the name
+        name, shape = f"{name}.{dtype}", (*shape[:-1], shape[-1] * buffer.element_size())
+        dtype = "uint8"
+    mla = bool(storage_config.is_mla_model)
+    tp_rank, tp_size = (0, 1) if mla else (int(storage_config.tp_rank), int(storage_config.tp_size))
+    layout = Layout((TensorSpec(name, dtype, shape, d, token_indexed),), int(host_pool.page_size), tp_rank, tp_size)
+    if layout.block_bytes != page.numel() * page.element_size():
+        raise ValueError(f"layout block {layout.block_bytes} bytes != page view {page.numel() * page.element_size()}")
+    return layout
+
+
+# -- byte views -----------------------------------------------------------------------------------
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a flat uint8 array over the same memory."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _as_typed(arr: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """Flat bytes ``arr`` as a tensor shaped and typed like ``like`` (same memory)."""
+    return torch.from_numpy(arr).view(like.dtype).view(like.shape)
+
+
+class _Staging(threading.local):
+    """A per-thread buffer strided pages are gathered into (puts) and scattered from (gets)."""
+
+    buf: np.ndarray | None = None
+
+    def slots(self, n: int, size: int) -> list[np.ndarray]:
+        if self.buf is None or self.buf.size < n * size:
+            self.buf = np.empty(n * size, dtype=np.uint8)
+        return [self.buf[i * size:(i + 1) * size] for i in range(n)]
+
+
+# -- the backend ----------------------------------------------------------------------------------
+
+_COUNTERS = ("exists_calls", "exists_pages", "exists_hit_pages", "get_pages", "get_hit_pages", "set_pages",
+             "set_stored_pages", "set_present_pages", "set_failed_pages", "daemon_failures", "errors",
+             "skipped_while_down_pages", "epoch_changes")
+
+
+class KvtierHiCacheStorage(_HiCacheStorageBase):
+    """SGLang ``HiCacheStorage`` on kvtierd (module docstring). ``storage_config`` is SGLang's
+    ``HiCacheStorageConfig`` (or an object with its fields); ``kwargs`` what the factory passes."""
+
+    def __init__(self, storage_config: Any, kwargs: dict | None = None) -> None:
+        if SGLANG_IMPORT_ERROR is not None:
+            logger.info("SGLang is not importable here (%s): KvtierHiCacheStorage runs on a stand-in base; "
+                        "SGLang itself loads it only where SGLang is installed", SGLANG_IMPORT_ERROR)
+        if getattr(storage_config, "should_split_heads", False):
+            raise ValueError("kvtier does not store split-head pages (tp_lcm_size): drop tp_lcm_size from the "
+                             "extra config")
+        self.storage_config = storage_config
+        self.config = BackendConfig.from_extra_config(getattr(storage_config, "extra_config", None),
+                                                      getattr(storage_config, "model_name", None))
+        if not self.config.model:
+            logger.warning("kvtier: no model name from SGLang and no kvtier_model: pages are shared by every "
+                           "model of this tenant with the same KV geometry; set kvtier_model")
+        self.namespace = Namespace(self.config.model, self.config.tenant)
+        self.shard = shard_identity(storage_config)
+        blob = json.dumps({"scheme": KEY_SCHEME, "shard": self.shard}, sort_keys=True, separators=(",", ":"))
+        self._shard_digest = hashlib.blake2b(blob.encode(), digest_size=32, key=self.namespace.digest()).digest()
+        self._marker_key = hashlib.blake2b(b"epoch", digest_size=16, key=self._shard_digest).digest()
+        self.mem_pool_host: Any = None
+        self.layout: Layout | None = None
+        self._sc = self._new_sidecar()
+        self._lock = threading.RLock()     # readiness, epoch, down state
+        self._stats_lock = threading.Lock()
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                                          "backup_bandwidth": []}
+        self._lid = self._marker_lid = 0
+        self._epoch: bytes | None = None
+        self._epoch_digest = b""
+        self._epoch_at = 0.0
+        self._marker_durable = True
+        self._down_until = 0.0
+        self._down = False
+        self.last_error = ""
+        self._staging = _Staging()
+
+    # -- registration ---------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take SGLang's host KV pool; raises (failing the attach) for a pool or layout kvtier
+        cannot store."""
+        layout_name = getattr(mem_pool_host, "layout", None)
+        if layout_name not in PAGE_LAYOUTS:
+            raise ValueError(f"kvtier supports the host layouts {', '.join(PAGE_LAYOUTS)}, not {layout_name!r}: "
+                             f"set --hicache-mem-layout")
+        layout = page_layout(mem_pool_host, self.storage_config)
+        super().register_mem_pool_host(mem_pool_host)
+        self.mem_pool_host, self.layout = mem_pool_host, layout
+        self._page_len = int(getattr(mem_pool_host, "logical_page_size", mem_pool_host.page_size))
+        self._chunk = max(1, self.config.staging_bytes // layout.block_bytes)
+        self._ready()  # registers now if the daemon is up; otherwise on a later call
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Hybrid models' extra pools (Mamba, SWA, indexer) are not stored: refused at attach."""
+        if str(host_pool_name) == "kv" and (self.mem_pool_host is None or host_pool is self.mem_pool_host):
+            if self.mem_pool_host is None:
+                self.register_mem_pool_host(host_pool)
+            return
+        raise NotImplementedError(f"kvtier stores the KV pool only (HiCache v1 interface); pool "
+                                  f"{host_pool_name!s} of a hybrid model is not supported")
+
+    def on_host_pools_registered(self) -> None:
+        pass
+
+    # -- SGLang's v1 interface -------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages of ``keys`` are stored (in any kvtier tier), from the key table."""
+        self._count(exists_calls=1, exists_pages=len(keys))
+        if not keys or not self._ready():
+            return 0
+        try:
+            n = self._sc.prefix_length(self._lid, self._keys(keys))[1]
+        except Exception as e:
+            self._failed("batch_exists", e)
+            return 0
+        self._count(exists_hit_pages=n)
+        return n
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Copy the stored pages into the host pool at ``host_indices``; per page, whether it was
+        found and copied (a miss leaves its page as it was)."""
+        self._count(get_pages=len(keys))
+        pages = self._pages(keys, host_indices)
+        if pages is None or not keys or not self._ready():
+            return self._missed(keys)
+        t0 = time.perf_counter()
+        try:
+            ok = self._get_pages(self._keys(keys), pages)
+        except Exception as e:
+            self._failed("batch_get_v1", e)
+            return [False] * len(keys)
+        self._count(get_hit_pages=sum(ok))
+        self._metric("prefetch", len(keys), time.perf_counter() - t0)
+        return ok
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Store the host pool's pages at ``host_indices`` under ``keys``; per page, whether it is
+        stored now (written, or already held)."""
+        self._count(set_pages=len(keys))
+        pages = self._pages(keys, host_indices)
+        if pages is None or not keys or not self._ready():
+            self._count(set_failed_pages=len(keys))
+            return self._missed(keys)
+        t0 = time.perf_counter()
+        try:
+            ok = self._set_pages(self._keys(keys), pages)
+        except Exception as e:
+            self._failed("batch_set_v1", e)
+            self._count(set_failed_pages=len(keys))
+            return [False] * len(keys)
+        self._count(set_failed_pages=len(ok) - sum(ok))
+        self._metric("backup", len(keys), time.perf_counter() - t0)
+        return ok
+
+    # -- the interface's other (older) methods: flat pages as tensors ------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Flat pages (``get_dummy_flat_data_page`` tensors, filled on a hit; new ones where a
+        target is None); None per miss."""
+        self._count(get_pages=len(keys))
+        if not keys or not self._ready():
+            self._missed(keys)
+            return [None] * len(keys)
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        outs = [t if t is not None else self._flat_page() for t in targets]
+        if len(outs) != len(keys) or not all(self._is_flat_page(t) for t in outs):
+            self._count(errors=1)
+            logger.error("kvtier batch_get: targets must be %d contiguous CPU tensors of %d bytes",
+                         len(keys), self.layout.block_bytes if self.layout else 0)
+            return [None] * len(keys)
+        try:
+            got = self._sc.get(self._lid, self._keys(keys), out=[_bytes_of(t) for t in outs])
+        except Exception as e:
+            self._failed("batch_get", e)
+            return [None] * len(keys)
+        self._count(get_hit_pages=sum(g is not None for g in got))
+        return [t if g is not None else None for t, g in zip(outs, got, strict=True)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store flat pages (``get_data_page(index)`` tensors); True if all are stored."""
+        self._count(set_pages=len(keys))
+        vals = list(values) if values is not None else []
+        if not keys or not self._ready() or len(vals) != len(keys):
+            self._count(set_failed_pages=len(keys))
+            return False
+        try:
+            res = self._sc.put(self._lid, self._keys(keys), [v.contiguous() for v in vals], durable=self.config.durable)
+        except Exception as e:
+            self._failed("batch_set", e)
+            self._count(set_failed_pages=len(keys))
+            return False
+        self._count(set_stored_pages=res.stored, set_present_pages=res.present, set_failed_pages=len(res.dropped))
+        return not res.dropped
+
+    def clear(self) -> bool:
+        """Make every page stored so far invisible (a new key epoch for this shard; module docstring)."""
+        if not self._ready():
+            return False
+        try:
+            with self._lock:
+                self._sc.evict(self._marker_lid, [self._marker_key])
+                self._set_epoch(self._load_epoch())
+        except Exception as e:
+            self._failed("clear", e)
+            return False
+        logger.info("kvtier: storage cleared (new key epoch for shard %s)", self.shard)
+        return True
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (pages and GB/s per prefetch and backup since the last call)
+        when storage metrics are on; else None. kvtier's counters: :meth:`kvtier_stats`."""
+        if not getattr(self.storage_config, "enable_storage_metrics", False):
+            return None
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:
+            return None
+        m = StorageMetrics()
+        with self._stats_lock:
+            for name, values in self._metrics.items():
+                getattr(m, name).extend(values)
+                values.clear()
+        return m
+
+    def kvtier_stats(self) -> dict:
+        """Counters of this backend (pages asked, found, stored; daemon failures; misses answered
+        while the daemon was down) and its state."""
+        with self._stats_lock:
+            out: dict = dict(self._counts)
+        out.update(ready=bool(self._lid and self._epoch), down=self._down, last_error=self.last_error,
+                   epoch=self._epoch.hex() if self._epoch else "",
+                   layout_fingerprint=self.layout.fingerprint.hex() if self.layout else "", shard=self.shard)
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._sc.close()
+
+    # -- readiness, epochs, failures ----------------------------------------------------------
+
+    def _ready(self) -> bool:
+        """Registered with the daemon and holding the shard's key epoch (doing both when the
+        daemon is reachable); False while down (misses are answered without calling)."""
+        if self.layout is None:
+            return False
+        now = time.monotonic()
+        if self._epoch is not None and not self._down and now < self._epoch_at:
+            return True
+        with self._lock:
+            if self._down and now < self._down_until:
+                return False
+            if not self._reachable():  # a connect, not a call that would wait for the daemon
+                self._failed("connect", Unavailable(f"nothing listens at {self._sc.target}"))
+                return False
+            if self._down:
+                self._renew_sidecar()
+            try:
+                self._connect(now)
+            except Exception as e:
+                self._failed("connect", e)
+                return False
+            if self._down:
+                logger.info("kvtier: daemon reachable again at %s", self._sc.target)
+            self._down = False
+            return True
+
+    def _new_sidecar(self) -> Sidecar:
+        return Sidecar(self.config.socket, target=self.config.target, timeout=self.config.timeout_s,
+                       client_name=f"sglang-hicache:tp{self.storage_config.tp_rank}:pid{os.getpid()}")
+
+    def _renew_sidecar(self) -> None:
+        """After an outage, talk to the daemon through a new sidecar: new registrations, pool
+        mappings and session. (A sidecar whose own restart recovery failed while the daemon was
+        down can open a session on the restarted daemon and read its lease offsets from the old
+        daemon's pool mapping; a new one cannot.) The old one is closed once a call still on it
+        has surely ended (its deadline, twice over)."""
+        old, self._sc = self._sc, self._new_sidecar()
+        self._lid = self._marker_lid = 0
+
+        def close_old() -> None:
+            with contextlib.suppress(Exception):
+                old.close()
+
+        t = threading.Timer(2 * self.config.timeout_s + 1.0, close_old)
+        t.daemon = True
+        t.start()
+
+    def _connect(self, now: float) -> None:
+        if not (self._lid and self._marker_lid):  # (registering again is a no-op in the sidecar)
+            self._lid = self._sc.register_layout(self.layout)
+            self._marker_lid = self._sc.register_layout(Layout.flat(EPOCH_BYTES, block_tokens=1, name="sglang.epoch"))
+        if self._epoch is None or now >= self._epoch_at:
+            self._set_epoch(self._load_epoch())
+
+    def _load_epoch(self) -> bytes:
+        """The shard's key epoch as kvtierd holds it, storing a new random one if it holds none."""
+        got = self._sc.get(self._marker_lid, [self._marker_key])[0]
+        if got is None:
+            self._put_marker(os.urandom(EPOCH_BYTES))
+            got = self._sc.get(self._marker_lid, [self._marker_key])[0]  # another process's may have won
+            if got is None:
+                raise Unavailable("the key epoch marker could not be stored")
+        return bytes(got)
+
+    def _put_marker(self, epoch: bytes) -> None:
+        """Store the epoch marker, on disk where the daemon has a disk tier (it outlives a restart
+        there, with the pages on disk)."""
+        if self._marker_durable:
+            try:
+                self._sc.put(self._marker_lid, [self._marker_key], [epoch], durable=True)
+                return
+            except FailedPrecondition:  # no disk tier
+                self._marker_durable = False
+        self._sc.put(self._marker_lid, [self._marker_key], [epoch])
+
+    def _set_epoch(self, epoch: bytes) -> None:
+        if self._epoch is not None and epoch != self._epoch:
+            self._count(epoch_changes=1)
+        self._epoch = epoch
+        self._epoch_digest = hashlib.blake2b(epoch, digest_size=32, key=self._shard_digest).digest()
+        self._epoch_at = time.monotonic() + self.config.epoch_refresh_s
+
+    def _reachable(self) -> bool:
+        """Whether something accepts connections on the daemon's unix socket (True for other targets)."""
+        if self.config.target:
+            return True
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(_PROBE_TIMEOUT_S)
+        try:
+            s.connect(socket_path(self.config.socket))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def _failed(self, op: str, e: BaseException) -> None:
+        """A call that failed: the daemon being gone or stuck marks it down for ``retry_s``; other
+        failures (no room, a bad argument, a bug) fail the call alone and are logged."""
+        self.last_error = f"{op}: {e}"
+        if not isinstance(e, KvtierError) or e.code not in _DOWN_CODES:
+            self._count(errors=1)
+            logger.warning("kvtier %s failed: %s", op, e, exc_info=not isinstance(e, KvtierError))
+            return
+        self._count(daemon_failures=1)
+        with self._lock:
+            if not self._down:
+                logger.warning("kvtier %s failed (%s); answering misses, retrying in %.1fs", op, e, self.config.retry_s)
+            self._down = True
+            self._down_until = time.monotonic() + self.config.retry_s
+            self._epoch_at = 0.0  # re-read the epoch when the daemon is back (it may have restarted)
+
+    def _missed(self, keys: Sequence[str]) -> list[bool]:
+        if self._down:
+            self._count(skipped_while_down_pages=len(keys))
+        return [False] * len(keys)
+
+    def _count(self, **inc: int) -> None:
+        with self._stats_lock:
+            for k, v in inc.items():
+                self._counts[k] += v
+
+    def _metric(self, kind: str, pages: int, seconds: float) -> None:
+        if not getattr(self.storage_config, "enable_storage_metrics", False) or self.layout is None:
+            return
+        gb = pages * self.layout.block_bytes / (1 << 30)
+        with self._stats_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(gb / max(seconds, 1e-9))
+
+    # -- keys and pages -----------------------------------------------------------------------
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        """kvtier keys of SGLang page keys, in this namespace, shard and epoch."""
+        d = self._epoch_digest
+        return [hashlib.blake2b(k.encode(), digest_size=16, key=d).digest() for k in keys]
+
+    def _pages(self, keys: Sequence[str], host_indices: Any) -> list[int] | None:
+        """The host row each page starts at; None (and an error logged) if the indices do not
+        cover ``len(keys)`` whole pages."""
+        if self.layout is None:
+            return None
+        n = len(keys)
+        if host_indices is None or int(host_indices.numel()) != n * self._page_len:
+            self._count(errors=1)
+            logger.error("kvtier: %d keys need %d host indices, got %s", n, n * self._page_len,
+                         None if host_indices is None else int(host_indices.numel()))
+            return None
+        return [int(i) for i in host_indices[::self._page_len][:n].tolist()]
+
+    def _view(self, index: int) -> torch.Tensor:
+        v = self.mem_pool_host.get_data_page(index, flat=False)
+        if v.numel() * v.element_size() != self.layout.block_bytes:
+            raise ValueError(f"host row {index} is not the start of a whole page in the host pool")
+        return v
+
+    def _flat_page(self) -> torch.Tensor:
+        make = getattr(self.mem_pool_host, "get_dummy_flat_data_page", None)
+        if make is not None:
+            return make()
+        return torch.empty(self.layout.block_bytes, dtype=torch.uint8)
+
+    def _is_flat_page(self, t: Any) -> bool:
+        return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+                and t.numel() * t.element_size() == self.layout.block_bytes)
+
+    def _get_pages(self, kkeys: list[bytes], pages: list[int]) -> list[bool]:
+        ok = [False] * len(kkeys)
+        for start in range(0, len(kkeys), self._chunk):
+            end = min(len(kkeys), start + self._chunk)
+            views = [self._view(p) for p in pages[start:end]]
+            slots = self._staging.slots(end - start, self.layout.block_bytes) if not all(
+                v.is_contiguous() for v in views) else []
+            outs = [_bytes_of(v) if v.is_contiguous() else slots[j] for j, v in enumerate(views)]
+            got = self._sc.get(self._lid, kkeys[start:end], out=outs)
+            for j, (v, g) in enumerate(zip(views, got, strict=True)):
+                if g is None:
+                    continue
+                if not v.is_contiguous():
+                    v.copy_(_as_typed(outs[j], v))
+                ok[start + j] = True
+        return ok
+
+    def _set_pages(self, kkeys: list[bytes], pages: list[int]) -> list[bool]:
+        held = self._sc.lookup(self._lid, kkeys)  # key table: pages already stored are not copied again
+        ok = [t is not None for t in held]
+        todo = [i for i, h in enumerate(ok) if not h]
+        self._count(set_present_pages=len(kkeys) - len(todo))
+        for start in range(0, len(todo), self._chunk):
+            part = todo[start:start + self._chunk]
+            views = [self._view(pages[i]) for i in part]
+            slots = self._staging.slots(len(part), self.layout.block_bytes) if not all(
+                v.is_contiguous() for v in views) else []
+            blocks = []
+            for j, v in enumerate(views):
+                if v.is_contiguous():
+                    blocks.append(_bytes_of(v))
+                else:
+                    _as_typed(slots[j], v).copy_(v)
+                    blocks.append(slots[j])
+            res = self._sc.put(self._lid, [kkeys[i] for i in part], blocks, durable=self.config.durable)
+            dropped = set(res.dropped)
+            for i in part:
+                ok[i] = kkeys[i] not in dropped
+            self._count(set_stored_pages=res.stored, set_present_pages=res.present)
+        return ok
+
