@@ -203,7 +203,8 @@ M_LOAD_FAILED = "vllm:kvtier_load_failed_blocks"
 _METRICS: dict[str, OffloadingMetricMetadata] = {
     M_LOOKUPS: OffloadingCounterMetadata(
         documentation="kvtier lookups by result (hit_host, hit_disk, miss, pending: store in flight, "
-                      "unavailable: daemon bypassed)", labelnames=("result",)),
+                      "unavailable: daemon bypassed, retry: already loaded for this request)",
+        labelnames=("result",)),
     M_STORE: OffloadingCounterMetadata(
         documentation="Blocks offered to kvtier by result (stored, present, dropped: no slot, failed)",
         labelnames=("result",)),
@@ -396,6 +397,15 @@ class _Daemon:
 @dataclass
 class _ReqState:
     tiers: dict[bytes, str] = field(default_factory=dict)  # offload key -> tier found at lookup
+    loaded: set[bytes] = field(default_factory=set)        # offload keys this request has loaded
+
+
+def _req_state(req_context: ReqContext) -> _ReqState:
+    state = req_context.get_state(_ReqState)
+    if state is None:
+        state = _ReqState()
+        req_context.set_state(state)
+    return state
 
 
 class _Events:
@@ -483,13 +493,16 @@ class KvtierOffloadingManager(OffloadingManager):
         if key in self.pending:
             self.counts.add(M_LOOKUPS, 1, "pending")
             return LookupResult.HIT_PENDING
+        state = _req_state(req_context)
+        if bytes(key) in state.loaded:
+            # asked again after loading it: its load failed (vLLM recomputes from the first
+            # failed block and looks up again) or the request was preempted. Never load a
+            # chunk twice for one request: that bounds a failing daemon to one try.
+            self.counts.add(M_LOOKUPS, 1, "retry")
+            return LookupResult.MISS
         tier = self._tier_or_down(key)
         if tier in ("host", "disk"):
             self.counts.add(M_LOOKUPS, 1, f"hit_{tier}")
-            state = req_context.get_state(_ReqState)
-            if state is None:
-                state = _ReqState()
-                req_context.set_state(state)
             state.tiers[bytes(key)] = tier
             return LookupResult.HIT
         self.counts.add(M_LOOKUPS, 1, "unavailable" if tier == "unavailable" else "miss")
@@ -502,6 +515,7 @@ class KvtierOffloadingManager(OffloadingManager):
             tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        _req_state(req_context).loaded.update(bytes(k) for k in keys)
         return KvtierLoadSpec([self.keymap.chunk(k) for k in keys])
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
