@@ -58,7 +58,7 @@ Configuration: ``kv_connector_extra_config`` keys (all optional)
       else ``process``), ``daemon`` or ``process`` (see above).
     * ``kvtier_events_max_keys``: how many stored chunks ``take_events`` follows (default
       65536); ``kvtier_events_scan``: how many it re-reads from the key table per call
-      (default 4096).
+      (default 1024, one batched read).
     * Test only, never in production: ``kvtier_test_corrupt_loads`` (zero every page after
       loading it: a negative control that must change outputs) and
       ``kvtier_test_fail_loads`` (treat every load as failed: exercises the recompute path).
@@ -162,7 +162,7 @@ class KvtierSettings:
     retry_s: float = 5.0
     copy: str = "auto"
     events_max_keys: int = 65536
-    events_scan: int = 4096
+    events_scan: int = 1024
     test_corrupt_loads: bool = False
     test_fail_loads: bool = False
 
@@ -424,15 +424,14 @@ class _Events:
         while len(self.where) > self.max_keys:
             self.where.popitem(last=False)
 
-    def rescan(self, tier_of: Any) -> None:
+    def rescan(self, tiers_of: Any) -> None:
         """Re-read up to ``scan`` chunks (oldest first, then rotated to the back) and queue events."""
         n = min(self.scan, len(self.where))
         keys = [k for k, _ in zip(self.where, range(n), strict=False)]
         added: dict[Medium, list[bytes]] = {Medium.CPU: [], Medium.STORAGE: []}
         removed: dict[Medium, list[bytes]] = {Medium.CPU: [], Medium.STORAGE: []}
-        for k in keys:
+        for k, tier in zip(keys, tiers_of(keys), strict=True):
             before = self.where.pop(k)
-            tier = tier_of(k)
             now = set()
             if tier == "host":
                 now.add(Medium.CPU)
@@ -467,24 +466,29 @@ class KvtierOffloadingManager(OffloadingManager):
         self.events = _Events(settings.events_max_keys, settings.events_scan) if events else None
 
     # lookups through the key table: shared memory, no RPC
-    def _tier(self, sc: Sidecar, chunk: tuple[bytes, ...]) -> str | None:
-        """``host`` when every block of every rank is in host, ``disk`` when all are held and
-        some only on disk, else None."""
-        tier = "host"
+    def _tiers(self, sc: Sidecar, chunks: Sequence[tuple[bytes, ...]]) -> list[str | None]:
+        """Per chunk: ``host`` when every block of every rank is in host, ``disk`` when all
+        are held and some only on disk, else None. One table read per rank for them all."""
+        flat = [k for c in chunks for k in c]
+        out: list[str | None] = ["host"] * len(chunks)
         for lid in self.daemon.lids:
-            for t in sc.lookup(lid, chunk):
-                if t == "disk":
-                    tier = "disk"
-                elif t != "host":
-                    return None
-        return tier
+            names = sc.lookup(lid, flat) if flat else []
+            for i, c in enumerate(chunks):
+                for t in names[i * len(c):(i + 1) * len(c)]:
+                    if out[i] is None:
+                        break
+                    if t == "disk":
+                        out[i] = "disk"
+                    elif t != "host":
+                        out[i] = None
+        return out
 
     def _tier_or_down(self, key: bytes) -> str | None:
         sc = self.daemon.get()
         if sc is None:
             return "unavailable"
         try:
-            return self._tier(sc, self.keymap.chunk(key))
+            return self._tiers(sc, [self.keymap.chunk(key)])[0]
         except KvtierError as e:
             self.daemon.failed(sc, e)
             return "unavailable"
@@ -522,10 +526,10 @@ class KvtierOffloadingManager(OffloadingManager):
         sc = self.daemon.get()
         todo: list[OffloadKey] = []
         if sc is not None:
-            try:
-                for k in keys:  # in the order offered: vLLM lays out the source blocks in that order
-                    if k not in self.pending and self._tier(sc, self.keymap.chunk(k)) is None:
-                        todo.append(k)
+            offered = [k for k in keys if k not in self.pending]
+            try:  # in the order offered: vLLM lays out the source blocks in that order
+                held = self._tiers(sc, [self.keymap.chunk(k) for k in offered])
+                todo = [k for k, t in zip(offered, held, strict=True) if t is None]
             except KvtierError as e:
                 self.daemon.failed(sc, e)
                 todo = []
@@ -547,7 +551,7 @@ class KvtierOffloadingManager(OffloadingManager):
         sc = self.daemon.get()
         if sc is not None and self.events.where:
             try:
-                self.events.rescan(lambda k: self._tier(sc, self.keymap.chunk(k)))
+                self.events.rescan(lambda ks: self._tiers(sc, [self.keymap.chunk(k) for k in ks]))
             except KvtierError as e:
                 self.daemon.failed(sc, e)
         out, self.events.out = self.events.out, []
@@ -599,6 +603,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._failed_blocks: set[int] = set()
         self._retry_at = 0.0
         self.conn: KVConnector | None = None
+        self._stale = False               # the daemon copy registration must be made (again)
         self.sc: Sidecar | None = None
         self.lid = 0
         self.mode = self._open(settings.copy)
@@ -626,15 +631,24 @@ class KvtierOffloadingWorker(OffloadingWorker):
     # -- connection ---------------------------------------------------------------------------
 
     def _open(self, mode: str) -> str:
+        """Pick how pages move (``kvtier_copy``) and connect. Never blocks past the timeout:
+        a daemon that is not there yet is connected to later."""
+        if mode != "process":
+            if not self._daemon_up():
+                if mode == "daemon" or self.tensors[0].device.type == "cuda":
+                    self._stale = True  # registered once the daemon answers
+                    self._down(KVConnectorError(grpc.StatusCode.UNAVAILABLE, "daemon not reachable"))
+                    return "daemon"
+            else:
+                try:
+                    self._open_daemon()
+                    return "daemon"
+                except KVConnectorError as e:
+                    if mode == "daemon":
+                        raise
+                    log.info("kvtier: KV tensors not registrable with the daemon (%s); copying in this process",
+                             e.details.split(";")[0])
         s = self.settings
-        if mode in ("auto", "daemon"):
-            try:
-                return self._open_daemon()
-            except KVConnectorError as e:
-                if mode == "daemon":
-                    raise
-                log.info("kvtier: KV tensors not registrable with the daemon (%s); copying in this process",
-                         e.details.split(";")[0])
         self.sc = Sidecar(s.socket, client_name=self.client_name, timeout=s.timeout_s)
         try:
             self.lid = self.sc.register_layout(self.layout)
@@ -643,7 +657,17 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self.lid = 0
         return "process"
 
-    def _open_daemon(self) -> str:
+    def _daemon_up(self) -> bool:
+        """Whether the daemon answers within the timeout (registration itself waits for it forever)."""
+        try:
+            with Sidecar(self.settings.socket, client_name=self.client_name, timeout=self.settings.timeout_s,
+                         use_key_table=False) as probe:
+                probe.stats()
+            return True
+        except KvtierError:
+            return False
+
+    def _open_daemon(self) -> None:
         torch = _torch()
         num_blocks = self.tensors[0].shape[0]
         layout = Layout(tuple(TensorSpec(t.name, t.dtype, (num_blocks, t.shape[1]), 0) for t in self.layout.tensors),
@@ -656,7 +680,31 @@ class KvtierOffloadingWorker(OffloadingWorker):
             conn.close()
             raise
         self.conn = conn
-        return "daemon"
+        self._stale = False
+        self._retry_at = 0.0
+
+    def _reopen_daemon(self) -> bool:
+        """After the daemon failed (or restarted: registrations do not survive it), register
+        again, once the copies in flight have ended."""
+        for job in list(self._jobs.values()):
+            if job.transfer is not None:
+                self._end_daemon_copy(job, block=True)
+        old, self.conn = self.conn, None
+        if old is not None:
+            try:
+                old.close()
+            except (KVConnectorError, grpc.RpcError):
+                pass  # the daemon is gone, and the registration with it
+        if not self._daemon_up():
+            self._down(KVConnectorError(grpc.StatusCode.UNAVAILABLE, "daemon not reachable"))
+            return False
+        try:
+            self._open_daemon()
+        except KVConnectorError as e:
+            self._down(e)
+            return False
+        log.info("kvtier: registered the KV tensors with the daemon again")
+        return True
 
     def _sidecar(self) -> Sidecar | None:
         """The sidecar with the layout registered, or None while kvtier is bypassed."""
@@ -737,8 +785,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._q.put((-1, -1, None))
             self._thread.join(timeout=30)
             self._thread = None
+        for job in list(self._jobs.values()):  # the connector closes once its copies have ended
+            if job.transfer is not None:
+                self._end_daemon_copy(job, block=True)
         if self.conn is not None:
-            self.conn.close()
+            try:
+                self.conn.close()
+            except (KVConnectorError, grpc.RpcError):
+                pass  # the daemon is gone, and the registration with it
             self.conn = None
         if self.sc is not None:
             self.sc.close()
@@ -831,15 +885,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
     # -- daemon copies (KVConnector) ----------------------------------------------------------
 
     def _start_daemon_copy(self, job: _Job) -> None:
-        assert self.conn is not None
         if job.load and self.settings.test_fail_loads:
             job.failed = job.block_ids
             self.counts.add(M_LOAD_FAILED, len(job.block_ids), "test")
             self._finish(job)
             return
-        if time.monotonic() < self._retry_at:
+        if time.monotonic() < self._retry_at or (self._stale and not self._reopen_daemon()):
             self._daemon_copy_failed(job, None)
             return
+        assert self.conn is not None
         try:
             job.transfer = (self.conn.onboard(job.keys, job.block_ids) if job.load
                             else self.conn.offload(job.keys, job.block_ids))
@@ -876,6 +930,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _daemon_copy_failed(self, job: _Job, err: Exception | None) -> None:
         if err is not None:
             self._down(err)
+            self._stale = True
         job.transfer = None
         if job.load:
             job.failed = job.block_ids
