@@ -144,7 +144,7 @@ from kvtier.client import KvtierError, Namespace, Sidecar  # noqa: E402
 from kvtier.client.engine import KVConnector, KVConnectorError  # noqa: E402
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, TensorSpec  # noqa: E402
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: its handler, format and level
 
 # -- configuration ---------------------------------------------------------------------------
 
@@ -968,6 +968,11 @@ def _attach(worker: KvtierOffloadingWorker, spec: OffloadingSpec) -> bool:
     for conn in [top, *getattr(top, "_connectors", [])]:
         if getattr(getattr(conn, "connector_worker", None), "spec", None) is spec:
             _hook(conn, worker)
+            policy = getattr(getattr(conn, "_kv_transfer_config", None), "kv_load_failure_policy", "recompute")
+            if policy != "recompute":
+                log.warning("kvtier: kv_load_failure_policy is %r: a failed kvtier load fails its request. Set "
+                            "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config to recompute "
+                            "it instead.", policy)
             return True
     return False
 
@@ -1014,7 +1019,6 @@ class KvtierOffloadingSpec(OffloadingSpec):
             self._manager = KvtierOffloadingManager(
                 self.settings, self.keymap, layouts, f"vllm-scheduler:{self.config.engine_id}",
                 events=self.kv_events_config.enable_kv_cache_events)
-            _warn_failure_policy()
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -1032,19 +1036,6 @@ class KvtierOffloadingSpec(OffloadingSpec):
             log.info("kvtier: worker rank %d copies pages %s", rank,
                      "through the daemon's copy engine" if self._worker.mode == "daemon" else "in process")
         return self._worker
-
-
-def _warn_failure_policy() -> None:
-    try:
-        from vllm.config import get_current_vllm_config  # noqa: PLC0415
-
-        policy = get_current_vllm_config().kv_transfer_config.kv_load_failure_policy
-    except Exception:  # noqa: BLE001 - advice only
-        return
-    if policy != "recompute":
-        log.warning("kvtier: kv_load_failure_policy is %r: a failed kvtier load fails its request. Set "
-                    "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config to recompute instead.",
-                    policy)
 
 
 __all__ = ["SUPPORTED_VLLM", "KeyMap", "KvtierLoadSpec", "KvtierOffloadingManager", "KvtierOffloadingSpec",

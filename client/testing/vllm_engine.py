@@ -9,7 +9,7 @@ under ``__main__``)::
 CONFIG: ``model`` (a directory, e.g. from :mod:`kvtier.client.testing.tiny_model`),
 ``prompts`` (see :func:`multi_turn`), ``max_tokens``, ``block_size``, ``num_gpu_blocks``,
 ``max_model_len`` and optionally ``kvtier`` (a dict of ``kv_connector_extra_config`` keys:
-without it, vLLM runs alone). Requests run one at a time, in order; each turn's prompt is
+without it, vLLM runs alone) and ``kv_load_failure_policy`` (default ``recompute``). Requests run one at a time, in order; each turn's prompt is
 the session's previous prompt, its greedy output, then the turn's new tokens.
 
 OUT: per request ``session``, ``turn``, ``prompt_tokens``, ``cached_tokens`` (vLLM's
@@ -68,7 +68,8 @@ def run(cfg: dict) -> dict:
     if cfg.get("kvtier") is not None:
         extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.client.vllm", **cfg["kvtier"]}
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+                                    "kv_load_failure_policy": cfg.get("kv_load_failure_policy", "recompute"),
+                                    "kv_connector_extra_config": extra}
     t0 = time.perf_counter()
     llm = LLM(model=cfg["model"], enforce_eager=True, block_size=cfg["block_size"], enable_prefix_caching=True,
               num_gpu_blocks_override=cfg["num_gpu_blocks"], max_model_len=cfg["max_model_len"], max_num_seqs=4,
