@@ -315,3 +315,24 @@ def test_daemon_copy_registers_again_after_a_restart(tmp_path) -> None:
             eng.close()
         d.cleanup()
         shutil.rmtree(kv_dir, ignore_errors=True)
+
+
+def test_events_report_disk_as_storage(start_daemon, tmp_path) -> None:
+    d = start_daemon("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB", "--demote-min-seen", "1",
+                     host_capacity="1MiB")
+    eng = Engine(d.socket, events=True)
+    try:
+        keys = offload_keys(2)
+        eng.store(keys, [1, 2], 1)
+        assert [(e.medium, e.removed) for e in eng.manager.take_events()] == [(Medium.CPU, False)]
+        layout = group_layout(eng.config, 0)
+        with Sidecar(d.socket) as sc:  # other blocks push them out of the 1 MiB host pool, onto disk
+            lid = sc.register_layout(layout)
+            for _ in range(4):
+                other = [os.urandom(16) for _ in range(32)]
+                sc.put(lid, other, [bytes(layout.block_bytes)] * len(other))
+            assert sc.lookup(lid, list(eng.spec.keymap.chunk(keys[0]))) == ["disk"]
+        ev = {(e.medium, e.removed): sorted(e.keys) for e in eng.manager.take_events()}
+        assert ev == {(Medium.CPU, True): sorted(keys), (Medium.STORAGE, False): sorted(keys)}
+    finally:
+        eng.close()
