@@ -30,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -84,7 +85,7 @@ def key(i: int) -> bytes:
     return b"benchdsk" + i.to_bytes(8, "big")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=2.0, help="GiB moved each way (default 2)")
     ap.add_argument("--quick", action="store_true", help="0.25 GiB each way (a smoke run)")
@@ -97,38 +98,36 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=2, help="concurrent writers of durable puts (default 2)")
     ap.add_argument("--latency-samples", type=int, default=200)
     ap.add_argument("--out", default="", help="also write the JSON here")
-    args = ap.parse_args()
-    gib = 0.25 if args.quick else args.gib
-    block = int(args.block_mib * MiB)
-    nblocks = max(args.batch, int(gib * GiB) // block)
-    qd, batch = args.queue_depth, args.batch
-    host_mib = args.host_mib or max(int(2 * batch * args.block_mib), min(256, int(nblocks * args.block_mib) // 4))
-    if host_mib * MiB >= nblocks * block:
-        raise SystemExit(f"--host-mib {host_mib} holds every block: reads would never come from disk")
-    work = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=args.dir)
-    raw_path = os.path.join(work, "raw.dat")
+    return ap.parse_args()
+
+
+def raw_pair(path: str, nblocks: int, block: int, batch: int, qd: int) -> tuple[float, float]:
+    """One raw O_DIRECT write run then one random read run of the same file; (write, read) GB/s."""
+    return raw_write(path, nblocks, block, batch, qd), raw_read(path, nblocks, block, qd)
+
+
+def tier_run(args: argparse.Namespace, work: str, nblocks: int, block: int, host_mib: int) -> dict:
+    """Starts a kvtierd with its disk tier under ``work``, measures it (``run_tier``), removes it."""
+    qd = args.queue_depth
+    disk_dir = os.path.join(work, "disk")
+    d = DaemonProcess(work, "--disk-dir", disk_dir, "--disk-capacity", str(int(nblocks * block * 1.25)),
+                      "--disk-queue-depth", str(qd), "--log-level", "warning",
+                      host_capacity=f"{host_mib}MiB").start()
     try:
-        rw1 = raw_write(raw_path, nblocks, block, batch, qd)
-        rr1 = raw_read(raw_path, nblocks, block, qd)
-        os.unlink(raw_path)
-
-        disk_dir = os.path.join(work, "disk")
-        d = DaemonProcess(work, "--disk-dir", disk_dir, "--disk-capacity", str(int(nblocks * block * 1.25)),
-                          "--disk-queue-depth", str(qd), "--log-level", "warning",
-                          host_capacity=f"{host_mib}MiB").start()
-        try:
-            res = run_tier(d, nblocks, block, batch, args.latency_samples, args.streams, host_mib * MiB)
-        finally:
-            d.stop()
-            d.cleanup()
-        shutil.rmtree(disk_dir, ignore_errors=True)
-
-        rw2 = raw_write(raw_path, nblocks, block, batch, qd)
-        rr2 = raw_read(raw_path, nblocks, block, qd)
+        res = run_tier(d, nblocks, block, args.batch, args.latency_samples, args.streams, host_mib * MiB)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        d.stop()
+        d.cleanup()
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    return res
+
+
+def assemble(args: argparse.Namespace, res: dict, raw1: tuple[float, float], raw2: tuple[float, float],
+             block: int, host_mib: int) -> dict:
+    """The JSON object (field names are a contract: see the module doc)."""
+    (rw1, rr1), (rw2, rr2) = raw1, raw2
     raw_w, raw_r = (rw1 + rw2) / 2, (rr1 + rr2) / 2
-    out = {
+    return {
         "bench": "disk_tier",
         "write_gbps": round(res["write_gbps"], 3),
         "read_gbps": round(res["read_gbps"], 3),
@@ -140,12 +139,107 @@ def main() -> None:
         "promote_1block_p99_ms": round(res["p99_ms"], 3),
         "promote_1block_p50_ms": round(res["p50_ms"], 3),
         "raw_runs_gbps": {"write": [round(rw1, 3), round(rw2, 3)], "read": [round(rr1, 3), round(rr2, 3)]},
-        "block_bytes": block, "batch_blocks": batch, "queue_depth": qd, "write_streams": args.streams,
+        "block_bytes": block, "batch_blocks": args.batch, "queue_depth": args.queue_depth,
+        "write_streams": args.streams,
         "bytes_written": res["bytes_written"], "bytes_read": res["bytes_read"],
         "host_capacity_bytes": host_mib * MiB, "disk_dir_parent": args.dir,
         "checksum_failures": res["checksum_failures"], "cpus": os.cpu_count(),
     }
-    emit(out, args.out)
+
+
+def main() -> None:
+    args = parse_args()
+    gib = 0.25 if args.quick else args.gib
+    block = int(args.block_mib * MiB)
+    nblocks = max(args.batch, int(gib * GiB) // block)
+    qd, batch = args.queue_depth, args.batch
+    host_mib = args.host_mib or max(int(2 * batch * args.block_mib), min(256, int(nblocks * args.block_mib) // 4))
+    if host_mib * MiB >= nblocks * block:
+        raise SystemExit(f"--host-mib {host_mib} holds every block: reads would never come from disk")
+    work = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=args.dir)
+    raw_path = os.path.join(work, "raw.dat")
+    try:
+        raw1 = raw_pair(raw_path, nblocks, block, batch, qd)
+        os.unlink(raw_path)
+        res = tier_run(args, work, nblocks, block, host_mib)
+        raw2 = raw_pair(raw_path, nblocks, block, batch, qd)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    emit(assemble(args, res, raw1, raw2, block, host_mib), args.out)
+
+
+def warm_host(sc: Sidecar, lid: int, host_blocks: int, batch: int, data: Callable[[int], bytes]) -> None:
+    """Untimed warm-up: fill the host pool once (its tmpfs pages are allocated on first use) with
+    blocks put once, which leave host without a disk write (below --demote-min-seen)."""
+    for first in range(0, host_blocks, batch):
+        idx = range(first, min(first + batch, host_blocks))
+        sc.put(lid, [b"benchwrm" + i.to_bytes(8, "big") for i in idx], [data(i) for i in idx])
+
+
+def timed_durable_puts(d: DaemonProcess, keys: list[bytes], block: int, batch: int, streams: int,
+                       data: Callable[[int], bytes]) -> float:
+    """Durable puts of every key from ``streams`` writers (each its own sidecar), so one writer's copy
+    into the pool overlaps another's disk write, as an engine offloading every step would; seconds."""
+    nblocks = len(keys)
+    writers = [Sidecar(d.socket) for _ in range(streams)]
+    wlids = [w.register_layout(Layout.flat(block)) for w in writers]
+
+    def put_batches(w: int) -> None:
+        for first in range(w * batch, nblocks, batch * streams):
+            idx = range(first, min(first + batch, nblocks))
+            r = writers[w].put(wlids[w], [keys[i] for i in idx], [data(i) for i in idx], durable=True)
+            if r.stored != len(idx):
+                raise SystemExit(f"durable put stored {r.stored} of {len(idx)} blocks: {r}")
+
+    with ThreadPoolExecutor(streams) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(put_batches, range(streams)))
+        write_s = time.perf_counter() - t0
+    for w in writers:
+        w.close()
+    return write_s
+
+
+def timed_disk_gets(sc: Sidecar, lid: int, keys: list[bytes], order: list[int], out: list[bytearray],
+                    data: Callable[[int], bytes]) -> tuple[int, float, int]:
+    """Gets of blocks evicted from host, in ``order``, until as many blocks as were written;
+    (blocks read, seconds inside the get calls, position reached in ``order``)."""
+    nblocks, batch = len(keys), len(out)
+    read_blocks, read_s, pos = 0, 0.0, 0
+    while read_blocks < nblocks:
+        if pos > 100 * nblocks:
+            raise SystemExit("too few blocks left host: lower --host-mib")
+        cand = [order[(pos + j) % nblocks] for j in range(batch * 2)]
+        pos += batch * 2
+        where = sc.lookup(lid, [keys[i] for i in cand])
+        pick = [i for i, t in zip(cand, where, strict=True) if t == "disk"][:min(batch, nblocks - read_blocks)]
+        if not pick:
+            continue
+        t0 = time.perf_counter()
+        got = sc.get(lid, [keys[i] for i in pick], out=out[:len(pick)])
+        read_s += time.perf_counter() - t0
+        if any(g is None for g in got):
+            raise SystemExit("a block evicted from host was not served from disk")
+        if read_blocks == 0 and bytes(got[0]) != data(pick[0]):
+            raise SystemExit("block served with wrong bytes")
+        read_blocks += len(pick)
+    return read_blocks, read_s, pos
+
+
+def promote_latencies(sc: Sidecar, lid: int, keys: list[bytes], order: list[int], pos: int, samples: int,
+                      out: list[bytearray]) -> list[float]:
+    """Seconds of one-block gets of disk-only blocks, from ``order`` at ``pos`` on."""
+    nblocks = len(keys)
+    lat = []
+    for j in range(samples):
+        i = order[(pos + j) % nblocks]
+        if sc.lookup(lid, [keys[i]]) != ["disk"]:
+            continue
+        t0 = time.perf_counter()
+        g = sc.get(lid, [keys[i]], out=out[:1])
+        lat.append(time.perf_counter() - t0)
+        assert g[0] is not None
+    return lat
 
 
 def run_tier(d: DaemonProcess, nblocks: int, block: int, batch: int, samples: int, streams: int,
@@ -159,30 +253,8 @@ def run_tier(d: DaemonProcess, nblocks: int, block: int, batch: int, samples: in
 
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(block))
-        # warm-up, untimed: fill the host pool once (its tmpfs pages are allocated on first use)
-        # with blocks put once, which leave host without a disk write (below --demote-min-seen)
-        host_blocks = host_bytes // block
-        for first in range(0, host_blocks, batch):
-            idx = range(first, min(first + batch, host_blocks))
-            sc.put(lid, [b"benchwrm" + i.to_bytes(8, "big") for i in idx], [data(i) for i in idx])
-        # durable puts from `streams` writers (each its own sidecar), so one writer's copy into the
-        # pool overlaps another's disk write, as an engine offloading every step would
-        writers = [Sidecar(d.socket) for _ in range(streams)]
-        wlids = [w.register_layout(Layout.flat(block)) for w in writers]
-
-        def put_batches(w: int) -> None:
-            for first in range(w * batch, nblocks, batch * streams):
-                idx = range(first, min(first + batch, nblocks))
-                r = writers[w].put(wlids[w], [keys[i] for i in idx], [data(i) for i in idx], durable=True)
-                if r.stored != len(idx):
-                    raise SystemExit(f"durable put stored {r.stored} of {len(idx)} blocks: {r}")
-
-        with ThreadPoolExecutor(streams) as pool:
-            t0 = time.perf_counter()
-            list(pool.map(put_batches, range(streams)))
-            write_s = time.perf_counter() - t0
-        for w in writers:
-            w.close()
+        warm_host(sc, lid, host_bytes // block, batch, data)
+        write_s = timed_durable_puts(d, keys, block, batch, streams, data)
         st = sc.stats()
         if st["tiers"]["disk"]["blocks"] != nblocks or st["counters"].get("demotions", 0):
             raise SystemExit(f"disk tier holds {st['tiers']['disk']['blocks']} of {nblocks} blocks")
@@ -191,41 +263,14 @@ def run_tier(d: DaemonProcess, nblocks: int, block: int, batch: int, samples: in
         order = list(range(nblocks))
         random.Random(4).shuffle(order)
         out = [bytearray(block) for _ in range(batch)]
-        read_blocks, read_s, pos = 0, 0.0, 0
         before = sc.stats()["counters"]
-        while read_blocks < nblocks:
-            if pos > 100 * nblocks:
-                raise SystemExit("too few blocks left host: lower --host-mib")
-            cand = [order[(pos + j) % nblocks] for j in range(batch * 2)]
-            pos += batch * 2
-            where = sc.lookup(lid, [keys[i] for i in cand])
-            pick = [i for i, t in zip(cand, where, strict=True) if t == "disk"][:min(batch, nblocks - read_blocks)]
-            if not pick:
-                continue
-            t0 = time.perf_counter()
-            got = sc.get(lid, [keys[i] for i in pick], out=out[:len(pick)])
-            read_s += time.perf_counter() - t0
-            if any(g is None for g in got):
-                raise SystemExit("a block evicted from host was not served from disk")
-            if read_blocks == 0 and bytes(got[0]) != data(pick[0]):
-                raise SystemExit("block served with wrong bytes")
-            read_blocks += len(pick)
+        read_blocks, read_s, pos = timed_disk_gets(sc, lid, keys, order, out, data)
         after = sc.stats()["counters"]
         from_disk = after.get("acquire_hit_blocks:disk", 0) - before.get("acquire_hit_blocks:disk", 0)
         if from_disk != read_blocks:
             raise SystemExit(f"{read_blocks} blocks read, but the daemon promoted {from_disk}")
 
-        # one-block promotion latency
-        lat = []
-        for j in range(samples):
-            i = order[(pos + j) % nblocks]
-            if sc.lookup(lid, [keys[i]]) != ["disk"]:
-                continue
-            t0 = time.perf_counter()
-            g = sc.get(lid, [keys[i]], out=out[:1])
-            lat.append(time.perf_counter() - t0)
-            assert g[0] is not None
-        lat_ms = np.array(lat) * 1e3
+        lat_ms = np.array(promote_latencies(sc, lid, keys, order, pos, samples, out)) * 1e3
         return {"write_gbps": nblocks * block / write_s / 1e9, "read_gbps": read_blocks * block / read_s / 1e9,
                 "bytes_written": nblocks * block, "bytes_read": read_blocks * block,
                 "p99_ms": float(np.percentile(lat_ms, 99)), "p50_ms": float(np.percentile(lat_ms, 50)),

@@ -59,19 +59,55 @@ def time_lookups(sc: Sidecar, lid: int, keys: list[bytes], n: int) -> list[float
     return sorted(lat)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="GiB of distinct blocks to move each way")
     ap.add_argument("--batch", type=int, default=64, help="blocks per put/get call")
     ap.add_argument("--block-mib", type=float, default=2.0, help="block size in MiB")
     ap.add_argument("--lookups", type=int, default=2000, help="one-key lookups to time")
     ap.add_argument("--out", help="also write the JSON here")
-    ns = ap.parse_args()
+    return ap.parse_args()
 
-    block = int(ns.block_mib * (1 << 20))
-    nblocks = max(ns.batch, int(ns.gib * (1 << 30)) // block // ns.batch * ns.batch)
-    total = nblocks * block
-    capacity = total
+
+def warm_fill(sc: Sidecar, lid: int, warm_keys: list[bytes], batch: int, blocks: np.ndarray) -> float:
+    """Untimed warm-up: fill the pool once with other blocks; its seconds (for first_fill_gbps)."""
+    t = time.perf_counter()
+    for b0 in range(0, len(warm_keys), batch):
+        sc.put(lid, warm_keys[b0:b0 + batch], list(blocks))
+    return time.perf_counter() - t
+
+
+def timed_puts(sc: Sidecar, lid: int, keys: list[bytes], batch: int, src: list[np.ndarray]) -> float:
+    """Puts of every key in batches, each block stamped with its index; seconds inside the put calls."""
+    put_s = 0.0
+    for b0 in range(0, len(keys), batch):
+        payload = src[(b0 // batch) % 2]
+        payload[:, :8] = np.arange(b0, b0 + batch, dtype="<u8").view(np.uint8).reshape(-1, 8)
+        blocks = list(payload)
+        t = time.perf_counter()
+        res = sc.put(lid, keys[b0:b0 + batch], blocks)
+        put_s += time.perf_counter() - t
+        if res.stored != batch:
+            raise SystemExit(f"put stored {res.stored} of {batch}: {res}")
+    return put_s
+
+
+def timed_gets(sc: Sidecar, lid: int, keys: list[bytes], batch: int, out: list[bytearray]) -> float:
+    """Gets of every key in batches into ``out``, checking the stamp; seconds inside the get calls."""
+    get_s = 0.0
+    for b0 in range(0, len(keys), batch):
+        t = time.perf_counter()
+        got = sc.get(lid, keys[b0:b0 + batch], out=out)
+        get_s += time.perf_counter() - t
+        if any(g is None for g in got):
+            raise SystemExit("get missed a block that was put")
+        if int.from_bytes(out[-1][:8], "little") != b0 + batch - 1:
+            raise SystemExit("get returned the wrong bytes")
+    return get_s
+
+
+def run_daemon(ns: argparse.Namespace, block: int, nblocks: int) -> dict:
+    """Everything measured through a real kvtierd whose pool holds exactly ``nblocks`` blocks."""
     rng = np.random.default_rng(1)
     # distinct payloads: a pool of random batches whose first 8 bytes carry the block index
     src = [rng.integers(0, 256, (ns.batch, block), dtype=np.uint8) for _ in range(2)]
@@ -80,51 +116,48 @@ def main() -> None:
     warm_keys = [i.to_bytes(8, "little") + b"warm-up!" for i in range(nblocks)]
 
     with tempfile.TemporaryDirectory() as tmp:
-        d = DaemonProcess(tmp, host_capacity=str(capacity), name="bench").start()
+        d = DaemonProcess(tmp, host_capacity=str(nblocks * block), name="bench").start()
         try:
             with Sidecar(d.socket) as sc:
                 lid = sc.register_layout(Layout.flat(block))
-                t = time.perf_counter()
-                for b0 in range(0, nblocks, ns.batch):
-                    sc.put(lid, warm_keys[b0:b0 + ns.batch], list(src[0]))
-                warm_s = time.perf_counter() - t
-                put_s = 0.0
-                for b0 in range(0, nblocks, ns.batch):
-                    batch = src[(b0 // ns.batch) % 2]
-                    batch[:, :8] = np.arange(b0, b0 + ns.batch, dtype="<u8").view(np.uint8).reshape(-1, 8)
-                    blocks = list(batch)
-                    t = time.perf_counter()
-                    res = sc.put(lid, keys[b0:b0 + ns.batch], blocks)
-                    put_s += time.perf_counter() - t
-                    if res.stored != ns.batch:
-                        raise SystemExit(f"put stored {res.stored} of {ns.batch}: {res}")
-                get_s = 0.0
-                for b0 in range(0, nblocks, ns.batch):
-                    t = time.perf_counter()
-                    got = sc.get(lid, keys[b0:b0 + ns.batch], out=out)
-                    get_s += time.perf_counter() - t
-                    if any(g is None for g in got):
-                        raise SystemExit("get missed a block that was put")
-                    if int.from_bytes(out[-1][:8], "little") != b0 + ns.batch - 1:
-                        raise SystemExit("get returned the wrong bytes")
+                warm_s = warm_fill(sc, lid, warm_keys, ns.batch, src[0])
+                put_s = timed_puts(sc, lid, keys, ns.batch, src)
+                get_s = timed_gets(sc, lid, keys, ns.batch, out)
                 shm_lat = time_lookups(sc, lid, keys, ns.lookups)
             with Sidecar(d.socket, use_key_table=False) as rpc:  # one Lookup RPC over the socket
                 lat = time_lookups(rpc, rpc.register_layout(Layout.flat(block)), keys, ns.lookups)
         finally:
             d.cleanup()
+    return {"warm_s": warm_s, "put_s": put_s, "get_s": get_s, "lat": lat, "shm_lat": shm_lat}
 
-    mc = memcpy_gbps(total, block)
-    put_gbps, get_gbps = total / put_s / 1e9, total / get_s / 1e9
-    result = {
+
+def assemble(ns: argparse.Namespace, block: int, nblocks: int, run: dict,
+             rates: tuple[float, float, float]) -> dict:
+    """The JSON object (field names are a contract: see the module doc)."""
+    total = nblocks * block
+    put_gbps, get_gbps, mc = rates
+    lat, shm_lat = run["lat"], run["shm_lat"]
+    return {
         "put_gbps": round(put_gbps, 3), "get_gbps": round(get_gbps, 3), "memcpy_gbps": round(mc, 3),
         "ratio": round(min(put_gbps, get_gbps) / mc, 3),
         "lookup_p50_us": round(statistics.median(lat), 1), "lookup_p99_us": round(lat[int(len(lat) * 0.99)], 1),
         "shm_lookup_p50_us": round(statistics.median(shm_lat), 1),
         "shm_lookup_p99_us": round(shm_lat[int(len(shm_lat) * 0.99)], 1),
         "block_bytes": block, "batch": ns.batch, "blocks": nblocks, "bytes_each_way": total,
-        "host_capacity": capacity, "lookups": ns.lookups, "memcpy_threads": 1,
-        "first_fill_gbps": round(total / warm_s / 1e9, 3),
+        "host_capacity": total, "lookups": ns.lookups, "memcpy_threads": 1,
+        "first_fill_gbps": round(total / run["warm_s"] / 1e9, 3),
     }
+
+
+def main() -> None:
+    ns = parse_args()
+    block = int(ns.block_mib * (1 << 20))
+    nblocks = max(ns.batch, int(ns.gib * (1 << 30)) // block // ns.batch * ns.batch)
+    total = nblocks * block
+    run = run_daemon(ns, block, nblocks)
+    mc = memcpy_gbps(total, block)
+    put_gbps, get_gbps = total / run["put_s"] / 1e9, total / run["get_s"] / 1e9
+    result = assemble(ns, block, nblocks, run, (put_gbps, get_gbps, mc))
     print(f"put {put_gbps:.2f} GB/s, get {get_gbps:.2f} GB/s, memcpy {mc:.2f} GB/s "
           f"-> ratio {result['ratio']:.2f}; lookup p50 {result['lookup_p50_us']} us", file=sys.stderr)
     emit(result, ns.out)

@@ -147,7 +147,7 @@ def table_only(shm_dir: str, keys: list[bytes], n1: int, n128: int, rng: random.
         writer.close()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=1_000_000, help="keys the table holds")
     ap.add_argument("--daemon-blocks", type=int, default=0,
@@ -158,12 +158,73 @@ def main() -> None:
     ap.add_argument("--nrpc", type=int, default=3000, help="lookups to time per RPC series and echo")
     ap.add_argument("--batch", type=int, default=8192, help="blocks per put while filling")
     ap.add_argument("--out", help="also write the JSON here")
-    ns = ap.parse_args()
+    return ap.parse_args()
+
+
+def rpc_against_echo(rpc: Sidecar, rid: int, held: list[bytes], one: list[list[bytes]], starts: list[int],
+                     echo_path: str, n: int) -> dict:
+    """The two Lookup RPC series and the bare gRPC echo, timed interleaved call by call."""
+    payload = node_pb2.LookupRequest(layout_id=1, keys=[held[0]]).SerializeToString()
+    with grpc.insecure_channel(f"unix:{echo_path}") as ch:
+        call = ch.unary_unary("/bench.Echo/Echo")
+        rpc1, echo, rpc128 = interleaved([
+            lambda i: rpc.lookup(rid, one[i]),
+            lambda i: call(payload, timeout=10),
+            lambda i: rpc.prefix_length(rid, held[starts[i]:starts[i] + 128])], n)
+    return {"rpc1": rpc1, "echo": echo, "rpc128": rpc128, "payload_bytes": len(payload)}
+
+
+def daemon_series(ns: argparse.Namespace, daemon: DaemonProcess, echo_path: str, held: list[bytes],
+                  rng: random.Random) -> dict:
+    """Fills the daemon with ``held`` and times every series through the sidecar API."""
+    blocks = len(held)
+    layout = Layout.flat(BLOCK)
+    with Sidecar(daemon.socket) as sc, Sidecar(daemon.socket, use_key_table=False) as rpc:
+        lid, rid = sc.register_layout(layout), rpc.register_layout(layout)
+        fill_s = fill_daemon(sc, lid, held, ns.batch)
+        stats = rpc.stats()
+        assert stats["tiers"]["host"]["blocks"] == blocks, stats["tiers"]
+        table = sc._info(lid).table
+        assert table is not None, "the sidecar did not map the key table"
+        one = [[held[rng.randrange(blocks)]] for _ in range(max(ns.n1, ns.nrpc))]
+        starts = [rng.randrange(blocks - 128) for _ in range(max(ns.n128, ns.nrpc))]
+        assert sc.prefix_length(lid, held[starts[0]:starts[0] + 128]) == (128, 128)
+        assert rpc.prefix_length(rid, held[starts[0]:starts[0] + 128]) == (128, 128)
+        shm1 = timed(lambda i: sc.lookup(lid, one[i]), ns.n1)
+        shm128 = timed(lambda i: sc.prefix_length(lid, held[starts[i]:starts[i] + 128]), ns.n128)
+        series = rpc_against_echo(rpc, rid, held, one, starts, echo_path, ns.nrpc)
+        assert sc._info(lid).table is table, "the sidecar fell back to RPC during the run"
+        daemon_rss = rss_bytes(daemon.pid)
+        pool_bytes = tmpfs_bytes([os.path.join(daemon.shm_dir, f) for f in os.listdir(daemon.shm_dir)
+                                  if f.endswith(".pool")])
+        return {"shm1": shm1, "shm128": shm128, **series, "fill_s": fill_s, "daemon_rss": daemon_rss,
+                "pool_bytes": pool_bytes, "table_slots": table.nslots}
+
+
+def assemble(ns: argparse.Namespace, blocks: int, m: dict, extra: dict) -> dict:
+    """The JSON object (field names are a contract: see the module doc)."""
+    shm1, shm128, rpc1, rpc128, echo = m["shm1"], m["shm128"], m["rpc1"], m["rpc128"], m["echo"]
+    return {
+        "shm_1key_p50_us": pct(shm1, 50), "shm_1key_p99_us": pct(shm1, 99),
+        "shm_128keys_p50_us": pct(shm128, 50), "shm_128keys_p99_us": pct(shm128, 99),
+        "rpc_1key_p50_us": pct(rpc1, 50), "rpc_1key_p99_us": pct(rpc1, 99),
+        "rpc_128keys_p50_us": pct(rpc128, 50), "rpc_128keys_p99_us": pct(rpc128, 99),
+        "grpc_echo_p50_us": pct(echo, 50), "grpc_echo_p99_us": pct(echo, 99),
+        "rpc_1key_over_echo_p50": round(pct(rpc1, 50) / pct(echo, 50), 2),
+        "keys_held": blocks, "keys": ns.keys, "key_bytes": 16, "block_bytes": BLOCK, "layout": "flat(4096)",
+        "daemon_table_slots": m["table_slots"], "fill_s": round(m["fill_s"], 1),
+        "daemon_rss_bytes": m["daemon_rss"], "pool_tmpfs_bytes": m["pool_bytes"],
+        "n1": ns.n1, "n128": ns.n128, "nrpc": ns.nrpc, "echo_payload_bytes": m["payload_bytes"],
+        **extra,
+    }
+
+
+def main() -> None:
+    ns = parse_args()
     blocks = ns.daemon_blocks or ns.keys
     rng = random.Random(0)
     keys = [rng.randbytes(16) for _ in range(max(ns.keys, blocks))]
     held = keys[:blocks]
-    layout = Layout.flat(BLOCK)
 
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-lookup-")
     daemon = DaemonProcess(workdir, "--log-level", "warning", host_capacity=str(blocks * BLOCK + (8 << 20)))
@@ -172,31 +233,7 @@ def main() -> None:
         daemon.start()
         echo_path = os.path.join(workdir, "echo.sock")
         echo_server = start_echo_server(echo_path)
-        with Sidecar(daemon.socket) as sc, Sidecar(daemon.socket, use_key_table=False) as rpc:
-            lid, rid = sc.register_layout(layout), rpc.register_layout(layout)
-            fill_s = fill_daemon(sc, lid, held, ns.batch)
-            stats = rpc.stats()
-            assert stats["tiers"]["host"]["blocks"] == blocks, stats["tiers"]
-            table = sc._info(lid).table
-            assert table is not None, "the sidecar did not map the key table"
-            one = [[held[rng.randrange(blocks)]] for _ in range(max(ns.n1, ns.nrpc))]
-            starts = [rng.randrange(blocks - 128) for _ in range(max(ns.n128, ns.nrpc))]
-            assert sc.prefix_length(lid, held[starts[0]:starts[0] + 128]) == (128, 128)
-            assert rpc.prefix_length(rid, held[starts[0]:starts[0] + 128]) == (128, 128)
-            shm1 = timed(lambda i: sc.lookup(lid, one[i]), ns.n1)
-            shm128 = timed(lambda i: sc.prefix_length(lid, held[starts[i]:starts[i] + 128]), ns.n128)
-            payload = node_pb2.LookupRequest(layout_id=1, keys=[held[0]]).SerializeToString()
-            with grpc.insecure_channel(f"unix:{echo_path}") as ch:
-                call = ch.unary_unary("/bench.Echo/Echo")
-                rpc1, echo, rpc128 = interleaved([
-                    lambda i: rpc.lookup(rid, one[i]),
-                    lambda i: call(payload, timeout=10),
-                    lambda i: rpc.prefix_length(rid, held[starts[i]:starts[i] + 128])], ns.nrpc)
-            assert sc._info(lid).table is table, "the sidecar fell back to RPC during the run"
-            daemon_rss = rss_bytes(daemon.pid)
-            pool_bytes = tmpfs_bytes([os.path.join(daemon.shm_dir, f) for f in os.listdir(daemon.shm_dir)
-                                      if f.endswith(".pool")])
-            table_slots = table.nslots
+        m = daemon_series(ns, daemon, echo_path, held, rng)
         extra = table_only(daemon.shm_dir, keys, ns.n1, ns.n128, rng) if ns.keys > blocks else {}
     finally:
         if echo_server is not None:
@@ -205,19 +242,7 @@ def main() -> None:
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    result = {
-        "shm_1key_p50_us": pct(shm1, 50), "shm_1key_p99_us": pct(shm1, 99),
-        "shm_128keys_p50_us": pct(shm128, 50), "shm_128keys_p99_us": pct(shm128, 99),
-        "rpc_1key_p50_us": pct(rpc1, 50), "rpc_1key_p99_us": pct(rpc1, 99),
-        "rpc_128keys_p50_us": pct(rpc128, 50), "rpc_128keys_p99_us": pct(rpc128, 99),
-        "grpc_echo_p50_us": pct(echo, 50), "grpc_echo_p99_us": pct(echo, 99),
-        "rpc_1key_over_echo_p50": round(pct(rpc1, 50) / pct(echo, 50), 2),
-        "keys_held": blocks, "keys": ns.keys, "key_bytes": 16, "block_bytes": BLOCK, "layout": "flat(4096)",
-        "daemon_table_slots": table_slots, "fill_s": round(fill_s, 1),
-        "daemon_rss_bytes": daemon_rss, "pool_tmpfs_bytes": pool_bytes,
-        "n1": ns.n1, "n128": ns.n128, "nrpc": ns.nrpc, "echo_payload_bytes": len(payload),
-        **extra,
-    }
+    result = assemble(ns, blocks, m, extra)
     print(f"shm: 1 key p50 {result['shm_1key_p50_us']} us, 128 keys p99 {result['shm_128keys_p99_us']} us; "
           f"rpc: 1 key p50 {result['rpc_1key_p50_us']} us (echo {result['grpc_echo_p50_us']} us)", file=sys.stderr)
     emit(result, ns.out)

@@ -24,8 +24,9 @@ Measured:
 
 Where a decision's time goes (2-core development VM, 1M keys, about 42 us in all): ~10 us
 finding the request's rows (a dict probe per run of consecutive rows, a list comparison
-per run), ~12 us the overlap walk over segments of equal rows, ~8 us cost and order, ~8 us
-dispatch bookkeeping (loads, speculative entries, finishing), the rest the call itself.
+per run), ~12 us the index's holdings (a walk over segments of equal rows), ~8 us cost and
+order, ~8 us dispatch bookkeeping (loads, speculative entries, finishing), the rest the call
+itself.
 Each numpy call costs ~0.5-1 us here, so the count of calls, not the data, sets the time.
 Decisions are not kept by the loop (a caller does not hold them all); checking where each
 went is timed aside and not counted. ``--keys`` and ``--decisions`` shrink a run for
@@ -111,6 +112,50 @@ def build_feeds(n_keys: int, n_workers: int, n_nodes: int, blocks: int, rng: np.
     return chains, feeds, n_events
 
 
+def make_requests(chains: list[list[bytes]], n_req: int, blocks: int, rng: np.random.Generator) -> list[list[bytes]]:
+    """Half a whole chain, half a leading part of one followed by new keys."""
+    picks = rng.integers(0, len(chains), size=n_req)
+    cuts = rng.integers(1, blocks + 1, size=n_req)
+    fresh = rng.bytes(16 * blocks * 64)
+    requests = []
+    for i in range(n_req):
+        chain = chains[int(picks[i])]
+        if i % 2 == 0 or len(chain) < blocks:
+            req = chain[:blocks]
+        else:
+            cut = int(cuts[i])
+            off = 16 * blocks * (i % 64)
+            req = chain[:cut] + [fresh[off + 16 * j: off + 16 * j + 16] for j in range(blocks - cut)]
+        requests.append(req)
+    return requests
+
+
+def time_routing(router: Router, requests: list[list[bytes]]) -> dict:
+    """Route every request (dispatching; each finished 16 decisions later): per-decision CPU
+    and wall latencies, the totals without the aside checks, and how many went to a holder."""
+    n_req = len(requests)
+    lat = np.empty(n_req, dtype=np.int64)
+    lat_cpu = np.empty(n_req, dtype=np.int64)
+    inflight: list[int] = []
+    hits = 0
+    aside_ns = aside_cpu_ns = 0  # checking where the request went: not the router's time
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for i, req in enumerate(requests):
+        s, sc = time.perf_counter_ns(), time.thread_time_ns()
+        d = router.route(req)
+        lat[i] = time.perf_counter_ns() - s
+        lat_cpu[i] = time.thread_time_ns() - sc
+        a, ac = time.perf_counter_ns(), time.thread_time_ns()
+        hits += d.ranked[0].overlap.disk > 0  # decisions are not kept: a caller does not hold them all
+        aside_ns += time.perf_counter_ns() - a
+        aside_cpu_ns += time.thread_time_ns() - ac
+        inflight.append(d.decision_id)
+        if len(inflight) > 16:
+            router.finish(inflight.pop(0))
+    return {"wall_s": time.perf_counter() - t0 - aside_ns / 1e9, "cpu_s": time.thread_time() - c0 - aside_cpu_ns / 1e9,
+            "lat": lat, "lat_cpu": lat_cpu, "hits": hits}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=1_000_000)
@@ -143,56 +188,23 @@ def main(argv: list[str] | None = None) -> dict:
     assert n_indexed == ns.keys, (n_indexed, ns.keys)
     print(f"ingested in {ingest_s:.2f} s; {n_indexed} keys, {router.index.columns} columns", file=sys.stderr)
 
-    # requests: half a whole chain, half a leading part of one plus new keys
     n_req = ns.decisions
-    picks = rng.integers(0, len(chains), size=n_req)
-    cuts = rng.integers(1, ns.blocks + 1, size=n_req)
-    fresh = rng.bytes(16 * ns.blocks * 64)
-    requests = []
-    for i in range(n_req):
-        chain = chains[int(picks[i])]
-        if i % 2 == 0 or len(chain) < ns.blocks:
-            req = chain[:ns.blocks]
-        else:
-            cut = int(cuts[i])
-            off = 16 * ns.blocks * (i % 64)
-            req = chain[:cut] + [fresh[off + 16 * j: off + 16 * j + 16] for j in range(ns.blocks - cut)]
-        requests.append(req)
-    lat = np.empty(n_req, dtype=np.int64)
-    lat_cpu = np.empty(n_req, dtype=np.int64)
-    inflight: list[int] = []
-    hits = 0
-    aside_ns = aside_cpu_ns = 0  # checking where the request went: not the router's time
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for i, req in enumerate(requests):
-        s, sc = time.perf_counter_ns(), time.thread_time_ns()
-        d = router.route(req)
-        lat[i] = time.perf_counter_ns() - s
-        lat_cpu[i] = time.thread_time_ns() - sc
-        a, ac = time.perf_counter_ns(), time.thread_time_ns()
-        hits += d.ranked[0].overlap.disk > 0  # decisions are not kept: a caller does not hold them all
-        aside_ns += time.perf_counter_ns() - a
-        aside_cpu_ns += time.thread_time_ns() - ac
-        inflight.append(d.decision_id)
-        if len(inflight) > 16:
-            router.finish(inflight.pop(0))
-    route_s = time.perf_counter() - t0 - aside_ns / 1e9
-    route_cpu_s = time.thread_time() - c0 - aside_cpu_ns / 1e9
+    r = time_routing(router, make_requests(chains, n_req, ns.blocks, rng))
     result = {
         "ingest_events_per_s": round(n_events / ingest_cpu_s),
-        "decisions_per_s": round(n_req / route_cpu_s),
-        "route_p99_us": round(float(np.percentile(lat_cpu, 99)) / 1000, 1),
-        "route_p50_us": round(float(np.percentile(lat_cpu, 50)) / 1000, 1),
+        "decisions_per_s": round(n_req / r["cpu_s"]),
+        "route_p99_us": round(float(np.percentile(r["lat_cpu"], 99)) / 1000, 1),
+        "route_p50_us": round(float(np.percentile(r["lat_cpu"], 50)) / 1000, 1),
         "wall_ingest_events_per_s": round(n_events / ingest_s),
-        "wall_decisions_per_s": round(n_req / route_s),
-        "wall_route_p50_us": round(float(np.percentile(lat, 50)) / 1000, 1),
-        "wall_route_p99_us": round(float(np.percentile(lat, 99)) / 1000, 1),
-        "cpu_share": round((ingest_cpu_s + route_cpu_s) / (ingest_s + route_s), 3),
+        "wall_decisions_per_s": round(n_req / r["wall_s"]),
+        "wall_route_p50_us": round(float(np.percentile(r["lat"], 50)) / 1000, 1),
+        "wall_route_p99_us": round(float(np.percentile(r["lat"], 99)) / 1000, 1),
+        "cpu_share": round((ingest_cpu_s + r["cpu_s"]) / (ingest_s + r["wall_s"]), 3),
         "index_bytes_per_block": round((rss1 - rss0) / n_indexed, 1),
         "index_array_bytes_per_block": round(router.index.nbytes() / n_indexed, 1),
         "workers": ns.workers, "nodes": ns.nodes, "distinct_keys": n_indexed, "events": n_events,
         "request_blocks": ns.blocks, "decisions": n_req, "top_k": ns.top_k, "cpu": cpu,
-        "routed_to_a_holder": round(hits / n_req, 4),
+        "routed_to_a_holder": round(r["hits"] / n_req, 4),
         "goals": GOALS,
     }
     result["goals_met"] = {

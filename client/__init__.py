@@ -8,8 +8,16 @@
 The engine library's main names are re-exported here.
 """
 
-from kvtier.client.engine.keys import Namespace, as_key, block_keys
-from kvtier.client.engine.sidecar import AsyncSidecar, InvalidArgument, KvtierError, PutResult, Sidecar
+from kvtier.client.engine import (
+    AsyncSidecar,
+    InvalidArgument,
+    KvtierError,
+    Namespace,
+    PutResult,
+    Sidecar,
+    as_key,
+    block_keys,
+)
 
 __all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "Namespace", "PutResult", "Sidecar",
            "as_key", "block_keys"]

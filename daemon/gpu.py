@@ -1,38 +1,41 @@
-"""The ``kvtier.v1.Transfer`` service: engine KV registrations and the copies between them and the host tier.
+"""Engine KV registrations and the copies between them and the host tier (the domain of the
+``kvtier.v1.Transfer`` service, which :mod:`kvtier.daemon.services.transfer` serves).
 
 Owns
     * the copy engines: a :class:`HostCopyEngine` always (CPU stand-in registrations), and a
       :class:`CudaCopyEngine` when ``--copy-engine`` is ``cuda`` (or ``auto`` on a GPU node);
       cupy is imported only then;
-    * registrations: per engine session, its layout, its opened allocations and event ring
-      (each allocation opened once per registration; the CUDA engine also shares one open
-      handle between registrations of the same allocation), and an internal store session
-      that holds the grants and leases of its copies in flight.
+    * registrations (:class:`Transfers`): per engine session, its layout, its opened
+      allocations and event ring (each allocation opened once per registration; the CUDA
+      engine also shares one open handle between registrations of the same allocation), and
+      an internal store session that holds the grants and leases of its copies in flight.
 
 Promises
     * Offload commits a block only after its bytes are in the host slot, then replies.
       Onboard pins each hit (a lease; disk hits are promoted to host first) from before its
-      copy until the copy has completed,
-      replies once the completion record is issued, and copies nothing for a key not held
-      (``TRANSFER_MISSING``: that engine page is untouched).
+      copy until the copy has completed, replies once the completion record is issued, and
+      copies nothing for a key not held (:attr:`TransferStatus.MISSING`: that engine page is
+      untouched).
     * A copy runs in a task of its own: a cancelled RPC (the engine killed mid-transfer, a
       deadline) stops waiting for it, never stops it halfway.
-    * When the engine's Node session ends (exit or kill), or on UnregisterKV, the
+    * When the engine's Node session ends (exit or kill), or on unregister, the
       registration stops taking requests, cancels copies still waiting for "KV written",
       waits for its copies in flight, aborts the grants of unfinished offloads (their bytes
       cannot be vouched for), releases its leases and closes every handle and event it
       opened. Counters ``kv_registrations_opened/closed``, ``kv_handles_opened/closed`` and
       ``kv_events_opened/closed`` show that nothing stays open; ``kv_inflight_at_close``,
       ``kv_transfers_cancelled`` and ``kv_offloads_aborted`` count what was cut short.
-    * A bad request gets INVALID_ARGUMENT / FAILED_PRECONDITION / NOT_FOUND and changes nothing.
+    * A bad request is refused (INVALID_ARGUMENT / FAILED_PRECONDITION / NOT_FOUND) and
+      changes nothing.
 
-Threading: handlers run on the event loop; copies and their waits run in a dedicated
+Threading: requests run on the event loop; copies and their waits run in a dedicated
 executor so the loop never blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import importlib.util
 import itertools
@@ -41,14 +44,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 
 from kvtier.daemon.config import Config
-from kvtier.daemon.metrics import OpLatency
-from kvtier.daemon.service import _handle_errors
-from kvtier.daemon.store import BlockStore, StoreError
-from kvtier.proto import transfer_pb2, transfer_pb2_grpc
+from kvtier.daemon.counters import Count, Flow
+from kvtier.daemon.errors import Code, StoreError
+from kvtier.daemon.results import GrantStatus, LeaseResult
+from kvtier.daemon.store import BlockStore
 from kvtier.tiers.copy_engine import (
     OFFLOAD,
     ONBOARD,
@@ -63,7 +65,7 @@ from kvtier.tiers.copy_engine import (
     plan_chunks,
     tensor_geometry,
 )
-from kvtier.tiers.layout import Layout, LayoutError, layout_from_proto
+from kvtier.tiers.layout import Layout
 
 log = logging.getLogger("kvtier.transfer")
 
@@ -94,6 +96,60 @@ def build_engines(cfg: Config) -> dict[str, CopyEngine]:
     return engines
 
 
+class TransferStatus(enum.Enum):
+    """What a transfer did with one key."""
+
+    COPIED = enum.auto()    # the block's bytes were copied
+    PRESENT = enum.auto()   # offload: already held (host or disk), nothing copied
+    NO_SPACE = enum.auto()  # offload: every host slot is pinned or granted; retry later
+    MISSING = enum.auto()   # onboard: not held (or no longer); the engine page was not touched
+
+
+_OFFLOADED = {GrantStatus.GRANTED: TransferStatus.COPIED, GrantStatus.PRESENT: TransferStatus.PRESENT,
+              GrantStatus.NO_SPACE: TransferStatus.NO_SPACE}
+
+
+@dataclass(frozen=True)
+class KVRegistration:
+    """What an engine registers: its KV layout, memory and event ring."""
+
+    session_id: int                      # the engine's open Node session
+    layout: Layout
+    backend: str                         # "cuda" or "host": the kind of memory the engine has
+    allocations: list[AllocationRef]
+    tensors: list[TensorRef]             # one per layout tensor, in layout order
+    ring_slots: int
+    event_handles: tuple[bytes, ...] = ()
+    event_ring_path: str = ""
+
+
+@dataclass(frozen=True)
+class Registered:
+    registration_id: int
+    layout_id: int
+    copy_engine: str
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class TransferOrder:
+    """One offload or onboard: keys and the engine blocks (or token rows) they go to or from."""
+
+    session_id: int
+    registration_id: int
+    keys: list[bytes]
+    engine_ids: np.ndarray
+    event_slot: int
+    seq: int
+    wait_written: bool = False
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    status: list[TransferStatus]   # one per key, in order
+    nbytes: int                    # bytes copied
+
+
 @dataclass(eq=False)
 class Registration:
     reg_id: int
@@ -110,18 +166,13 @@ class Registration:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def _status(code: grpc.StatusCode, msg: str) -> StoreError:
-    return StoreError(code, msg)
-
-
-class TransferService(transfer_pb2_grpc.TransferServicer):
+class Transfers:
     """See the module docstring."""
 
-    def __init__(self, store: BlockStore, engines: dict[str, CopyEngine], latency: OpLatency,
-                 threads: int = 8) -> None:
+    def __init__(self, store: BlockStore, engines: dict[str, CopyEngine], threads: int = 8) -> None:
         self.store = store
+        self.counters = store.counters
         self.engines = engines
-        self.latency = latency  # shared with the Node service: kvtier_op_latency_seconds{op="offload"}
         self.registrations: dict[int, Registration] = {}
         self._ids = itertools.count(1)
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-transfer")
@@ -130,31 +181,45 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         # (engine name, pool path) -> registrations that attached it, opening ones included; a
         # CUDA pool is pinned (never punched) while this is above zero
         self._pool_users: dict[tuple[str, str], int] = {}
-        store.session_end_hooks.append(self._session_ended)
+        store.sessions.end_hooks.append(self._session_ended)
 
     # -- registration ----------------------------------------------------------------------
 
-    @_handle_errors
-    async def RegisterKV(self, request: transfer_pb2.RegisterKVRequest, context: Any) -> transfer_pb2.RegisterKVReply:
-        sess = self.store.session(request.session_id)
-        if not request.HasField("layout"):
-            raise _status(grpc.StatusCode.INVALID_ARGUMENT, "RegisterKV needs the KV layout")
-        engine = self.engines.get(request.backend)
+    async def register(self, want: KVRegistration) -> Registered:
+        """Open an engine's KV memory for copies; bound to its Node session."""
+        sess = self.store.session(want.session_id)
+        engine = self.engines.get(want.backend)
         if engine is None:
             known = ", ".join(sorted(self.engines))
-            raise _status(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"this kvtierd has no {request.backend!r} copy engine (it serves: {known}); "
-                          f"start it with --copy-engine cuda on a GPU node for CUDA KV memory")
-        layout = layout_from_proto(request.layout)
-        allocations = [AllocationRef(a.size, a.ipc_handle, a.path, a.device) for a in request.allocations]
-        tensors = [TensorRef(t.allocation, t.offset) for t in request.tensors]
-        self._check_tensors(layout, allocations, tensors)
-        slots = request.ring_slots
-        if not 0 < slots <= MAX_RING_SLOTS:
-            raise _status(grpc.StatusCode.INVALID_ARGUMENT, f"ring_slots {slots} is not in [1, {MAX_RING_SLOTS}]")
-        ring = EventRing(slots, tuple(request.event_handles), request.event_ring_path)
+            raise StoreError(Code.FAILED_PRECONDITION,
+                             f"this kvtierd has no {want.backend!r} copy engine (it serves: {known}); "
+                             f"start it with --copy-engine cuda on a GPU node for CUDA KV memory")
+        layout = want.layout
+        self._check_tensors(layout, want.allocations, want.tensors)
+        if not 0 < want.ring_slots <= MAX_RING_SLOTS:
+            raise StoreError(Code.INVALID_ARGUMENT, f"ring_slots {want.ring_slots} is not in [1, {MAX_RING_SLOTS}]")
+        ring = EventRing(want.ring_slots, tuple(want.event_handles), want.event_ring_path)
         reg_layout = await self.store.register_layout(layout)
-        cls = self.store.host.size_class(layout.slot_bytes)
+        cls = self.store.pool(layout)
+        memory = await self._open(engine, cls, want.allocations, ring)
+        internal = self.store.open_session(f"transfer:{sess.client_name}", sess.pid)
+        reg = Registration(next(self._ids), sess.session_id, internal.session_id, reg_layout.layout_id, layout,
+                           engine, memory, want.tensors, cls.path)
+        self.registrations[reg.reg_id] = reg
+        c = self.counters
+        c.add(Count.KV_REGISTRATIONS_OPENED)
+        c.add(Count.KV_HANDLES_OPENED, memory.handles_open)
+        c.add(Count.KV_EVENTS_OPENED, memory.events_open)
+        if sess.session_id not in self.store.sessions:  # the engine went away while we opened
+            self._close(reg)
+            raise StoreError(Code.CANCELLED, "session closed during RegisterKV")
+        log.info("kv registered", extra={"registration_id": reg.reg_id, "session_id": sess.session_id,
+                                         "engine": engine.name, "allocations": len(want.allocations),
+                                         "layout_id": reg.layout_id})
+        return Registered(reg.reg_id, reg.layout_id, engine.name, layout.block_bytes)
+
+    async def _open(self, engine: CopyEngine, cls: Any, allocations: list[AllocationRef], ring: EventRing) -> KVMemory:
+        """Attach the host pool to the engine (once per engine and pool) and open the KV memory."""
         self._use_pool(engine, cls)
         loop = asyncio.get_running_loop()
         attached = False
@@ -169,7 +234,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
                 raise
         except CopyError as e:
             self._leave_pool(engine, cls.path, attached)
-            raise _status(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+            raise StoreError(Code.FAILED_PRECONDITION, str(e)) from None
         except BaseException:
             self._leave_pool(engine, cls.path, attached)
             raise
@@ -178,22 +243,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
             log.info("host pool attached to the copy engine", extra={
                 "engine": engine.name, "pool_bytes": cls.pool_bytes,
                 "pin_s_per_gib": round(s_per_gib, 4) if engine.backend == "cuda" else None})
-        internal = self.store.open_session(f"transfer:{sess.client_name}", sess.pid)
-        reg = Registration(next(self._ids), sess.session_id, internal.session_id, reg_layout.layout_id, layout,
-                           engine, memory, tensors, cls.path)
-        self.registrations[reg.reg_id] = reg
-        c = self.store.counters
-        c["kv_registrations_opened"] += 1
-        c["kv_handles_opened"] += memory.handles_open
-        c["kv_events_opened"] += memory.events_open
-        if sess.session_id not in self.store.sessions:  # the engine went away while we opened
-            self._close(reg)
-            raise _status(grpc.StatusCode.CANCELLED, "session closed during RegisterKV")
-        log.info("kv registered", extra={"registration_id": reg.reg_id, "session_id": sess.session_id,
-                                         "engine": engine.name, "allocations": len(allocations),
-                                         "layout_id": reg.layout_id})
-        return transfer_pb2.RegisterKVReply(registration_id=reg.reg_id, layout_id=reg.layout_id,
-                                            copy_engine=engine.name, block_bytes=layout.block_bytes)
+        return memory
 
     def _use_pool(self, engine: CopyEngine, cls: Any) -> None:
         key = (engine.name, cls.path)
@@ -222,7 +272,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         if detach is not None and (detach.cancelled() or detach.exception() is not None):
             log.error("detaching the host pool %s from %s failed: %s", path, engine.name,
                       "cancelled" if detach.cancelled() else detach.exception())
-            self.store.counters["kv_close_errors"] += 1
+            self.counters.add(Count.KV_CLOSE_ERRORS)
             return  # still pinned for all we know: keep it out of other classes' reach
         if engine.backend != "cuda" or any(k[1] == path for k in self._pool_users):
             return  # a registration (re)attached meanwhile, or the pool was never pinned
@@ -231,47 +281,46 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
             self.store.host.unmark_registered(cls)
 
     def _close_orphan(self, engine: CopyEngine, opening: asyncio.Future) -> None:
-        """Close KV memory opened for a RegisterKV whose caller was cancelled meanwhile."""
+        """Close KV memory opened for a registration whose caller was cancelled meanwhile."""
         if opening.cancelled() or opening.exception() is not None:
             return
         try:
             engine.close_kv(opening.result())
         except Exception:
             log.exception("closing the KV memory of a cancelled RegisterKV failed")
-            self.store.counters["kv_close_errors"] += 1
+            self.counters.add(Count.KV_CLOSE_ERRORS)
 
     @staticmethod
     def _check_tensors(layout: Layout, allocations: list[AllocationRef], tensors: list[TensorRef]) -> None:
         if len(tensors) != len(layout.tensors):
-            raise _status(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{len(tensors)} tensor refs for a layout of {len(layout.tensors)} tensors")
+            raise StoreError(Code.INVALID_ARGUMENT,
+                             f"{len(tensors)} tensor refs for a layout of {len(layout.tensors)} tensors")
         for spec, ref, (outer, extent, inner, _) in zip(layout.tensors, tensors, tensor_geometry(layout), strict=True):
             if ref.allocation >= len(allocations):
-                raise _status(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"tensor {spec.name!r} names allocation {ref.allocation}; there are {len(allocations)}")
+                raise StoreError(Code.INVALID_ARGUMENT,
+                                 f"tensor {spec.name!r} names allocation {ref.allocation}; there are {len(allocations)}")
             end = ref.offset + outer * extent * inner
             if end > allocations[ref.allocation].size:
-                raise _status(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"tensor {spec.name!r} ends at byte {end}, past its allocation of "
-                              f"{allocations[ref.allocation].size} bytes")
+                raise StoreError(Code.INVALID_ARGUMENT,
+                                 f"tensor {spec.name!r} ends at byte {end}, past its allocation of "
+                                 f"{allocations[ref.allocation].size} bytes")
 
-    @_handle_errors
-    async def UnregisterKV(self, request: transfer_pb2.UnregisterKVRequest, context: Any) -> transfer_pb2.UnregisterKVReply:
-        reg = self._registration(request.session_id, request.registration_id)
+    async def unregister(self, session_id: int, reg_id: int) -> None:
+        """Close a registration once its copies in flight are done."""
+        reg = self._registration(session_id, reg_id)
         self._begin_close(reg)
         await reg.closed.wait()
-        return transfer_pb2.UnregisterKVReply()
 
     def _registration(self, session_id: int, reg_id: int) -> Registration:
         self.store.session(session_id)
         reg = self.registrations.get(reg_id)
         if reg is None or reg.closing:
-            raise _status(grpc.StatusCode.NOT_FOUND,
-                          f"KV registration {reg_id} is not open (unregistered, or its session ended): "
-                          f"call RegisterKV again")
+            raise StoreError(Code.NOT_FOUND,
+                             f"KV registration {reg_id} is not open (unregistered, or its session ended): "
+                             f"call RegisterKV again")
         if reg.session_id != session_id:
-            raise _status(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"KV registration {reg_id} belongs to session {reg.session_id}, not {session_id}")
+            raise StoreError(Code.FAILED_PRECONDITION,
+                             f"KV registration {reg_id} belongs to session {reg.session_id}, not {session_id}")
         return reg
 
     def _session_ended(self, session_id: int) -> None:
@@ -282,7 +331,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         if reg.closing:
             return
         reg.closing = True
-        self.store.counters["kv_inflight_at_close"] += reg.inflight  # copies the close waits for
+        self.counters.add(Count.KV_INFLIGHT_AT_CLOSE, reg.inflight)  # copies the close waits for
         reg.engine.cancel(reg.memory)
         if reg.inflight == 0:
             self._close(reg)
@@ -291,17 +340,17 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         """Close the handles and give back the slots of a registration with nothing in flight."""
         reg.closing = True
         self.registrations.pop(reg.reg_id, None)
-        c = self.store.counters
-        c["kv_handles_closed"] += reg.memory.handles_open
-        c["kv_events_closed"] += reg.memory.events_open
+        c = self.counters
+        c.add(Count.KV_HANDLES_CLOSED, reg.memory.handles_open)
+        c.add(Count.KV_EVENTS_CLOSED, reg.memory.events_open)
         try:
             reg.engine.close_kv(reg.memory)
         except Exception:
             log.exception("closing KV registration %d failed", reg.reg_id)
-            c["kv_close_errors"] += 1
+            c.add(Count.KV_CLOSE_ERRORS)
         self.store.close_session(reg.store_session)
         self._leave_pool(reg.engine, reg.pool_path, attached=True)
-        c["kv_registrations_closed"] += 1
+        c.add(Count.KV_REGISTRATIONS_CLOSED)
         reg.closed.set()
         log.info("kv registration closed", extra={"registration_id": reg.reg_id})
 
@@ -312,28 +361,26 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
 
     # -- transfers -------------------------------------------------------------------------
 
-    def _validate(self, reg: Registration, request: transfer_pb2.TransferRequest) -> tuple[list[bytes], np.ndarray]:
-        keys = list(request.keys)
-        self.store.check_keys(keys, unique=True)
+    def _validate(self, order: TransferOrder) -> tuple[Registration, np.ndarray]:
+        reg = self._registration(order.session_id, order.registration_id)
+        self.store.check_keys(order.keys, unique=True)
         try:
-            ids = check_engine_ids(reg.layout, np.asarray(request.engine_ids, dtype=np.int64), len(keys))
+            ids = check_engine_ids(reg.layout, np.asarray(order.engine_ids, dtype=np.int64), len(order.keys))
         except CopyError as e:
-            raise _status(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if request.event_slot >= reg.memory.ring.slots:
-            raise _status(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"event_slot {request.event_slot} is outside the ring of {reg.memory.ring.slots}")
+            raise StoreError(Code.INVALID_ARGUMENT, str(e)) from None
+        if order.event_slot >= reg.memory.ring.slots:
+            raise StoreError(Code.INVALID_ARGUMENT,
+                             f"event_slot {order.event_slot} is outside the ring of {reg.memory.ring.slots}")
         if np.unique(ids).size != ids.size:
-            raise _status(grpc.StatusCode.INVALID_ARGUMENT,
-                          "an engine block id (or token index) appears twice in one request")
-        return keys, ids
+            raise StoreError(Code.INVALID_ARGUMENT, "an engine block id (or token index) appears twice in one request")
+        return reg, ids
 
-    async def _copy(self, reg: Registration, plan: Any, direction: str, request: transfer_pb2.TransferRequest,
-                    wait_done: bool) -> Any:
+    async def _copy(self, reg: Registration, plan: Any, direction: str, order: TransferOrder, wait_done: bool) -> Any:
         loop = asyncio.get_running_loop()
 
         def run() -> Any:
-            done = reg.engine.copy(reg.memory, reg.pool_path, plan, direction, request.event_slot, request.seq,
-                                   request.wait_written)
+            done = reg.engine.copy(reg.memory, reg.pool_path, plan, direction, order.event_slot, order.seq,
+                                   order.wait_written)
             if wait_done:
                 done.wait_done()
             return done
@@ -362,85 +409,79 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
         if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), StoreError):
             log.error("transfer failed", exc_info=task.exception())
 
-    @_handle_errors
-    async def Offload(self, request: transfer_pb2.TransferRequest, context: Any) -> transfer_pb2.TransferReply:
-        reg = self._registration(request.session_id, request.registration_id)
-        keys, ids = self._validate(reg, request)
-        task = self._detached(reg, self._offload(reg, keys, ids, request))
+    async def offload(self, order: TransferOrder) -> TransferResult:
+        """Copy engine blocks into fresh host slots and commit them; replies once committed."""
+        reg, ids = self._validate(order)
+        task = self._detached(reg, self._offload(reg, ids, order))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            self.store.counters["kv_transfers_cancelled"] += 1  # the engine went away (or gave up) mid-copy
+            self.counters.add(Count.KV_TRANSFERS_CANCELLED)  # the engine went away (or gave up) mid-copy
             raise
 
-    async def _offload(self, reg: Registration, keys: list[bytes], ids: np.ndarray,
-                       request: transfer_pb2.TransferRequest) -> transfer_pb2.TransferReply:
-        grants = await self.store.allocate(reg.store_session, reg.layout_id, keys)
-        granted = [i for i, g in enumerate(grants) if g[0] == "granted"]
-        gids = [grants[i][1] for i in granted]
-        offsets = np.array([grants[i][2] for i in granted], dtype=np.int64)
+    async def _offload(self, reg: Registration, ids: np.ndarray, order: TransferOrder) -> TransferResult:
+        grants = await self.store.allocate(reg.store_session, reg.layout_id, order.keys)
+        granted = [i for i, g in enumerate(grants) if g.granted]
+        gids = [grants[i].grant_id for i in granted]
+        offsets = np.array([grants[i].offset for i in granted], dtype=np.int64)
         plan = plan_chunks(reg.layout, reg.tensors, ids[granted], offsets)
         try:
-            await self._copy(reg, plan, OFFLOAD, request, wait_done=True)
+            await self._copy(reg, plan, OFFLOAD, order, wait_done=True)
         except CopyError as e:
             await self._abort(reg, gids)
             if reg.closing:
-                self.store.counters["kv_offloads_aborted"] += 1
-                raise _status(grpc.StatusCode.CANCELLED, f"the engine's session ended during the offload: {e}") from None
+                self.counters.add(Count.KV_OFFLOADS_ABORTED)
+                raise StoreError(Code.CANCELLED, f"the engine's session ended during the offload: {e}") from None
             raise
         except BaseException:
             await self._abort(reg, gids)
             raise
         if reg.closing:  # the engine went away mid-copy: its KV cannot be vouched for
             await self._abort(reg, gids)
-            self.store.counters["kv_offloads_aborted"] += 1
-            raise _status(grpc.StatusCode.CANCELLED, "the engine's session ended during the offload")
+            self.counters.add(Count.KV_OFFLOADS_ABORTED)
+            raise StoreError(Code.CANCELLED, "the engine's session ended during the offload")
         if gids:
             await self.store.commit(reg.store_session, gids, [], False)
-        status = {"granted": transfer_pb2.TRANSFER_COPIED, "present": transfer_pb2.TRANSFER_PRESENT,
-                  "no_space": transfer_pb2.TRANSFER_NO_SPACE}
-        c = self.store.counters
-        c["kv_offload_blocks"] += len(gids)
-        c["bytes_gpu_to_host"] += plan.nbytes
-        return transfer_pb2.TransferReply(status=[status[g[0]] for g in grants], bytes=plan.nbytes)
+        self.counters.add(Count.KV_OFFLOAD_BLOCKS, len(gids))
+        self.counters.move(Flow.GPU_TO_HOST, plan.nbytes)
+        return TransferResult([_OFFLOADED[g.status] for g in grants], plan.nbytes)
 
     async def _abort(self, reg: Registration, gids: list[int]) -> None:
         if gids and reg.store_session in self.store.sessions:
             await self.store.commit(reg.store_session, [], gids, False)
 
-    @_handle_errors
-    async def Onboard(self, request: transfer_pb2.TransferRequest, context: Any) -> transfer_pb2.TransferReply:
-        reg = self._registration(request.session_id, request.registration_id)
-        keys, ids = self._validate(reg, request)
+    async def onboard(self, order: TransferOrder) -> TransferResult:
+        """Copy held blocks (pinned meanwhile) into engine blocks; replies once the completion
+        record is issued (the engine's stream can wait on it)."""
+        reg, ids = self._validate(order)
         recorded = asyncio.get_running_loop().create_future()
-        self._detached(reg, self._onboard(reg, keys, ids, request, recorded))
+        self._detached(reg, self._onboard(reg, ids, order, recorded))
         try:
             leases, nbytes = await asyncio.shield(recorded)  # the completion record is issued: reply
         except asyncio.CancelledError:
-            self.store.counters["kv_transfers_cancelled"] += 1
+            self.counters.add(Count.KV_TRANSFERS_CANCELLED)
             raise
-        hits = sum(1 for lease in leases if lease[0])
-        c = self.store.counters
-        c["kv_onboard_blocks"] += hits
-        c["kv_onboard_missing"] += len(keys) - hits
-        c["bytes_host_to_gpu"] += nbytes
-        return transfer_pb2.TransferReply(
-            status=[transfer_pb2.TRANSFER_COPIED if lease[0] else transfer_pb2.TRANSFER_MISSING for lease in leases],
-            bytes=nbytes)
+        hits = sum(1 for lease in leases if lease.hit)
+        c = self.counters
+        c.add(Count.KV_ONBOARD_BLOCKS, hits)
+        c.add(Count.KV_ONBOARD_MISSING, len(order.keys) - hits)
+        c.move(Flow.HOST_TO_GPU, nbytes)
+        return TransferResult([TransferStatus.COPIED if lease.hit else TransferStatus.MISSING for lease in leases],
+                              nbytes)
 
-    async def _onboard(self, reg: Registration, keys: list[bytes], ids: np.ndarray,
-                       request: transfer_pb2.TransferRequest, recorded: asyncio.Future) -> None:
-        """Pin the hits (disk hits are promoted first), copy, hand the handler its reply once
+    async def _onboard(self, reg: Registration, ids: np.ndarray, order: TransferOrder,
+                       recorded: asyncio.Future) -> None:
+        """Pin the hits (disk hits are promoted first), copy, hand the caller its answer once
         the completion record is issued, keep the pins until the bytes have landed, release."""
         lids: list[int] = []
         try:
             try:
-                leases = await self.store.acquire(reg.store_session, reg.layout_id, keys)
-                hits = [i for i, lease in enumerate(leases) if lease[0]]
-                lids = [leases[i][0] for i in hits]
-                offsets = np.array([leases[i][1] for i in hits], dtype=np.int64)
+                leases: list[LeaseResult] = await self.store.acquire(reg.store_session, reg.layout_id, order.keys)
+                hits = [i for i, lease in enumerate(leases) if lease.hit]
+                lids = [leases[i].lease_id for i in hits]
+                offsets = np.array([leases[i].offset for i in hits], dtype=np.int64)
                 plan = plan_chunks(reg.layout, reg.tensors, ids[hits], offsets)
-                done = await self._copy(reg, plan, ONBOARD, request, wait_done=False)
+                done = await self._copy(reg, plan, ONBOARD, order, wait_done=False)
             except BaseException as e:
                 if not recorded.done():
                     recorded.set_exception(e)
@@ -451,7 +492,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
                 await asyncio.get_running_loop().run_in_executor(self._executor, done.wait_done)
             except Exception:
                 log.exception("onboard copy failed after its reply (registration %d)", reg.reg_id)
-                self.store.counters["kv_onboard_errors"] += 1
+                self.counters.add(Count.KV_ONBOARD_ERRORS)
         finally:
             self._release(reg, lids)
 
@@ -471,4 +512,5 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
             engine.close()
 
 
-__all__ = ["TransferService", "build_engines", "EngineUnavailable", "LayoutError"]
+__all__ = ["EngineUnavailable", "KVRegistration", "Registered", "TransferOrder", "TransferResult", "TransferStatus",
+           "Transfers", "build_engines"]

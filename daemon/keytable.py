@@ -1,10 +1,14 @@
 """The daemon's publisher of the shared-memory key table (format: ``kvtier.tiers.keytable``).
 
-:class:`KeyTablePublisher` is a :class:`~kvtier.daemon.store.LocationObserver`: the store
-calls it synchronously, on the event loop, after every visibility change and before the
-RPC that caused it replies. So a block committed by a put is in the table before the put
+:class:`KeyTablePublisher` is a :class:`~kvtier.daemon.observers.LocationObserver`: the
+store calls it synchronously, on the event loop, after every visibility change and before
+the RPC that caused it replies. So a block committed by a put is in the table before the put
 returns, and a block evicted from the host tier leaves the table before its slot is
 handed to anyone else.
+
+The table is node-wide: a key's gpu bit is set while some engine worker on this node holds
+the block on device (:class:`~kvtier.daemon.device.DeviceTier`), and cleared when the last
+one no longer does.
 
 The table starts from what the store already holds (:meth:`BlockStore.holdings`: blocks a
 disk tier restored at start), then follows the events.
@@ -31,10 +35,12 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from kvtier.daemon.counters import Count
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.keytable import HEARTBEAT_S, KeyTableError, KeyTableWriter
+from kvtier.tiers.vocab import Tier
 
 log = logging.getLogger("kvtier.keytable")
 
@@ -55,26 +61,33 @@ class KeyTablePublisher:
 
     # -- LocationObserver ----------------------------------------------------------------
 
-    def stored(self, tier: str, fingerprint: bytes, keys: Sequence[bytes]) -> None:
+    def stored(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
         if self.valid:
             self._guard(self._stored, tier, fingerprint, keys)
 
-    def removed(self, tier: str, fingerprint: bytes, keys: Sequence[bytes]) -> None:
+    def removed(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+        if tier is Tier.GPU:  # the bit stays while another worker holds the block
+            keys = [k for k in keys if not self.store.device.holds(fingerprint, k)]
         if self.valid:
             self._guard(self.writer.clear, fingerprint, keys, tier)
 
-    def cleared(self, tier: str) -> None:
-        if self.valid:
+    def cleared(self, tier: Tier, worker: str = "", gone: Mapping[bytes, Sequence[bytes]] | None = None) -> None:
+        if tier is Tier.GPU:  # one worker's blocks: the others' stay
+            for fp, keys in (gone or {}).items():
+                self.removed(tier, fp, keys, worker)
+        elif self.valid:
             self._guard(self.writer.clear_tier, tier)
 
-    def _stored(self, tier: str, fingerprint: bytes, keys: Sequence[bytes]) -> None:
+    def workers_changed(self) -> None:
+        pass
+
+    def _stored(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes]) -> None:
         if not self.writer.tag(fingerprint, create=False):
             self._presize(fingerprint)
         self.writer.set(fingerprint, keys, tier)
 
     def _presize(self, fingerprint: bytes) -> None:
-        slot_bytes = min((reg.layout.slot_bytes for reg in self.store.layouts.values()
-                          if reg.layout.fingerprint == fingerprint), default=0)
+        slot_bytes = self.store.layouts.slot_bytes_of(fingerprint)
         if slot_bytes:
             self.writer.reserve(self.capacity_bytes() // slot_bytes)
 
@@ -86,7 +99,7 @@ class KeyTablePublisher:
 
     def _give_up(self, err: Exception) -> None:
         self.valid = False
-        self.store.counters["key_table_errors"] += 1
+        self.store.counters.add(Count.KEY_TABLE_ERRORS)
         log.error("key table %s can no longer be kept exact; clients fall back to the Lookup RPC: %s",
                   self.path, err)
         with contextlib.suppress(Exception):

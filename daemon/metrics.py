@@ -1,59 +1,38 @@
-"""Prometheus metrics of a kvtierd, computed from the store at scrape time.
+"""Prometheus metrics of a kvtierd, computed from a typed stats snapshot at scrape time.
 
-The hot path only bumps plain counters in ``BlockStore.counters``; this collector turns them
-into ``kvtier_*`` families with ``node``, ``tier``, ``op`` and ``direction`` labels when
-Prometheus scrapes, so metrics cost nothing between scrapes.
+The hot path only adds to the typed counters of :class:`~kvtier.daemon.counters.Counters`;
+this collector turns a :class:`~kvtier.daemon.stats.NodeStats` snapshot into ``kvtier_*``
+families with ``node``, ``tier``, ``op``, ``direction`` and ``code`` labels when Prometheus
+scrapes, so metrics cost nothing between scrapes. No counter name is parsed:
 
-Counter names in the store and what they become:
-    ``<op>_hit_blocks:<tier>``    kvtier_hit_blocks_total{op, tier}
-    ``<op>_hit_tokens:<tier>``    kvtier_hit_tokens_total{op, tier}
-    ``<op>_miss_blocks``          kvtier_miss_blocks_total{op}
-    ``<op>_miss_tokens``          kvtier_miss_tokens_total{op}
-    ``bytes_<src>_to_<dst>``      kvtier_bytes_total{direction="<src>-><dst>"}
-    ``evictions_<tier>``          kvtier_evictions_total{tier}
-    ``errors:<CODE>``             kvtier_errors_total{code}
-    anything else ``name``        kvtier_<name>_total
+    hits per (Op, Tier)          kvtier_hit_blocks_total{op, tier}, kvtier_hit_tokens_total{op, tier}
+    misses per Op                kvtier_miss_blocks_total{op}, kvtier_miss_tokens_total{op}
+    hits + misses per Op         kvtier_lookup_blocks_total{op}, kvtier_lookup_tokens_total{op}
+    bytes per Flow               kvtier_bytes_total{direction="<src>-><dst>"}
+    evictions per Tier           kvtier_evictions_total{tier} (host, disk)
+    refusals per Code            kvtier_errors_total{code} (codes refused at least once)
+    every Count member           kvtier_<name>_total
 
-Also, at scrape time: ``kvtier_lookup_blocks_total{op}`` / ``kvtier_lookup_tokens_total{op}``
-(blocks and tokens asked for: hits in every tier plus misses), the tier gauges
-(``kvtier_tier_capacity_bytes``, ``kvtier_tier_used_bytes``, ``kvtier_tier_blocks``) and
-``kvtier_op_latency_seconds{op}``, a histogram of each RPC's handling time that the handlers
-update in process (:class:`OpLatency`: one bisect and two increments per call).
+Also the tier gauges (``kvtier_tier_capacity_bytes``, ``kvtier_tier_used_bytes``,
+``kvtier_tier_blocks``), ``kvtier_sessions`` and ``kvtier_op_latency_seconds{op}``, a
+histogram of each RPC's handling time that the handlers update in process
+(:class:`OpLatency`: one bisect and two increments per call).
 
-Every series in :data:`ALWAYS_EXPORTED` is exported from the first scrape, at zero until it
-moves (hits and misses per op and tier, bytes per direction, evictions, demotions,
-promotions, checksum failures), so dashboards and alerts see them before the first event.
+Every series but the errors' is exported from the first scrape, at zero until it moves, so
+dashboards and alerts see them before the first event. Acquire never finds a block in gpu
+(the daemon serves host and disk), so ``kvtier_hit_*_total{op="acquire", tier="gpu"}`` stays 0.
 """
 
 from __future__ import annotations
 
 import bisect
-import re
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from kvtier.proto import TIER_NAMES
-
-if TYPE_CHECKING:
-    from kvtier.daemon.service import NodeService
-
-_HIT = re.compile(r"^(\w+)_hit_(blocks|tokens):(\w+)$")
-_MISS = re.compile(r"^(\w+)_miss_(blocks|tokens)$")
-_BYTES = re.compile(r"^bytes_(\w+)_to_(\w+)$")
-_EVICT = re.compile(r"^evictions_(\w+)$")
-
-_TIERS = ("gpu", "host", "disk")
-#: store counters exported at zero before they first move (see the module docstring)
-ALWAYS_EXPORTED: tuple[str, ...] = (
-    *(f"{op}_hit_{unit}:{tier}" for op in ("lookup", "acquire") for unit in ("blocks", "tokens") for tier in _TIERS),
-    *(f"{op}_miss_{unit}" for op in ("lookup", "acquire") for unit in ("blocks", "tokens")),
-    *(f"bytes_{src}_to_{dst}" for src, dst in (("gpu", "host"), ("host", "gpu"), ("host", "disk"), ("disk", "host"),
-                                                ("client", "host"), ("host", "client"))),
-    "evictions_host", "evictions_disk", "demotions", "promotions", "checksum_failures",
-)
+from kvtier.daemon.counters import Op
+from kvtier.daemon.stats import NodeStats
 
 #: upper bounds of the latency buckets, seconds: 25 us to 10 s, about x2 apart
 LATENCY_BUCKETS_S: tuple[float, ...] = (
@@ -93,62 +72,75 @@ class OpLatency:
 
 
 class StoreCollector:
-    def __init__(self, service: NodeService) -> None:
-        self.service = service
+    """Collects the ``kvtier_*`` families from a :class:`NodeStats` snapshot and the latencies."""
+
+    def __init__(self, node: str, stats: Callable[[], NodeStats], latency: OpLatency) -> None:
+        self.node = node
+        self.stats = stats
+        self.latency = latency
 
     def collect(self) -> Iterator[Metric]:
-        node = self.service.node_id
-        stats = self.service.stats_message()
-        fams: dict[str, CounterMetricFamily] = {}
-
-        def counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
-            if name not in fams:
-                fams[name] = CounterMetricFamily(name, doc, labels=["node", *labels])
-            return fams[name]
-
-        counters = dict.fromkeys(ALWAYS_EXPORTED, 0)
-        counters.update(stats.counters)
-        asked: dict[tuple[str, str], int] = {}
-        for key, value in counters.items():
-            if m := _HIT.match(key) or _MISS.match(key):
-                asked[m[1], m[2]] = asked.get((m[1], m[2]), 0) + value
-            if m := _HIT.match(key):
-                counter(f"kvtier_hit_{m[2]}", f"{m[2]} found, by operation and tier",
-                        ["op", "tier"]).add_metric([node, m[1], m[3]], value)
-            elif m := _MISS.match(key):
-                counter(f"kvtier_miss_{m[2]}", f"{m[2]} not found in any tier, by operation",
-                        ["op"]).add_metric([node, m[1]], value)
-            elif m := _BYTES.match(key):
-                counter("kvtier_bytes", "payload bytes moved, by direction",
-                        ["direction"]).add_metric([node, f"{m[1]}->{m[2]}"], value)
-            elif m := _EVICT.match(key):
-                counter("kvtier_evictions", "blocks evicted for capacity, by tier", ["tier"]).add_metric(
-                    [node, m[1]], value)
-            elif key.startswith("errors:"):
-                counter("kvtier_errors", "requests refused, by gRPC status code", ["code"]).add_metric(
-                    [node, key.split(":", 1)[1]], value)
-            else:
-                counter(f"kvtier_{key}", f"count of {key.replace('_', ' ')}", []).add_metric([node], value)
-        for (op, unit), value in sorted(asked.items()):
-            counter(f"kvtier_lookup_{unit}", f"{unit} asked for (found in any tier or not), by operation",
-                    ["op"]).add_metric([node, op], value)
-        yield from fams.values()
-        yield self.service.latency.family(node)
+        node = self.node
+        stats = self.stats()
+        c = stats.counters
+        hit_b = CounterMetricFamily("kvtier_hit_blocks", "blocks found, by operation and tier", labels=["node", "op", "tier"])
+        hit_t = CounterMetricFamily("kvtier_hit_tokens", "tokens found, by operation and tier", labels=["node", "op", "tier"])
+        miss_b = CounterMetricFamily("kvtier_miss_blocks", "blocks not found in any tier, by operation",
+                                     labels=["node", "op"])
+        miss_t = CounterMetricFamily("kvtier_miss_tokens", "tokens not found in any tier, by operation",
+                                     labels=["node", "op"])
+        ask_b = CounterMetricFamily("kvtier_lookup_blocks", "blocks asked for (found in any tier or not), by operation",
+                                    labels=["node", "op"])
+        ask_t = CounterMetricFamily("kvtier_lookup_tokens", "tokens asked for (found in any tier or not), by operation",
+                                    labels=["node", "op"])
+        for op in Op:
+            for tier, tally in c.hits[op].items():
+                hit_b.add_metric([node, op.value, tier.label], tally.blocks)
+                hit_t.add_metric([node, op.value, tier.label], tally.tokens)
+            miss_b.add_metric([node, op.value], c.misses[op].blocks)
+            miss_t.add_metric([node, op.value], c.misses[op].tokens)
+            asked = c.asked(op)
+            ask_b.add_metric([node, op.value], asked.blocks)
+            ask_t.add_metric([node, op.value], asked.tokens)
+        yield from (hit_b, hit_t, miss_b, miss_t, ask_b, ask_t)
+        moved = CounterMetricFamily("kvtier_bytes", "payload bytes moved, by direction", labels=["node", "direction"])
+        for flow, n in c.moved.items():
+            moved.add_metric([node, flow.label], n)
+        evictions = CounterMetricFamily("kvtier_evictions", "blocks evicted for capacity, by tier",
+                                        labels=["node", "tier"])
+        for tier, n in c.evictions.items():
+            evictions.add_metric([node, tier.label], n)
+        yield from (moved, evictions)
+        refused = [(code, n) for code, n in c.errors.items() if n]
+        if refused:
+            errors = CounterMetricFamily("kvtier_errors", "requests refused, by gRPC status code", labels=["node", "code"])
+            for code, n in refused:
+                errors.add_metric([node, code.name], n)
+            yield errors
+        for count, n in c.counts.items():
+            yield _plain(node, count.value, n)
+        yield self.latency.family(node)
         cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "configured capacity", labels=["node", "tier"])
         used = GaugeMetricFamily("kvtier_tier_used_bytes", "bytes of slots in use", labels=["node", "tier"])
         blocks = GaugeMetricFamily("kvtier_tier_blocks", "visible blocks", labels=["node", "tier"])
         for t in stats.tiers:
-            name = TIER_NAMES.get(t.tier, "none")
-            cap.add_metric([node, name], t.capacity_bytes)
-            used.add_metric([node, name], t.used_bytes)
-            blocks.add_metric([node, name], t.blocks)
+            cap.add_metric([node, t.tier.label], t.capacity_bytes)
+            used.add_metric([node, t.tier.label], t.used_bytes)
+            blocks.add_metric([node, t.tier.label], t.blocks)
         yield from (cap, used, blocks)
         yield GaugeMetricFamily("kvtier_sessions", "open client sessions", value=stats.sessions)
 
 
-def start_metrics_server(service: NodeService, host: str, port: int) -> int:
-    """Serve ``/metrics`` on host:port in a background thread; returns the bound port."""
+def _plain(node: str, name: str, value: int) -> CounterMetricFamily:
+    fam = CounterMetricFamily(f"kvtier_{name}", f"count of {name.replace('_', ' ')}", labels=["node"])
+    fam.add_metric([node], value)
+    return fam
+
+
+def start_metrics_server(node: str, stats: Callable[[], NodeStats], latency: OpLatency, host: str, port: int) -> int:
+    """Serve ``/metrics`` on host:port in a background thread; returns the bound port.
+    ``stats`` is called on the server's thread at each scrape."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(service))
+    registry.register(StoreCollector(node, stats, latency))
     server, _ = start_http_server(port, addr=host, registry=registry)
     return server.server_port

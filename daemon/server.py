@@ -1,5 +1,8 @@
 """The kvtierd process: builds the store from a :class:`Config` and serves it over gRPC.
 
+Wiring only: the parts are built here and the servicers of :mod:`kvtier.daemon.services` (the
+service layer, the only daemon code that touches the wire format) are registered.
+
 Listeners: a unix socket (mode 0600, in a directory made 0700) and optionally TCP. gRPC turns
 ``SO_REUSEPORT`` on by default, which would let a second daemon bind a taken port silently;
 it is turned off here and the port is probed first, so a taken port is a clear error.
@@ -19,24 +22,16 @@ import socket
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvtier.daemon.config import Config
-from kvtier.daemon.events import LocationLog, LocationsService, watch_sessions
-from kvtier.daemon.gpu import EngineUnavailable, TransferService, build_engines
+from kvtier.daemon.device import watch_sessions
+from kvtier.daemon.events import LocationLog
+from kvtier.daemon.gpu import EngineUnavailable, Transfers, build_engines
 from kvtier.daemon.keytable import KeyTablePublisher
-from kvtier.daemon.metrics import start_metrics_server
-from kvtier.daemon.service import NodeService
+from kvtier.daemon.metrics import OpLatency, start_metrics_server
+from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
+from kvtier.daemon.stats import StatsSource, tier_usage
 from kvtier.daemon.store import BlockStore
-from kvtier.proto import (
-    locations_pb2,
-    locations_pb2_grpc,
-    node_pb2,
-    node_pb2_grpc,
-    transfer_pb2,
-    transfer_pb2_grpc,
-)
 from kvtier.tiers.disk import DiskTier, DiskTierError
 from kvtier.tiers.host import HostTier
 
@@ -109,24 +104,24 @@ class Daemon:
             self.key_table = KeyTablePublisher(self.store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
         except OSError as e:
             raise StartupError(f"cannot create the key table in --shm-dir {cfg.shm_dir}: {e.strerror}") from None
-        self.store.observers.append(self.key_table)
-        self.service = NodeService(self.store, self.node_id, self.epoch, key_table_path=self.key_table.path)
         self.locations = LocationLog(self.store, self.node_id, self.epoch, cfg.event_log_keys)
-        self.store.observers.append(self.locations)
+        self.store.observers.add(self.key_table, self.locations)
+        self.stats = StatsSource(self.store, self.node_id, self.epoch)
+        self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
         self._session_watch: asyncio.Task | None = None
         try:
             engines = build_engines(cfg)
         except EngineUnavailable as e:
             self.store.close()
             raise StartupError(str(e)) from None
-        self.transfer = TransferService(self.store, engines, self.service.latency)
+        self.transfers = Transfers(self.store, engines)
         self.server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.metrics_port = 0
 
     def _tier_capacity(self) -> int:
         """Bytes all tiers can hold: what the key table is presized from."""
-        return self.store.host.capacity + sum(t.get("capacity_bytes", 0) for t in self.store.extra_tier_stats())
+        return sum(t.capacity_bytes for t in tier_usage(self.store))
 
     async def start(self) -> None:
         _prepare_unix_socket(self.socket_path)
@@ -137,16 +132,9 @@ class Daemon:
                 ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
         server = grpc.aio.server(options=opts)
-        node_pb2_grpc.add_NodeServicer_to_server(self.service, server)
-        locations_pb2_grpc.add_LocationsServicer_to_server(LocationsService(self.locations), server)
-        transfer_pb2_grpc.add_TransferServicer_to_server(self.transfer, server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = [node_pb2.DESCRIPTOR.services_by_name["Node"].full_name,
-                 locations_pb2.DESCRIPTOR.services_by_name["Locations"].full_name,
-                 transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name, health.SERVICE_NAME,
-                 reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, server)
+        health_servicer = add_services(
+            server, NodeService(self.store, self.stats, self.latency, key_table_path=self.key_table.path),
+            LocationsService(self.locations, self.latency), TransferService(self.transfers, self.latency))
         old_umask = os.umask(0o177)
         try:
             server.add_insecure_port(f"unix:{self.socket_path}")
@@ -159,17 +147,18 @@ class Daemon:
                 raise StartupError(f"cannot listen on --tcp {self.cfg.tcp}")
         await server.start()
         os.chmod(self.socket_path, 0o600)
-        self._session_watch = asyncio.get_running_loop().create_task(watch_sessions(self.locations))
-        for svc in ("", "kvtier.v1.Node", "kvtier.v1.Locations", "kvtier.v1.Transfer"):
-            await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        self.stats.loop = asyncio.get_running_loop()
+        self._session_watch = self.stats.loop.create_task(watch_sessions(self.store.device))
+        await set_serving(health_servicer)
         self.server = server
         if self.cfg.metrics_port:
-            self.metrics_port = start_metrics_server(self.service, self.cfg.metrics_host, self.cfg.metrics_port)
+            self.metrics_port = start_metrics_server(self.node_id, self.stats.snapshot_from_thread, self.latency,
+                                                     self.cfg.metrics_host, self.cfg.metrics_port)
         log.info("kvtierd serving", extra={
             "socket": self.socket_path, "tcp": self.cfg.tcp or None, "node_id": self.node_id,
             "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.cfg.shm_dir,
             "metrics_port": self.metrics_port or None, "pid": os.getpid(),
-            "copy_engines": sorted(e.name for e in self.transfer.engines.values())})
+            "copy_engines": sorted(e.name for e in self.transfers.engines.values())})
 
     async def stop(self) -> None:
         if self._session_watch is not None:
@@ -180,7 +169,7 @@ class Daemon:
             log.info("shutting down", extra={"grace_s": GRACE_S})
             await self.server.stop(GRACE_S)
             self.server = None
-        await self.transfer.close()
+        await self.transfers.close()
         await self.store.drain()  # requests cut off by the grace period finish their disk and slot work
         self.key_table.close()
         self.store.close()

@@ -1,8 +1,9 @@
 """kvtier: a tiered KV-cache offload daemon for LLM serving.
 
-The parts live in sub-packages (see ../DESIGN and README): ``kvtier.proto`` (wire
-contract), ``kvtier.tiers`` (storage and movement), ``kvtier.daemon`` (the kvtierd
-process) and ``kvtier.client`` (what engines and routers embed).
+The parts live in sub-packages (docs/DESIGN.md, "Parts"): ``kvtier.proto`` (wire contract),
+``kvtier.tiers`` (storage and movement, and the shared vocabulary ``kvtier.tiers.vocab``),
+``kvtier.daemon`` (the kvtierd process) and ``kvtier.client`` (what engines, routers and tools
+embed: ``client.engine``, ``client.routing``, ``client.tools``, ``client.testing``).
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,8 @@
-"""Default locations shared by the daemon and its clients."""
+"""Default locations shared by the daemon and its clients.
+
+The daemon serves on ``--socket`` (``$KVTIER_SOCKET``), else :func:`default_socket_path`; the
+engine library's clients look in the same places, in the same order
+(:func:`kvtier.client.engine.transport.socket_path`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Wire contract: the .proto files under ``kvtier/v1`` and their generated stubs.
 
+The tier names live in ``kvtier.tiers.vocab`` (``Tier`` carries the wire enum's values).
+
 Regenerate with ``python scripts/gen_proto.py`` (pinned grpcio-tools, see pyproject);
 ``tests/test_proto.py`` fails when the committed stubs are stale.
 """
@@ -13,8 +15,5 @@ from kvtier.proto.kvtier.v1 import router_pb2_grpc as router_pb2_grpc
 from kvtier.proto.kvtier.v1 import transfer_pb2 as transfer_pb2
 from kvtier.proto.kvtier.v1 import transfer_pb2_grpc as transfer_pb2_grpc
 
-TIER_NAMES = {node_pb2.TIER_GPU: "gpu", node_pb2.TIER_HOST: "host", node_pb2.TIER_DISK: "disk"}
-TIER_BY_NAME = {name: value for value, name in TIER_NAMES.items()}
-
 __all__ = ["locations_pb2", "locations_pb2_grpc", "node_pb2", "node_pb2_grpc", "router_pb2", "router_pb2_grpc",
-           "transfer_pb2", "transfer_pb2_grpc", "TIER_NAMES", "TIER_BY_NAME"]
+           "transfer_pb2", "transfer_pb2_grpc"]

@@ -49,6 +49,24 @@ def test_every_setting_is_in_help_and_readme() -> None:
         assert f"`{flag_name(f.name)}`" in readme, f"README's configuration reference lacks {flag_name(f.name)}"
 
 
+def test_every_route_server_setting_is_in_help_and_readme() -> None:
+    from kvtier.client.routing.route_server import SETTINGS
+
+    help_text = " ".join(run("-m", "kvtier.client.routing.route_server", "--help").stdout.split())
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### `kvtier route-server`"):]
+    for s in SETTINGS.settings:
+        assert s.flag in help_text and f"env KVTIER_ROUTER_{s.name.upper()}" in help_text, s.name
+        assert f"`{s.flag}`" in section, f"README's route-server reference lacks {s.flag}"
+    assert {"--daemon", "--dns", "--state-path", "--queued-weight", "--disk-load-gbps"} <= \
+        {s.flag for s in SETTINGS.settings}
+
+
+def test_route_server_refuses_bad_settings_clearly() -> None:
+    p = run("-m", "kvtier.client.routing.route_server", "--listen", "127.0.0.1:0")
+    assert p.returncode == 2 and "give at least one --daemon or --dns" in p.stderr
+
+
 def test_bad_setting_is_a_clear_error() -> None:
     p = run("-m", "kvtier.daemon.main", "--host-capacity", "lots")
     assert p.returncode == 2 and "--host-capacity" in p.stderr and "not a size" in p.stderr

@@ -41,3 +41,55 @@ def test_every_setting_is_documented() -> None:
         if action.dest != "help":
             assert action.help and "env KVTIER_" in action.help, action.dest
     assert "--host-capacity" in text
+
+
+# -- kvtier route-server: the same mechanism over RouterConfig and ScorerConfig -----------------
+
+def test_route_server_settings_flag_beats_env_beats_file(tmp_path) -> None:
+    from kvtier.client.routing.route_server import load_settings
+
+    toml = tmp_path / "router.toml"
+    toml.write_text('daemon = ["unix:/a.sock", "unix:/b.sock"]\nqueued_weight = 0.5\nresolve_interval_s = 3\n'
+                    'top_k = 4\n')
+    env = {"KVTIER_ROUTER_CONFIG": str(toml), "KVTIER_ROUTER_QUEUED_WEIGHT": "0.75",
+           "KVTIER_ROUTER_DNS": "kvtierd.svc:7070,other.svc:7070"}
+    cfg = load_settings(["--queued-weight", "1.5", "--daemon", "unix:/c.sock"], env)
+    assert cfg.router.scorer.queued_weight == 1.5                       # flag
+    assert cfg.router.daemons == ("unix:/c.sock",)                       # a flag list replaces the file's
+    assert cfg.router.dns == ("kvtierd.svc:7070", "other.svc:7070")     # env, comma-separated
+    cfg = load_settings([], env)
+    assert cfg.router.scorer.queued_weight == 0.75                      # env beats the file
+    assert cfg.router.daemons == ("unix:/a.sock", "unix:/b.sock")       # the file's array
+    assert cfg.router.resolve_interval_s == 3.0 and cfg.router.top_k == 4
+    assert cfg.router.scorer.active_weight == 0.1 and cfg.listen == "127.0.0.1:7071"  # defaults
+    cfg = load_settings(["--daemon", "a:1", "--daemon", "b:2", "--state-path", "/s", "--disk-load-gbps", "3"], {})
+    assert cfg.router.daemons == ("a:1", "b:2") and cfg.router.state_path == "/s"
+    assert cfg.router.scorer.disk_load_gbps == 3.0
+
+
+def test_route_server_settings_errors_name_the_setting(tmp_path) -> None:
+    from kvtier.client.routing.route_server import load_settings
+
+    with pytest.raises(ConfigError, match="at least one --daemon or --dns"):
+        load_settings([], {})
+    with pytest.raises(ConfigError, match="KVTIER_ROUTER_TOP_K: not an integer"):
+        load_settings(["--daemon", "a:1"], {"KVTIER_ROUTER_TOP_K": "many"})
+    with pytest.raises(ConfigError, match="--queued-weight: not a number"):
+        load_settings(["--daemon", "a:1", "--queued-weight", "lots"], {})
+    bad = tmp_path / "bad.toml"
+    bad.write_text('daemons = ["a:1"]\n')  # the flag's name is the key: daemon
+    with pytest.raises(ConfigError, match="unknown key 'daemons'"):
+        load_settings(["--config", str(bad)], {})
+
+
+def test_one_default_per_knob() -> None:
+    """The replay, the router and route-server take their scorer defaults from ScorerConfig."""
+    from kvtier.client.routing.route_server import load_settings
+    from kvtier.client.routing.router import RouterConfig
+    from kvtier.client.routing.scoring import ScorerConfig
+    from kvtier.client.tools.replay import ReplayConfig
+
+    scorer, replay = ScorerConfig(), ReplayConfig()
+    assert RouterConfig().scorer == scorer == load_settings(["--daemon", "a:1"], {}).router.scorer
+    assert replay.scorer_config() == scorer
+    assert scorer.disk_load_gbps == replay.disk_load_gbps == 2.0

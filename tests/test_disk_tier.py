@@ -23,8 +23,11 @@ import numpy as np
 import pytest
 
 from kvtier.client.engine.sidecar import KvtierError, Sidecar
-from kvtier.tiers.disk import DiskTier, DiskTierError
+from kvtier.daemon.counters import Count
+from kvtier.tiers.disk import DiskTier, DiskTierError, ReadOutcome
 from kvtier.tiers.layout import Layout
+from kvtier.tiers.policy import TierPolicy
+from kvtier.tiers.vocab import Tier
 
 BLOCK = 256 * 1024
 MiB = 1024 * 1024
@@ -46,8 +49,19 @@ def aligned(n: int) -> mmap.mmap:
 # -- DiskTier on real files (no daemon) -------------------------------------------------------
 
 
+def _open(directory: str, **kw) -> DiskTier:
+    """A DiskTier with the placement policy the store pairs it with (disk bounded by the tier
+    in bytes), seeded as the store seeds it: restored blocks, oldest write first."""
+    tier = DiskTier(directory, **kw)
+    tier.policy = TierPolicy(0, 0, None)
+    tier.policy.on_write(list(tier.entries))
+    return tier
+
+
 def _write(tier: DiskTier, bkeys: list[bytes], slot_bytes: int = BLOCK) -> list:
-    plan = tier.plan_write([(b, slot_bytes, slot_bytes) for b in bkeys])
+    """A disk write as the store runs it: victims in the policy's order, reported to it."""
+    plan = tier.plan_write([(b, slot_bytes, slot_bytes) for b in bkeys], tier.policy.victims(Tier.DISK))
+    tier.policy.on_evict(Tier.DISK, [v.bkey for v in plan.victims])
     bufs = []
     for b in bkeys:
         m = aligned(slot_bytes)
@@ -60,12 +74,13 @@ def _write(tier: DiskTier, bkeys: list[bytes], slot_bytes: int = BLOCK) -> list:
     except OSError as e:
         err = e
     visible = tier.finish_write(plan, err)
+    tier.policy.on_write(e.bkey for e in visible)
     for v in srcs:
         v.release()
     return visible if err is None else [err]
 
 
-def _read(tier: DiskTier, bkey: bytes) -> tuple[str, bytes]:
+def _read(tier: DiskTier, bkey: bytes) -> tuple[ReadOutcome, bytes]:
     e = tier.get(bkey)
     assert e is not None
     m = aligned(e.slab.slot_bytes)
@@ -81,20 +96,20 @@ def _read(tier: DiskTier, bkey: bytes) -> tuple[str, bytes]:
 def test_tier_roundtrip_reopen_and_lru(tmp_path):
     d = str(tmp_path / "disk")
     bkeys = [bytes(16) + key(i) for i in range(6)]
-    tier = DiskTier(d, capacity=4 * BLOCK, queue_depth=4)
+    tier = _open(d, capacity=4 * BLOCK, queue_depth=4)
     assert len(_write(tier, bkeys[:4])) == 4
-    tier.touch(tier.get(bkeys[0]))             # 0 becomes most recent; 1 is the LRU one
+    tier.policy.on_promote([bkeys[0]])         # a hit: 0 becomes most recent; 1 is the LRU one
     plan_victims = _write(tier, bkeys[4:5])
     assert len(plan_victims) == 1
     assert tier.get(bkeys[1]) is None and tier.get(bkeys[0]) is not None
-    assert _read(tier, bkeys[4]) == ("ok", payload(bkeys[4]))
+    assert _read(tier, bkeys[4]) == (ReadOutcome.OK, payload(bkeys[4]))
     tier.close()
 
-    again = DiskTier(d, capacity=4 * BLOCK, queue_depth=4)
+    again = _open(d, capacity=4 * BLOCK, queue_depth=4)
     assert again.restored == 4
-    assert sorted(again.entries) == sorted([bkeys[0], bkeys[2], bkeys[3], bkeys[4]])
+    assert list(again.entries) == [bkeys[0], bkeys[2], bkeys[3], bkeys[4]]   # in write order
     for b in again.entries:
-        assert _read(again, b) == ("ok", payload(b))
+        assert _read(again, b) == (ReadOutcome.OK, payload(b))
     # after a restart the LRU order is the write order: 0 (written first) goes next
     _write(again, bkeys[5:6])
     assert again.get(bkeys[0]) is None and again.get(bkeys[5]) is not None
@@ -109,7 +124,7 @@ def test_tier_reopen_drops_stale_index_entries(tmp_path):
     from kvtier.tiers.disk import _VALUE
 
     d = str(tmp_path / "disk")
-    tier = DiskTier(d, capacity=4 * BLOCK)
+    tier = _open(d, capacity=4 * BLOCK)
     new = bytes(16) + key(1)
     _write(tier, [new])
     e = tier.get(new)
@@ -120,9 +135,9 @@ def test_tier_reopen_drops_stale_index_entries(tmp_path):
         txn.put(bytes(16) + key(2), _VALUE.pack(BLOCK, e.slot, BLOCK, 12345, 0))        # older, same slot
         txn.put(bytes(16) + key(3), _VALUE.pack(BLOCK, 10**6, BLOCK, 12345, e.seq + 1))  # past the file
     env.close()
-    again = DiskTier(d, capacity=4 * BLOCK)
+    again = _open(d, capacity=4 * BLOCK)
     assert (again.restored, again.dropped_on_open) == (1, 2)
-    assert _read(again, new) == ("ok", payload(new))
+    assert _read(again, new) == (ReadOutcome.OK, payload(new))
     again.close()
     third = DiskTier(d, capacity=4 * BLOCK)
     assert third.dropped_on_open == 0 and third.restored == 1   # the drops were committed
@@ -131,14 +146,14 @@ def test_tier_reopen_drops_stale_index_entries(tmp_path):
 
 def test_tier_pinned_entries_are_not_evicted_and_dir_is_locked(tmp_path):
     d = str(tmp_path / "disk")
-    tier = DiskTier(d, capacity=2 * BLOCK)
+    tier = _open(d, capacity=2 * BLOCK)
     with pytest.raises(DiskTierError, match="in use by another kvtierd"):
         DiskTier(d, capacity=2 * BLOCK)
     a, b, c = (bytes(16) + key(i) for i in range(3))
     _write(tier, [a, b])
     tier.pin(tier.get(a))
     tier.pin(tier.get(b))
-    plan = tier.plan_write([(c, BLOCK, BLOCK)])
+    plan = tier.plan_write([(c, BLOCK, BLOCK)], tier.policy.victims(Tier.DISK))
     assert plan.entries == [None] and plan.victims == []
     tier.finish_write(plan, None)
     tier.unpin(tier.get(a))
@@ -151,7 +166,7 @@ def test_tier_pinned_entries_are_not_evicted_and_dir_is_locked(tmp_path):
 
 def test_tier_detects_corruption(tmp_path):
     d = str(tmp_path / "disk")
-    tier = DiskTier(d, capacity=4 * BLOCK)
+    tier = _open(d, capacity=4 * BLOCK)
     b = bytes(16) + key(7)
     _write(tier, [b])
     e = tier.get(b)
@@ -160,7 +175,7 @@ def test_tier_detects_corruption(tmp_path):
         byte = fh.read(1)
         fh.seek(e.offset + 1234)
         fh.write(bytes([byte[0] ^ 0xFF]))
-    assert _read(tier, b)[0] == "checksum"
+    assert _read(tier, b)[0] is ReadOutcome.CHECKSUM
     tier.close()
 
 
@@ -403,14 +418,17 @@ class _Events:
     def __init__(self) -> None:
         self.log: list[tuple[str, str, int]] = []
 
-    def stored(self, tier: str, fingerprint: bytes, keys) -> None:
-        self.log.append(("stored", tier, len(keys)))
+    def stored(self, tier: Tier, fingerprint: bytes, keys, worker: str = "") -> None:
+        self.log.append(("stored", tier.label, len(keys)))
 
-    def removed(self, tier: str, fingerprint: bytes, keys) -> None:
-        self.log.append(("removed", tier, len(keys)))
+    def removed(self, tier: Tier, fingerprint: bytes, keys, worker: str = "") -> None:
+        self.log.append(("removed", tier.label, len(keys)))
 
-    def cleared(self, tier: str) -> None:
-        self.log.append(("cleared", tier, 0))
+    def cleared(self, tier: Tier, worker: str = "", gone=None) -> None:
+        self.log.append(("cleared", tier.label, 0))
+
+    def workers_changed(self) -> None:
+        pass
 
 
 def test_store_reports_every_disk_visibility_change(tmp_path):
@@ -431,16 +449,16 @@ def test_store_reports_every_disk_visibility_change(tmp_path):
         grants = await store.allocate(sid, lid, keys)
         cls = store.host.size_class(layout.slot_bytes)
         with open(cls.path, "r+b") as fh:
-            for k, (_, _, off) in zip(keys, grants, strict=True):
-                fh.seek(off)
+            for k, g in zip(keys, grants, strict=True):
+                fh.seek(g.offset)
                 fh.write(payload(k))
-        await store.commit(sid, [g for _, g, _ in grants], [], durable=False)
+        await store.commit(sid, [g.grant_id for g in grants], [], durable=False)
 
     async def main() -> None:
         disk = DiskTier(str(tmp_path / "disk"), capacity=4 * BLOCK)
         store = BlockStore(HostTier(shm, 2 * BLOCK, "obs"), disk=disk, demote_min_seen=1)
         ev = _Events()
-        store.observers.append(ev)
+        store.observers.add(ev)
         lid = (await store.register_layout(layout)).layout_id
         sid = store.open_session("test", os.getpid()).session_id
         try:
@@ -458,9 +476,9 @@ def test_store_reports_every_disk_visibility_change(tmp_path):
                 fh.seek(e.offset + 10)
                 fh.write(b"\x00" if payload(key(2))[10] else b"\x01")
             out = await store.acquire(sid, lid, [key(2), key(3)])
-            assert out[0] == (0, 0, None) and out[1][2] == "disk"
+            assert not out[0].hit and out[1].found_in is Tier.DISK
             assert ("removed", "disk", 1) in ev.log and ("stored", "host", 1) in ev.log
-            assert store.counters["checksum_failures"] == 1
+            assert store.counters[Count.CHECKSUM_FAILURES] == 1
             assert store.lookup(lid, [key(2)]) == [None]
         finally:
             store.close()

@@ -18,15 +18,16 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.daemon.events import LocationLog
+from kvtier.daemon.counters import Count
+from kvtier.daemon.events import EventKind, LocationEvent, LocationLog
 from kvtier.daemon.keytable import KeyTablePublisher
-from kvtier.daemon.store import BlockStore
-from kvtier.proto import TIER_BY_NAME, TIER_NAMES
+from kvtier.daemon.store import BlockStore, StoreError
 from kvtier.proto import locations_pb2 as L
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.keytable import TIER_BITS
 from kvtier.tiers.layout import Layout
+from kvtier.tiers.vocab import Tier
 
 BLOCK = 64 * 1024
 
@@ -35,23 +36,22 @@ def key(i: int) -> bytes:
     return b"feedtest" + i.to_bytes(8, "big")
 
 
-def fold(events: list[L.LocationEvent]) -> dict[tuple[str, bytes], set[bytes]]:
+def fold(events: list[LocationEvent]) -> dict[tuple[Tier, bytes], set[bytes]]:
     """{(tier, fingerprint): keys} from a node's events (host and disk), as a router folds them."""
-    out: dict[tuple[str, bytes], set[bytes]] = {}
+    out: dict[tuple[Tier, bytes], set[bytes]] = {}
     for ev in events:
-        tier = TIER_NAMES[ev.tier]
-        if ev.kind == L.STORED:
-            out.setdefault((tier, ev.fingerprint), set()).update(ev.keys)
-        elif ev.kind == L.REMOVED:
-            out.setdefault((tier, ev.fingerprint), set()).difference_update(ev.keys)
-        elif ev.kind == L.CLEARED:
+        if ev.kind is EventKind.STORED:
+            out.setdefault((ev.tier, ev.fingerprint), set()).update(ev.keys)
+        elif ev.kind is EventKind.REMOVED:
+            out.setdefault((ev.tier, ev.fingerprint), set()).difference_update(ev.keys)
+        elif ev.kind is EventKind.CLEARED:
             for loc in out:
-                if loc[0] == tier:
+                if loc[0] == ev.tier:
                     out[loc] = set()
     return {loc: ks for loc, ks in out.items() if ks}
 
 
-def holdings(store: BlockStore) -> dict[tuple[str, bytes], set[bytes]]:
+def holdings(store: BlockStore) -> dict[tuple[Tier, bytes], set[bytes]]:
     return {(tier, fp): set(keys) for tier, fp, keys in store.holdings() if keys}
 
 
@@ -78,15 +78,15 @@ def test_a_grant_committed_while_its_key_is_being_demoted_stays_published(shm, t
         store = BlockStore(HostTier(shm, 3 * layout.slot_bytes, "race"), disk=disk, demote_min_seen=1)
         loc = LocationLog(store, "node", epoch=1)
         table = KeyTablePublisher(store, shm, "race", 1, lambda: 11 * BLOCK)
-        store.observers += [table, loc]
+        store.observers.add(table, loc)
         lid = (await store.register_layout(layout)).layout_id
         s1 = store.open_session("one", os.getpid()).session_id
         s2 = store.open_session("two", os.getpid()).session_id
         try:
-            (_, g1, _), = await store.allocate(s1, lid, [key(0)])   # granted, not committed yet
-            (_, g2, _), = await store.allocate(s2, lid, [key(0)])
-            await store.commit(s2, [g2], [], durable=False)          # key 0 visible in host
-            (_, g3, _), = await store.allocate(s2, lid, [key(1)])
+            g1 = (await store.allocate(s1, lid, [key(0)]))[0].grant_id   # granted, not committed yet
+            g2 = (await store.allocate(s2, lid, [key(0)]))[0].grant_id
+            await store.commit(s2, [g2], [], durable=False)               # key 0 visible in host
+            g3 = (await store.allocate(s2, lid, [key(1)]))[0].grant_id
             await store.commit(s2, [g3], [], durable=False)          # host full
             evicting = asyncio.ensure_future(store.allocate(s2, lid, [key(2)]))
             for _ in range(100):                                     # it runs up to the disk write
@@ -138,30 +138,33 @@ def test_a_workers_device_blocks_go_with_its_session_even_if_it_reports_again_at
     async def main() -> None:
         store = BlockStore(HostTier(shm, 4 * layout.slot_bytes, "dev"))
         loc = LocationLog(store, "node", epoch=1)
-        store.observers.append(loc)
+        store.observers.add(loc)
+        device = store.device
         lid = (await store.register_layout(layout)).layout_id
         try:
             old = store.open_session("engine", 1).session_id
-            loc.report_device("w", lid, [key(1), key(2)], [], False, old)
+            device.report("w", lid, [key(1), key(2)], [], False, old)
             store.close_session(old)                                  # the engine is gone
             new = store.open_session("engine", 2).session_id
-            loc.report_device("w", lid, [key(3)], [], False, new)     # its successor, at once
-            loc.drop_ended_sessions()                                 # the periodic check
-            assert loc.device == {"w": {fp: {key(3)}}}
+            device.report("w", lid, [key(3)], [], False, new)         # its successor, at once
+            device.drop_ended_sessions()                              # the periodic check
+            assert device.held == {"w": {fp: {key(3)}}}
             gpu: set[bytes] = set()
             for ev in loc.since(0):
-                if ev.kind == L.STORED:
+                if ev.kind is EventKind.STORED:
                     gpu.update(ev.keys)
-                elif ev.kind == L.REMOVED:
+                elif ev.kind is EventKind.REMOVED:
                     gpu.difference_update(ev.keys)
-                elif ev.kind == L.CLEARED:
+                elif ev.kind is EventKind.CLEARED:
                     gpu.clear()
             assert gpu == {key(3)}
-            _, parts = loc.snapshot()
-            snap = {k for p in parts for e in p.entries if e.worker_id == "w" for k in e.keys}
+            _, entries = loc.snapshot()
+            snap = {k for e in entries if e.worker == "w" for k in e.keys}
             assert snap == {key(3)}
+            assert store.lookup(lid, [key(1), key(3)]) == [None, Tier.GPU]
             store.close_session(new)                                  # and the successor's go with it
-            assert loc.device == {} and loc.snapshot()[1][0].entries == []
+            assert device.held == {} and loc.snapshot()[1] == []
+            assert store.lookup(lid, [key(3)]) == [None]
         finally:
             store.close()
 
@@ -177,7 +180,7 @@ def _ghost_state(path: str, target: str) -> list[bytes]:
     r.apply(target, L.WatchLocationsReply(epoch=5, node=L.NodeInfo(node_id="ghost", epoch=5, head_seq=1)))
     r.apply(target, L.WatchLocationsReply(epoch=5, snapshot=L.SnapshotPart(
         at_seq=1, first=True, last=True,
-        entries=[L.LocationEvent(seq=1, kind=L.STORED, tier=TIER_BY_NAME["host"], fingerprint=b"f" * 16, keys=ks)])))
+        entries=[L.LocationEvent(seq=1, kind=L.STORED, tier=int(Tier.HOST), fingerprint=b"f" * 16, keys=ks)])))
     assert r.holdings("ghost")
     r.save_state(path)
     return ks
@@ -261,6 +264,37 @@ def test_the_route_server_refuses_bad_requests_with_clear_errors(tmp_path) -> No
     assert [w for w, _ in r.workers()] == ["A"]  # no worker named "" was made up
 
 
+def _table_view(table: KeyTablePublisher, fp: bytes, pool: list[bytes]) -> dict[tuple[Tier, bytes], set[bytes]]:
+    """{(tier, fingerprint): keys} the key table shows in host and disk, among ``pool``."""
+    masks = table.writer.masks(fp, pool)
+    out: dict[tuple[Tier, bytes], set[bytes]] = {}
+    for k, m in zip(pool, masks.tolist(), strict=True):
+        for tier in (Tier.HOST, Tier.DISK):
+            if m & TIER_BITS[tier.label]:
+                out.setdefault((tier, fp), set()).add(k)
+    return out
+
+
+async def _random_op(store: BlockStore, rng, sid: int, lid: int, pool: list[bytes]) -> None:
+    """A put (some durable), get, evict or prefetch of a few random keys."""
+    ks = rng.sample(pool, rng.randrange(1, 4))
+    r = rng.random()
+    try:
+        if r < 0.5:
+            grants = await store.allocate(sid, lid, ks)
+            await asyncio.sleep(0)
+            await store.commit(sid, [g.grant_id for g in grants if g.granted], [], durable=rng.random() < 0.2)
+        elif r < 0.7:
+            leases = await store.acquire(sid, lid, ks)
+            store.release(sid, [x.lease_id for x in leases if x.hit])
+        elif r < 0.85:
+            store.evict(lid, ks)
+        else:
+            await store.prefetch(lid, ks)
+    except StoreError:
+        pass  # e.g. a batch that found no slot: not what this test is about
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_feed_and_the_key_table_equal_the_store_at_every_step_of_concurrent_operations(
         shm, tmp_path, seed: int) -> None:
@@ -270,65 +304,37 @@ def test_the_feed_and_the_key_table_equal_the_store_at_every_step_of_concurrent_
     fold of the location log and the key table both equal what the store holds."""
     import random
 
-    from kvtier.daemon.store import StoreError
-
     block = 16 * 1024
     layout = Layout.flat(block)
     fp = layout.fingerprint
     pool = [key(i) for i in range(40)]
     rng = random.Random(seed)
 
-    def table_view(table: KeyTablePublisher) -> dict[tuple[str, bytes], set[bytes]]:
-        masks = table.writer.masks(fp, pool)
-        out: dict[tuple[str, bytes], set[bytes]] = {}
-        for k, m in zip(pool, masks.tolist(), strict=True):
-            for tier in ("host", "disk"):
-                if m & TIER_BITS[tier]:
-                    out.setdefault((tier, fp), set()).add(k)
-        return out
-
     async def main() -> None:
         disk = DiskTier(str(tmp_path / "disk"), capacity=12 * block)
         store = BlockStore(HostTier(shm, 6 * layout.slot_bytes, "mix"), disk=disk, demote_min_seen=1)
         loc = LocationLog(store, "node", epoch=1)
         table = KeyTablePublisher(store, shm, "mix", 1, lambda: 18 * block)
-        store.observers += [table, loc]
+        store.observers.add(table, loc)
         lid = (await store.register_layout(layout)).layout_id
         sids = [store.open_session(f"s{i}", os.getpid()).session_id for i in range(3)]
 
         def check(where: str) -> None:
             held = holdings(store)
             assert fold(loc.since(0)) == held, f"the feed's fold differs from the store ({where})"
-            assert table_view(table) == held, f"the key table differs from the store ({where})"
-
-        async def op(sid: int) -> None:
-            ks = rng.sample(pool, rng.randrange(1, 4))
-            r = rng.random()
-            try:
-                if r < 0.5:
-                    grants = await store.allocate(sid, lid, ks)
-                    await asyncio.sleep(0)
-                    await store.commit(sid, [g for s, g, _ in grants if s == "granted"], [],
-                                       durable=rng.random() < 0.2)
-                elif r < 0.7:
-                    leases = await store.acquire(sid, lid, ks)
-                    store.release(sid, [lease for lease, _, _ in leases if lease])
-                elif r < 0.85:
-                    store.evict(lid, ks)
-                else:
-                    await store.prefetch(lid, ks)
-            except StoreError:
-                pass  # e.g. a batch that found no slot: not what this test is about
+            assert _table_view(table, fp, pool) == held, f"the key table differs from the store ({where})"
 
         try:
             for step in range(150):
-                tasks = [asyncio.ensure_future(op(rng.choice(sids))) for _ in range(rng.randrange(1, 4))]
+                tasks = [asyncio.ensure_future(_random_op(store, rng, rng.choice(sids), lid, pool))
+                         for _ in range(rng.randrange(1, 4))]
                 for _ in range(rng.randrange(4)):
                     await asyncio.sleep(0)
                     check(f"step {step}, operations in flight")
                 await asyncio.gather(*tasks)
                 check(f"step {step}")
-            assert store.counters["demotions"] and store.counters["promotions"], "no interleaving exercised"
+            c = store.counters
+            assert c[Count.DEMOTIONS] and c[Count.PROMOTIONS], "no interleaving exercised"
         finally:
             table.close()
             store.close()
@@ -403,27 +409,27 @@ def test_a_tensor_parallel_workers_device_blocks_go_with_any_ranks_session(shm) 
     async def main() -> None:
         store = BlockStore(HostTier(shm, 4 * rank0.slot_bytes, "tp"))
         loc = LocationLog(store, "node", epoch=1)
-        store.observers.append(loc)
+        store.observers.add(loc)
+        device = store.device
         l0 = (await store.register_layout(rank0)).layout_id
         l1 = (await store.register_layout(rank1)).layout_id
         try:
             s0 = store.open_session("rank0", 1).session_id
             s1 = store.open_session("rank1", 2).session_id
             ks = [key(1), key(2)]
-            loc.report_device("w", l0, ks, [], False, s0)
-            loc.report_device("w", l1, ks, [], False, s1)        # rank 1 reported last
+            device.report("w", l0, ks, [], False, s0)
+            device.report("w", l1, ks, [], False, s1)            # rank 1 reported last
             store.close_session(s0)                              # rank 0's engine is gone
-            assert loc.device["w"] == {rank0.fingerprint: set(), rank1.fingerprint: set(ks)}
-            _, parts = loc.snapshot()
-            assert {(e.fingerprint, k) for p in parts for e in p.entries for k in e.keys} == \
-                {(rank1.fingerprint, k) for k in ks}
+            assert device.held["w"] == {rank0.fingerprint: set(), rank1.fingerprint: set(ks)}
+            _, entries = loc.snapshot()
+            assert {(e.fingerprint, k) for e in entries for k in e.keys} == {(rank1.fingerprint, k) for k in ks}
             # rank 1's sidecar reconnects: its new session reports before the old one closes
             s1b = store.open_session("rank1", 2).session_id
-            loc.report_device("w", l1, [key(3)], [], False, s1b)
+            device.report("w", l1, [key(3)], [], False, s1b)
             store.close_session(s1)
-            assert loc.device["w"][rank1.fingerprint] == {*ks, key(3)}
+            assert device.held["w"][rank1.fingerprint] == {*ks, key(3)}
             store.close_session(s1b)                             # every rank gone: the worker too
-            assert loc.device == {}
+            assert device.held == {}
         finally:
             store.close()
 

@@ -1,4 +1,5 @@
-"""HostTier's policy without a daemon: LRU order, pins, the byte budget across size classes."""
+"""HostTier without a daemon, driven as the store drives it: victims in the placement policy's LRU
+order (a real TierPolicy), pins, the byte budget across size classes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import tempfile
 import pytest
 
 from kvtier.tiers.host import HostTier, HostTierError
+from kvtier.tiers.policy import TierPolicy
+from kvtier.tiers.vocab import Tier
 
 SLOT = 4096
 
@@ -17,34 +20,51 @@ SLOT = 4096
 def tier():
     d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
     t = HostTier(d, capacity=4 * SLOT, name_prefix="u")
+    t.policy = TierPolicy(0, None, 0)  # the store's: host bounded in bytes by the tier, no disk
     yield t
     t.close()
     shutil.rmtree(d)
 
 
-def put(t: HostTier, cls, names: list[bytes]):
-    res = t.reserve(cls, names, SLOT)
+def reserve(t: HostTier, cls, names: list[bytes], block_bytes: int = SLOT):
+    """``reserve`` as the store calls it: victims in the policy's order, reported to it."""
+    res = t.reserve(cls, names, block_bytes, t.policy.victims(Tier.HOST))
+    t.policy.on_evict(Tier.HOST, [v.bkey for v in res.victims])
+    return res
+
+
+def put(t: HostTier, cls, names: list[bytes], block_bytes: int = SLOT):
+    res = reserve(t, cls, names, block_bytes)
     res.backing.run()
     t.finish_eviction()
-    for e in res.entries:
-        if e is not None:
-            t.commit(e)
+    t.policy.on_commit(e.bkey for e in res.entries if e is not None and t.commit(e))
     return res
 
 
 def test_lru_evicts_oldest_unpinned(tier: HostTier) -> None:
     cls = tier.size_class(SLOT)
     put(tier, cls, [b"a", b"b", b"c", b"d"])
-    tier.touch(tier.get(b"a"))
+    tier.policy.on_hit([b"a"])
     tier.pin(tier.get(b"b"))
     res = put(tier, cls, [b"e", b"f"])
-    assert sorted(v.bkey for v in res.victims) == [b"c", b"d"]
+    assert [v.bkey for v in res.victims] == [b"c", b"d"]
     assert set(tier.entries) == {b"a", b"b", b"e", b"f"}
     # everything pinned: no space, nothing evicted
     for k in (b"a", b"e", b"f"):
         tier.pin(tier.get(k))
-    res = tier.reserve(cls, [b"g"], SLOT)
+    res = reserve(tier, cls, [b"g"])
     assert res.entries == [None] and res.victims == []
+
+
+def test_victims_come_in_the_order_given_and_only_visible_ones(tier: HostTier) -> None:
+    """The tier keeps no order of its own: it takes the candidates it is given, in order,
+    passing over unknown keys and pinned entries."""
+    cls = tier.size_class(SLOT)
+    put(tier, cls, [b"a", b"b", b"c", b"d"])
+    tier.pin(tier.get(b"c"))
+    res = tier.reserve(cls, [b"x", b"y"], SLOT, [b"nope", b"c", b"d", b"a", b"b"])
+    assert [v.bkey for v in res.victims] == [b"d", b"a"]
+    assert tier.reserve(cls, [b"z"], SLOT).entries == [None]  # no candidates: nothing to evict
 
 
 def test_removed_while_pinned_frees_on_last_unpin(tier: HostTier) -> None:
@@ -77,11 +97,8 @@ def test_budget_spans_size_classes_and_is_released(tier: HostTier) -> None:
     big = tier.size_class(2 * SLOT)
     put(tier, small, [b"a", b"b", b"c", b"d"])
     assert tier.backed_bytes == 4 * SLOT
-    res = tier.reserve(big, [b"X"], 2 * SLOT)
-    res.backing.run()
-    tier.finish_eviction()
-    tier.commit(res.entries[0])
-    assert sorted(v.bkey for v in res.victims) == [b"a", b"b"]
+    res = put(tier, big, [b"X"], 2 * SLOT)
+    assert [v.bkey for v in res.victims] == [b"a", b"b"]
     assert tier.backed_bytes <= tier.capacity
     on_disk = sum(os.stat(c.path).st_blocks * 512 for c in tier.classes.values())
     assert on_disk <= tier.capacity
@@ -90,12 +107,13 @@ def test_budget_spans_size_classes_and_is_released(tier: HostTier) -> None:
 def test_prefaulted_pool_gives_budget_to_a_second_class(tier: HostTier) -> None:
     tier.close()
     t = HostTier(tier.shm_dir, capacity=4 * SLOT, name_prefix="p")
+    t.policy = TierPolicy(0, None, 0)
     try:
         small = t.size_class(SLOT, prefault=True)
         t.prefault_job(small).run()
         assert t.backed_bytes == 4 * SLOT and t.used_bytes == 0
         big = t.size_class(2 * SLOT, prefault=True)  # not the first: not prefaulted
-        res = t.reserve(big, [b"X", b"Y"], 2 * SLOT)
+        res = reserve(t, big, [b"X", b"Y"], 2 * SLOT)
         res.backing.run()
         t.finish_eviction()
         assert all(e is not None for e in res.entries) and not res.victims
@@ -109,7 +127,7 @@ def test_registered_pool_memory_never_moves_to_another_class(tier: HostTier) -> 
     put(tier, small, [b"a", b"b", b"c", b"d"])
     tier.mark_registered(small)
     big = tier.size_class(2 * SLOT)
-    res = tier.reserve(big, [b"X"], 2 * SLOT)
+    res = reserve(tier, big, [b"X"], 2 * SLOT)
     assert res.entries == [None] and res.victims == []  # nothing punched out of the pinned file
     assert set(tier.entries) == {b"a", b"b", b"c", b"d"}
     res = put(tier, small, [b"e"])  # its own slots are reused as usual
@@ -123,10 +141,11 @@ def test_unregistered_pool_gives_its_free_memory_back(tier: HostTier) -> None:
     put(tier, small, [b"a", b"b", b"c", b"d"])
     tier.mark_registered(small)
     tier.remove([b"a", b"b", b"c", b"d"])  # the test evicts every block, as the GPU test does
+    tier.policy.on_remove(Tier.HOST, [b"a", b"b", b"c", b"d"])
     assert tier.used_bytes == 0 and tier.backed_bytes == 4 * SLOT
     big = tier.size_class(2 * SLOT)
-    assert tier.reserve(big, [b"X"], 2 * SLOT).entries == [None]  # still pinned: refused
+    assert reserve(tier, big, [b"X"], 2 * SLOT).entries == [None]  # still pinned: refused
     tier.unmark_registered(small)
-    res = put(tier, big, [b"X", b"Y"])
+    res = put(tier, big, [b"X", b"Y"], 2 * SLOT)
     assert all(e is not None for e in res.entries)
     assert tier.backed_bytes <= tier.capacity and set(tier.entries) == {b"X", b"Y"}

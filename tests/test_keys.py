@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvtier.client.engine.keys import ROOT_KEY, Namespace, as_key, block_keys
+from kvtier.tiers.vocab import KEY_MAX, KEY_MIN
 
 
 def reference(tokens: list[int], block_tokens: int, ns: Namespace) -> list[bytes]:
@@ -65,3 +66,6 @@ def test_engine_hashes_as_keys() -> None:
     assert as_key(b"x" * 32) == b"x" * 32
     with pytest.raises(ValueError):
         as_key(b"short")
+    assert as_key(b"y" * KEY_MIN) == b"y" * KEY_MIN
+    with pytest.raises(ValueError, match=f"{KEY_MIN} to {KEY_MAX} bytes"):
+        as_key(b"x" * (KEY_MAX + 1))

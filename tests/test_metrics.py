@@ -13,9 +13,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.client import Sidecar
+from kvtier.client import KvtierError, Sidecar
 from kvtier.client.testing.local_daemon import DaemonProcess
-from kvtier.proto import node_pb2, node_pb2_grpc
+from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout
 
 BLOCK = 64 * 1024
@@ -144,3 +144,68 @@ def test_scripted_workload_moves_counters_exactly(metered) -> None:
         assert v(m, "kvtier_bytes_total", direction=direction) == 0
     for tier in ("gpu", "disk"):
         assert v(m, "kvtier_hit_blocks_total", op="lookup", tier=tier) == 0
+
+
+def test_stats_typed_fields_the_counters_map_and_the_metrics_agree(metered) -> None:
+    """The Stats reply's typed fields, its counters map (the names clients read) and /metrics
+    carry the same numbers: one typed source, no grammar parsed anywhere."""
+    d, port = metered
+    with Sidecar(d.socket, use_key_table=False) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        sc.put(lid, keys("s", 16), [b"\x01" * BLOCK] * 16)        # the 16 slots
+        sc.put(lid, keys("t", 4), [b"\x02" * BLOCK] * 4)          # s-0 .. s-3 evicted
+        sc.lookup(lid, keys("s", 24))
+        sc.get(lid, keys("s", 6))
+        with pytest.raises(KvtierError):
+            sc.lookup(lid, [b"short"])
+    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+        reply = node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=10)
+    m = scrape(port)
+    ops = {node_pb2.COUNTED_OP_LOOKUP: "lookup", node_pb2.COUNTED_OP_ACQUIRE: "acquire"}
+    tiers = {node_pb2.TIER_GPU: "gpu", node_pb2.TIER_HOST: "host", node_pb2.TIER_DISK: "disk"}
+    assert len(reply.hits) == 2 * 4
+    for h in reply.hits:
+        op = ops[h.op]
+        if h.tier == node_pb2.TIER_NONE:
+            assert v(m, "kvtier_miss_blocks_total", op=op) == h.blocks == reply.counters[f"{op}_miss_blocks"]
+            assert v(m, "kvtier_miss_tokens_total", op=op) == h.tokens == reply.counters[f"{op}_miss_tokens"]
+        else:
+            tier = tiers[h.tier]
+            assert v(m, "kvtier_hit_blocks_total", op=op, tier=tier) == h.blocks == \
+                reply.counters[f"{op}_hit_blocks:{tier}"]
+            assert v(m, "kvtier_hit_tokens_total", op=op, tier=tier) == h.tokens
+    looked = {(h.op, h.tier): h.blocks for h in reply.hits}
+    assert looked[node_pb2.COUNTED_OP_LOOKUP, node_pb2.TIER_HOST] == 12
+    assert looked[node_pb2.COUNTED_OP_LOOKUP, node_pb2.TIER_NONE] == 12
+    assert looked[node_pb2.COUNTED_OP_ACQUIRE, node_pb2.TIER_HOST] == 2
+    ends = {node_pb2.ENDPOINT_GPU: "gpu", node_pb2.ENDPOINT_HOST: "host", node_pb2.ENDPOINT_DISK: "disk",
+            node_pb2.ENDPOINT_CLIENT: "client"}
+    assert len(reply.bytes_moved) == 6
+    for b in reply.bytes_moved:
+        src, dst = ends[b.source], ends[b.destination]
+        assert v(m, "kvtier_bytes_total", direction=f"{src}->{dst}") == b.bytes == reply.counters[f"bytes_{src}_to_{dst}"]
+    assert {tiers[e.tier]: e.blocks for e in reply.evictions} == {"host": 4, "disk": 0}
+    for e in reply.evictions:
+        assert v(m, "kvtier_evictions_total", tier=tiers[e.tier]) == e.blocks
+    assert [(e.code, e.count) for e in reply.errors] == [("INVALID_ARGUMENT", 1)]
+    assert v(m, "kvtier_errors_total", code="INVALID_ARGUMENT") == 1 == reply.counters["errors:INVALID_ARGUMENT"]
+    assert reply.totals["grants"] == 20 and reply.totals["commits"] == 20
+    for name, value in reply.totals.items():
+        assert v(m, f"kvtier_{name}_total") == value == reply.counters[name], name
+
+
+def test_locations_handlers_are_timed_and_their_refusals_counted(metered) -> None:
+    d, port = metered
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        sc.report_device_blocks(lid, stored=keys("d", 2), worker_id="w")
+        with pytest.raises(KvtierError) as e:
+            sc.report_device_blocks(lid, stored=[b"short"], worker_id="w")
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+        locations_pb2_grpc.LocationsStub(ch).GetNodeInfo(locations_pb2.NodeInfoRequest(), timeout=10)
+    m = scrape(port)
+    assert v(m, "kvtier_op_latency_seconds_count", op="reportdeviceblocks") == 2
+    assert v(m, "kvtier_op_latency_seconds_count", op="getnodeinfo") == 1
+    assert v(m, "kvtier_errors_total", code="INVALID_ARGUMENT") == 1
+    assert v(m, "kvtier_device_reports_total") == 1

@@ -163,6 +163,8 @@ def test_bad_device_reports_are_refused_and_change_nothing(daemon) -> None:
 
 def _route_server(tmp_path, daemons: dict[str, DaemonProcess], *extra: str) -> tuple[subprocess.Popen, str]:
     sock = str(tmp_path / "router.sock")
+    if os.path.exists(sock):  # left by a server killed with SIGKILL: wait for the new one's, not this
+        os.unlink(sock)
     args = [sys.executable, "-m", "kvtier.client.routing.route_server", "--listen", f"unix:{sock}"]
     for d in daemons.values():
         args += ["--daemon", f"unix:{d.socket}"]
@@ -262,7 +264,7 @@ def test_router_killed_mid_stream_resumes_and_ends_equal_to_a_fresh_subscriber(t
     with np.load(state) as z:
         restarted = LocationIndex()
         restarted.load_state({k: z[k] for k in z.files if k != "router_meta"})
-    assert restarted.holdings() == fresh_holdings
+    assert restarted.locations() == fresh_holdings
     assert {n: (v.epoch, v.seq) for n, v in restarted.nodes.items()} == want
 
 

@@ -17,14 +17,22 @@ import tempfile
 import threading
 from collections.abc import Awaitable, Callable
 
-import grpc
 import numpy as np
 import pytest
 
+from kvtier.daemon.counters import Count
+from kvtier.daemon.errors import Code
+from kvtier.daemon.gpu import Transfers
+from kvtier.daemon.metrics import OpLatency
+from kvtier.daemon.results import GrantStatus
+from kvtier.daemon.services import TransferService
 from kvtier.daemon.store import BlockStore, StoreError
+from kvtier.proto import node_pb2, transfer_pb2
+from kvtier.tiers.copy_engine import HostCopyEngine
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import BackingJob, HostTier
-from kvtier.tiers.layout import Layout
+from kvtier.tiers.layout import Layout, layout_to_proto
+from kvtier.tiers.vocab import Tier
 
 BLOCK = 64 * 1024
 LAYOUT = Layout.flat(BLOCK)
@@ -78,17 +86,29 @@ def read_slot(store: BlockStore, off: int) -> bytes:
 
 async def put(store: BlockStore, sid: int, lid: int, keys: list[bytes], durable: bool = False) -> tuple[int, int]:
     grants = await store.allocate(sid, lid, keys)
-    assert all(g[0] == "granted" for g in grants), grants
-    for k, (_, _, off) in zip(keys, grants, strict=True):
-        write_slot(store, off, payload(k))
-    return await store.commit(sid, [g for _, g, _ in grants], [], durable=durable)
+    assert all(g.granted for g in grants), grants
+    for k, g in zip(keys, grants, strict=True):
+        write_slot(store, g.offset, payload(k))
+    done = await store.commit(sid, [g.grant_id for g in grants], [], durable=durable)
+    return done.committed, done.durable
 
 
 async def get(store: BlockStore, sid: int, lid: int, keys: list[bytes]) -> list[bytes | None]:
     leases = await store.acquire(sid, lid, keys)
-    out = [read_slot(store, off) if lid_ else None for lid_, off, _ in leases]
-    store.release(sid, [lid_ for lid_, _, _ in leases if lid_])
+    out = [read_slot(store, x.offset) if x.hit else None for x in leases]
+    store.release(sid, [x.lease_id for x in leases if x.hit])
     return out
+
+
+def drop_from_host(store: BlockStore, k: bytes) -> None:
+    """Take a block out of the host tier only (as an eviction would, without demoting it)."""
+    store.host.remove([FP + k])
+    store.policy.on_remove(Tier.HOST, [FP + k])
+
+
+def no_grant_held(store: BlockStore) -> bool:
+    """No session holds a grant, and every host slot is free, a hole or a visible block's."""
+    return not any(store.sessions[sid].grants for sid in store.sessions.ids())
 
 
 def host_slots_accounted(host: HostTier) -> None:
@@ -143,9 +163,9 @@ def test_cancelled_durable_commit_still_reaches_disk_and_leaks_no_disk_slot(tmp_
     async def body(store, disk, lid, sid):
         k = key(1)
         grants = await store.allocate(sid, lid, [k])
-        write_slot(store, grants[0][2], payload(k))
+        write_slot(store, grants[0].offset, payload(k))
         gate = Gate(disk._writer, 1)
-        task = await parked(store.commit(sid, [grants[0][1]], [], durable=True))
+        task = await parked(store.commit(sid, [grants[0].grant_id], [], durable=True))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -156,7 +176,7 @@ def test_cancelled_durable_commit_still_reaches_disk_and_leaks_no_disk_slot(tmp_
         await store.allocate(sid, lid, [k], durable=True)
         assert store.on_disk(lid, [k]) == [True]
         assert disk.used_bytes == len(disk.entries) * BLOCK
-        store.host.remove([FP + k])
+        drop_from_host(store, k)
         assert await get(store, sid, lid, [k]) == [payload(k)]
     run(tmp_path, body, disk_blocks=8)
 
@@ -173,11 +193,11 @@ def test_cancelled_allocate_during_demotion_leaks_no_host_slot(tmp_path):
             await task
         gate.open()
         await settle(store, disk)
-        assert not store.sessions[sid].grants and not store._grants, "the cancelled allocate's grants were given back"
+        assert no_grant_held(store), "the cancelled allocate's grants were given back"
         host_slots_accounted(store.host)
         assert store.host.used_bytes == len(store.host.entries) * BLOCK
         # the capacity is all usable again, and the demoted blocks come back byte-exact
-        assert store.lookup(lid, [key(0), key(1)]) == ["disk", "disk"]
+        assert store.lookup(lid, [key(0), key(1)]) == [Tier.DISK, Tier.DISK]
         await put(store, sid, lid, [key(20 + i) for i in range(4)])
         assert await get(store, sid, lid, [key(0), key(1)]) == [payload(key(0)), payload(key(1))]
     run(tmp_path, body, disk_blocks=16)
@@ -189,7 +209,7 @@ def test_cancelled_acquire_during_promotion_leaks_no_pin(tmp_path):
     async def body(store, disk, lid, sid):
         await put(store, sid, lid, [key(i) for i in range(4)])
         await put(store, sid, lid, [key(4 + i) for i in range(4)])      # 0..3 demoted to disk
-        assert store.lookup(lid, [key(0)]) == ["disk"]
+        assert store.lookup(lid, [key(0)]) == [Tier.DISK]
         gate = Gate(disk._io, 1)
         task = await parked(store.acquire(sid, lid, [key(0), key(4)]))
         task.cancel()
@@ -233,12 +253,13 @@ def test_evict_during_durable_write_does_not_leave_the_block_on_disk(tmp_path):
     async def body(store, disk, lid, sid):
         k = key(1)
         grants = await store.allocate(sid, lid, [k])
-        write_slot(store, grants[0][2], payload(k))
+        write_slot(store, grants[0].offset, payload(k))
         gate = Gate(disk._writer, 1)
-        task = await parked(store.commit(sid, [grants[0][1]], [], durable=True))
+        task = await parked(store.commit(sid, [grants[0].grant_id], [], durable=True))
         assert store.evict(lid, [k]) == 1
         gate.open()
-        assert await task == (1, 0)
+        done = await task
+        assert (done.committed, done.durable) == (1, 0)
         await settle(store, disk)
         assert store.lookup(lid, [k]) == [None], "an evicted key came back through its durable write"
         assert store.on_disk(lid, [k]) == [False]
@@ -277,14 +298,14 @@ def test_failed_pool_prefault_leaves_no_slot_counted_as_backed(tmp_path, failing
         try:
             with pytest.raises(StoreError) as ei:
                 await store.register_layout(LAYOUT)
-            assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ei.value.code is Code.RESOURCE_EXHAUSTED
             assert store.host.backed_bytes == 0
             fail[0] = False
             lid = (await store.register_layout(LAYOUT)).layout_id
             sid = store.open_session("test", os.getpid()).session_id
             calls.clear()
             grants = await store.allocate(sid, lid, [key(1), key(2)])
-            assert [g[0] for g in grants] == ["granted", "granted"]
+            assert [g.status for g in grants] == [GrantStatus.GRANTED, GrantStatus.GRANTED]
             assert sum(calls) == 2 * BLOCK, "the granted slots were never fallocated"
         finally:
             store.close()
@@ -306,14 +327,14 @@ def test_promotion_into_unbackable_slots_is_a_miss_and_leaks_nothing(tmp_path, f
         assert store.on_disk(lid, [key(0)]) == [True]
         assert store.evict(lid, [key(0)]) == 2
         await put(store, sid, lid, [key(1)], durable=True)
-        store.host.remove([FP + key(1)])                                  # on disk only; its slot free
+        drop_from_host(store, key(1))                                    # on disk only; its slot free
         fail[0] = True
         # key 2 takes the one backed free slot; promoting key 1 needs a fresh one
         await put(store, sid, lid, [key(2)])
         out = await store.acquire(sid, lid, [key(1)])
-        assert out == [(0, 0, None)]
-        assert store.counters["promotions_no_space"] == 1
-        assert store.lookup(lid, [key(1)]) == ["disk"]
+        assert [x.hit for x in out] == [False]
+        assert store.counters[Count.PROMOTIONS_NO_SPACE] == 1
+        assert store.lookup(lid, [key(1)]) == [Tier.DISK]
         assert not any(e.pins for e in disk.entries.values())
         host_slots_accounted(store.host)
         fail[0] = False
@@ -340,7 +361,7 @@ def test_session_closed_while_fresh_slots_fail_to_back_lists_each_slot_once(tmp_
         proceed.set()
         with pytest.raises(StoreError) as ei:
             await task
-        assert ei.value.code == grpc.StatusCode.CANCELLED
+        assert ei.value.code is Code.CANCELLED
         host_slots_accounted(store.host)
         assert store.host.used_bytes == 0
     run(tmp_path, body, prefault=False)
@@ -354,12 +375,6 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
     executor thread: the handles that thread opens must be closed (``close_kv``), not orphaned.
     The host stand-in's maps would go with garbage collection; the CUDA engine's IPC handles
     would stay open, so the test checks the contract: every opened memory is closed."""
-    from kvtier.daemon.gpu import TransferService
-    from kvtier.daemon.metrics import OpLatency
-    from kvtier.proto import node_pb2, transfer_pb2
-    from kvtier.tiers.copy_engine import HostCopyEngine
-    from kvtier.tiers.layout import layout_to_proto
-
     kv_path, ring_path = str(tmp_path / "kv"), str(tmp_path / "ring")
     with open(kv_path, "wb") as fh:
         fh.truncate(4 * BLOCK)
@@ -369,7 +384,8 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
 
     async def body(store, disk, lid, sid):
         engine = HostCopyEngine(1)
-        svc = TransferService(store, {"host": engine}, OpLatency(), threads=1)
+        transfers = Transfers(store, {"host": engine}, threads=1)
+        svc = TransferService(transfers, OpLatency())
         try:
             req = transfer_pb2.RegisterKVRequest(
                 session_id=sid, layout=layout_to_proto(layout, node_pb2.LayoutSpec), backend="host",
@@ -407,15 +423,15 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
             store.close_session(sid)                             # the engine's session ends
             await settle(store)
             c = store.counters
-            assert not svc.registrations
+            assert not transfers.registrations
             # every KV memory opened is closed explicitly (CUDA IPC handles are not freed by GC)
             assert len(opened) == 1 and [m for m in opened if m not in closed] == [], "opened KV memory never closed"
-            assert c["kv_handles_opened"] == c["kv_handles_closed"], dict(c)
-            assert c["kv_events_opened"] == c["kv_events_closed"], dict(c)
+            assert c[Count.KV_HANDLES_OPENED] == c[Count.KV_HANDLES_CLOSED], c.counts
+            assert c[Count.KV_EVENTS_OPENED] == c[Count.KV_EVENTS_CLOSED], c.counts
             with open("/proc/self/maps") as fh:
                 assert kv_path not in fh.read(), "an engine allocation is still mapped by the daemon"
         finally:
-            await svc.close()
+            await transfers.close()
     run(tmp_path, body)
 
 
@@ -442,12 +458,12 @@ def test_slots_of_a_session_closed_during_fallocate_are_not_handed_out_unbacked(
         store.close_session(sid)
         other = store.open_session("other", os.getpid()).session_id
         grants = await store.allocate(other, lid, [key(3)])
-        assert grants[0][0] == "granted" and grants[0][2] not in (0, BLOCK), \
+        assert grants[0].granted and grants[0].offset not in (0, BLOCK), \
             "a slot whose fallocate is still running was handed to another client"
         proceed.set()
         with pytest.raises(StoreError) as ei:
             await task
-        assert ei.value.code == grpc.StatusCode.CANCELLED
+        assert ei.value.code is Code.CANCELLED
         store.close_session(other)
         host_slots_accounted(store.host)
         assert store.host.used_bytes == 0
@@ -459,9 +475,9 @@ def test_drain_waits_for_requests_whose_callers_were_cancelled(tmp_path):
     files) waits for their disk work, so nothing runs against closed files."""
     async def body(store, disk, lid, sid):
         grants = await store.allocate(sid, lid, [key(1)])
-        write_slot(store, grants[0][2], payload(key(1)))
+        write_slot(store, grants[0].offset, payload(key(1)))
         gate = Gate(disk._writer, 1)
-        task = await parked(store.commit(sid, [grants[0][1]], [], durable=True))
+        task = await parked(store.commit(sid, [grants[0].grant_id], [], durable=True))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -484,11 +500,11 @@ def test_evict_during_demotion_does_not_leave_the_block_on_disk(tmp_path):
         store.evict(lid, [key(0)])
         gate.open()
         grants = await task
-        for k, (_, _, off) in zip([key(10), key(11)], grants, strict=True):
-            write_slot(store, off, payload(k))
-        await store.commit(sid, [g for _, g, _ in grants], [], durable=False)
+        for k, g in zip([key(10), key(11)], grants, strict=True):
+            write_slot(store, g.offset, payload(k))
+        await store.commit(sid, [g.grant_id for g in grants], [], durable=False)
         await settle(store, disk)
-        assert store.lookup(lid, [key(0), key(1)]) == [None, "disk"], "an evicted key came back through its demotion"
+        assert store.lookup(lid, [key(0), key(1)]) == [None, Tier.DISK], "an evicted key came back through its demotion"
         assert disk.used_bytes == len(disk.entries) * BLOCK
         assert await get(store, sid, lid, [key(1)]) == [payload(key(1))]
     run(tmp_path, body, disk_blocks=16)

@@ -73,7 +73,7 @@ class CopyError(Exception):
     """A copy or registration the engine refuses; the message says what to change."""
 
 
-class ExportError(CopyError):
+class EngineMemoryError(CopyError):
     """Engine memory that cannot be opened from another process (the message names why)."""
 
 
@@ -275,6 +275,13 @@ class CopyEngine(ABC):
     def close(self) -> None: ...
 
 
+def _pool_for(pools: dict[str, Any], pool_path: str, mem: KVMemory, slot: int) -> Any:
+    """The attached pool a copy goes to, after checking its event slot lies in the ring."""
+    if not 0 <= slot < mem.ring.slots:
+        raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
+    return pools[pool_path]
+
+
 def populate_mapping(mm: mmap.mmap, size: int, threads: int) -> None:
     """Fault in every page of a shared mapping from ``threads`` threads (MADV_POPULATE_WRITE,
     Linux >= 5.14; else touch one byte per page, which keeps the bytes)."""
@@ -335,11 +342,11 @@ class HostCopyEngine(CopyEngine):
         try:
             for a in allocations:
                 if not a.path:
-                    raise ExportError("the host copy engine opens shared-memory files: give each allocation a path")
+                    raise EngineMemoryError("the host copy engine opens shared-memory files: give each allocation a path")
                 maps.append(_map_file(a.path, a.size))
                 mem.handles_open += 1
             if not ring.path:
-                raise ExportError("the host copy engine needs an event ring file (event_ring_path)")
+                raise EngineMemoryError("the host copy engine needs an event ring file (event_ring_path)")
             ring_map = _map_file(ring.path, ring.slots * 8)
         except BaseException:
             for m in maps:
@@ -367,9 +374,7 @@ class HostCopyEngine(CopyEngine):
     def copy(self, mem: KVMemory, pool_path: str, plan: ChunkPlan, direction: str, slot: int, seq: int,
              wait_written: bool) -> Completion:
         assert isinstance(mem, HostKVMemory)
-        pool = self._pools[pool_path]
-        if not 0 <= slot < mem.ring.slots:
-            raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
+        pool = _pool_for(self._pools, pool_path, mem, slot)
         if wait_written:
             self._wait_written(mem, slot, 2 * seq)
         jobs = plan.pieces(self.piece_bytes)
@@ -441,10 +446,10 @@ def _map_file(path: str, size: int) -> mmap.mmap:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as e:
-        raise ExportError(f"cannot open engine memory file {path}: {e.strerror}") from None
+        raise EngineMemoryError(f"cannot open engine memory file {path}: {e.strerror}") from None
     try:
         if os.fstat(fd).st_size < size:
-            raise ExportError(f"engine memory file {path} is {os.fstat(fd).st_size} bytes, not {size}")
+            raise EngineMemoryError(f"engine memory file {path} is {os.fstat(fd).st_size} bytes, not {size}")
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -590,7 +595,7 @@ class CudaCopyEngine(CopyEngine):
                 pool.close()
                 raise
             # unified addressing: the registered mapping's device address is its host address
-            # (LIMITS.md: a CuPy kernel wrote through the plain host pointer on the H200)
+            # (the measured limits, shared/LIMITS.md: a CuPy kernel wrote through the plain host pointer on the H200)
             self._pools[path] = _CudaPool(pool, ptr, ptr)
             self.pin_s_per_gib = (time.perf_counter() - t0) / (size / GIB)
             return self.pin_s_per_gib
@@ -618,20 +623,20 @@ class CudaCopyEngine(CopyEngine):
             with self.cp.cuda.Device(self.device):
                 for a in allocations:
                     if len(a.ipc_handle) != 64:
-                        raise ExportError("a CUDA allocation needs its 64-byte cudaIpcMemHandle_t")
+                        raise EngineMemoryError("a CUDA allocation needs its 64-byte cudaIpcMemHandle_t")
                     if a.device != self.device:
-                        raise ExportError(f"allocation on cuda:{a.device}, this daemon's copy engine "
+                        raise EngineMemoryError(f"allocation on cuda:{a.device}, this daemon's copy engine "
                                           f"drives cuda:{self.device}; run one kvtierd per GPU (--cuda-device)")
                     ptrs.append(self._open_handle(a.ipc_handle))
                     mem.handles_open += 1
                 if len(ring.handles) != ring.slots:
-                    raise ExportError(f"{len(ring.handles)} event handles for a ring of {ring.slots}")
+                    raise EngineMemoryError(f"{len(ring.handles)} event handles for a ring of {ring.slots}")
                 for h in ring.handles:
                     events.append(self.rt.ipcOpenEventHandle(h))
                     mem.events_open += 1
         except self.rt.CUDARuntimeError as e:
             self._release(mem, allocations[:len(ptrs)], events)
-            raise ExportError(f"cannot open the engine's CUDA IPC handles: {e}") from None
+            raise EngineMemoryError(f"cannot open the engine's CUDA IPC handles: {e}") from None
         except BaseException:
             self._release(mem, allocations[:len(ptrs)], events)
             raise
@@ -709,9 +714,7 @@ class CudaCopyEngine(CopyEngine):
     def copy(self, mem: KVMemory, pool_path: str, plan: ChunkPlan, direction: str, slot: int, seq: int,
              wait_written: bool) -> Completion:
         assert isinstance(mem, CudaKVMemory)
-        pool = self._pools[pool_path]
-        if not 0 <= slot < mem.ring.slots:
-            raise CopyError(f"event slot {slot} is outside the ring of {mem.ring.slots}")
+        pool = _pool_for(self._pools, pool_path, mem, slot)
         ring_ev = mem.events[slot]
         stream = self.offload_stream if direction == OFFLOAD else self.onboard_stream
         rt = self.rt

@@ -12,9 +12,11 @@ What it owns
 
 The index
     LMDB maps ``fingerprint + key`` to (slot bytes, slot, length, xxh3-64 checksum, write
-    sequence). One write transaction per batch. Access times and hit counts live in memory
-    only (a write transaction per read would cost an fsync each); after a restart the LRU
-    order is the write order.
+    sequence). One write transaction per batch. The tier keeps no recency order: which block
+    to evict is the placement policy's decision (:class:`kvtier.tiers.policy.TierPolicy`),
+    kept in memory only (a write transaction per read would cost an fsync each). After a
+    restart :attr:`DiskTier.entries` lists the restored blocks in write order, oldest first,
+    which is then their recency order.
 
 Durability order (what survives a crash)
     A write batch runs on the tier's single writer thread, in this order: index entries of
@@ -28,12 +30,13 @@ Durability order (what survives a crash)
 
 Integrity
     Every read recomputes the xxh3-64 of the payload; a mismatch (or a read error) is
-    reported to the caller, which must :meth:`DiskTier.remove` the entry and treat the block
+    reported to the caller (:class:`ReadOutcome`), which must :meth:`DiskTier.remove` the entry and treat the block
     as a miss. Wrong bytes are never made visible by this tier.
 
 Entries and their states
-    ``plan_write`` reserves slots (evicting least recently used unpinned entries: they are
-    hidden at once and returned as *victims*); the planned entries are invisible until
+    ``plan_write`` reserves slots (evicting, when the capacity is reached, the first unpinned
+    entries among the candidates it is given, in their order: they are hidden at once and
+    returned as *victims*); the planned entries are invisible until
     ``finish_write`` after the batch is durable. ``pin`` keeps an entry's slot from being
     evicted or reused while a read is in flight; ``remove`` of a pinned entry hides it and
     frees the slot on the last ``unpin``. Pin counts never go negative.
@@ -52,26 +55,27 @@ Threading
 
 from __future__ import annotations
 
+import enum
 import errno
 import fcntl
 import logging
 import os
 import re
 import struct
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import lmdb
 import xxhash
 
-from kvtier.tiers.host import punch_hole
+from kvtier.tiers.host import PinnedTier, hide_entry, punch_hole, take_unpinned
 from kvtier.tiers.layout import SLOT_ALIGN
+from kvtier.tiers.vocab import fingerprint_of
 
 log = logging.getLogger("kvtier.disk")
 
-FP_BYTES = 16
 GROW_BYTES = 256 * 1024 * 1024          # slab files grow by preallocated chunks of up to this
 INDEX_FORMAT = b"kvtier-disk-index-v1"
 _VALUE = struct.Struct("<IQQQQ")        # slot_bytes, slot, length, xxh3-64, write sequence
@@ -80,6 +84,14 @@ _SLAB_NAME = re.compile(r"^slab-([0-9]+)\.dat$")
 
 class DiskTierError(Exception):
     """The disk tier cannot be opened as configured; the message says what to change."""
+
+
+class ReadOutcome(enum.Enum):
+    """What reading one block from its slot found."""
+
+    OK = "ok"                # the bytes are the ones stored (checksum matched)
+    CHECKSUM = "checksum"    # the bytes differ from what was stored
+    IO_ERROR = "ioerror"     # the read failed or came back short
 
 
 def checksum(buf: memoryview | bytes) -> int:
@@ -118,7 +130,6 @@ class DiskEntry:
     length: int
     checksum: int = 0
     seq: int = 0
-    hits: int = 0
     pins: int = 0
     visible: bool = False
     removed: bool = False
@@ -143,8 +154,8 @@ class WritePlan:
         return [e for e in self.entries if e is not None]
 
 
-class DiskTier:
-    """Slots, index, LRU and pins of the disk tier (see the module docstring)."""
+class DiskTier(PinnedTier[DiskEntry]):
+    """Slots, index and pins of the disk tier (see the module docstring)."""
 
     def __init__(self, directory: str, capacity: int = 0, queue_depth: int = 8, map_size: int = 0) -> None:
         if queue_depth < 1:
@@ -172,8 +183,7 @@ class DiskTier:
             raise DiskTierError(f"--disk-dir {directory}: cannot open the LMDB index: {e}") from None
         self._blocks = self.env.open_db(b"blocks")
         self._meta = self.env.open_db(b"meta")
-        self.entries: dict[bytes, DiskEntry] = {}              # visible
-        self.lru: OrderedDict[bytes, DiskEntry] = OrderedDict()  # visible, oldest first
+        self.entries: dict[bytes, DiskEntry] = {}              # visible (restored ones in write order)
         self.per_fp: Counter[bytes] = Counter()                 # visible blocks per fingerprint
         self._writing: set[bytes] = set()
         self._unwanted: set[bytes] = set()   # removed while being written: dropped when the write finishes
@@ -252,8 +262,7 @@ class DiskTier:
         found.sort(key=lambda e: e.seq)
         for e in found:
             self.entries[e.bkey] = e
-            self.lru[e.bkey] = e
-            self.per_fp[e.bkey[:FP_BYTES]] += 1
+            self.per_fp[fingerprint_of(e.bkey)] += 1
         self._seq = found[-1].seq if found else 0
         for slot_bytes, slab in self.slabs.items():
             taken = used.get(slot_bytes, set())
@@ -274,54 +283,41 @@ class DiskTier:
 
     # -- reads ----------------------------------------------------------------------------
 
-    def get(self, bkey: bytes) -> DiskEntry | None:
-        return self.entries.get(bkey)
+    def _reclaim(self, entry: DiskEntry) -> None:
+        entry.slab.free.append(entry.slot)
 
-    def touch(self, entry: DiskEntry) -> None:
-        entry.hits += 1
-        if entry.visible:
-            self.lru.move_to_end(entry.bkey)
-
-    def pin(self, entry: DiskEntry) -> None:
-        entry.pins += 1
-
-    def unpin(self, entry: DiskEntry) -> None:
-        if entry.pins <= 0:
-            raise RuntimeError(f"unpin of a disk entry with no pins (slot {entry.slot})")
-        entry.pins -= 1
-        if entry.pins == 0 and entry.removed:
-            entry.slab.free.append(entry.slot)
-
-    def submit_read(self, entries: Sequence[DiskEntry], dests: Sequence[memoryview]) -> list[Future[str]]:
-        """Read each entry's slot into ``dests[i]`` (page-aligned, ``slot_bytes`` long) and verify it.
-        Each future yields ``"ok"``, ``"checksum"`` (bytes differ from what was stored) or
-        ``"ioerror"``. Pin the entries until the futures are done."""
+    def submit_read(self, entries: Sequence[DiskEntry], dests: Sequence[memoryview]) -> list[Future[ReadOutcome]]:
+        """Read each entry's slot into ``dests[i]`` (page-aligned, ``slot_bytes`` long) and verify it;
+        each future yields a :class:`ReadOutcome`. Pin the entries until the futures are done."""
         return [self._io.submit(self._read_one, e, d) for e, d in zip(entries, dests, strict=True)]
 
     @staticmethod
-    def _read_one(entry: DiskEntry, dest: memoryview) -> str:
+    def _read_one(entry: DiskEntry, dest: memoryview) -> ReadOutcome:
         try:
             n = os.preadv(entry.slab.fd, [dest], entry.offset)
         except OSError as e:
             log.error("disk read failed", extra={"path": entry.slab.path, "offset": entry.offset,
                                                  "error": e.strerror})
-            return "ioerror"
+            return ReadOutcome.IO_ERROR
         if n < entry.length:
-            return "ioerror"
-        return "ok" if checksum(dest[:entry.length]) == entry.checksum else "checksum"
+            return ReadOutcome.IO_ERROR
+        return ReadOutcome.OK if checksum(dest[:entry.length]) == entry.checksum else ReadOutcome.CHECKSUM
 
     # -- writes ---------------------------------------------------------------------------
 
-    def plan_write(self, items: Sequence[tuple[bytes, int, int]]) -> WritePlan:
-        """Reserve a slot per (bkey, length, slot_bytes); None where nothing can be freed, the key
-        is already on disk or being written, or the tier is degraded. Victims are hidden now."""
+    def plan_write(self, items: Sequence[tuple[bytes, int, int]], candidates: Iterable[bytes] = ()) -> WritePlan:
+        """Reserve a slot per (bkey, length, slot_bytes), in order; None where nothing can be freed,
+        the key is already on disk or being written, or the tier is degraded. When a slot must
+        be freed, the victim is the first unpinned entry among ``candidates`` (packed ids, in
+        eviction order). Victims are hidden now."""
         plan = WritePlan([], [])
+        order = iter(candidates)
         for bkey, length, slot_bytes in items:
             if self.degraded or bkey in self.entries or bkey in self._writing:
                 plan.entries.append(None)
                 continue
             slab = self.slabs.get(slot_bytes) or self._open_slab(slot_bytes)
-            slot = self._take_slot(slab, plan)
+            slot = self._take_slot(slab, plan, order)
             if slot is None:
                 plan.entries.append(None)
                 continue
@@ -329,7 +325,7 @@ class DiskTier:
             plan.entries.append(DiskEntry(bkey, slab, slot, length))
         return plan
 
-    def _take_slot(self, slab: Slab, plan: WritePlan) -> int | None:
+    def _take_slot(self, slab: Slab, plan: WritePlan, order: Iterator[bytes]) -> int | None:
         while True:
             if slab.free:
                 return slab.free.pop()
@@ -345,7 +341,7 @@ class DiskTier:
                 plan._grow.append((slab.fd, first * slab.slot_bytes, n * slab.slot_bytes))
                 slab.free.extend(range(first + n - 1, first, -1))
                 return first
-            victim = self._evict_one()
+            victim = self._evict_one(order)
             if victim is None:
                 return None
             plan.victims.append(victim)
@@ -355,21 +351,16 @@ class DiskTier:
             victim.slab.holes.append(victim.slot)
             plan._punch.append((victim.slab.fd, victim.offset, victim.slab.slot_bytes))
 
-    def _evict_one(self) -> DiskEntry | None:
-        for entry in self.lru.values():
-            if entry.pins == 0:
-                self._hide(entry)
-                entry.removed = True
-                return entry
-        return None
+    def _evict_one(self, order: Iterator[bytes]) -> DiskEntry | None:
+        """The next candidate that is an unpinned visible entry (passed-over candidates stay
+        passed over for the rest of one ``plan_write``)."""
+        entry = take_unpinned(self.entries, self.per_fp, order)
+        if entry is not None:
+            entry.removed = True
+        return entry
 
     def _hide(self, entry: DiskEntry) -> None:
-        del self.entries[entry.bkey]
-        del self.lru[entry.bkey]
-        entry.visible = False
-        self.per_fp[entry.bkey[:FP_BYTES]] -= 1
-        if not self.per_fp[entry.bkey[:FP_BYTES]]:
-            del self.per_fp[entry.bkey[:FP_BYTES]]
+        hide_entry(self.entries, self.per_fp, entry)
 
     def submit_write(self, plan: WritePlan, sources: Sequence[memoryview]) -> Future[None]:
         """Run the batch on the writer thread: one source (page-aligned, ``slot_bytes`` long) per
@@ -441,8 +432,7 @@ class DiskTier:
         for e in planned:
             e.visible = True
             self.entries[e.bkey] = e
-            self.lru[e.bkey] = e
-            self.per_fp[e.bkey[:FP_BYTES]] += 1
+            self.per_fp[fingerprint_of(e.bkey)] += 1
         return planned
 
     def _degrade(self, error: BaseException) -> None:

@@ -9,14 +9,17 @@ What it owns
 
 Entries and their states
     ``reserve`` hands out slots for keys (*grants*): invisible to ``lookup`` until
-    ``commit``; ``abort`` gives them back. A committed entry is *visible* and sits in an LRU.
+    ``commit``; ``abort`` gives them back. A committed entry is *visible*.
     ``pin`` (a reader holds the slot) keeps an entry from being evicted or reused; ``unpin``
     drops the pin. ``remove`` of a pinned entry hides it at once and frees the slot when the
     last pin goes. Pin counts never go negative: unpinning an entry that holds no pin raises.
 
 Eviction
-    When no free slot fits the budget, ``reserve`` evicts the least recently used unpinned
-    visible entries. Their slots are not reused yet: the caller gets them back as *victims*,
+    The tier keeps no recency order: which block goes is the placement policy's decision
+    (:class:`kvtier.tiers.policy.TierPolicy`). When no free slot fits the budget, ``reserve``
+    takes victims from the candidates it is given, in their order (the policy's eviction
+    order), skipping pinned entries and entries whose slot the new block cannot use (another
+    class's memory that a GPU has pinned). Their slots are not reused yet: the caller gets them back as *victims*,
     may copy their bytes elsewhere (demotion to disk), then must call ``finish_eviction``.
     Only then are the slots reused by the new grants or punched. Until then the victims'
     bytes stay intact, so the caller must not let clients write the new grants before
@@ -32,11 +35,14 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
+
+from kvtier.tiers.vocab import fingerprint_of
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -88,6 +94,66 @@ class PoolMapping:
             pass  # a caller still holds a view; the mapping goes with the last one
 
 
+E = TypeVar("E", bound="Pinned")
+
+
+class Pinned(Protocol):
+    """A host or disk entry, as :class:`PinnedTier` and :func:`take_unpinned` see it."""
+
+    bkey: bytes
+    visible: bool
+    pins: int
+    removed: bool
+    slot: int
+
+
+def hide_entry(entries: dict[bytes, Any], per_fp: Counter[bytes], entry: Pinned) -> None:
+    """Take a host or disk entry out of its tier's lookups (its slot is the caller's to free)."""
+    del entries[entry.bkey]
+    entry.visible = False
+    fp = fingerprint_of(entry.bkey)
+    per_fp[fp] -= 1
+    if not per_fp[fp]:
+        del per_fp[fp]
+
+
+def take_unpinned(entries: dict[bytes, E], per_fp: Counter[bytes], order: Iterable[bytes],
+                  usable: Callable[[E], bool] = lambda e: True) -> E | None:
+    """Hide and return the first entry of ``order`` (the policy's victims, best first) that is
+    held, unpinned and ``usable``; candidates passed over are left as they are."""
+    for bkey in order:
+        entry = entries.get(bkey)
+        if entry is not None and entry.pins == 0 and usable(entry):
+            hide_entry(entries, per_fp, entry)
+            return entry
+    return None
+
+
+class PinnedTier(Generic[E]):
+    """Lookups and pins of a tier's visible entries (host and disk alike): an entry removed
+    while pinned keeps its slot until its last pin goes, then ``_reclaim`` frees the slot."""
+
+    entries: dict[bytes, E]
+
+    def get(self, bkey: bytes) -> E | None:
+        return self.entries.get(bkey)
+
+    def pin(self, entry: E) -> None:
+        entry.pins += 1
+
+    error: type[Exception] = RuntimeError  # what an unpin without a pin raises
+
+    def unpin(self, entry: E) -> None:
+        if entry.pins <= 0:
+            raise self.error(f"unpin of an entry with no pins (slot {entry.slot})")
+        entry.pins -= 1
+        if entry.pins == 0 and entry.removed:
+            self._reclaim(entry)
+
+    def _reclaim(self, entry: E) -> None:
+        raise NotImplementedError
+
+
 class HostTierError(Exception):
     """Base of the host tier's errors."""
 
@@ -127,7 +193,6 @@ class HostEntry:
     block_bytes: int
     visible: bool = False
     pins: int = 0
-    seen: int = 1        # puts and hits, for the demotion filter
     removed: bool = False  # hidden while pinned; slot freed on the last unpin
 
     @property
@@ -155,8 +220,10 @@ class Reservation:
     backing: BackingJob
 
 
-class HostTier:
-    """Slots, LRU and pins of the host pool (see the module docstring for the contract)."""
+class HostTier(PinnedTier[HostEntry]):
+    """Slots and pins of the host pool (see the module docstring for the contract)."""
+
+    error = HostTierError
 
     def __init__(self, shm_dir: str, capacity: int, name_prefix: str) -> None:
         self.shm_dir = shm_dir
@@ -164,7 +231,7 @@ class HostTier:
         self.prefix = name_prefix
         self.classes: dict[int, SizeClass] = {}
         self.entries: dict[bytes, HostEntry] = {}         # visible entries
-        self.lru: OrderedDict[bytes, HostEntry] = OrderedDict()  # visible, oldest first
+        self.per_fp: Counter[bytes] = Counter()           # visible entries per layout fingerprint
         self._pending_punch: list[tuple[SizeClass, int]] = []
         self._registered: set[int] = set()  # slot sizes whose pool file a GPU has pinned
 
@@ -229,37 +296,28 @@ class HostTier:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def get(self, bkey: bytes) -> HostEntry | None:
-        return self.entries.get(bkey)
-
-    def touch(self, entry: HostEntry) -> None:
-        entry.seen += 1
-        self.lru.move_to_end(entry.bkey)
-
-    def pin(self, entry: HostEntry) -> None:
-        entry.pins += 1
-
-    def unpin(self, entry: HostEntry) -> None:
-        if entry.pins <= 0:
-            raise HostTierError(f"unpin of an entry with no pins (slot {entry.slot})")
-        entry.pins -= 1
-        if entry.pins == 0 and entry.removed:
-            self._free_slot(entry)
+    def _reclaim(self, entry: HostEntry) -> None:
+        self._free_slot(entry)
 
     # -- writes --------------------------------------------------------------------------
 
-    def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int) -> Reservation:
-        """Grant one slot per key (None where nothing can be freed: all pinned or granted)."""
+    def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int,
+                candidates: Iterable[bytes] = ()) -> Reservation:
+        """Grant one slot per key, in order (None where nothing can be freed). When a slot must
+        be freed, the victim is the first of ``candidates`` (packed ids of visible entries, in
+        eviction order) that is unpinned and whose slot this class can use."""
         out: list[HostEntry | None] = []
         victims: list[HostEntry] = []
         fresh: list[int] = []
+        order = iter(candidates)
         for bkey in bkeys:
-            slot = self._take_slot(cls, victims, fresh)
+            slot = self._take_slot(cls, victims, fresh, order)
             out.append(None if slot is None else HostEntry(bkey, cls, slot, block_bytes))
         ranges = [(cls.fd, s * cls.slot_bytes, cls.slot_bytes) for s in fresh]
         return Reservation(out, victims, BackingJob(ranges))
 
-    def _take_slot(self, cls: SizeClass, victims: list[HostEntry], fresh: list[int]) -> int | None:
+    def _take_slot(self, cls: SizeClass, victims: list[HostEntry], fresh: list[int],
+                   order: Iterator[bytes]) -> int | None:
         while True:
             if cls.free:
                 return cls.free.pop()
@@ -272,7 +330,7 @@ class HostTier:
                         cls.hwm += 1
                     fresh.append(slot)
                     return slot
-            victim = self._evict_one(cls)
+            victim = self._evict_one(cls, order)
             if victim is None:
                 return None
             victims.append(victim)
@@ -293,16 +351,16 @@ class HostTier:
                 other.holes.append(slot)
                 self._pending_punch.append((other, slot))
 
-    def _evict_one(self, needy: SizeClass) -> HostEntry | None:
-        """The least recently used unpinned entry whose slot ``needy`` can use: its own class's,
-        or another class's whose memory may be released (not GPU-registered)."""
-        for bkey, entry in self.lru.items():
-            if entry.pins == 0 and (entry.cls is needy or entry.cls.slot_bytes not in self._registered):
-                del self.lru[bkey]
-                del self.entries[bkey]
-                entry.visible = False
-                return entry
-        return None
+    def _evict_one(self, needy: SizeClass, order: Iterator[bytes]) -> HostEntry | None:
+        """The next candidate that is an unpinned visible entry whose slot ``needy`` can use: its
+        own class's, or another class's whose memory may be released (not GPU-registered).
+        Candidates passed over stay passed over for the rest of one ``reserve`` (nothing
+        changes their pins or classes meanwhile)."""
+        return take_unpinned(self.entries, self.per_fp, order,
+                             lambda e: e.cls is needy or e.cls.slot_bytes not in self._registered)
+
+    def _hide(self, entry: HostEntry) -> None:
+        hide_entry(self.entries, self.per_fp, entry)
 
     def finish_eviction(self) -> None:
         """Release the memory of victims taken from other size classes (after demotion)."""
@@ -318,7 +376,7 @@ class HostTier:
             return False
         entry.visible = True
         self.entries[entry.bkey] = entry
-        self.lru[entry.bkey] = entry
+        self.per_fp[fingerprint_of(entry.bkey)] += 1
         return True
 
     def abort(self, entry: HostEntry) -> None:
@@ -335,11 +393,10 @@ class HostTier:
         """Hide these entries; free their slots now, or on the last unpin if pinned."""
         out = []
         for bkey in bkeys:
-            entry = self.entries.pop(bkey, None)
+            entry = self.entries.get(bkey)
             if entry is None:
                 continue
-            del self.lru[bkey]
-            entry.visible = False
+            self._hide(entry)
             entry.removed = True
             if entry.pins == 0:
                 self._free_slot(entry)

@@ -79,22 +79,25 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvtier.tiers.vocab import FP_BYTES, KEY_MAX, KEY_MIN, TIER_LABELS, TIERS, Tier
+
+assert KEY_MAX == 32 and len(TIERS) <= 8, "the slot format holds a 32-byte key and an 8-bit tier set"
+
 MAGIC = b"KVTKEYT1"
 VERSION = 1
 MAX_LAYOUTS = 1024
 HEADER_BYTES = 20480  # 128 + MAX_LAYOUTS * 16, rounded up to 4 KiB
 DIRECTORY_OFFSET = 128
-KEY_MIN, KEY_MAX = 8, 32
 
 SLOT_DTYPE = np.dtype([("seq", "<u4"), ("tag", "<u2"), ("klen", "u1"), ("tiers", "u1"), ("key", "<u8", (4,))])
 SLOT_BYTES = SLOT_DTYPE.itemsize  # 40
 
 STATE_LIVE, STATE_RETIRED, STATE_CLOSED, STATE_INVALID = 1, 2, 3, 4
 
-#: tier name -> its bit in a slot's ``tiers``
-TIER_BITS: dict[str, int] = {"gpu": 1, "host": 2, "disk": 4}
-TIER_ORDER = ("gpu", "host", "disk")  # fastest first
-FAST_BITS = TIER_BITS["gpu"] | TIER_BITS["host"]
+#: tier label -> its bit in a slot's ``tiers`` (bit ``Tier.rank``: gpu 1, host 2, disk 4)
+TIER_BITS: dict[str, int] = {t.label: 1 << t.rank for t in TIERS}
+TIER_ORDER = TIER_LABELS  # fastest first
+FAST_BITS = TIER_BITS[Tier.GPU.label] | TIER_BITS[Tier.HOST.label]
 
 INITIAL_SLOTS = 1 << 16
 PRESIZE_MAX_SLOTS = 1 << 22      # 160 MiB of table; beyond this the table grows on demand
@@ -547,8 +550,8 @@ class KeyTableWriter:
         tag = self._tag_by_fp.get(fingerprint)
         if tag is not None or not create:
             return tag or 0
-        if len(fingerprint) != 16:
-            raise ValueError("a layout fingerprint is 16 bytes")
+        if len(fingerprint) != FP_BYTES:
+            raise ValueError(f"a layout fingerprint is {FP_BYTES} bytes")
         if len(self._fps) >= MAX_LAYOUTS:
             raise KeyTableError(f"the key table holds at most {MAX_LAYOUTS} layouts")
         self._fps.append(fingerprint)
@@ -567,20 +570,21 @@ class KeyTableWriter:
         words, lens = key_words(keys)
         return self._map.probe(tag, words, lens, checked=False)[1]
 
-    def set(self, fingerprint: bytes, keys: Sequence[bytes], tier: str) -> None:
-        """These keys are now held in ``tier`` (as well as wherever they were)."""
+    def set(self, fingerprint: bytes, keys: Sequence[bytes], tier: Tier | str) -> None:
+        """These keys are now held in ``tier`` (a :class:`Tier` or its label) as well as wherever
+        they were."""
         if keys:
-            self._update(self.tag(fingerprint), keys, TIER_BITS[tier], add=True)
+            self._update(self.tag(fingerprint), keys, TIER_BITS[str(tier)], add=True)
 
-    def clear(self, fingerprint: bytes, keys: Sequence[bytes], tier: str) -> None:
+    def clear(self, fingerprint: bytes, keys: Sequence[bytes], tier: Tier | str) -> None:
         """These keys are no longer held in ``tier``; a key held nowhere becomes a tombstone."""
         tag = self.tag(fingerprint, create=False)
         if keys and tag:
-            self._update(tag, keys, TIER_BITS[tier], add=False)
+            self._update(tag, keys, TIER_BITS[str(tier)], add=False)
 
-    def clear_tier(self, tier: str) -> None:
+    def clear_tier(self, tier: Tier | str) -> None:
         """No key is held in ``tier`` any more."""
-        bit = TIER_BITS[tier]
+        bit = TIER_BITS[str(tier)]
         m = self._map
         idx = np.flatnonzero(m.tiers & bit)
         if idx.size:

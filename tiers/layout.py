@@ -150,17 +150,6 @@ class Layout:
         return cls((TensorSpec(name, "uint8", (num_blocks, block_bytes), 0),), block_tokens)
 
 
-def layout_from_dict(d: dict) -> Layout:
-    """Inverse of :meth:`Layout.canonical` (with any extent for the block dimension)."""
-    try:
-        tensors = tuple(TensorSpec(t["name"], t["dtype"], tuple(max(int(x), 1) for x in t["shape"]),
-                                   int(t["block_dim"]), bool(t.get("token_indexed", False)))
-                        for t in d["tensors"])
-        return Layout(tensors, int(d["block_tokens"]), int(d.get("tp_rank", 0)), int(d.get("tp_size", 1)))
-    except (KeyError, TypeError) as e:
-        raise LayoutError(f"layout dict is missing or mistypes a field: {e}") from e
-
-
 def layout_to_proto(layout: Layout, msg_cls: type) -> object:
     """Fill a ``kvtier.v1.LayoutSpec`` (passed as ``msg_cls`` to keep tiers free of proto imports)."""
     msg = msg_cls(block_tokens=layout.block_tokens, tp_rank=layout.tp_rank, tp_size=layout.tp_size)

@@ -1,89 +1,114 @@
-"""Placement policy across the gpu, host and disk tiers, as metadata only (no bytes).
+"""The placement policy across the gpu, host and disk tiers, as metadata only (no bytes).
 
-One :class:`TierPolicy` is one node with one engine worker: which block keys each tier holds,
-in which recency order, and how blocks move between tiers when a request uses them. It is the
-placement policy of DESIGN.md written as a small pure class, so the trace replay
-(``kvtier.client.tools.replay``) and the daemon can share one definition of it. Keys are any
-hashable values (the replay uses a trace's integer hash ids, the daemon key bytes).
+One :class:`TierPolicy` is the placement of one node: which blocks each tier holds, in which
+recency order, how often each block was seen, and the rules that move blocks between tiers. It
+is the one definition of placement. The daemon's store asks it for every order and rule
+decision and tells it every change (the store itself keeps pins, bytes and I/O); the trace
+replay (``kvtier.client.tools.replay``) and the tests run it alone, with block-count
+capacities. Keys are any hashable values (the daemon uses packed block ids, fingerprint +
+key; the replay a trace's integer hash ids).
 
-Contract
-    * Capacities are in blocks, per tier; a tier of capacity 0 holds nothing. Each tier is an
-      LRU: a block that is used becomes the most recent; when a tier is over capacity its
-      least recently used blocks leave it (oldest first).
-    * ``gpu`` is what the engine holds in HBM. Every block a request uses ends up there: the
-      blocks it found (onboarded from host or disk) and the ones it computed.
-    * Write-through: every block that enters ``gpu`` is also written to ``host`` (the engine
-      offloads what it computes), so with ``host >= gpu`` the host tier holds everything the
-      gpu tier does and a gpu eviction moves nothing.
-    * Demotion: a block evicted from ``host`` goes to ``disk`` if it has been *seen* (used by a
-      request on this node) at least ``demote_min_seen`` times while it stayed in some tier;
-      otherwise it is dropped. A victim that is already on disk stays there, untouched (an
-      eviction is not a use). A block evicted from ``disk`` is dropped. A dropped block
-      forgets its seen count: a later request starts it again at one.
-    * Promotion: a block a request finds on disk (and nowhere faster) is copied into ``host``
-      (and, as every used block, into ``gpu``); it stays on disk too.
-    * Only a request's *leading run* of held blocks is served (keys are chained prefix
-      hashes: a block after the first miss cannot be used); the blocks after the first miss
-      are computed again even if some tier still holds them.
+Rules
+    * LRU per tier: a block that is stored or used becomes the most recent one of its tier;
+      :meth:`TierPolicy.victims` offers a tier's blocks least recently used first.
+    * Seen count: every put and every hit of a block counts one (in :meth:`TierPolicy.access`,
+      every request that uses it). The count is kept while the block is held in some tier (or
+      on its way to disk); a block that leaves every tier forgets it and starts again at one.
+    * Demotion: a block evicted from ``host`` goes to ``disk`` if it was seen at least
+      ``demote_min_seen`` times and is not on disk already (:meth:`TierPolicy.demotions`);
+      otherwise it is dropped. A victim already on disk stays there, untouched: an eviction
+      is not a use. A block evicted from ``disk`` is dropped.
+    * Promotion: a get that finds a block on disk and not in host brings it into host
+      (:meth:`TierPolicy.promotions`); it stays on disk too, and the hit is a use there.
+    * Only a request's *leading run* of held blocks can be served (keys are chained prefix
+      hashes); :meth:`TierPolicy.leading_ranks` answers it without changing anything.
 
-``access(keys)`` applies one request and returns the tier each block of its leading run was
-served from; ``leading_ranks(keys)`` answers the same question without changing anything (a
-router's probe). Counters of hits, evictions, demotions and promotions are kept in
-:attr:`TierPolicy.counts`.
+Capacities, per tier: a block count; ``0``: the tier does not exist (it holds nothing, and
+without a disk nothing is demoted); ``None``: not bounded here, because the caller bounds the
+tier (the daemon does, in bytes across size classes) and asks :meth:`TierPolicy.victims` for
+room, skipping the victims it cannot use (pinned ones).
 
-Not thread-safe; every method is O(len(keys)) dictionary operations.
+Two ways to drive it
+    * Decisions and facts, as the daemon's store does: ask :meth:`~TierPolicy.victims`,
+      :meth:`~TierPolicy.demotions`, :meth:`~TierPolicy.promotions`; report each change
+      with the ``on_*`` methods (:meth:`~TierPolicy.on_commit`, :meth:`~TierPolicy.on_hit`,
+      :meth:`~TierPolicy.on_promote`, :meth:`~TierPolicy.on_write`,
+      :meth:`~TierPolicy.on_evict`, :meth:`~TierPolicy.on_demotion_end`,
+      :meth:`~TierPolicy.on_remove`).
+    * Whole requests with block-count capacities: :meth:`~TierPolicy.put`,
+      :meth:`~TierPolicy.get`, :meth:`~TierPolicy.prefetch` and :meth:`~TierPolicy.evict`
+      are the daemon's Allocate + Commit, Acquire, Prefetch and Evict, step for step as the
+      store runs them (``tests/test_placement_equivalence.py`` checks a real daemon against
+      them); :meth:`~TierPolicy.access` is one engine request as the replay models it: the
+      leading run is served, then every block of the request is written through into host
+      and gpu.
+
+Counters of hits, evictions, demotions and promotions are kept in :attr:`TierPolicy.counts`.
+Not thread-safe; every method is O(len(keys)) dictionary operations (``victims`` is lazy).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-GPU, HOST, DISK, NOT_HELD = 0, 1, 2, 3
-TIER_NAMES = ("gpu", "host", "disk")
+from kvtier.tiers.vocab import TIERS, Tier
+
+GPU, HOST, DISK = Tier.GPU, Tier.HOST, Tier.DISK
+
+
+def _per_tier() -> list[int]:
+    return [0] * len(TIERS)
 
 
 @dataclass
 class PolicyCounts:
-    """What happened so far, in blocks."""
+    """What happened so far, in blocks. Per-tier lists are in :data:`TIERS` order (index ``Tier.rank``)."""
 
-    hits: list[int] = field(default_factory=lambda: [0, 0, 0])  # served from gpu, host, disk
-    misses: int = 0                                               # computed (after the leading run)
-    evictions: list[int] = field(default_factory=lambda: [0, 0, 0])  # left each tier for capacity
-    demotions: int = 0                                            # host -> disk on eviction
-    promotions: int = 0                                           # disk -> host on a hit
-    dropped: int = 0                                              # left every tier
+    hits: list[int] = field(default_factory=_per_tier)       # served from each tier (access)
+    misses: int = 0                                          # computed (after the leading run; access)
+    evictions: list[int] = field(default_factory=_per_tier)  # left each tier for capacity
+    demotions: int = 0                                       # host victims chosen for disk
+    promotions: int = 0                                      # disk -> host on a hit
+    dropped: int = 0                                         # left every tier (their seen counts forgotten)
+
+
+class PutOutcome(NamedTuple):
+    """What :meth:`TierPolicy.put` did with each key (in the order given)."""
+
+    stored: list[Hashable]    # new in host
+    present: list[Hashable]   # already in host or on disk: nothing written
+    dropped: list[Hashable]   # found no room
 
 
 class TierPolicy:
-    """LRU per tier, write-through to host, demote to disk when seen often, promote on a disk hit."""
+    """LRU per tier, demote to disk when seen often, promote on a disk hit (see the module docstring)."""
 
-    def __init__(self, gpu_blocks: int, host_blocks: int, disk_blocks: int, demote_min_seen: int = 2) -> None:
-        if min(gpu_blocks, host_blocks, disk_blocks) < 0:
-            raise ValueError("tier capacities are block counts >= 0")
+    def __init__(self, gpu_blocks: int | None, host_blocks: int | None, disk_blocks: int | None,
+                 demote_min_seen: int = 2) -> None:
+        caps = (gpu_blocks, host_blocks, disk_blocks)
+        if any(c is not None and c < 0 for c in caps):
+            raise ValueError("tier capacities are block counts >= 0 (or None: bounded by the caller)")
         if demote_min_seen < 1:
             raise ValueError("demote_min_seen must be >= 1")
-        self.capacity = (gpu_blocks, host_blocks, disk_blocks)
+        self.capacity: dict[Tier, int | None] = dict(zip(TIERS, caps, strict=True))
         self.demote_min_seen = demote_min_seen
-        self.tiers: tuple[OrderedDict[Hashable, None], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
+        self.tiers: dict[Tier, OrderedDict[Hashable, None]] = {t: OrderedDict() for t in TIERS}  # oldest first
         self.seen: dict[Hashable, int] = {}
+        self._moving: set[Hashable] = set()   # host victims on their way to disk: they keep their counts
         self.counts = PolicyCounts()
 
-    def tier_of(self, key: Hashable) -> int:
-        """The fastest tier holding ``key`` (GPU, HOST, DISK) or NOT_HELD."""
-        gpu, host, disk = self.tiers
-        if key in gpu:
-            return GPU
-        if key in host:
-            return HOST
-        if key in disk:
-            return DISK
-        return NOT_HELD
+    # -- what the tiers hold ---------------------------------------------------------------
 
-    def leading_ranks(self, keys: Sequence[Hashable]) -> list[int]:
-        """Fastest tier of each key of the leading run of held keys (stops at the first miss)."""
-        gpu, host, disk = self.tiers
+    def holds(self, tier: Tier, key: Hashable) -> bool:
+        return key in self.tiers[tier]
+
+    def leading_ranks(self, keys: Sequence[Hashable]) -> list[Tier]:
+        """The fastest tier of each key of the leading run of held keys (stops at the first miss)."""
+        gpu, host, disk = (self.tiers[t] for t in TIERS)
         out = []
         for k in keys:
             if k in gpu:
@@ -96,58 +121,227 @@ class TierPolicy:
                 break
         return out
 
-    def access(self, keys: Sequence[Hashable]) -> list[int]:
-        """Apply one request that uses ``keys`` (in order); returns the leading run's tiers."""
+    # -- decisions -------------------------------------------------------------------------
+
+    def victims(self, tier: Tier, keep: Collection[Hashable] = ()) -> Iterator[Hashable]:
+        """The blocks of ``tier`` in eviction order, least recently used first, without those in
+        ``keep``. Lazy: take victims in order (skipping any you cannot evict, e.g. pinned ones),
+        and report them with :meth:`on_evict` once taken; do not resume it after that."""
+        return (k for k in self.tiers[tier] if k not in keep)
+
+    def demotions(self, victims: Iterable[Hashable]) -> list[Hashable]:
+        """Which host victims go to disk: seen at least ``demote_min_seen`` times and not on disk
+        already (none without a disk tier)."""
+        if self.capacity[DISK] == 0:
+            return []
+        disk, seen, need = self.tiers[DISK], self.seen, self.demote_min_seen
+        return [k for k in victims if k not in disk and seen.get(k, 0) >= need]
+
+    def promotions(self, keys: Iterable[Hashable]) -> list[Hashable]:
+        """Which keys of a get to bring from disk into host: those on disk and not in host
+        (each once, in order)."""
+        host, disk = self.tiers[HOST], self.tiers[DISK]
+        return [k for k in dict.fromkeys(keys) if k not in host and k in disk]
+
+    # -- facts: what happened --------------------------------------------------------------
+
+    def on_commit(self, keys: Iterable[Hashable]) -> None:
+        """A put made these blocks visible in host: the most recent ones, seen once more."""
+        keys = list(keys)
+        self._see(keys)
+        self._touch(HOST, keys)
+
+    def on_hit(self, keys: Iterable[Hashable]) -> None:
+        """A get found these blocks in host: the most recent ones, seen once more."""
+        self.on_commit(keys)
+
+    def on_promote(self, keys: Iterable[Hashable]) -> None:
+        """These blocks were read from disk into host (they stay on disk): the most recent ones
+        of both tiers, seen once more."""
+        keys = list(keys)
+        self.counts.promotions += len(keys)
+        self._see(keys)
+        self._touch(DISK, keys)
+        self._touch(HOST, keys)
+
+    def on_write(self, keys: Iterable[Hashable]) -> None:
+        """These blocks are now on disk (a demotion or a durable write finished, or a restart
+        found them there, oldest first): the most recent ones of the disk tier."""
+        self._touch(DISK, list(keys))
+
+    def on_evict(self, tier: Tier, victims: Sequence[Hashable]) -> list[Hashable]:
+        """These victims left ``tier`` for capacity. For host, returns the ones to demote
+        (:meth:`demotions`); they keep their seen counts until :meth:`on_demotion_end`."""
+        od = self.tiers[tier]
+        for k in victims:
+            od.pop(k, None)
+        self.counts.evictions[tier.rank] += len(victims)
+        demote = self.demotions(victims) if tier is HOST else []
+        self.counts.demotions += len(demote)
+        self._moving.update(demote)
+        self._forget(victims)
+        return demote
+
+    def on_demotion_end(self, keys: Iterable[Hashable]) -> None:
+        """The demotion of these keys is over (written with :meth:`on_write`, or not at all)."""
+        keys = list(keys)
+        self._moving.difference_update(keys)
+        self._forget(keys)
+
+    def on_remove(self, tier: Tier, keys: Iterable[Hashable]) -> None:
+        """These blocks left ``tier`` other than for capacity (an explicit evict, a checksum failure)."""
+        od = self.tiers[tier]
+        keys = list(keys)
+        for k in keys:
+            od.pop(k, None)
+        self._forget(keys)
+
+    # -- whole requests, with block-count capacities (the daemon's, step for step) ----------
+
+    def put(self, keys: Sequence[Hashable], durable: bool = False) -> PutOutcome:
+        """Allocate + Commit of a put: keys held in host or on disk are present (with
+        ``durable``, those in host are written to disk first); the others get room in host
+        (evicting, and demoting the victims, before any is stored) in order until none is
+        left, then become visible there; with ``durable`` they are then written to disk."""
+        keys = list(dict.fromkeys(keys))
+        host, disk = self.tiers[HOST], self.tiers[DISK]
+        if durable:
+            self._write_disk([k for k in keys if k in host])
+        want = [k for k in keys if k not in host and k not in disk]
+        n, victims = self._room(HOST, len(want))
+        if victims:
+            self._evict_host(victims)
+        self.on_commit(want[:n])
+        if durable:
+            self._write_disk(want[:n])
+        return PutOutcome(want[:n], [k for k in keys if k not in want], want[n:])
+
+    def get(self, keys: Sequence[Hashable]) -> list[Tier | None]:
+        """Acquire: host hits are used (and kept from eviction while the rest is promoted); the
+        keys only on disk are promoted (:meth:`prefetch`). Returns per key the tier it was found
+        in (disk for a promoted one), or None."""
+        host = self.tiers[HOST]
+        hits = [k for k in keys if k in host]
+        for k in hits:
+            self.on_hit((k,))
+        promoted = self._promote(self.promotions(keys), keep_host=set(hits))
+        return [DISK if k in promoted else HOST if k in host else None for k in keys]
+
+    def prefetch(self, keys: Sequence[Hashable]) -> int:
+        """Promote the keys held on disk and not in host; returns how many were."""
+        return len(self._promote(self.promotions(keys)))
+
+    def evict(self, keys: Sequence[Hashable]) -> int:
+        """Remove these keys from host and disk; returns the entries removed."""
+        n = 0
+        for tier in (HOST, DISK):
+            gone = [k for k in dict.fromkeys(keys) if k in self.tiers[tier]]
+            self.on_remove(tier, gone)
+            n += len(gone)
+        return n
+
+    # -- one engine request, as the replay models it ---------------------------------------
+
+    def access(self, keys: Sequence[Hashable]) -> list[Tier]:
+        """Apply one request that uses ``keys`` (in order); returns the leading run's tiers.
+        Its leading run is served (disk hits are promoted); then every block of the request is
+        written through into host and gpu (the engine offloads what it computes), each tier
+        evicting its least recently used blocks past its capacity."""
         ranks = self.leading_ranks(keys)
         c = self.counts
         for r in ranks:
-            c.hits[r] += 1
+            c.hits[r.rank] += 1
         c.misses += len(keys) - len(ranks)
+        self._see(keys)
+        promoted = [k for k, r in zip(keys, ranks, strict=False) if r is DISK]
+        if promoted:
+            c.promotions += len(promoted)
+            self._touch(DISK, promoted)  # a hit is a use on disk too
+        self._write_through(HOST, keys)  # before gpu, so a block the gpu cannot keep is already
+        self._write_through(GPU, keys)   # safe in host
+        return ranks
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _see(self, keys: Iterable[Hashable]) -> None:
         seen = self.seen
         for k in keys:
             seen[k] = seen.get(k, 0) + 1
-        promoted = [k for k, r in zip(keys, ranks, strict=False) if r == DISK]
-        if promoted:
-            c.promotions += len(promoted)
-            disk = self.tiers[DISK]
-            for k in promoted:
-                disk.move_to_end(k)  # a hit is a use on disk too
-        self._store(HOST, keys)  # write-through (brings the promoted blocks up), before gpu so a
-        self._store(GPU, keys)   # block the gpu cannot keep is already safe in host
-        return ranks
 
-    # -- internals -----------------------------------------------------------------------
-
-    def _store(self, tier: int, keys: Sequence[Hashable]) -> None:
+    def _touch(self, tier: Tier, keys: Iterable[Hashable]) -> None:
         od = self.tiers[tier]
-        cap = self.capacity[tier]
-        if cap == 0:
-            for k in keys:
-                self._maybe_forget(k)
-            return
         for k in keys:
             if k in od:
                 od.move_to_end(k)
             else:
                 od[k] = None
-        if len(od) > cap:
-            self._evict(tier, len(od) - cap)
 
-    def _evict(self, tier: int, n: int) -> None:
+    def _forget(self, keys: Iterable[Hashable]) -> None:
+        gpu, host, disk = (self.tiers[t] for t in TIERS)
+        for k in keys:
+            if k in self.seen and k not in gpu and k not in host and k not in disk and k not in self._moving:
+                del self.seen[k]
+                self.counts.dropped += 1
+
+    def _room(self, tier: Tier, n: int, keep: Collection[Hashable] = ()) -> tuple[int, list[Hashable]]:
+        """How many of ``n`` new blocks ``tier`` admits (the first ones), and the victims that
+        takes (not yet evicted): free room first, then victims in order."""
+        cap = self.capacity[tier]
+        if cap is None:
+            return n, []
+        free = max(0, cap - len(self.tiers[tier]))
+        if n <= free:
+            return n, []
+        victims = list(itertools.islice(self.victims(tier, keep), n - free))
+        return free + len(victims), victims
+
+    def _evict_host(self, victims: Sequence[Hashable], keep_disk: Collection[Hashable] = ()) -> None:
+        """Host victims leave; those worth it are written to disk (as the store's demotion)."""
+        demote = self.on_evict(HOST, victims)
+        try:
+            self._write_disk(demote, keep_disk)
+        finally:
+            self.on_demotion_end(demote)
+
+    def _write_disk(self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()) -> None:
+        """Write blocks not on disk yet, in order, while disk has room (as the store's disk writes)."""
+        if self.capacity[DISK] == 0:
+            return
+        todo = [k for k in dict.fromkeys(keys) if k not in self.tiers[DISK]]
+        n, victims = self._room(DISK, len(todo), keep)
+        if victims:
+            self.on_evict(DISK, victims)
+        self.on_write(todo[:n])
+
+    def _promote(self, below: list[Hashable], keep_host: Collection[Hashable] = ()) -> set[Hashable]:
+        """Read ``below`` (on disk, not in host) into host, as far as host has room; the disk
+        entries being read cannot be evicted by the demotions this causes."""
+        if not below:
+            return set()
+        n, victims = self._room(HOST, len(below), keep_host)
+        if victims:
+            self._evict_host(victims, keep_disk=set(below))
+        self.on_promote(below[:n])
+        return set(below[:n])
+
+    def _write_through(self, tier: Tier, keys: Sequence[Hashable]) -> None:
+        """Every key into ``tier`` as its most recent; then the least recently used past the
+        capacity leave it (host victims worth it go to disk the same way)."""
+        cap = self.capacity[tier]
+        if cap == 0:
+            self._forget(keys)
+            return
+        self._touch(tier, keys)
         od = self.tiers[tier]
-        victims = [od.popitem(last=False)[0] for _ in range(n)]
-        self.counts.evictions[tier] += n
-        if tier == HOST:
-            keep, disk = self.demote_min_seen, self.tiers[DISK]
-            demote = [k for k in victims if k not in disk and self.seen.get(k, 0) >= keep]
-            if demote and self.capacity[DISK]:
-                self.counts.demotions += len(demote)
-                self._store(DISK, demote)
-        for k in victims:
-            self._maybe_forget(k)
+        if cap is None or len(od) <= cap:
+            return
+        victims = list(itertools.islice(self.victims(tier), len(od) - cap))
+        demote = self.on_evict(tier, victims)
+        try:
+            if demote:
+                self._write_through(DISK, demote)
+        finally:
+            self.on_demotion_end(demote)
 
-    def _maybe_forget(self, key: Hashable) -> None:
-        gpu, host, disk = self.tiers
-        if key not in gpu and key not in host and key not in disk and key in self.seen:
-            del self.seen[key]
-            self.counts.dropped += 1
+
+__all__ = ["DISK", "GPU", "HOST", "PolicyCounts", "PutOutcome", "TierPolicy"]

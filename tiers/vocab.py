@@ -1,14 +1,15 @@
 """The words every part of kvtier shares: tiers, keys, and a block's identity.
 
 Defined once here (``kvtier.tiers`` imports nothing of the daemon or client, so every part can
-import this), used by the store, the services, the location index, the scorer, the replay,
-metrics and reports alike.
+import this): the daemon (store, placement, gpu tier, services, metrics), the tiers (host,
+disk, key table, placement policy) and ``kvtier report`` take their tiers, key limits and
+block ids from it.
 
 * :class:`Tier`: where a block lives, fastest first. Its values are the wire enum's
   (``kvtier.v1.Tier``: ``TIER_GPU = 1`` ...), so a conversion is ``Tier(msg.tier)``; its
   ``str()`` is the lowercase name used in metrics labels, JSON and reports.
-* Keys: opaque bytes of :data:`KEY_MIN` to :data:`KEY_MAX`; :func:`check_key` says why one is
-  refused.
+* Keys: opaque bytes of :data:`KEY_MIN` to :data:`KEY_MAX`; :func:`key_problem` says why one
+  is refused, :func:`check_keys` checks a batch.
 * :class:`BlockId`: (layout fingerprint, key). A block is stored once per fingerprint (each
   tensor-parallel rank's shard is its own block); its packed form, :func:`BlockId.pack`, is the
   dictionary key the tiers use (``fingerprint + key``; the fingerprint is :data:`FP_BYTES`).
@@ -43,6 +44,11 @@ class Tier(enum.IntEnum):
     def label(self) -> str:
         """The lowercase name: metric labels, JSON keys, reports."""
         return self.name.lower()
+
+    @property
+    def rank(self) -> int:
+        """The position in :data:`TIERS` (0 for gpu, fastest first): an index into per-tier lists."""
+        return self.value - 1
 
     @classmethod
     def parse(cls, name: str) -> Tier:

@@ -27,8 +27,10 @@ Completion, per request, through a ring of interprocess events exchanged at regi
   ``wait()`` blocks. A key the daemon does not hold comes back ``"missing"`` and its engine
   page is not touched.
 
-The connector holds a Node session for as long as it is open: if the process dies, the daemon
-closes the registration, its handles and its slots.
+The connector holds a Node session (:mod:`kvtier.client.engine.transport`, as the sidecars do)
+for as long as it is open: if the process dies, the daemon closes the registration, its
+handles and its slots. Errors are the sidecars' :class:`KvtierError` (``KVConnectorError`` is
+the same class); memory that cannot be shared with the daemon is :class:`ExportError`.
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ import collections
 import itertools
 import mmap
 import os
-import queue
-import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,28 +47,26 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvtier.paths import default_socket_path
-from kvtier.proto import node_pb2, node_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from kvtier.client.engine.transport import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvtierError,
+    Transport,
+    default_client_name,
+    rpc_error,
+)
+from kvtier.proto import node_pb2, transfer_pb2
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, layout_to_proto
 
 _STATUS = {transfer_pb2.TRANSFER_COPIED: "copied", transfer_pb2.TRANSFER_PRESENT: "present",
            transfer_pb2.TRANSFER_NO_SPACE: "no_space", transfer_pb2.TRANSFER_MISSING: "missing"}
 
 
-class KVConnectorError(Exception):
-    """A call the daemon refused (``code`` is a grpc.StatusCode), or a misuse found before calling."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.details = message
+KVConnectorError = KvtierError  # the connector's errors are the engine library's one error type
 
 
-class ExportError(KVConnectorError):
+class ExportError(FailedPrecondition):
     """KV memory this process cannot share with the daemon; the message says why and what to change."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
 def _torch() -> Any:
@@ -228,7 +226,7 @@ class Transfer:
             raise TimeoutError(f"no reply for transfer {self.seq} within {timeout} s") from None
         except grpc.RpcError as e:
             self._release()
-            raise KVConnectorError(e.code(), e.details() or "") from None
+            raise rpc_error(e) from None
 
     def _complete(self) -> bool:
         return self._conn._slot_complete(self.slot, self.seq)
@@ -288,17 +286,14 @@ class KVConnector:
     def __init__(self, socket_path: str | None = None, *, target: str | None = None,
                  client_name: str | None = None, ring_slots: int = 64, timeout: float = 60.0,
                  ring_dir: str = "/dev/shm") -> None:
-        self.target = target or f"unix:{socket_path or os.environ.get('KVTIER_SOCKET') or default_socket_path()}"
-        self.client_name = client_name or f"engine:{os.path.basename(sys.argv[0] or 'python')}:{os.getpid()}"
+        self._transport = Transport(socket_path, target=target,
+                                    client_name=client_name or default_client_name("engine"), timeout=timeout)
+        self.target = self._transport.target
+        self.client_name = self._transport.client_name
         self.timeout = timeout
         self.ring_slots = ring_slots
         self.ring_dir = ring_dir
-        self._channel = grpc.insecure_channel(self.target, options=[("grpc.max_receive_message_length", 64 << 20)])
-        self._node = node_pb2_grpc.NodeStub(self._channel)
-        self._stub = transfer_pb2_grpc.TransferStub(self._channel)
-        self._session_q: queue.Queue | None = None
-        self._session_call: Any = None
-        self.session_id = 0
+        self._stub = self._transport.transfer
         self.backend = ""
         self.reg: _Registration | None = None
         self._events: list[Any] = []
@@ -312,24 +307,13 @@ class KVConnector:
 
     # -- session ---------------------------------------------------------------------------
 
+    @property
+    def session_id(self) -> int:
+        """The session the registration lives in; 0 before ``register``."""
+        return self._transport.session.session_id
+
     def _open_session(self) -> int:
-        q: queue.Queue = queue.Queue()
-        hello = node_pb2.SessionClientMessage(hello=node_pb2.SessionHello(client_name=self.client_name,
-                                                                          pid=os.getpid()))
-
-        def requests() -> Any:
-            yield hello
-            while q.get() is not None:
-                pass
-
-        call = self._node.Session(requests(), wait_for_ready=True, timeout=None)
-        try:
-            opened = next(call).opened
-        except grpc.RpcError as e:
-            q.put(None)
-            raise KVConnectorError(e.code(), e.details() or "") from None
-        self._session_q, self._session_call, self.session_id = q, call, opened.session_id
-        return self.session_id
+        return self._transport.session.open()
 
     # -- registration ----------------------------------------------------------------------
 
@@ -337,19 +321,16 @@ class KVConnector:
         """Register ``tensors`` (one per layout tensor, in order; all CUDA or all CPU) and the
         event ring. Returns the layout's Node id (for Lookup and Evict through a Sidecar)."""
         if self.reg is not None:
-            raise KVConnectorError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   "this connector already holds a registration: unregister() first")
+            raise FailedPrecondition("this connector already holds a registration: unregister() first")
         if len(tensors) != len(layout.tensors):
-            raise KVConnectorError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"{len(tensors)} tensors for a layout of {len(layout.tensors)}")
+            raise InvalidArgument(f"{len(tensors)} tensors for a layout of {len(layout.tensors)}")
         names = [t.name for t in layout.tensors]
         for spec, t in zip(layout.tensors, tensors, strict=True):
             if tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
-                raise KVConnectorError(grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"tensor {spec.name}: {str(t.dtype)} {list(t.shape)} does not match the "
-                                       f"layout's {spec.dtype} {list(spec.shape)}")
+                raise InvalidArgument(f"tensor {spec.name}: {str(t.dtype)} {list(t.shape)} does not match the "
+                                      f"layout's {spec.dtype} {list(spec.shape)}")
             if not t.is_contiguous():
-                raise KVConnectorError(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {spec.name} is not contiguous")
+                raise InvalidArgument(f"tensor {spec.name} is not contiguous")
         kinds = {t.device.type for t in tensors}
         if kinds == {"cuda"}:
             self.backend = "cuda"
@@ -372,11 +353,8 @@ class KVConnector:
             self._ring = np.memmap(self._ring_path, dtype=np.uint64, mode="r+", shape=(self.ring_slots,))
             ring = {"event_ring_path": self._ring_path}
         else:
-            raise KVConnectorError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"KV tensors must be all CUDA or all CPU tensors, not {sorted(kinds)}")
-        if not self.session_id:
-            self._open_session()
-        req = transfer_pb2.RegisterKVRequest(session_id=self.session_id,
+            raise InvalidArgument(f"KV tensors must be all CUDA or all CPU tensors, not {sorted(kinds)}")
+        req = transfer_pb2.RegisterKVRequest(session_id=self._open_session(),
                                              layout=layout_to_proto(layout, node_pb2.LayoutSpec),
                                              backend=self.backend, allocations=allocations, tensors=refs,
                                              ring_slots=self.ring_slots, **ring)
@@ -384,7 +362,7 @@ class KVConnector:
             reply = self._stub.RegisterKV(req, timeout=self.timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             self._drop_ring()
-            raise KVConnectorError(e.code(), e.details() or "") from None
+            raise rpc_error(e) from None
         if self._ring_path:  # the daemon has it mapped; the name is no longer needed (nothing leaks on a kill)
             os.unlink(self._ring_path)
             self._ring_path = ""
@@ -412,7 +390,7 @@ class KVConnector:
                                                                      registration_id=self.reg.registration_id),
                                     timeout=self.timeout)
         except grpc.RpcError as e:
-            raise KVConnectorError(e.code(), e.details() or "") from None
+            raise rpc_error(e) from None
         finally:
             self.reg = None
             self._tensors = []
@@ -442,7 +420,7 @@ class KVConnector:
     def _request(self, rpc: str, keys: Sequence[bytes], engine_ids: Any, stream: Any, wait_written: bool) -> Transfer:
         reg = self.reg
         if reg is None:
-            raise KVConnectorError(grpc.StatusCode.FAILED_PRECONDITION, "register() the KV tensors first")
+            raise FailedPrecondition("register() the KV tensors first")
         ids = np.asarray(engine_ids, dtype=np.int64).ravel()
         slot = self._take_slot()
         seq = next(self._seq)
@@ -492,21 +470,15 @@ class KVConnector:
             self._events[slot].synchronize()
             return
         if not self._slot_complete(slot, seq):
-            raise KVConnectorError(grpc.StatusCode.INTERNAL,
-                                   f"the daemon replied but event slot {slot} does not hold sequence {seq}")
+            raise KvtierError(grpc.StatusCode.INTERNAL,
+                              f"the daemon replied but event slot {slot} does not hold sequence {seq}")
 
     def close(self) -> None:
         """Unregister (after the transfers in flight) and end the session."""
         try:
             self.unregister()
         finally:
-            if self._session_q is not None:
-                self._session_q.put(None)
-            if self._session_call is not None:
-                self._session_call.cancel()
-            self._session_call = self._session_q = None
-            self.session_id = 0
-            self._channel.close()
+            self._transport.close()
 
     def __enter__(self) -> KVConnector:
         return self

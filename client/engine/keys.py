@@ -7,7 +7,8 @@ tenants never share a key space, while tensor-parallel ranks of one model do (ro
 one key space per model). Only full blocks get keys.
 
 Keys from elsewhere (an engine's own block hashes) are accepted by the daemon as opaque
-bytes of 8 to 32 bytes; :func:`as_key` turns an engine's integer hash into such bytes.
+bytes of ``KEY_MIN`` to ``KEY_MAX`` bytes (:mod:`kvtier.tiers.vocab`); :func:`as_key` turns an
+engine's integer hash into such bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.tiers.vocab import key_problem
+
 ROOT_KEY = bytes(16)
 KEY_BYTES = 16
+NAMESPACE_DIGEST_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Namespace:
     def digest(self) -> bytes:
         blob = json.dumps({"model": self.model, "tenant_salt": self.tenant_salt},
                           sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.blake2b(blob, digest_size=32).digest()
+        return hashlib.blake2b(blob, digest_size=NAMESPACE_DIGEST_BYTES).digest()
 
 
 def _ns_digest(namespace: Namespace | str | bytes) -> bytes:
@@ -41,7 +45,7 @@ def _ns_digest(namespace: Namespace | str | bytes) -> bytes:
         return namespace.digest()
     if isinstance(namespace, str):
         return Namespace(namespace).digest()
-    if isinstance(namespace, bytes) and len(namespace) == 32:
+    if isinstance(namespace, bytes) and len(namespace) == NAMESPACE_DIGEST_BYTES:
         return namespace
     raise TypeError("namespace is a Namespace, a model id string, or a 32-byte namespace digest")
 
@@ -73,8 +77,9 @@ def block_keys(token_ids: Sequence[int] | np.ndarray, block_tokens: int, namespa
 def as_key(engine_hash: int | bytes) -> bytes:
     """An engine's own block hash as a daemon key: ints become 8 (or 16) little-endian bytes."""
     if isinstance(engine_hash, bytes):
-        if not 8 <= len(engine_hash) <= 32:
-            raise ValueError(f"keys are 8 to 32 bytes, got {len(engine_hash)}")
+        why = key_problem(engine_hash)
+        if why is not None:
+            raise ValueError(f"not a key: {why}")
         return engine_hash
     v = int(engine_hash) & ((1 << 128) - 1)
     return v.to_bytes(8 if v < (1 << 64) else 16, "little")

@@ -1,5 +1,9 @@
 """The block-location index a router holds: the fold of the daemons' location events.
 
+It answers one question per request, "which leading blocks of these keys does each worker
+hold, in which tier" (:meth:`LocationIndex.holdings`), and knows nothing of costs or weights
+(``kvtier.client.routing.scoring`` prices the answer).
+
 Owns
     * a key table: each distinct key (opaque bytes) gets a *row*; ``dict[bytes, int]`` plus
       the reverse list (see Rows);
@@ -10,12 +14,22 @@ Owns
       keys, a removed event clears it, a cleared event clears the whole column. Memory per
       key is the dict entry, the key's bytes and one row of the matrix, independent of how
       many locations hold it (``index_bytes_per_block`` in ``bench/router.py``);
-    * nodes (what each daemon published: its workers, layouts, tier bandwidths) and the
-      *workers* routed to. A worker sees its own ``gpu`` blocks and its node's ``host`` and
-      ``disk`` blocks. A worker declared by its node (its sidecar reported device blocks)
-      holds a block only when every layout fingerprint it registered (one per
-      tensor-parallel rank) holds it; a node that declared no worker is routed to as one
-      worker named after the node, which holds a block under any fingerprint.
+    * nodes (what each daemon published: its workers, layouts, tier bandwidths) with their
+      feed position ``(epoch, seq)``, and the *workers* routed to. A worker sees its own
+      ``gpu`` blocks and its node's ``host`` and ``disk`` blocks. A worker declared by its
+      node (its sidecar reported device blocks) holds a block only when every layout
+      fingerprint it registered (one per tensor-parallel rank) holds it; a node that
+      declared no worker is routed to as one worker named after the node, which holds a
+      block under any fingerprint.
+
+The fold
+    :meth:`LocationIndex.fold` applies one ``WatchLocationsReply`` of a node's feed: a
+    NodeInfo (workers, bandwidths, capacities), a snapshot part (the first forgets the
+    node's locations; the last sets its position) or an event batch, whose events must
+    follow the position one by one (:class:`FoldError` otherwise: a gap, a duplicate,
+    another epoch). A gpu event that a resume replays from before the NodeInfo that opened
+    the stream does not declare a worker that NodeInfo no longer lists. Which feed serves
+    which node, and reconnecting, are the feed's (``kvtier.client.routing.feed``).
 
 Speculative entries
     :meth:`LocationIndex.speculate` marks keys as on a worker's GPU at once, before its
@@ -30,30 +44,31 @@ Rows
     ``bench/router.py``). One probe finds a run's first row; comparing the request's keys
     with the keys stored at the following rows (a list comparison in C, no hashing; where
     the run ends early, a bisection for its end confirmed by one slice comparison) finds how
-    far it goes. Exact: a row is taken only when its stored key equals the request's key. After the first unknown key every key gets its own probe (those keys are
-    usually new, so nobody holds them).
+    far it goes. Exact: a row is taken only when its stored key equals the request's key.
+    After the first unknown key every key gets its own probe (those keys are usually new,
+    so nobody holds them).
 
-Overlaps
-    :meth:`overlaps` returns, per worker, the leading run of a request's keys held on its
-    GPU, in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``, as
-    :class:`~kvtier.client.routing.scoring.Overlap`). Nothing past the first unknown key can count.
-    Consecutive keys whose rows have equal bits are held alike, so the walk runs over the
-    *segments* of equal rows (about 7 per request), not over the keys: one row gather, one
-    comparison of neighbours, then, for every worker at once, its five columns (gpu, two
-    speculative, host, disk) of each segment summed into the three tier tests by one small
-    matrix product, and ``argmin`` for the first segment that fails each. The last row of
-    the matrix is never given to a key, so row -1 (the "unknown" mark) ends every walk.
-    Plans with tensor-parallel workers (an AND over ranks) or nodes that declared no
-    worker (an OR over fingerprints) take a general, slower path over the keys.
+Holdings
+    :meth:`holdings` returns, per worker, the leading run of a request's keys held on its
+    GPU (or speculatively), in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``).
+    Nothing past the first unknown key can count. Consecutive keys whose rows have equal
+    bits are held alike, so the walk runs over the *segments* of equal rows (about 7 per
+    request), not over the keys: one row gather, one comparison of neighbours, then, for
+    every worker at once, its five columns (gpu, two speculative, host, disk) of each
+    segment summed into the three tier tests by one small matrix product, and ``argmin``
+    for the first segment that fails each. The last row of the matrix is never given to a
+    key, so row -1 (the "unknown" mark) ends every walk. Plans with tensor-parallel workers
+    (an AND over ranks) or nodes that declared no worker (an OR over fingerprints) take a
+    general, slower path over the keys.
 
 Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM): about 10 us for
-the rows, 12 us for the overlaps, 8 us for cost and order, 8 us for the dispatch
-bookkeeping; a fixed number of numpy calls per request, independent of the number of keys
-indexed and nearly so of the number of workers.
+the rows, 12 us for the holdings; a fixed number of numpy calls per request, independent of
+the number of keys indexed and nearly so of the number of workers.
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
-automatically once enough removals accumulate). Not thread-safe: the router serialises
-calls.
+automatically once enough removals accumulate). :meth:`state` and :meth:`load_state` turn
+everything but speculative entries into arrays and back (the router saves them). Not
+thread-safe: the router serialises calls.
 """
 
 from __future__ import annotations
@@ -63,12 +78,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import eq as _eq
+from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.client.routing.scoring import ScorerConfig
+from kvtier.proto import locations_pb2
+from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
-TIERS = ("gpu", "host", "disk")
+_GPU = Tier.GPU.label
+_TIER_LABEL = {int(t): t.label for t in TIERS}  # wire value -> the tier's name in columns
 ALWAYS = 0  # column set in every live row (the neutral element of an AND over columns)
 NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
@@ -87,6 +105,9 @@ class NodeView:
     fingerprints: set[bytes] = field(default_factory=set)           # seen in host/disk events
     load_gbps: dict[str, float] = field(default_factory=dict)       # published, 0 = unknown
     capacity_bytes: dict[str, int] = field(default_factory=dict)
+    # (epoch, head_seq, workers) of its last NodeInfo: a gpu event at or before that seq of a
+    # worker it does not list is history (a resume replays events older than the NodeInfo)
+    info: tuple[int, int, frozenset[str]] | None = None
 
 
 @dataclass
@@ -96,20 +117,32 @@ class Worker:
     name: str
     node_id: str           # "" for a worker no daemon published (a candidate named by a caller)
     index: int             # position in the per-worker arrays
-    w_host: float = 0.0    # tier weights from its node's bandwidths
-    w_disk: float = 0.0
+
+
+class Rows(NamedTuple):
+    """:meth:`LocationIndex.rows`' answer for a request's keys."""
+
+    rows: np.ndarray  # n + 2 int64: -1, the row of each key (-1: not indexed), -1
+    indexed: int      # how many leading keys are indexed
+
+
+_rows = tuple.__new__  # a Rows without the Python-level constructor (rows() is on the routing path)
+
+
+class FoldError(Exception):
+    """A feed message that does not follow its node's position: a gap or a duplicate in the
+    event sequence, or events of another epoch. The feed must start again from a snapshot."""
 
 
 class LocationIndex:
     """See the module docstring."""
 
-    def __init__(self, scorer_config: ScorerConfig | None = None, speculative_ttl_s: float = 10.0,
-                 initial_rows: int = 1 << 16) -> None:
-        self.scorer_config = scorer_config or ScorerConfig()
+    def __init__(self, speculative_ttl_s: float = 10.0, initial_rows: int = 1 << 16) -> None:
         self.speculative_ttl_s = speculative_ttl_s
-        self._reset(initial_rows)
+        self.clear(initial_rows)
 
-    def _reset(self, initial_rows: int = 16) -> None:
+    def clear(self, initial_rows: int = 16) -> None:
+        """Forget everything: keys, locations, nodes and their positions, speculative entries."""
         self._rows: dict[bytes, int] = {}
         self._keys: list[bytes | None] = [None]  # row 0 stays empty: the request padding
         self._free: list[int] = []
@@ -147,7 +180,7 @@ class LocationIndex:
         col = self._columns.get(loc)
         if col is None:
             col = self._columns[loc] = self._new_column()
-            if tier != "gpu" and fp not in self.node(node).fingerprints:
+            if tier != _GPU and fp not in self.node(node).fingerprints:
                 self.node(node).fingerprints.add(fp)
             self._plan = None
         return col
@@ -193,17 +226,28 @@ class LocationIndex:
         self._rows.update(zip(fresh, range(start, need), strict=True))
         self._bits[start:need, 0] |= np.uint64(1 << ALWAYS)
 
-    def _rows_of(self, keys: Sequence[bytes], create: bool, rows: list[int] | None = None) -> np.ndarray:
+    def _rows_of(self, keys: Sequence[bytes], create: bool) -> np.ndarray:
+        """The rows of ``keys``: with ``create``, one for every key (new rows for keys not
+        indexed); without, only those of indexed keys."""
         if not isinstance(keys, list):
             keys = list(keys)  # once: a protobuf field makes new bytes objects on every pass
-        if rows is None:
-            rows = self.lookup(keys)
-        if create and -1 in rows:
-            self._alloc_rows(list(dict.fromkeys([k for k, r in zip(keys, rows, strict=True) if r < 0])))
-            get = self._rows.__getitem__
-            rows = [r if r >= 0 else get(k) for k, r in zip(keys, rows, strict=True)]
-        arr = np.fromiter(rows, dtype=np.int64, count=len(rows))
-        return arr if create else arr[arr >= 0]
+        found = self.rows(keys)
+        rows = found.rows[1:len(keys) + 1]
+        if create:
+            return self._fill(keys, rows, found.indexed)
+        return rows[rows >= 0]
+
+    def _fill(self, keys: list[bytes], rows: np.ndarray, indexed: int) -> np.ndarray:
+        """``rows`` (of ``keys``, -1 where not indexed) with new rows for the keys at -1;
+        ``indexed``: how many leading keys are known to be indexed."""
+        missing = None if indexed == len(keys) else (rows < 0).nonzero()[0]
+        if missing is None or not missing.size:
+            return rows
+        rows = rows.copy()
+        new = [keys[i] for i in missing.tolist()]
+        self._alloc_rows(list(dict.fromkeys(new)))
+        rows[missing] = list(map(self._rows.__getitem__, new))
+        return rows
 
     def _set(self, rows: np.ndarray, col: int) -> None:
         if rows.size:
@@ -256,8 +300,8 @@ class LocationIndex:
         """Keys became visible in (node, tier) or on worker's GPU, under layout ``fp``. A gpu
         event declares its worker (and fingerprint) on the node unless ``declare`` is False
         (the event is history: the node's newer NodeInfo no longer lists that worker)."""
-        col = self._column(node, tier, worker if tier == "gpu" else "", fp)
-        if tier == "gpu" and declare:
+        col = self._column(node, tier, worker if tier == _GPU else "", fp)
+        if tier == _GPU and declare:
             view = self.node(node)
             fps = view.workers.get(worker, ())
             if fp not in fps:
@@ -266,7 +310,7 @@ class LocationIndex:
         self._set(self._rows_of(keys, create=True), col)
 
     def removed(self, node: str, tier: str, worker: str, fp: bytes, keys: Sequence[bytes]) -> None:
-        col = self._columns.get((node, tier, worker if tier == "gpu" else "", fp))
+        col = self._columns.get((node, tier, worker if tier == _GPU else "", fp))
         if col is not None:
             self._clear(self._rows_of(keys, create=False), col)
             self._maybe_compact()
@@ -274,7 +318,7 @@ class LocationIndex:
     def cleared(self, node: str, tier: str, worker: str = "") -> None:
         """Everything of (node, tier) is gone (for gpu: of that worker; "" for every worker)."""
         cols = [c for (n, t, w, _), c in self._columns.items()
-                if n == node and t == tier and (tier != "gpu" or not worker or w == worker)]
+                if n == node and t == tier and (tier != _GPU or not worker or w == worker)]
         self._clear_columns(cols)
         self._maybe_compact()
 
@@ -292,34 +336,93 @@ class LocationIndex:
         self.nodes.pop(node_id, None)
         self._plan = None
 
+    # -- the fold of a node's feed --------------------------------------------------------
+
+    def fold(self, node_id: str, reply: locations_pb2.WatchLocationsReply) -> None:
+        """Fold one message of the feed of node ``node_id`` (for a NodeInfo: the node it
+        names): its NodeInfo, a snapshot part or an event batch. Events must follow the
+        node's position (:meth:`position`) exactly, else :class:`FoldError` (nothing of the
+        batch after the offending event is folded)."""
+        body = reply.WhichOneof("body")
+        if body == "node":
+            self._fold_info(reply.node)
+        elif body == "snapshot":
+            part = reply.snapshot
+            view = self.node(node_id)
+            if part.first:
+                self.reset_node(node_id)
+                view.epoch = 0  # not a valid position until the last part
+            for ev in part.entries:
+                self._fold_event(view, ev, reply.epoch)
+            if part.last:
+                view.epoch, view.seq = reply.epoch, part.at_seq
+        elif body == "events":
+            view = self.node(node_id)
+            if view.epoch != reply.epoch:
+                raise FoldError(f"events of epoch {reply.epoch} while at epoch {view.epoch}")
+            for ev in reply.events.events:
+                if ev.seq != view.seq + 1:
+                    raise FoldError(f"event seq {ev.seq} after {view.seq}: a gap or a duplicate")
+                self._fold_event(view, ev, reply.epoch)
+                view.seq = ev.seq
+
+    def _fold_info(self, info: locations_pb2.NodeInfo) -> None:
+        view = self.node(info.node_id)
+        view.info = (info.epoch, info.head_seq, frozenset(w.worker_id for w in info.workers))
+        tiers = [(_TIER_LABEL[t.tier], t) for t in info.tiers if t.tier in _TIER_LABEL]
+        self.set_node_info(info.node_id, {w.worker_id: list(w.fingerprints) for w in info.workers},
+                           {label: t.load_gbps for label, t in tiers},
+                           {label: t.capacity_bytes for label, t in tiers})
+
+    def _fold_event(self, view: NodeView, ev: locations_pb2.LocationEvent, epoch: int) -> None:
+        tier = _TIER_LABEL.get(ev.tier)
+        if tier is None:
+            return
+        if ev.kind == locations_pb2.STORED:
+            declare = True
+            if tier == _GPU and view.info is not None:  # a resume replays events older than its NodeInfo
+                info_epoch, info_seq, listed = view.info
+                declare = info_epoch != epoch or ev.seq > info_seq or ev.worker_id in listed
+            self.stored(view.node_id, tier, ev.worker_id, ev.fingerprint, ev.keys, declare=declare)
+        elif ev.kind == locations_pb2.REMOVED:
+            self.removed(view.node_id, tier, ev.worker_id, ev.fingerprint, ev.keys)
+        elif ev.kind == locations_pb2.CLEARED:
+            self.cleared(view.node_id, tier, ev.worker_id)
+
+    def position(self, node_id: str) -> tuple[int, int]:
+        """(epoch, seq) of the last event folded for the node; epoch 0: no valid position (a
+        feed must ask for a snapshot)."""
+        view = self.nodes.get(node_id)
+        return (view.epoch, view.seq) if view is not None and view.epoch else (0, 0)
+
+    def positions(self) -> dict[str, tuple[int, int]]:
+        """node id -> (epoch, seq) folded, for every node (epoch 0: none valid)."""
+        return {n: (v.epoch, v.seq) for n, v in self.nodes.items()}
+
+    def invalidate(self, node_id: str) -> None:
+        """The node's feed broke its contract: its position is no longer valid, so the next
+        subscription starts from a snapshot (its holdings stay until that snapshot)."""
+        view = self.nodes.get(node_id)
+        if view is not None:
+            view.epoch = 0
+
     # -- speculative entries --------------------------------------------------------------
 
-    def speculate(self, worker: str, keys: Sequence[bytes], rows: list[int] | None = None) -> None:
+    def speculate(self, worker: str, keys: Sequence[bytes], found: Rows | None = None) -> None:
         """Mark ``keys`` as on ``worker``'s GPU until confirmed or expired (see module doc).
-        ``rows``: :meth:`lookup`'s answer for ``keys``, if the caller has it (no :meth:`expire`
+        ``found``: :meth:`rows`' answer for ``keys``, if the caller has it (no :meth:`expire`
         or removal since: those may reclaim rows). Callers run :meth:`expire` themselves."""
         cols = self._spec_cols.get(worker)
         if cols is None:  # a worker the plan does not know (yet)
             cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
             self._plan = None
-        self._set(self._rows_of(keys, create=True, rows=rows), cols[self._spec_gen])
-
-    def speculate_rows(self, worker: str, keys: list[bytes], rows: np.ndarray, indexed: int = 0) -> None:
-        """:meth:`speculate` with :meth:`rows`' answer for ``keys`` (keys at -1 get new rows;
-        ``indexed``: its count of leading indexed keys, when known)."""
-        cols = self._spec_cols.get(worker)
-        if cols is None:
-            cols = self._spec_cols[worker] = (self._new_column(), self._new_column())
-            self._plan = None
+        if found is None:
+            if not isinstance(keys, list):
+                keys = list(keys)
+            found = self.rows(keys)
+        rows, indexed = found
         rows = rows[1:len(keys) + 1]
-        missing = None if indexed == len(keys) else (rows < 0).nonzero()[0]
-        if missing is not None and missing.size:
-            rows = rows.copy()
-            miss = missing.tolist()
-            new = [keys[i] for i in miss]
-            self._alloc_rows(list(dict.fromkeys(new)))
-            rows[missing] = list(map(self._rows.__getitem__, new))
-        self._set(rows, cols[self._spec_gen])
+        self._set(rows if indexed == len(keys) else self._fill(keys, rows, indexed), cols[self._spec_gen])
 
     def expire(self, now: float) -> None:
         """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
@@ -362,7 +465,7 @@ class LocationIndex:
         self._free.extend(dead.tolist())
         return int(dead.size)
 
-    # -- workers and overlaps -------------------------------------------------------------
+    # -- workers and holdings -------------------------------------------------------------
 
     def add_external_worker(self, name: str) -> None:
         """A worker no daemon publishes (a caller named it): it holds nothing but can be picked."""
@@ -381,7 +484,6 @@ class LocationIndex:
         return self._plan
 
     def _build_plan(self) -> _Plan:
-        cfg = self.scorer_config
         names: list[tuple[str, str]] = []  # (worker, node)
         for node_id in sorted(self.nodes):
             view = self.nodes[node_id]
@@ -391,52 +493,44 @@ class LocationIndex:
                 names.append((node_id, node_id))
         seen = {w for w, _ in names}
         names.extend((w, "") for w in self._external if w not in seen)
-        and_cols: dict[str, list[list[int]]] = {t: [] for t in TIERS}
-        or_cols: dict[str, list[list[int]]] = {t: [] for t in TIERS}
+        and_cols: dict[str, list[list[int]]] = {t: [] for t in TIER_LABELS}
+        or_cols: dict[str, list[list[int]]] = {t: [] for t in TIER_LABELS}
         spec: list[list[int]] = []
         workers: list[Worker] = []
         self._reserve_columns(2 * sum(1 for name, _ in names if name not in self._spec_cols))
         for i, (name, node_id) in enumerate(names):
             view = self.nodes.get(node_id)
-            bw = view.load_gbps if view else {}
-            workers.append(Worker(name, node_id, i, cfg.tier_weight("host", bw.get("host")),
-                                  cfg.tier_weight("disk", bw.get("disk"))))
+            workers.append(Worker(name, node_id, i))
             cols = self._spec_cols.get(name)
             if cols is None:  # made up front: a first speculation must not grow the matrix
                 cols = self._spec_cols[name] = (self._new_column(), self._new_column())
             spec.append(list(cols))
             if view is None:
-                for t in TIERS:
+                for t in TIER_LABELS:
                     and_cols[t].append([NEVER])
                     or_cols[t].append([ALWAYS])
                 continue
             declared = view.workers.get(name)
             if declared:
-                for t in TIERS:
-                    who = name if t == "gpu" else ""
+                for t in TIER_LABELS:
+                    who = name if t == _GPU else ""
                     and_cols[t].append([self._column(node_id, t, who, fp) for fp in declared])
                     or_cols[t].append([ALWAYS])
             else:
                 # an undeclared node worker (or a declared one with no layout yet): any fingerprint
-                for t in TIERS:
-                    who = name if t == "gpu" else ""
+                for t in TIER_LABELS:
+                    who = name if t == _GPU else ""
                     cols = [c for (n, tt, w, _), c in self._columns.items()
                             if n == node_id and tt == t and w == who]
                     and_cols[t].append([ALWAYS])
                     or_cols[t].append(cols or [NEVER])
         self._worker_by_name = {w.name: w for w in workers}
         self.workers = workers
-        return _Plan(workers, {t: _pad(and_cols[t], ALWAYS) for t in TIERS},
-                     {t: _pad(or_cols[t], NEVER) for t in TIERS}, np.asarray(spec, dtype=np.int64).reshape(-1, 2),
+        return _Plan(workers, {t: _pad(and_cols[t], ALWAYS) for t in TIER_LABELS},
+                     {t: _pad(or_cols[t], NEVER) for t in TIER_LABELS}, np.asarray(spec, dtype=np.int64).reshape(-1, 2),
                      self._bits.shape[1] * 64)
 
-    def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """Row of each key, -1 where not indexed (pass to :meth:`overlaps`/:meth:`speculate`)."""
-        if not isinstance(keys, list):
-            keys = list(keys)
-        return self.rows(keys)[0][1:-1].tolist()
-
-    def rows(self, keys: list[bytes]) -> tuple[np.ndarray, int]:
+    def rows(self, keys: list[bytes]) -> Rows:
         """(``n + 2`` int64: -1, the row of each of the ``n`` keys or -1 where it is not
         indexed, -1; the number of leading keys that are indexed). The rows stay valid until
         the next :meth:`expire`, removal or compaction. Row -1 (the matrix's last) is always
@@ -451,7 +545,7 @@ class LocationIndex:
         if r is not None and stored[r:r + n] == keys:  # one run: the common case
             out = np.arange(r - 1, r + n + 1, dtype=np.int64)
             out[0] = out[n + 1] = -1
-            return out, n
+            return _rows(Rows, (out, n))
         buf = np.empty(n + 2, dtype=np.int64)
         buf[0] = buf[n + 1] = -1
         out = buf[1:]
@@ -467,7 +561,9 @@ class LocationIndex:
                 out[i:n] = list(map(get, keys[i:], repeat(-1, n - i)))
                 break
             span = n - i
-            if i and stored[r:r + span] == keys[i:]:  # (for i == 0 the test above failed)
+            if stored[r + 1:r + 2] != keys[i + 1:i + 2]:  # a run of one (scattered keys): no slices
+                run = 1
+            elif i and stored[r:r + span] == keys[i:]:  # (for i == 0 the test above failed)
                 run = span
             else:
                 # the run breaks somewhere: bisect for the first key not stored at its place
@@ -488,27 +584,14 @@ class LocationIndex:
                     run = same.index(False)
             out[i:i + run] = np.arange(r, r + run, dtype=np.int64)
             i += run
-        return buf, first_miss
+        return _rows(Rows, (buf, first_miss))
 
-    def overlaps(self, keys: Sequence[bytes], workers: np.ndarray | None = None,
-                 rows: list[int] | None = None) -> np.ndarray:
-        """Per worker (all, or the plan indices given): leading blocks of ``keys`` held on its
-        GPU, in GPU or host, and in any tier: a (3, workers) int64 array (unpack it as
-        ``d_gpu, d_host, d_disk``). ``rows``: :meth:`lookup`'s answer for ``keys``, if the
-        caller has it."""
-        if rows is None:
-            arr, m = self.rows(keys if isinstance(keys, list) else list(keys))
-        else:
-            try:
-                m = rows.index(-1)  # nobody holds a key past the first unknown one
-            except ValueError:
-                m = len(rows)
-            arr = np.asarray([-1, *rows[:m], -1], dtype=np.int64)
-        return self.overlaps_rows(arr, m, workers)
-
-    def overlaps_rows(self, rows: np.ndarray, m: int, workers: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`overlaps` from :meth:`rows`' answer: ``rows[1:m + 1]`` are the rows of the
-        leading indexed keys, ``rows[0]`` and ``rows[m + 1]`` are -1."""
+    def holdings(self, found: Rows, workers: np.ndarray | None = None) -> np.ndarray:
+        """Per worker (all, or the plan indices given): how many leading keys of a request
+        (``found``: :meth:`rows`' answer for its keys) it holds on its GPU (or speculatively),
+        in GPU or host, and in any tier: a (3, workers) int64 array, ``d_gpu <= d_host <=
+        d_disk`` (see the module docstring, Holdings)."""
+        rows, m = found
         plan = self.plan()
         n_w = len(plan.workers) if workers is None else len(workers)
         if m == 0 or n_w == 0:
@@ -553,8 +636,10 @@ class LocationIndex:
 
     # -- inspection -----------------------------------------------------------------------
 
-    def holdings(self, node_id: str | None = None, speculative: bool = False) -> dict[tuple[str, str, str, bytes], set[bytes]]:
-        """{(node, tier, worker, fingerprint): keys} (slow; for tests and tools)."""
+    def locations(self, node_id: str | None = None,
+                  speculative: bool = False) -> dict[tuple[str, str, str, bytes], set[bytes]]:
+        """{(node, tier, worker, fingerprint): keys}, with ``speculative`` also {("",
+        "speculative", worker, b""): keys} (slow; for tests and tools)."""
         out: dict[tuple[str, str, str, bytes], set[bytes]] = {}
         hw = len(self._keys)
         keys = self._keys
@@ -601,7 +686,7 @@ class LocationIndex:
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a :meth:`state` (speculative entries start empty)."""
         meta = json.loads(bytes(arrays["meta"]).decode())
-        self._reset()
+        self.clear()
         for n, t, w, fp_hex, c in meta["columns"]:
             self._columns[(n, t, w, bytes.fromhex(fp_hex))] = c
             self._ncols = max(self._ncols, c + 1)
@@ -645,9 +730,9 @@ class _Plan:
 
     def __post_init__(self) -> None:
         simple = all(self.and_cols[t].shape[1] == 1 and self.or_cols[t].shape[1] == 1
-                     and bool((self.or_cols[t] == ALWAYS).all()) for t in TIERS)
+                     and bool((self.or_cols[t] == ALWAYS).all()) for t in TIER_LABELS)
         if simple:
-            self.fast = np.stack([self.and_cols["gpu"][:, 0], self.spec[:, 0], self.spec[:, 1],
+            self.fast = np.stack([self.and_cols[_GPU][:, 0], self.spec[:, 0], self.spec[:, 1],
                                   self.and_cols["host"][:, 0], self.and_cols["disk"][:, 0]])
             self.fast_flat = self.fast.ravel()
         # col_workers[c, w]: column c is one of worker w's (a worker whose columns are all
@@ -655,7 +740,7 @@ class _Plan:
         cw = np.zeros((self.n_columns, len(self.workers)), dtype=np.bool_)
         for i in range(len(self.workers)):
             cols = [*self.spec[i]]
-            for t in TIERS:
+            for t in TIER_LABELS:
                 cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
             cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
         self.col_workers = cw
@@ -672,7 +757,7 @@ class _Plan:
             gpu, s0, s1, host, disk = g
         else:
             w = len(self.workers) if sel is None else len(sel)
-            gpu, host, disk = (self._tier(ut, t, sel).view(np.uint64) for t in TIERS)
+            gpu, host, disk = (self._tier(ut, t, sel).view(np.uint64) for t in TIER_LABELS)
             spec = self.spec if sel is None else self.spec[sel]
             s0, s1 = ut[spec[:, 0]].view(np.uint64), ut[spec[:, 1]].view(np.uint64)
         out = np.empty((3, w, m // 8), dtype=np.uint64)

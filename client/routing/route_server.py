@@ -2,11 +2,13 @@
 
 Serves ``kvtier.v1.Router`` (``Route``, ``Finish``, ``Status``; see router.proto) on a unix
 socket or TCP address, for external routers and gateways; the Python API is the same
-``Router``. Every setting is a flag and an environment variable ``KVTIER_ROUTER_<NAME>``
-(``--state-path`` is ``KVTIER_ROUTER_STATE_PATH``); a flag beats the variable beats the
-default. Lists (``--daemon``, ``--dns``) repeat the flag or, in the variable, are separated by
-commas. On SIGTERM or SIGINT the server stops, and with ``--state-path`` the index and its
-positions are saved, so the next start resumes where this one stopped.
+``Router``. Every setting (:class:`RouteServerConfig`: the server's own, then every
+``RouterConfig`` and ``ScorerConfig`` field) is a flag, an environment variable
+``KVTIER_ROUTER_<NAME>`` (``--state-path`` is ``KVTIER_ROUTER_STATE_PATH``) and a key of the
+TOML file named by ``--config``; a flag beats the variable beats the file beats the default.
+Lists (``--daemon``, ``--dns``) repeat the flag or, in the variable, are separated by commas.
+On SIGTERM or SIGINT the server stops, and with ``--state-path`` the index and its positions
+are saved, so the next start resumes where this one stopped.
 
 ``Route`` runs in a worker thread, so a feed folding a large snapshot (which holds the
 router's lock) never stalls the event loop; routing itself takes tens of microseconds.
@@ -14,92 +16,60 @@ router's lock) never stalls the event loop; routing itself takes tens of microse
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import logging
-import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from kvtier.client.engine.keys import Namespace, block_keys
 from kvtier.client.routing.router import Decision, Router, RouterConfig, RouterError
-from kvtier.client.routing.scoring import ScorerConfig
 from kvtier.proto import router_pb2, router_pb2_grpc
+from kvtier.settings import Settings, SettingsError, group, setting
+from kvtier.tiers.vocab import MAX_KEYS_PER_CALL, check_keys
 
 log = logging.getLogger("kvtier.route_server")
 
-KEY_MIN, KEY_MAX = 8, 32
-MAX_KEYS = 65536
-DEFAULT_TOP_K = 8
+MAX_KEYS = MAX_KEYS_PER_CALL
+"""The most keys (or blocks of token ids) one Route request may name."""
 
-# (flag name, type, default, help); router settings first, then scorer settings
-_SETTINGS: list[tuple[str, Any, Any, str]] = [
-    ("listen", str, "127.0.0.1:7071", "address to serve on: HOST:PORT or unix:PATH (port 0: any free port)"),
-    ("daemon", list, [], "a kvtierd to subscribe to (unix:PATH or HOST:PORT); repeat for several"),
-    ("dns", list, [], "HOST:PORT whose DNS name resolves to several kvtierds; repeat for several"),
-    ("resolve_interval_s", float, 10.0, "seconds between DNS resolutions"),
-    ("speculative_ttl_s", float, 10.0, "unconfirmed speculative entries expire after this to twice this"),
-    ("load_ttl_s", float, 600.0, "a dispatched request never finished stops counting as load after this"),
-    ("state_path", str, "", "file for the saved index and positions (empty: start from snapshots)"),
-    ("save_interval_s", float, 30.0, "seconds between saves of --state-path"),
-    ("top_k", int, DEFAULT_TOP_K, "ranked workers returned when a request asks for 0"),
-    ("prefill_tokens_per_s", float, ScorerConfig.prefill_tokens_per_s, "recompute rate of one worker (tokens/s)"),
-    ("bytes_per_token", float, ScorerConfig.bytes_per_token, "KV bytes per token of the model shard, all layers"),
-    ("host_load_gbps", float, ScorerConfig.host_load_gbps,
-     "host->GPU load bandwidth when a daemon publishes none (10^9 B/s)"),
-    ("disk_load_gbps", float, ScorerConfig.disk_load_gbps,
-     "disk->GPU load bandwidth when a daemon publishes none (10^9 B/s)"),
-    ("queued_weight", float, ScorerConfig.queued_weight, "cost per queued prefill block (a)"),
-    ("active_weight", float, ScorerConfig.active_weight, "cost per running request (b)"),
-    ("log_level", str, "info", "debug, info, warning or error"),
-]
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _env(name: str) -> str:
-    return "KVTIER_ROUTER_" + name.upper()
+@dataclass(frozen=True)
+class RouteServerConfig:
+    """Every ``kvtier route-server`` setting: where it listens, the router's and scorer's."""
+
+    listen: str = setting("127.0.0.1:7071", "address to serve on: HOST:PORT or unix:PATH (port 0: any free port)",
+                          metavar="ADDRESS")
+    router: RouterConfig = group(RouterConfig)
+    log_level: str = setting("info", "debug, info, warning or error")
+    config: str = setting("", "TOML file with any of these settings (keys: the flag names with _ for -)",
+                          metavar="FILE")
 
 
-def parse_args(argv: Sequence[str] | None, env: dict[str, str] | None = None) -> argparse.Namespace:
-    env = dict(os.environ) if env is None else env
-    ap = argparse.ArgumentParser(prog="kvtier route-server", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, typ, default, help_ in _SETTINGS:
-        flag = "--" + name.replace("_", "-")
-        raw = env.get(_env(name))
-        if typ is list:
-            dflt = [x for x in raw.split(",") if x] if raw else list(default)
-            ap.add_argument(flag, dest=name, action="append", default=None,
-                            help=f"{help_} [env {_env(name)}, comma-separated]")
-            ap.set_defaults(**{f"_default_{name}": dflt})
-        else:
-            try:
-                dflt = typ(raw) if raw is not None else default
-            except ValueError:
-                ap.error(f"{_env(name)}={raw!r} is not a {typ.__name__}")
-            ap.add_argument(flag, dest=name, type=typ, default=dflt,
-                            help=f"{help_} [env {_env(name)}; default {default!r}]")
-    ns = ap.parse_args(argv)
-    for name, typ, _, _ in _SETTINGS:
-        if typ is list and getattr(ns, name) is None:
-            setattr(ns, name, getattr(ns, f"_default_{name}"))
-    if not ns.daemon and not ns.dns:
-        ap.error("give at least one --daemon or --dns to subscribe to")
-    return ns
+SETTINGS = Settings(RouteServerConfig, "KVTIER_ROUTER_", "kvtier route-server", description=__doc__)
 
 
-def config_from_args(ns: argparse.Namespace) -> RouterConfig:
-    scorer = ScorerConfig(prefill_tokens_per_s=ns.prefill_tokens_per_s, bytes_per_token=ns.bytes_per_token,
-                          host_load_gbps=ns.host_load_gbps, disk_load_gbps=ns.disk_load_gbps,
-                          queued_weight=ns.queued_weight, active_weight=ns.active_weight)
-    return RouterConfig(daemons=tuple(ns.daemon), dns=tuple(ns.dns), resolve_interval_s=ns.resolve_interval_s,
-                        speculative_ttl_s=ns.speculative_ttl_s, load_ttl_s=ns.load_ttl_s,
-                        state_path=ns.state_path, save_interval_s=ns.save_interval_s, top_k=ns.top_k,
-                        scorer=scorer)
+def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouteServerConfig:
+    """Flags, variables (``env``, default ``os.environ``) and the TOML file; raises
+    :class:`~kvtier.settings.SettingsError` for a value that cannot be used."""
+    cfg: RouteServerConfig = SETTINGS.load(argv, env)
+    check_settings(cfg)
+    return cfg
+
+
+def check_settings(cfg: RouteServerConfig) -> None:
+    """Refuse a server with nothing to follow, or an unknown log level."""
+    if not cfg.router.daemons and not cfg.router.dns:
+        raise SettingsError("give at least one --daemon or --dns to subscribe to")
+    if cfg.log_level.lower() not in LOG_LEVELS:
+        raise SettingsError(f"--log-level: {cfg.log_level!r} is not debug, info, warning or error")
 
 
 def request_keys(req: router_pb2.RouteRequest) -> list[bytes]:
@@ -117,11 +87,7 @@ def request_keys(req: router_pb2.RouteRequest) -> list[bytes]:
         return block_keys(list(req.token_ids), req.block_tokens,
                           Namespace(req.namespace.model, req.namespace.tenant_salt))
     keys = list(req.keys)
-    if len(keys) > MAX_KEYS:
-        raise ValueError(f"{len(keys)} keys; at most {MAX_KEYS}")
-    for i, k in enumerate(keys):
-        if not KEY_MIN <= len(k) <= KEY_MAX:
-            raise ValueError(f"key {i} is {len(k)} bytes; keys are {KEY_MIN} to {KEY_MAX} bytes")
+    check_keys(keys)
     return keys
 
 
@@ -201,10 +167,10 @@ async def serve(cfg: RouterConfig, listen: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ns = parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
+    cfg: RouteServerConfig = SETTINGS.load_or_exit(argv, check=check_settings)
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(config_from_args(ns), ns.listen))
+    asyncio.run(serve(cfg.router, cfg.listen))
 
 
 if __name__ == "__main__":

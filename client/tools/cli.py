@@ -3,7 +3,7 @@
     kvtier stats [--socket PATH | --target HOST:PORT] [--json]   a daemon's state
     kvtier demo [...]                                           a real daemon and a multi-turn workload
     kvtier report --daemons A,B [--once --json]                 live hit rate by tier and node
-    kvtier route-server --daemons A,B [--dns NAME:PORT]         the router as a gRPC service
+    kvtier route-server --daemon A [--daemon B] [--dns H:P]     the router as a gRPC service
     kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
 
 Each command lives in its own module with a ``main(argv)``; see COMMANDS.
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.client.engine.sidecar import KvtierError, Sidecar
-from kvtier.paths import default_socket_path
+from kvtier.client.engine.transport import socket_path
 
 
 def _fmt_bytes(n: float) -> str:
@@ -36,7 +36,7 @@ def stats_main(argv: Sequence[str]) -> int:
     ap.add_argument("--target", help="gRPC target instead of a socket, e.g. node7:7070")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ns = ap.parse_args(argv)
-    path = ns.socket or os.environ.get("KVTIER_SOCKET") or default_socket_path()
+    path = socket_path(ns.socket)
     if not ns.target and not os.path.exists(path):
         print(f"kvtier stats: no daemon socket at {path}; is kvtierd running? (--socket PATH)", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,6 +54,53 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@dataclass
+class Tally:
+    """Blocks of the workload: served from each tier, recomputed, checked byte-exact."""
+
+    by_tier: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    computed: int = 0
+    verified: int = 0
+    total: int = 0
+
+
+def play_turn(sc: Sidecar, lid: int, keys: list[bytes], nbytes: int, tally: Tally) -> None:
+    """One request: fetch the leading blocks the daemon holds (checking every byte), compute
+    and store the rest."""
+    tiers = sc.lookup(lid, keys)
+    n_hit = leading_run(tiers)
+    got = sc.get(lid, keys[:n_hit]) if n_hit else []
+    n_ok = 0
+    for k, g in zip(keys[:n_hit], got, strict=True):
+        if g is None:  # evicted between lookup and get: recompute from here
+            break
+        if not np.array_equal(np.frombuffer(g, np.uint8), payload(k, nbytes)):
+            raise SystemExit(f"block {k.hex()} came back with different bytes")
+        n_ok += 1
+    for t in tiers[:n_ok]:
+        tally.by_tier[t] += 1
+    tally.verified += n_ok
+    missing = keys[n_ok:]
+    if missing:
+        sc.put(lid, missing, [payload(k, nbytes) for k in missing])
+    tally.computed += len(missing)
+    tally.total += len(keys)
+
+
+def print_summary(tally: Tally, requests: int, sessions: int, bt: int, nbytes: int, elapsed: float,
+                  counters: dict[str, int]) -> None:
+    print(f"\nkvtier demo: {requests} requests from {sessions} sessions, {tally.total} blocks "
+          f"of {bt} tokens ({nbytes // 1024} KiB each), {elapsed:.1f} s\n")
+    print(f"{'served from':<14}{'blocks':>10}{'tokens':>12}{'share':>9}")
+    rows = [("host", tally.by_tier["host"]), ("disk", tally.by_tier["disk"]), ("recomputed", tally.computed)]
+    for name, n in rows:
+        print(f"{name:<14}{n:>10}{n * bt:>12}{n / max(tally.total, 1):>9.1%}")
+    hits = tally.by_tier["host"] + tally.by_tier["disk"]
+    print(f"{'prefix reuse':<14}{hits:>10}{hits * bt:>12}{hits / max(tally.total, 1):>9.1%}")
+    print(f"\n{tally.verified} fetched blocks checked byte-exact; daemon evictions: "
+          f"{counters.get('evictions_host', 0)} from host, {counters.get('demotions', 0)} demoted to disk")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     rng = random.Random(ns.seed)
@@ -64,10 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     system = [rng.randrange(32000) for _ in range(ns.system_tokens)]
     histories = {s: list(system) for s in range(ns.sessions)}
     schedule = [s for s in range(ns.sessions) for _ in range(ns.turns)]
-    rng.shuffle(schedule)
-    # keep each session's turns in order but interleave sessions
-    blocks_by_tier = {"host": 0, "disk": 0}
-    computed = verified = total_blocks = 0
+    rng.shuffle(schedule)  # keep each session's turns in order but interleave sessions
+    tally = Tally()
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         args = [] if ns.no_disk else ["--disk-dir", f"{tmp}/disk", "--disk-capacity", ns.disk_capacity]
         print(f"starting kvtierd (host {ns.host_capacity}"
@@ -80,25 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for i, s in enumerate(schedule):
                     hist = histories[s]
                     hist.extend(rng.randrange(32000) for _ in range(rng.randint(60, 240)))  # user turn
-                    keys = block_keys(hist, ns.block_tokens, ns_model)
-                    tiers = sc.lookup(lid, keys)
-                    n_hit = leading_run(tiers)
-                    got = sc.get(lid, keys[:n_hit]) if n_hit else []
-                    n_ok = 0
-                    for k, g in zip(keys[:n_hit], got, strict=True):
-                        if g is None:  # evicted between lookup and get: recompute from here
-                            break
-                        if not np.array_equal(np.frombuffer(g, np.uint8), payload(k, nbytes)):
-                            raise SystemExit(f"block {k.hex()} came back with different bytes")
-                        n_ok += 1
-                    for t in tiers[:n_ok]:
-                        blocks_by_tier[t] += 1
-                    verified += n_ok
-                    missing = keys[n_ok:]
-                    if missing:
-                        sc.put(lid, missing, [payload(k, nbytes) for k in missing])
-                    computed += len(missing)
-                    total_blocks += len(keys)
+                    play_turn(sc, lid, block_keys(hist, ns.block_tokens, ns_model), nbytes, tally)
                     hist.extend(rng.randrange(32000) for _ in range(rng.randint(100, 400)))  # reply
                     if (i + 1) % 16 == 0 or i + 1 == len(schedule):
                         print(f"\r  request {i + 1}/{len(schedule)}", end="", file=sys.stderr, flush=True)
@@ -106,19 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stats = sc.stats()
         finally:
             daemon.cleanup()
-    elapsed = time.monotonic() - t0
-    bt = ns.block_tokens
-    print(f"\nkvtier demo: {len(schedule)} requests from {ns.sessions} sessions, {total_blocks} blocks "
-          f"of {bt} tokens ({nbytes // 1024} KiB each), {elapsed:.1f} s\n")
-    print(f"{'served from':<14}{'blocks':>10}{'tokens':>12}{'share':>9}")
-    rows = [("host", blocks_by_tier["host"]), ("disk", blocks_by_tier["disk"]), ("recomputed", computed)]
-    for name, n in rows:
-        print(f"{name:<14}{n:>10}{n * bt:>12}{n / max(total_blocks, 1):>9.1%}")
-    hits = blocks_by_tier["host"] + blocks_by_tier["disk"]
-    print(f"{'prefix reuse':<14}{hits:>10}{hits * bt:>12}{hits / max(total_blocks, 1):>9.1%}")
-    print(f"\n{verified} fetched blocks checked byte-exact; daemon evictions: "
-          f"{stats['counters'].get('evictions_host', 0)} from host, "
-          f"{stats['counters'].get('demotions', 0)} demoted to disk")
+    print_summary(tally, len(schedule), ns.sessions, ns.block_tokens, nbytes, time.monotonic() - t0, stats["counters"])
     return 0
 
 

@@ -2,16 +2,20 @@
 
 Replays a request trace in the Mooncake format (one JSON object a line, time-ordered:
 ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``, optional
-``session_id``) through the real routing cost (:class:`kvtier.client.routing.scoring.Scorer`) and the
-real placement policy (:class:`kvtier.tiers.policy.TierPolicy`), as a simulation of metadata
-only: no payload bytes move, so an hour of traffic replays in seconds.
+``session_id``) through the real router (:class:`kvtier.client.routing.router.Router`) and
+the real placement policy (:class:`kvtier.tiers.policy.TierPolicy`), as a simulation of
+metadata only: no payload bytes move, so an hour of traffic replays in seconds.
 
 The model
-    * Each replica is one engine worker on its own node: one ``TierPolicy`` with the given gpu,
-      host and disk capacities (tokens, turned into blocks of ``--block-tokens``).
+    * Each replica is one engine worker on its own node (:class:`SimulatedNode`): one
+      ``TierPolicy`` with the given gpu, host and disk capacities (tokens, turned into blocks
+      of ``--block-tokens``). The node publishes what its tiers hold as a daemon does: a
+      NodeInfo (its worker, layout fingerprint and tier bandwidths), then after every
+      request the location events of what entered and left each tier.
     * Requests are routed in arrival order. The chosen replica's tiers serve the request's
       leading run of held blocks at once (the cache state moves in arrival order), and every
-      block it used is then held there (see ``TierPolicy``).
+      block it used is then held there (see ``TierPolicy``); its events reach the router
+      before the next request.
     * Service: a replica prefills one request at a time, first come first served. A request's
       prefill takes (tokens not served from a tier) / ``--prefill-tps`` plus, for blocks served
       from host or disk, their bytes (``--kv-bytes-per-token``) over that tier's load bandwidth
@@ -28,12 +32,17 @@ Policies (``--policy``)
     ``session``: a session's requests stick to the replica its first request went to; new
     sessions, and requests without a session, go round-robin; n/a when no request of the
     trace has a ``session_id``.
-    ``prefix``: Dynamo-like: cost = blocks to prefill, counting a device prefix as held, host
-    blocks beyond it as 0.75 and disk blocks beyond that as 0.25, plus queued prefill blocks,
-    plus the blocks held by the active requests; equal costs broken at random (seeded).
-    ``kvtier``: ours: the Scorer's cost, with tier weights from the load bandwidths and the
-    prefill rate, load = ``--queued-weight`` x queued prefill blocks + ``--active-weight`` x
-    active requests, and its deterministic ties.
+    ``prefix``: Dynamo-like, over the holdings of a ``LocationIndex`` fed by the nodes'
+    events: cost = blocks to prefill, counting a device prefix as held, host blocks beyond
+    it as 0.75 and disk blocks beyond that as 0.25, plus queued prefill blocks, plus the
+    blocks held by the active requests; equal costs broken at random (seeded).
+    ``kvtier``: ours, as ``kvtier route-server`` decides: a ``Router`` fed by the nodes'
+    events, one ``Router.route`` per request (dispatching, so the chosen worker gets the
+    request's speculative entries and its load), ``Router.finish`` with ``prefill_only`` when
+    the prefill ends and without when the last token is out, as a gateway would call them.
+    Its scorer settings are the replay's: ``--prefill-tps``, ``--kv-bytes-per-token``, the
+    load bandwidths (which the nodes also publish), ``--queued-weight`` and
+    ``--active-weight``.
 
 Per (policy, replicas) the output has: ``hit_rate``, ``hit_rate_by_tier`` {gpu, host, disk},
 ``prefill_tokens_saved``, ``imbalance`` (max / mean of the prefill tokens each replica
@@ -54,11 +63,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from itertools import islice
 
 import numpy as np
 
-from kvtier.client.routing.scoring import Load, Overlap, Scorer, ScorerConfig
-from kvtier.tiers.policy import DISK, GPU, HOST, TIER_NAMES, TierPolicy
+from kvtier.client.routing.index import LocationIndex
+from kvtier.client.routing.router import Router, RouterConfig
+from kvtier.client.routing.scoring import ScorerConfig
+from kvtier.proto import locations_pb2 as L
+from kvtier.tiers.policy import TierPolicy
+from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
 POLICIES = ("round-robin", "random", "session", "prefix", "kvtier")
 #: the Dynamo-like ``prefix`` policy's fixed tier weights
@@ -84,6 +98,11 @@ class Request:
     session: str | None = None
 
 
+def block_key(hash_id: int) -> bytes:
+    """A trace's hash id as the block key the nodes, the index and the router see (16 bytes)."""
+    return hash_id.to_bytes(16, "little", signed=True)
+
+
 def load_trace(path: str) -> list[Request]:
     """Read a Mooncake-format trace; raises ValueError naming the line of a malformed record."""
     out: list[Request] = []
@@ -103,23 +122,26 @@ def load_trace(path: str) -> list[Request]:
     return out
 
 
+_SCORER = ScorerConfig()
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
-    """The simulated deployment: per-replica capacities (tokens) and the service model."""
+    """The simulated deployment: per-replica capacities (tokens) and the service model. The
+    defaults shared with the router's scorer are the scorer's (one default each)."""
 
     block_tokens: int = 512
     gpu_tokens: int = 100_000
     host_tokens: int = 1_000_000
     disk_tokens: int = 10_000_000
     demote_min_seen: int = 2
-    prefill_tps: float = 20_000.0          # prefill tokens per second of one replica
-    decode_tps: float = 50.0               # output tokens per second of one request
-    kv_bytes_per_token: float = 131_072.0  # KV bytes of one token (all layers of the shard)
-    host_load_gbps: float = 50.0           # host -> GPU, 10^9 B/s
-    disk_load_gbps: float = 6.0            # disk -> host -> GPU, 10^9 B/s
-    # the kvtier policy's load weights: the Scorer's a and b, with the router's defaults
-    queued_weight: float = ScorerConfig.queued_weight
-    active_weight: float = ScorerConfig.active_weight
+    prefill_tps: float = _SCORER.prefill_tokens_per_s        # prefill tokens per second of one replica
+    decode_tps: float = 50.0                                  # output tokens per second of one request
+    kv_bytes_per_token: float = _SCORER.bytes_per_token       # KV bytes of one token (all layers of the shard)
+    host_load_gbps: float = _SCORER.host_load_gbps            # host -> GPU, 10^9 B/s
+    disk_load_gbps: float = _SCORER.disk_load_gbps            # disk -> host -> GPU, 10^9 B/s
+    queued_weight: float = _SCORER.queued_weight              # the kvtier policy's load weights (a, b)
+    active_weight: float = _SCORER.active_weight
     seed: int = 0
 
     def blocks(self, tokens: int) -> int:
@@ -130,12 +152,12 @@ class ReplayConfig:
                             host_load_gbps=self.host_load_gbps, disk_load_gbps=self.disk_load_gbps,
                             queued_weight=self.queued_weight, active_weight=self.active_weight)
 
-    def block_load_s(self, tier: int) -> float:
+    def block_load_s(self, tier: Tier) -> float:
         """Seconds to bring one block from ``tier`` into the gpu (capped at recomputing it)."""
         recompute = self.block_tokens / self.prefill_tps
-        if tier == GPU:
+        if tier == Tier.GPU:
             return 0.0
-        gbps = self.host_load_gbps if tier == HOST else self.disk_load_gbps
+        gbps = self.host_load_gbps if tier == Tier.HOST else self.disk_load_gbps
         if gbps <= 0:
             return recompute
         return min(recompute, self.block_tokens * self.kv_bytes_per_token / (gbps * 1e9))
@@ -161,14 +183,93 @@ class Row:
     promotions: int = 0
 
 
+# -- the simulated nodes -----------------------------------------------------------------------
+
+FINGERPRINT = bytes(16)
+"""The one layout fingerprint of every simulated worker."""
+
+Feed = Callable[[L.WatchLocationsReply], None]
+
+
+class SimulatedNode:
+    """One replica's node: its tiers (a :class:`~kvtier.tiers.policy.TierPolicy`) and the
+    location feed a daemon would publish for them (to ``feed``, when given).
+
+    The adapter to ``TierPolicy``: the replay uses its API here and nowhere else (``access``,
+    ``victims``, ``tiers``, ``counts``). What changed in a tier during a request is found from
+    its blocks in least-recently-used order (``victims``): a request of ``n`` blocks stores at
+    most ``n`` new ones in a tier, so what leaves is among the ``2n`` least recent before it;
+    what enters is among the request's blocks and host's leavers (demoted to disk). Where the
+    counts do not add up, the whole tier is compared with what was published instead."""
+
+    def __init__(self, cfg: ReplayConfig, node_id: str, worker_id: str, feed: Feed | None = None) -> None:
+        self.node_id, self.worker_id = node_id, worker_id
+        self._policy = TierPolicy(cfg.blocks(cfg.gpu_tokens), cfg.blocks(cfg.host_tokens),
+                                  cfg.blocks(cfg.disk_tokens), cfg.demote_min_seen)
+        self._feed = feed
+        self._published: dict[Tier, set[bytes]] = {t: set() for t in TIERS}
+        self._seq = 0
+        if feed is not None:
+            info = L.NodeInfo(node_id=node_id, epoch=1)
+            info.workers.add(worker_id=worker_id, fingerprints=[FINGERPRINT])
+            block_bytes = int(cfg.block_tokens * cfg.kv_bytes_per_token)
+            for tier, blocks, gbps in ((Tier.HOST, cfg.blocks(cfg.host_tokens), cfg.host_load_gbps),
+                                       (Tier.DISK, cfg.blocks(cfg.disk_tokens), cfg.disk_load_gbps)):
+                info.tiers.add(tier=int(tier), capacity_bytes=blocks * block_bytes, load_gbps=gbps)
+            feed(L.WatchLocationsReply(epoch=1, node=info))
+            feed(L.WatchLocationsReply(epoch=1, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)))
+
+    def access(self, keys: list[bytes]) -> tuple[int, int, int]:
+        """Serve one request: blocks of its leading run found in gpu, host and disk. Every
+        block it used is then held (``TierPolicy.access``); the changes go to the feed."""
+        policy = self._policy
+        if self._feed is None:
+            ranks = policy.access(keys)
+        else:
+            fronts = {t: list(islice(policy.victims(t), 2 * len(keys) + 2)) for t in TIERS}
+            ranks = policy.access(keys)
+            self._publish(list(dict.fromkeys([*keys, *fronts[Tier.HOST]])), fronts)
+        return ranks.count(Tier.GPU), ranks.count(Tier.HOST), ranks.count(Tier.DISK)
+
+    def _publish(self, entering: list[bytes], fronts: dict[Tier, list[bytes]]) -> None:
+        batch = L.EventBatch()
+        for tier in TIERS:
+            od, pub, front = self._policy.tiers[tier], self._published[tier], fronts[tier]
+            stored = [k for k in entering if k in od and k not in pub]
+            gone = len(pub) + len(stored) - len(od)  # how many left, if all that entered is in stored
+            removed = list(islice((k for k in front if k not in od), gone)) if gone > 0 else []
+            if len(removed) != gone:  # a change beyond those looked at: compare the whole tier
+                removed, stored = [k for k in pub if k not in od], [k for k in od if k not in pub]
+            pub.difference_update(removed)
+            pub.update(stored)
+            worker = self.worker_id if tier == Tier.GPU else ""
+            for kind, ks in ((L.REMOVED, removed), (L.STORED, stored)):
+                if ks:
+                    self._seq += 1
+                    batch.events.add(seq=self._seq, kind=kind, tier=int(tier), worker_id=worker,
+                                     fingerprint=FINGERPRINT, keys=ks)
+        if batch.events:
+            batch.head_seq = self._seq
+            assert self._feed is not None
+            self._feed(L.WatchLocationsReply(epoch=1, events=batch))
+
+    def tiers(self) -> tuple[set[bytes], ...]:
+        """What gpu, host and disk hold now (for tests)."""
+        return tuple(set(self._policy.tiers[t]) for t in TIERS)
+
+    def counts(self) -> tuple[list[int], int, int]:
+        """(evictions from gpu, host, disk; demotions; promotions) so far."""
+        c = self._policy.counts
+        return list(c.evictions), c.demotions, c.promotions
+
+
 class Replica:
-    """One simulated worker: its tiers and its queue."""
+    """One simulated worker: its node and its queue."""
 
-    __slots__ = ("policy", "free_at", "active", "active_blocks", "computed_tokens")
+    __slots__ = ("node", "free_at", "active", "active_blocks", "computed_tokens")
 
-    def __init__(self, cfg: ReplayConfig) -> None:
-        self.policy = TierPolicy(cfg.blocks(cfg.gpu_tokens), cfg.blocks(cfg.host_tokens),
-                                 cfg.blocks(cfg.disk_tokens), cfg.demote_min_seen)
+    def __init__(self, cfg: ReplayConfig, index: int = 0, feed: Feed | None = None) -> None:
+        self.node = SimulatedNode(cfg, f"node{index}", f"replica{index}", feed)
         self.free_at = 0.0                        # when its prefill queue drains
         self.active: list[tuple[float, int]] = []  # heap of (finish time, blocks held)
         self.active_blocks = 0
@@ -180,55 +281,176 @@ class Replica:
             self.active_blocks -= heapq.heappop(act)[1]
 
 
-Router = Callable[[Request, float, list[Replica]], int]
+# -- the policies ------------------------------------------------------------------------------
+
+class Policy:
+    """A routing policy: picks a replica for each request. One that follows the nodes' feeds
+    gets every message of replica ``i``'s feed through :meth:`feed`."""
+
+    follows_feeds = False
+
+    def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
+        raise NotImplementedError
+
+    def feed(self, replica: int, reply: L.WatchLocationsReply) -> None:
+        """A message of replica ``replica``'s location feed."""
+
+    def served(self, prefill_done_s: float, done_s: float) -> None:
+        """The request just chosen will finish its prefill and its last token at these times."""
 
 
-def make_router(policy: str, cfg: ReplayConfig, n: int) -> Router:
-    """The routing decision of ``policy`` over ``n`` replicas: (request, now, replicas) -> index."""
-    rng = random.Random(cfg.seed)
-    bt_per_s = cfg.prefill_tps / cfg.block_tokens  # prefill blocks per second
+class RoundRobin(Policy):
+    def __init__(self, n: int) -> None:
+        self.n, self.turn = n, itertools.count()
 
-    def queued_blocks(rep: Replica, now: float) -> float:
-        return max(0.0, rep.free_at - now) * bt_per_s
+    def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
+        return next(self.turn) % self.n
 
-    if policy == "round-robin":
-        turn = itertools.count()
-        return lambda req, now, reps: next(turn) % n
-    if policy == "random":
-        return lambda req, now, reps: rng.randrange(n)
-    if policy == "session":
-        sticky: dict[str, int] = {}
-        turn = itertools.count()
 
-        def session(req: Request, now: float, reps: list[Replica]) -> int:
-            if req.session is None:           # a request without a session is a session of its own
-                return next(turn) % n
-            if req.session not in sticky:
-                sticky[req.session] = next(turn) % n
-            return sticky[req.session]
-        return session
-    if policy == "prefix":
-        def prefix(req: Request, now: float, reps: list[Replica]) -> int:
-            nblk = len(req.keys)
-            costs = []
-            for rep in reps:
-                ov = Overlap.from_ranks(rep.policy.leading_ranks(req.keys))
-                held = ov.gpu + PREFIX_HOST_WEIGHT * (ov.host - ov.gpu) + PREFIX_DISK_WEIGHT * (ov.disk - ov.host)
-                costs.append(nblk - held + queued_blocks(rep, now) + rep.active_blocks)
-            best = min(costs)
-            return rng.choice([i for i, c in enumerate(costs) if c - best <= 1e-9])
-        return prefix
-    if policy == "kvtier":
-        scorer = Scorer(cfg.scorer_config())
-        names = [str(i) for i in range(n)]
+class RandomChoice(Policy):
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.rng = n, random.Random(seed)
 
-        def kvtier(req: Request, now: float, reps: list[Replica]) -> int:
-            overlaps = {w: Overlap.from_ranks(rep.policy.leading_ranks(req.keys)) for w, rep in zip(names, reps, strict=True)}
-            loads = {w: Load(queued_blocks(rep, now), len(rep.active)) for w, rep in zip(names, reps, strict=True)}
-            last = req.keys[-1].to_bytes(16, "little", signed=True) if req.keys else b""
-            return int(scorer.rank(len(req.keys), names, overlaps, loads, last)[0].worker)
-        return kvtier
-    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
+        return self.rng.randrange(self.n)
+
+
+class Sticky(Policy):
+    """``session``: a session sticks where its first request went; others round-robin."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.turn = n, itertools.count()
+        self.sticky: dict[str, int] = {}
+
+    def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
+        if req.session is None:  # a request without a session is a session of its own
+            return next(self.turn) % self.n
+        if req.session not in self.sticky:
+            self.sticky[req.session] = next(self.turn) % self.n
+        return self.sticky[req.session]
+
+
+class PrefixAware(Policy):
+    """``prefix`` (Dynamo-like): fixed tier weights, load in blocks, random ties."""
+
+    follows_feeds = True
+
+    def __init__(self, cfg: ReplayConfig, n: int) -> None:
+        self.index = LocationIndex()
+        self.rng = random.Random(cfg.seed)
+        self.blocks_per_s = cfg.prefill_tps / cfg.block_tokens
+        self._plan: object = None
+        self._column = list(range(n))  # replica -> its column in the holdings
+
+    def feed(self, replica: int, reply: L.WatchLocationsReply) -> None:
+        self.index.fold(f"node{replica}", reply)
+
+    def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
+        lead = self.index.holdings(self.index.rows(keys))
+        plan = self.index.plan()
+        if plan is not self._plan:
+            pos = {w.name: w.index for w in plan.workers}
+            self._column = [pos[f"replica{i}"] for i in range(len(reps))]
+            self._plan = plan
+        costs = []
+        for rep, col in zip(reps, self._column, strict=True):
+            g, h, d = lead[:, col].tolist()
+            held = g + PREFIX_HOST_WEIGHT * (h - g) + PREFIX_DISK_WEIGHT * (d - h)
+            queued = max(0.0, rep.free_at - now) * self.blocks_per_s
+            costs.append(len(keys) - held + queued + rep.active_blocks)
+        best = min(costs)
+        return self.rng.choice([i for i, c in enumerate(costs) if c - best <= 1e-9])
+
+
+class RouterPolicy(Policy):
+    """``kvtier``: the real :class:`~kvtier.client.routing.router.Router`, fed by the nodes'
+    feeds, deciding with ``Router.route`` and told of each request's end with
+    ``Router.finish``, as a gateway in front of ``kvtier route-server`` would."""
+
+    follows_feeds = True
+
+    def __init__(self, cfg: ReplayConfig, n: int) -> None:
+        self.router = Router(RouterConfig(scorer=cfg.scorer_config()))
+        self.replica = {f"replica{i}": i for i in range(n)}
+        self._finishes: list[tuple[float, int, bool]] = []  # heap of (at, decision id, prefill only)
+        self._last = 0
+
+    def feed(self, replica: int, reply: L.WatchLocationsReply) -> None:
+        self.router.apply(f"node{replica}", reply)
+
+    def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
+        fin = self._finishes
+        while fin and fin[0][0] <= now:
+            _, did, prefill_only = heapq.heappop(fin)
+            self.router.finish(did, prefill_only)
+        d = self.router.route(keys, now=now)
+        self._last = d.decision_id
+        return self.replica[d.worker]  # type: ignore[index]
+
+    def served(self, prefill_done_s: float, done_s: float) -> None:
+        heapq.heappush(self._finishes, (prefill_done_s, self._last, True))
+        heapq.heappush(self._finishes, (done_s, self._last, False))
+
+
+def make_policy(policy: str, cfg: ReplayConfig, n: int) -> Policy:
+    """The routing policy ``policy`` over ``n`` replicas."""
+    makers: dict[str, Callable[[], Policy]] = {
+        "round-robin": lambda: RoundRobin(n), "random": lambda: RandomChoice(n, cfg.seed),
+        "session": lambda: Sticky(n), "prefix": lambda: PrefixAware(cfg, n), "kvtier": lambda: RouterPolicy(cfg, n)}
+    if policy not in makers:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    return makers[policy]()
+
+
+# -- the simulation ----------------------------------------------------------------------------
+
+class Cluster:
+    """``n`` replicas behind one policy, advanced one request at a time (:meth:`step`).
+    ``observe(i, reply)``, when given, is a second subscriber: it gets every message of
+    replica ``i``'s feed too, after the policy."""
+
+    def __init__(self, cfg: ReplayConfig, policy: str, n: int,
+                 observe: Callable[[int, L.WatchLocationsReply], None] | None = None) -> None:
+        if n < 1:
+            raise ValueError("replicas must be >= 1")
+        self.cfg = cfg
+        self.policy = make_policy(policy, cfg, n)
+        routed = n > 1 and self.policy.follows_feeds
+
+        def feed_of(i: int) -> Feed | None:
+            if not routed and observe is None:
+                return None
+
+            def feed(reply: L.WatchLocationsReply) -> None:
+                if routed:
+                    self.policy.feed(i, reply)
+                if observe is not None:
+                    observe(i, reply)
+            return feed
+
+        self.replicas = [Replica(cfg, i, feed_of(i)) for i in range(n)]
+        self._load_s = [cfg.block_load_s(t) for t in TIERS]
+
+    def step(self, req: Request) -> tuple[int, tuple[int, int, int], float]:
+        """Route and serve one request: (replica, blocks served from gpu, host, disk, TTFT)."""
+        cfg, reps = self.cfg, self.replicas
+        now = req.arrival_s
+        for rep in reps:
+            rep.advance(now)
+        keys = [block_key(h) for h in req.keys]
+        i = self.policy.choose(req, keys, now, reps) if len(reps) > 1 else 0
+        rep = reps[i]
+        hits = rep.node.access(keys)
+        computed = req.input_tokens - min(sum(hits) * cfg.block_tokens, req.input_tokens)
+        rep.computed_tokens += computed
+        start = max(now, rep.free_at)
+        rep.free_at = start + computed / cfg.prefill_tps + hits[1] * self._load_s[1] + hits[2] * self._load_s[2]
+        done = rep.free_at + req.output_tokens / cfg.decode_tps
+        held = -(-(req.input_tokens + req.output_tokens) // cfg.block_tokens)
+        heapq.heappush(rep.active, (done, held))
+        rep.active_blocks += held
+        self.policy.served(rep.free_at, done)
+        return i, hits, rep.free_at - now
 
 
 def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas: int,
@@ -238,54 +460,39 @@ def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas
         raise ValueError("replicas must be >= 1")
     if policy == "session" and not any(r.session is not None for r in requests):
         return Row(policy, replicas, requests=len(requests), na="trace has no session_id")
-    choose = make_router(policy, cfg, replicas)
-    reps = [Replica(cfg) for _ in range(replicas)]
-    bt = cfg.block_tokens
-    load_s = [cfg.block_load_s(t) for t in (GPU, HOST, DISK)]
+    cluster = Cluster(cfg, policy, replicas)
     ttft = np.empty(len(requests))
     hits = [0, 0, 0]
-    total_blocks = 0
     saved_tokens = 0
     for i, req in enumerate(requests):
-        now = req.arrival_s
-        for rep in reps:
-            rep.advance(now)
-        rep = reps[choose(req, now, reps) if replicas > 1 else 0]
-        ranks = rep.policy.access(req.keys)
-        nblk = len(req.keys)
-        total_blocks += nblk
-        g, h, d = ranks.count(GPU), ranks.count(HOST), ranks.count(DISK)
-        hits[0] += g
-        hits[1] += h
-        hits[2] += d
-        saved = min(len(ranks) * bt, req.input_tokens)
-        saved_tokens += saved
-        computed = req.input_tokens - saved
-        rep.computed_tokens += computed
-        start = max(now, rep.free_at)
-        rep.free_at = start + computed / cfg.prefill_tps + h * load_s[HOST] + d * load_s[DISK]
-        ttft[i] = rep.free_at - now
-        held = -(-(req.input_tokens + req.output_tokens) // bt)
-        heapq.heappush(rep.active, (rep.free_at + req.output_tokens / cfg.decode_tps, held))
-        rep.active_blocks += held
+        _, served, ttft[i] = cluster.step(req)
+        for t in range(3):
+            hits[t] += served[t]
+        saved_tokens += min(sum(served) * cfg.block_tokens, req.input_tokens)
         if progress is not None and i % 256 == 255:
             progress(256)
     if progress is not None:
         progress(len(requests) % 256)
+    return _row(policy, cluster.replicas, requests, hits, saved_tokens, ttft)
+
+
+def _row(policy: str, reps: list[Replica], requests: Sequence[Request], hits: list[int], saved_tokens: int,
+         ttft: np.ndarray) -> Row:
+    total = sum(len(r.keys) for r in requests)
     work = [r.computed_tokens for r in reps]
     mean_work = sum(work) / len(work)
-    counts = [r.policy.counts for r in reps]
+    counts = [r.node.counts() for r in reps]
     return Row(
-        policy, replicas,
-        hit_rate=sum(hits) / total_blocks if total_blocks else 0.0,
-        hit_rate_by_tier={name: (hits[t] / total_blocks if total_blocks else 0.0) for t, name in enumerate(TIER_NAMES)},
+        policy, len(reps),
+        hit_rate=sum(hits) / total if total else 0.0,
+        hit_rate_by_tier={name: (hits[t] / total if total else 0.0) for t, name in enumerate(TIER_LABELS)},
         prefill_tokens_saved=saved_tokens,
         imbalance=max(work) / mean_work if mean_work else 1.0,
         ttft_mean_s=float(ttft.mean()) if len(ttft) else 0.0,
         ttft_p99_s=float(np.percentile(ttft, 99)) if len(ttft) else 0.0,
-        requests=len(requests), blocks=total_blocks,
-        evictions={name: sum(c.evictions[t] for c in counts) for t, name in enumerate(TIER_NAMES)},
-        demotions=sum(c.demotions for c in counts), promotions=sum(c.promotions for c in counts))
+        requests=len(requests), blocks=total,
+        evictions={name: sum(c[0][t] for c in counts) for t, name in enumerate(TIER_LABELS)},
+        demotions=sum(c[1] for c in counts), promotions=sum(c[2] for c in counts))
 
 
 # -- output ---------------------------------------------------------------------------------

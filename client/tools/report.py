@@ -1,6 +1,7 @@
 """``kvtier report --daemons SOCK_OR_HOST:PORT,...``: hit rate by tier and node, across a fleet.
 
-Reads each daemon's Stats RPC (the same counters its Prometheus endpoint exports) and shows,
+Reads each daemon's Stats RPC (its typed fields: hits per operation and tier, misses, tier
+occupancy; the same counters its Prometheus endpoint exports) and shows,
 per node and for the whole fleet: blocks asked for, the share found in each tier (gpu, host,
 disk) and in any tier, and the share of tokens that were prefix reuse (tokens found / tokens
 asked for). Counts are of one operation's requests, ``--op``: ``lookup`` (what engines and
@@ -30,10 +31,13 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from kvtier.client.engine.sidecar import KvtierError, Sidecar
-from kvtier.proto import TIER_NAMES
+from kvtier.proto import node_pb2, node_pb2_grpc
+from kvtier.tiers.vocab import TIER_LABELS, Tier
 
-TIERS = ("gpu", "host", "disk")
+TIERS = TIER_LABELS
+STORED_TIERS = (Tier.HOST.label, Tier.DISK.label)  # the tiers a daemon holds bytes in: occupancy columns
+#: ``--op`` -> the Stats reply's CountedOp
+OPS = {"lookup": node_pb2.COUNTED_OP_LOOKUP, "acquire": node_pb2.COUNTED_OP_ACQUIRE}
 
 
 @dataclass
@@ -76,43 +80,55 @@ class NodeReport:
         return d
 
 
-def from_stats(target: str, stats: dict, op: str = "lookup") -> NodeReport:
-    """A :class:`NodeReport` from ``Sidecar.stats()``'s dict (counters ``<op>_hit_blocks:<tier>`` ...)."""
-    c = stats.get("counters", {})
-    rep = NodeReport(target, True, node_id=stats.get("node_id", ""), epoch=stats.get("epoch", 0),
-                     uptime_s=stats.get("uptime_s", 0.0))
-    for key, value in c.items():
-        if key.startswith(f"{op}_hit_blocks:"):
-            rep.hit_blocks[key.split(":", 1)[1]] = int(value)
-        elif key.startswith(f"{op}_hit_tokens:"):
-            rep.hit_tokens += int(value)
-    rep.miss_blocks = int(c.get(f"{op}_miss_blocks", 0))
-    rep.miss_tokens = int(c.get(f"{op}_miss_tokens", 0))
-    for tier, t in stats.get("tiers", {}).items():
-        rep.used_bytes[tier] = int(t.get("used_bytes", 0))
-        rep.capacity_bytes[tier] = int(t.get("capacity_bytes", 0))
+class Unreachable(Exception):
+    """A target that did not answer; the message says why (``CODE: details``)."""
+
+
+def from_stats_reply(target: str, reply: node_pb2.StatsReply, op: str = "lookup") -> NodeReport:
+    """A :class:`NodeReport` from a Stats reply's typed fields (``hits``: per op and tier, the
+    misses under TIER_NONE; ``tiers``: occupancy)."""
+    rep = NodeReport(target, True, node_id=reply.node_id, epoch=reply.epoch, uptime_s=reply.uptime_s)
+    want = OPS[op]
+    for h in reply.hits:
+        if h.op != want:
+            continue
+        if h.tier == node_pb2.TIER_NONE:
+            rep.miss_blocks += h.blocks
+            rep.miss_tokens += h.tokens
+        else:
+            rep.hit_blocks[Tier(h.tier).label] += h.blocks
+            rep.hit_tokens += h.tokens
+    for t in reply.tiers:
+        if t.tier != node_pb2.TIER_NONE:
+            rep.used_bytes[Tier(t.tier).label] = t.used_bytes
+            rep.capacity_bytes[Tier(t.tier).label] = t.capacity_bytes
     return rep
 
 
-def stats_from_prometheus(text: str) -> dict:
-    """The subset of ``Sidecar.stats()``'s dict that a report needs, from /metrics text."""
+def from_prometheus(target: str, text: str, op: str = "lookup") -> NodeReport:
+    """A :class:`NodeReport` from /metrics text: the ``kvtier_hit_*``, ``kvtier_miss_*`` series of
+    ``op`` and the tier gauges, by their labels. (Prometheus carries no epoch: it stays 0.)"""
     from prometheus_client.parser import text_string_to_metric_families
 
-    counters: dict[str, float] = {}
-    tiers: dict[str, dict[str, float]] = {}
-    node_id = ""
+    rep = NodeReport(target, True)
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
-            lbl = smp.labels
-            node_id = lbl.get("node", node_id)
-            if smp.name in ("kvtier_hit_blocks_total", "kvtier_hit_tokens_total"):
-                unit = smp.name.split("_")[2]
-                counters[f"{lbl['op']}_hit_{unit}:{lbl['tier']}"] = smp.value
-            elif smp.name in ("kvtier_miss_blocks_total", "kvtier_miss_tokens_total"):
-                counters[f"{lbl['op']}_miss_{smp.name.split('_')[2]}"] = smp.value
-            elif smp.name in ("kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes") and lbl.get("tier") in TIER_NAMES.values():
-                tiers.setdefault(lbl["tier"], {})[smp.name.removeprefix("kvtier_tier_")] = smp.value
-    return {"node_id": node_id, "counters": counters, "tiers": tiers}
+            lbl, value = smp.labels, int(smp.value)
+            rep.node_id = lbl.get("node", rep.node_id)
+            if lbl.get("op", op) != op:
+                continue
+            if smp.name == "kvtier_hit_blocks_total" and lbl.get("tier") in TIERS:
+                rep.hit_blocks[lbl["tier"]] = value
+            elif smp.name == "kvtier_hit_tokens_total":
+                rep.hit_tokens += value
+            elif smp.name == "kvtier_miss_blocks_total":
+                rep.miss_blocks = value
+            elif smp.name == "kvtier_miss_tokens_total":
+                rep.miss_tokens = value
+            elif smp.name in ("kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes") and lbl.get("tier") in TIERS:
+                into = rep.used_bytes if smp.name == "kvtier_tier_used_bytes" else rep.capacity_bytes
+                into[lbl["tier"]] = value
+    return rep
 
 
 class _PrometheusSource:
@@ -120,15 +136,34 @@ class _PrometheusSource:
         self.url = url if url.count("/") > 2 else url.rstrip("/") + "/metrics"
         self.timeout = timeout
 
-    def stats(self) -> dict:
+    def report(self, target: str, op: str) -> NodeReport:
         try:
             with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
-                return stats_from_prometheus(resp.read().decode())
+                return from_prometheus(target, resp.read().decode(), op)
         except (urllib.error.URLError, OSError) as e:
-            raise KvtierError(grpc.StatusCode.UNAVAILABLE, f"{self.url}: {getattr(e, 'reason', e)}") from None
+            raise Unreachable(f"UNAVAILABLE: {self.url}: {getattr(e, 'reason', e)}") from None
 
     def close(self) -> None:
         pass
+
+
+class _GrpcSource:
+    """A daemon's Stats RPC over its unix socket or gRPC ``HOST:PORT``."""
+
+    def __init__(self, target: str, timeout: float) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = node_pb2_grpc.NodeStub(self.channel)
+        self.timeout = timeout
+
+    def report(self, target: str, op: str) -> NodeReport:
+        try:
+            reply = self.stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise Unreachable(f"{e.code().name}: {e.details() or ''}") from None
+        return from_stats_reply(target, reply, op)
+
+    def close(self) -> None:
+        self.channel.close()
 
 
 def fleet_total(nodes: Sequence[NodeReport]) -> NodeReport:
@@ -148,12 +183,12 @@ def fleet_total(nodes: Sequence[NodeReport]) -> NodeReport:
     return total
 
 
-def _source(target: str, timeout: float) -> Sidecar | _PrometheusSource:
+def _source(target: str, timeout: float) -> _GrpcSource | _PrometheusSource:
     if target.startswith(("http://", "https://")):
         return _PrometheusSource(target, timeout)
     if "/" in target or target.endswith(".sock"):
-        return Sidecar(target, client_name="kvtier-report", timeout=timeout)
-    return Sidecar(target=target, client_name="kvtier-report", timeout=timeout)
+        return _GrpcSource(f"unix:{target}", timeout)
+    return _GrpcSource(target, timeout)
 
 
 class Fleet:
@@ -165,16 +200,16 @@ class Fleet:
 
     def poll(self) -> list[NodeReport]:
         out = []
-        for t, sc in self.clients.items():
+        for t, source in self.clients.items():
             try:
-                out.append(from_stats(t, sc.stats(), self.op))
-            except KvtierError as e:
-                out.append(NodeReport(t, False, error=f"{e.code.name}: {e.details}"))
+                out.append(source.report(t, self.op))
+            except Unreachable as e:
+                out.append(NodeReport(t, False, error=str(e)))
         return out
 
     def close(self) -> None:
-        for sc in self.clients.values():
-            sc.close()
+        for source in self.clients.values():
+            source.close()
 
 
 def _pct(x: float) -> str:
@@ -186,22 +221,22 @@ def _gib(b: int) -> str:
 
 
 def format_table(nodes: Sequence[NodeReport], recent: dict[str, float | None] | None = None) -> str:
-    head = ["node", "target", "asked_blocks", "gpu", "host", "disk", "hit_rate", "reuse_tokens"]
+    head = ["node", "target", "asked_blocks", *TIERS, "hit_rate", "reuse_tokens"]
     if recent is not None:
         head.append("hit_rate_recent")
-    head += ["host_GiB", "disk_GiB"]
+    head += [f"{t}_GiB" for t in STORED_TIERS]
     lines = [head]
     for n in [*nodes, fleet_total(nodes)]:
         if not n.reachable:
             lines.append([n.node_id or "?", n.target, f"unreachable: {n.error}"[:60]])
             continue
         by = n.hit_rate_by_tier()
-        row = [n.node_id, n.target, f"{n.asked_blocks:,}", _pct(by["gpu"]), _pct(by["host"]), _pct(by["disk"]),
+        row = [n.node_id, n.target, f"{n.asked_blocks:,}", *(_pct(by[t]) for t in TIERS),
                _pct(n.hit_rate()), _pct(n.reuse_share())]
         if recent is not None:
             r = recent.get(n.target)
             row.append("-" if r is None else _pct(r))
-        for tier in ("host", "disk"):
+        for tier in STORED_TIERS:
             row.append(f"{_gib(n.used_bytes[tier])}/{_gib(n.capacity_bytes[tier])}" if tier in n.capacity_bytes else "-")
         lines.append(row)
     widths = [max(len(r[i]) for r in lines if i < len(r) and len(r) == len(head)) for i in range(len(head))]

@@ -20,6 +20,20 @@ class GrantStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRANTED: _ClassVar[GrantStatus]
     PRESENT: _ClassVar[GrantStatus]
     NO_SPACE: _ClassVar[GrantStatus]
+
+class CountedOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COUNTED_OP_UNSPECIFIED: _ClassVar[CountedOp]
+    COUNTED_OP_LOOKUP: _ClassVar[CountedOp]
+    COUNTED_OP_ACQUIRE: _ClassVar[CountedOp]
+
+class Endpoint(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENDPOINT_UNSPECIFIED: _ClassVar[Endpoint]
+    ENDPOINT_GPU: _ClassVar[Endpoint]
+    ENDPOINT_HOST: _ClassVar[Endpoint]
+    ENDPOINT_DISK: _ClassVar[Endpoint]
+    ENDPOINT_CLIENT: _ClassVar[Endpoint]
 TIER_NONE: Tier
 TIER_GPU: Tier
 TIER_HOST: Tier
@@ -28,6 +42,14 @@ GRANT_STATUS_UNSPECIFIED: GrantStatus
 GRANTED: GrantStatus
 PRESENT: GrantStatus
 NO_SPACE: GrantStatus
+COUNTED_OP_UNSPECIFIED: CountedOp
+COUNTED_OP_LOOKUP: CountedOp
+COUNTED_OP_ACQUIRE: CountedOp
+ENDPOINT_UNSPECIFIED: Endpoint
+ENDPOINT_GPU: Endpoint
+ENDPOINT_HOST: Endpoint
+ENDPOINT_DISK: Endpoint
+ENDPOINT_CLIENT: Endpoint
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "block_dim", "token_indexed")
@@ -284,22 +306,69 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., load_gbps: _Optional[float] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
-    __slots__ = ("layout_id", "fingerprint", "block_bytes", "host_blocks", "disk_blocks")
+    __slots__ = ("layout_id", "fingerprint", "block_bytes", "host_blocks", "disk_blocks", "gpu_blocks")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     layout_id: int
     fingerprint: bytes
     block_bytes: int
     host_blocks: int
     disk_blocks: int
-    def __init__(self, layout_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
+    gpu_blocks: int
+    def __init__(self, layout_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., gpu_blocks: _Optional[int] = ...) -> None: ...
+
+class HitCount(_message.Message):
+    __slots__ = ("op", "tier", "blocks", "tokens")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    op: CountedOp
+    tier: Tier
+    blocks: int
+    tokens: int
+    def __init__(self, op: _Optional[_Union[CountedOp, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class BytesMoved(_message.Message):
+    __slots__ = ("source", "destination", "bytes")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    source: Endpoint
+    destination: Endpoint
+    bytes: int
+    def __init__(self, source: _Optional[_Union[Endpoint, str]] = ..., destination: _Optional[_Union[Endpoint, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class EvictionCount(_message.Message):
+    __slots__ = ("tier", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class ErrorCount(_message.Message):
+    __slots__ = ("code", "count")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    count: int
+    def __init__(self, code: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "uptime_s", "tiers", "layouts", "sessions", "counters", "version")
+    __slots__ = ("node_id", "epoch", "uptime_s", "tiers", "layouts", "sessions", "counters", "version", "hits", "bytes_moved", "evictions", "errors", "totals")
     class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TotalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +383,11 @@ class StatsReply(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     uptime_s: float
@@ -322,4 +396,9 @@ class StatsReply(_message.Message):
     sessions: int
     counters: _containers.ScalarMap[str, int]
     version: str
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ...) -> None: ...
+    hits: _containers.RepeatedCompositeFieldContainer[HitCount]
+    bytes_moved: _containers.RepeatedCompositeFieldContainer[BytesMoved]
+    evictions: _containers.RepeatedCompositeFieldContainer[EvictionCount]
+    errors: _containers.RepeatedCompositeFieldContainer[ErrorCount]
+    totals: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[HitCount, _Mapping]]] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., totals: _Optional[_Mapping[str, int]] = ...) -> None: ...

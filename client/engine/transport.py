@@ -1,0 +1,504 @@
+"""How the engine library reaches its node's kvtierd: one transport for both sidecars and the KV connector.
+
+Owned here, once:
+
+* **Where the daemon is**, :func:`resolve_target`: an explicit gRPC ``target`` as given
+  (``HOST:PORT``, ``unix:PATH``, any gRPC target string); else ``unix:`` and the socket path
+  given; else ``$KVTIER_SOCKET`` (the daemon's ``--socket`` reads the same variable); else
+  :func:`kvtier.paths.default_socket_path`. :func:`socket_path` is that path alone.
+* **The channel**: blocking or asyncio, with :data:`CHANNEL_OPTIONS`.
+* **Errors**: every failure is a :class:`KvtierError` carrying a gRPC status code and the
+  daemon's message (or the client's, for a misuse found before calling); the codes a caller
+  acts on have subclasses (:class:`InvalidArgument`, also a ``ValueError``,
+  :class:`FailedPrecondition`, :class:`ResourceExhausted`, :class:`Unavailable`,
+  :class:`DeadlineExceeded`). :func:`rpc_error` maps a ``grpc.RpcError`` to one.
+* **The session** (:class:`SessionStream`, :class:`AsyncSessionStream`): one
+  ``Node.Session`` stream per client, opened on first need and held until the client
+  closes it. Its lifetime is the session's: once the stream ends (close, exit, kill, a
+  daemon restart) the daemon has reclaimed every grant, pin, KV registration and device
+  block report made under it. The daemon's epoch comes with it; :func:`restarted` tells a
+  daemon restart (new epoch, or the stream ended) from a refusal by the same daemon.
+* **Running operations** (:class:`Transport`, :class:`AsyncTransport`): a client operation
+  is written once, as a generator that yields *steps* and is sent their results (an
+  operation's errors are thrown into it as :class:`KvtierError`):
+
+  - :class:`Call`: one unary RPC; its reply;
+  - :data:`SESSION`: the session id, opening the stream if none is open;
+  - :class:`Background`: send an RPC without waiting for it (``settle=True``: the next
+    :data:`SETTLE` waits for it and raises its error; else its outcome is ignored);
+  - :data:`SETTLE`: wait for the ``settle=True`` background calls, raising the first error
+    that is not the session being gone (its pins went with it);
+  - :class:`Locked`: run another operation holding the transport's lock (which the session
+    opening takes too: such an operation must not yield :data:`SESSION`).
+
+  :func:`one_call` is the operation of a single :class:`Call`.
+
+  :meth:`Transport.run` performs the steps with blocking calls; :meth:`AsyncTransport.run`
+  awaits them. That is the only difference between the blocking and the asyncio clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import queue
+import sys
+import threading
+from collections.abc import Coroutine, Generator
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from kvtier.paths import default_socket_path
+from kvtier.proto import locations_pb2_grpc, node_pb2, node_pb2_grpc, transfer_pb2_grpc
+
+SOCKET_ENV = "KVTIER_SOCKET"
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+# A FAILED_PRECONDITION (unknown session or layout) or UNAVAILABLE answer may mean the daemon restarted.
+RESTART_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
+# A background call that failed with one of these lost nothing the caller must hear about: the
+# session it named is gone and its pins with it (CANCELLED: the daemon's shutdown cancels calls).
+_GONE_CODES = (*RESTART_CODES, grpc.StatusCode.CANCELLED)
+
+T = TypeVar("T")
+
+
+# -- where the daemon is ------------------------------------------------------------------
+
+def socket_path(path: str | None = None) -> str:
+    """The daemon's unix socket: ``path``, else ``$KVTIER_SOCKET``, else the default path
+    (``unix:`` prefixes are dropped)."""
+    path = path or os.environ.get(SOCKET_ENV) or default_socket_path()
+    if path.startswith("unix://"):
+        return path[len("unix://"):]
+    return path.removeprefix("unix:")
+
+
+def resolve_target(path: str | None = None, target: str | None = None) -> str:
+    """The gRPC target: ``target`` as given, else ``unix:`` + :func:`socket_path` of ``path``."""
+    return target or f"unix:{socket_path(path)}"
+
+
+def default_client_name(prefix: str = "") -> str:
+    """``[prefix:]program:pid``: how the daemon's logs name a client's session."""
+    name = f"{os.path.basename(sys.argv[0] or 'python')}:{os.getpid()}"
+    return f"{prefix}:{name}" if prefix else name
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+class KvtierError(Exception):
+    """A call the daemon (or the client, before calling) refused; ``code`` is a grpc.StatusCode,
+    ``details`` the message saying what to change."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.details = message
+
+
+class _CodedError(KvtierError):
+    CODE: ClassVar[grpc.StatusCode]
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.CODE, message)
+
+
+class InvalidArgument(_CodedError, ValueError):
+    """A malformed argument (found by the client, or refused by the daemon)."""
+
+    CODE = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(_CodedError):
+    """Not now, or not this way: an unregistered layout, a feature the daemon was started without."""
+
+    CODE = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(_CodedError):
+    """The daemon lacks the memory or room asked for."""
+
+    CODE = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(_CodedError):
+    """No daemon answered at the target."""
+
+    CODE = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(_CodedError):
+    """No answer within the client's timeout."""
+
+    CODE = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+_ERROR_BY_CODE: dict[grpc.StatusCode, type[_CodedError]] = {
+    cls.CODE: cls for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded)}
+
+
+def rpc_error(e: grpc.RpcError) -> KvtierError:
+    """The :class:`KvtierError` (subclass, where the code has one) of a failed RPC."""
+    code, details = e.code(), e.details() or ""
+    cls = _ERROR_BY_CODE.get(code)
+    return cls(details) if cls is not None else KvtierError(code, details)
+
+
+# -- the session stream -------------------------------------------------------------------
+
+class _Session:
+    """What both session streams hold: the stream, and what the daemon said when it opened."""
+
+    def __init__(self, node: Any, client_name: str) -> None:
+        self._node = node
+        self.client_name = client_name
+        self._call: Any = None
+        self.session_id = 0
+        self.node_id = ""
+        self.epoch = 0  # kept when the session is dropped: a later answer is compared with it
+
+    @property
+    def alive(self) -> bool:
+        """Open, and its stream has not ended (the session of an ended stream is gone)."""
+        return self._call is not None and not self._call.done()
+
+    def _hello(self) -> node_pb2.SessionClientMessage:
+        return node_pb2.SessionClientMessage(hello=node_pb2.SessionHello(client_name=self.client_name,
+                                                                         pid=os.getpid()))
+
+    def _opened(self, call: Any, msg: Any) -> int:
+        if not isinstance(msg, node_pb2.SessionServerMessage) or not msg.HasField("opened"):
+            call.cancel()
+            raise KvtierError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session stream before opening it")
+        self._call = call
+        self.session_id = msg.opened.session_id
+        self.node_id = msg.opened.node_id
+        self.epoch = msg.opened.epoch
+        return self.session_id
+
+
+class SessionStream(_Session):
+    """The blocking client's session: the stream's requests are a generator that waits (on a
+    gRPC thread) until :meth:`close`."""
+
+    def __init__(self, node: Any, client_name: str, lock: threading.RLock) -> None:
+        super().__init__(node, client_name)
+        self._lock = lock
+        self._queue: queue.Queue | None = None
+
+    def open(self) -> int:
+        """The session id, opening the stream first if none is open (one for concurrent callers)."""
+        if self._call is not None:
+            return self.session_id
+        with self._lock:
+            if self._call is not None:
+                return self.session_id
+            q: queue.Queue = queue.Queue()
+            hello = self._hello()
+
+            def requests() -> Any:
+                yield hello
+                while q.get() is not None:
+                    pass
+
+            call = self._node.Session(requests(), wait_for_ready=True, timeout=None)
+            try:
+                msg = next(call)
+            except grpc.RpcError as e:
+                q.put(None)
+                raise rpc_error(e) from None
+            self._queue = q
+            return self._opened(call, msg)
+
+    def close(self) -> None:
+        """End the stream: the daemon reclaims everything held under the session."""
+        if self._queue is not None:
+            self._queue.put(None)
+        if self._call is not None:
+            self._call.cancel()
+        self._queue = self._call = None
+        self.session_id = 0
+
+
+class AsyncSessionStream(_Session):
+    """The asyncio client's session."""
+
+    def __init__(self, node: Any, client_name: str, lock: asyncio.Lock) -> None:
+        super().__init__(node, client_name)
+        self._lock = lock
+
+    async def open(self) -> int:
+        """As :meth:`SessionStream.open`."""
+        if self._call is not None:
+            return self.session_id
+        async with self._lock:
+            if self._call is not None:
+                return self.session_id
+            call = self._node.Session(wait_for_ready=True)
+            try:
+                await call.write(self._hello())
+                msg = await call.read()
+            except grpc.RpcError as e:
+                call.cancel()
+                raise rpc_error(e) from None
+            return self._opened(call, msg)
+
+    def close(self) -> None:
+        """As :meth:`SessionStream.close`."""
+        if self._call is not None:
+            self._call.cancel()
+        self._call = None
+        self.session_id = 0
+
+
+# -- steps ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One unary RPC: ``service`` is ``node``, ``locations`` or ``transfer``; ``timeout`` None:
+    the transport's."""
+
+    service: str
+    method: str
+    request: Message
+    timeout: float | None = None
+    wait_for_ready: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Background:
+    """Send ``call`` without waiting for its reply (see the module docstring)."""
+
+    call: Call
+    settle: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Locked:
+    """Run ``op`` holding the transport's lock."""
+
+    op: Generator
+
+
+SESSION = "session"
+SETTLE = "settle"
+
+Step = Call | Background | Locked | str
+Op = Generator[Step, Any, T]
+
+
+def one_call(call: Call) -> Op[Any]:
+    """The operation of one call: its reply."""
+    return (yield call)
+
+
+def restarted(error: KvtierError, session: _Session) -> Op[bool]:
+    """Whether a FAILED_PRECONDITION or UNAVAILABLE answer means the session is gone with the
+    daemon it lived on (UNAVAILABLE; its stream ended; the daemon answers with another
+    epoch). A FAILED_PRECONDITION from the daemon the session still lives on is a refusal:
+    the session is kept (dropping it would take the grants and pins other threads hold)."""
+    if error.code != grpc.StatusCode.FAILED_PRECONDITION or not session.epoch or not session.alive:
+        return True
+    try:
+        reply = yield Call("node", "Stats", node_pb2.StatsRequest())
+    except KvtierError:
+        return True
+    return reply.epoch != session.epoch
+
+
+def _first_step(op: Generator) -> tuple[Any, Any]:
+    """(the op's first step, None), or (None, its result) when it finished without one."""
+    try:
+        return op.send(None), None
+    except StopIteration as stop:
+        return None, stop.value
+
+
+# -- transports -----------------------------------------------------------------------------
+
+class _Transport:
+    """What both transports share: the target, the stubs, and performing an operation's steps.
+
+    The step primitives (``_unary``, ``_open``, ``_wait``, ``_locked``) are coroutines in both
+    transports; the blocking one's never suspend, so :meth:`Transport.run` completes them
+    with one ``send``."""
+
+    session: Any
+
+    def __init__(self, path: str | None, target: str | None, client_name: str | None, timeout: float,
+                 channel: Any) -> None:
+        self.target = resolve_target(path, target)
+        self.client_name = client_name or default_client_name()
+        self.timeout = timeout
+        self.channel = channel(self.target, options=CHANNEL_OPTIONS)
+        self.node = node_pb2_grpc.NodeStub(self.channel)
+        self.locations = locations_pb2_grpc.LocationsStub(self.channel)
+        self.transfer = transfer_pb2_grpc.TransferStub(self.channel)
+        self._deferred: collections.deque = collections.deque()  # background calls SETTLE waits for
+        self._background: set = set()  # the others, referenced until done (gRPC cancels a dropped call)
+
+    def _method(self, call: Call) -> Any:
+        return getattr(getattr(self, call.service), call.method)
+
+    def _timeout(self, call: Call) -> float:
+        return self.timeout if call.timeout is None else call.timeout
+
+    async def _drive(self, op: Generator, step: Any) -> Any:
+        """Perform ``step`` and every later one of ``op``; its result."""
+        while True:
+            reply = error = None
+            try:
+                reply = await self._perform(step)
+            except grpc.RpcError as e:
+                error = rpc_error(e)
+            except GeneratorExit:
+                raise
+            except BaseException as e:  # thrown into the op, which may clean up (abort, release)
+                error = e
+            try:
+                step = op.send(reply) if error is None else op.throw(error)
+            except StopIteration as stop:
+                return stop.value
+
+    async def _complete(self, op: Generator) -> Any:
+        step, result = _first_step(op)
+        return result if step is None else await self._drive(op, step)
+
+    async def _perform(self, step: Any) -> Any:
+        if type(step) is Call:
+            return await self._unary(step)
+        if step is SESSION:
+            return await self._open()
+        if step is SETTLE:
+            return await self._settle()
+        if type(step) is Background:
+            handle = self._start(step.call)
+            if step.settle:
+                self._deferred.append(handle)
+            else:
+                self._background.add(handle)
+                handle.add_done_callback(self._forget)
+            return None
+        if type(step) is Locked:
+            return await self._locked(step.op)
+        raise TypeError(f"not a transport step: {step!r}")
+
+    async def _settle(self) -> None:
+        while self._deferred:
+            handle = self._deferred.popleft()
+            try:
+                await self._wait(handle)
+            except grpc.RpcError as e:
+                if e.code() not in _GONE_CODES:
+                    raise rpc_error(e) from None
+
+    def _forget(self, handle: Any) -> None:
+        self._background.discard(handle)
+
+    async def _unary(self, call: Call) -> Any:
+        raise NotImplementedError
+
+    async def _open(self) -> int:
+        raise NotImplementedError
+
+    async def _wait(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    async def _locked(self, op: Generator) -> Any:
+        raise NotImplementedError
+
+    def _start(self, call: Call) -> Any:
+        raise NotImplementedError
+
+
+class Transport(_Transport):
+    """The blocking transport: a ``grpc.Channel``, thread-safe."""
+
+    def __init__(self, path: str | None = None, *, target: str | None = None, client_name: str | None = None,
+                 timeout: float = 60.0) -> None:
+        super().__init__(path, target, client_name, timeout, grpc.insecure_channel)
+        self._lock = threading.RLock()
+        self.session = SessionStream(self.node, self.client_name, self._lock)
+
+    def run(self, op: Op[T]) -> T:
+        """Perform ``op``'s steps, blocking; its result (or its error)."""
+        step, result = _first_step(op)
+        if step is None:  # answered without a call (a key table lookup)
+            return result
+        return _blocking(self._drive(op, step))
+
+    def close(self) -> None:
+        self.session.close()
+        self.channel.close()
+
+    async def _unary(self, call: Call) -> Any:
+        return self._method(call)(call.request, timeout=self._timeout(call), wait_for_ready=call.wait_for_ready)
+
+    async def _open(self) -> int:
+        return self.session.open()
+
+    def _start(self, call: Call) -> Any:
+        return self._method(call).future(call.request, timeout=self._timeout(call))
+
+    async def _wait(self, handle: Any) -> None:
+        handle.result()
+
+    async def _locked(self, op: Generator) -> Any:
+        with self._lock:
+            return await self._complete(op)
+
+
+class AsyncTransport(_Transport):
+    """The asyncio transport: a ``grpc.aio.Channel``, used from one event loop."""
+
+    def __init__(self, path: str | None = None, *, target: str | None = None, client_name: str | None = None,
+                 timeout: float = 60.0) -> None:
+        super().__init__(path, target, client_name, timeout, grpc.aio.insecure_channel)
+        self._lock = asyncio.Lock()
+        self.session = AsyncSessionStream(self.node, self.client_name, self._lock)
+
+    async def run(self, op: Op[T]) -> T:
+        """Perform ``op``'s steps, awaiting each; its result (or its error)."""
+        return await self._complete(op)
+
+    async def close(self) -> None:
+        self.session.close()
+        await self.channel.close()
+
+    async def _unary(self, call: Call) -> Any:
+        return await self._method(call)(call.request, timeout=self._timeout(call),
+                                        wait_for_ready=call.wait_for_ready)
+
+    async def _open(self) -> int:
+        return await self.session.open()
+
+    def _start(self, call: Call) -> Any:
+        return asyncio.ensure_future(self._method(call)(call.request, timeout=self._timeout(call)))
+
+    async def _wait(self, handle: Any) -> None:
+        if not handle.cancelled():
+            await handle
+
+    async def _locked(self, op: Generator) -> Any:
+        async with self._lock:
+            return await self._complete(op)
+
+    def _forget(self, handle: Any) -> None:
+        super()._forget(handle)
+        if not handle.cancelled():
+            handle.exception()  # retrieved: a failed report is not worth a warning
+
+
+def _blocking(coro: Coroutine) -> Any:
+    """Run a coroutine that never suspends (the blocking transport's) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("a blocking transport's step suspended")

@@ -1,0 +1,337 @@
+"""The location feeds a router follows: one ``WatchLocations`` stream per daemon.
+
+Owns
+    * the targets: static ones (``unix:/path`` or ``host:port``) and the addresses DNS names
+      resolve to (resolved again every ``resolve_interval_s``; an address that disappears
+      takes its node out of the index);
+    * per target, a stream that starts from its node's position in the index and reconnects
+      with backoff (``reconnect_min_s`` doubling up to ``reconnect_max_s``); the daemon
+      answers with the events after that position or a snapshot, so the index never has a
+      gap or a duplicate. A feed that breaks the contract loses its position and starts
+      again from a snapshot;
+    * which target serves which node (a node that a second, connected feed already serves is
+      refused on the second), and each node's last epoch: a new epoch (the daemon restarted)
+      is counted, logged and passed to ``on_epoch_change``; its snapshot replaces the node's
+      state;
+    * a :class:`FeedStatus` per target.
+
+Folding a message into the index is the index's
+(:meth:`~kvtier.client.routing.index.LocationIndex.fold`); this module decides which node a
+message belongs to and keeps the streams going. Nodes of a loaded state that no feed of this
+run serves (a static target dropped, an address gone from DNS) are forgotten once the static
+feeds are started and every DNS name has resolved once.
+
+Threading: the streams run on a private asyncio loop in a background thread
+(:meth:`Feeds.start`); every message is folded under the lock given, which the router also
+routes under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvtier.client.routing.index import FoldError, LocationIndex
+from kvtier.proto import locations_pb2, locations_pb2_grpc
+
+log = logging.getLogger("kvtier.router")
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.keepalive_time_ms", 10000),
+                    ("grpc.keepalive_timeout_ms", 5000)]
+
+Resolve = Callable[[str, int], Awaitable[list[str]]]
+
+
+@dataclass
+class FeedStatus:
+    """Where one feed stands (for tools and tests)."""
+
+    target: str
+    node_id: str = ""
+    connected: bool = False
+    epoch: int = 0
+    seq: int = 0
+    head_seq: int = 0
+    snapshots: int = 0
+    resumes: int = 0
+    epoch_changes: int = 0
+    last_error: str = ""
+
+    @property
+    def synced(self) -> bool:
+        return self.connected and self.epoch != 0 and self.seq >= self.head_seq
+
+
+class FeedError(Exception):
+    """A feed broke the protocol: locations before its NodeInfo."""
+
+
+class _StreamEnded(Exception):
+    """The daemon closed the stream cleanly; reconnect from the position held."""
+
+
+class _DuplicateNode(Exception):
+    """Two feeds claim the same node id."""
+
+
+async def system_resolve(host: str, port: int) -> list[str]:
+    """The system resolver's addresses for ``host``."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({ai[4][0] for ai in infos})
+
+
+class Feeds:
+    """See the module docstring. ``subscriber``: the name daemons log for these streams."""
+
+    def __init__(self, index: LocationIndex, lock: threading.RLock, *, daemons: Sequence[str] = (),
+                 dns: Sequence[str] = (), resolve_interval_s: float = 10.0, reconnect_min_s: float = 0.1,
+                 reconnect_max_s: float = 5.0, subscriber: str = "kvtier-router",
+                 resolve: Resolve | None = None) -> None:
+        self.index = index
+        self._lock = lock
+        self.daemons, self.dns = tuple(daemons), tuple(dns)
+        self.resolve_interval_s = resolve_interval_s
+        self.reconnect_min_s, self.reconnect_max_s = reconnect_min_s, reconnect_max_s
+        self.subscriber = subscriber
+        self._resolve = resolve or system_resolve
+        self.status: dict[str, FeedStatus] = {}
+        self.targets: dict[str, str] = {}       # target -> node id it served last (saved with the index)
+        self._node_owner: dict[str, str] = {}   # node id -> target of the feed that serves it
+        self._node_epoch: dict[str, int] = {}   # node id -> epoch of its last NodeInfo
+        self._unresolved: set[str] = set()      # DNS names not yet resolved in this run
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping: asyncio.Event | None = None
+        self._synced = threading.Condition(lock)
+        self.on_epoch_change: Callable[[str, int, int], None] | None = None
+
+    # -- folding --------------------------------------------------------------------------
+
+    def apply(self, target: str, reply: locations_pb2.WatchLocationsReply) -> None:
+        """Fold one message of ``target``'s feed into the index (the caller holds the lock)."""
+        st = self.status.setdefault(target, FeedStatus(target))
+        body = reply.WhichOneof("body")
+        if body == "node":
+            self._claim(target, st, reply.node)
+            self.index.fold(reply.node.node_id, reply)
+            return
+        node = st.node_id
+        if not node:
+            raise FeedError("feed sent locations before its NodeInfo")
+        if body == "snapshot" and reply.snapshot.first:
+            st.snapshots += 1
+        self.index.fold(node, reply)
+        epoch, seq = self.index.position(node)
+        if body == "snapshot" and reply.snapshot.last:
+            st.epoch, st.seq = epoch, seq
+            st.head_seq = max(st.head_seq, reply.snapshot.at_seq)
+        elif body == "events":
+            st.epoch, st.seq = epoch, seq
+            st.head_seq = max(reply.events.head_seq, seq)
+        if st.synced:
+            self._synced.notify_all()
+
+    def _claim(self, target: str, st: FeedStatus, info: locations_pb2.NodeInfo) -> None:
+        """``target`` serves ``info.node_id`` from now on; notice a new epoch."""
+        old = self.targets.get(target)
+        if old and old != info.node_id:
+            log.warning("feed now serves another node; forgetting the old one",
+                        extra={"target": target, "old_node": old, "node": info.node_id})
+            self.index.drop_node(old)
+            self._node_owner.pop(old, None)
+        owner = self._node_owner.get(info.node_id)
+        if owner is not None and owner != target and self.status.get(owner, FeedStatus(owner)).connected:
+            raise _DuplicateNode(f"node {info.node_id!r} is already served by feed {owner}")
+        self._node_owner[info.node_id] = target
+        self.targets[target] = info.node_id
+        st.node_id = info.node_id
+        st.head_seq = info.head_seq
+        epoch, seq = self.index.position(info.node_id)
+        known = self._node_epoch.get(info.node_id) or epoch
+        if known and known != info.epoch:
+            st.epoch_changes += 1
+            log.info("daemon restarted (new epoch)", extra={"node": info.node_id, "old_epoch": known,
+                                                            "epoch": info.epoch})
+            if self.on_epoch_change:
+                self.on_epoch_change(info.node_id, known, info.epoch)
+        self._node_epoch[info.node_id] = info.epoch
+        if epoch and epoch == info.epoch:  # resuming: the position stands
+            st.epoch, st.seq = epoch, seq
+
+    # -- the streams ----------------------------------------------------------------------
+
+    def start(self, *extra: Callable[[], Awaitable[None]]) -> None:
+        """Start every feed (and the coroutines ``extra``) on a background thread's loop."""
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            self._stopping = asyncio.Event()
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            try:
+                loop.run_until_complete(self._run(extra))
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="kvtier-router-feeds", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    def stop(self) -> bool:
+        """Stop every feed and the thread; False if they were not running."""
+        loop, thread, stopping = self._loop, self._thread, self._stopping
+        if loop is None or thread is None or stopping is None:
+            return False
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(stopping.set)
+        thread.join(10)
+        self._loop = self._thread = None
+        return True
+
+    async def _run(self, extra: Sequence[Callable[[], Awaitable[None]]]) -> None:
+        for target in self.daemons:
+            self._start_feed(target)
+        self._unresolved = set(self.dns)
+        if not self._unresolved:
+            self._forget_unserved()
+        tasks = [asyncio.ensure_future(self._resolve_loop(name)) for name in self.dns]
+        tasks += [asyncio.ensure_future(job()) for job in extra]
+        assert self._stopping is not None
+        await self._stopping.wait()
+        for t in [*tasks, *self._tasks.values()]:
+            t.cancel()
+        await asyncio.gather(*tasks, *self._tasks.values(), return_exceptions=True)
+
+    def _start_feed(self, target: str) -> None:
+        if target not in self._tasks:
+            with self._lock:
+                self.status.setdefault(target, FeedStatus(target))
+            self._tasks[target] = asyncio.ensure_future(self._feed(target))
+
+    async def _stop_feed(self, target: str) -> None:
+        task = self._tasks.pop(target, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        with self._lock:
+            self.status.pop(target, None)
+            node = self.targets.pop(target, None)
+            if node and self._node_owner.get(node) == target:
+                del self._node_owner[node]
+                self.index.drop_node(node)
+                log.info("node left (its address is gone)", extra={"target": target, "node": node})
+
+    async def _feed(self, target: str) -> None:
+        delay = self.reconnect_min_s
+        while True:
+            received = [0]
+            try:
+                await self._stream(target, received)
+            except asyncio.CancelledError:
+                raise
+            except (grpc.RpcError, FeedError, FoldError, _StreamEnded, _DuplicateNode) as e:
+                if received[0]:  # it was up: retry soon
+                    delay = self.reconnect_min_s
+                self._dropped(target, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.reconnect_max_s)
+
+    async def _stream(self, target: str, received: list[int]) -> None:
+        """One subscription, from the node's position, until it breaks (raises); counts the
+        messages in ``received[0]``."""
+        async with grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS) as channel:
+            stub = locations_pb2_grpc.LocationsStub(channel)
+            with self._lock:
+                node = self.targets.get(target, "")
+                epoch, seq = self.index.position(node) if node else (0, 0)
+            call = stub.WatchLocations(locations_pb2.WatchLocationsRequest(
+                epoch=epoch, from_seq=seq, subscriber=self.subscriber), wait_for_ready=False)
+            async for reply in call:
+                with self._lock:
+                    st = self.status[target]
+                    if received[0] == 0:
+                        st.connected = True
+                    elif received[0] == 1 and epoch and reply.WhichOneof("body") == "events":
+                        st.resumes += 1
+                    self.apply(target, reply)
+                received[0] += 1
+            raise _StreamEnded("the daemon ended the stream (stopping?)")
+
+    def _dropped(self, target: str, e: Exception, retry_s: float) -> None:
+        msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        with self._lock:
+            st = self.status.get(target)
+            if st is not None:
+                if st.connected or st.last_error != msg:
+                    log.info("feed dropped; reconnecting", extra={"target": target, "error": msg,
+                                                                  "retry_s": retry_s})
+                st.connected, st.last_error = False, msg
+            if isinstance(e, FeedError | FoldError):  # broke the contract: start from a snapshot
+                node = self.targets.get(target)
+                if node:
+                    self.index.invalidate(node)
+
+    def _forget_unserved(self) -> None:
+        """Forget the nodes of a loaded state that no feed of this run serves: their daemon
+        left the static list, or its address left DNS while the router was down. (Nodes a
+        feed drops while running are forgotten by :meth:`_stop_feed`.)"""
+        with self._lock:
+            for target in [t for t in self.targets if t not in self._tasks]:
+                del self.targets[target]
+            served = set(self.targets.values())
+            for node in [n for n in self.index.nodes if n not in served]:
+                log.info("saved node not served by any feed now; forgotten", extra={"node": node})
+                self.index.drop_node(node)
+                self._node_owner.pop(node, None)
+                self._node_epoch.pop(node, None)
+
+    async def _resolve_loop(self, name: str) -> None:
+        host, _, port = name.rpartition(":")
+        if not host or not port.isdigit():
+            log.error("DNS feed name is not HOST:PORT; ignored", extra={"name": name})
+            return
+        mine: set[str] = set()
+        while True:
+            try:
+                found = {f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in await self._resolve(host, int(port))}
+            except OSError as e:
+                log.warning("DNS resolution failed; keeping the feeds we have",
+                            extra={"name": name, "error": str(e)})
+                found = mine
+            for target in sorted(found - mine):
+                self._start_feed(target)
+            for target in sorted(mine - found):
+                await self._stop_feed(target)
+            mine = found
+            if name in self._unresolved and mine:
+                self._unresolved.discard(name)
+                if not self._unresolved:  # every name answered once: the feeds are all known
+                    self._forget_unserved()
+            await asyncio.sleep(self.resolve_interval_s)
+
+    # -- waiting --------------------------------------------------------------------------
+
+    def wait_synced(self, timeout: float = 10.0, nodes: int | None = None) -> bool:
+        """Wait until every feed (at least ``nodes`` of them) applied its daemon's newest event
+        known at its last message; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._synced:
+            while True:
+                sts = list(self.status.values())
+                if sts and all(st.synced for st in sts) and (nodes is None or len(sts) >= nodes):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._synced.wait(min(left, 0.05))

@@ -1,0 +1,130 @@
+"""The router's load accounting: what it dispatched to each worker and has not seen finish.
+
+Owns, per worker, *queued* prefill blocks and *active* requests:
+    * :meth:`Loads.dispatch` charges a worker a request's blocks to prefill (the cost's ``N -
+      saved``) and one active request; :meth:`Loads.finish` with ``prefill_only`` takes the
+      queued blocks off, without it also the active request (a request whose prefill was
+      never reported done takes both off). A dispatch never finished stops counting
+      ``load_ttl_s`` after it was made (:meth:`Loads.expire`);
+    * an engine's own report (:meth:`Loads.report`) is a floor under both numbers;
+    * arrays aligned with the index's workers (:meth:`Loads.align`): ``queued``, ``active``
+      and ``cost`` (the scorer's load term ``a * queued + b * active``), updated in place on
+      every change, so routing reads them without a per-worker loop.
+
+Counts never go below zero. Not thread-safe: the router serialises calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.client.routing.scoring import Load, Scorer
+
+
+@dataclass(slots=True)
+class _Dispatched:
+    worker: str
+    queued: float
+    at: float
+    prefilled: bool = False
+
+
+class Loads:
+    """See the module docstring; ``scorer`` prices the load (its
+    :meth:`~kvtier.client.routing.scoring.Scorer.load_cost`)."""
+
+    def __init__(self, load_ttl_s: float, scorer: Scorer) -> None:
+        self.load_ttl_s = load_ttl_s
+        self._load_cost = scorer.load_cost
+        # the same term for one worker, inline: it is updated on every dispatch and finish
+        self._qw, self._aw = scorer.config.queued_weight, scorer.config.active_weight
+        self._ids = itertools.count(1)
+        self._dispatched: dict[int, _Dispatched] = {}
+        self._order: deque[tuple[float, int]] = deque()  # (dispatched at, id), oldest first
+        self._queued: dict[str, float] = {}
+        self._active: dict[str, float] = {}
+        self._reported: dict[str, tuple[float, float]] = {}
+        self._pos: dict[str, int] = {}
+        self.queued = np.zeros(0)
+        self.active = np.zeros(0)
+        self.cost = np.zeros(0)
+
+    def align(self, workers: Sequence[str]) -> None:
+        """Rebuild the arrays for these workers, in this order."""
+        rep = self._reported
+        none = (0.0, 0.0)
+        self.queued = np.array([max(self._queued.get(w, 0.0), rep.get(w, none)[0]) for w in workers], dtype=np.float64)
+        self.active = np.array([max(self._active.get(w, 0.0), rep.get(w, none)[1]) for w in workers], dtype=np.float64)
+        self.cost = self._load_cost(self.queued, self.active)
+        self._pos = {w: i for i, w in enumerate(workers)}
+
+    def dispatch(self, worker: str, queued: float, now: float) -> int:
+        """Charge ``worker`` a request of ``queued`` blocks to prefill; returns its id."""
+        did = next(self._ids)
+        self._dispatched[did] = _Dispatched(worker, queued, now)
+        self._order.append((now, did))
+        self._add(worker, queued, 1.0)
+        return did
+
+    def finish(self, decision_id: int, prefill_only: bool = False) -> bool:
+        """The dispatched request's prefill is done (``prefill_only``) or it ended; False for
+        an id not dispatched (or already finished)."""
+        d = self._dispatched.get(decision_id)
+        if d is None:
+            return False
+        if prefill_only:
+            if not d.prefilled:
+                self._add(d.worker, -d.queued, 0.0)
+                d.prefilled = True
+        else:
+            self._add(d.worker, 0.0 if d.prefilled else -d.queued, -1.0)
+            del self._dispatched[decision_id]
+        return True
+
+    def report(self, worker: str, queued_blocks: float, active_requests: float) -> None:
+        """An engine's own report of its load: at least this much is counted."""
+        self._reported[worker] = (queued_blocks, active_requests)
+        self._add(worker, 0.0, 0.0)
+
+    def load(self, worker: str) -> Load:
+        rq, ra = self._reported.get(worker, (0.0, 0.0))
+        return Load(max(rq, self._queued.get(worker, 0.0)), max(ra, self._active.get(worker, 0.0)))
+
+    def expire(self, now: float) -> None:
+        """Finish what was dispatched more than ``load_ttl_s`` ago; drop finished entries
+        from the front of the queue (so it holds about the requests still running)."""
+        order = self._order
+        if not order:
+            return
+        live = self._dispatched
+        limit = now - self.load_ttl_s
+        while order:
+            at, did = order[0]
+            if did in live:
+                if at >= limit:
+                    break
+                self.finish(did)
+            order.popleft()
+
+    def _add(self, worker: str, queued: float, active: float) -> None:
+        q = self._queued.get(worker, 0.0) + queued
+        a = self._active.get(worker, 0.0) + active
+        if q < 0.0:
+            q = 0.0
+        if a < 0.0:
+            a = 0.0
+        self._queued[worker] = q
+        self._active[worker] = a
+        i = self._pos.get(worker)
+        if i is not None:
+            rep = self._reported.get(worker)
+            if rep is not None:
+                q, a = max(q, rep[0]), max(a, rep[1])
+            self.queued[i] = q
+            self.active[i] = a
+            self.cost[i] = self._qw * q + self._aw * a

@@ -1,0 +1,48 @@
+"""Refusals: a request the daemon will not carry out, as a domain error.
+
+:class:`StoreError` carries a :class:`Code` and a message a person can act on. The codes are
+named after the gRPC status codes the service layer answers with (``kvtier.daemon.services``
+maps them); the domain modules never deal with the wire. A refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Sequence
+
+from kvtier.tiers.vocab import key_problem
+
+
+class Code(enum.Enum):
+    """Why a request is refused; each name is the gRPC status code it is answered with."""
+
+    INVALID_ARGUMENT = enum.auto()     # malformed: change the request
+    FAILED_PRECONDITION = enum.auto()  # not now / not here: register, open a session, add a disk tier
+    RESOURCE_EXHAUSTED = enum.auto()   # capacity
+    NOT_FOUND = enum.auto()            # names something that is not there (any more)
+    CANCELLED = enum.auto()            # the caller's session ended while the request ran
+    INTERNAL = enum.auto()             # a bug: logged with its traceback
+
+
+class StoreError(Exception):
+    """A request the daemon refuses; ``code`` says how it is answered."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def check_keys(keys: Sequence[bytes], limit: int, *, unique: bool) -> None:
+    """Refuse (INVALID_ARGUMENT) a batch of more than ``limit`` keys, a key of a bad length, or
+    (``unique``) a key named twice."""
+    if len(keys) > limit:
+        raise StoreError(Code.INVALID_ARGUMENT,
+                         f"{len(keys)} keys in one request; the limit is {limit} (--max-batch-keys): split the batch")
+    for i, k in enumerate(keys):
+        why = key_problem(k)
+        if why is not None:
+            raise StoreError(Code.INVALID_ARGUMENT, f"key {i} is {why}" if why[0].isdigit() else f"key {i}: {why}")
+    if unique and len(set(keys)) != len(keys):
+        dup = next(k for k, n in Counter(keys).items() if n > 1)
+        raise StoreError(Code.INVALID_ARGUMENT, f"key {dup.hex()} appears more than once in one batch; send each key once")

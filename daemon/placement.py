@@ -1,0 +1,316 @@
+"""The tiers below gpu and the movement of blocks between them, decided by the placement policy.
+
+:class:`Placement` holds the host tier, the disk tier (optional) and the node's
+:class:`~kvtier.tiers.policy.TierPolicy`. The policy makes every order and rule decision:
+which host and disk blocks are evicted first (``victims``, least recently used first), which
+host victims are demoted (``demotions``: seen often enough, not on disk yet) and which
+blocks a get promotes from disk (``promotions``). This module keeps what the policy cannot
+know: pins (the tiers skip pinned victims), bytes across size classes, the I/O, and telling
+the policy (``on_*``), the counters and the location observers of every change.
+
+Promises
+    A block is visible in host only after its commit, a promoted block only after its
+    checksum matched. A host victim is reported gone from host (observers, policy) in the
+    loop step that took it, and its slot is not reused before its demotion finished. A disk
+    read whose checksum fails drops the disk entry (``checksum_failures``) and is a miss. A
+    full or failing disk degrades the tier to host-only (``disk_degraded``), never stops the
+    daemon. Host evictions (reserve -> demotion -> ``finish_eviction``) are serialised by one
+    lock, so a demotion never reads a slot another request had punched.
+
+Threading: every method runs on the daemon's event loop; blocking work (fallocate, disk I/O) is
+awaited in an executor or on the disk tier's threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import time
+from collections.abc import Iterable, Sequence
+
+from kvtier.daemon.counters import Count, Counters, Flow
+from kvtier.daemon.observers import Observers
+from kvtier.tiers.disk import DiskEntry, DiskTier, ReadOutcome
+from kvtier.tiers.host import HostEntry, HostTier, Reservation, SizeClass
+from kvtier.tiers.layout import Layout
+from kvtier.tiers.policy import TierPolicy
+from kvtier.tiers.vocab import Tier, group_by_fingerprint, key_of
+
+log = logging.getLogger("kvtier.store")
+
+HOST, DISK = Tier.HOST, Tier.DISK
+
+
+class Placement:
+    """See the module docstring."""
+
+    def __init__(self, host: HostTier, disk: DiskTier | None, policy: TierPolicy, counters: Counters,
+                 observers: Observers) -> None:
+        self.host = host
+        self.disk = disk
+        self.policy = policy
+        self.counters = counters
+        self.observers = observers
+        self.disk_load_gbps = 0.0
+        self._evict_lock = asyncio.Lock()
+        self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
+        if disk is not None:
+            policy.on_write(list(disk.entries))  # restored blocks, oldest write first
+
+    # -- what is held ----------------------------------------------------------------------
+
+    def in_host(self, bkey: bytes) -> bool:
+        return bkey in self.host.entries
+
+    def on_disk(self, bkey: bytes) -> bool:
+        return self.disk is not None and bkey in self.disk.entries
+
+    def holdings(self) -> list[tuple[Tier, bytes, list[bytes]]]:
+        """Every visible block of host and disk as (tier, fingerprint, keys)."""
+        out: list[tuple[Tier, bytes, list[bytes]]] = []
+        tiers: list[tuple[Tier, Iterable[bytes]]] = [(HOST, self.host.entries)]
+        if self.disk is not None:
+            tiers.append((DISK, self.disk.entries))
+        for tier, entries in tiers:
+            out.extend((tier, fp, keys) for fp, keys in group_by_fingerprint(list(entries)).items())
+        return out
+
+    def blocks_of(self, fingerprint: bytes) -> dict[Tier, int]:
+        out = {HOST: self.host.per_fp.get(fingerprint, 0)}
+        if self.disk is not None:
+            out[DISK] = self.disk.per_fp.get(fingerprint, 0)
+        return out
+
+    # -- host slots ------------------------------------------------------------------------
+
+    async def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int) -> list[HostEntry | None]:
+        """Grant a host slot per key (None: no room), evicting the policy's victims in order
+        (pinned ones are skipped) and demoting those it picks, before any slot is handed out."""
+        async with self._evict_lock:
+            res = self.host.reserve(cls, bkeys, block_bytes, self.policy.victims(HOST))
+            if res.victims:
+                await self._host_evicted(res.victims)
+            self.host.finish_eviction()
+        return await self._back(res)
+
+    async def _back(self, res: Reservation) -> list[HostEntry | None]:
+        """Allocate the memory of a reservation's fresh slots (before anyone may write them);
+        returns its entries. Where the tmpfs cannot back them (full, or smaller than
+        --host-capacity) those slots become holes and their entries None (no space), instead
+        of letting a client fault writing them."""
+        entries = list(res.entries)
+        if not res.backing.ranges:
+            return entries
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, res.backing.run)
+        except OSError as err:
+            fresh = {off for _, off, _ in res.backing.ranges}
+            dropped = [e for e in entries if e is not None and e.offset in fresh]
+            self.host.unback(dropped)
+            entries = [None if e is not None and e.offset in fresh else e for e in entries]
+            if not self.counters[Count.HOST_BACKING_FAILURES]:
+                log.error("host pool memory could not be allocated; the tmpfs is fuller than --host-capacity "
+                          "allows. Serving with less.", extra={"error": str(err), "shm_dir": self.host.shm_dir})
+            self.counters.add(Count.HOST_BACKING_FAILURES, len(dropped))
+        return entries
+
+    async def _host_evicted(self, victims: list[HostEntry]) -> None:
+        """Victims left the host tier (their bytes still intact until finish_eviction): report
+        them gone from host at once, then demote those the policy picks.
+
+        At once, in the step that took them out of ``host.entries``: while a demotion is
+        awaited, the location feed, its snapshots and the key table must not show them in
+        host (an acquire there misses), and a commit of another grant for one of them (which
+        makes it visible in host again) must come after its removal, not before."""
+        bkeys = [v.bkey for v in victims]
+        self.counters.evicted(HOST, len(victims))
+        already = sum(1 for b in bkeys if b in self.disk.entries) if self.disk is not None else 0
+        demote = self.policy.on_evict(HOST, bkeys)
+        self.observers.removed_blocks(HOST, bkeys)
+        try:
+            if self.disk is None:
+                return
+            self.counters.add(Count.DEMOTIONS_SKIPPED_COLD, len(victims) - len(demote) - already)
+            if demote and self.disk.degraded:
+                self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(demote))
+            elif demote:
+                by_key = {v.bkey: v for v in victims}
+                self.counters.add(Count.DEMOTIONS, await self.write_to_disk([by_key[b] for b in demote]))
+        finally:
+            self.policy.on_demotion_end(demote)
+
+    def commit(self, entries: Sequence[HostEntry]) -> list[HostEntry]:
+        """Make granted entries visible in host (the first commit of a key wins); returns those
+        that became visible."""
+        done = [e for e in entries if self.host.commit(e)]
+        if done:
+            self.policy.on_commit(e.bkey for e in done)
+            self.observers.stored_blocks(HOST, (e.bkey for e in done))
+        return done
+
+    def hit(self, entries: Sequence[HostEntry]) -> None:
+        """A get found these host entries."""
+        self.policy.on_hit(e.bkey for e in entries)
+
+    # -- disk ------------------------------------------------------------------------------
+
+    def _slot_view(self, cls: SizeClass, offset: int) -> memoryview:
+        """The daemon's own view of one host slot (page-aligned: fit for O_DIRECT)."""
+        pm = self._pool_maps.get(cls.slot_bytes)
+        if pm is None:
+            mm = mmap.mmap(cls.fd, cls.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            pm = self._pool_maps[cls.slot_bytes] = (mm, memoryview(mm))
+        return pm[1][offset:offset + cls.slot_bytes]
+
+    async def write_to_disk(self, entries: list[HostEntry]) -> int:
+        """Write these host blocks to disk and index them; returns how many became visible there.
+        The disk's victims are the policy's, in order (pinned ones skipped). The caller keeps
+        the blocks' slots intact (pinned, or victims before finish_eviction)."""
+        disk = self.disk
+        assert disk is not None
+        plan = disk.plan_write([(e.bkey, e.block_bytes, e.cls.slot_bytes) for e in entries],
+                               self.policy.victims(DISK))
+        if plan.victims:
+            gone = [v.bkey for v in plan.victims]
+            self.counters.evicted(DISK, len(gone))
+            self.policy.on_evict(DISK, gone)
+            self.observers.removed_blocks(DISK, gone)
+        skipped = sum(1 for d in plan.entries if d is None)
+        if skipped and not disk.degraded:
+            self.counters.add(Count.DISK_NO_SPACE, skipped)
+        srcs = [self._slot_view(e.cls, e.offset) for e, d in zip(entries, plan.entries, strict=True) if d]
+        if not srcs:
+            disk.finish_write(plan, None)
+            return 0
+        error: BaseException | None = None
+        try:
+            await asyncio.wrap_future(disk.submit_write(plan, srcs))
+        except Exception as e:  # any failure degrades the tier; the daemon keeps serving
+            error = e
+        finally:
+            for v in srcs:
+                v.release()
+        was_degraded = bool(disk.degraded)
+        done = disk.finish_write(plan, error)
+        if disk.degraded and not was_degraded:
+            self.counters.add(Count.DISK_DEGRADED)
+        self.counters.move(Flow.HOST_TO_DISK, sum(d.length for d in done))
+        visible = [d.bkey for d in done]
+        self.policy.on_write(visible)
+        self.observers.stored_blocks(DISK, visible)
+        return len(visible)
+
+    async def make_durable(self, bkeys: list[bytes]) -> int:
+        """Write the host blocks of ``bkeys`` that are not on disk yet; returns how many of
+        ``bkeys`` are on disk and indexed afterwards (their host slots are pinned meanwhile)."""
+        disk = self.disk
+        assert disk is not None
+        todo = [e for e in (self.host.get(b) for b in bkeys if b not in disk.entries) if e is not None]
+        if todo and not disk.degraded:
+            for e in todo:
+                self.host.pin(e)
+            try:
+                await self.write_to_disk(todo)
+            finally:
+                for e in todo:
+                    self.host.unpin(e)
+        return sum(1 for b in bkeys if b in disk.entries)
+
+    async def promote(self, layout: Layout, bkeys: list[bytes]) -> set[bytes]:
+        """Read the blocks the policy promotes among ``bkeys`` (on disk, not in host) into fresh
+        host slots, verify them, make them visible in host; returns the keys promoted. A
+        checksum failure drops the disk entry (a miss)."""
+        disk = self.disk
+        if disk is None:
+            return set()
+        dents = [d for d in (disk.get(b) for b in self.policy.promotions(bkeys)) if d is not None]
+        if not dents:
+            return set()
+        for d in dents:
+            disk.pin(d)
+        try:
+            pairs, results, elapsed = await self._read_into_host(layout, dents)
+        finally:
+            for d in dents:
+                disk.unpin(d)
+        promoted: list[bytes] = []
+        bad: list[bytes] = []
+        for (d, h), outcome in zip(pairs, results, strict=True):
+            if d.removed:  # evicted (Evict) while it was read: it must not come back in host
+                self.host.abort(h)
+            elif outcome is not ReadOutcome.OK:
+                self._count_bad_read(d, outcome)
+                self.host.abort(h)
+                bad.append(d.bkey)
+            elif self.host.commit(h):
+                promoted.append(d.bkey)
+        if bad:
+            gone = [e.bkey for e in disk.remove(bad)]
+            self.policy.on_remove(DISK, gone)
+            self.observers.removed_blocks(DISK, gone)
+        self._measured(sum(d.length for d, _ in pairs), elapsed)
+        self.counters.add(Count.PROMOTIONS, len(promoted))
+        self.counters.move(Flow.DISK_TO_HOST, len(promoted) * layout.block_bytes)
+        self.policy.on_promote(promoted)
+        self.observers.stored_blocks(HOST, promoted)
+        return set(promoted)
+
+    async def _read_into_host(self, layout: Layout, dents: list[DiskEntry]
+                              ) -> tuple[list[tuple[DiskEntry, HostEntry]], list[ReadOutcome], float]:
+        """Reserve host slots for the disk entries (as far as there is room) and read them in;
+        returns the (disk, host) pairs read, each read's outcome and the seconds it took."""
+        disk = self.disk
+        assert disk is not None
+        hosts = await self.reserve(self.host.size_class(layout.slot_bytes), [d.bkey for d in dents],
+                                   layout.block_bytes)
+        pairs = [(d, h) for d, h in zip(dents, hosts, strict=True) if h is not None]
+        self.counters.add(Count.PROMOTIONS_NO_SPACE, len(dents) - len(pairs))
+        views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
+        t0 = time.perf_counter()
+        try:
+            futs = disk.submit_read([d for d, _ in pairs], views)
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+        except BaseException:
+            for _, h in pairs:
+                self.host.abort(h)
+            raise
+        finally:
+            for v in views:
+                v.release()
+        return pairs, list(results), time.perf_counter() - t0
+
+    def _count_bad_read(self, d: DiskEntry, outcome: ReadOutcome) -> None:
+        checksum = outcome is ReadOutcome.CHECKSUM
+        self.counters.add(Count.CHECKSUM_FAILURES if checksum else Count.DISK_READ_ERRORS)
+        log.warning("disk block dropped: %s", "checksum mismatch" if checksum else "read error",
+                    extra={"key": key_of(d.bkey).hex(), "slab": d.slab.path, "slot": d.slot})
+
+    def _measured(self, nbytes: int, elapsed: float) -> None:
+        if nbytes and elapsed > 0:
+            gbps = nbytes / elapsed / 1e9
+            self.disk_load_gbps = gbps if not self.disk_load_gbps else 0.8 * self.disk_load_gbps + 0.2 * gbps
+
+    # -- removal ---------------------------------------------------------------------------
+
+    def remove(self, bkeys: list[bytes]) -> int:
+        """Remove these blocks from host and disk; returns the entries removed."""
+        gone = [e.bkey for e in self.host.remove(bkeys)]
+        self.policy.on_remove(HOST, gone)
+        self.observers.removed_blocks(HOST, gone)
+        n = len(gone)
+        if self.disk is not None:
+            gone = [e.bkey for e in self.disk.remove(bkeys)]
+            self.policy.on_remove(DISK, gone)
+            self.observers.removed_blocks(DISK, gone)
+            n += len(gone)
+        return n
+
+    def close(self) -> None:
+        for mm, view in self._pool_maps.values():
+            view.release()
+            mm.close()
+        self._pool_maps.clear()
+        if self.disk is not None:
+            self.disk.close()
+        self.host.close()

@@ -1,0 +1,105 @@
+"""gRPC servicer of ``kvtier.v1.Node``: each handler turns its request into a store call and the
+typed result into its reply (:mod:`kvtier.daemon.services.convert`). Errors and timing:
+:mod:`kvtier.daemon.services.handlers`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+
+from kvtier.daemon.errors import Code, StoreError
+from kvtier.daemon.metrics import OpLatency
+from kvtier.daemon.services import convert
+from kvtier.daemon.services.handlers import handled
+from kvtier.daemon.stats import StatsSource
+from kvtier.daemon.store import BlockStore
+from kvtier.proto import node_pb2, node_pb2_grpc
+
+log = logging.getLogger("kvtier.service")
+
+RECLAIM_DEADLINE_S = 1.0  # grants and pins are reclaimed this soon after a session's stream ends
+
+
+class NodeService(node_pb2_grpc.NodeServicer):
+    def __init__(self, store: BlockStore, stats: StatsSource, latency: OpLatency, key_table_path: str = "") -> None:
+        self.store = store
+        self.counters = store.counters
+        self.stats = stats
+        self.latency = latency  # every handler's time, by op (exported as kvtier_op_latency_seconds)
+        self.key_table_path = key_table_path
+
+    @handled
+    async def RegisterLayout(self, request: node_pb2.RegisterLayoutRequest, context: Any) -> node_pb2.RegisterLayoutReply:
+        if not request.HasField("layout"):
+            raise StoreError(Code.INVALID_ARGUMENT, "RegisterLayout needs a layout")
+        reg = await self.store.register_layout(convert.layout_from_wire(request.layout))
+        cls = self.store.pool(reg.layout)
+        return node_pb2.RegisterLayoutReply(
+            layout_id=reg.layout_id, fingerprint=reg.layout.fingerprint, block_bytes=reg.layout.block_bytes,
+            slot_bytes=cls.slot_bytes, pool_path=cls.path, pool_bytes=cls.pool_bytes,
+            key_table_path=self.key_table_path)
+
+    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF or not first.HasField("hello"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Session stream starts with a hello message")
+        sess = self.store.open_session(first.hello.client_name, first.hello.pid)
+        log.info("session opened", extra={"session_id": sess.session_id, "client": sess.client_name,
+                                          "pid": sess.pid})
+        try:
+            await context.write(node_pb2.SessionServerMessage(opened=node_pb2.SessionOpened(
+                session_id=sess.session_id, node_id=self.stats.node_id, epoch=self.stats.epoch,
+                reclaim_deadline_s=RECLAIM_DEADLINE_S)))
+            while (await context.read()) is not grpc.aio.EOF:
+                pass
+        finally:
+            grants, leases = self.store.close_session(sess.session_id)
+            log.info("session closed", extra={"session_id": sess.session_id, "grants_reclaimed": grants,
+                                              "leases_reclaimed": leases})
+
+    @handled
+    async def Allocate(self, request: node_pb2.AllocateRequest, context: Any) -> node_pb2.AllocateReply:
+        grants = await self.store.allocate(request.session_id, request.layout_id, list(request.keys), request.durable)
+        return convert.allocate_reply(grants)
+
+    @handled
+    async def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitReply:
+        done = await self.store.commit(request.session_id, list(request.grant_ids), list(request.abort_grant_ids),
+                                       request.durable)
+        return node_pb2.CommitReply(committed=done.committed, durable=done.durable)
+
+    @handled
+    async def Acquire(self, request: node_pb2.AcquireRequest, context: Any) -> node_pb2.AcquireReply:
+        return convert.acquire_reply(await self.store.acquire(request.session_id, request.layout_id, list(request.keys)))
+
+    @handled
+    async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseReply:
+        self.store.release(request.session_id, list(request.lease_ids))
+        return node_pb2.ReleaseReply()
+
+    @handled
+    async def Lookup(self, request: node_pb2.LookupRequest, context: Any) -> node_pb2.LookupReply:
+        return convert.lookup_reply(self.store.lookup(request.layout_id, list(request.keys)))
+
+    @handled
+    async def ReportLookups(self, request: node_pb2.ReportLookupsRequest, context: Any) -> node_pb2.ReportLookupsReply:
+        for c in request.layouts:  # every layout checked first: a bad report counts nothing
+            self.store.layout(c.layout_id)
+        for c in request.layouts:
+            self.store.count_table_lookups(c.layout_id, convert.reported_hits(c), c.miss)
+        return node_pb2.ReportLookupsReply()
+
+    @handled
+    async def Evict(self, request: node_pb2.EvictRequest, context: Any) -> node_pb2.EvictReply:
+        return node_pb2.EvictReply(evicted=self.store.evict(request.layout_id, list(request.keys)))
+
+    @handled
+    async def Prefetch(self, request: node_pb2.PrefetchRequest, context: Any) -> node_pb2.PrefetchReply:
+        return node_pb2.PrefetchReply(promoted=await self.store.prefetch(request.layout_id, list(request.keys)))
+
+    @handled
+    async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsReply:
+        return convert.stats_reply(self.stats.snapshot())

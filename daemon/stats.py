@@ -1,0 +1,89 @@
+"""What a daemon reports about itself, typed: the Stats reply, the metrics and NodeInfo read it.
+
+:meth:`StatsSource.snapshot` takes one consistent :class:`NodeStats` on the event loop (the
+counters are copied); :meth:`StatsSource.snapshot_from_thread` does so from another thread
+(the Prometheus endpoint's), by running it on the loop. The service layer turns a snapshot
+into a ``StatsReply``; the metrics collector (:mod:`kvtier.daemon.metrics`) reads it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kvtier import __version__
+from kvtier.daemon.counters import Counters
+from kvtier.daemon.store import BlockStore
+from kvtier.tiers.vocab import Tier
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One tier the daemon holds blocks in (host, and disk when configured)."""
+
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    load_gbps: float = 0.0  # measured bandwidth of loading from this tier, 10^9 B/s (0: not measured)
+
+
+@dataclass(frozen=True)
+class LayoutUsage:
+    layout_id: int
+    fingerprint: bytes
+    block_bytes: int
+    blocks: dict[Tier, int] = field(default_factory=dict)  # per tier (gpu: held on some worker's device)
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    node_id: str
+    epoch: int
+    version: str
+    uptime_s: float
+    sessions: int
+    tiers: list[TierUsage]
+    layouts: list[LayoutUsage]
+    counters: Counters
+
+
+def tier_usage(store: BlockStore) -> list[TierUsage]:
+    """Host, then disk if the store has one."""
+    host = store.host
+    out = [TierUsage(Tier.HOST, host.capacity, host.used_bytes, len(host.entries))]
+    disk = store.disk
+    if disk is not None:
+        out.append(TierUsage(Tier.DISK, disk.capacity, disk.used_bytes, len(disk.entries), store.tiers.disk_load_gbps))
+    return out
+
+
+class StatsSource:
+    """Snapshots of one daemon's state (see the module docstring)."""
+
+    def __init__(self, store: BlockStore, node_id: str, epoch: int) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.epoch = epoch
+        self.started = time.monotonic()
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the daemon once it runs
+
+    def snapshot(self) -> NodeStats:
+        """Now, consistently: call it on the event loop."""
+        store = self.store
+        layouts = [LayoutUsage(reg.layout_id, reg.layout.fingerprint, reg.layout.block_bytes,
+                               store.blocks_of(reg.layout.fingerprint)) for reg in store.layouts]
+        return NodeStats(self.node_id, self.epoch, __version__, time.monotonic() - self.started,
+                         len(store.sessions), tier_usage(store), layouts, store.counters.copy())
+
+    def snapshot_from_thread(self, timeout: float = 10.0) -> NodeStats:
+        """:meth:`snapshot` from another thread: run on the event loop, waited for."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            raise RuntimeError("the daemon's event loop is not running")
+
+        async def take() -> NodeStats:
+            return self.snapshot()
+
+        return asyncio.run_coroutine_threadsafe(take(), loop).result(timeout)
