@@ -1,0 +1,117 @@
+"""Run one vLLM engine over a multi-turn workload and report what happened, as JSON.
+
+The engine test (tests/test_vllm_engine.py) and the benchmark (bench/vllm_e2e.py) start this
+in a subprocess, one engine per phase (vLLM spawns its workers, so ``LLM(...)`` must run
+under ``__main__``)::
+
+    python -m kvtier.client.testing.vllm_engine CONFIG.json OUT.json
+
+CONFIG: ``model`` (a directory, e.g. from :mod:`kvtier.client.testing.tiny_model`),
+``prompts`` (see :func:`multi_turn`), ``max_tokens``, ``block_size``, ``num_gpu_blocks``,
+``max_model_len`` and optionally ``kvtier`` (a dict of ``kv_connector_extra_config`` keys:
+without it, vLLM runs alone) and ``kv_load_failure_policy`` (default ``recompute``). Requests run one at a time, in order; each turn's prompt is
+the session's previous prompt, its greedy output, then the turn's new tokens.
+
+OUT: per request ``session``, ``turn``, ``prompt_tokens``, ``cached_tokens`` (vLLM's
+``num_cached_tokens``: its own prefix cache plus what the connector loaded), ``output``
+(token ids), ``ttft_s``; and ``metrics``: vLLM's Prometheus counters whose name holds
+``kvtier`` or ``kv_offload``, summed over labels other than their own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def multi_turn(sessions: int, turns: int, first: int, per_turn: int, vocab: int, seed: int = 0) -> list[dict]:
+    """The new tokens of each (session, turn), turn-major (every session's turn 0, then turn 1...),
+    so a session's prefix has left a small KV cache by the time it comes back."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    out = []
+    for t in range(turns):
+        for s in range(sessions):
+            n = first if t == 0 else per_turn
+            out.append({"session": s, "turn": t, "new": [rng.randrange(3, vocab) for _ in range(n)]})
+    return out
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        snapshot = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - metrics are a bonus
+        return out
+    for m in snapshot:
+        name = getattr(m, "name", "")
+        if "kvtier" not in name and "kv_offload" not in name:
+            continue
+        labels = getattr(m, "labels", {}) or {}
+        own = [f"{k}={v}" for k, v in sorted(labels.items()) if k in ("result", "reason", "tier")]
+        key = name + (f"{{{','.join(own)}}}" if own else "")
+        value = getattr(m, "value", None)
+        if value is None:
+            value = getattr(m, "count", 0)
+        out[key] = out.get(key, 0) + float(value)
+    return out
+
+
+def run(cfg: dict) -> dict:
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    kw: dict[str, Any] = {}
+    if cfg.get("kvtier") is not None:
+        extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.client.vllm", **cfg["kvtier"]}
+        kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                    "kv_load_failure_policy": cfg.get("kv_load_failure_policy", "recompute"),
+                                    "kv_connector_extra_config": extra}
+    t0 = time.perf_counter()
+    llm = LLM(model=cfg["model"], enforce_eager=True, block_size=cfg["block_size"], enable_prefix_caching=True,
+              num_gpu_blocks_override=cfg["num_gpu_blocks"], max_model_len=cfg["max_model_len"], max_num_seqs=4,
+              max_num_batched_tokens=max(512, cfg["max_model_len"]), gpu_memory_utilization=0.1,
+              dtype="bfloat16", seed=0, disable_log_stats=False, **kw)
+    startup = time.perf_counter() - t0
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
+    context: dict[int, list[int]] = {}
+    results = []
+    t_run = time.perf_counter()
+    for i, req in enumerate(cfg["prompts"]):
+        prompt = context.get(req["session"], []) + req["new"]
+        rid = f"r{i}"
+        start = time.perf_counter()
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+        ttft, final = None, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                if ttft is None and out.outputs and out.outputs[0].token_ids:
+                    ttft = time.perf_counter() - start
+                if out.finished:
+                    final = out
+        assert final is not None, f"request {rid} did not finish"
+        tokens = list(final.outputs[0].token_ids)
+        context[req["session"]] = prompt + tokens
+        results.append({"session": req["session"], "turn": req["turn"], "prompt_tokens": len(prompt),
+                        "cached_tokens": int(final.num_cached_tokens or 0), "output": tokens, "ttft_s": ttft})
+    run_s = time.perf_counter() - t_run
+    time.sleep(0.5)  # the last stores complete and their stats reach the logger
+    return {"startup_s": startup, "run_s": run_s, "requests": results, "metrics": _metrics(llm)}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as fh:
+        cfg = json.load(fh)
+    res = run(cfg)
+    with open(sys.argv[2], "w") as fh:
+        json.dump(res, fh)
+
+
+if __name__ == "__main__":
+    main()

