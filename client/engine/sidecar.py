@@ -221,6 +221,9 @@ class _SidecarCore:
         self._had_table = False
         self._report_at = 0.0
         self._generation = 0  # bumped by each restart recovery
+        # the epoch of the daemon this sidecar's layouts and pool mappings were registered with
+        # (0: not known); an operation on a session of another epoch registers them again first
+        self._layouts_epoch = 0
 
     @property
     def target(self) -> str:
@@ -261,6 +264,7 @@ class _SidecarCore:
             if info.layout.fingerprint == layout.fingerprint:
                 return lid
         info = _LayoutInfo(layout)
+        yield from self._bound_session()  # the layouts registered so far are the live daemon's
         self._adopt(info, (yield self._register_call(info, wait_for_ready=True)))
         lid = len(self._layouts) + 1
         self._layouts[lid] = info
@@ -279,7 +283,7 @@ class _SidecarCore:
     def _put_once(self, info: _LayoutInfo, keys: list[bytes], arrs: list[np.ndarray], durable: bool) -> Op[PutResult]:
         result = PutResult()
         yield SETTLE
-        sid = yield SESSION
+        sid = yield from self._bound_session()
         reply = yield Call("node", "Allocate", node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
                                                                         keys=keys, durable=durable))
         try:
@@ -301,7 +305,7 @@ class _SidecarCore:
 
     def _get_once(self, info: _LayoutInfo, keys: list[bytes], out: Sequence[Any] | None) -> Op[list[memoryview | None]]:
         yield SETTLE
-        sid = yield SESSION
+        sid = yield from self._bound_session()
         reply = yield Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
                                                                       keys=keys))
         try:
@@ -400,11 +404,25 @@ class _SidecarCore:
         yield Locked(self._recover(generation, gone, first))
         return (yield from once())
 
+    def _bound_session(self) -> Op[int]:
+        """The session's id, opening it if needed; when its daemon is not the one the layouts
+        (and so the pool mappings and slot offsets) were registered with, every layout is
+        registered again first. Without this, a sidecar whose recovery failed while the daemon
+        was down would read a restarted daemon's lease offsets in the old daemon's pool file:
+        another block's bytes."""
+        sid = yield SESSION
+        epoch = self._transport.session.epoch
+        if epoch != self._layouts_epoch:
+            yield from self._register_all(wait_for_ready=True)
+            self._layouts_epoch = epoch
+        return sid
+
     def _recover(self, generation: int, gone: bool, first: KvtierError) -> Op[None]:
         if generation != self._generation:
             return  # a concurrent call recovered already
         if gone:
             self._transport.session.close()
+            self._layouts_epoch = 0  # registered again below, and once more on the new session
         try:
             yield from self._register_all(wait_for_ready=True)
         except KvtierError:
