@@ -479,6 +479,15 @@ class _SidecarCore:
                 yield Background(self._report_call(req))
         return masks
 
+    def _table_fast(self, layout_id: int, keys: Sequence[bytes]) -> np.ndarray | None:
+        """The hot path of a blocking lookup, without running an operation: the tier bit sets
+        from a table already vouched for, when no report is due; None when anything else
+        must happen first (then the whole operation runs)."""
+        info = self._layouts.get(layout_id)
+        if info is None or info.table is None or time.monotonic() >= self._report_at or not self._vouched(info):
+            return None
+        return self._table_masks(info, _check_keys(keys))
+
     def _vouched(self, info: _LayoutInfo) -> bool:
         """The table may be read: this sidecar's session stream is open on the daemon that
         writes it (the epoch in the table's header is the session's)."""
@@ -656,6 +665,9 @@ class Sidecar(_SidecarCore):
 
         Read from the key table when it is mapped, else asked with the Lookup RPC;
         :class:`Unavailable` at once while the daemon is away (module docstring)."""
+        masks = self._table_fast(layout_id, keys)
+        if masks is not None:
+            return tier_names(masks)
         return self._transport.run(self._lookup(layout_id, keys))
 
     def prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> tuple[int, int]:
@@ -664,6 +676,9 @@ class Sidecar(_SidecarCore):
         held in the gpu or host tier; the second the length of the leading run each held in
         any tier (gpu, host or disk), so ``n_gpu_or_host <= n_any``. A key held only on disk
         ends the first run but not the second."""
+        masks = self._table_fast(layout_id, keys)
+        if masks is not None:
+            return prefix_lengths(masks)
         return self._transport.run(self._prefix_length(layout_id, keys))
 
     def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
