@@ -419,3 +419,25 @@ def test_a_sidecar_never_reads_a_restarted_daemons_blocks_through_the_old_pool(s
         a.put(la, k, [b"\x02" * BLOCK])
         got = b.get(lb, k)[0]
         assert got is not None and bytes(got) == b"\x02" * BLOCK
+
+
+def test_one_layout_id_everywhere(start_daemon, tmp_path) -> None:
+    """Was: register_layout returned 1, `kvtier stats` showed 1440170818 and KVConnector.register
+    1899686300 for the same daemon. Now one id, the daemon's (from the layout's fingerprint):
+    the sidecar's, the connector's and the stats' agree, and survive a restart."""
+    pytest.importorskip("torch")
+    d = start_daemon("--copy-engine", "host")
+    ring_dir = tmp_path / "rings"
+    ring_dir.mkdir()
+    arena = SharedKVArena(KV_LAYOUT, str(tmp_path))
+    conn = KVConnector(d.socket, ring_dir=str(ring_dir), ring_slots=4)
+    try:
+        with Sidecar(d.socket) as sc:
+            lid = sc.register_layout(KV_LAYOUT)
+            assert conn.register(KV_LAYOUT, arena.tensors) == lid
+            assert [layout["layout_id"] for layout in sc.stats()["layouts"]] == [lid]
+            assert conn.offload(keys_for(2, b"i"), [0, 1]).wait() == ["copied"] * 2
+            assert sc.lookup(lid, keys_for(2, b"i")) == ["host"] * 2  # the connector's id works here
+    finally:
+        conn.close()
+        arena.close()

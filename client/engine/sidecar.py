@@ -202,6 +202,7 @@ class _LayoutInfo:
     pool: PoolMapping | None = None
     table: KeyTableReader | None = None
     table_retry_at: float = 0.0
+    epoch: int = 0  # of the daemon whose RegisterLayout reply (pool, offsets) this holds
     # table lookups not yet reported, by the tier bit set found (index 0: misses)
     table_counts: np.ndarray = field(default_factory=lambda: np.zeros(8, dtype=np.int64))
 
@@ -221,9 +222,6 @@ class _SidecarCore:
         self._had_table = False
         self._report_at = 0.0
         self._generation = 0  # bumped by each restart recovery
-        # the epoch of the daemon this sidecar's layouts and pool mappings were registered with
-        # (0: not known); an operation on a session of another epoch registers them again first
-        self._layouts_epoch = 0
 
     @property
     def target(self) -> str:
@@ -254,7 +252,9 @@ class _SidecarCore:
     def _info(self, layout_id: int) -> _LayoutInfo:
         info = self._layouts.get(layout_id)
         if info is None:
-            raise FailedPrecondition(f"layout_id {layout_id} was not registered through this sidecar")
+            raise FailedPrecondition(f"layout_id {layout_id} was not registered through this sidecar: call "
+                                     f"register_layout(layout) first (it returns the same id as the daemon's "
+                                     f"stats and KVConnector.register for the same layout)")
         return info
 
     # -- operations ------------------------------------------------------------------------
@@ -264,9 +264,8 @@ class _SidecarCore:
             if info.layout.fingerprint == layout.fingerprint:
                 return lid
         info = _LayoutInfo(layout)
-        yield from self._bound_session()  # the layouts registered so far are the live daemon's
         self._adopt(info, (yield self._register_call(info, wait_for_ready=True)))
-        lid = len(self._layouts) + 1
+        lid = info.daemon_id  # one id everywhere: the daemon's, derived from the fingerprint
         self._layouts[lid] = info
         return lid
 
@@ -412,9 +411,8 @@ class _SidecarCore:
         another block's bytes."""
         sid = yield SESSION
         epoch = self._transport.session.epoch
-        if epoch != self._layouts_epoch:
+        if any(info.epoch != epoch for info in self._layouts.values()):
             yield from self._register_all(wait_for_ready=True)
-            self._layouts_epoch = epoch
         return sid
 
     def _recover(self, generation: int, gone: bool, first: KvtierError) -> Op[None]:
@@ -422,7 +420,6 @@ class _SidecarCore:
             return  # a concurrent call recovered already
         if gone:
             self._transport.session.close()
-            self._layouts_epoch = 0  # registered again below, and once more on the new session
         try:
             yield from self._register_all(wait_for_ready=True)
         except KvtierError:
@@ -446,7 +443,7 @@ class _SidecarCore:
         pool = self._pools.get(reply.pool_path)
         if pool is None:
             pool = self._pools[reply.pool_path] = PoolMapping(reply.pool_path, reply.pool_bytes)
-        info.daemon_id, info.block_bytes, info.pool = reply.layout_id, reply.block_bytes, pool
+        info.daemon_id, info.block_bytes, info.pool, info.epoch = reply.layout_id, reply.block_bytes, pool, reply.epoch
         # forget pools no layout uses any more (a restarted daemon's old, unlinked pool): the
         # mapping goes with its last user, so its memory is freed instead of kept by this process
         used = {id(i.pool) for i in self._layouts.values()} | {id(pool)}
@@ -648,7 +645,7 @@ class Sidecar(_SidecarCore):
         return self._transport.session.open()
 
     def register_layout(self, layout: Layout) -> int:
-        """Register ``layout`` with the daemon; returns this sidecar's id for it."""
+        """Register ``layout`` with the daemon; returns its layout id: the daemon's (from the layout's fingerprint), the same in ``stats()``, in ``KVConnector.register`` and across daemon restarts."""
         return self._transport.run(self._register_layout(layout))
 
     def put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any], durable: bool = False) -> PutResult:

@@ -40,7 +40,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return node_pb2.RegisterLayoutReply(
             layout_id=reg.layout_id, fingerprint=reg.layout.fingerprint, block_bytes=reg.layout.block_bytes,
             slot_bytes=cls.slot_bytes, pool_path=cls.path, pool_bytes=cls.pool_bytes,
-            key_table_path=self.key_table_path)
+            key_table_path=self.key_table_path, epoch=self.stats.epoch)
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()

@@ -84,7 +84,7 @@ class RegisterLayoutRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[LayoutSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterLayoutReply(_message.Message):
-    __slots__ = ("layout_id", "fingerprint", "block_bytes", "slot_bytes", "pool_path", "pool_bytes", "key_table_path")
+    __slots__ = ("layout_id", "fingerprint", "block_bytes", "slot_bytes", "pool_path", "pool_bytes", "key_table_path", "epoch")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class RegisterLayoutReply(_message.Message):
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     KEY_TABLE_PATH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     layout_id: int
     fingerprint: bytes
     block_bytes: int
@@ -99,7 +100,8 @@ class RegisterLayoutReply(_message.Message):
     pool_path: str
     pool_bytes: int
     key_table_path: str
-    def __init__(self, layout_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., key_table_path: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, layout_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., key_table_path: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("client_name", "pid")
