@@ -429,6 +429,31 @@ def test_subscribed_over_zmq_and_cleared_when_the_engine_goes_away(engines) -> N
         r.close()
 
 
+def test_the_daemon_feeds_never_forget_a_vllm_node() -> None:
+    """Nodes a saved state names but no feed serves are forgotten once every DNS name has
+    resolved; a vLLM publisher's node is served, by its stream."""
+    import asyncio
+    import threading
+
+    release = threading.Event()
+
+    async def resolve(host: str, port: int) -> list[str]:
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        return ["127.0.0.1"]
+
+    r = Router(RouterConfig(dns=("kvtierd.test:1",), vllm_events=("ipc:///nonexistent/pub",), reconnect_min_s=1.0),
+               resolve=resolve).start()
+    try:
+        r.vllm.feed(frames(f"kv@pod-a@{MODEL}", 0, payload(stored(1, 0, 2))))
+        assert overlap(r, "pod-a", 1, 2) == (2, 2, 2)
+        release.set()
+        wait_for(lambda: not r._feeds._unresolved, what="the DNS name to resolve")
+        assert ("pod-a", "vllm:pod-a") in r.workers() and overlap(r, "pod-a", 1, 2) == (2, 2, 2)
+    finally:
+        release.set()
+        r.close()
+
+
 # -- route-server ----------------------------------------------------------------------------------
 
 def test_route_server_with_vllm_events_routes_by_token_ids(engines, d) -> None:
