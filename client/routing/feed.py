@@ -107,6 +107,7 @@ class Feeds:
         self._node_owner: dict[str, str] = {}   # node id -> target of the feed that serves it
         self._node_epoch: dict[str, int] = {}   # node id -> epoch of its last NodeInfo
         self._unresolved: set[str] = set()      # DNS names not yet resolved in this run
+        self.foreign: set[str] = set()          # nodes another source fills (vLLM events): never forgotten here
         self._tasks: dict[str, asyncio.Task] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -289,7 +290,7 @@ class Feeds:
         with self._lock:
             for target in [t for t in self.targets if t not in self._tasks]:
                 del self.targets[target]
-            served = set(self.targets.values())
+            served = set(self.targets.values()) | self.foreign
             for node in [n for n in self.index.nodes if n not in served]:
                 log.info("saved node not served by any feed now; forgotten", extra={"node": node})
                 self.index.drop_node(node)

@@ -6,7 +6,11 @@ socket or TCP address, for external routers and gateways; the Python API is the 
 ``RouterConfig`` and ``ScorerConfig`` field) is a flag, an environment variable
 ``KVTIER_ROUTER_<NAME>`` (``--state-path`` is ``KVTIER_ROUTER_STATE_PATH``) and a key of the
 TOML file named by ``--config``; a flag beats the variable beats the file beats the default.
-Lists (``--daemon``, ``--dns``) repeat the flag or, in the variable, are separated by commas.
+Lists (``--daemon``, ``--dns``, ``--vllm-events``) repeat the flag or, in the variable, are
+separated by commas. ``--vllm-events`` subscribes to vLLM engines' own KV event publishers
+(docs/integrations.md); their streams appear in ``Status`` as feeds named ``vllm+ENDPOINT#TOPIC``
+(``seq``: the last batch applied; ``resumes``: gaps filled by replay; ``snapshots``: gaps that
+cleared the worker; ``epoch_changes``: publisher restarts and disconnects).
 On SIGTERM or SIGINT the server stops, and with ``--state-path`` the index and its positions
 are saved, so the next start resumes where this one stopped.
 
@@ -66,8 +70,8 @@ def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | No
 
 def check_settings(cfg: RouteServerConfig) -> None:
     """Refuse a server with nothing to follow, or an unknown log level."""
-    if not cfg.router.daemons and not cfg.router.dns:
-        raise SettingsError("give at least one --daemon or --dns to subscribe to")
+    if not cfg.router.daemons and not cfg.router.dns and not cfg.router.vllm_events:
+        raise SettingsError("give at least one --daemon or --dns (or --vllm-events) to subscribe to")
     if cfg.log_level.lower() not in LOG_LEVELS:
         raise SettingsError(f"--log-level: {cfg.log_level!r} is not debug, info, warning or error")
 
@@ -141,6 +145,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             reply.feeds.add(target=st.target, node_id=st.node_id, connected=st.connected, epoch=st.epoch,
                             seq=st.seq, head_seq=st.head_seq, snapshots=st.snapshots, resumes=st.resumes,
                             epoch_changes=st.epoch_changes, last_error=st.last_error)
+        for v in self.router.vllm_status():
+            reply.feeds.add(target=f"vllm+{v.source.split(',')[0]}#{v.topic}", node_id=v.node_id,
+                            connected=v.connected, seq=max(v.seq, 0), head_seq=max(v.seq, 0),
+                            snapshots=v.gaps_lost, resumes=v.gaps_recovered, epoch_changes=v.restarts,
+                            last_error=v.last_error)
         return reply
 
 
@@ -156,7 +165,7 @@ async def serve(cfg: RouterConfig, listen: str) -> None:
     shown = listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
     print(f"kvtier route-server listening on {shown}", flush=True)
     log.info("route-server listening", extra={"listen": shown, "daemons": list(cfg.daemons),
-                                              "dns": list(cfg.dns)})
+                                              "dns": list(cfg.dns), "vllm_events": list(cfg.vllm_events)})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

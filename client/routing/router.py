@@ -15,6 +15,9 @@ Owns, and puts together:
     * speculative entries: a dispatched request's keys are marked as on the chosen worker's
       GPU at once, so the session's next turn sticks there before the engine's events
       arrive (they expire after ``speculative_ttl_s`` to ``2 * speculative_ttl_s``);
+    * the vLLM event sources (:class:`~kvtier.client.routing.vllm_events.VllmEvents`): vLLM
+      engines' own KV event publishers, folded into the same index as workers of their own
+      nodes (``vllm_events``, :meth:`Router.add_vllm_events`; docs/integrations.md);
     * the saved position: with ``state_path`` the index, every node's position and which
       target served which node are written atomically every ``save_interval_s`` and on
       :meth:`close`; a router started again loads them and resumes each feed where the file
@@ -48,6 +51,7 @@ from kvtier.client.routing.feed import Feeds, FeedStatus, Resolve
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.loads import Loads
 from kvtier.client.routing.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
+from kvtier.client.routing.vllm_events import VllmEvents, VllmSource, VllmStreamStatus, parse_vllm_events
 from kvtier.proto import locations_pb2
 from kvtier.settings import group, parse_float, parse_int, parse_list, setting
 
@@ -65,6 +69,11 @@ class RouterConfig:
                                        parse_list, "TARGET", name="daemon", repeat=True)
     dns: tuple[str, ...] = setting((), "HOST:PORT whose DNS name resolves to several kvtierds (a feed per address); "
                                        "repeat for several", parse_list, "HOST:PORT", repeat=True)
+    vllm_events: tuple[str, ...] = setting((), "a vLLM engine's KV event publisher to subscribe to: a ZMQ "
+                                                "endpoint, then options such as replay=ENDPOINT, worker=NAME, "
+                                                "model=NAME (docs/integrations.md); repeat for several",
+                                           parse_vllm_events, "ENDPOINT[,OPT=V...]", name="vllm_events",
+                                           repeat=True)
     resolve_interval_s: float = setting(10.0, "seconds between DNS resolutions", parse_float, "S")
     speculative_ttl_s: float = setting(10.0, "unconfirmed speculative entries expire after this to twice this "
                                              "(seconds)", parse_float, "S")
@@ -148,6 +157,8 @@ class Router:
                             reconnect_max_s=cfg.reconnect_max_s, subscriber=cfg.name, resolve=resolve)
         self._loads = Loads(cfg.load_ttl_s, self.scorer)
         self._w = _Workers()
+        self.vllm = VllmEvents(self.index, self._lock, cfg.vllm_events, protect=self._feeds.foreign)
+        self._started = False
 
     @property
     def on_epoch_change(self) -> Callable[[str, int, int], None] | None:
@@ -257,6 +268,9 @@ class Router:
                     self.index.clear()
                     self._feeds.targets.clear()
         self._feeds.start(*([self._save_loop] if path else []))
+        if self.vllm.sources:
+            self.vllm.start()
+        self._started = True
         return self
 
     async def _save_loop(self) -> None:
@@ -271,6 +285,8 @@ class Router:
 
     def close(self) -> None:
         """Stop the feeds and save the state (with ``state_path``)."""
+        self._started = False
+        self.vllm.stop()
         if self._feeds.stop() and self.config.state_path:
             self.save_state()
 
@@ -280,11 +296,24 @@ class Router:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def add_vllm_events(self, source: VllmSource | str) -> VllmSource:
+        """Subscribe to another vLLM engine's KV events (an entry as ``--vllm-events`` takes it,
+        e.g. ``"tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558"``); started at once if the
+        router is running."""
+        src = self.vllm.add(source)
+        if self._started and not self.vllm.running:
+            self.vllm.start()
+        return src
+
     # -- waiting and inspection -----------------------------------------------------------
 
     def status(self) -> list[FeedStatus]:
         with self._lock:
             return [FeedStatus(**vars(st)) for st in self._feeds.status.values()]
+
+    def vllm_status(self) -> list[VllmStreamStatus]:
+        """Where each vLLM publisher's stream stands."""
+        return self.vllm.status()
 
     def holdings(self, node_id: str | None = None) -> dict[tuple[str, str, str, bytes], set[bytes]]:
         """The index's locations, {(node, tier, worker, fingerprint): keys} (slow; tools, tests)."""
