@@ -28,6 +28,7 @@ from kvtier.daemon.device import watch_sessions
 from kvtier.daemon.events import LocationLog
 from kvtier.daemon.gpu import EngineUnavailable, Transfers, build_engines
 from kvtier.daemon.keytable import KeyTablePublisher
+from kvtier.daemon.kv_events import KvEventsError, KvEventsPublisher
 from kvtier.daemon.metrics import OpLatency, start_metrics_server
 from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
 from kvtier.daemon.stats import StatsSource, tier_usage
@@ -116,6 +117,7 @@ class Daemon:
             raise StartupError(str(e)) from None
         self.transfers = Transfers(self.store, engines)
         self.server: grpc.aio.Server | None = None
+        self.kv_events: KvEventsPublisher | None = None  # --kv-events-endpoint
         self._stopped = asyncio.Event()
         self.metrics_port = 0
 
@@ -127,6 +129,7 @@ class Daemon:
         _prepare_unix_socket(self.socket_path)
         self.key_table.start()
         tcp = _probe_tcp(self.cfg.tcp) if self.cfg.tcp else None
+        self.kv_events = self._open_kv_events()
         opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
@@ -160,6 +163,20 @@ class Daemon:
             "metrics_port": self.metrics_port or None, "pid": os.getpid(),
             "copy_engines": sorted(e.name for e in self.transfers.engines.values())})
 
+    def _open_kv_events(self) -> KvEventsPublisher | None:
+        """The vLLM-format KV event stream of the host and disk tiers, when configured."""
+        cfg = self.cfg
+        if not (cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint):
+            return None
+        try:
+            pub = KvEventsPublisher(self.store, self.node_id, cfg.kv_events_endpoint,
+                                    cfg.kv_events_replay_endpoint, cfg.kv_events_topic)
+        except KvEventsError as e:
+            raise StartupError(str(e)) from None
+        self.store.observers.add(pub)
+        pub.start()
+        return pub
+
     async def stop(self) -> None:
         if self._session_watch is not None:
             self._session_watch.cancel()
@@ -171,6 +188,8 @@ class Daemon:
             self.server = None
         await self.transfers.close()
         await self.store.drain()  # requests cut off by the grace period finish their disk and slot work
+        if self.kv_events is not None:
+            self.kv_events.close()  # after the last change: its batch goes out
         self.key_table.close()
         self.store.close()
         with contextlib.suppress(FileNotFoundError):
