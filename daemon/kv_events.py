@@ -22,12 +22,12 @@ Wire format (as vLLM 0.32's ``vllm/distributed/kv_events.py``)
     ``[ts, events, data_parallel_rank]`` (rank 0). Events are tagged structs, encoded as maps
     with a ``"type"`` key (``{"type": "BlockStored", "block_hashes": [...], ...}``), fields
     with their default value omitted, exactly as vLLM's classes encode (a test compares the
-    bytes). The first batch is ``AllBlocksCleared`` followed by what the tiers hold at start
-    (blocks a disk tier restored). Replay (vLLM's protocol): a DEALER (or REQ) sends the
-    starting sequence number as 8 big-endian bytes; the ROUTER answers with every buffered
-    batch from there as ``[b"", topic, seq, payload]`` and ends with ``[b"", b"", -1 (8 bytes,
-    signed), b""]``. The last :data:`REPLAY_BATCHES` batches (at most :data:`REPLAY_BYTES`)
-    are kept.
+    bytes). The first batch (seq 0) is ``AllBlocksCleared``; blocks a disk tier restored
+    follow once their layout is registered (below). Replay (vLLM's protocol): a DEALER sends
+    ``[b"", start]``, the starting sequence number as 8 big-endian bytes; the ROUTER answers
+    with every buffered batch from there as ``[b"", topic, seq, payload]`` and ends with
+    ``[b"", b"", -1 (8 bytes, signed), b""]``. The last :data:`REPLAY_BATCHES` batches (at
+    most :data:`REPLAY_BYTES`) are kept.
 
 Events
     * ``BlockStored(block_hashes, parent_block_hash=None, token_ids=[], block_size=<the
