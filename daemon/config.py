@@ -81,6 +81,18 @@ class Config:
                                     parse_size, "SIZE")
     event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
                                         "router further behind gets a snapshot instead", parse_int, "N")
+    # -- KV events out (kvtier.daemon.kv_events): host and disk holdings as a vLLM-format stream --
+    kv_events_endpoint: str = _opt("", "publish the host and disk tiers' holdings as a vLLM-format KV event "
+                                       "stream (ZMQ PUB) for Dynamo's KV router and llm-d's KV indexer; as "
+                                       "vLLM's endpoint: tcp://*:PORT or ipc://PATH is bound (refuses to "
+                                       "start if taken), tcp://HOST:PORT is connected to a reader that binds; "
+                                       "needs pip install 'kvtier[events]'; empty: off", metavar="ENDPOINT")
+    kv_events_replay_endpoint: str = _opt("", "also answer vLLM's replay requests for recent batches on this "
+                                              "ZMQ ROUTER endpoint (bound); empty: no replay",
+                                          metavar="ENDPOINT")
+    kv_events_topic: str = _opt("kv@{node_id}@kvtier", "topic of every KV event message; {node_id} becomes "
+                                                       "--node-id; llm-d reads kv@POD@MODEL, so put the "
+                                                       "served model name last", metavar="TOPIC")
     config: str = _opt("", "TOML file with any of these settings, each under its TOML key: the flag's "
                            "name without -- and with _ for - (host_capacity = \"64GiB\")", metavar="FILE")
 

@@ -40,6 +40,7 @@ from kvtier.daemon.device import watch_sessions
 from kvtier.daemon.events import LocationLog
 from kvtier.daemon.gpu import EngineUnavailable, Transfers, build_engines
 from kvtier.daemon.keytable import KeyTablePublisher
+from kvtier.daemon.kv_events import KvEventsError, KvEventsPublisher
 from kvtier.daemon.metrics import MetricsServer, OpLatency, start_metrics_server
 from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
 from kvtier.daemon.stats import StatsSource, tier_usage
@@ -220,6 +221,7 @@ class Daemon:
         self.stats: StatsSource | None = None
         self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
         self.metrics: MetricsServer | None = None
+        self.kv_events: KvEventsPublisher | None = None  # --kv-events-endpoint
         self.metrics_port = 0
         self._socket_made = False
         self._session_watch: asyncio.Task | None = None
@@ -239,6 +241,7 @@ class Daemon:
             self._open_disk()
             self._sweep()
             self._build_store()
+            self.kv_events = self._open_kv_events()
             await self._serve(server)
         except BaseException:
             await self._undo()
@@ -349,6 +352,26 @@ class Daemon:
                                    f"{self.cfg.metrics_port}: {e.strerror}") from None
             self.metrics_port = self.metrics.port
 
+    def _open_kv_events(self) -> KvEventsPublisher | None:
+        """The vLLM-format KV event stream of the host and disk tiers, when configured."""
+        cfg = self.cfg
+        if not (cfg.kv_events_endpoint or cfg.kv_events_replay_endpoint):
+            return None
+        assert self.store is not None
+        try:
+            pub = KvEventsPublisher(self.store, self.node_id, cfg.kv_events_endpoint,
+                                    cfg.kv_events_replay_endpoint, cfg.kv_events_topic)
+        except KvEventsError as e:
+            raise StartupError(str(e)) from None
+        self.store.observers.add(pub)
+        pub.start()
+        return pub
+
+    def _close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()  # after the last change: its batch goes out
+            self.kv_events = None
+
     async def _undo(self) -> None:
         """Remove what a failed start made."""
         if self.metrics is not None:
@@ -367,6 +390,7 @@ class Daemon:
         else:
             for engine in self.engines.values():
                 engine.close()
+        self._close_kv_events()
         if self.key_table is not None:
             self.key_table.close()
         if self.store is not None:
@@ -396,6 +420,7 @@ class Daemon:
             self.metrics = None
         await self.transfers.close()
         await self.store.drain()  # requests cut off by the grace period finish their disk and slot work
+        self._close_kv_events()
         self.key_table.close()
         self.store.close()
         self._remove_socket()

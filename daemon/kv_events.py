@@ -1,0 +1,598 @@
+"""kvtier's host and disk holdings as a vLLM-format KV event stream, for other routers.
+
+``kvtierd --kv-events-endpoint tcp://*:5557`` publishes every change of what the host and disk
+tiers hold exactly as vLLM's ``ZmqEventPublisher`` publishes an engine's KV cache events, so
+the routers that already read vLLM's stream (Dynamo's KV router, llm-d's KV indexer) count
+kvtier's tiers too: ``BlockStored`` / ``BlockRemoved`` with medium ``CPU`` (host) or
+``STORAGE`` (disk). docs/integrations.md ("kvtier's tiers in Dynamo and llm-d") says how to
+set them up.
+
+Owns
+    :class:`KvEventsPublisher`, a :class:`~kvtier.daemon.observers.LocationObserver` of the
+    store; its ZMQ sockets: a PUB socket, bound or connected by vLLM's rule (a wildcard host,
+    ``tcp://*:5557``, or ``ipc://``: bind, so readers connect to kvtierd, as Dynamo's relay
+    does; any other host: connect, to a reader that binds, as llm-d's central indexer does),
+    and a ROUTER for replay, always bound, when ``--kv-events-replay-endpoint`` is set; and the
+    publisher thread, the only user of the sockets. A bind that fails (the port is taken) is a
+    one-line startup error.
+
+Wire format (as vLLM 0.32's ``vllm/distributed/kv_events.py``)
+    Each message is three frames: the topic (UTF-8), the sequence number (8 bytes, big-endian,
+    0 for the first batch, +1 per batch) and a msgspec msgpack ``KVEventBatch``: the array
+    ``[ts, events, data_parallel_rank]`` (rank 0). Events are tagged structs, encoded as maps
+    with a ``"type"`` key (``{"type": "BlockStored", "block_hashes": [...], ...}``), fields
+    with their default value omitted, exactly as vLLM's classes encode (a test compares the
+    bytes). The first batch (seq 0) is ``AllBlocksCleared``; blocks a disk tier restored
+    follow once their layout is registered (below). Replay (vLLM's protocol): a DEALER sends
+    ``[b"", start]``, the starting sequence number as 8 big-endian bytes; the ROUTER answers
+    with every buffered batch from there as ``[b"", topic, seq, payload]`` and ends with
+    ``[b"", b"", -1 (8 bytes, signed), b""]``. The last :data:`REPLAY_BATCHES` batches (at
+    most :data:`REPLAY_BYTES`) are kept.
+
+Events
+    * ``BlockStored(block_hashes, parent_block_hash=None, token_ids=[], block_size=<the
+      layout's block_tokens>, lora_id=None, medium, lora_name=None, locality="LOCAL")``:
+      kvtier does not know the tokens a block holds, nor its parent (keys are opaque), so these
+      are the tokenless "placeholder" events vLLM itself emits for offloaded chunks it has no
+      metadata for. Routers must already know the hash (from the engine's own GPU events,
+      which carry the tokens) to place it: llm-d resolves a tokenless store through the engine
+      key it learned from the GPU event and adds the medium. ``group_idx`` is left unset
+      (unspecified): llm-d skips a store that names a group without a prefix-indexable
+      ``kv_cache_spec_kind``, which kvtier does not know.
+    * ``BlockRemoved(block_hashes, medium, locality="LOCAL")``.
+    * ``AllBlocksCleared`` at start (so readers drop what a previous kvtierd announced), and
+      before a resync (below). Readers clear everything they hold for the sender's identity:
+      llm-d clears the pod across every medium, the engine's own GPU entries included when
+      kvtierd publishes under the engine's pod (which it must, to be counted for it); vLLM
+      re-announces GPU blocks as requests reuse them.
+    A demotion is ``BlockRemoved`` CPU then ``BlockStored`` STORAGE; a promotion is
+    ``BlockStored`` CPU (the disk copy stays). gpu-tier changes are not published: engines
+    publish their own device blocks.
+
+Block hashes
+    A key is the engine's block hash when the engine keys blocks with its own hashes
+    (:func:`kvtier.client.engine.keys.as_key`): an 8-byte key is an int (little-endian,
+    unsigned, the inverse of ``as_key``), which is what vLLM emits by default
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the hash's low 64 bits as an int); any other
+    key is sent as its bytes, as vLLM does with that variable off (msgpack has no integers
+    wider than 64 bits, so a 16-byte key cannot be an int). Keys kvtier derives itself (the
+    16-byte keys of ``kvtier.client.vllm`` and ``kvtier.client.sglang``) are not an engine's
+    hashes: a router can count them only if it hashes requests the same way.
+
+Tensor parallelism
+    Each TP rank's shard of a block is its own kvtier block (its own layout fingerprint). A
+    block is published as stored in a tier when every rank's shard is there (what an engine
+    needs to load it) and as removed when the first leaves: for layouts with ``tp_size`` > 1
+    the publisher thread keeps a rank bitmask per (tier, layout, key). Ranks are grouped by
+    their layout with ``tp_rank`` set to 0, so all ranks must register the same tensors.
+
+Promises
+    Never slows the store: the observer calls (on the event loop) only look up the layout and
+    append to a bounded outbox (at most :data:`MAX_QUEUED_KEYS` keys queued); everything else
+    (hashes, encoding, sending, replay) runs on the publisher thread. When the outbox is full
+    the change is dropped and counted (``dropped_events`` / ``dropped_keys`` in
+    :attr:`KvEventsPublisher.stats`, logged); once it has room again the publisher resyncs:
+    ``AllBlocksCleared``, then everything the tiers hold, so readers converge to the truth.
+    Changes queued together go out as one batch (at most :data:`MAX_BATCH_HASHES` hashes a
+    batch; bigger ones are split). Blocks restored from disk whose layout no engine has
+    registered yet are announced once it is (no engine can load them before).
+
+Threading: the observer methods, :meth:`~KvEventsPublisher.start` and
+:meth:`~KvEventsPublisher.close` run on the event loop; the sockets belong to the publisher
+thread after :meth:`~KvEventsPublisher.start`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+from kvtier.tiers.layout import Layout
+from kvtier.tiers.vocab import Tier
+
+log = logging.getLogger("kvtier.kv_events")
+
+EXTRA = "kvtier[events]"
+"""The pip extra that brings pyzmq and msgspec."""
+
+MEDIUM: dict[Tier, str] = {Tier.HOST: "CPU", Tier.DISK: "STORAGE"}
+"""vLLM's medium of each published tier (``MEDIUM_CPU``, ``MEDIUM_STORAGE``)."""
+
+LOCALITY = "LOCAL"
+DATA_PARALLEL_RANK = 0
+DEFAULT_TOPIC = "kv@{node_id}@kvtier"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+MAX_QUEUED_KEYS = 1 << 20     # keys waiting for the publisher thread before changes are dropped
+MAX_BATCH_HASHES = 4096       # block hashes in one batch message
+REPLAY_BATCHES = 10_000       # vLLM's default buffer_steps
+REPLAY_BYTES = 64 << 20
+TICK_S = 1.0                  # how often pending resyncs and newly registered layouts are checked
+POLL_S = 0.05                 # the publisher thread's longest wait (replay requests wait this long)
+LINGER_MS = 500               # how long close() lets the last batches go out
+DROP_LOG_S = 10.0
+
+STORED, REMOVED, RESET = "stored", "removed", "reset"
+
+
+class KvEventsError(Exception):
+    """The stream cannot be started; the one-line message names the setting and the fix."""
+
+
+class _Store(Protocol):
+    """What the publisher reads of the store (on the event loop)."""
+
+    @property
+    def layouts(self) -> Any: ...   # .find(fingerprint) -> RegisteredLayout | None
+
+    def holdings(self) -> list[tuple[Tier, bytes, list[bytes]]]: ...
+
+
+def block_hash(key: bytes) -> int | bytes:
+    """The block hash a key is published as: 8-byte keys as the unsigned little-endian int
+    ``as_key`` made them from, any other key as its bytes (module docstring)."""
+    return int.from_bytes(key, "little") if len(key) == 8 else bytes(key)
+
+
+def resolve_topic(topic: str, node_id: str) -> str:
+    return topic.replace("{node_id}", node_id)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What the events of one layout need: its block tokens and, for tp_size > 1, which
+    rank of which group (the layout with tp_rank 0) it is."""
+
+    block_size: int
+    group: bytes | None = None   # None: tp_size 1
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def of(cls, layout: Layout) -> Shard:
+        if layout.tp_size == 1:
+            return cls(layout.block_tokens)
+        group = dataclasses.replace(layout, tp_rank=0).fingerprint
+        return cls(layout.block_tokens, group, layout.tp_rank, layout.tp_size)
+
+
+# -- the optional dependencies -------------------------------------------------------------------
+
+def _import_extra() -> tuple[Any, Any]:
+    try:
+        import msgspec
+        import zmq
+    except ImportError as e:
+        raise KvEventsError(f"--kv-events-endpoint needs pyzmq and msgspec, which are not installed ({e}); "
+                            f"install them with: pip install '{EXTRA}'") from None
+    return zmq, msgspec
+
+
+@cache
+def wire() -> SimpleNamespace:
+    """vLLM's event classes, declared the same way (names, field order, options), so they
+    encode to the same bytes without importing vLLM."""
+    import msgspec
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list
+        parent_block_hash: Any
+        token_ids: list
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+        session_id: str | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list
+        medium: str | None
+        group_idx: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list
+
+    return SimpleNamespace(KVEventBatch=KVEventBatch, BlockStored=BlockStored, BlockRemoved=BlockRemoved,
+                           AllBlocksCleared=AllBlocksCleared, encoder=msgspec.msgpack.Encoder)
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard (``*``, ``::``) and ipc endpoints, connect to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
+
+
+def _attach(zmq: Any, sock: Any, endpoint: str, flag: str, bind: bool) -> str:
+    """Bind or connect ``sock``; the endpoint it got (a bound port 0 becomes the real one)."""
+    if not endpoint.startswith(("tcp://", "ipc://")):
+        raise KvEventsError(f"{flag} {endpoint!r} is not tcp://HOST:PORT (HOST may be *) or ipc://PATH")
+    if "[" in endpoint or "::" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        if not bind:
+            sock.connect(endpoint)
+            return endpoint
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise KvEventsError(f"{flag} {endpoint}: the address is already in use; pick another port") from None
+        raise KvEventsError(f"cannot {'bind' if bind else 'connect'} {flag} {endpoint}: {e.strerror}") from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+# -- the outbox: event loop -> publisher thread --------------------------------------------------
+
+class _Outbox:
+    """A queue bounded by the keys it holds; never blocks the producer."""
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max(1, max_keys)
+        self.keys = 0
+        self._items: deque[tuple] = deque()
+        self._cv = threading.Condition()
+        self.closed = False
+
+    def offer(self, item: tuple, nkeys: int) -> bool:
+        with self._cv:
+            if self._items and self.keys + nkeys > self.max_keys:
+                return False
+            self._items.append(item)
+            self.keys += nkeys
+            self._cv.notify()
+            return True
+
+    def force(self, items: Iterable[tuple]) -> None:
+        """Queue ``items`` whatever the bound (a resync must go out whole)."""
+        with self._cv:
+            for item in items:
+                self._items.append(item)
+                self.keys += len(item[-1]) if item[0] != RESET else 0
+            self._cv.notify()
+
+    def has_room(self) -> bool:
+        return self.keys <= self.max_keys // 2
+
+    def take(self, timeout: float) -> list[tuple] | None:
+        """Everything queued (waiting up to ``timeout`` for something); None once closed and empty."""
+        with self._cv:
+            if not self._items and not self.closed:
+                self._cv.wait(timeout)
+            if not self._items:
+                return None if self.closed else []
+            out = list(self._items)
+            self._items.clear()
+            self.keys = 0
+            return out
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify()
+
+
+# -- the publisher thread's half: items -> events -> batches --------------------------------------
+
+class _Translator:
+    """Turns outbox items into vLLM events; keeps the tensor-parallel rank bitmasks."""
+
+    def __init__(self) -> None:
+        self.w = wire()
+        self.masks: dict[tuple[str, bytes, bytes], int] = {}
+
+    def events(self, items: Iterable[tuple]) -> list[Any]:
+        out: list[Any] = []
+        for item in items:
+            if item[0] == RESET:
+                self.masks.clear()
+                out.append(self.w.AllBlocksCleared())
+                continue
+            op, medium, shard, keys = item
+            keys = self._complete(op, medium, shard, keys) if shard.group is not None else keys
+            for i in range(0, len(keys), MAX_BATCH_HASHES):
+                hashes = [block_hash(k) for k in keys[i:i + MAX_BATCH_HASHES]]
+                if op == STORED:
+                    out.append(self.w.BlockStored(hashes, None, [], shard.block_size, None, medium, None,
+                                                  locality=LOCALITY))
+                else:
+                    out.append(self.w.BlockRemoved(hashes, medium, locality=LOCALITY))
+        return out
+
+    def _complete(self, op: str, medium: str, shard: Shard, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys whose block this change makes complete (stored) or incomplete (removed)."""
+        full, bit, masks = (1 << shard.size) - 1, 1 << shard.rank, self.masks
+        out = []
+        for k in keys:
+            ident = (medium, shard.group, bytes(k))
+            old = masks.get(ident, 0)
+            new = old | bit if op == STORED else old & ~bit
+            if new:
+                masks[ident] = new
+            else:
+                masks.pop(ident, None)
+            if (new == full) != (old == full):
+                out.append(k)
+        return out
+
+
+def batches(events: list[Any]) -> list[list[Any]]:
+    """Events split into batches of at most MAX_BATCH_HASHES hashes (each event has at most that)."""
+    out: list[list[Any]] = [[]]
+    n = 0
+    for ev in events:
+        size = len(getattr(ev, "block_hashes", ()))
+        if out[-1] and n + size > MAX_BATCH_HASHES:
+            out.append([])
+            n = 0
+        out[-1].append(ev)
+        n += size
+    return out if out[-1] else []
+
+
+# -- the observer ----------------------------------------------------------------------------------
+
+class KvEventsPublisher:
+    """See the module docstring. Construction binds the sockets (a :class:`KvEventsError` says
+    why it could not); :meth:`start` on the event loop starts publishing."""
+
+    def __init__(self, store: _Store, node_id: str, endpoint: str, replay_endpoint: str = "",
+                 topic: str = DEFAULT_TOPIC, max_queued_keys: int = MAX_QUEUED_KEYS) -> None:
+        if not endpoint:
+            raise KvEventsError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        zmq, _ = _import_extra()
+        self.store = store
+        self.topic = resolve_topic(topic, node_id)
+        self._topic_bytes = self.topic.encode()
+        self._ctx = zmq.Context()
+        self._pub = self._replay = None
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.set_hwm(100_000)
+            self.connects = not binds(endpoint)
+            self.endpoint = _attach(zmq, self._pub, endpoint, "--kv-events-endpoint", not self.connects)
+            self.replay_endpoint = ""
+            if replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self.replay_endpoint = _attach(zmq, self._replay, replay_endpoint, "--kv-events-replay-endpoint",
+                                               True)
+        except BaseException:
+            self._close_sockets(0)
+            raise
+        self._outbox = _Outbox(max_queued_keys)
+        self._shards: dict[bytes, Shard] = {}
+        self._deferred: set[bytes] = set()   # layouts restored from disk, not registered yet
+        self._resync_wanted = False
+        self._closed = False
+        self._last_drop_log = 0.0
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_bytes = 0
+        self._seq = 0
+        self.stats = dict.fromkeys(("batches", "events", "hashes", "dropped_events", "dropped_keys", "resyncs",
+                                    "replays", "send_errors"), 0)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._tick: asyncio.Task | None = None
+
+    # -- lifecycle (event loop) ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Publish ``AllBlocksCleared`` and the current holdings, then follow the changes."""
+        self._thread.start()
+        self._resync(initial=True)
+        self._tick = asyncio.get_running_loop().create_task(self._ticker())
+        log.info("kv events publishing", extra={"kv_events_endpoint": self.endpoint, "topic": self.topic,
+                                                "mode": "connect" if self.connects else "bind",
+                                                "kv_events_replay_endpoint": self.replay_endpoint or None})
+
+    def close(self) -> None:
+        """Send what is queued (for up to a second or two), then close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        self._outbox.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        self._close_sockets(LINGER_MS)
+        log.info("kv events stopped", extra={f"kv_events_{k}": v for k, v in self.stats.items()})
+
+    def _close_sockets(self, linger_ms: int) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                with contextlib.suppress(Exception):
+                    sock.close(linger=linger_ms)
+        with contextlib.suppress(Exception):
+            self._ctx.term()
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.tick()
+
+    def tick(self) -> None:
+        """Resync if one is due and the outbox has room; announce newly registered layouts."""
+        if self._resync_wanted:
+            if self._outbox.has_room():
+                self._resync()
+            return
+        for fp in list(self._deferred):
+            if self._shard(fp) is not None:
+                self._undefer(fp)
+
+    # -- LocationObserver ------------------------------------------------------------------------
+
+    def stored(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+        medium = MEDIUM.get(tier)
+        if medium is not None and keys:
+            self._change(STORED, medium, fingerprint, keys)
+
+    def removed(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+        medium = MEDIUM.get(tier)
+        if medium is not None and keys:
+            self._change(REMOVED, medium, fingerprint, keys)
+
+    def cleared(self, tier: Tier, worker: str = "", gone: Mapping[bytes, Sequence[bytes]] | None = None) -> None:
+        if tier not in MEDIUM:
+            return
+        if gone is None:  # what was there is unknown: start over
+            self._want_resync()
+            return
+        for fp, keys in gone.items():
+            self.removed(tier, fp, keys)
+
+    def workers_changed(self) -> None:
+        pass
+
+    # -- the loop's half -------------------------------------------------------------------------
+
+    def _change(self, op: str, medium: str, fp: bytes, keys: Sequence[bytes]) -> None:
+        """One change, after the store made it (so holdings() already include it)."""
+        if self._closed:
+            return
+        if self._resync_wanted:           # a resync will cover this change
+            if self._outbox.has_room():
+                self._resync()
+            else:
+                self._count_drop(len(keys))
+            return
+        if fp in self._deferred:
+            if self._shard(fp) is not None:
+                self._undefer(fp)         # its holdings include this change
+            return                        # still unknown: nothing of it was published
+        shard = self._shard(fp)
+        if shard is None:
+            self._deferred.add(fp)
+        elif not self._outbox.offer((op, medium, shard, keys), len(keys)):
+            self._count_drop(len(keys))
+            self._want_resync()
+
+    def _shard(self, fp: bytes) -> Shard | None:
+        shard = self._shards.get(fp)
+        if shard is None:
+            reg = self.store.layouts.find(fp)
+            if reg is None:
+                return None
+            shard = self._shards[fp] = Shard.of(reg.layout)
+        return shard
+
+    def _holdings_items(self, only: bytes | None = None) -> list[tuple]:
+        items = []
+        for tier, fp, keys in self.store.holdings():
+            if tier not in MEDIUM or (only is not None and fp != only):
+                continue
+            shard = self._shard(fp)
+            if shard is None:
+                self._deferred.add(fp)
+            elif keys:
+                items.append((STORED, MEDIUM[tier], shard, keys))
+        return items
+
+    def _resync(self, initial: bool = False) -> None:
+        self._resync_wanted = False
+        self._deferred.clear()
+        self._outbox.force([(RESET,), *self._holdings_items()])
+        if not initial:
+            self.stats["resyncs"] += 1
+            log.warning("kv events resynced after dropped changes: AllBlocksCleared, then all holdings",
+                        extra={"kv_events_dropped_keys": self.stats["dropped_keys"]})
+
+    def _undefer(self, fp: bytes) -> None:
+        self._deferred.discard(fp)
+        self._outbox.force(self._holdings_items(only=fp))
+
+    def _want_resync(self) -> None:
+        self._resync_wanted = True
+
+    def _count_drop(self, nkeys: int) -> None:
+        self.stats["dropped_events"] += 1
+        self.stats["dropped_keys"] += nkeys
+        now = time.monotonic()
+        if now - self._last_drop_log >= DROP_LOG_S:
+            self._last_drop_log = now
+            log.warning("kv events queue full: changes dropped (a resync follows once it drains)",
+                        extra={"kv_events_dropped_events": self.stats["dropped_events"],
+                               "kv_events_dropped_keys": self.stats["dropped_keys"]})
+
+    # -- the publisher thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        translator = _Translator()
+        encoder = translator.w.encoder()
+        while True:
+            items = self._outbox.take(POLL_S)
+            if self._replay is not None:
+                self._serve_replays()
+            if items is None:
+                return
+            if items:
+                try:
+                    self._publish(translator, encoder, items)
+                except Exception:  # a bug must not end the stream silently: log, keep going
+                    self.stats["send_errors"] += 1
+                    log.exception("kv events: publishing a batch failed")
+
+    def _publish(self, translator: _Translator, encoder: Any, items: list[tuple]) -> None:
+        events = translator.events(items)
+        for evs in batches(events):
+            payload = encoder.encode(translator.w.KVEventBatch(time.time(), evs, DATA_PARALLEL_RANK))
+            seq = self._seq
+            self._seq += 1
+            self._pub.send_multipart((self._topic_bytes, seq.to_bytes(8, "big"), payload))
+            self._remember(seq, payload)
+            self.stats["batches"] += 1
+            self.stats["events"] += len(evs)
+            self.stats["hashes"] += sum(len(getattr(e, "block_hashes", ())) for e in evs)
+
+    def _remember(self, seq: int, payload: bytes) -> None:
+        buf = self._buffer
+        buf.append((seq, payload))
+        self._buffer_bytes += len(payload)
+        while len(buf) > REPLAY_BATCHES or (self._buffer_bytes > REPLAY_BYTES and len(buf) > 1):
+            self._buffer_bytes -= len(buf.popleft()[1])
+
+    def _serve_replays(self) -> None:
+        sock = self._replay
+        while sock.poll(0):
+            try:
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    log.warning("kv events: replay request of %d frames ignored (want 3)", len(frames))
+                    continue
+                client, _, start = frames
+                first = int.from_bytes(start, "big")
+                for seq, payload in list(self._buffer):
+                    if seq >= first:
+                        sock.send_multipart((client, b"", self._topic_bytes, seq.to_bytes(8, "big"), payload))
+                sock.send_multipart((client, b"", b"", END_SEQ, b""))
+                self.stats["replays"] += 1
+            except Exception:
+                log.exception("kv events: serving a replay request failed")

