@@ -14,6 +14,8 @@ Rules
     * Seen count: every put and every hit of a block counts one (in :meth:`TierPolicy.access`,
       every request that uses it). The count is kept while the block is held in some tier (or
       on its way to disk); a block that leaves every tier forgets it and starts again at one.
+      It is stored as the block's value in the host and disk recency maps (no second map of
+      all keys: ~40 MiB at a million blocks); :attr:`TierPolicy.seen` is a read-only view.
     * Demotion: a block evicted from ``host`` goes to ``disk`` if it was seen at least
       ``demote_min_seen`` times and is not on disk already (:meth:`TierPolicy.demotions`);
       otherwise it is dropped. A victim already on disk stays there, untouched: an eviction
@@ -51,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -84,8 +86,39 @@ class PutOutcome(NamedTuple):
     dropped: list[Hashable]   # found no room
 
 
+class SeenCounts(Mapping[Hashable, int]):
+    """Read-only view of how often each block was seen (:attr:`TierPolicy.seen`): the blocks
+    held in some tier or on their way to disk that were seen at least once."""
+
+    def __init__(self, policy: TierPolicy) -> None:
+        self._policy = policy
+
+    def __getitem__(self, key: Hashable) -> int:
+        n = self._policy._count(key)
+        if not n:
+            raise KeyError(key)
+        return n
+
+    def __iter__(self) -> Iterator[Hashable]:
+        p = self._policy
+        host, disk, loose = p.tiers[HOST], p.tiers[DISK], p._loose
+        yield from (k for k, n in host.items() if n)
+        yield from (k for k, n in disk.items() if n and k not in host)
+        yield from (k for k, n in loose.items() if n and k not in host and k not in disk)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class TierPolicy:
-    """LRU per tier, demote to disk when seen often, promote on a disk hit (see the module docstring)."""
+    """LRU per tier, demote to disk when seen often, promote on a disk hit (see the module docstring).
+
+    Each tier is an ``OrderedDict`` of its keys, least recently used first. In host and disk the
+    values are the keys' seen counts: both store a key's current count where they hold it
+    (``0``: not seen since it last left every tier). ``_loose`` holds the counts of keys in
+    neither: held in gpu only (gpu values are None; the daemon has no gpu tier here and the
+    replay's is small), host victims on their way to disk, and within a call keys seen before
+    they enter host."""
 
     def __init__(self, gpu_blocks: int | None, host_blocks: int | None, disk_blocks: int | None,
                  demote_min_seen: int = 2) -> None:
@@ -96,10 +129,16 @@ class TierPolicy:
             raise ValueError("demote_min_seen must be >= 1")
         self.capacity: dict[Tier, int | None] = dict(zip(TIERS, caps, strict=True))
         self.demote_min_seen = demote_min_seen
-        self.tiers: dict[Tier, OrderedDict[Hashable, None]] = {t: OrderedDict() for t in TIERS}  # oldest first
-        self.seen: dict[Hashable, int] = {}
-        self._moving: set[Hashable] = set()   # host victims on their way to disk: they keep their counts
+        # oldest first; host and disk map a key to its seen count, gpu to None (see the class docstring)
+        self.tiers: dict[Tier, OrderedDict[Hashable, int | None]] = {t: OrderedDict() for t in TIERS}
+        self._loose: dict[Hashable, int] = {}  # seen counts of keys in neither host nor disk
+        self._moving: set[Hashable] = set()    # host victims on their way to disk: they keep their counts
         self.counts = PolicyCounts()
+
+    @property
+    def seen(self) -> SeenCounts:
+        """How often each block held (or on its way to disk) was seen: a read-only mapping."""
+        return SeenCounts(self)
 
     # -- what the tiers hold ---------------------------------------------------------------
 
@@ -134,8 +173,9 @@ class TierPolicy:
         already (none without a disk tier)."""
         if self.capacity[DISK] == 0:
             return []
-        disk, seen, need = self.tiers[DISK], self.seen, self.demote_min_seen
-        return [k for k in victims if k not in disk and seen.get(k, 0) >= need]
+        host, disk, loose, need = self.tiers[HOST], self.tiers[DISK], self._loose, self.demote_min_seen
+        # a key not on disk has its count loose or in host (_count, inlined; loose counts are >= 1)
+        return [k for k in victims if k not in disk and (loose.get(k) or host.get(k) or 0) >= need]
 
     def promotions(self, keys: Iterable[Hashable]) -> list[Hashable]:
         """Which keys of a get to bring from disk into host: those on disk and not in host
@@ -147,9 +187,7 @@ class TierPolicy:
 
     def on_commit(self, keys: Iterable[Hashable]) -> None:
         """A put made these blocks visible in host: the most recent ones, seen once more."""
-        keys = list(keys)
-        self._see(keys)
-        self._touch(HOST, keys)
+        self._see_touch(HOST, keys)
 
     def on_hit(self, keys: Iterable[Hashable]) -> None:
         """A get found these blocks in host: the most recent ones, seen once more."""
@@ -172,9 +210,7 @@ class TierPolicy:
     def on_evict(self, tier: Tier, victims: Sequence[Hashable]) -> list[Hashable]:
         """These victims left ``tier`` for capacity. For host, returns the ones to demote
         (:meth:`demotions`); they keep their seen counts until :meth:`on_demotion_end`."""
-        od = self.tiers[tier]
-        for k in victims:
-            od.pop(k, None)
+        self._pop(tier, victims)
         self.counts.evictions[tier.rank] += len(victims)
         demote = self.demotions(victims) if tier is HOST else []
         self.counts.demotions += len(demote)
@@ -190,10 +226,8 @@ class TierPolicy:
 
     def on_remove(self, tier: Tier, keys: Iterable[Hashable]) -> None:
         """These blocks left ``tier`` other than for capacity (an explicit evict, a checksum failure)."""
-        od = self.tiers[tier]
         keys = list(keys)
-        for k in keys:
-            od.pop(k, None)
+        self._pop(tier, keys)
         self._forget(keys)
 
     # -- whole requests, with block-count capacities (the daemon's, step for step) ----------
@@ -252,35 +286,94 @@ class TierPolicy:
         for r in ranks:
             c.hits[r.rank] += 1
         c.misses += len(keys) - len(ranks)
-        self._see(keys)
         promoted = [k for k, r in zip(keys, ranks, strict=False) if r is DISK]
         if promoted:
             c.promotions += len(promoted)
             self._touch(DISK, promoted)  # a hit is a use on disk too
-        self._write_through(HOST, keys)  # before gpu, so a block the gpu cannot keep is already
-        self._write_through(GPU, keys)   # safe in host
+        self._write_through(HOST, keys, see=True)  # every key seen once more; before gpu, so a
+        self._write_through(GPU, keys)             # block the gpu cannot keep is already safe in host
         return ranks
 
     # -- internals -------------------------------------------------------------------------
 
+    def _count(self, key: Hashable) -> int:
+        """How often ``key`` was seen (0: not held, or not seen since it entered a tier)."""
+        n = self.tiers[HOST].get(key)
+        if n is None:
+            n = self.tiers[DISK].get(key)
+        return self._loose.get(key, 0) if n is None else n
+
     def _see(self, keys: Iterable[Hashable]) -> None:
-        seen = self.seen
+        """Count one more sighting of each key, in host and disk where they hold it (or loose)."""
+        host, disk, loose = self.tiers[HOST], self.tiers[DISK], self._loose
         for k in keys:
-            seen[k] = seen.get(k, 0) + 1
+            h, d = host.get(k), disk.get(k)
+            if h is None and d is None:
+                loose[k] = loose.get(k, 0) + 1
+                continue
+            n = (d if h is None else h) + 1
+            if h is not None:
+                host[k] = n  # a new value keeps the key's place
+            if d is not None:
+                disk[k] = n
+
+    def _see_touch(self, tier: Tier, keys: Iterable[Hashable]) -> None:
+        """:meth:`_see`, then :meth:`_touch` of ``tier`` (host or disk), in one pass."""
+        od, other = self.tiers[tier], self.tiers[DISK if tier is HOST else HOST]
+        get, other_get, loose_pop, move = od.get, other.get, self._loose.pop, od.move_to_end
+        for k in keys:
+            n = get(k)
+            if n is not None:  # held here (and maybe in the other): the same count in both
+                move(k)
+                od[k] = n = n + 1
+                if k in other:
+                    other[k] = n
+                continue
+            n = other_get(k)
+            if n is None:
+                od[k] = loose_pop(k, 0) + 1
+            else:
+                od[k] = other[k] = n + 1
 
     def _touch(self, tier: Tier, keys: Iterable[Hashable]) -> None:
+        """Make ``keys`` the most recent of ``tier``; a key new in host or disk brings its count."""
         od = self.tiers[tier]
+        if tier is GPU:
+            for k in keys:
+                if k in od:
+                    od.move_to_end(k)
+                else:
+                    od[k] = None
+            return
+        other_get = self.tiers[DISK if tier is HOST else HOST].get
+        loose_pop, move = self._loose.pop, od.move_to_end
         for k in keys:
             if k in od:
-                od.move_to_end(k)
+                move(k)
             else:
-                od[k] = None
+                n = loose_pop(k, None)
+                od[k] = other_get(k, 0) if n is None else n
+
+    def _pop(self, tier: Tier, keys: Iterable[Hashable]) -> None:
+        """Take ``keys`` out of ``tier``; the count of one now in neither host nor disk is kept
+        loose (until :meth:`_forget`)."""
+        od = self.tiers[tier]
+        if tier is GPU:
+            for k in keys:
+                od.pop(k, None)
+            return
+        other, loose, pop = self.tiers[DISK if tier is HOST else HOST], self._loose, od.pop
+        for k in keys:
+            n = pop(k, None)
+            if n and k not in other:
+                loose[k] = n
 
     def _forget(self, keys: Iterable[Hashable]) -> None:
-        gpu, host, disk = (self.tiers[t] for t in TIERS)
+        """Drop the counts of those of ``keys`` held in no tier and not on their way to disk."""
+        loose, moving, gpu = self._loose, self._moving, self.tiers[GPU]
         for k in keys:
-            if k in self.seen and k not in gpu and k not in host and k not in disk and k not in self._moving:
-                del self.seen[k]
+            if k in loose and k not in moving and k not in gpu:  # a loose key is in neither host nor disk
+                del loose[k]
                 self.counts.dropped += 1
 
     def _room(self, tier: Tier, n: int, keep: Collection[Hashable] = ()) -> tuple[int, list[Hashable]]:
@@ -324,14 +417,20 @@ class TierPolicy:
         self.on_promote(below[:n])
         return set(below[:n])
 
-    def _write_through(self, tier: Tier, keys: Sequence[Hashable]) -> None:
-        """Every key into ``tier`` as its most recent; then the least recently used past the
-        capacity leave it (host victims worth it go to disk the same way)."""
+    def _write_through(self, tier: Tier, keys: Sequence[Hashable], see: bool = False) -> None:
+        """Every key into ``tier`` as its most recent (with ``see``: seen once more, first; host
+        only); then the least recently used past the capacity leave it (host victims worth it go
+        to disk the same way)."""
         cap = self.capacity[tier]
         if cap == 0:
+            if see:
+                self._see(keys)
             self._forget(keys)
             return
-        self._touch(tier, keys)
+        if see:
+            self._see_touch(tier, keys)
+        else:
+            self._touch(tier, keys)
         od = self.tiers[tier]
         if cap is None or len(od) <= cap:
             return
@@ -344,4 +443,4 @@ class TierPolicy:
             self.on_demotion_end(demote)
 
 
-__all__ = ["DISK", "GPU", "HOST", "PolicyCounts", "PutOutcome", "TierPolicy"]
+__all__ = ["DISK", "GPU", "HOST", "PolicyCounts", "PutOutcome", "SeenCounts", "TierPolicy"]
