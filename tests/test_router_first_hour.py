@@ -161,6 +161,20 @@ def test_an_unreachable_daemon_is_one_clear_log_line(route_server, tmp_path) -> 
     assert len(dns_lines) == 1 and "cannot reach kvtierd" in dns_lines[0], rs.log()
 
 
+def test_a_taken_listen_port_is_a_clear_error_not_a_traceback(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "kvtier.client.routing.route_server", "--listen",
+                            f"127.0.0.1:{port}", "--daemon", str(tmp_path / "k.sock")],
+                           capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"kvtier route-server: cannot listen on 127.0.0.1:{port} (port taken?" in p.stderr
+
+
 # -- the local daemon by default ----------------------------------------------------------------
 
 def test_route_server_follows_the_local_daemon_by_default(daemon, route_server) -> None:

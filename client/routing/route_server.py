@@ -196,13 +196,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
 async def serve(cfg: RouterConfig, listen: str) -> None:
-    router = Router(cfg).start()
     server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
-    port = server.add_insecure_port(listen)
+    try:  # grpcio returns 0 or raises RuntimeError, by version, for an address it cannot bind
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
     if port == 0 and not listen.startswith("unix:"):
-        router.close()
-        raise SystemExit(f"kvtier route-server: cannot listen on {listen}")
+        raise SystemExit(f"kvtier route-server: cannot listen on {listen} (port taken? --listen HOST:0 takes "
+                         "any free port)")
+    router = Router(cfg).start()
+    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
     await server.start()
     shown = listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
     follows = [feed_target(t) for t in cfg.daemons] + [f"dns:{n}" for n in cfg.dns]
