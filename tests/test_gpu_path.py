@@ -318,7 +318,8 @@ def test_engine_killed_mid_transfer_leaves_nothing_open(start_daemon, shm_dir, b
     import kv_engine_proc as proc_mod
 
     d = start_daemon("--copy-engine", "cuda" if backend == "cuda" else "host", host_capacity="96MiB")
-    with Sidecar(d.socket) as sc:
+    # an observer holding no session (lookups from the key table would open one): sessions == 0 below
+    with Sidecar(d.socket, use_key_table=False) as sc:
         lid = sc.register_layout(proc_mod.LAYOUT)
         # 1. killed while the daemon's offload waits for KV the engine never finished writing
         _run_engine_until(d.socket, backend, shm_dir, "stall", "stalled")

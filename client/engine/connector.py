@@ -29,7 +29,9 @@ Completion, per request, through a ring of interprocess events exchanged at regi
 
 The connector holds a Node session (:mod:`kvtier.client.engine.transport`, as the sidecars do)
 for as long as it is open: if the process dies, the daemon closes the registration, its
-handles and its slots. Errors are the sidecars' :class:`KvtierError` (``KVConnectorError`` is
+handles and its slots. No daemon at the socket (a wrong path, a stopped or killed daemon) is
+:class:`~kvtier.client.engine.transport.Unavailable` at once, naming the socket, as for the
+sidecars. Errors are the sidecars' :class:`KvtierError` (``KVConnectorError`` is
 the same class); memory that cannot be shared with the daemon is :class:`ExportError`.
 """
 
@@ -52,8 +54,8 @@ from kvtier.client.engine.transport import (
     InvalidArgument,
     KvtierError,
     Transport,
+    Unavailable,
     default_client_name,
-    rpc_error,
 )
 from kvtier.proto import node_pb2, transfer_pb2
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, layout_to_proto
@@ -226,7 +228,7 @@ class Transfer:
             raise TimeoutError(f"no reply for transfer {self.seq} within {timeout} s") from None
         except grpc.RpcError as e:
             self._release()
-            raise rpc_error(e) from None
+            raise self._conn._transport.error(e) from None
 
     def _complete(self) -> bool:
         return self._conn._slot_complete(self.slot, self.seq)
@@ -354,15 +356,18 @@ class KVConnector:
             ring = {"event_ring_path": self._ring_path}
         else:
             raise InvalidArgument(f"KV tensors must be all CUDA or all CPU tensors, not {sorted(kinds)}")
-        req = transfer_pb2.RegisterKVRequest(session_id=self._open_session(),
-                                             layout=layout_to_proto(layout, node_pb2.LayoutSpec),
-                                             backend=self.backend, allocations=allocations, tensors=refs,
-                                             ring_slots=self.ring_slots, **ring)
-        try:
+        try:  # no daemon (Unavailable at once, naming the socket) leaves no ring behind either
+            req = transfer_pb2.RegisterKVRequest(session_id=self._open_session(),
+                                                 layout=layout_to_proto(layout, node_pb2.LayoutSpec),
+                                                 backend=self.backend, allocations=allocations, tensors=refs,
+                                                 ring_slots=self.ring_slots, **ring)
             reply = self._stub.RegisterKV(req, timeout=self.timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             self._drop_ring()
-            raise rpc_error(e) from None
+            raise self._transport.error(e) from None
+        except BaseException:
+            self._drop_ring()
+            raise
         if self._ring_path:  # the daemon has it mapped; the name is no longer needed (nothing leaks on a kill)
             os.unlink(self._ring_path)
             self._ring_path = ""
@@ -390,7 +395,7 @@ class KVConnector:
                                                                      registration_id=self.reg.registration_id),
                                     timeout=self.timeout)
         except grpc.RpcError as e:
-            raise rpc_error(e) from None
+            raise self._transport.error(e) from None
         finally:
             self.reg = None
             self._tensors = []
@@ -474,9 +479,12 @@ class KVConnector:
                               f"the daemon replied but event slot {slot} does not hold sequence {seq}")
 
     def close(self) -> None:
-        """Unregister (after the transfers in flight) and end the session."""
+        """Unregister (after the transfers in flight) and end the session. A daemon that is gone
+        (Unavailable) is no error here: the registration went with its session."""
         try:
             self.unregister()
+        except Unavailable:
+            pass
         finally:
             self._transport.close()
 

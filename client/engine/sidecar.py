@@ -22,11 +22,38 @@ key the table shows may be evicted before it is used: ``get`` then returns None 
 Table lookups are reported to the daemon's lookup counters in the background, at most every
 ``REPORT_S``, and on close.
 
+The table is read only while this sidecar's session stream is open on the daemon that writes
+it (the epoch in the table's header is the session's; the first lookup opens the session if
+no put or get has: one round trip, once). A killed daemon leaves its table behind, still answering until its
+heartbeat goes stale (seconds), but its session stream ends at once: the first lookup after
+that stops reading the table: it asks the daemon instead (and is refused at once, below, while
+there is none). A restarted daemon's table is read once a session on it is open; another
+daemon's table never is.
+
 Each sidecar holds one session (a gRPC stream, :mod:`kvtier.client.engine.transport`) for as
 long as it is open. If the process exits or is killed the stream ends and the daemon reclaims
 every grant and pin it held. Layout ids handed out by ``register_layout`` are the sidecar's
 own: if the daemon restarts, the sidecar re-registers the layouts (mapping the new pools) and
 opens a new session on the next call, once.
+
+When the daemon is away (a wrong socket, not started yet, stopped, killed, restarting), no call
+waits for it: every call that needs it, ``lookup`` and ``prefix_length`` included once the key
+table is no longer vouched for, raises :class:`Unavailable` at once (a unix socket that is
+missing or refuses connections is known without a timeout; well under a millisecond), naming
+the socket and how to start a daemon there. Only a daemon that is there but does not answer
+is waited for, up to ``timeout`` (:class:`DeadlineExceeded`). Lookups raise rather than answer
+all-miss so that a caller can tell "not held" from "nobody to ask" (an engine's KV event feed
+must not report blocks removed because the daemon is briefly away). What an engine does:
+
+* treat it as a miss: catch ``Unavailable`` (or any :class:`KvtierError`) and carry on as if
+  nothing were held: ``lookup`` all None, ``get`` recompute, ``put`` skip the offload;
+* reconnect in the background, never in the serving path: once a layout is registered the
+  sidecar reconnects by itself, the first call that finds the daemon back re-registers the
+  layouts and opens a new session (one round trip); an engine that would rather not try on
+  every call bypasses the sidecar for a few seconds after a failure and retries from a
+  background thread (a ``stats()`` or ``register_layout`` that succeeds means it is back).
+  An engine that starts before its daemon retries ``register_layout`` the same way and serves
+  without the cache until it succeeds.
 
 Both sidecars are one client: every operation is written once here (:class:`_SidecarCore`,
 as steps a transport performs); :class:`Sidecar` runs them with blocking calls,
@@ -34,11 +61,14 @@ as steps a transport performs); :class:`Sidecar` runs them with blocking calls,
 
 Errors: every failure is a :class:`KvtierError` carrying a gRPC status code and the daemon's
 message; a malformed argument, found before any call (wrong block size, keys and blocks of
-different lengths) or by the daemon, is :class:`InvalidArgument` (also a ``ValueError``).
+different lengths) or by the daemon, is :class:`InvalidArgument` (also a ``ValueError``); no
+daemon at the target is :class:`Unavailable`.
 """
 
 from __future__ import annotations
 
+import os
+import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +91,7 @@ from kvtier.client.engine.transport import (
     Locked,
     Op,
     Transport,
+    Unavailable,
     one_call,
     restarted,
 )
@@ -78,11 +109,13 @@ from kvtier.tiers.keytable import (
 from kvtier.tiers.layout import Layout, layout_to_proto
 from kvtier.tiers.vocab import TIERS
 
-__all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "PutResult", "Sidecar", "stats_dict"]
+__all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "PutResult", "Sidecar", "Unavailable", "stats_dict"]
 
 TABLE_RETRY_S = 1.0  # after losing the key table, ask the daemon for a new one at most this often
 REPORT_S = 1.0       # table lookups are reported to the daemon's counters at most this often, and on close
 REPORT_TIMEOUT_S = 5.0  # for a lookup report: counts only, never worth a long wait
+_EPOCH = struct.Struct("<Q")
+_EPOCH_OFFSET = 32   # the daemon epoch in a key table's header (kvtier.tiers.keytable's file format)
 
 _TIER_LABEL: dict[int, str] = {int(t): t.label for t in TIERS}  # wire value -> "gpu" | "host" | "disk"
 
@@ -138,6 +171,21 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
+def _table_epoch(path: str) -> int:
+    """The daemon epoch a key table's header carries; 0 if it cannot be read (never trusted:
+    no session has epoch 0). Read from the file, as the format documents it: a table's
+    epoch never changes, and the file at a table's path always belongs to the same daemon."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.pread(fd, _EPOCH.size, _EPOCH_OFFSET)
+        finally:
+            os.close(fd)
+    except OSError:
+        return 0
+    return _EPOCH.unpack(raw)[0] if len(raw) == _EPOCH.size else 0
+
+
 def _tiers(reply: node_pb2.LookupReply) -> list[str | None]:
     return [_TIER_LABEL.get(t) for t in reply.tiers]
 
@@ -169,6 +217,7 @@ class _SidecarCore:
         self._layouts: dict[int, _LayoutInfo] = {}
         self._pools: dict[str, PoolMapping] = {}
         self._tables: dict[str, KeyTableReader] = {}
+        self._table_epochs: dict[str, int] = {}  # path -> the daemon epoch in the table's header
         self._had_table = False
         self._report_at = 0.0
         self._generation = 0  # bumped by each restart recovery
@@ -265,17 +314,18 @@ class _SidecarCore:
 
     def _lookup(self, layout_id: int, keys: Sequence[bytes]) -> Op[list[str | None]]:
         info, keys = self._info(layout_id), _check_keys(keys)
-        masks = yield from self._masks(info, keys)
-        if masks is not None:
-            return tier_names(masks)
-        return (yield from self._lookup_rpc(info, keys))
+        return tier_names((yield from self._held(info, keys)))
 
     def _prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> Op[tuple[int, int]]:
         info, keys = self._info(layout_id), _check_keys(keys)
+        return prefix_lengths((yield from self._held(info, keys)))
+
+    def _held(self, info: _LayoutInfo, keys: list[bytes]) -> Op[np.ndarray]:
+        """Per key, the tier bit set holding it: from the key table, else the Lookup RPC."""
         masks = yield from self._masks(info, keys)
         if masks is None:
             masks = _tier_masks((yield from self._lookup_rpc(info, keys)))
-        return prefix_lengths(masks)
+        return masks
 
     def _lookup_rpc(self, info: _LayoutInfo, keys: list[bytes]) -> Op[list[str | None]]:
         call = Call("node", "Lookup", node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys))
@@ -327,6 +377,7 @@ class _SidecarCore:
         for table in self._tables.values():
             table.close()
         self._tables.clear()
+        self._table_epochs.clear()
         for info in self._layouts.values():
             info.table = None
 
@@ -384,26 +435,58 @@ class _SidecarCore:
         for path in [p for p, m in self._pools.items() if id(m) not in used]:
             del self._pools[path]
         info.table = self._open_table(reply.key_table_path) if self.use_key_table else None
+        # and tables no layout reads any more (a restarted daemon's old one): unmapped, not kept
+        tables = {id(i.table) for i in self._layouts.values()} | {id(info.table)}
+        for table in [t for t in self._tables.values() if id(t) not in tables]:
+            self._drop_table(table)
 
     # -- key table -----------------------------------------------------------------------
 
     def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> Op[np.ndarray | None]:
         """Tier bit sets from the key table (asking the daemon for a new table once it was
-        lost, at most every TABLE_RETRY_S); None: use the Lookup RPC. Table lookups are
-        reported to the daemon's counters in the background, at most every REPORT_S."""
+        lost, at most every TABLE_RETRY_S); None: use the Lookup RPC. The table is read only
+        while it is vouched for (:meth:`_confirm_table`). Table lookups are reported to the
+        daemon's counters in the background, at most every REPORT_S."""
+        if info.table is None and self._want_table(info):
+            try:
+                yield from self._register_all(wait_for_ready=False)
+            except KvtierError:
+                return None
+        if info.table is not None and not self._vouched(info):
+            yield from self._confirm_table(info)
         masks = self._table_masks(info, keys)
         if masks is not None:
             req = self._report_due()
             if req is not None:  # without waiting: the answer is for the daemon's counters only
                 yield Background(self._report_call(req))
-            return masks
-        if self._want_table(info):
-            try:
-                yield from self._register_all(wait_for_ready=False)
-            except KvtierError:
-                return None
-            masks = self._table_masks(info, keys)
         return masks
+
+    def _vouched(self, info: _LayoutInfo) -> bool:
+        """The table may be read: this sidecar's session stream is open on the daemon that
+        writes it (the epoch in the table's header is the session's)."""
+        session, table = self._transport.session, info.table
+        return table is not None and session.alive and self._table_epochs.get(table.path) == session.epoch
+
+    def _confirm_table(self, info: _LayoutInfo) -> Op[None]:
+        """Make the table vouched for, or drop it. A table's answers are only as current as its
+        daemon: one killed leaves its table behind, unclosed and answering, until its heartbeat
+        goes stale (seconds). Its session stream ends at once, though (the kernel closes a dead
+        process's connections): an ended stream drops every table of its epoch, and the
+        session, in the first lookup that sees it. A table is trusted only with a session open
+        on the same epoch (opened here if there is none), so a table of another daemon is
+        never read."""
+        session = self._transport.session
+        if session.ended:
+            dead = session.epoch
+            for table in [t for t in self._tables.values() if self._table_epochs.get(t.path) == dead]:
+                self._drop_table(table)
+            session.drop_if_ended()
+            if info.table is None:
+                return
+        if not session.alive:
+            yield SESSION  # Unavailable at once when no daemon is there
+        if info.table is not None and not self._vouched(info):
+            self._drop_table(info.table)
 
     def _open_table(self, path: str) -> KeyTableReader | None:
         """The reader of the table at ``path``, or None where it cannot be mapped (a remote
@@ -416,6 +499,7 @@ class _SidecarCore:
                 table = self._tables[path] = KeyTableReader(path)
             except (OSError, KeyTableError):
                 return None
+            self._table_epochs[path] = _table_epoch(path)
             self._had_table = True
         return table
 
@@ -459,11 +543,12 @@ class _SidecarCore:
     def _drop_table(self, table: KeyTableReader) -> None:
         # the retry time stays: a table lost long ago is asked for again at once, but one that
         # was just handed out again and is still unusable (invalid, stale) waits TABLE_RETRY_S
-        self._tables.pop(table.path, None)
         for info in self._layouts.values():
             if info.table is table:
                 info.table = None
-        table.close()
+        if self._tables.pop(table.path, None) is table:  # closed once: two threads may drop it
+            self._table_epochs.pop(table.path, None)
+            table.close()
 
     def _want_table(self, info: _LayoutInfo) -> bool:
         """True when the table was lost and it is time to ask the daemon for its current one
@@ -521,7 +606,10 @@ class Sidecar(_SidecarCore):
     """Blocking client of the local kvtierd (see the module docstring); thread-safe.
 
     ``socket_path`` / ``target``: where the daemon is (:func:`~kvtier.client.engine.transport.resolve_target`:
-    default ``$KVTIER_SOCKET``, else the daemon's default socket)."""
+    default ``$KVTIER_SOCKET``, else the daemon's default socket). Nothing is called until
+    the first operation: a socket with no daemon behind it is :class:`Unavailable` there, at
+    once (see "When the daemon is away" in the module docstring). ``timeout``: the longest
+    wait for a daemon that is there to answer."""
 
     def __init__(self, socket_path: str | None = None, *, target: str | None = None,
                  client_name: str | None = None, timeout: float = 60.0, use_key_table: bool = True) -> None:
@@ -548,7 +636,8 @@ class Sidecar(_SidecarCore):
     def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         """The fastest tier holding each key ("gpu", "host", "disk"), or None.
 
-        Read from the key table when it is mapped, else asked with the Lookup RPC."""
+        Read from the key table when it is mapped, else asked with the Lookup RPC;
+        :class:`Unavailable` at once while the daemon is away (module docstring)."""
         return self._transport.run(self._lookup(layout_id, keys))
 
     def prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> tuple[int, int]:
@@ -594,7 +683,11 @@ class Sidecar(_SidecarCore):
 
 class AsyncSidecar(_SidecarCore):
     """asyncio client of the local kvtierd: the calls of :class:`Sidecar`, awaited, with the same
-    behaviour (the same operations run on an asyncio transport). Use it from one event loop."""
+    behaviour (the same operations run on an asyncio transport). Use it from one event loop.
+
+    The end of its session stream (a killed daemon) is seen while that loop runs: a loop
+    blocked across a daemon's death reads the dead table until it next runs (at most until
+    the table's heartbeat goes stale)."""
 
     def __init__(self, socket_path: str | None = None, *, target: str | None = None,
                  client_name: str | None = None, timeout: float = 60.0, use_key_table: bool = True) -> None:

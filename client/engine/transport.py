@@ -6,7 +6,15 @@ Owned here, once:
   (``HOST:PORT``, ``unix:PATH``, any gRPC target string); else ``unix:`` and the socket path
   given; else ``$KVTIER_SOCKET`` (the daemon's ``--socket`` reads the same variable); else
   :func:`kvtier.paths.default_socket_path`. :func:`socket_path` is that path alone.
-* **The channel**: blocking or asyncio, with :data:`CHANNEL_OPTIONS`.
+* **The channel**: blocking or asyncio, with :data:`CHANNEL_OPTIONS` (and, for a unix socket,
+  :data:`UNIX_CHANNEL_OPTIONS`: a daemon that comes back is reconnected to within a quarter second).
+* **A daemon that is not there** (:class:`Endpoint`) fails at once, never after the timeout: a
+  unix socket that does not exist, is not a socket, or refuses connections (the daemon stopped
+  or was killed) is checked before every call that would wait for the daemon (opening the
+  session, ``wait_for_ready`` calls) and whenever a call fails UNAVAILABLE or DEADLINE_EXCEEDED.
+  The :class:`Unavailable` raised names the socket, where its path came from, and how to start
+  the daemon there (:func:`kvtier.paths.start_hint`); every UNAVAILABLE or DEADLINE_EXCEEDED
+  names the target.
 * **Errors**: every failure is a :class:`KvtierError` carrying a gRPC status code and the
   daemon's message (or the client's, for a misuse found before calling); the codes a caller
   acts on have subclasses (:class:`InvalidArgument`, also a ``ValueError``,
@@ -17,7 +25,10 @@ Owned here, once:
   closes it. Its lifetime is the session's: once the stream ends (close, exit, kill, a
   daemon restart) the daemon has reclaimed every grant, pin, KV registration and device
   block report made under it. The daemon's epoch comes with it; :func:`restarted` tells a
-  daemon restart (new epoch, or the stream ended) from a refusal by the same daemon.
+  daemon restart (new epoch, or the stream ended) from a refusal by the same daemon. The
+  stream is also how a client learns at once that its daemon died (:attr:`_Session.ended`):
+  the kernel closes a killed daemon's connections. Opening waits for the daemon at most the
+  transport's timeout.
 * **Running operations** (:class:`Transport`, :class:`AsyncTransport`): a client operation
   is written once, as a generator that yields *steps* and is sent their results (an
   operation's errors are thrown into it as :class:`KvtierError`):
@@ -43,6 +54,8 @@ import asyncio
 import collections
 import os
 import queue
+import socket
+import stat
 import sys
 import threading
 from collections.abc import Coroutine, Generator
@@ -52,11 +65,14 @@ from typing import Any, ClassVar, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from kvtier.paths import default_socket_path
+from kvtier.paths import SOCKET_ENV, default_socket_path, start_hint
 from kvtier.proto import locations_pb2_grpc, node_pb2, node_pb2_grpc, transfer_pb2_grpc
 
-SOCKET_ENV = "KVTIER_SOCKET"
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# A unix socket costs nothing to retry: reconnect to a daemon that comes back within 0.25 s
+# (gRPC's default backoff grows to 120 s while the daemon is away, and a call that waits for
+# the daemon would wait that long after it is back).
+UNIX_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)]
 
 # A FAILED_PRECONDITION (unknown session or layout) or UNAVAILABLE answer may mean the daemon restarted.
 RESTART_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
@@ -81,6 +97,95 @@ def socket_path(path: str | None = None) -> str:
 def resolve_target(path: str | None = None, target: str | None = None) -> str:
     """The gRPC target: ``target`` as given, else ``unix:`` + :func:`socket_path` of ``path``."""
     return target or f"unix:{socket_path(path)}"
+
+
+def unix_socket(target: str) -> str | None:
+    """The socket path of a ``unix:`` target; None for any other target."""
+    if target.startswith("unix://"):
+        return target[len("unix://"):]
+    if target.startswith("unix:"):
+        return target[len("unix:"):]
+    return None
+
+
+def probe_socket(path: str) -> str | None:
+    """Why no daemon can answer at the unix socket ``path`` right now, or None when something
+    accepts connections there. Never blocks (a non-blocking connect; a full backlog counts as
+    a daemon that is there)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(path) or "."
+        where = "" if os.path.isdir(parent) else f" (directory {parent} does not exist either)"
+        return f"no daemon socket at {path}{where}"
+    except OSError as e:
+        return f"cannot reach the daemon socket {path}: {e.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket; it is no kvtierd socket"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        s.connect(path)
+    except BlockingIOError:
+        return None
+    except ConnectionRefusedError:
+        return f"nothing accepts connections on the daemon socket {path} (the daemon stopped or was killed)"
+    except PermissionError:
+        return f"permission denied connecting to the daemon socket {path} (it is owner-only: run as the daemon's user)"
+    except OSError as e:
+        return f"cannot connect to the daemon socket {path}: {e.strerror or e}"
+    finally:
+        s.close()
+    return None
+
+
+class Endpoint:
+    """The daemon a client talks to, as its errors name it: ``target``, and for a unix socket
+    its path (``socket``) and where that came from (``source``: ``"given"``, ``"$KVTIER_SOCKET"``,
+    ``"default"``; ``"target"`` for an explicit target)."""
+
+    def __init__(self, path: str | None = None, target: str | None = None) -> None:
+        self.target = resolve_target(path, target)
+        self.socket = unix_socket(self.target)
+        self.source = ("target" if target else "given" if path else
+                       f"${SOCKET_ENV}" if os.environ.get(SOCKET_ENV) else "default")
+
+    def problem(self) -> str | None:
+        """Why no daemon can answer at the unix socket now (see :func:`probe_socket`); None when
+        something accepts connections there, and for targets other than a unix socket."""
+        return probe_socket(self.socket) if self.socket is not None else None
+
+    def check(self) -> None:
+        """Raise :class:`Unavailable` at once if no daemon can answer at the unix socket."""
+        problem = self.problem()
+        if problem is not None:
+            raise self.unavailable(problem)
+
+    def unavailable(self, problem: str) -> Unavailable:
+        assert self.socket is not None
+        whence = {"default": f" (the default path: no socket given and ${SOCKET_ENV} is unset)",
+                  f"${SOCKET_ENV}": f" (from ${SOCKET_ENV})"}.get(self.source, "")
+        return Unavailable(f"{problem}{whence}; {start_hint(self.socket)}")
+
+    def error(self, e: grpc.RpcError, timeout: float | None = None) -> KvtierError:
+        """:func:`rpc_error`, naming the daemon in an UNAVAILABLE or DEADLINE_EXCEEDED, and an
+        :class:`Unavailable` saying so when it is because no daemon is at the socket."""
+        code, details = e.code(), e.details() or ""
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return rpc_error(e)
+        problem = self.problem()
+        if problem is not None:
+            return self.unavailable(problem)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return Unavailable(f"kvtierd at {self.target}: {details}")
+        within = f" within {timeout:g} s" if timeout else ""
+        return DeadlineExceeded(f"no answer from kvtierd at {self.target}{within} ({details})")
+
+    def expired(self, timeout: float | None, what: str) -> KvtierError:
+        """What a wait of ``timeout`` for ``what`` that ran out raises."""
+        problem = self.problem()
+        if problem is not None:
+            return self.unavailable(problem)
+        return DeadlineExceeded(f"kvtierd at {self.target} did not {what} within {timeout:g} s")
 
 
 def default_client_name(prefix: str = "") -> str:
@@ -152,12 +257,19 @@ def rpc_error(e: grpc.RpcError) -> KvtierError:
 # -- the session stream -------------------------------------------------------------------
 
 class _Session:
-    """What both session streams hold: the stream, and what the daemon said when it opened."""
+    """What both session streams hold: the stream, and what the daemon said when it opened.
 
-    def __init__(self, node: Any, client_name: str) -> None:
+    ``endpoint``: checked before opening, and names the daemon in errors; ``timeout``: the
+    longest wait for the daemon to open the stream (None: no limit)."""
+
+    def __init__(self, node: Any, client_name: str, endpoint: Endpoint | None = None,
+                 timeout: float | None = None) -> None:
         self._node = node
         self.client_name = client_name
+        self._endpoint = endpoint
+        self._timeout = timeout
         self._call: Any = None
+        self._done = [True]  # [the stream has ended]: set by its done callback (cheaper than call.done())
         self.session_id = 0
         self.node_id = ""
         self.epoch = 0  # kept when the session is dropped: a later answer is compared with it
@@ -165,7 +277,27 @@ class _Session:
     @property
     def alive(self) -> bool:
         """Open, and its stream has not ended (the session of an ended stream is gone)."""
-        return self._call is not None and not self._call.done()
+        return self._call is not None and not self._done[0]
+
+    @property
+    def ended(self) -> bool:
+        """Opened, and its stream has ended since without :meth:`close`: the daemon closed it,
+        died (the kernel closes a killed process's connections) or restarted. Everything held
+        under it is gone, and so is anything else the daemon it lived on published. (An asyncio
+        client sees it once its event loop has run.)"""
+        return self._call is not None and self._done[0]
+
+    def _check(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.check()
+
+    def _error(self, e: grpc.RpcError) -> KvtierError:
+        return self._endpoint.error(e) if self._endpoint is not None else rpc_error(e)
+
+    def _expired(self) -> KvtierError:
+        if self._endpoint is not None:
+            return self._endpoint.expired(self._timeout, "open a session")
+        return DeadlineExceeded(f"the daemon did not open a session within {self._timeout:g} s")
 
     def _hello(self) -> node_pb2.SessionClientMessage:
         return node_pb2.SessionClientMessage(hello=node_pb2.SessionHello(client_name=self.client_name,
@@ -174,7 +306,10 @@ class _Session:
     def _opened(self, call: Any, msg: Any) -> int:
         if not isinstance(msg, node_pb2.SessionServerMessage) or not msg.HasField("opened"):
             call.cancel()
-            raise KvtierError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session stream before opening it")
+            target = f" at {self._endpoint.target}" if self._endpoint is not None else ""
+            raise Unavailable(f"kvtierd{target} ended the session stream before opening it")
+        done = self._done = [False]
+        call.add_done_callback(lambda _call: done.__setitem__(0, True))  # at once if it has ended
         self._call = call
         self.session_id = msg.opened.session_id
         self.node_id = msg.opened.node_id
@@ -186,18 +321,23 @@ class SessionStream(_Session):
     """The blocking client's session: the stream's requests are a generator that waits (on a
     gRPC thread) until :meth:`close`."""
 
-    def __init__(self, node: Any, client_name: str, lock: threading.RLock) -> None:
-        super().__init__(node, client_name)
+    def __init__(self, node: Any, client_name: str, lock: threading.RLock, endpoint: Endpoint | None = None,
+                 timeout: float | None = None) -> None:
+        super().__init__(node, client_name, endpoint, timeout)
         self._lock = lock
         self._queue: queue.Queue | None = None
 
     def open(self) -> int:
-        """The session id, opening the stream first if none is open (one for concurrent callers)."""
+        """The session id, opening the stream first if none is open (one for concurrent callers).
+
+        Raises :class:`Unavailable` at once when no daemon is at the socket; waits for the
+        daemon to open it at most the timeout."""
         if self._call is not None:
             return self.session_id
         with self._lock:
             if self._call is not None:
                 return self.session_id
+            self._check()
             q: queue.Queue = queue.Queue()
             hello = self._hello()
 
@@ -207,13 +347,47 @@ class SessionStream(_Session):
                     pass
 
             call = self._node.Session(requests(), wait_for_ready=True, timeout=None)
+            expired = threading.Event()
+            timer = None
+            if self._timeout is not None:  # the stream has no deadline: only its opening is bounded
+
+                def expire() -> None:
+                    expired.set()
+                    call.cancel()
+
+                timer = threading.Timer(self._timeout, expire)
+                timer.daemon = True
+                timer.start()
             try:
-                msg = next(call)
+                msg = next(call, None)
             except grpc.RpcError as e:
                 q.put(None)
-                raise rpc_error(e) from None
-            self._queue = q
+                raise (self._expired() if expired.is_set() else self._error(e)) from None
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if expired.is_set():  # it fired just as the daemon answered: the stream is cancelled
+                q.put(None)
+                raise self._expired()
+            if msg is None:  # ended without a message or an error: _opened says so
+                q.put(None)
+            else:
+                self._queue = q
             return self._opened(call, msg)
+
+    def drop_if_ended(self) -> bool:
+        """:meth:`close` the session if its stream has ended (nothing is lost: the daemon already
+        reclaimed what it held), so that the next :meth:`open` opens a new one; True if it
+        did. Skipped while another thread holds the lock (it is opening or recovering)."""
+        if not self.ended or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.ended:
+                return False
+            self.close()
+            return True
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """End the stream: the daemon reclaims everything held under the session."""
@@ -228,8 +402,9 @@ class SessionStream(_Session):
 class AsyncSessionStream(_Session):
     """The asyncio client's session."""
 
-    def __init__(self, node: Any, client_name: str, lock: asyncio.Lock) -> None:
-        super().__init__(node, client_name)
+    def __init__(self, node: Any, client_name: str, lock: asyncio.Lock, endpoint: Endpoint | None = None,
+                 timeout: float | None = None) -> None:
+        super().__init__(node, client_name, endpoint, timeout)
         self._lock = lock
 
     async def open(self) -> int:
@@ -239,14 +414,29 @@ class AsyncSessionStream(_Session):
         async with self._lock:
             if self._call is not None:
                 return self.session_id
+            self._check()
             call = self._node.Session(wait_for_ready=True)
-            try:
+
+            async def first() -> Any:
                 await call.write(self._hello())
-                msg = await call.read()
+                return await call.read()
+
+            try:
+                msg = await asyncio.wait_for(first(), self._timeout)
+            except asyncio.TimeoutError:
+                call.cancel()
+                raise self._expired() from None
             except grpc.RpcError as e:
                 call.cancel()
-                raise rpc_error(e) from None
+                raise self._error(e) from None
             return self._opened(call, msg)
+
+    def drop_if_ended(self) -> bool:
+        """As :meth:`SessionStream.drop_if_ended` (one event loop: no other opener can interleave)."""
+        if not self.ended:
+            return False
+        self.close()
+        return True
 
     def close(self) -> None:
         """As :meth:`SessionStream.close`."""
@@ -332,10 +522,12 @@ class _Transport:
 
     def __init__(self, path: str | None, target: str | None, client_name: str | None, timeout: float,
                  channel: Any) -> None:
-        self.target = resolve_target(path, target)
+        self.endpoint = Endpoint(path, target)
+        self.target = self.endpoint.target
         self.client_name = client_name or default_client_name()
         self.timeout = timeout
-        self.channel = channel(self.target, options=CHANNEL_OPTIONS)
+        options = CHANNEL_OPTIONS + (UNIX_CHANNEL_OPTIONS if self.endpoint.socket is not None else [])
+        self.channel = channel(self.target, options=options)
         self.node = node_pb2_grpc.NodeStub(self.channel)
         self.locations = locations_pb2_grpc.LocationsStub(self.channel)
         self.transfer = transfer_pb2_grpc.TransferStub(self.channel)
@@ -348,6 +540,11 @@ class _Transport:
     def _timeout(self, call: Call) -> float:
         return self.timeout if call.timeout is None else call.timeout
 
+    def error(self, e: grpc.RpcError, call: Call | None = None) -> KvtierError:
+        """The :class:`KvtierError` of a failed call to this transport's daemon
+        (:meth:`Endpoint.error`: an absent daemon is named, at its socket)."""
+        return self.endpoint.error(e, self._timeout(call) if call is not None else None)
+
     async def _drive(self, op: Generator, step: Any) -> Any:
         """Perform ``step`` and every later one of ``op``; its result."""
         while True:
@@ -355,7 +552,7 @@ class _Transport:
             try:
                 reply = await self._perform(step)
             except grpc.RpcError as e:
-                error = rpc_error(e)
+                error = self.error(e, step if type(step) is Call else None)
             except GeneratorExit:
                 raise
             except BaseException as e:  # thrown into the op, which may clean up (abort, release)
@@ -395,7 +592,7 @@ class _Transport:
                 await self._wait(handle)
             except grpc.RpcError as e:
                 if e.code() not in _GONE_CODES:
-                    raise rpc_error(e) from None
+                    raise self.error(e) from None
 
     def _forget(self, handle: Any) -> None:
         self._background.discard(handle)
@@ -423,7 +620,7 @@ class Transport(_Transport):
                  timeout: float = 60.0) -> None:
         super().__init__(path, target, client_name, timeout, grpc.insecure_channel)
         self._lock = threading.RLock()
-        self.session = SessionStream(self.node, self.client_name, self._lock)
+        self.session = SessionStream(self.node, self.client_name, self._lock, self.endpoint, timeout)
 
     def run(self, op: Op[T]) -> T:
         """Perform ``op``'s steps, blocking; its result (or its error)."""
@@ -437,6 +634,8 @@ class Transport(_Transport):
         self.channel.close()
 
     async def _unary(self, call: Call) -> Any:
+        if call.wait_for_ready:  # it would wait for a daemon that is not there until the timeout
+            self.endpoint.check()
         return self._method(call)(call.request, timeout=self._timeout(call), wait_for_ready=call.wait_for_ready)
 
     async def _open(self) -> int:
@@ -460,7 +659,7 @@ class AsyncTransport(_Transport):
                  timeout: float = 60.0) -> None:
         super().__init__(path, target, client_name, timeout, grpc.aio.insecure_channel)
         self._lock = asyncio.Lock()
-        self.session = AsyncSessionStream(self.node, self.client_name, self._lock)
+        self.session = AsyncSessionStream(self.node, self.client_name, self._lock, self.endpoint, timeout)
 
     async def run(self, op: Op[T]) -> T:
         """Perform ``op``'s steps, awaiting each; its result (or its error)."""
@@ -471,6 +670,8 @@ class AsyncTransport(_Transport):
         await self.channel.close()
 
     async def _unary(self, call: Call) -> Any:
+        if call.wait_for_ready:
+            self.endpoint.check()
         return await self._method(call)(call.request, timeout=self._timeout(call),
                                         wait_for_ready=call.wait_for_ready)
 
