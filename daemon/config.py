@@ -56,6 +56,12 @@ class Config:
     disk_write_through: bool = _opt(False, "write every committed block to disk before acknowledging it "
                                            "(as if every put were durable); needs --disk-dir", parse_bool,
                                     "BOOL")
+    # -- first-hour checks (issue 18): a disk tier that is memory is refused unless asked for --
+    disk_allow_tmpfs: bool = _opt(False, "let --disk-dir be on a tmpfs or ramfs: the disk tier is then "
+                                         "memory beside the host pool, lost at reboot, and without "
+                                         "--disk-capacity sized at 90% of that memory; refused "
+                                         "without this", parse_bool, "BOOL")
+    # -- end of the first-hour checks --
     metrics_port: int = _opt(0, "serve Prometheus metrics on this TCP port (0: off)", parse_int, "PORT")
     metrics_host: str = _opt("127.0.0.1", "address for the metrics listener", metavar="HOST")
     log_level: str = _opt("info", "debug, info, warning or error")
@@ -75,8 +81,8 @@ class Config:
                                     parse_size, "SIZE")
     event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
                                         "router further behind gets a snapshot instead", parse_int, "N")
-    config: str = _opt("", "TOML file with any of these settings (keys as in the TOML column)",
-                       metavar="FILE")
+    config: str = _opt("", "TOML file with any of these settings, each under its TOML key: the flag's "
+                           "name without -- and with _ for - (host_capacity = \"64GiB\")", metavar="FILE")
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()

@@ -14,19 +14,23 @@ scrapes, so metrics cost nothing between scrapes. No counter name is parsed:
     every Count member           kvtier_<name>_total
 
 Also the tier gauges (``kvtier_tier_capacity_bytes``, ``kvtier_tier_used_bytes``,
-``kvtier_tier_blocks``), ``kvtier_sessions`` and ``kvtier_op_latency_seconds{op}``, a
-histogram of each RPC's handling time that the handlers update in process
-(:class:`OpLatency`: one bisect and two increments per call).
+``kvtier_tier_blocks``), ``kvtier_sessions``, ``kvtier_node_info{epoch, version}`` (always 1:
+which daemon this is, so a reader can tell one daemon reached twice from two daemons) and
+``kvtier_op_latency_seconds{op}``, a histogram of each RPC's handling time that the handlers
+update in process (:class:`OpLatency`: one bisect and two increments per call).
 
-Every series but the errors' is exported from the first scrape, at zero until it moves, so
-dashboards and alerts see them before the first event. Acquire never finds a block in gpu
+Every family has the ``node`` label, and every series is exported from the first scrape, at
+zero until it moves (every refusal code; every RPC the daemon times, :meth:`OpLatency.expect`),
+so dashboards and alerts see them before the first event. Acquire never finds a block in gpu
 (the daemon serves host and disk), so ``kvtier_hit_*_total{op="acquire", tier="gpu"}`` stays 0.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -58,6 +62,13 @@ class OpLatency:
             self.sums[op] = 0.0
         counts[bisect.bisect_left(self.bounds, seconds)] += 1
         self.sums[op] += seconds
+
+    def expect(self, ops: Iterable[str]) -> None:
+        """Export these ops from the first scrape, at zero until they are called."""
+        for op in ops:
+            if op not in self.counts:
+                self.counts[op] = [0] * (len(self.bounds) + 1)
+                self.sums[op] = 0.0
 
     def family(self, node: str) -> HistogramMetricFamily:
         fam = HistogramMetricFamily("kvtier_op_latency_seconds", "time to handle one RPC, by operation",
@@ -111,12 +122,10 @@ class StoreCollector:
         for tier, n in c.evictions.items():
             evictions.add_metric([node, tier.label], n)
         yield from (moved, evictions)
-        refused = [(code, n) for code, n in c.errors.items() if n]
-        if refused:
-            errors = CounterMetricFamily("kvtier_errors", "requests refused, by gRPC status code", labels=["node", "code"])
-            for code, n in refused:
-                errors.add_metric([node, code.name], n)
-            yield errors
+        errors = CounterMetricFamily("kvtier_errors", "requests refused, by gRPC status code", labels=["node", "code"])
+        for code, n in c.errors.items():
+            errors.add_metric([node, code.name], n)
+        yield errors
         for count, n in c.counts.items():
             yield _plain(node, count.value, n)
         yield self.latency.family(node)
@@ -128,7 +137,12 @@ class StoreCollector:
             used.add_metric([node, t.tier.label], t.used_bytes)
             blocks.add_metric([node, t.tier.label], t.blocks)
         yield from (cap, used, blocks)
-        yield GaugeMetricFamily("kvtier_sessions", "open client sessions", value=stats.sessions)
+        sessions = GaugeMetricFamily("kvtier_sessions", "open client sessions", labels=["node"])
+        sessions.add_metric([node], stats.sessions)
+        info = GaugeMetricFamily("kvtier_node_info", "this daemon: its start epoch (as in the Stats reply) "
+                                 "and version; always 1", labels=["node", "epoch", "version"])
+        info.add_metric([node, str(stats.epoch), stats.version], 1)
+        yield from (sessions, info)
 
 
 def _plain(node: str, name: str, value: int) -> CounterMetricFamily:
@@ -137,10 +151,24 @@ def _plain(node: str, name: str, value: int) -> CounterMetricFamily:
     return fam
 
 
-def start_metrics_server(node: str, stats: Callable[[], NodeStats], latency: OpLatency, host: str, port: int) -> int:
-    """Serve ``/metrics`` on host:port in a background thread; returns the bound port.
-    ``stats`` is called on the server's thread at each scrape."""
+class MetricsServer:
+    """The ``/metrics`` listener: its HTTP server and the thread serving it."""
+
+    def __init__(self, server: Any, thread: threading.Thread) -> None:
+        self.server, self.thread = server, thread
+        self.port: int = server.server_port
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def start_metrics_server(node: str, stats: Callable[[], NodeStats], latency: OpLatency, host: str,
+                         port: int) -> MetricsServer:
+    """Serve ``/metrics`` on host:port in a background thread. ``stats`` is called on the
+    server's thread at each scrape. Raises OSError when the port cannot be bound."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(node, stats, latency))
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return server.server_port
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(server, thread)

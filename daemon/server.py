@@ -8,17 +8,29 @@ Listeners: a unix socket (mode 0600, in a directory made 0700) and optionally TC
 it is turned off here and the port is probed first, so a taken port is a clear error.
 SIGTERM and SIGINT stop the server gracefully (in-flight calls get a grace period), then the
 pool files and the key table are removed.
+
+Starting is ordered so that a refused start leaves nothing behind: first every check that can
+refuse it (the directories, the socket, the TCP and metrics ports), then the listeners, the
+copy engines and the disk tier (its directory is its lasting state), and only then the files
+in ``--shm-dir`` (the key table; the pool files come with the first layout). Whatever fails on
+the way removes what was made (:meth:`Daemon.start`). Before making its own files the daemon
+removes those that killed daemons left in its ``--shm-dir`` (:func:`sweep_dead_daemons`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
+import fcntl
+import inspect
 import logging
 import os
+import re
 import signal
 import socket
+import stat
 import time
 
 import grpc
@@ -28,10 +40,11 @@ from kvtier.daemon.device import watch_sessions
 from kvtier.daemon.events import LocationLog
 from kvtier.daemon.gpu import EngineUnavailable, Transfers, build_engines
 from kvtier.daemon.keytable import KeyTablePublisher
-from kvtier.daemon.metrics import OpLatency, start_metrics_server
+from kvtier.daemon.metrics import MetricsServer, OpLatency, start_metrics_server
 from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
 from kvtier.daemon.stats import StatsSource, tier_usage
 from kvtier.daemon.store import BlockStore
+from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.disk import DiskTier, DiskTierError
 from kvtier.tiers.host import HostTier
 
@@ -47,7 +60,11 @@ class StartupError(RuntimeError):
 
 def _prepare_unix_socket(path: str) -> None:
     d = os.path.dirname(path) or "."
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"cannot create the directory of --socket {path}: {e.strerror}; pass a --socket "
+                           f"in a directory this user can write") from None
     if not os.path.exists(path):
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -61,106 +78,311 @@ def _prepare_unix_socket(path: str) -> None:
     raise StartupError(f"another process is serving on {path}; stop it or pass --socket")
 
 
+def _probe_port(host: str, port: int, flag: str, shown: str) -> None:
+    """Bind ``host:port`` as its listener will (``SO_REUSEADDR``, so connections of a previous
+    daemon in TIME_WAIT do not count) and let go: a taken port is a :class:`StartupError`."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise StartupError(f"cannot bind {flag} {shown}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartupError(f"{flag} {shown}: the port is already in use; pick another {flag}") from None
+            raise StartupError(f"cannot bind {flag} {shown}: {e.strerror}") from None
+
+
 def _probe_tcp(hostport: str) -> tuple[str, int]:
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
         raise StartupError(f"--tcp {hostport!r} is not HOST:PORT")
     host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, int(port)))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise StartupError(f"TCP port {hostport} is already in use; pick another --tcp") from None
-            raise StartupError(f"cannot bind --tcp {hostport}: {e.strerror}") from None
+    _probe_port(host, int(port), "--tcp", hostport)
     return host, int(port)
 
 
+#: statfs f_type of the filesystems that are memory
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def _memory_fs(path: str) -> str:
+    """"tmpfs" or "ramfs" when ``path`` (or, before it exists, its nearest existing parent) is
+    on one; "" otherwise or when it cannot be told."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    buf = ctypes.create_string_buffer(512)  # struct statfs; f_type is its first word
+    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+        return ""
+    return _MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF, "")
+
+
+def _check_dirs(cfg: Config) -> None:
+    if not os.path.isdir(cfg.shm_dir):
+        raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
+    fs = _memory_fs(cfg.disk_dir) if cfg.disk_dir else ""
+    if fs and not cfg.disk_allow_tmpfs:
+        raise StartupError(f"--disk-dir {cfg.disk_dir} is on a {fs} (memory, not disk): its blocks would "
+                           f"take RAM beside the host pool and be lost at reboot; put it on a local disk, or "
+                           f"pass --disk-allow-tmpfs true to use memory anyway")
+    if fs:
+        log.warning("--disk-dir is on a %s: the disk tier is memory (--disk-allow-tmpfs)", fs,
+                    extra={"disk_dir": cfg.disk_dir})
+
+
+# -- files of killed daemons ---------------------------------------------------------------------
+
+#: the files a kvtierd makes in --shm-dir: its key table (and a rebuild's temporary file), its pools
+_OWN_FILE = re.compile(r"kvtier-(\d+)-(\d+)(?:\.keys(?:\.\d+\.tmp)?|-\d+\.pool)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_if_unused(path: str) -> bool:
+    """Unlink ``path`` if no process has it open for writing (a live daemon maps its key table and
+    holds its pool files read-write): a read lease is granted only then. This holds across pid
+    namespaces, where a live daemon's pid means nothing. False when it is in use, or when leases
+    cannot tell (not supported, not permitted)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        os.unlink(path)  # under the lease; closing releases it
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def sweep_dead_daemons(shm_dir: str) -> tuple[int, int]:
+    """Remove from ``shm_dir`` the files killed kvtierds left there; returns (files, bytes).
+
+    A file goes only if all hold: its name is one kvtierd gives its files
+    (``kvtier-<pid>-<epoch>.keys``, with ``.<n>.tmp`` during a rebuild, or
+    ``kvtier-<pid>-<epoch>-<slot bytes>.pool``), it is a regular file of this user, no process
+    with that pid is alive, and no process has it open for writing."""
+    files = nbytes = 0
+    uid = os.geteuid()
+    for entry in os.scandir(shm_dir):
+        m = _OWN_FILE.fullmatch(entry.name)
+        if m is None or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid and _remove_if_unused(entry.path):
+            files += 1
+            nbytes += st.st_blocks * 512
+    return files, nbytes
+
+
+def _timed_ops(*servicers: object) -> list[str]:
+    """The ``op`` label of each unary RPC the servicers time: their methods wrapped by
+    ``handled`` (coroutines with ``__wrapped__``), by name in lower case."""
+    return sorted(name.lower() for svc in servicers
+                  for name, fn in inspect.getmembers(type(svc), inspect.iscoroutinefunction)
+                  if hasattr(fn, "__wrapped__"))
+
+
 class Daemon:
-    """A running kvtierd: the store, its gRPC server and listeners."""
+    """A running kvtierd: the store, its gRPC server and listeners.
+
+    Nothing is made until :meth:`start`; a start that fails removes what it made."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.node_id = cfg.resolved_node_id()
         self.epoch = time.time_ns()
         self.socket_path = cfg.resolved_socket()
-        if not os.path.isdir(cfg.shm_dir):
-            raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
-        disk = None
-        if cfg.disk_dir:
-            try:
-                disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_queue_depth, cfg.disk_map_size)
-            except DiskTierError as e:
-                raise StartupError(str(e)) from None
-            log.info("disk tier opened", extra={
-                "disk_dir": disk.directory, "disk_capacity": disk.capacity, "blocks_restored": disk.restored,
-                "entries_dropped": disk.dropped_on_open, "queue_depth": disk.queue_depth})
-        name = f"kvtier-{os.getpid()}-{self.epoch}"
-        host = HostTier(cfg.shm_dir, cfg.host_capacity, name)
-        self.store = BlockStore(host, cfg.max_batch_keys, disk, cfg.demote_min_seen, cfg.disk_write_through,
-                                prefault=cfg.host_prefault)
-        try:
-            self.key_table = KeyTablePublisher(self.store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
-        except OSError as e:
-            raise StartupError(f"cannot create the key table in --shm-dir {cfg.shm_dir}: {e.strerror}") from None
-        self.locations = LocationLog(self.store, self.node_id, self.epoch, cfg.event_log_keys)
-        self.store.observers.add(self.key_table, self.locations)
-        self.stats = StatsSource(self.store, self.node_id, self.epoch)
-        self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
-        self._session_watch: asyncio.Task | None = None
-        try:
-            engines = build_engines(cfg)
-        except EngineUnavailable as e:
-            self.store.close()
-            raise StartupError(str(e)) from None
-        self.transfers = Transfers(self.store, engines)
         self.server: grpc.aio.Server | None = None
-        self._stopped = asyncio.Event()
+        self.disk: DiskTier | None = None
+        self.engines: dict[str, CopyEngine] = {}
+        self.store: BlockStore | None = None
+        self.key_table: KeyTablePublisher | None = None
+        self.locations: LocationLog | None = None
+        self.transfers: Transfers | None = None
+        self.stats: StatsSource | None = None
+        self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
+        self.metrics: MetricsServer | None = None
         self.metrics_port = 0
+        self._socket_made = False
+        self._session_watch: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
 
     def _tier_capacity(self) -> int:
         """Bytes all tiers can hold: what the key table is presized from."""
+        assert self.store is not None
         return sum(t.capacity_bytes for t in tier_usage(self.store))
 
     async def start(self) -> None:
+        """Check, listen, build, serve (see the module docstring); on any failure undo it all."""
+        try:
+            tcp = self._check()
+            server = self._listen(tcp)
+            self._build_engines()
+            self._open_disk()
+            self._sweep()
+            self._build_store()
+            await self._serve(server)
+        except BaseException:
+            await self._undo()
+            raise
+        log.info("kvtierd serving", extra={
+            "socket": self.socket_path, "tcp": self.cfg.tcp or None, "node_id": self.node_id,
+            "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.cfg.shm_dir,
+            "metrics_port": self.metrics_port or None, "pid": os.getpid(),
+            "copy_engines": sorted(e.name for e in self.engines.values())})
+
+    def _check(self) -> tuple[str, int] | None:
+        """Every check that can refuse the start, before anything is made."""
+        _check_dirs(self.cfg)
         _prepare_unix_socket(self.socket_path)
-        self.key_table.start()
         tcp = _probe_tcp(self.cfg.tcp) if self.cfg.tcp else None
+        if self.cfg.metrics_port:
+            _probe_port(self.cfg.metrics_host, self.cfg.metrics_port, "--metrics-port",
+                        f"{self.cfg.metrics_host}:{self.cfg.metrics_port}")
+        return tcp
+
+    def _listen(self, tcp: tuple[str, int] | None) -> grpc.aio.Server:
         opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
-        server = grpc.aio.server(options=opts)
-        health_servicer = add_services(
-            server, NodeService(self.store, self.stats, self.latency, key_table_path=self.key_table.path),
-            LocationsService(self.locations, self.latency), TransferService(self.transfers, self.latency))
+        self.server = server = grpc.aio.server(options=opts)
         old_umask = os.umask(0o177)
         try:
-            server.add_insecure_port(f"unix:{self.socket_path}")
+            bound = server.add_insecure_port(f"unix:{self.socket_path}")
+        except RuntimeError:
+            bound = 0
         finally:
             os.umask(old_umask)
+        if not bound:
+            raise StartupError(f"cannot listen on --socket {self.socket_path}")
+        self._socket_made = True
         if tcp:
             host, port = tcp
             addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            if server.add_insecure_port(addr) == 0:
+            try:
+                bound = server.add_insecure_port(addr)
+            except RuntimeError:
+                bound = 0
+            if not bound:
                 raise StartupError(f"cannot listen on --tcp {self.cfg.tcp}")
+        return server
+
+    def _open_disk(self) -> None:
+        cfg = self.cfg
+        if not cfg.disk_dir:
+            return
+        try:
+            self.disk = disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_queue_depth, cfg.disk_map_size)
+        except DiskTierError as e:
+            raise StartupError(str(e)) from None
+        log.info("disk tier opened", extra={
+            "disk_dir": disk.directory, "disk_capacity": disk.capacity, "blocks_restored": disk.restored,
+            "entries_dropped": disk.dropped_on_open, "queue_depth": disk.queue_depth})
+
+    def _build_engines(self) -> None:
+        try:
+            self.engines = build_engines(self.cfg)
+        except EngineUnavailable as e:
+            raise StartupError(str(e)) from None
+
+    def _sweep(self) -> None:
+        files, nbytes = sweep_dead_daemons(self.cfg.shm_dir)
+        if files:
+            log.info("removed the files of daemons that are gone", extra={
+                "shm_dir": self.cfg.shm_dir, "files": files, "bytes": nbytes})
+
+    def _build_store(self) -> None:
+        """The host tier, the store and what follows it: the first files in --shm-dir."""
+        cfg = self.cfg
+        name = f"kvtier-{os.getpid()}-{self.epoch}"
+        host = HostTier(cfg.shm_dir, cfg.host_capacity, name)
+        self.store = store = BlockStore(host, cfg.max_batch_keys, self.disk, cfg.demote_min_seen,
+                                        cfg.disk_write_through, prefault=cfg.host_prefault)
+        self.disk = None  # the store owns it now
+        try:
+            self.key_table = KeyTablePublisher(store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
+        except OSError as e:
+            raise StartupError(f"cannot create the key table in --shm-dir {cfg.shm_dir}: {e.strerror}") from None
+        self.locations = LocationLog(store, self.node_id, self.epoch, cfg.event_log_keys)
+        store.observers.add(self.key_table, self.locations)
+        self.stats = StatsSource(store, self.node_id, self.epoch)
+        self.transfers = Transfers(store, self.engines)
+
+    async def _serve(self, server: grpc.aio.Server) -> None:
+        assert self.store is not None and self.key_table is not None and self.locations is not None
+        assert self.transfers is not None and self.stats is not None
+        servicers = (NodeService(self.store, self.stats, self.latency, key_table_path=self.key_table.path),
+                     LocationsService(self.locations, self.latency), TransferService(self.transfers, self.latency))
+        self.latency.expect(_timed_ops(*servicers))
+        health_servicer = add_services(server, *servicers)
+        self.key_table.start()
         await server.start()
         os.chmod(self.socket_path, 0o600)
         self.stats.loop = asyncio.get_running_loop()
         self._session_watch = self.stats.loop.create_task(watch_sessions(self.store.device))
         await set_serving(health_servicer)
-        self.server = server
         if self.cfg.metrics_port:
-            self.metrics_port = start_metrics_server(self.node_id, self.stats.snapshot_from_thread, self.latency,
-                                                     self.cfg.metrics_host, self.cfg.metrics_port)
-        log.info("kvtierd serving", extra={
-            "socket": self.socket_path, "tcp": self.cfg.tcp or None, "node_id": self.node_id,
-            "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.cfg.shm_dir,
-            "metrics_port": self.metrics_port or None, "pid": os.getpid(),
-            "copy_engines": sorted(e.name for e in self.transfers.engines.values())})
+            try:
+                self.metrics = start_metrics_server(self.node_id, self.stats.snapshot_from_thread, self.latency,
+                                                    self.cfg.metrics_host, self.cfg.metrics_port)
+            except OSError as e:   # taken since it was probed
+                raise StartupError(f"cannot serve --metrics-port {self.cfg.metrics_host}:"
+                                   f"{self.cfg.metrics_port}: {e.strerror}") from None
+            self.metrics_port = self.metrics.port
+
+    async def _undo(self) -> None:
+        """Remove what a failed start made."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self._session_watch is not None:
+            self._session_watch.cancel()
+            self._session_watch = None
+        if self.locations is not None:
+            self.locations.close()
+        if self.server is not None:
+            await self.server.stop(None)
+            self.server = None
+        if self.transfers is not None:
+            await self.transfers.close()
+        else:
+            for engine in self.engines.values():
+                engine.close()
+        if self.key_table is not None:
+            self.key_table.close()
+        if self.store is not None:
+            self.store.close()
+        elif self.disk is not None:
+            self.disk.close()
+        self._remove_socket()
+
+    def _remove_socket(self) -> None:
+        if self._socket_made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
 
     async def stop(self) -> None:
+        assert self.store is not None and self.key_table is not None and self.locations is not None
+        assert self.transfers is not None
         if self._session_watch is not None:
             self._session_watch.cancel()
             self._session_watch = None
@@ -169,12 +391,14 @@ class Daemon:
             log.info("shutting down", extra={"grace_s": GRACE_S})
             await self.server.stop(GRACE_S)
             self.server = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         await self.transfers.close()
         await self.store.drain()  # requests cut off by the grace period finish their disk and slot work
         self.key_table.close()
         self.store.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        self._remove_socket()
         self._stopped.set()
 
     async def run_until_signal(self) -> None:

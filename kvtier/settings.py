@@ -60,6 +60,15 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def format_size(n: int) -> str:
+    """68719476736 -> ``"64GiB"``: the largest binary unit that divides ``n``; bytes otherwise
+    (the inverse of :func:`parse_size`)."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n and n % _UNITS[unit.lower()] == 0:
+            return f"{n // _UNITS[unit.lower()]}{unit}"
+    return str(n)
+
+
 def parse_bool(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text
@@ -183,7 +192,7 @@ class Settings:
                 shown = ",".join(s.default) or "none"
                 extra = f"env {self.env_name(s.name)}, comma-separated; default {shown}"
             else:
-                extra = f"env {self.env_name(s.name)}; default {s.default if s.default != '' else 'unset'}"
+                extra = f"env {self.env_name(s.name)}; default {_shown_default(s)}"
             ap.add_argument(s.flag, dest=s.name, default=None, metavar=s.metavar,
                             action="append" if s.repeat else "store",
                             help=f"{s.help} [{extra}]".replace("%", "%%"))
@@ -236,6 +245,17 @@ class Settings:
                 raise SettingsError(f"config file {path}: unknown key {key!r}; known: "
                                     f"{', '.join(sorted(n for n in self.by_name if n != CONFIG))}")
             values[s.path] = _parse(s, raw, f"{path}: {key}")
+
+
+def _shown_default(s: Setting) -> str:
+    """A default as it is written on the command line: ``8GiB``, ``true``, ``unset``."""
+    if s.default == "":
+        return "unset"
+    if isinstance(s.default, bool):
+        return str(s.default).lower()
+    if s.parse is parse_size:
+        return format_size(s.default)
+    return str(s.default)
 
 
 def _parse(s: Setting, raw: Any, origin: str) -> Any:

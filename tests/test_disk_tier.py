@@ -359,7 +359,9 @@ def _small_tmpfs(path: str, size: str):
 
 def test_full_filesystem_degrades_to_host_only(start_daemon, tmp_path):
     with _small_tmpfs(str(tmp_path / "small"), "3m") as small:
-        d = start_daemon(*_disk_args(small, "64MiB", "--demote-min-seen", "1"), host_capacity="2MiB")
+        # a small tmpfs is the filesystem that fills: allowed for this test (refused by default)
+        d = start_daemon(*_disk_args(small, "64MiB", "--demote-min-seen", "1", "--disk-allow-tmpfs", "true"),
+                         host_capacity="2MiB")
         keys = [key(400 + i) for i in range(40)]
         with Sidecar(d.socket) as sc:
             lid = sc.register_layout(Layout.flat(BLOCK))

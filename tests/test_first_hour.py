@@ -397,3 +397,25 @@ def test_a_table_of_another_epoch_is_never_read(start_daemon) -> None:
         assert table is not None and table.path != info_b.table.path
         assert sa._table_epochs[table.path] == sa.epoch != sb.epoch
     assert os.path.exists(a.socket) and os.path.exists(b.socket)
+
+
+def test_a_sidecar_never_reads_a_restarted_daemons_blocks_through_the_old_pool(start_daemon) -> None:
+    """Was: a sidecar whose restart recovery failed while the daemon was down opened its next
+    session on the restarted daemon without registering again, and read the new daemon's
+    lease offsets in the OLD daemon's pool mapping: the old bytes came back for a key the new
+    daemon holds with other bytes. Now an operation on a session of another daemon epoch
+    registers the layouts again first (found by the SGLang backend's tests)."""
+    d = start_daemon(host_capacity="16MiB")
+    k = keys_for(1, b"r")
+    with Sidecar(d.socket, timeout=2.0) as a, Sidecar(d.socket, timeout=2.0) as b:
+        la, lb = a.register_layout(LAYOUT), b.register_layout(LAYOUT)
+        a.put(la, k, [b"\x01" * BLOCK])
+        assert bytes(b.get(lb, k)[0]) == b"\x01" * BLOCK
+        d.kill()
+        with pytest.raises(Unavailable):
+            b.get(lb, k)  # its recovery fails: no daemon
+        d.start()
+        a.get(la, k)  # a recovers on the new daemon (which lost the block)
+        a.put(la, k, [b"\x02" * BLOCK])
+        got = b.get(lb, k)[0]
+        assert got is not None and bytes(got) == b"\x02" * BLOCK

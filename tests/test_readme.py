@@ -15,14 +15,15 @@ name that nothing defined, the PREAMBLE supplies it:
     block_ids        the first ``len(keys)`` engine blocks; other_block_ids: the next ``len(keys)``
     stream           None (the CPU stand-in has no streams; ``wait_on`` waits for the copy)
 
-The route-server's default address in a block, ``127.0.0.1:7071``, is replaced by the test
+The socket path the README's examples name, ``/run/kvtier/kvtierd.sock``, is replaced by the
+test daemon's, and the route-server's default address, ``127.0.0.1:7071``, by the test
 server's (it listens on a free port). Python blocks that import vLLM or SGLang (or kvtier's
 integrations of them) are skipped: they need those engines (tests/test_vllm_engine.py runs
 vLLM's).
 
 Shell blocks: every ``kvtier ...`` and ``kvtierd ...`` command in them is parsed by the
 command's own parser (a typo'd flag or a bad value fails here); ``kvtier stats`` runs against
-the daemon; ``kvtier replay``'s trace must exist.
+the test daemon (its socket for the README's); ``kvtier replay``'s trace must exist.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ README = ROOT / "README.md"
 SKIP = re.compile(r"^\s*(?:from|import)\s+(?:vllm|sglang)\b|kvtier\.client\.(?:vllm|sglang)|^\s*(?:vllm|python -m sglang)",
                   re.MULTILINE)
 ROUTER_DEFAULT = "127.0.0.1:7071"
+README_SOCKET = "/run/kvtier/kvtierd.sock"
 
 
 def blocks(kind: str) -> list[tuple[int, str]]:
@@ -143,8 +145,8 @@ def used_names(stmt: ast.stmt) -> set[str]:
     return loads - stores
 
 
-def run_block(where: str, text: str, ns: dict, pre: Preamble, router_address: str) -> None:
-    tree = ast.parse(text.replace(ROUTER_DEFAULT, router_address), filename=where)
+def run_block(where: str, text: str, ns: dict, pre: Preamble, router_address: str, socket: str) -> None:
+    tree = ast.parse(text.replace(ROUTER_DEFAULT, router_address).replace(README_SOCKET, socket), filename=where)
     for stmt in tree.body:
         for name in sorted(used_names(stmt)):
             if name in ns or hasattr(builtins, name):
@@ -192,7 +194,7 @@ def test_the_readme_python_blocks_run(env, tmp_path) -> None:
     ns: dict[str, Any] = {"__name__": "readme"}
     try:
         for line, text in todo:
-            run_block(f"README.md:{line}", text, ns, pre, router_address)
+            run_block(f"README.md:{line}", text, ns, pre, router_address, daemon.socket)
     finally:
         for obj in list(ns.values()):
             close = getattr(obj, "close", None)
@@ -246,6 +248,7 @@ def _parse_kvtier(argv: list[str], daemon_socket: str) -> None:
 
         build_parser().parse_args(args)
     elif sub == "stats":
+        args = [daemon_socket if a == README_SOCKET else a for a in args]
         p = subprocess.run([sys.executable, "-m", "kvtier.client.tools.cli", "stats", *args], capture_output=True,
                            text=True, timeout=60, env={**os.environ, "KVTIER_SOCKET": daemon_socket})
         assert p.returncode == 0, p.stderr

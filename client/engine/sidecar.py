@@ -221,6 +221,9 @@ class _SidecarCore:
         self._had_table = False
         self._report_at = 0.0
         self._generation = 0  # bumped by each restart recovery
+        # the epoch of the daemon this sidecar's layouts and pool mappings were registered with
+        # (0: not known); an operation on a session of another epoch registers them again first
+        self._layouts_epoch = 0
 
     @property
     def target(self) -> str:
@@ -261,6 +264,7 @@ class _SidecarCore:
             if info.layout.fingerprint == layout.fingerprint:
                 return lid
         info = _LayoutInfo(layout)
+        yield from self._bound_session()  # the layouts registered so far are the live daemon's
         self._adopt(info, (yield self._register_call(info, wait_for_ready=True)))
         lid = len(self._layouts) + 1
         self._layouts[lid] = info
@@ -279,7 +283,7 @@ class _SidecarCore:
     def _put_once(self, info: _LayoutInfo, keys: list[bytes], arrs: list[np.ndarray], durable: bool) -> Op[PutResult]:
         result = PutResult()
         yield SETTLE
-        sid = yield SESSION
+        sid = yield from self._bound_session()
         reply = yield Call("node", "Allocate", node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
                                                                         keys=keys, durable=durable))
         try:
@@ -301,7 +305,7 @@ class _SidecarCore:
 
     def _get_once(self, info: _LayoutInfo, keys: list[bytes], out: Sequence[Any] | None) -> Op[list[memoryview | None]]:
         yield SETTLE
-        sid = yield SESSION
+        sid = yield from self._bound_session()
         reply = yield Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
                                                                       keys=keys))
         try:
@@ -400,11 +404,25 @@ class _SidecarCore:
         yield Locked(self._recover(generation, gone, first))
         return (yield from once())
 
+    def _bound_session(self) -> Op[int]:
+        """The session's id, opening it if needed; when its daemon is not the one the layouts
+        (and so the pool mappings and slot offsets) were registered with, every layout is
+        registered again first. Without this, a sidecar whose recovery failed while the daemon
+        was down would read a restarted daemon's lease offsets in the old daemon's pool file:
+        another block's bytes."""
+        sid = yield SESSION
+        epoch = self._transport.session.epoch
+        if epoch != self._layouts_epoch:
+            yield from self._register_all(wait_for_ready=True)
+            self._layouts_epoch = epoch
+        return sid
+
     def _recover(self, generation: int, gone: bool, first: KvtierError) -> Op[None]:
         if generation != self._generation:
             return  # a concurrent call recovered already
         if gone:
             self._transport.session.close()
+            self._layouts_epoch = 0  # registered again below, and once more on the new session
         try:
             yield from self._register_all(wait_for_ready=True)
         except KvtierError:
@@ -460,6 +478,15 @@ class _SidecarCore:
             if req is not None:  # without waiting: the answer is for the daemon's counters only
                 yield Background(self._report_call(req))
         return masks
+
+    def _table_fast(self, layout_id: int, keys: Sequence[bytes]) -> np.ndarray | None:
+        """The hot path of a blocking lookup, without running an operation: the tier bit sets
+        from a table already vouched for, when no report is due; None when anything else
+        must happen first (then the whole operation runs)."""
+        info = self._layouts.get(layout_id)
+        if info is None or info.table is None or time.monotonic() >= self._report_at or not self._vouched(info):
+            return None
+        return self._table_masks(info, _check_keys(keys))
 
     def _vouched(self, info: _LayoutInfo) -> bool:
         """The table may be read: this sidecar's session stream is open on the daemon that
@@ -638,6 +665,9 @@ class Sidecar(_SidecarCore):
 
         Read from the key table when it is mapped, else asked with the Lookup RPC;
         :class:`Unavailable` at once while the daemon is away (module docstring)."""
+        masks = self._table_fast(layout_id, keys)
+        if masks is not None:
+            return tier_names(masks)
         return self._transport.run(self._lookup(layout_id, keys))
 
     def prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> tuple[int, int]:
@@ -646,6 +676,9 @@ class Sidecar(_SidecarCore):
         held in the gpu or host tier; the second the length of the leading run each held in
         any tier (gpu, host or disk), so ``n_gpu_or_host <= n_any``. A key held only on disk
         ends the first run but not the second."""
+        masks = self._table_fast(layout_id, keys)
+        if masks is not None:
+            return prefix_lengths(masks)
         return self._transport.run(self._prefix_length(layout_id, keys))
 
     def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:

@@ -51,21 +51,29 @@ def stats_main(argv: Sequence[str]) -> int:
         return 0
     print(f"node {st['node_id']}  epoch {st['epoch']}  up {st['uptime_s']:.0f} s  sessions {st['sessions']}  "
           f"version {st['version']}")
-    print(f"\n{'tier':<6}{'blocks':>10}{'used':>14}{'capacity':>14}{'full':>7}")
-    for tier, t in st["tiers"].items():
-        full = t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
-        print(f"{tier:<6}{t['blocks']:>10}{_fmt_bytes(t['used_bytes']):>14}{_fmt_bytes(t['capacity_bytes']):>14}"
-              f"{full:>7.0%}")
+    tiers = [[tier, str(t["blocks"]), _fmt_bytes(t["used_bytes"]), _fmt_bytes(t["capacity_bytes"]),
+              f"{t['used_bytes'] / t['capacity_bytes'] if t['capacity_bytes'] else 0.0:.0%}"]
+             for tier, t in st["tiers"].items()]
+    print("\n" + _table(["tier", "blocks", "used", "capacity", "full"], tiers, left=1))
     if st["layouts"]:
-        print(f"\n{'layout':<8}{'fingerprint':<34}{'block':>12}{'host':>10}{'disk':>10}")
-        for lay in st["layouts"]:
-            print(f"{lay['layout_id']:<8}{lay['fingerprint']:<34}{_fmt_bytes(lay['block_bytes']):>12}"
-                  f"{lay['host_blocks']:>10}{lay['disk_blocks']:>10}")
+        layouts = [[str(lay["layout_id"]), lay["fingerprint"], _fmt_bytes(lay["block_bytes"]),
+                    str(lay["host_blocks"]), str(lay["disk_blocks"])] for lay in st["layouts"]]
+        print("\n" + _table(["layout", "fingerprint", "block", "host", "disk"], layouts, left=2))
     if st["counters"]:
         print("\ncounters")
+        width = max(map(len, st["counters"]))
         for name in sorted(st["counters"]):
-            print(f"  {name:<40}{st['counters'][name]:>16}")
+            print(f"  {name:<{width}}  {st['counters'][name]:>16}")
     return 0
+
+
+def _table(head: list[str], rows: list[list[str]], left: int) -> str:
+    """Columns as wide as their widest cell, two spaces apart: the first ``left`` left-aligned
+    (names), the others right-aligned (numbers)."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+                     for r in [head, *rows])
 
 
 #: command -> (one-line description, module with a ``main(argv) -> int``); imported on use

@@ -115,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rng.shuffle(schedule)  # keep each session's turns in order but interleave sessions
     tally = Tally()
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
-        args = [] if ns.no_disk else ["--disk-dir", f"{tmp}/disk", "--disk-capacity", ns.disk_capacity]
+        # (a demo: its disk tier may sit on a tmpfs /tmp, which a real kvtierd refuses by default)
+        args = [] if ns.no_disk else ["--disk-dir", f"{tmp}/disk", "--disk-capacity", ns.disk_capacity,
+                                      "--disk-allow-tmpfs", "true"]
         print(f"starting kvtierd (host {ns.host_capacity}"
               f"{'' if ns.no_disk else f', disk {ns.disk_capacity}'}) in {tmp}", file=sys.stderr)
         daemon = DaemonProcess(tmp, *args, host_capacity=ns.host_capacity, name="demo").start()

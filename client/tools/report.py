@@ -12,14 +12,18 @@ asked for). Counts are of one operation's requests, ``--op``: ``lookup`` (what e
 routers asked, the default) or ``acquire`` (what clients actually read).
 
 Live (default): the table is redrawn every ``--interval`` seconds, with the hit rate over the
-last interval beside the totals since each daemon started. ``--once`` prints one table;
+last interval beside the totals since each daemon started (on a terminal the screen is cleared
+first; into a pipe or a file each table follows the last). ``--once`` prints one table;
 ``--once --json`` prints one JSON object (``{"nodes": [...], "fleet": {...}}``) for scripts.
 A daemon that does not answer within ``--timeout`` is shown as unreachable and the others
 are still reported; the exit status is 1 if any was unreachable.
 
 A target is a unix socket path (has a ``/`` or ends in ``.sock``), a Prometheus endpoint
 (``http://HOST:PORT``, the daemon's ``--metrics-port``; ``/metrics`` is appended unless a path
-is given), or else a gRPC ``HOST:PORT``. Both sources carry the same counters.
+is given), or else a gRPC ``HOST:PORT``. Both sources carry the same counters. A daemon named
+twice (its socket and its TCP port or metrics URL) is reported and counted once: reports with
+the same node id and epoch (the Stats reply's, or ``kvtier_node_info``'s) are one daemon, and
+its other targets are listed in ``also``.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class NodeReport:
     miss_tokens: int = 0
     used_bytes: dict[str, int] = field(default_factory=dict)
     capacity_bytes: dict[str, int] = field(default_factory=dict)
+    also: list[str] = field(default_factory=list)   # other targets that reached the same daemon
 
     @property
     def asked_blocks(self) -> int:
@@ -112,7 +117,8 @@ def from_stats_reply(target: str, reply: node_pb2.StatsReply, op: str = "lookup"
 
 def from_prometheus(target: str, text: str, op: str = "lookup") -> NodeReport:
     """A :class:`NodeReport` from /metrics text: the ``kvtier_hit_*``, ``kvtier_miss_*`` series of
-    ``op`` and the tier gauges, by their labels. (Prometheus carries no epoch: it stays 0.)"""
+    ``op`` and the tier gauges, by their labels, and the epoch of ``kvtier_node_info`` (0 from
+    a daemon that does not export it)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     rep = NodeReport(target, True)
@@ -120,6 +126,8 @@ def from_prometheus(target: str, text: str, op: str = "lookup") -> NodeReport:
         for smp in fam.samples:
             lbl, value = smp.labels, int(smp.value)
             rep.node_id = lbl.get("node", rep.node_id)
+            if smp.name == "kvtier_node_info" and lbl.get("epoch", "").isdigit():
+                rep.epoch = int(lbl["epoch"])
             if lbl.get("op", op) != op:
                 continue
             if smp.name == "kvtier_hit_blocks_total" and lbl.get("tier") in TIERS:
@@ -188,6 +196,23 @@ def fleet_total(nodes: Sequence[NodeReport]) -> NodeReport:
     return total
 
 
+def merge_duplicates(nodes: Sequence[NodeReport]) -> list[NodeReport]:
+    """One report per daemon: reachable reports with the same node id and (known) epoch came
+    from one daemon through several targets; the first stays, the others' targets go to its
+    ``also``."""
+    out: list[NodeReport] = []
+    first: dict[tuple[str, int], NodeReport] = {}
+    for n in nodes:
+        key = (n.node_id, n.epoch)
+        if n.reachable and n.epoch and key in first:
+            first[key].also.append(n.target)
+            continue
+        if n.reachable and n.epoch:
+            first[key] = n
+        out.append(n)
+    return out
+
+
 def _source(target: str, timeout: float) -> _GrpcSource | _PrometheusSource:
     if target.startswith(("http://", "https://")):
         return _PrometheusSource(target, timeout)
@@ -210,7 +235,7 @@ class Fleet:
                 out.append(source.report(t, self.op))
             except Unreachable as e:
                 out.append(NodeReport(t, False, error=str(e)))
-        return out
+        return merge_duplicates(out)
 
     def close(self) -> None:
         for source in self.clients.values():
@@ -236,7 +261,7 @@ def format_table(nodes: Sequence[NodeReport], recent: dict[str, float | None] | 
             lines.append([n.node_id or "?", n.target, f"unreachable: {n.error}"[:60]])
             continue
         by = n.hit_rate_by_tier()
-        row = [n.node_id, n.target, f"{n.asked_blocks:,}", *(_pct(by[t]) for t in TIERS),
+        row = [n.node_id, " = ".join([n.target, *n.also]), f"{n.asked_blocks:,}", *(_pct(by[t]) for t in TIERS),
                _pct(n.hit_rate()), _pct(n.reuse_share())]
         if recent is not None:
             r = recent.get(n.target)
@@ -313,11 +338,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(format_table(nodes))
             return 0 if all(n.reachable for n in nodes) else 1
         prev: dict[str, NodeReport] = {}
+        prev_shown = False
         while True:
             nodes = fleet.poll()
             recent = _recent(prev, nodes)
             prev = {n.target: n for n in nodes}
-            sys.stdout.write("\x1b[H\x1b[2J")  # home, clear screen
+            if sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")  # home, clear screen
+            elif prev_shown:
+                print()
+            prev_shown = True
             print(f"kvtier report  op={args.op}  {time.strftime('%H:%M:%S')}  every {args.interval:g}s "
                   f"(recent: over the last interval; Ctrl-C to quit)\n")
             print(format_table(nodes, recent))
