@@ -63,8 +63,9 @@ def test_every_route_server_setting_is_in_help_and_readme() -> None:
 
 
 def test_route_server_refuses_bad_settings_clearly() -> None:
-    p = run("-m", "kvtier.client.routing.route_server", "--listen", "127.0.0.1:0")
-    assert p.returncode == 2 and "give at least one --daemon or --dns" in p.stderr
+    # (with no --daemon nor --dns it follows the local daemon: tests/test_router_first_hour.py)
+    p = run("-m", "kvtier.client.routing.route_server", "--listen", "127.0.0.1:0", "--log-level", "loud")
+    assert p.returncode == 2 and "--log-level: 'loud' is not debug, info, warning or error" in p.stderr
 
 
 def test_bad_setting_is_a_clear_error() -> None:

@@ -70,8 +70,8 @@ def test_route_server_settings_flag_beats_env_beats_file(tmp_path) -> None:
 def test_route_server_settings_errors_name_the_setting(tmp_path) -> None:
     from kvtier.client.routing.route_server import load_settings
 
-    with pytest.raises(ConfigError, match="at least one --daemon or --dns"):
-        load_settings([], {})
+    # neither --daemon nor --dns: the local daemon ($KVTIER_SOCKET, else the default socket)
+    assert load_settings([], {"KVTIER_SOCKET": "/x/k.sock"}).router.daemons == ("unix:/x/k.sock",)
     with pytest.raises(ConfigError, match="KVTIER_ROUTER_TOP_K: not an integer"):
         load_settings(["--daemon", "a:1"], {"KVTIER_ROUTER_TOP_K": "many"})
     with pytest.raises(ConfigError, match="--queued-weight: not a number"):

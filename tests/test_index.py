@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.client.routing.feed import FeedError
 from kvtier.client.routing.index import FoldError, LocationIndex
-from kvtier.client.routing.router import Router, RouterConfig, RouterError
+from kvtier.client.routing.router import Router, RouterConfig, RouterError, UnknownCandidates
 from kvtier.client.routing.scoring import (
     Load,
     Overlap,
@@ -285,12 +285,18 @@ def test_router_prefers_faster_tiers_and_records_loads() -> None:
     assert not r.finish(d.decision_id)
 
 
-def test_route_with_candidates_includes_unknown_workers() -> None:
+def test_route_refuses_unknown_candidates_and_does_not_remember_them() -> None:
     r = Router()
-    with pytest.raises(RouterError):
+    with pytest.raises(RouterError, match="no workers"):
         r.route(keys(3))
-    d = r.route(keys(3), candidates=["x", "y"], dispatch=False)
-    assert sorted(d.workers) == ["x", "y"] and d.nodes == ["", ""]
+    with pytest.raises(RouterError, match="no workers"):
+        r.route(keys(3), candidates=["x", "y"])
+    r.apply("a", _node("A", 1))
+    with pytest.raises(UnknownCandidates, match="'x', 'y'"):
+        r.route(keys(3), candidates=["A", "x", "y"])
+    assert r.workers() == [("A", "A")]
+    d = r.route(keys(3), candidates=["A", "A"], dispatch=False)
+    assert d.workers == ["A"] and d.nodes == ["A"]
 
 
 def test_rows_equal_plain_dict_lookups_through_inserts_removals_and_reuse() -> None:

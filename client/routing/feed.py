@@ -1,7 +1,9 @@
 """The location feeds a router follows: one ``WatchLocations`` stream per daemon.
 
 Owns
-    * the targets: static ones (``unix:/path`` or ``host:port``) and the addresses DNS names
+    * the targets: static ones (a socket path, ``unix:/path`` or ``host:port``; a path is
+      anything that starts with ``/``, ``.`` or ``~`` or names an existing file, see
+      :func:`feed_target`) and the addresses DNS names
       resolve to (resolved again every ``resolve_interval_s``; an address that disappears
       takes its node out of the index);
     * per target, a stream that starts from its node's position in the index and reconnects
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -48,6 +51,20 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.keepal
                     ("grpc.keepalive_timeout_ms", 5000)]
 
 Resolve = Callable[[str, int], Awaitable[list[str]]]
+
+_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+def feed_target(target: str) -> str:
+    """A daemon target as gRPC takes it: a plain socket path (starting with ``/``, ``.`` or
+    ``~``, or naming an existing file) becomes ``unix:`` and its absolute path; a target with
+    a scheme (``unix:PATH``, ``dns:...``) and ``HOST:PORT`` stay as they are."""
+    t = target.strip()
+    if t.startswith(_SCHEMES):
+        return t
+    if t.startswith(("/", ".", "~")) or os.path.exists(t):
+        return "unix:" + os.path.abspath(os.path.expanduser(t))
+    return t
 
 
 @dataclass
@@ -68,6 +85,17 @@ class FeedStatus:
     @property
     def synced(self) -> bool:
         return self.connected and self.epoch != 0 and self.seq >= self.head_seq
+
+
+def _hint(target: str, msg: str) -> str:
+    """What to check, for the usual reasons a feed cannot connect."""
+    if target.startswith("unix:") and "No such file" in msg:
+        return f" (is kvtierd running with --socket {target[5:]}?)"
+    if target.startswith("unix:") and "ermission denied" in msg:
+        return " (the socket is owner-only: run as the daemon's user)"
+    if "resolv" in msg or "Domain name not found" in msg:
+        return " (not a resolvable HOST:PORT; a unix socket is a path or unix:PATH)"
+    return ""
 
 
 class FeedError(Exception):
@@ -97,7 +125,8 @@ class Feeds:
                  resolve: Resolve | None = None) -> None:
         self.index = index
         self._lock = lock
-        self.daemons, self.dns = tuple(daemons), tuple(dns)
+        self.daemons = tuple(dict.fromkeys(feed_target(t) for t in daemons))
+        self.dns = tuple(dns)
         self.resolve_interval_s = resolve_interval_s
         self.reconnect_min_s, self.reconnect_max_s = reconnect_min_s, reconnect_max_s
         self.subscriber = subscriber
@@ -274,9 +303,16 @@ class Feeds:
         with self._lock:
             st = self.status.get(target)
             if st is not None:
-                if st.connected or st.last_error != msg:
-                    log.info("feed dropped; reconnecting", extra={"target": target, "error": msg,
-                                                                  "retry_s": retry_s})
+                # the message says it all: the target, what failed, what happens next (the
+                # route-server's log format shows no extra fields)
+                extra = {"target": target, "error": msg, "retry_s": retry_s}
+                if st.connected:
+                    log.warning(f"feed {target} (node {st.node_id or '?'}) dropped: {msg}; reconnecting",
+                                extra=extra)
+                elif st.last_error != msg:
+                    log.warning(f"cannot reach kvtierd at {target}: {msg}{_hint(target, msg)}; retrying "
+                                f"(every {self.reconnect_max_s:g} s at most; logged again if the error changes)",
+                                extra=extra)
                 st.connected, st.last_error = False, msg
             if isinstance(e, FeedError | FoldError):  # broke the contract: start from a snapshot
                 node = self.targets.get(target)

@@ -14,15 +14,26 @@ cleared the worker; ``epoch_changes``: publisher restarts and disconnects).
 On SIGTERM or SIGINT the server stops, and with ``--state-path`` the index and its positions
 are saved, so the next start resumes where this one stopped.
 
+With neither ``--daemon`` nor ``--dns`` it follows this node's kvtierd
+(:func:`kvtier.client.engine.transport.socket_path`: ``$KVTIER_SOCKET``, else the default
+socket path). A ``--daemon`` that is a plain path is a unix socket (:func:`feed_target`).
+Candidates a Route request names must be workers the router knows (INVALID_ARGUMENT naming
+the others). A Route request's ``dispatch`` is a proto3 bool: false unless set, so a plain
+``Route`` only ranks, where Python's ``Router.route`` dispatches by default.
+
 ``Route`` runs in a worker thread, so a feed folding a large snapshot (which holds the
 router's lock) never stalls the event loop; routing itself takes tens of microseconds.
+
+``--help`` shows :data:`HELP` (plain text), not this docstring.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
+import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -32,7 +43,10 @@ from typing import Any
 import grpc
 
 from kvtier.client.engine.keys import Namespace, block_keys
-from kvtier.client.routing.router import Decision, Router, RouterConfig, RouterError
+from kvtier.client.engine.transport import SOCKET_ENV, socket_path
+from kvtier.client.routing.feed import feed_target
+from kvtier.client.routing.router import Decision, Router, RouterConfig, RouterError, UnknownCandidates
+from kvtier.paths import default_socket_path
 from kvtier.proto import router_pb2, router_pb2_grpc
 from kvtier.settings import Settings, SettingsError, group, setting
 from kvtier.tiers.vocab import MAX_KEYS_PER_CALL, check_keys
@@ -57,21 +71,58 @@ class RouteServerConfig:
                           metavar="FILE")
 
 
-SETTINGS = Settings(RouteServerConfig, "KVTIER_ROUTER_", "kvtier route-server", description=__doc__)
+HELP = """\
+Serve cache-aware routing decisions over gRPC: service kvtier.v1.Router (Route, Finish,
+Status), for gateways and external routers. It follows the location feeds of the kvtierds
+given by --daemon and --dns and ranks workers for each request by the prefill each would
+still need.
+
+Daemons: a --daemon is a socket path (/..., ./...), unix:PATH or HOST:PORT. With neither
+--daemon nor --dns it follows this node's kvtierd: $KVTIER_SOCKET, else the default socket
+($XDG_RUNTIME_DIR/kvtier/kvtierd.sock, else /tmp/kvtier-$UID/kvtierd.sock).
+
+Dispatch: RouteRequest.dispatch is a proto3 bool and so FALSE unless set: a plain Route only
+ranks (a dry run). Set dispatch=true to record the decision (the chosen worker's load and
+speculative entries, so the session's next turn sticks) and call Finish(decision_id) when
+the request ends. Python's Router.route(keys) dispatches by default (dispatch=True).
+
+Candidates: RouteRequest.candidates must name workers the router knows (see Status); any
+other name is refused with INVALID_ARGUMENT naming it.
+
+Client stubs: from kvtier.proto import router_pb2, router_pb2_grpc
+(the service definition: kvtier/proto/kvtier/v1/router.proto in the installed package).
+
+Settings: every option is also a variable KVTIER_ROUTER_<NAME> (--state-path:
+KVTIER_ROUTER_STATE_PATH) and a key of the --config TOML file (state_path); a flag beats the
+variable beats the file beats the default. Lists repeat the flag (--daemon A --daemon B); in
+a variable they are comma-separated. SIGTERM or SIGINT stops the server (saving
+--state-path, so the next start resumes).
+"""
+
+SETTINGS = Settings(RouteServerConfig, "KVTIER_ROUTER_", "kvtier route-server", description=HELP)
 
 
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouteServerConfig:
-    """Flags, variables (``env``, default ``os.environ``) and the TOML file; raises
+    """Flags, variables (``env``, default ``os.environ``) and the TOML file, with the local
+    daemon as the default feed (:func:`with_local_daemon`); raises
     :class:`~kvtier.settings.SettingsError` for a value that cannot be used."""
     cfg: RouteServerConfig = SETTINGS.load(argv, env)
     check_settings(cfg)
-    return cfg
+    return with_local_daemon(cfg, env)
+
+
+def with_local_daemon(cfg: RouteServerConfig, env: Mapping[str, str] | None = None) -> RouteServerConfig:
+    """``cfg``, following this node's kvtierd when it names no daemon, DNS name or vLLM event
+    source: ``$KVTIER_SOCKET`` of ``env`` (default ``os.environ``), else the default socket path."""
+    if cfg.router.daemons or cfg.router.dns or cfg.router.vllm_events:
+        return cfg
+    env = os.environ if env is None else env
+    local = f"unix:{socket_path(env.get(SOCKET_ENV) or default_socket_path())}"
+    return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, daemons=(local,)))
 
 
 def check_settings(cfg: RouteServerConfig) -> None:
-    """Refuse a server with nothing to follow, or an unknown log level."""
-    if not cfg.router.daemons and not cfg.router.dns and not cfg.router.vllm_events:
-        raise SettingsError("give at least one --daemon or --dns (or --vllm-events) to subscribe to")
+    """Refuse an unknown log level."""
     if cfg.log_level.lower() not in LOG_LEVELS:
         raise SettingsError(f"--log-level: {cfg.log_level!r} is not debug, info, warning or error")
 
@@ -123,7 +174,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
         try:
             d = await asyncio.get_running_loop().run_in_executor(self._pool, route)
-        except _BadRequest as e:
+        except (_BadRequest, UnknownCandidates) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RouterError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -154,18 +205,24 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
 async def serve(cfg: RouterConfig, listen: str) -> None:
-    router = Router(cfg).start()
     server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
-    port = server.add_insecure_port(listen)
+    try:  # grpcio returns 0 or raises RuntimeError, by version, for an address it cannot bind
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
     if port == 0 and not listen.startswith("unix:"):
-        router.close()
-        raise SystemExit(f"kvtier route-server: cannot listen on {listen}")
+        raise SystemExit(f"kvtier route-server: cannot listen on {listen} (port taken? --listen HOST:0 takes "
+                         "any free port)")
+    router = Router(cfg).start()
+    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
     await server.start()
     shown = listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
-    print(f"kvtier route-server listening on {shown}", flush=True)
-    log.info("route-server listening", extra={"listen": shown, "daemons": list(cfg.daemons),
-                                              "dns": list(cfg.dns), "vllm_events": list(cfg.vllm_events)})
+    follows = ([feed_target(t) for t in cfg.daemons] + [f"dns:{n}" for n in cfg.dns]
+               + [f"vllm:{e}" for e in cfg.vllm_events])
+    print(f"kvtier route-server listening on {shown}, following {', '.join(follows)}", flush=True)
+    log.info(f"route-server listening on {shown}; following {', '.join(follows)}",
+             extra={"listen": shown, "daemons": list(cfg.daemons), "dns": list(cfg.dns),
+                    "vllm_events": list(cfg.vllm_events)})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -176,7 +233,7 @@ async def serve(cfg: RouterConfig, listen: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg: RouteServerConfig = SETTINGS.load_or_exit(argv, check=check_settings)
+    cfg: RouteServerConfig = with_local_daemon(SETTINGS.load_or_exit(argv, check=check_settings))
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(serve(cfg.router, cfg.listen))

@@ -24,8 +24,11 @@ Owns, and puts together:
       says.
 
 A decision (:meth:`Router.route`): the index's rows and holdings for the keys, the scorer's
-cost over every worker (or the candidates) with the loads, its order, then (dispatching) the
-load and the speculative entries. ``kvtier route-server`` and ``kvtier replay`` decide through
+cost over every worker (or the candidates, each of which must be a worker the router knows:
+:class:`UnknownCandidates` otherwise) with the loads, its order, then (dispatching) the load
+and the speculative entries. ``Router.route`` dispatches by default; the gRPC ``Route`` of
+``kvtier route-server`` only ranks unless the request sets ``dispatch`` (a proto3 bool,
+false when not set). ``kvtier route-server`` and ``kvtier replay`` decide through
 this method.
 
 Threading: feeds run on a private asyncio loop in a background thread; one lock serialises
@@ -57,7 +60,7 @@ from kvtier.settings import group, parse_float, parse_int, parse_list, setting
 
 log = logging.getLogger("kvtier.router")
 
-__all__ = ["Decision", "FeedStatus", "Router", "RouterConfig", "RouterError"]
+__all__ = ["Decision", "FeedStatus", "Router", "RouterConfig", "RouterError", "UnknownCandidates"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,9 @@ class RouterConfig:
     """Every router setting, one name each; with the scorer's, the ``kvtier route-server``
     settings (flag ``--daemon``, variable ``KVTIER_ROUTER_DAEMON``, TOML key ``daemon``...)."""
 
-    daemons: tuple[str, ...] = setting((), "a kvtierd to subscribe to (unix:PATH or HOST:PORT); repeat for several",
+    daemons: tuple[str, ...] = setting((), "a kvtierd to subscribe to: a socket path, unix:PATH or HOST:PORT; "
+                                           "repeat for several (route-server, with neither --daemon nor --dns: "
+                                           "this node's kvtierd, $KVTIER_SOCKET or the default socket)",
                                        parse_list, "TARGET", name="daemon", repeat=True)
     dns: tuple[str, ...] = setting((), "HOST:PORT whose DNS name resolves to several kvtierds (a feed per address); "
                                        "repeat for several", parse_list, "HOST:PORT", repeat=True)
@@ -132,6 +137,18 @@ class RouterError(Exception):
     """A request the router cannot rank (no workers, malformed keys)."""
 
 
+class UnknownCandidates(RouterError, ValueError):
+    """Candidates naming workers the router does not know (a typo, or a worker whose daemon
+    has not been heard from): refused, never ranked or remembered. ``names``: those workers."""
+
+    def __init__(self, names: Sequence[str], known: Sequence[str]) -> None:
+        shown = ", ".join(known[:12]) + (f" and {len(known) - 12} more" if len(known) > 12 else "")
+        super().__init__(f"unknown candidate worker{'s' if len(names) > 1 else ''} "
+                         f"{', '.join(repr(n) for n in names)}: no daemon the router follows publishes "
+                         f"{'them' if len(names) > 1 else 'it'} (known workers: {shown or 'none'})")
+        self.names = list(names)
+
+
 @dataclass
 class _Workers:
     """Per-worker arrays of one index plan (rebuilt only when the workers change)."""
@@ -173,9 +190,12 @@ class Router:
 
     def route(self, keys: Sequence[bytes], candidates: Sequence[str] | None = None, *, dispatch: bool = True,
               top_k: int | None = None, now: float | None = None) -> Decision:
-        """Rank workers for a request of these block keys (in order). With ``dispatch`` the
-        best one is charged the request's prefill and gets speculative entries for its keys;
-        pass the returned ``decision_id`` to :meth:`finish` when the request ends."""
+        """Rank workers for a request of these block keys (in order). With ``dispatch`` (the
+        default here; the gRPC ``Route``'s ``dispatch`` defaults to false) the best one is
+        charged the request's prefill and gets speculative entries for its keys; pass the
+        returned ``decision_id`` to :meth:`finish` when the request ends. ``candidates``: rank
+        only these workers; a name the router does not know raises :class:`UnknownCandidates`
+        (nothing is ranked, dispatched or remembered)."""
         now = time.monotonic() if now is None else now
         if not isinstance(keys, list):
             keys = list(keys)
@@ -185,11 +205,11 @@ class Router:
             idx = self.index
             idx.expire(now)
             self._loads.expire(now)
-            sel = self._select(candidates) if candidates else None
             w, loads = self._workers(), self._loads
             if not w.names:
-                raise RouterError("no workers to route to: no daemon has been heard from and no candidates "
-                                  "were given")
+                raise RouterError("no workers to route to: no daemon has been heard from yet (wait for the "
+                                  "feeds: Router.start(wait_s=...) or wait_synced(); see status())")
+            sel = self._select(candidates) if candidates else None
             found = idx.rows(keys)
             lead = idx.holdings(found, sel)
             if sel is None:
@@ -212,13 +232,13 @@ class Router:
             return decision
 
     def _select(self, candidates: Sequence[str]) -> np.ndarray:
-        """Plan indices of the candidates (each once), adding those no daemon publishes."""
+        """Plan indices of the candidates (each once); raises :class:`UnknownCandidates`."""
         idx = self.index
-        for c in candidates:
-            if idx.worker(c) is None:
-                idx.add_external_worker(c)
-        return np.fromiter((idx.worker(c).index for c in dict.fromkeys(candidates)),  # type: ignore[union-attr]
-                           dtype=np.int64)
+        known = [idx.worker(c) for c in dict.fromkeys(candidates)]
+        unknown = [c for c, x in zip(dict.fromkeys(candidates), known, strict=True) if x is None]
+        if unknown:
+            raise UnknownCandidates(unknown, self._w.names)
+        return np.fromiter((x.index for x in known), dtype=np.int64)  # type: ignore[union-attr]
 
     def _workers(self) -> _Workers:
         """The per-worker arrays of the index's current plan."""
@@ -255,8 +275,11 @@ class Router:
         with self._lock:
             self._feeds.apply(target, reply)
 
-    def start(self) -> Router:
-        """Load the saved state (if any) and start every feed in a background thread."""
+    def start(self, wait_s: float | None = None) -> Router:
+        """Load the saved state (if any) and start every feed in a background thread. With
+        ``wait_s``, then wait up to that many seconds until every feed has caught up with its
+        daemon (:meth:`wait_synced`); if one has not, close the router and raise
+        :class:`RouterError` naming each such feed and why (its last error)."""
         path = self.config.state_path
         if path and os.path.exists(path):
             try:
@@ -271,6 +294,13 @@ class Router:
         if self.vllm.sources:
             self.vllm.start()
         self._started = True
+        if wait_s is not None and not self.wait_synced(wait_s):
+            behind = [st for st in self.status() if not st.synced]
+            why = "; ".join(f"{st.target}: " + (st.last_error or ("connected, still catching up" if st.connected
+                                                                  else "not connected yet")) for st in behind)
+            self.close()
+            raise RouterError(f"the router's feeds did not catch up within {wait_s:g} s: "
+                              f"{why or 'no feed started yet (DNS names not resolved?)'}")
         return self
 
     async def _save_loop(self) -> None:

@@ -46,8 +46,14 @@ Policies (``--policy``)
 
 Per (policy, replicas) the output has: ``hit_rate``, ``hit_rate_by_tier`` {gpu, host, disk},
 ``prefill_tokens_saved``, ``imbalance`` (max / mean of the prefill tokens each replica
-computed), ``ttft_mean_s``, ``ttft_p99_s``; a terminal table, ``--json`` (``{"rows": [...]}``
-as the last line) and ``--plot FILE.png`` (needs the ``plot`` extra: matplotlib).
+computed), ``ttft_mean_s``, ``ttft_p99_s``, ``busiest_prefill_share`` (the time the busiest
+replica spent prefilling, as a share of the trace's span: above 1 it is *overloaded*, its
+queue grows for the whole trace and its TTFT measures the trace's length more than the
+router); a terminal table, ``--json`` (``{"rows": [...]}`` as the last line) and ``--plot
+FILE.png`` (needs the ``plot`` extra: matplotlib): hit rate by tier for each policy against
+replicas, with the *pooled* reference (one replica with N times the capacity of one, the
+most any router of N replicas could reach; :func:`pooled`), p99 TTFT with the overloaded
+points marked, and imbalance.
 """
 
 from __future__ import annotations
@@ -175,6 +181,7 @@ class Row:
     imbalance: float | None = None
     ttft_mean_s: float | None = None
     ttft_p99_s: float | None = None
+    busiest_prefill_share: float | None = None  # the busiest replica's prefill time / the trace's span
     requests: int = 0
     blocks: int = 0
     na: str | None = None   # why the policy does not apply to this trace
@@ -266,7 +273,7 @@ class SimulatedNode:
 class Replica:
     """One simulated worker: its node and its queue."""
 
-    __slots__ = ("node", "free_at", "active", "active_blocks", "computed_tokens")
+    __slots__ = ("node", "free_at", "active", "active_blocks", "computed_tokens", "busy_s")
 
     def __init__(self, cfg: ReplayConfig, index: int = 0, feed: Feed | None = None) -> None:
         self.node = SimulatedNode(cfg, f"node{index}", f"replica{index}", feed)
@@ -274,6 +281,7 @@ class Replica:
         self.active: list[tuple[float, int]] = []  # heap of (finish time, blocks held)
         self.active_blocks = 0
         self.computed_tokens = 0                  # prefill work done: tokens computed
+        self.busy_s = 0.0                         # time spent prefilling (and loading from tiers)
 
     def advance(self, now: float) -> None:
         act = self.active
@@ -444,7 +452,9 @@ class Cluster:
         computed = req.input_tokens - min(sum(hits) * cfg.block_tokens, req.input_tokens)
         rep.computed_tokens += computed
         start = max(now, rep.free_at)
-        rep.free_at = start + computed / cfg.prefill_tps + hits[1] * self._load_s[1] + hits[2] * self._load_s[2]
+        prefill_s = computed / cfg.prefill_tps + hits[1] * self._load_s[1] + hits[2] * self._load_s[2]
+        rep.busy_s += prefill_s
+        rep.free_at = start + prefill_s
         done = rep.free_at + req.output_tokens / cfg.decode_tps
         held = -(-(req.input_tokens + req.output_tokens) // cfg.block_tokens)
         heapq.heappush(rep.active, (done, held))
@@ -476,9 +486,23 @@ def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas
     return _row(policy, cluster.replicas, requests, hits, saved_tokens, ttft)
 
 
+def pooled(requests: Sequence[Request], cfg: ReplayConfig, replicas: Sequence[int],
+           progress: Callable[[int], None] | None = None) -> dict[int, Row]:
+    """The pooled reference for each replica count ``n``: one replica with ``n`` times the
+    capacity of one in every tier (one cache holding what all ``n`` hold, no routing). Its
+    hit rate is what a router of ``n`` replicas could reach at most."""
+    out = {}
+    for n in sorted(set(replicas)):
+        big = replace(cfg, gpu_tokens=n * cfg.gpu_tokens, host_tokens=n * cfg.host_tokens,
+                      disk_tokens=n * cfg.disk_tokens)
+        out[n] = replace(replay(requests, big, "round-robin", 1, progress), policy="pooled", replicas=n)
+    return out
+
+
 def _row(policy: str, reps: list[Replica], requests: Sequence[Request], hits: list[int], saved_tokens: int,
          ttft: np.ndarray) -> Row:
     total = sum(len(r.keys) for r in requests)
+    span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
     work = [r.computed_tokens for r in reps]
     mean_work = sum(work) / len(work)
     counts = [r.node.counts() for r in reps]
@@ -490,6 +514,7 @@ def _row(policy: str, reps: list[Replica], requests: Sequence[Request], hits: li
         imbalance=max(work) / mean_work if mean_work else 1.0,
         ttft_mean_s=float(ttft.mean()) if len(ttft) else 0.0,
         ttft_p99_s=float(np.percentile(ttft, 99)) if len(ttft) else 0.0,
+        busiest_prefill_share=max(r.busy_s for r in reps) / span if span > 0 else None,
         requests=len(requests), blocks=total,
         evictions={name: sum(c[0][t] for c in counts) for t, name in enumerate(TIER_LABELS)},
         demotions=sum(c[1] for c in counts), promotions=sum(c[2] for c in counts))
@@ -552,8 +577,13 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
-    """Hit rate and imbalance against replicas, one line per policy (needs matplotlib)."""
+TIER_COLORS = {"gpu": "#1b7837", "host": "#2166ac", "disk": "#e08214"}
+
+
+def plot(rows: Sequence[Row], path: str, title: str = "", pooled: dict[int, Row] | None = None) -> None:
+    """Hit rate by tier against replicas, one panel per policy (stacked: gpu, host, disk; the
+    pooled reference as a dashed line); p99 TTFT per policy (log scale; overloaded points
+    ringed); imbalance per policy (from 1.0). Needs matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -561,29 +591,112 @@ def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ok = [r for r in rows if r.na is None]
+    policies = list(dict.fromkeys(r.policy for r in ok))
     ticks = sorted({r.replicas for r in rows})
-    for pol in dict.fromkeys(r.policy for r in rows):
-        pts = sorted((r.replicas, r.hit_rate, r.imbalance) for r in rows if r.policy == pol and r.na is None)
-        if not pts:
-            continue
-        xs = [p[0] for p in pts]
-        ax1.plot(xs, [p[1] for p in pts], marker="o", label=pol)
-        ax2.plot(xs, [p[2] for p in pts], marker="o", label=pol)
-    for ax, ylabel in ((ax1, "hit rate (blocks, any tier)"), (ax2, "imbalance (max / mean prefill work)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(x) for x in ticks])
-        ax.minorticks_off()
-        ax.set_xlabel("replicas")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    ax1.set_ylim(bottom=0)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+    cols = max(2, len(policies))
+    fig = plt.figure(figsize=(3.3 * cols, 8.6))
+    grid = fig.add_gridspec(2, 2 * cols, height_ratios=[1.0, 1.0], hspace=0.42, wspace=0.9)
+    top = max([sum((r.hit_rate_by_tier or {}).values()) for r in ok] +
+              [p.hit_rate or 0.0 for p in (pooled or {}).values()] + [0.05])
+    first = None
+    for i, pol in enumerate(policies):
+        ax = fig.add_subplot(grid[0, 2 * i:2 * i + 2], sharey=first)
+        first = first or ax
+        _hit_panel(ax, [r for r in ok if r.policy == pol], ticks, pooled, top, legend=i == 0)
+        ax.set_title(pol)
+        if i:
+            ax.tick_params(labelleft=False)
+    if first is not None:
+        first.set_ylabel("hit rate (share of blocks)")
+    ax_ttft = fig.add_subplot(grid[1, :cols])
+    ax_imb = fig.add_subplot(grid[1, cols:])
+    _ttft_panel(ax_ttft, ok, policies, ticks)
+    _imbalance_panel(ax_imb, ok, policies, ticks)
+    fig.suptitle((title or "kvtier replay") + "\nhit rate by tier, stacked (total above each bar); dashed: a "
+                 "pooled cache, 1 replica with N x the capacity of one (what N replicas could reach at most)",
+                 fontsize=10)
+    fig.subplots_adjust(left=0.06, right=0.98, top=0.88, bottom=0.08)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _hit_panel(ax, rows: Sequence[Row], ticks: list[int], pooled: dict[int, Row] | None, top: float,
+               legend: bool) -> None:
+    """One policy's hit rate by tier, stacked, per replica count; the pooled line over it."""
+    xs = range(len(ticks))
+    by_n = {r.replicas: r.hit_rate_by_tier or {} for r in rows}
+    bottom = [0.0] * len(ticks)
+    for tier in TIER_LABELS:
+        vals = [by_n.get(n, {}).get(tier, 0.0) for n in ticks]
+        ax.bar(xs, vals, 0.62, bottom=bottom, color=TIER_COLORS[tier], label=tier)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    for x, n, total in zip(xs, ticks, bottom, strict=True):
+        if n in by_n:
+            ax.text(x, total + top * 0.015, f"{total:.2f}", ha="center", va="bottom", fontsize=7, zorder=5,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.85})
+    if pooled:
+        ax.plot(xs, [pooled[n].hit_rate if n in pooled else float("nan") for n in ticks], "k--", marker="_",
+                markersize=14, linewidth=1.2, label="pooled: 1 replica,\nN x the capacity")
+    ax.set_xticks(list(xs), [str(n) for n in ticks])
+    ax.set_xlabel("replicas")
+    ax.set_ylim(0, top * 1.15)
+    ax.grid(True, axis="y", alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7, loc="upper left")
+
+
+def _ttft_panel(ax, rows: Sequence[Row], policies: list[str], ticks: list[int]) -> None:
+    """p99 TTFT per policy (log scale), overloaded points ringed, and a note saying why."""
+    for pol in policies:
+        pts = sorted((r.replicas, r.ttft_p99_s) for r in rows if r.policy == pol)
+        ax.plot([ticks.index(n) for n, _ in pts], [t for _, t in pts], marker="o", markersize=4, label=pol)
+    over = [r for r in rows if r.busiest_prefill_share is not None and r.busiest_prefill_share > 1.0]
+    for n, t in sorted({(r.replicas, r.ttft_p99_s) for r in over}):
+        ax.plot([ticks.index(n)], [t], "o", markersize=15, markerfacecolor="none", markeredgecolor="red")
+    if over:
+        ax.text(0.99, 0.97, "ringed: overloaded. The busiest replica's prefill work is longer\nthan the trace ("
+                + _overload_note(over, policies) + "):\nits queue grows all trace long, so TTFT there measures "
+                "the\ntrace's length, not the router", transform=ax.transAxes, ha="right", va="top", fontsize=7.5,
+                color="red")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(ticks)), [str(n) for n in ticks])
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("p99 TTFT (s, log scale)")
+    ax.set_title("p99 time to first token")
+    ax.grid(True, which="both", alpha=0.25)
+    if policies:
+        ax.legend(fontsize=7, loc="lower left")
+
+
+def _overload_note(over: Sequence[Row], policies: list[str]) -> str:
+    """"1 replica 2.6x; 2 replicas up to 1.3x (round-robin, random)": the overloaded rows by
+    replica count, naming the policies when not all are."""
+    parts = []
+    for n in sorted({r.replicas for r in over}):
+        these = [r for r in over if r.replicas == n]
+        worst = max(r.busiest_prefill_share or 0.0 for r in these)
+        which = "" if len(these) == len(policies) else f" ({', '.join(r.policy for r in these)})"
+        up_to = "up to " if len({round(r.busiest_prefill_share or 0.0, 1) for r in these}) > 1 else ""
+        parts.append(f"{n} replica{'s' if n > 1 else ''} {up_to}{worst:.1f}x{which}")
+    return "; ".join(parts)
+
+
+def _imbalance_panel(ax, rows: Sequence[Row], policies: list[str], ticks: list[int]) -> None:
+    """Imbalance per policy, on an axis from 1.0 (perfect) so noise is not magnified."""
+    worst = 1.0
+    for pol in policies:
+        pts = sorted((r.replicas, r.imbalance) for r in rows if r.policy == pol and r.imbalance is not None)
+        worst = max([worst] + [v for _, v in pts])
+        ax.plot([ticks.index(n) for n, _ in pts], [v for _, v in pts], marker="o", markersize=4, label=pol)
+    ax.set_ylim(1.0, max(1.5, 1.0 + (worst - 1.0) * 1.25))
+    ax.set_xticks(range(len(ticks)), [str(n) for n in ticks])
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("imbalance (max / mean prefill work)")
+    ax.set_title("imbalance (1.0: even)")
+    ax.grid(True, alpha=0.3)
+    if policies:
+        ax.legend(fontsize=7, loc="upper left")
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -648,7 +761,9 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                     help="kvtier policy: cost per active request [%(default)s]")
     ap.add_argument("--seed", type=int, default=d.seed, help="for random and prefix tie-breaks [%(default)s]")
     ap.add_argument("--json", action="store_true", help='print {"rows": [...]} as the last line')
-    ap.add_argument("--plot", metavar="FILE.png", help="draw hit rate and imbalance against replicas per policy")
+    ap.add_argument("--plot", metavar="FILE.png",
+                    help="draw hit rate by tier (with the pooled reference: 1 replica with N x the capacity), "
+                         "p99 TTFT and imbalance against replicas per policy")
     return ap
 
 
@@ -673,22 +788,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvtier replay: {e}", file=sys.stderr)
         return 2
     runs = [(p, n) for p in args.policy for n in args.replicas]
-    bar = Progress(len(requests) * len(runs), sys.stderr.isatty())
+    bar = Progress(len(requests) * (len(runs) + (len(set(args.replicas)) if args.plot else 0)), sys.stderr.isatty())
     rows = []
     for pol, n in runs:
         bar.label = f"{pol} x{n}"
         rows.append(replay(requests, cfg, pol, n, bar))
+    bar.label = "pooled"
+    pool = pooled(requests, cfg, args.replicas, bar) if args.plot else None
     bar.close()
     print(f"{args.trace}: {len(requests)} requests, {sum(len(r.keys) for r in requests)} blocks of "
           f"{cfg.block_tokens} tokens; per replica gpu {_human(cfg.gpu_tokens)}, host {_human(cfg.host_tokens)}, "
           f"disk {_human(cfg.disk_tokens)} tokens")
     print(format_table(rows))
-    if args.plot:
-        plot(rows, args.plot, title=f"{args.trace.rsplit('/', 1)[-1]}: gpu {_human(cfg.gpu_tokens)}, host "
-             f"{_human(cfg.host_tokens)}, disk {_human(cfg.disk_tokens)} tokens per replica")
+    if pool is not None:
+        print("pooled (1 replica with N x the capacity) hit rate: "
+              + ", ".join(f"N={n}: {r.hit_rate:.4f}" for n, r in pool.items()))
+        plot(rows, args.plot, pooled=pool,
+             title=f"{args.trace.rsplit('/', 1)[-1]}, {len(requests):,} requests; capacity per replica: "
+                   f"gpu {_human(cfg.gpu_tokens)}, host {_human(cfg.host_tokens)}, disk {_human(cfg.disk_tokens)} "
+                   f"tokens; disk load {cfg.disk_load_gbps:g} GB/s")
         print(f"plot written to {args.plot}")
     if args.json:
-        print(json.dumps({"config": asdict(cfg), "rows": [asdict(r) for r in rows]}))
+        out = {"config": asdict(cfg), "rows": [asdict(r) for r in rows]}
+        if pool is not None:
+            out["pooled"] = [asdict(r) for r in pool.values()]
+        print(json.dumps(out))
     return 0
 
 

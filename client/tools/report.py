@@ -1,4 +1,8 @@
-"""``kvtier report --daemons SOCK_OR_HOST:PORT,...``: hit rate by tier and node, across a fleet.
+"""``kvtier report [--daemons SOCK_OR_HOST:PORT,...]``: hit rate by tier and node, across a fleet.
+
+Without ``--daemons`` it reports this node's kvtierd
+(:func:`kvtier.client.engine.transport.socket_path`: ``$KVTIER_SOCKET``, else the default
+socket path).
 
 Reads each daemon's Stats RPC (its typed fields: hits per operation and tier, misses, tier
 occupancy; the same counters its Prometheus endpoint exports) and shows,
@@ -35,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from kvtier.client.engine.transport import socket_path
 from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.vocab import TIER_LABELS, Tier
 
@@ -299,8 +304,10 @@ def _recent(prev: dict[str, NodeReport], nodes: Sequence[NodeReport]) -> dict[st
 
 def build_parser(prog: str = "kvtier report") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description="Hit rate by tier and node across kvtierd daemons.")
-    ap.add_argument("--daemons", required=True,
-                    help="comma list of daemon sockets (paths) or gRPC HOST:PORT targets")
+    ap.add_argument("--daemons", default=None,
+                    help="comma list of daemon sockets (paths), gRPC HOST:PORT targets or http://HOST:PORT "
+                         "metrics endpoints (default: this node's kvtierd: $KVTIER_SOCKET, else the default "
+                         "socket path)")
     ap.add_argument("--op", choices=("lookup", "acquire"), default="lookup",
                     help="count lookups (asked) or acquires (read) [%(default)s]")
     ap.add_argument("--once", action="store_true", help="print once and exit")
@@ -313,7 +320,7 @@ def build_parser(prog: str = "kvtier report") -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    targets = [t.strip() for t in args.daemons.split(",") if t.strip()]
+    targets = [t.strip() for t in (args.daemons or socket_path()).split(",") if t.strip()]
     if not targets:
         ap.error("--daemons needs at least one socket path or HOST:PORT")
     if args.json and not args.once:
