@@ -64,7 +64,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,36 +328,39 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         """Copy the stored pages into the host pool at ``host_indices``; per page, whether it was
         found and copied (a miss leaves its page as it was)."""
         self._count(get_pages=len(keys))
-        pages = self._pages(keys, host_indices)
-        if pages is None or not keys or not self._ready():
-            return self._missed(keys)
-        t0 = time.perf_counter()
-        try:
-            ok = self._get_pages(self._keys(keys), pages)
-        except Exception as e:
-            self._failed("batch_get_v1", e)
-            return [False] * len(keys)
-        self._count(get_hit_pages=sum(ok))
-        self._metric("prefetch", len(keys), time.perf_counter() - t0)
-        return ok
+        ok = self._page_batch("batch_get_v1", keys, host_indices, self._get_pages, "prefetch")
+        if ok is not None:
+            self._count(get_hit_pages=sum(ok))
+            return ok
+        return [False] * len(keys)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Store the host pool's pages at ``host_indices`` under ``keys``; per page, whether it is
         stored now (written, or already held)."""
         self._count(set_pages=len(keys))
+        ok = self._page_batch("batch_set_v1", keys, host_indices, self._set_pages, "backup")
+        if ok is not None:
+            self._count(set_failed_pages=len(ok) - sum(ok))
+            return ok
+        self._count(set_failed_pages=len(keys))
+        return [False] * len(keys)
+
+    def _page_batch(self, what: str, keys: list[str], host_indices: torch.Tensor,
+                    move: Callable[[list[bytes], Any], list[bool]], metric: str) -> list[bool] | None:
+        """Run one v1 page batch (``move`` of the kvtier keys and the pool's pages) and time it;
+        None when nothing was moved: no usable pages, no keys, no daemon, or a failure (counted
+        and logged by :meth:`_failed`)."""
         pages = self._pages(keys, host_indices)
         if pages is None or not keys or not self._ready():
-            self._count(set_failed_pages=len(keys))
-            return self._missed(keys)
+            self._missed(keys)
+            return None
         t0 = time.perf_counter()
         try:
-            ok = self._set_pages(self._keys(keys), pages)
+            ok = move(self._keys(keys), pages)
         except Exception as e:
-            self._failed("batch_set_v1", e)
-            self._count(set_failed_pages=len(keys))
-            return [False] * len(keys)
-        self._count(set_failed_pages=len(ok) - sum(ok))
-        self._metric("backup", len(keys), time.perf_counter() - t0)
+            self._failed(what, e)
+            return None
+        self._metric(metric, len(keys), time.perf_counter() - t0)
         return ok
 
     # -- the interface's other (older) methods: flat pages as tensors ------------------------

@@ -820,12 +820,17 @@ class KvtierOffloadingWorker(OffloadingWorker):
             except Exception as e:  # noqa: BLE001 - a failed copy must not kill the engine
                 log.exception("kvtier: %s %d failed", "load" if job.load else "store", job.job_id)
                 self._down(e)
-                if job.load:
-                    job.failed = job.block_ids
-                    self.counts.add(M_LOAD_FAILED, len(job.block_ids), "error")
-                else:
-                    self.counts.add(M_STORE, len(job.keys), "failed")
+                self._count_failed(job)
             self._finish(job)
+
+    def _count_failed(self, job: _Job) -> None:
+        """A job none of whose blocks moved: a load's blocks are all reported failed (vLLM
+        recomputes them), a store's keys counted as failed."""
+        if job.load:
+            job.failed = job.block_ids
+            self.counts.add(M_LOAD_FAILED, len(job.block_ids), "error")
+        else:
+            self.counts.add(M_STORE, len(job.keys), "failed")
 
     def _store(self, job: _Job) -> None:
         sc = self._sidecar()
@@ -932,11 +937,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._down(err)
             self._stale = True
         job.transfer = None
-        if job.load:
-            job.failed = job.block_ids
-            self.counts.add(M_LOAD_FAILED, len(job.block_ids), "error")
-        else:
-            self.counts.add(M_STORE, len(job.keys), "failed")
+        self._count_failed(job)
         self._finish(job)
 
     def _zero(self, block_ids: np.ndarray) -> None:

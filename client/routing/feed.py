@@ -74,12 +74,12 @@ class FeedStatus:
     target: str
     node_id: str = ""
     connected: bool = False
-    epoch: int = 0
-    seq: int = 0
-    head_seq: int = 0
-    snapshots: int = 0
-    resumes: int = 0
-    epoch_changes: int = 0
+    epoch: int = 0           # the daemon run this feed follows
+    seq: int = 0             # the last event folded
+    head_seq: int = 0        # the daemon's newest event, as last told
+    snapshots: int = 0       # how often a snapshot was folded instead of resuming
+    resumes: int = 0         # how often the stream resumed after its last event
+    epoch_changes: int = 0   # daemon restarts seen
     last_error: str = ""
 
     @property
