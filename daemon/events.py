@@ -46,6 +46,53 @@ class EventKind(enum.Enum):
     CLEARED = enum.auto()  # the tier was emptied (for gpu: the worker's device blocks); no keys
 
 
+class PackedKeys(Sequence[bytes]):
+    """An event's keys, kept as one bytes object when they share a length (as a layout's keys
+    do): the ring holds up to ``event_log_keys`` keys, and a separate object per key cost the
+    daemon about 55 bytes each (54 MiB at 2^20 keys, measured with bench/lookup.py)."""
+
+    __slots__ = ("_blob", "_width", "_n")
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        self._n = len(keys)
+        widths = {len(k) for k in keys}
+        if len(widths) == 1:
+            self._width = widths.pop()
+            self._blob: bytes | tuple[bytes, ...] = b"".join(keys)
+        else:
+            self._width = 0
+            self._blob = tuple(keys)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if not self._width:
+            return self._blob[i]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._blob[i * self._width:(i + 1) * self._width]
+
+    def __iter__(self):
+        if not self._width:
+            return iter(self._blob)
+        w, blob = self._width, self._blob
+        return (blob[o:o + w] for o in range(0, len(blob), w))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PackedKeys({list(self)!r})"
+
+
 @dataclass(frozen=True)
 class LocationEvent:
     seq: int
@@ -96,7 +143,7 @@ class LocationLog:
 
     def _append(self, kind: EventKind, tier: Tier, fp: bytes, keys: Sequence[bytes], worker: str = "") -> None:
         self.head += 1
-        self._ring.append(LocationEvent(self.head, kind, tier, fp, keys, worker))
+        self._ring.append(LocationEvent(self.head, kind, tier, fp, PackedKeys(keys), worker))
         self._ring_keys += max(1, len(keys))
         while self._ring_keys > self.max_keys and len(self._ring) - self._start > 1:
             old = self._ring[self._start]
