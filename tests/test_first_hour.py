@@ -10,11 +10,12 @@ regression fails the test ("still blocked") instead of hanging the suite."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -213,14 +214,25 @@ def test_a_killed_daemon_fails_the_async_sidecars_next_calls_at_once(start_daemo
     assert_unavailable_at_once(_register_async(d.socket), d.socket, REFUSED)
 
 
-def test_a_killed_daemon_fails_the_connectors_next_calls_at_once(start_daemon, tmp_path) -> None:
-    pytest.importorskip("torch")
-    d = start_daemon("--copy-engine", "host")
+@contextlib.contextmanager
+def host_connector(socket: str, tmp_path) -> Iterator[tuple[KVConnector, SharedKVArena, Any]]:
+    """A KV connector on the host copy engine over a shared-memory arena of KV_LAYOUT, its
+    event rings in ``tmp_path/rings``; closed (connector, then arena) on the way out."""
     ring_dir = tmp_path / "rings"
     ring_dir.mkdir()
     arena = SharedKVArena(KV_LAYOUT, str(tmp_path))
-    conn = KVConnector(d.socket, ring_dir=str(ring_dir), ring_slots=4)
+    conn = KVConnector(socket, ring_dir=str(ring_dir), ring_slots=4)
     try:
+        yield conn, arena, ring_dir
+    finally:
+        conn.close()
+        arena.close()
+
+
+def test_a_killed_daemon_fails_the_connectors_next_calls_at_once(start_daemon, tmp_path) -> None:
+    pytest.importorskip("torch")
+    d = start_daemon("--copy-engine", "host")
+    with host_connector(d.socket, tmp_path) as (conn, arena, ring_dir):
         conn.register(KV_LAYOUT, arena.tensors)
         assert conn.offload(keys_for(2, b"c"), [0, 1]).wait() == ["copied"] * 2
         d.kill()
@@ -230,9 +242,6 @@ def test_a_killed_daemon_fails_the_connectors_next_calls_at_once(start_daemon, t
         assert [p.name for p in ring_dir.iterdir()] == []
         took, _, error = outcome(conn.close)  # the daemon that held the registration is gone: no error
         assert error is None and took < FAST_S, (took, error)
-    finally:
-        conn.close()
-        arena.close()
 
 
 # -- lookups after a kill -9 -----------------------------------------------------------------------
@@ -427,17 +436,9 @@ def test_one_layout_id_everywhere(start_daemon, tmp_path) -> None:
     the sidecar's, the connector's and the stats' agree, and survive a restart."""
     pytest.importorskip("torch")
     d = start_daemon("--copy-engine", "host")
-    ring_dir = tmp_path / "rings"
-    ring_dir.mkdir()
-    arena = SharedKVArena(KV_LAYOUT, str(tmp_path))
-    conn = KVConnector(d.socket, ring_dir=str(ring_dir), ring_slots=4)
-    try:
-        with Sidecar(d.socket) as sc:
-            lid = sc.register_layout(KV_LAYOUT)
-            assert conn.register(KV_LAYOUT, arena.tensors) == lid
-            assert [layout["layout_id"] for layout in sc.stats()["layouts"]] == [lid]
-            assert conn.offload(keys_for(2, b"i"), [0, 1]).wait() == ["copied"] * 2
-            assert sc.lookup(lid, keys_for(2, b"i")) == ["host"] * 2  # the connector's id works here
-    finally:
-        conn.close()
-        arena.close()
+    with host_connector(d.socket, tmp_path) as (conn, arena, _), Sidecar(d.socket) as sc:
+        lid = sc.register_layout(KV_LAYOUT)
+        assert conn.register(KV_LAYOUT, arena.tensors) == lid
+        assert [layout["layout_id"] for layout in sc.stats()["layouts"]] == [lid]
+        assert conn.offload(keys_for(2, b"i"), [0, 1]).wait() == ["copied"] * 2
+        assert sc.lookup(lid, keys_for(2, b"i")) == ["host"] * 2  # the connector's id works here

@@ -336,18 +336,23 @@ def test_a_reader_that_binds_is_connected_to(start_daemon) -> None:
     assert set(of(got, vkv.BlockStored, "CPU")) <= {h(key8(j)) for j in range(i)}
 
 
+def refused_start(tmp_path, *args: str, env: dict[str, str] | None = None) -> str:
+    """Start a kvtierd that must refuse to start (exit 1); its output."""
+    d = DaemonProcess(str(tmp_path), *args, env=env)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            d.start(timeout=30)
+        return d.logs()
+    finally:
+        d.cleanup()
+
+
 def test_a_taken_port_is_refused_in_one_line(tmp_path) -> None:
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         endpoint = f"tcp://*:{taken.getsockname()[1]}"
-        d = DaemonProcess(str(tmp_path), "--kv-events-endpoint", endpoint, "--log-format", "text")
-        try:
-            with pytest.raises(RuntimeError, match="exited with 1"):
-                d.start(timeout=30)
-            out = d.logs()
-        finally:
-            d.cleanup()
+        out = refused_start(tmp_path, "--kv-events-endpoint", endpoint, "--log-format", "text")
     plain = [line for line in out.splitlines() if line.startswith("kvtierd: ")]
     assert plain == [f"kvtierd: cannot start: --kv-events-endpoint {endpoint}: the address is already in use; "
                      f"pick another port"], out
@@ -358,14 +363,8 @@ def test_without_the_extra_startup_names_it(tmp_path) -> None:
     blocker = tmp_path / "blocked"
     (blocker / "zmq").mkdir(parents=True)
     (blocker / "zmq" / "__init__.py").write_text("raise ImportError('No module named zmq')\n")
-    d = DaemonProcess(str(tmp_path), "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
-                      env={"PYTHONPATH": str(blocker)})
-    try:
-        with pytest.raises(RuntimeError, match="exited with 1"):
-            d.start(timeout=30)
-        out = d.logs()
-    finally:
-        d.cleanup()
+    out = refused_start(tmp_path, "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
+                        env={"PYTHONPATH": str(blocker)})
     assert "pip install 'kvtier[events]'" in out and "Traceback" not in out
 
 

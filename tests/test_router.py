@@ -9,11 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 import numpy as np
 import pytest
+from _wait import wait_for
 
 from kvtier.client.engine.keys import Namespace, block_keys
 from kvtier.client.engine.sidecar import KvtierError, Sidecar
@@ -32,17 +32,6 @@ NS = Namespace("test-model")
 def session_keys(session: int, blocks: int) -> list[bytes]:
     tokens = np.arange(blocks * BLOCK_TOKENS, dtype=np.int64) + session * 1_000_003
     return block_keys(tokens % 50_000, BLOCK_TOKENS, NS)
-
-
-def wait_for(pred: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def put(sc: Sidecar, lid: int, keys: list[bytes]) -> None:

@@ -26,6 +26,7 @@ kv = pytest.importorskip("vllm.distributed.kv_events",
 import grpc  # noqa: E402
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
+from _wait import wait_for  # noqa: E402
 
 from kvtier.client.engine.keys import Namespace, block_keys  # noqa: E402
 from kvtier.client.routing import vllm_events as ve  # noqa: E402
@@ -48,17 +49,6 @@ class PositionalRemoved(kv.BlockRemoved, array_like=True, tag="BlockRemoved"):
 
 class PositionalCleared(kv.AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
     pass
-
-
-def wait_for(pred: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def tokens(prompt: int, blocks: int) -> list[int]:
