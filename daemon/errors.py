@@ -22,6 +22,9 @@ class Code(enum.Enum):
     RESOURCE_EXHAUSTED = enum.auto()   # capacity
     NOT_FOUND = enum.auto()            # names something that is not there (any more)
     CANCELLED = enum.auto()            # the caller's session ended while the request ran
+    PERMISSION_DENIED = enum.auto()    # names something another caller or tenant owns
+    UNAUTHENTICATED = enum.auto()      # no valid credential
+    DEADLINE_EXCEEDED = enum.auto()    # a grant, lease or wait outlived its deadline
     INTERNAL = enum.auto()             # a bug: logged with its traceback
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.counters import Count
 from kvtier.daemon.events import LocationEvent, LocationLog
 from kvtier.daemon.metrics import OpLatency
@@ -74,7 +75,9 @@ def snapshot_parts(at: int, entries: Sequence[LocationEvent], part_keys: int = S
 class LocationsService(locations_pb2_grpc.LocationsServicer):
     """gRPC face of a :class:`LocationLog` and of the gpu tier (see the module docstring)."""
 
-    def __init__(self, log_: LocationLog, latency: OpLatency, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, log_: LocationLog, latency: OpLatency, heartbeat_s: float = HEARTBEAT_S,
+                 auth: Authenticator | None = None) -> None:
+        self.auth = auth or Authenticator()  # who is calling (kvtier.daemon.auth)
         self.log = log_
         self.store = log_.store
         self.counters = log_.store.counters

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.daemon.metrics import OpLatency
 from kvtier.daemon.services import convert
@@ -24,7 +25,9 @@ RECLAIM_DEADLINE_S = 1.0  # grants and pins are reclaimed this soon after a sess
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
-    def __init__(self, store: BlockStore, stats: StatsSource, latency: OpLatency, key_table_path: str = "") -> None:
+    def __init__(self, store: BlockStore, stats: StatsSource, latency: OpLatency, key_table_path: str = "",
+                 auth: Authenticator | None = None) -> None:
+        self.auth = auth or Authenticator()  # who is calling (kvtier.daemon.auth)
         self.store = store
         self.counters = store.counters
         self.stats = stats

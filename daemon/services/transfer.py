@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.daemon.gpu import Transfers
 from kvtier.daemon.metrics import OpLatency
@@ -16,7 +17,8 @@ from kvtier.proto import transfer_pb2, transfer_pb2_grpc
 
 
 class TransferService(transfer_pb2_grpc.TransferServicer):
-    def __init__(self, transfers: Transfers, latency: OpLatency) -> None:
+    def __init__(self, transfers: Transfers, latency: OpLatency, auth: Authenticator | None = None) -> None:
+        self.auth = auth or Authenticator()  # who is calling (kvtier.daemon.auth)
         self.transfers = transfers
         self.counters = transfers.counters
         self.latency = latency
