@@ -170,7 +170,7 @@ class Placement:
         disk = self.disk
         assert disk is not None
         plan = disk.plan_write([(e.bkey, e.block_bytes, e.cls.slot_bytes) for e in entries],
-                               self.policy.victims(DISK))
+                               self.policy.victims(DISK), [e.checksum for e in entries])
         if plan.victims:
             gone = [v.bkey for v in plan.victims]
             self.counters.evicted(DISK, len(gone))
@@ -199,6 +199,11 @@ class Placement:
         visible = [d.bkey for d in done]
         self.policy.on_write(visible)
         self.observers.stored_blocks(DISK, visible)
+        if plan.mismatched:  # host payloads written after their commit: dropped, in host too
+            self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))
+            gone = [e.bkey for e in self.host.remove([d.bkey for d in plan.mismatched])]
+            self.policy.on_remove(HOST, gone)
+            self.observers.removed_blocks(HOST, gone)
         return len(visible)
 
     async def make_durable(self, bkeys: list[bytes]) -> int:
@@ -243,8 +248,10 @@ class Placement:
                 self._count_bad_read(d, outcome)
                 self.host.abort(h)
                 bad.append(d.bkey)
-            elif self.host.commit(h):
-                promoted.append(d.bkey)
+            else:
+                h.checksum = d.checksum  # the bytes just verified against it
+                if self.host.commit(h):
+                    promoted.append(d.bkey)
         if bad:
             gone = [e.bkey for e in disk.remove(bad)]
             self.policy.on_remove(DISK, gone)

@@ -43,10 +43,10 @@ from kvtier.daemon.placement import Placement
 from kvtier.daemon.results import MISS, NO_SPACE, CommitResult, GrantResult, GrantStatus, LeaseResult
 from kvtier.daemon.sessions import Session, Sessions
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.host import CapacityError, HostTier, SizeClass
+from kvtier.tiers.host import CapacityError, HostEntry, HostTier, PoolFileError, SizeClass
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.policy import TierPolicy
-from kvtier.tiers.vocab import MAX_KEYS_PER_CALL, Tier, pack_block
+from kvtier.tiers.vocab import MAX_KEYS_PER_CALL, Tier, key_of, pack_block
 
 log = logging.getLogger("kvtier.store")
 
@@ -118,6 +118,8 @@ class BlockStore:
             cls = self.host.size_class(layout.slot_bytes, prefault=self.prefault)
         except CapacityError as e:
             raise StoreError(Code.RESOURCE_EXHAUSTED, str(e)) from None
+        except PoolFileError as e:
+            raise StoreError(Code.FAILED_PRECONDITION, str(e)) from None
         job = self.host.prefault_job(cls) if new_class else None
         if job and job.ranges:
             t = time.monotonic()
@@ -216,7 +218,13 @@ class BlockStore:
         self.sessions.check_grants(sess, grant_ids, abort_ids)
         if durable and self.disk is None:
             raise StoreError(Code.FAILED_PRECONDITION, "durable commit needs a disk tier: start kvtierd with --disk-dir")
+        stale = [gid for gid in grant_ids if not sess.grants[gid].current]
+        if stale:  # its slot changed hands (reclaimed): committing it would publish another block's slot
+            self.sessions.drop_grants(session_id, stale)
+            raise StoreError(Code.FAILED_PRECONDITION, f"grant {stale[0]} was reclaimed and its slot given to "
+                                                       f"another block; nothing committed")
         entries = self.sessions.take_grants(sess, grant_ids, abort_ids)
+        await self.host.seal(entries)  # the payload checksums, taken before the blocks are visible
         done = self.tiers.commit(entries)
         self.counters.add(Count.COMMITS, len(done))
         self.counters.move(Flow.CLIENT_TO_HOST, sum(e.block_bytes for e in done))
@@ -233,14 +241,18 @@ class BlockStore:
 
     # -- get: acquire, (client reads), release -------------------------------------------------
 
-    async def acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes]) -> list[LeaseResult]:
+    async def acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes],
+                      verify: bool = False) -> list[LeaseResult]:
         """One :class:`LeaseResult` per key; each hit is pinned. A cancelled caller's leases are
-        released once the promotions it started finish."""
+        released once the promotions it started finish. With ``verify``, each host block's
+        payload is checked against the checksum taken at its commit first; one that changed is
+        dropped and answered as a miss."""
         return await self._run_to_end(
-            self._acquire(session_id, layout_id, keys),
+            self._acquire(session_id, layout_id, keys, verify),
             lambda out: self.sessions.drop_leases(session_id, [r.lease_id for r in out]))
 
-    async def _acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes]) -> list[LeaseResult]:
+    async def _acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes],
+                       verify: bool = False) -> list[LeaseResult]:
         sess = self.session(session_id)
         layout = self.layout(layout_id).layout
         self.check_keys(keys, unique=False)
@@ -251,6 +263,8 @@ class BlockStore:
             self.host.pin(entry)
         try:
             promoted = await self.tiers.promote(layout, bkeys)
+            if verify and held:  # (promoted blocks were verified as they were read from disk)
+                await self._verify_host(held)
             if session_id not in self.sessions:  # it ended while the promotion was awaited
                 raise StoreError(Code.CANCELLED, "session closed during acquire")
             return self._lease(sess, layout, bkeys, promoted)
@@ -273,6 +287,21 @@ class BlockStore:
         self.counters.looked_up(Op.ACQUIRE, layout.block_tokens, hits, len(bkeys) - n)
         self.counters.move(Flow.HOST_TO_CLIENT, n * layout.block_bytes)
         return out
+
+    async def _verify_host(self, held: list[HostEntry]) -> None:
+        """Drop the host blocks (pinned by the caller) whose payload changed since their commit."""
+        bad = await self.host.verify(list({id(e): e for e in held}.values()))
+        bad = [e for e in bad if self.host.get(e.bkey) is e]  # (not replaced while hashed)
+        if not bad:
+            return
+        self.counters.add(Count.CHECKSUM_FAILURES, len(bad))
+        for e in bad:
+            log.warning("host block dropped: its payload changed after its commit (a write into a slot "
+                        "its writer no longer held)", extra={"key": key_of(e.bkey).hex(), "slot": e.slot,
+                                                             "pool": e.cls.path})
+        gone = [e.bkey for e in self.host.remove([e.bkey for e in bad])]
+        self.policy.on_remove(Tier.HOST, gone)
+        self.observers.removed_blocks(Tier.HOST, gone)
 
     def release(self, session_id: int, lease_ids: Sequence[int]) -> None:
         self.sessions.release(session_id, lease_ids)
@@ -305,6 +334,14 @@ class BlockStore:
         self.check_keys(keys, unique=False)
         n = self.tiers.remove([pack_block(fp, k) for k in keys])
         self.counters.add(Count.EVICTED_BY_REQUEST, n)
+        return n
+
+    async def evict_durably(self, layout_id: int, keys: Sequence[bytes]) -> int:
+        """:meth:`evict`, returning once the disk index deletes have committed: an Evict
+        answered this way stays done across a crash."""
+        n = self.evict(layout_id, keys)
+        if self.disk is not None:
+            await asyncio.wrap_future(self.disk.flush())
         return n
 
     async def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:

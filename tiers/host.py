@@ -25,22 +25,46 @@ Eviction
     bytes stay intact, so the caller must not let clients write the new grants before
     ``finish_eviction`` (the daemon replies to Allocate only after it).
 
+Integrity
+    Every slot has a *generation*, bumped each time the slot changes hands (handed out as a
+    grant, freed, taken by an eviction). A grant records the generation it was given; a
+    grant whose slot has changed hands since is *stale*: ``commit`` refuses it (it never
+    becomes visible) and ``abort`` of it gives nothing back (the slot is someone else's).
+    :meth:`HostTier.seal` takes the xxh3-64 checksum of each granted block's payload at
+    commit (off the event loop, spread over a few threads, for large batches); it is kept
+    with the entry (:attr:`HostEntry.checksum`) so a later read can tell whether the bytes
+    changed since (:meth:`HostTier.verify`; demotion to disk compares it too). A client
+    maps the whole pool, so a client that keeps running after its session was reclaimed
+    can still write a slot that now holds another key's block: the checksum is how such a
+    write is found (the block is then dropped, never served by a verified read).
+
+Files
+    Pool files are created ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600: a file or a
+    symbolic link already at a pool's path is refused (:class:`PoolFileError`), never
+    truncated or followed.
+
 Threading: not thread-safe; the daemon calls it from its event loop only. ``fallocate`` of
-fresh slots is returned as work (``BackingJob``) for the caller to run in an executor.
+fresh slots is returned as work (``BackingJob``) for the caller to run in an executor; the
+checksums of :meth:`HostTier.seal` and :meth:`HostTier.verify` run on the tier's hashing
+threads while the caller awaits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
+import xxhash
 
 from kvtier.tiers.vocab import fingerprint_of
 
@@ -162,6 +186,21 @@ class CapacityError(HostTierError):
     """The capacity cannot hold even one slot of this size."""
 
 
+class PoolFileError(HostTierError):
+    """A pool file cannot be created: something (a file, a link) is already at its path."""
+
+
+def payload_checksum(buf: memoryview | bytes) -> int:
+    """The checksum of a block's payload, as the host and disk tiers keep it: xxh3-64."""
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+#: batches of at most this many payload bytes are hashed on the event loop (about 60 us at
+#: 15 GB/s: less than a hop to a thread); larger ones on the hashing threads
+INLINE_HASH_BYTES = 1 << 20
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
 @dataclass(eq=False)
 class SizeClass:
     """The slots of one size, in one pool file."""
@@ -173,6 +212,37 @@ class SizeClass:
     hwm: int = 0                                    # slots [0, hwm) have been handed out once
     free: list[int] = field(default_factory=list)   # backed slots, ready to reuse
     holes: list[int] = field(default_factory=list)  # punched slots below hwm, unbacked
+    # each slot's generation, bumped whenever it changes hands (np.zeros: pages never
+    # touched take no memory); a grant holds the generation it was given
+    gens: np.ndarray = field(default=None)  # type: ignore[assignment]
+    view: memoryview | None = None          # the daemon's read-only mapping (for checksums)
+    _mm: mmap.mmap | None = None
+
+    def __post_init__(self) -> None:
+        if self.gens is None:
+            self.gens = np.zeros(self.nslots, dtype=np.uint32)
+
+    def bump(self, slot: int) -> int:
+        """The slot changes hands: its new generation."""
+        g = (int(self.gens[slot]) + 1) & 0xFFFFFFFF
+        self.gens[slot] = g
+        return g
+
+    def payload(self, offset: int, length: int) -> memoryview:
+        if self.view is None:
+            self._mm = mmap.mmap(self.fd, self.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            self.view = memoryview(self._mm)
+        return self.view[offset:offset + length]
+
+    def unmap(self) -> None:
+        try:
+            if self.view is not None:
+                self.view.release()
+            if self._mm is not None:
+                self._mm.close()
+        except BufferError:
+            pass  # a hash still holds a view; the mapping goes with it
+        self.view = self._mm = None
 
     @property
     def pool_bytes(self) -> int:
@@ -194,10 +264,17 @@ class HostEntry:
     visible: bool = False
     pins: int = 0
     removed: bool = False  # hidden while pinned; slot freed on the last unpin
+    gen: int = 0           # the slot's generation when it was granted
+    checksum: int | None = None  # xxh3-64 of the payload, taken at commit (None: not taken)
 
     @property
     def offset(self) -> int:
         return self.slot * self.cls.slot_bytes
+
+    @property
+    def current(self) -> bool:
+        """The slot has not changed hands since this entry got it."""
+        return int(self.cls.gens[self.slot]) == self.gen
 
 
 @dataclass
@@ -234,6 +311,7 @@ class HostTier(PinnedTier[HostEntry]):
         self.per_fp: Counter[bytes] = Counter()           # visible entries per layout fingerprint
         self._pending_punch: list[tuple[SizeClass, int]] = []
         self._registered: set[int] = set()  # slot sizes whose pool file a GPU has pinned
+        self._hasher: ThreadPoolExecutor | None = None
 
     # -- size classes and budget ---------------------------------------------------------
 
@@ -251,8 +329,13 @@ class HostTier(PinnedTier[HostEntry]):
             raise CapacityError(f"host capacity {self.capacity} B cannot hold one {slot_bytes} B slot; "
                                 f"raise --host-capacity")
         path = os.path.join(self.shm_dir, f"{self.prefix}-{slot_bytes}.pool")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.ftruncate(fd, nslots * slot_bytes)
+        fd = create_exclusive(path)
+        try:
+            os.ftruncate(fd, nslots * slot_bytes)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
         cls = SizeClass(slot_bytes, path, fd, nslots)
         if prefault and not self.classes:
             cls.hwm = nslots
@@ -286,7 +369,11 @@ class HostTier(PinnedTier[HostEntry]):
 
     def close(self) -> None:
         """Close and unlink every pool file (daemon shutdown)."""
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
         for cls in self.classes.values():
+            cls.unmap()
             os.close(cls.fd)
             try:
                 os.unlink(cls.path)
@@ -312,7 +399,7 @@ class HostTier(PinnedTier[HostEntry]):
         order = iter(candidates)
         for bkey in bkeys:
             slot = self._take_slot(cls, victims, fresh, order)
-            out.append(None if slot is None else HostEntry(bkey, cls, slot, block_bytes))
+            out.append(None if slot is None else HostEntry(bkey, cls, slot, block_bytes, gen=cls.bump(slot)))
         ranges = [(cls.fd, s * cls.slot_bytes, cls.slot_bytes) for s in fresh]
         return Reservation(out, victims, BackingJob(ranges))
 
@@ -338,6 +425,7 @@ class HostTier(PinnedTier[HostEntry]):
                 return victim.slot
             # another class's slot: its memory is released in finish_eviction; count it as
             # released now so the budget admits a fresh slot of this class.
+            victim.cls.bump(victim.slot)
             victim.cls.holes.append(victim.slot)
             self._pending_punch.append((victim.cls, victim.slot))
 
@@ -370,7 +458,11 @@ class HostTier(PinnedTier[HostEntry]):
 
     def commit(self, entry: HostEntry) -> bool:
         """Make a granted entry visible. False (and the slot freed) if the key became visible
-        meanwhile through another grant: the first commit wins, the bytes are the same block."""
+        meanwhile through another grant: the first commit wins, the bytes are the same block.
+        False, and nothing touched, for a stale grant (its slot changed hands since: it is
+        another block's now)."""
+        if not entry.current:
+            return False
         if entry.bkey in self.entries:
             self._free_slot(entry)
             return False
@@ -380,14 +472,16 @@ class HostTier(PinnedTier[HostEntry]):
         return True
 
     def abort(self, entry: HostEntry) -> None:
-        """Give back a grant that was never committed."""
+        """Give back a grant that was never committed (a stale one gives nothing back)."""
         self._free_slot(entry)
 
     def unback(self, entries: list[HostEntry]) -> None:
         """Give back grants whose memory could not be allocated (tmpfs full): their slots
         become holes, so the budget shrinks to what the filesystem can really hold."""
         for e in entries:
-            e.cls.holes.append(e.slot)
+            if e.current:
+                e.cls.bump(e.slot)
+                e.cls.holes.append(e.slot)
 
     def remove(self, bkeys: Iterable[bytes]) -> list[HostEntry]:
         """Hide these entries; free their slots now, or on the last unpin if pinned."""
@@ -404,4 +498,55 @@ class HostTier(PinnedTier[HostEntry]):
         return out
 
     def _free_slot(self, entry: HostEntry) -> None:
-        entry.cls.free.append(entry.slot)
+        if entry.current:  # a stale entry's slot is another block's: never freed twice
+            entry.cls.bump(entry.slot)
+            entry.cls.free.append(entry.slot)
+
+    # -- integrity -----------------------------------------------------------------------
+
+    @staticmethod
+    def _checksums(entries: Sequence[HostEntry]) -> list[int]:
+        return [payload_checksum(e.cls.payload(e.offset, e.block_bytes)) for e in entries]
+
+    async def checksums(self, entries: Sequence[HostEntry]) -> list[int]:
+        """The payload checksum of each entry's slot as it is now. Small batches are hashed
+        inline; larger ones in up to ``HASH_THREADS`` parts on the hashing threads (xxhash
+        releases the GIL), while the caller awaits. The caller keeps the slots from being
+        reused meanwhile (grants not yet committed, or pinned entries)."""
+        if sum(e.block_bytes for e in entries) <= INLINE_HASH_BYTES:
+            return self._checksums(entries)
+        for e in entries:
+            e.cls.payload(0, 0).release()  # map on the loop, not on the threads
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvtier-host-hash")
+        loop = asyncio.get_running_loop()
+        n = min(HASH_THREADS, len(entries))
+        parts = [entries[i::n] for i in range(n)]
+        sums = await asyncio.gather(*(loop.run_in_executor(self._hasher, self._checksums, p) for p in parts))
+        out = [0] * len(entries)
+        for i in range(n):
+            out[i::n] = sums[i]
+        return out
+
+    async def seal(self, entries: Sequence[HostEntry]) -> None:
+        """Take the payload checksum of granted entries (at commit, before they are visible)."""
+        for e, c in zip(entries, await self.checksums(entries), strict=True):
+            e.checksum = c
+
+    async def verify(self, entries: Sequence[HostEntry]) -> list[HostEntry]:
+        """The entries whose payload no longer matches the checksum taken at commit (entries
+        without a checksum are not judged). The caller pins them meanwhile."""
+        judged = [e for e in entries if e.checksum is not None]
+        return [e for e, c in zip(judged, await self.checksums(judged), strict=True) if c != e.checksum]
+
+
+def create_exclusive(path: str) -> int:
+    """Create a new pool file, owner-only: never an existing file, never through a link."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ELOOP):
+            what = "a symbolic link" if os.path.islink(path) else "a file"
+            raise PoolFileError(f"pool file {path}: {what} is already there; refusing to use or follow it "
+                                f"(another process planted it, or a daemon with this name is running)") from None
+        raise

@@ -76,7 +76,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @handled
     async def Acquire(self, request: node_pb2.AcquireRequest, context: Any) -> node_pb2.AcquireReply:
-        return convert.acquire_reply(await self.store.acquire(request.session_id, request.layout_id, list(request.keys)))
+        return convert.acquire_reply(await self.store.acquire(request.session_id, request.layout_id, list(request.keys),
+                                                              request.verify))
 
     @handled
     async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseReply:
@@ -97,7 +98,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @handled
     async def Evict(self, request: node_pb2.EvictRequest, context: Any) -> node_pb2.EvictReply:
-        return node_pb2.EvictReply(evicted=self.store.evict(request.layout_id, list(request.keys)))
+        return node_pb2.EvictReply(evicted=await self.store.evict_durably(request.layout_id, list(request.keys)))
 
     @handled
     async def Prefetch(self, request: node_pb2.PrefetchRequest, context: Any) -> node_pb2.PrefetchReply:
