@@ -169,6 +169,7 @@ class Placement:
         the blocks' slots intact (pinned, or victims before finish_eviction)."""
         disk = self.disk
         assert disk is not None
+        await self.host.sealed(entries)  # the checksums the payloads must still have
         plan = disk.plan_write([(e.bkey, e.block_bytes, e.cls.slot_bytes) for e in entries],
                                self.policy.victims(DISK), [e.checksum for e in entries])
         if plan.victims:

@@ -224,8 +224,8 @@ class BlockStore:
             raise StoreError(Code.FAILED_PRECONDITION, f"grant {stale[0]} was reclaimed and its slot given to "
                                                        f"another block; nothing committed")
         entries = self.sessions.take_grants(sess, grant_ids, abort_ids)
-        await self.host.seal(entries)  # the payload checksums, taken before the blocks are visible
         done = self.tiers.commit(entries)
+        self.host.seal(done)  # the payload checksums (a large batch's right after, on threads)
         self.counters.add(Count.COMMITS, len(done))
         self.counters.move(Flow.CLIENT_TO_HOST, sum(e.block_bytes for e in done))
         if not (durable or self.disk_write_through) or self.disk is None:

@@ -31,9 +31,16 @@ Integrity
     grant whose slot has changed hands since is *stale*: ``commit`` refuses it (it never
     becomes visible) and ``abort`` of it gives nothing back (the slot is someone else's).
     :meth:`HostTier.seal` takes the xxh3-64 checksum of each granted block's payload at
-    commit (off the event loop, spread over a few threads, for large batches); it is kept
-    with the entry (:attr:`HostEntry.checksum`) so a later read can tell whether the bytes
-    changed since (:meth:`HostTier.verify`; demotion to disk compares it too). A client
+    commit; it is kept with the entry (:attr:`HostEntry.checksum`) so a later read can tell
+    whether the bytes changed since (:meth:`HostTier.verify`; demotion to disk compares it
+    too). A commit of at most ``INLINE_HASH_BYTES`` is hashed on the event loop before it is
+    visible. A larger one is made visible at once and hashed right after, on the tier's
+    hashing threads (up to ``HASH_THREADS`` parts, xxhash releases the GIL), so a large put
+    does not wait for it (hashing 128 MiB inline cost bench/host_tier.py a fifth of its put
+    throughput); whoever needs the checksum (a verified read, a demotion) awaits
+    :meth:`HostTier.sealed` first. A write that lands in that short window (milliseconds)
+    after such a commit goes into the checksum and is not detected, as is any write before
+    the commit. A client
     maps the whole pool, so a client that keeps running after its session was reclaimed
     can still write a slot that now holds another key's block: the checksum is how such a
     write is found (the block is then dropped, never served by a verified read).
@@ -195,8 +202,8 @@ def payload_checksum(buf: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
-#: batches of at most this many payload bytes are hashed on the event loop (about 60 us at
-#: 15 GB/s: less than a hop to a thread); larger ones on the hashing threads
+#: commits of at most this many payload bytes are hashed on the event loop before they are
+#: visible (about 70 us at 15 GB/s); larger ones on the hashing threads, right after
 INLINE_HASH_BYTES = 1 << 20
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -266,6 +273,7 @@ class HostEntry:
     removed: bool = False  # hidden while pinned; slot freed on the last unpin
     gen: int = 0           # the slot's generation when it was granted
     checksum: int | None = None  # xxh3-64 of the payload, taken at commit (None: not taken)
+    sealing: asyncio.Task | None = None  # the checksum being taken (large commits): await it
 
     @property
     def offset(self) -> int:
@@ -312,6 +320,7 @@ class HostTier(PinnedTier[HostEntry]):
         self._pending_punch: list[tuple[SizeClass, int]] = []
         self._registered: set[int] = set()  # slot sizes whose pool file a GPU has pinned
         self._hasher: ThreadPoolExecutor | None = None
+        self._sealing: set[asyncio.Task] = set()
 
     # -- size classes and budget ---------------------------------------------------------
 
@@ -528,14 +537,37 @@ class HostTier(PinnedTier[HostEntry]):
             out[i::n] = sums[i]
         return out
 
-    async def seal(self, entries: Sequence[HostEntry]) -> None:
-        """Take the payload checksum of granted entries (at commit, before they are visible)."""
-        for e, c in zip(entries, await self.checksums(entries), strict=True):
-            e.checksum = c
+    def seal(self, entries: Sequence[HostEntry]) -> None:
+        """Take the payload checksum of granted entries, as they are committed: now if the
+        batch is small, else on the hashing threads (``entry.sealing`` until it is taken)."""
+        if sum(e.block_bytes for e in entries) <= INLINE_HASH_BYTES:
+            for e, c in zip(entries, self._checksums(entries), strict=True):
+                e.checksum = c
+            return
+        task = asyncio.ensure_future(self._seal_later(list(entries)))
+        self._sealing.add(task)
+        task.add_done_callback(self._sealing.discard)
+        for e in entries:
+            e.sealing = task
+
+    async def _seal_later(self, entries: list[HostEntry]) -> None:
+        try:
+            for e, c in zip(entries, await self.checksums(entries), strict=True):
+                e.checksum = c
+        finally:
+            for e in entries:
+                e.sealing = None
+
+    async def sealed(self, entries: Iterable[HostEntry]) -> None:
+        """Wait until the checksums of these entries are taken (see :meth:`seal`)."""
+        pending = {id(t): t for t in (e.sealing for e in entries) if t is not None}
+        if pending:
+            await asyncio.gather(*pending.values(), return_exceptions=True)
 
     async def verify(self, entries: Sequence[HostEntry]) -> list[HostEntry]:
         """The entries whose payload no longer matches the checksum taken at commit (entries
         without a checksum are not judged). The caller pins them meanwhile."""
+        await self.sealed(entries)
         judged = [e for e in entries if e.checksum is not None]
         return [e for e, c in zip(judged, await self.checksums(judged), strict=True) if c != e.checksum]
 
