@@ -205,7 +205,7 @@ def payload_checksum(buf: memoryview | bytes) -> int:
 #: commits of at most this many payload bytes are hashed on the event loop before they are
 #: visible (about 70 us at 15 GB/s); larger ones on the hashing threads, right after
 INLINE_HASH_BYTES = 1 << 20
-HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))  # half the cores at most: the clients copy on the others
 
 
 @dataclass(eq=False)
