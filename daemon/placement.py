@@ -223,10 +223,10 @@ class Placement:
                     self.host.unpin(e)
         return sum(1 for b in bkeys if b in disk.entries)
 
-    async def promote(self, layout: Layout, bkeys: list[bytes]) -> set[bytes]:
+    async def promote(self, layout: Layout, bkeys: list[bytes], cls: SizeClass) -> set[bytes]:
         """Read the blocks the policy promotes among ``bkeys`` (on disk, not in host) into fresh
-        host slots, verify them, make them visible in host; returns the keys promoted. A
-        checksum failure drops the disk entry (a miss)."""
+        host slots of ``cls`` (the layout's tenant's pool), verify them, make them visible in
+        host; returns the keys promoted. A checksum failure drops the disk entry (a miss)."""
         disk = self.disk
         if disk is None:
             return set()
@@ -236,7 +236,7 @@ class Placement:
         for d in dents:
             disk.pin(d)
         try:
-            pairs, results, elapsed = await self._read_into_host(layout, dents)
+            pairs, results, elapsed = await self._read_into_host(layout, dents, cls)
         finally:
             for d in dents:
                 disk.unpin(d)
@@ -264,14 +264,13 @@ class Placement:
         self.observers.stored_blocks(HOST, promoted)
         return set(promoted)
 
-    async def _read_into_host(self, layout: Layout, dents: list[DiskEntry]
+    async def _read_into_host(self, layout: Layout, dents: list[DiskEntry], cls: SizeClass
                               ) -> tuple[list[tuple[DiskEntry, HostEntry]], list[ReadOutcome], float]:
         """Reserve host slots for the disk entries (as far as there is room) and read them in;
         returns the (disk, host) pairs read, each read's outcome and the seconds it took."""
         disk = self.disk
         assert disk is not None
-        hosts = await self.reserve(self.host.size_class(layout.slot_bytes), [d.bkey for d in dents],
-                                   layout.block_bytes)
+        hosts = await self.reserve(cls, [d.bkey for d in dents], layout.block_bytes)
         pairs = [(d, h) for d, h in zip(dents, hosts, strict=True) if h is not None]
         self.counters.add(Count.PROMOTIONS_NO_SPACE, len(dents) - len(pairs))
         views = [self._slot_view(h.cls, h.offset) for _, h in pairs]

@@ -138,7 +138,7 @@ def _check_dirs(cfg: Config) -> None:
 # -- files of killed daemons ---------------------------------------------------------------------
 
 #: the files a kvtierd makes in --shm-dir: its key table (and a rebuild's temporary file), its pools
-_OWN_FILE = re.compile(r"kvtier-(\d+)-(\d+)(?:\.keys(?:\.\d+\.tmp)?|-\d+\.pool)")
+_OWN_FILE = re.compile(r"kvtier-(\d+)-(\d+)(?:-t\d+)?(?:\.keys(?:\.\d+\.tmp)?|-\d+\.pool)")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -175,7 +175,8 @@ def sweep_dead_daemons(shm_dir: str) -> tuple[int, int]:
 
     A file goes only if all hold: its name is one kvtierd gives its files
     (``kvtier-<pid>-<epoch>.keys``, with ``.<n>.tmp`` during a rebuild, or
-    ``kvtier-<pid>-<epoch>-<slot bytes>.pool``), it is a regular file of this user, no process
+    ``kvtier-<pid>-<epoch>-<slot bytes>.pool``; a tenant's with ``-t<n>`` after the epoch),
+    it is a regular file of this user, no process
     with that pid is alive, and no process has it open for writing."""
     files = nbytes = 0
     uid = os.geteuid()

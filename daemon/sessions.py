@@ -17,6 +17,7 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.tiers.host import HostEntry, HostTier
@@ -27,6 +28,7 @@ class Session:
     session_id: int
     client_name: str
     pid: int
+    tenant: str = DEFAULT_TENANT  # whose blocks it reaches (issue 12)
     grants: dict[int, HostEntry] = field(default_factory=dict)   # grant id -> its reserved slot
     leases: dict[int, HostEntry] = field(default_factory=dict)   # lease id -> the pinned entry
 
@@ -56,8 +58,8 @@ class Sessions:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def open(self, client_name: str, pid: int) -> Session:
-        sess = Session(self.new_id(), client_name, pid)
+    def open(self, client_name: str, pid: int, tenant: str = DEFAULT_TENANT) -> Session:
+        sess = Session(self.new_id(), client_name, pid, tenant)
         self._open[sess.session_id] = sess
         self.counters.add(Count.SESSIONS_OPENED)
         return sess

@@ -1,8 +1,9 @@
 """Host tier: fixed-size slots in tmpfs files that local clients map and fill directly.
 
 What it owns
-    One pool file per size class (one class per distinct slot size) in a tmpfs directory,
-    created owner-only. Slot ``i`` of a class lies at byte ``i * slot_bytes`` of its file.
+    One pool file per size class (one class per pool group and distinct slot size: the
+    daemon gives each tenant its own group, so no client maps another tenant's slots) in a
+    tmpfs directory, created owner-only. Slot ``i`` of a class lies at byte ``i * slot_bytes`` of its file.
     The files are sparse; a slot's memory is allocated (``fallocate``) when it is first
     handed out, and released (hole punched) when a slot of another class needs the budget.
     ``capacity`` bounds the memory of all files together, always.
@@ -210,12 +211,13 @@ HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))  # half the cores at m
 
 @dataclass(eq=False)
 class SizeClass:
-    """The slots of one size, in one pool file."""
+    """The slots of one size of one pool group, in one pool file."""
 
     slot_bytes: int
     path: str
     fd: int
     nslots: int
+    group: str = ""                                 # the pool group ("" the default one)
     hwm: int = 0                                    # slots [0, hwm) have been handed out once
     free: list[int] = field(default_factory=list)   # backed slots, ready to reuse
     holes: list[int] = field(default_factory=list)  # punched slots below hwm, unbacked
@@ -254,6 +256,11 @@ class SizeClass:
     @property
     def pool_bytes(self) -> int:
         return self.nslots * self.slot_bytes
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(group, slot bytes): the class's key in :attr:`HostTier.classes`."""
+        return (self.group, self.slot_bytes)
 
     @property
     def backed_slots(self) -> int:
@@ -314,30 +321,34 @@ class HostTier(PinnedTier[HostEntry]):
         self.shm_dir = shm_dir
         self.capacity = capacity
         self.prefix = name_prefix
-        self.classes: dict[int, SizeClass] = {}
+        self.classes: dict[tuple[str, int], SizeClass] = {}  # (group, slot bytes) -> class
         self.entries: dict[bytes, HostEntry] = {}         # visible entries
         self.per_fp: Counter[bytes] = Counter()           # visible entries per layout fingerprint
         self._pending_punch: list[tuple[SizeClass, int]] = []
-        self._registered: set[int] = set()  # slot sizes whose pool file a GPU has pinned
+        self._registered: set[tuple[str, int]] = set()  # classes whose pool file a GPU has pinned
         self._hasher: ThreadPoolExecutor | None = None
         self._sealing: set[asyncio.Task] = set()
 
     # -- size classes and budget ---------------------------------------------------------
 
-    def size_class(self, slot_bytes: int, prefault: bool = False) -> SizeClass:
-        """The size class of ``slot_bytes``, creating its pool file on first use.
+    def size_class(self, slot_bytes: int, prefault: bool = False, group: str = "") -> SizeClass:
+        """The size class of ``slot_bytes`` in pool ``group``, creating its pool file on first
+        use (``<prefix>-<slot bytes>.pool``; ``<prefix>-<group>-<slot bytes>.pool`` for a group).
+        Groups share the one byte budget.
 
         With ``prefault``, the first class created counts its whole file as backed and free,
         and the caller must run :meth:`prefault_job` (allocating the memory up front, so first
         writes do not pay for page allocation and a full tmpfs is found now, not later)."""
-        cls = self.classes.get(slot_bytes)
+        cls = self.classes.get((group, slot_bytes))
         if cls is not None:
             return cls
+        if group and not group.isalnum():
+            raise ValueError(f"pool group {group!r} must be letters and digits")
         nslots = self.capacity // slot_bytes
         if nslots == 0:
             raise CapacityError(f"host capacity {self.capacity} B cannot hold one {slot_bytes} B slot; "
                                 f"raise --host-capacity")
-        path = os.path.join(self.shm_dir, f"{self.prefix}-{slot_bytes}.pool")
+        path = os.path.join(self.shm_dir, f"{self.prefix}{'-' + group if group else ''}-{slot_bytes}.pool")
         fd = create_exclusive(path)
         try:
             os.ftruncate(fd, nslots * slot_bytes)
@@ -345,23 +356,23 @@ class HostTier(PinnedTier[HostEntry]):
             os.close(fd)
             os.unlink(path)
             raise
-        cls = SizeClass(slot_bytes, path, fd, nslots)
+        cls = SizeClass(slot_bytes, path, fd, nslots, group)
         if prefault and not self.classes:
             cls.hwm = nslots
             cls.free = list(range(nslots - 1, -1, -1))
-        self.classes[slot_bytes] = cls
+        self.classes[cls.key] = cls
         return cls
 
     def mark_registered(self, cls: SizeClass) -> None:
         """The class's file is pinned for a GPU (``cudaHostRegister``): its memory must never be
         punched (the GPU would keep writing pages the file no longer holds), so it is never
         handed to another size class; its own slots are reused as usual."""
-        self._registered.add(cls.slot_bytes)
+        self._registered.add(cls.key)
 
     def unmark_registered(self, cls: SizeClass) -> None:
         """The GPU no longer pins the class's file (its last KV registration closed): its free
         memory may go to other size classes again."""
-        self._registered.discard(cls.slot_bytes)
+        self._registered.discard(cls.key)
 
     @staticmethod
     def prefault_job(cls: SizeClass) -> BackingJob:
@@ -441,7 +452,7 @@ class HostTier(PinnedTier[HostEntry]):
     def _release_free_slot(self, needy: SizeClass) -> None:
         """Give the budget of another class's free (backed, unused) slots to ``needy``."""
         for other in self.classes.values():
-            if other.slot_bytes in self._registered:
+            if other.key in self._registered:
                 continue
             while other is not needy and other.free and self.backed_bytes + needy.slot_bytes > self.capacity:
                 slot = other.free.pop()
@@ -454,7 +465,7 @@ class HostTier(PinnedTier[HostEntry]):
         Candidates passed over stay passed over for the rest of one ``reserve`` (nothing
         changes their pins or classes meanwhile)."""
         return take_unpinned(self.entries, self.per_fp, order,
-                             lambda e: e.cls is needy or e.cls.slot_bytes not in self._registered)
+                             lambda e: e.cls is needy or e.cls.key not in self._registered)
 
     def _hide(self, entry: HostEntry) -> None:
         hide_entry(self.entries, self.per_fp, entry)

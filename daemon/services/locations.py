@@ -87,7 +87,7 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
     @handled_stream
     async def WatchLocations(self, request: locations_pb2.WatchLocationsRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[locations_pb2.WatchLocationsReply]:
-        loc = self.log
+        loc = self.log.for_tenant(self.auth.principal(context).tenant)   # the caller's tenant's feed only
         epoch = loc.epoch
         sent_version = loc.info_version
         yield Reply(epoch=epoch, node=convert.node_info_to_wire(loc.node_info()))
@@ -132,11 +132,13 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
     @handled
     async def ReportDeviceBlocks(self, request: locations_pb2.ReportDeviceBlocksRequest,
                                  context: Any) -> locations_pb2.ReportDeviceBlocksReply:
-        before = self.log.head
+        tenant = self.auth.principal(context).tenant
+        loc = self.log.for_tenant(tenant)
+        before = loc.head
         self.store.device.report(request.worker_id, request.layout_id, list(request.stored), list(request.removed),
-                                 request.clear, request.session_id)
-        return locations_pb2.ReportDeviceBlocksReply(seq=self.log.head if self.log.head != before else 0)
+                                 request.clear, request.session_id, tenant)
+        return locations_pb2.ReportDeviceBlocksReply(seq=loc.head if loc.head != before else 0)
 
     @handled
     async def GetNodeInfo(self, request: locations_pb2.NodeInfoRequest, context: Any) -> locations_pb2.NodeInfo:
-        return convert.node_info_to_wire(self.log.node_info())
+        return convert.node_info_to_wire(self.log.for_tenant(self.auth.principal(context).tenant).node_info())

@@ -38,18 +38,19 @@ class NodeService(node_pb2_grpc.NodeServicer):
     async def RegisterLayout(self, request: node_pb2.RegisterLayoutRequest, context: Any) -> node_pb2.RegisterLayoutReply:
         if not request.HasField("layout"):
             raise StoreError(Code.INVALID_ARGUMENT, "RegisterLayout needs a layout")
-        reg = await self.store.register_layout(convert.layout_from_wire(request.layout))
-        cls = self.store.pool(reg.layout)
+        tenant = self.auth.principal(context).tenant
+        reg = await self.store.register_layout(convert.layout_from_wire(request.layout), tenant)
+        cls = self.store.pool(reg.layout)   # the tenant's own pool file
         return node_pb2.RegisterLayoutReply(
-            layout_id=reg.layout_id, fingerprint=reg.layout.fingerprint, block_bytes=reg.layout.block_bytes,
+            layout_id=reg.layout_id, fingerprint=reg.wire_fingerprint, block_bytes=reg.layout.block_bytes,
             slot_bytes=cls.slot_bytes, pool_path=cls.path, pool_bytes=cls.pool_bytes,
-            key_table_path=self.key_table_path, epoch=self.stats.epoch)
+            key_table_path=self.store.key_table_paths.get(tenant, ""), epoch=self.stats.epoch)
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
         if first is grpc.aio.EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Session stream starts with a hello message")
-        sess = self.store.open_session(first.hello.client_name, first.hello.pid)
+        sess = self.store.open_session(first.hello.client_name, first.hello.pid, self.auth.principal(context).tenant)
         log.info("session opened", extra={"session_id": sess.session_id, "client": sess.client_name,
                                           "pid": sess.pid})
         try:
@@ -86,24 +87,29 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @handled
     async def Lookup(self, request: node_pb2.LookupRequest, context: Any) -> node_pb2.LookupReply:
-        return convert.lookup_reply(self.store.lookup(request.layout_id, list(request.keys)))
+        tenant = self.auth.principal(context).tenant
+        return convert.lookup_reply(self.store.lookup(request.layout_id, list(request.keys), tenant))
 
     @handled
     async def ReportLookups(self, request: node_pb2.ReportLookupsRequest, context: Any) -> node_pb2.ReportLookupsReply:
+        tenant = self.auth.principal(context).tenant
         for c in request.layouts:  # every layout checked first: a bad report counts nothing
-            self.store.layout(c.layout_id)
+            self.store.layout(c.layout_id, tenant)
         for c in request.layouts:
-            self.store.count_table_lookups(c.layout_id, convert.reported_hits(c), c.miss)
+            self.store.count_table_lookups(c.layout_id, convert.reported_hits(c), c.miss, tenant)
         return node_pb2.ReportLookupsReply()
 
     @handled
     async def Evict(self, request: node_pb2.EvictRequest, context: Any) -> node_pb2.EvictReply:
-        return node_pb2.EvictReply(evicted=await self.store.evict_durably(request.layout_id, list(request.keys)))
+        tenant = self.auth.principal(context).tenant
+        return node_pb2.EvictReply(evicted=await self.store.evict_durably(request.layout_id, list(request.keys), tenant))
 
     @handled
     async def Prefetch(self, request: node_pb2.PrefetchRequest, context: Any) -> node_pb2.PrefetchReply:
-        return node_pb2.PrefetchReply(promoted=await self.store.prefetch(request.layout_id, list(request.keys)))
+        tenant = self.auth.principal(context).tenant
+        return node_pb2.PrefetchReply(promoted=await self.store.prefetch(request.layout_id, list(request.keys), tenant))
 
     @handled
     async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsReply:
-        return convert.stats_reply(self.stats.snapshot())
+        # per-layout stats of the caller's tenant only (the node-wide counters and tiers stay)
+        return convert.stats_reply(self.stats.snapshot(self.auth.principal(context).tenant))
