@@ -164,15 +164,29 @@ class LocationLog:
         self.closed = True
         self._notify()
 
-    def since(self, seq: int, limit: int = 4096) -> list[LocationEvent] | None:
-        """Up to ``limit`` events after ``seq`` (oldest first), or None if some of them are no
-        longer held."""
+    def since(self, seq: int, limit: int = 4096, max_keys: int = 0) -> list[LocationEvent] | None:
+        """Up to ``limit`` events after ``seq`` (oldest first), and with ``max_keys`` no more
+        events than hold that many keys (at least one), or None if some of them are no longer
+        held. (A subscriber holds what it was given until it is sent: ``max_keys`` bounds that.)"""
         if seq >= self.head:
             return []
         if seq + 1 < self.first_seq:
             return None
         i = self._start + (seq + 1 - self.first_seq)
-        return self._ring[i:i + limit]
+        out = self._ring[i:i + limit]
+        if max_keys:
+            n = 0
+            for j, ev in enumerate(out):
+                n += max(1, len(ev.keys))
+                if n > max_keys and j:
+                    return out[:j]
+        return out
+
+    def behind(self, seq: int) -> int:
+        """How many events a subscriber that was sent everything up to ``seq`` is behind, when
+        that is further than the ring reaches back (the events it needs next are gone): 0
+        while it can still be served from the ring."""
+        return self.head - seq if seq + 1 < self.first_seq else 0
 
     def can_resume(self, epoch: int, from_seq: int) -> bool:
         """Whether a subscriber at ``(epoch, from_seq)`` can be sent just the events after it."""
