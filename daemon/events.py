@@ -103,6 +103,10 @@ class LocationEvent:
     worker: str = ""            # gpu events only
 
 
+_DROPPED = LocationEvent(0, EventKind.CLEARED, Tier.HOST, b"")
+"""What stands in the ring's list for an event dropped from it until the list is compacted."""
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     node_id: str
@@ -148,6 +152,7 @@ class LocationLog:
         while self._ring_keys > self.max_keys and len(self._ring) - self._start > 1:
             old = self._ring[self._start]
             self._ring_keys -= max(1, len(old.keys))
+            self._ring[self._start] = _DROPPED  # its keys go now, not when the list is compacted
             self._start += 1
         if self._start > 4096 and self._start * 2 > len(self._ring):
             del self._ring[:self._start]
