@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvtier.tiers.layout import MAX_LAYOUTS, MAX_SLOT_SIZES
-from kvtier.tiers.vocab import key_problem
+from kvtier.tiers.vocab import KEY_MAX, KEY_MIN, key_problem
 
 MAX_NAME_CHARS = 256
 """The most characters of a name a client sends (client_name, worker_id, subscriber)."""
@@ -46,10 +46,13 @@ def check_keys(keys: Sequence[bytes], limit: int, *, unique: bool) -> None:
     if len(keys) > limit:
         raise StoreError(Code.INVALID_ARGUMENT,
                          f"{len(keys)} keys in one request; the limit is {limit} (--max-batch-keys): split the batch")
-    for i, k in enumerate(keys):
-        why = key_problem(k)
-        if why is not None:
-            raise StoreError(Code.INVALID_ARGUMENT, f"key {i} is {why}" if why[0].isdigit() else f"key {i}: {why}")
+    lengths = set(map(len, keys)) if keys and set(map(type, keys)) == {bytes} else None
+    if lengths is None or min(lengths) < KEY_MIN or max(lengths) > KEY_MAX:  # (C loops first: the hot path)
+        for i, k in enumerate(keys):
+            why = key_problem(k)
+            if why is not None:
+                raise StoreError(Code.INVALID_ARGUMENT,
+                                 f"key {i} is {why}" if why[0].isdigit() else f"key {i}: {why}")
     if unique and len(set(keys)) != len(keys):
         dup = next(k for k, n in Counter(keys).items() if n > 1)
         raise StoreError(Code.INVALID_ARGUMENT, f"key {dup.hex()} appears more than once in one batch; send each key once")
