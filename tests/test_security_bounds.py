@@ -246,7 +246,10 @@ def test_slow_subscriber_is_dropped_with_bounded_memory(start_daemon) -> None:
                 sc.report_device_blocks(lid, removed=ks, worker_id="w1")
             return 2 * batch * rounds
 
-        channel = grpc.insecure_channel(f"unix:{d.socket}", options=[("grpc.max_receive_message_length", 64 << 20)])
+        # a fixed receive window (no BDP growth): what gRPC lets through to a reader that does
+        # not read is then the same every run
+        channel = grpc.insecure_channel(f"unix:{d.socket}", options=[("grpc.max_receive_message_length", 64 << 20),
+                                                                      ("grpc.http2.bdp_probe", 0)])
         stub = locations_pb2_grpc.LocationsStub(channel)
         calls = [stub.WatchLocations(locations_pb2.WatchLocationsRequest(subscriber=f"slow{i}"))
                  for i in range(subscribers)]
@@ -268,9 +271,9 @@ def test_slow_subscriber_is_dropped_with_bounded_memory(start_daemon) -> None:
                         len(ev.keys) for ev in reply.snapshot.entries)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "fell behind by" in e.value.details() and "resubscribe" in e.value.details()
-            # what reached it is what gRPC's flow control let through (its window, a few MiB;
-            # 256Ki keys seen here), not every event
-            assert got < flowed // 2
+            # what reached it is what gRPC's flow control let through (its window: one snapshot
+            # part seen here), not the events that flowed
+            assert got <= 2 * batch, got
         channel.close()
         assert rss_after - rss_before < 32 << 20, (rss_before, rss_after)
         # the daemon still serves a subscriber that reads
