@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.testing.local_daemon import rss_bytes
 from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers import layout as layout_limits
@@ -283,6 +284,35 @@ def test_slow_subscriber_is_dropped_with_bounded_memory(start_daemon) -> None:
         feed.cancel()
         serving(sc)
     assert d.proc.poll() is None
+
+
+def test_router_dropped_for_falling_behind_resubscribes_and_converges(start_daemon) -> None:
+    """The router's feed (client/routing/feed.py) is dropped while it cannot fold (its lock
+    held), then resubscribes, takes a snapshot and ends with the daemon's holdings."""
+    d = start_daemon("--event-log-keys", "100000", "--node-id", "N")
+    batch = 65536
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        held = [key("held", i) for i in range(1000)]
+        sc.report_device_blocks(lid, stored=held, worker_id="w0")
+        cfg = RouterConfig(daemons=(f"unix:{d.socket}",), reconnect_min_s=0.05, reconnect_max_s=0.3)
+        with Router(cfg).start() as r:
+            assert r.wait_synced(15, nodes=1), r.status()
+            snapshots = r.status()[0].snapshots
+            with r._lock:  # the router cannot fold: its feed stops reading
+                for rnd in range(64):
+                    ks = [key(f"r{rnd}", i) for i in range(batch)]
+                    sc.report_device_blocks(lid, stored=ks, worker_id="w1")
+                    sc.report_device_blocks(lid, removed=ks, worker_id="w1")
+                    if sc.stats()["counters"].get("location_subscribers_behind", 0):
+                        break
+                else:
+                    raise AssertionError("the router's feed was not dropped")
+            deadline = time.monotonic() + 20
+            while not (r.status()[0].snapshots > snapshots and r.wait_synced(0.2, nodes=1)):
+                assert time.monotonic() < deadline, r.status()
+            assert {k: v for k, v in r.holdings("N").items() if v} == {
+                ("N", "gpu", "w0", sc._layouts[lid].layout.fingerprint): set(held)}
 
 
 def test_concurrent_rpcs_over_the_cap_are_refused(start_daemon) -> None:
