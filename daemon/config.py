@@ -95,6 +95,14 @@ class Config:
                                                        "served model name last", metavar="TOPIC")
     config: str = _opt("", "TOML file with any of these settings, each under its TOML key: the flag's "
                            "name without -- and with _ for - (host_capacity = \"64GiB\")", metavar="FILE")
+    # -- feed limits (issue 12) --
+    max_feed_subscribers: int = _opt(64, "most WatchLocations subscribers (routers) served at once; one more is "
+                                         "refused RESOURCE_EXHAUSTED. A subscriber that falls further behind than "
+                                         "--event-log-keys keys of events is dropped (RESOURCE_EXHAUSTED) and "
+                                         "resubscribes", parse_int, "N")
+    max_concurrent_rpcs: int = _opt(4096, "most RPCs in flight at once, streams included (each client Session and "
+                                          "each WatchLocations stream counts for its whole life); one more is "
+                                          "refused RESOURCE_EXHAUSTED; 0: no limit", parse_int, "N")
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
@@ -142,3 +150,5 @@ def _check(cfg: Config) -> None:
         raise ConfigError("--disk-write-through needs a disk tier: set --disk-dir")
     if cfg.event_log_keys <= 0:
         raise ConfigError("--event-log-keys must be positive")
+    if cfg.max_feed_subscribers < 1 or cfg.max_concurrent_rpcs < 0:
+        raise ConfigError("--max-feed-subscribers must be at least 1 and --max-concurrent-rpcs at least 0")

@@ -44,6 +44,7 @@ from kvtier.tiers.vocab import Tier, pack_block
 log = logging.getLogger("kvtier.device")
 
 MAX_WORKER_ID = 256
+MAX_WORKERS = 1024  # distinct worker ids with device blocks (each a NodeInfo entry)
 SESSION_CHECK_S = 1.0  # how often device blocks of ended sessions are looked for (see watch_sessions)
 GPU = Tier.GPU
 
@@ -114,13 +115,19 @@ class DeviceTier:
         fp = self.layouts.get(layout_id, tenant).layout.fingerprint
         check_keys(stored, self.max_keys, unique=False)
         check_keys(removed, self.max_keys, unique=False)
-        if session_id and session_id not in self.sessions:
+        if not session_id:  # unbound holdings would never be cleared (issue 12)
+            raise StoreError(Code.INVALID_ARGUMENT, "session_id 0: report with the sidecar's open session, "
+                                                    "whose end clears what it reported")
+        if session_id not in self.sessions:
             raise StoreError(Code.FAILED_PRECONDITION,
                              f"session {session_id} is not open on this daemon: report with the sidecar's "
-                             f"current session (or 0)")
+                             f"current session")
         version = self.version
         worker = worker_key(tenant, worker)
         per_fp = self.held.get(worker)
+        if per_fp is None and len(self.held) >= MAX_WORKERS:
+            raise StoreError(Code.RESOURCE_EXHAUSTED, f"{len(self.held)} workers report device blocks; the limit "
+                                                      f"is {MAX_WORKERS} workers per daemon")
         if per_fp is None:
             per_fp = self.held[worker] = {}
             self._changed(tenant)
@@ -128,8 +135,7 @@ class DeviceTier:
         if held is None:
             held = per_fp[fp] = set()
             self._changed(tenant)
-        if session_id:
-            self.bound.setdefault(worker, {})[fp] = session_id
+        self.bound.setdefault(worker, {})[fp] = session_id
         if clear and held:
             self._drop(worker, fp, list(held))
         new = list(dict.fromkeys(k for k in stored if k not in held))

@@ -115,6 +115,10 @@ class LocationEvent:
     worker: str = ""            # gpu events only
 
 
+_DROPPED = LocationEvent(0, EventKind.CLEARED, Tier.HOST, b"")
+"""What stands in the ring's list for an event dropped from it until the list is compacted."""
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     node_id: str
@@ -163,6 +167,7 @@ class TenantLog:
         while self._ring_keys > self.max_keys and len(self._ring) - self._start > 1:
             old = self._ring[self._start]
             self._ring_keys -= max(1, len(old.keys))
+            self._ring[self._start] = _DROPPED  # its keys go now, not when the list is compacted
             self._start += 1
         if self._start > 4096 and self._start * 2 > len(self._ring):
             del self._ring[:self._start]
@@ -179,15 +184,29 @@ class TenantLog:
         self.closed = True
         self._notify()
 
-    def since(self, seq: int, limit: int = 4096) -> list[LocationEvent] | None:
-        """Up to ``limit`` events after ``seq`` (oldest first), or None if some of them are no
-        longer held."""
+    def since(self, seq: int, limit: int = 4096, max_keys: int = 0) -> list[LocationEvent] | None:
+        """Up to ``limit`` events after ``seq`` (oldest first), and with ``max_keys`` no more
+        events than hold that many keys (at least one), or None if some of them are no longer
+        held. (A subscriber holds what it was given until it is sent: ``max_keys`` bounds that.)"""
         if seq >= self.head:
             return []
         if seq + 1 < self.first_seq:
             return None
         i = self._start + (seq + 1 - self.first_seq)
-        return self._ring[i:i + limit]
+        out = self._ring[i:i + limit]
+        if max_keys:
+            n = 0
+            for j, ev in enumerate(out):
+                n += max(1, len(ev.keys))
+                if n > max_keys and j:
+                    return out[:j]
+        return out
+
+    def behind(self, seq: int) -> int:
+        """How many events a subscriber that was sent everything up to ``seq`` is behind, when
+        that is further than the ring reaches back (the events it needs next are gone): 0
+        while it can still be served from the ring."""
+        return self.head - seq if seq + 1 < self.first_seq else 0
 
     def can_resume(self, epoch: int, from_seq: int) -> bool:
         """Whether a subscriber at ``(epoch, from_seq)`` can be sent just the events after it."""

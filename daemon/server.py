@@ -268,7 +268,8 @@ class Daemon:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
-        self.server = server = grpc.aio.server(options=opts)
+        self.server = server = grpc.aio.server(options=opts,
+                                               maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs or None)
         old_umask = os.umask(0o177)
         try:
             bound = server.add_insecure_port(f"unix:{self.socket_path}")
@@ -335,7 +336,8 @@ class Daemon:
         assert self.store is not None and self.key_table is not None and self.locations is not None
         assert self.transfers is not None and self.stats is not None
         servicers = (NodeService(self.store, self.stats, self.latency, key_table_path=self.key_table.path),
-                     LocationsService(self.locations, self.latency), TransferService(self.transfers, self.latency))
+                     LocationsService(self.locations, self.latency, max_subscribers=self.cfg.max_feed_subscribers),
+                     TransferService(self.transfers, self.latency))
         self.latency.expect(_timed_ops(*servicers))
         health_servicer = add_services(server, *servicers)
         self.key_table.start()

@@ -39,7 +39,7 @@ from typing import TypeVar
 from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count, Counters, Flow, Op
 from kvtier.daemon.device import DeviceTier
-from kvtier.daemon.errors import Code, StoreError, check_keys
+from kvtier.daemon.errors import Code, StoreError, check_ids, check_keys, check_layout_room
 from kvtier.daemon.layouts import Layouts, RegisteredLayout, layout_id_of, split_worker
 from kvtier.daemon.observers import Observers
 from kvtier.daemon.placement import Placement
@@ -123,6 +123,7 @@ class BlockStore:
             return reg
         group = self.layouts.group(tenant)
         new_class = (group, layout.slot_bytes) not in self.host.classes
+        check_layout_room(len(self.layouts), len(self.host.classes), new_class)
         try:
             cls = self.host.size_class(layout.slot_bytes, prefault=self.prefault, group=group)
         except CapacityError as e:
@@ -230,6 +231,7 @@ class BlockStore:
     async def _commit(self, session_id: int, grant_ids: Sequence[int], abort_ids: Sequence[int],
                       durable: bool) -> CommitResult:
         sess = self.session(session_id)
+        check_ids(grant_ids, self.max_batch_keys, "grant", more=abort_ids)
         self.sessions.check_grants(sess, grant_ids, abort_ids)
         if durable and self.disk is None:
             raise StoreError(Code.FAILED_PRECONDITION, "durable commit needs a disk tier: start kvtierd with --disk-dir")
@@ -270,7 +272,7 @@ class BlockStore:
                        verify: bool = False) -> list[LeaseResult]:
         sess = self.session(session_id)
         layout = self.layout(layout_id, sess.tenant).layout
-        self.check_keys(keys, unique=False)
+        self.check_keys(keys, unique=True)  # a key named twice would be pinned twice
         bkeys = [pack_block(layout.fingerprint, k) for k in keys]
         held = [e for e in map(self.host.get, bkeys) if e is not None]
         self.tiers.hit(held)
@@ -319,6 +321,7 @@ class BlockStore:
         self.observers.removed_blocks(Tier.HOST, gone)
 
     def release(self, session_id: int, lease_ids: Sequence[int]) -> None:
+        check_ids(lease_ids, self.max_batch_keys, "lease")
         self.sessions.release(session_id, lease_ids)
 
     # -- lookup, evict, prefetch ---------------------------------------------------------------

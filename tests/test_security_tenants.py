@@ -278,7 +278,7 @@ def test_tenant_b_feed_shows_no_tenant_a_keys_workers_or_layouts(tenants) -> Non
     a, b = tenants
     reg_a, reg_b = a.register(), b.register()
     a.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        worker_id="engine-a", layout_id=reg_a.layout_id, stored=[key(50)]), metadata=a.md)
+        session_id=a.session_id, worker_id="engine-a", layout_id=reg_a.layout_id, stored=[key(50)]), metadata=a.md)
     b.put(reg_b, [key(60)], b"B" * BLOCK)
     replies = b.feed(3)   # NodeInfo, the snapshot (one part), and A's put is not an event of B's
     info = replies[0].node
@@ -311,11 +311,11 @@ def test_tenant_b_device_report_under_tenant_a_worker_id_touches_nothing_of_a(te
     a, b = tenants
     reg_a, reg_b = a.register(), b.register()
     a.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        worker_id="engine-a", layout_id=reg_a.layout_id, stored=[key(50)]), metadata=a.md)
+        session_id=a.session_id, worker_id="engine-a", layout_id=reg_a.layout_id, stored=[key(50)]), metadata=a.md)
     assert a.lookup(reg_a.layout_id, [key(50)]) == [GPU]
     assert b.lookup(reg_b.layout_id, [key(50)]) == [node_pb2.TIER_NONE]
     b.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        worker_id="engine-a", layout_id=reg_b.layout_id, clear=True, removed=[key(50)]), metadata=b.md)
+        session_id=b.session_id, worker_id="engine-a", layout_id=reg_b.layout_id, clear=True, removed=[key(50)]), metadata=b.md)
     assert a.lookup(reg_a.layout_id, [key(50)]) == [GPU]
     assert [w.worker_id for w in a.feed(1)[0].node.workers] == ["engine-a"]
 
@@ -342,9 +342,9 @@ def test_tenant_b_router_fed_by_its_feed_never_routes_on_tenant_a_keys(tenants) 
     a, b = tenants
     reg_a, reg_b = a.register(), b.register()
     a.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        worker_id="engine-a", layout_id=reg_a.layout_id, stored=A_KEYS), metadata=a.md)
+        session_id=a.session_id, worker_id="engine-a", layout_id=reg_a.layout_id, stored=A_KEYS), metadata=a.md)
     b.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        worker_id="engine-b", layout_id=reg_b.layout_id, stored=[key(80)]), metadata=b.md)
+        session_id=b.session_id, worker_id="engine-b", layout_id=reg_b.layout_id, stored=[key(80)]), metadata=b.md)
     router = Router(RouterConfig())
     for reply in b.feed(2):
         router.apply("daemon", reply)

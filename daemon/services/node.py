@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from kvtier.daemon.auth import Authenticator
-from kvtier.daemon.errors import Code, StoreError
+from kvtier.daemon.errors import MAX_NAME_CHARS, Code, StoreError
 from kvtier.daemon.metrics import OpLatency
 from kvtier.daemon.services import convert
 from kvtier.daemon.services.handlers import handled
@@ -50,7 +50,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
         first = await context.read()
         if first is grpc.aio.EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Session stream starts with a hello message")
-        sess = self.store.open_session(first.hello.client_name, first.hello.pid, self.auth.principal(context).tenant)
+        if len(first.hello.client_name) > MAX_NAME_CHARS:  # bounded (issue 12)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"client_name is {len(first.hello.client_name)} "
+                                f"characters; the limit is {MAX_NAME_CHARS}")
+        sess = self.store.open_session(first.hello.client_name, first.hello.pid,
+                                      self.auth.principal(context).tenant)
         log.info("session opened", extra={"session_id": sess.session_id, "client": sess.client_name,
                                           "pid": sess.pid})
         try:
@@ -93,10 +97,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
     @handled
     async def ReportLookups(self, request: node_pb2.ReportLookupsRequest, context: Any) -> node_pb2.ReportLookupsReply:
         tenant = self.auth.principal(context).tenant
-        for c in request.layouts:  # every layout checked first: a bad report counts nothing
-            self.store.layout(c.layout_id, tenant)
-        for c in request.layouts:
-            self.store.count_table_lookups(c.layout_id, convert.reported_hits(c), c.miss, tenant)
+        reports = convert.reported_lookups(request)  # bounded (issue 12)
+        for layout_id, _, _ in reports:  # every layout checked first: a bad report counts nothing
+            self.store.layout(layout_id, tenant)
+        for layout_id, hits, miss in reports:
+            self.store.count_table_lookups(layout_id, hits, miss, tenant)
         return node_pb2.ReportLookupsReply()
 
     @handled
