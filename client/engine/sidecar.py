@@ -228,6 +228,25 @@ class _SidecarCore:
         return self._transport.target
 
     @property
+    def tenant(self) -> str:
+        """The tenant the daemon knows this client as (from the credential handshake on the unix
+        socket; "" over TCP, where the client certificate says)."""
+        return self._transport.tenant
+
+    @property
+    def key_salt(self) -> str:
+        """The daemon's secret key salt for this client's tenant: what a
+        :class:`~kvtier.client.engine.keys.Namespace` built for this daemon uses by default
+        ("" over TCP)."""
+        return self._transport.key_salt
+
+    def pass_fds(self, fds: Sequence[int]) -> list[str]:
+        """Hand the daemon file descriptors (``SCM_RIGHTS`` over the credential connection; each
+        stays open here too); their handles, in order, usable by this client only, until the
+        daemon takes them or this client closes. Local daemons (unix socket) only."""
+        return self._transport.pass_fds(fds)
+
+    @property
     def timeout(self) -> float:
         return self._transport.timeout
 
