@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.engine.transport import open_channel
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.testing.local_daemon import rss_bytes
 from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
@@ -207,7 +208,7 @@ def test_long_names_are_refused_with_their_limit(daemon) -> None:
 
 def test_feed_subscribers_over_the_cap_are_refused(start_daemon) -> None:
     d = start_daemon("--max-feed-subscribers", "2")
-    channel = grpc.insecure_channel(f"unix:{d.socket}")
+    channel = open_channel(f"unix:{d.socket}")
     stub = locations_pb2_grpc.LocationsStub(channel)
     req = locations_pb2.WatchLocationsRequest(subscriber="cap-test")
     first, second = stub.WatchLocations(req), stub.WatchLocations(req)
@@ -249,7 +250,7 @@ def test_slow_subscriber_is_dropped_with_bounded_memory(start_daemon) -> None:
 
         # a fixed receive window (no BDP growth): what gRPC lets through to a reader that does
         # not read is then the same every run
-        channel = grpc.insecure_channel(f"unix:{d.socket}", options=[("grpc.max_receive_message_length", 64 << 20),
+        channel = open_channel(f"unix:{d.socket}", options=[("grpc.max_receive_message_length", 64 << 20),
                                                                       ("grpc.http2.bdp_probe", 0)])
         stub = locations_pb2_grpc.LocationsStub(channel)
         calls = [stub.WatchLocations(locations_pb2.WatchLocationsRequest(subscriber=f"slow{i}"))
@@ -317,7 +318,7 @@ def test_router_dropped_for_falling_behind_resubscribes_and_converges(start_daem
 
 def test_concurrent_rpcs_over_the_cap_are_refused(start_daemon) -> None:
     d = start_daemon("--max-concurrent-rpcs", "2")
-    channel = grpc.insecure_channel(f"unix:{d.socket}")
+    channel = open_channel(f"unix:{d.socket}")
     stub = locations_pb2_grpc.LocationsStub(channel)
     streams = [stub.WatchLocations(locations_pb2.WatchLocationsRequest(subscriber=f"s{i}")) for i in range(2)]
     for s in streams:
