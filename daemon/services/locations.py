@@ -132,6 +132,8 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
     @handled
     async def ReportDeviceBlocks(self, request: locations_pb2.ReportDeviceBlocksRequest,
                                  context: Any) -> locations_pb2.ReportDeviceBlocksReply:
+        if request.session_id:  # the reporting session must be the caller's own (issue 12)
+            self.store.session(request.session_id, self.auth.principal(context))
         before = self.log.head
         self.store.device.report(request.worker_id, request.layout_id, list(request.stored), list(request.removed),
                                  request.clear, request.session_id)
