@@ -80,8 +80,11 @@ class Limits:
     @classmethod
     def from_config(cls, cfg: Config) -> Limits:
         """kvtierd's settings: a quota of 0 there means half (session) or all (tenant) of
-        ``--host-capacity``, never no cap."""
-        return cls(cfg.session_quota or max(1, cfg.host_capacity // 2), cfg.tenant_quota or cfg.host_capacity,
+        ``--host-capacity``, never no cap (a tenant quota of the whole pool is enforced by the
+        pool itself: its allocations answer NO_SPACE, as a full pool always did)."""
+        tenant = cfg.tenant_quota or cfg.host_capacity
+        # a tenant cap of the whole pool is the pool's own: a full pool answers NO_SPACE, as before
+        return cls(cfg.session_quota or max(1, cfg.host_capacity // 2), 0 if tenant >= cfg.host_capacity else tenant,
                    cfg.grant_ttl_s, cfg.lease_ttl_s, cfg.max_sessions, cfg.transfer_wait_s)
 
 

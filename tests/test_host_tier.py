@@ -140,7 +140,7 @@ HOLDER = textwrap.dedent("""
 
 def test_killed_client_leaks_no_grants_or_pins(start_daemon) -> None:
     cap = 32 * MiB
-    d = start_daemon(host_capacity=str(cap))
+    d = start_daemon("--session-quota", str(cap), host_capacity=str(cap))  # one session may hold the pool
     nslots = cap // (2 * MiB)
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(2 * MiB))
