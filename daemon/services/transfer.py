@@ -59,7 +59,7 @@ class TransferService(transfer_pb2_grpc.TransferServicer):
                              "this kvtierd cannot receive file descriptors, so it cannot map host-memory KV: "
                              "run a kvtierd with descriptor passing on its unix socket")
 
-        def taken(handle: bytes, what: str) -> int:
+        def taken(handle: str, what: str) -> int:
             if not handle:
                 raise StoreError(Code.INVALID_ARGUMENT,
                                  f"{what} has no fd_handle: pass its memory (a memfd sealed with F_SEAL_SHRINK) "

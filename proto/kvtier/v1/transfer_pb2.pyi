@@ -32,8 +32,8 @@ class KVAllocation(_message.Message):
     path: str
     size: int
     device: int
-    fd_handle: bytes
-    def __init__(self, ipc_handle: _Optional[bytes] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., fd_handle: _Optional[bytes] = ...) -> None: ...
+    fd_handle: str
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., fd_handle: _Optional[str] = ...) -> None: ...
 
 class KVTensorRef(_message.Message):
     __slots__ = ("allocation", "offset")
@@ -62,8 +62,8 @@ class RegisterKVRequest(_message.Message):
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
     event_ring_path: str
     ring_slots: int
-    event_ring_fd_handle: bytes
-    def __init__(self, session_id: _Optional[int] = ..., layout: _Optional[_Union[_node_pb2.LayoutSpec, _Mapping]] = ..., backend: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[KVAllocation, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KVTensorRef, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., event_ring_path: _Optional[str] = ..., ring_slots: _Optional[int] = ..., event_ring_fd_handle: _Optional[bytes] = ...) -> None: ...
+    event_ring_fd_handle: str
+    def __init__(self, session_id: _Optional[int] = ..., layout: _Optional[_Union[_node_pb2.LayoutSpec, _Mapping]] = ..., backend: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[KVAllocation, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KVTensorRef, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., event_ring_path: _Optional[str] = ..., ring_slots: _Optional[int] = ..., event_ring_fd_handle: _Optional[str] = ...) -> None: ...
 
 class RegisterKVReply(_message.Message):
     __slots__ = ("registration_id", "layout_id", "copy_engine", "block_bytes")
