@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import operator
 import os
 import time
 from collections import deque
@@ -125,6 +126,24 @@ class Held:
                 return e
         return default
 
+    def first_missing(self, ids: Sequence[int]) -> int | None:
+        """The first of ``ids`` not held, or None (set operations: no Python loop per id)."""
+        rest = set(ids)
+        for _, d in self.buckets:
+            if not rest:
+                break
+            rest -= d.keys()
+        if not rest:
+            return None
+        return next(i for i in ids if i in rest)
+
+    def take(self, ids: Sequence[int]) -> list[HostEntry]:
+        """Remove and return the entries of ``ids``, all held (see :meth:`first_missing`)."""
+        if len(self.buckets) == 1:
+            d = self.buckets[0][1]
+            return [d.pop(i) for i in ids]
+        return [self.pop(i) for i in ids]  # type: ignore[misc]
+
     def clashes(self, ids: set[int]) -> bool:
         return any(not d.keys().isdisjoint(ids) for _, d in self.buckets)
 
@@ -168,8 +187,11 @@ class Session:
     expired: dict[int, str] = field(default_factory=dict)  # expired id -> "grant" or "lease"
 
 
+_SLOT_BYTES = operator.attrgetter("cls.slot_bytes")
+
+
 def _slot_bytes(entries: Iterable[HostEntry]) -> int:
-    return sum(e.cls.slot_bytes for e in entries)
+    return sum(map(_SLOT_BYTES, entries))
 
 
 class Sessions:
@@ -375,21 +397,22 @@ class Sessions:
 
     # -- grants ----------------------------------------------------------------------------
 
-    def grant(self, sess: Session, entries: Sequence[HostEntry]) -> list[int]:
-        """Record ``entries`` as the session's grants; returns their ids (the caller checked
-        the quota with :meth:`check_quota`)."""
+    def grant(self, sess: Session, entries: Sequence[HostEntry], nbytes: int | None = None) -> list[int]:
+        """Record ``entries`` as the session's grants (``nbytes``: their slot bytes, when the
+        caller knows them); returns their ids (the caller checked :meth:`check_quota`)."""
         ids = random_ids(len(entries), sess.grants.clashes)
         deadline = self._deadline(sess, self.limits.grant_ttl_s)
         sess.grants.add(deadline, ids, entries)
-        self._charge(sess, _slot_bytes(entries))
+        self._charge(sess, _slot_bytes(entries) if nbytes is None else nbytes)
         self._arm(deadline)
         return ids
 
     def check_grants(self, sess: Session, commit_ids: Sequence[int], abort_ids: Sequence[int]) -> None:
         """Refuse a commit naming a grant the session does not hold (expired: DEADLINE_EXCEEDED;
         another session's: PERMISSION_DENIED), or one grant twice."""
-        for gid in itertools.chain(commit_ids, abort_ids):
-            if gid not in sess.grants:
+        for ids in (commit_ids, abort_ids):
+            gid = sess.grants.first_missing(ids) if ids else None
+            if gid is not None:
                 raise self._not_held(sess, gid, "grant")
         if len(set(commit_ids) | set(abort_ids)) != len(commit_ids) + len(abort_ids):
             raise StoreError(Code.INVALID_ARGUMENT, "a grant id appears twice in one commit")
@@ -398,12 +421,12 @@ class Sessions:
         """:meth:`check_grants`, then abort ``abort_ids`` and return the entries of
         ``commit_ids`` (no longer grants). A bad call changes nothing."""
         self.check_grants(sess, commit_ids, abort_ids)
-        aborted = [sess.grants.pop(gid) for gid in abort_ids]
-        taken = [sess.grants.pop(gid) for gid in commit_ids]
+        aborted = sess.grants.take(abort_ids)
+        taken = sess.grants.take(commit_ids)
         for entry in aborted:
             self.host.abort(entry)
-        self._refund(sess, _slot_bytes(aborted) + _slot_bytes(taken))  # type: ignore[arg-type]
-        return taken  # type: ignore[return-value]
+        self._refund(sess, _slot_bytes(aborted) + _slot_bytes(taken))
+        return taken
 
     def drop_grants(self, session_id: int, grant_ids: Iterable[int]) -> None:
         """Abort these grants if the session still holds them (its caller is gone)."""
@@ -418,29 +441,30 @@ class Sessions:
 
     # -- leases ----------------------------------------------------------------------------
 
-    def lease(self, sess: Session, entries: Sequence[HostEntry]) -> list[int]:
-        """Pin ``entries`` for the session; returns the lease ids (the caller checked the quota)."""
+    def lease(self, sess: Session, entries: Sequence[HostEntry], nbytes: int | None = None) -> list[int]:
+        """Pin ``entries`` for the session (``nbytes``: their slot bytes, when the caller knows
+        them); returns the lease ids (the caller checked :meth:`check_quota`)."""
         for entry in entries:
             self.host.pin(entry)
         ids = random_ids(len(entries), sess.leases.clashes)
         deadline = self._deadline(sess, self.limits.lease_ttl_s)
         sess.leases.add(deadline, ids, entries)
-        self._charge(sess, _slot_bytes(entries))
+        self._charge(sess, _slot_bytes(entries) if nbytes is None else nbytes)
         self._arm(deadline)
         return ids
 
     def release(self, session_id: int, lease_ids: Sequence[int], principal: Principal | None = None) -> None:
         """Unpin these leases; a lease not held (or named twice) refuses the whole call."""
         sess = self.get(session_id, principal)
-        for lid in lease_ids:
-            if lid not in sess.leases:
-                raise self._not_held(sess, lid, "lease")
+        lid = sess.leases.first_missing(lease_ids) if lease_ids else None
+        if lid is not None:
+            raise self._not_held(sess, lid, "lease")
         if len(set(lease_ids)) != len(lease_ids):
             raise StoreError(Code.INVALID_ARGUMENT, "a lease id appears twice in one release")
-        entries = [sess.leases.pop(lid) for lid in lease_ids]
+        entries = sess.leases.take(lease_ids)
         for entry in entries:
-            self.host.unpin(entry)  # type: ignore[arg-type]
-        self._refund(sess, _slot_bytes(entries))  # type: ignore[arg-type]
+            self.host.unpin(entry)
+        self._refund(sess, _slot_bytes(entries))
 
     def drop_leases(self, session_id: int, lease_ids: Iterable[int]) -> None:
         """Release these leases if the session still holds them (its caller is gone)."""

@@ -199,7 +199,8 @@ class BlockStore:
             if present:
                 await tiers.make_durable(present)
         want = [i for i, b in enumerate(bkeys) if not tiers.in_host(b) and not tiers.on_disk(b)]
-        self.sessions.check_quota(sess, len(want) * self.pool(layout).slot_bytes)
+        slot_bytes = self.pool(layout).slot_bytes
+        self.sessions.check_quota(sess, len(want) * slot_bytes)
         entries = await tiers.reserve(self.pool(layout), [bkeys[i] for i in want], layout.block_bytes)
         if session_id not in self.sessions:  # it ended while a demotion or the fallocate was awaited
             for entry in entries:
@@ -208,7 +209,7 @@ class BlockStore:
             raise StoreError(Code.CANCELLED, "session closed during allocate")
         out = [GrantResult(GrantStatus.PRESENT, durable=durable and tiers.on_disk(b)) for b in bkeys]
         got = [(i, entry) for i, entry in zip(want, entries, strict=True) if entry is not None]
-        gids = self.sessions.grant(sess, [entry for _, entry in got])
+        gids = self.sessions.grant(sess, [entry for _, entry in got], len(got) * slot_bytes)
         for i in want:
             out[i] = NO_SPACE
         for (i, entry), gid in zip(got, gids, strict=True):
@@ -275,8 +276,9 @@ class BlockStore:
     def _lease(self, sess: Session, layout: Layout, bkeys: list[bytes], promoted: set[bytes]) -> list[LeaseResult]:
         found = [self.host.get(b) for b in bkeys]
         held = [e for e in found if e is not None]
-        self.sessions.check_quota(sess, sum(e.cls.slot_bytes for e in held))
-        lids = iter(self.sessions.lease(sess, held))
+        nbytes = len(held) * self.pool(layout).slot_bytes  # (one layout: one pool)
+        self.sessions.check_quota(sess, nbytes)
+        lids = iter(self.sessions.lease(sess, held, nbytes))
         out: list[LeaseResult] = []
         hits: Counter[Tier] = Counter()
         for b, entry in zip(bkeys, found, strict=True):
