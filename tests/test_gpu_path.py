@@ -235,12 +235,12 @@ def test_bad_requests_are_refused_and_change_nothing(kvd, shm_dir) -> None:
         eng.close()
 
 
-def test_cpu_tensor_without_a_shared_file_is_refused(start_daemon, shm_dir) -> None:
+def test_cpu_tensor_without_a_sealed_memfd_is_refused(start_daemon, shm_dir) -> None:
     d = start_daemon("--copy-engine", "host")
     layout = Layout.vllm(num_layers=1, num_blocks=4, block_tokens=16, kv_heads=1, head_dim=16, dtype="float16")
     conn = KVConnector(d.socket, ring_dir=shm_dir)
     try:
-        with pytest.raises(ExportError, match="named shared-memory file"):
+        with pytest.raises(ExportError, match="memfd sealed against shrinking"):
             conn.register(layout, [torch.zeros(layout.tensors[0].shape, dtype=torch.float16)])
     finally:
         conn.close()
