@@ -231,6 +231,18 @@ def _cuda_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[lis
     return out_allocs, refs
 
 
+def _check_tensors(layout: Layout, tensors: Sequence[Any]) -> None:
+    """Refuse tensors that do not match the layout (count, shape, dtype) or are not contiguous."""
+    if len(tensors) != len(layout.tensors):
+        raise InvalidArgument(f"{len(tensors)} tensors for a layout of {len(layout.tensors)}")
+    for spec, t in zip(layout.tensors, tensors, strict=True):
+        if tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
+            raise InvalidArgument(f"tensor {spec.name}: {str(t.dtype)} {list(t.shape)} does not match the "
+                                  f"layout's {spec.dtype} {list(spec.shape)}")
+        if not t.is_contiguous():
+            raise InvalidArgument(f"tensor {spec.name} is not contiguous")
+
+
 class Transfer:
     """One offload or onboard in flight (see the module docstring)."""
 
@@ -346,15 +358,8 @@ class KVConnector:
         event ring. Returns the layout's Node id (for Lookup and Evict through a Sidecar)."""
         if self.reg is not None:
             raise FailedPrecondition("this connector already holds a registration: unregister() first")
-        if len(tensors) != len(layout.tensors):
-            raise InvalidArgument(f"{len(tensors)} tensors for a layout of {len(layout.tensors)}")
+        _check_tensors(layout, tensors)
         names = [t.name for t in layout.tensors]
-        for spec, t in zip(layout.tensors, tensors, strict=True):
-            if tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
-                raise InvalidArgument(f"tensor {spec.name}: {str(t.dtype)} {list(t.shape)} does not match the "
-                                      f"layout's {spec.dtype} {list(spec.shape)}")
-            if not t.is_contiguous():
-                raise InvalidArgument(f"tensor {spec.name} is not contiguous")
         kinds = {t.device.type for t in tensors}
         if kinds == {"cuda"}:
             self.backend = "cuda"
@@ -368,21 +373,15 @@ class KVConnector:
         elif kinds == {"cpu"}:
             self.backend = "host"
             allocations, refs, fds = _host_allocations(names, tensors)
-            ring_fd = sealed_memfd(f"kvtier-ring-{os.getpid()}-{id(self):x}", self.ring_slots * 8)
-            try:
-                self._ring_map = mmap.mmap(ring_fd, self.ring_slots * 8, mmap.MAP_SHARED,
-                                           mmap.PROT_READ | mmap.PROT_WRITE)
-                self._ring = np.frombuffer(self._ring_map, dtype=np.uint64)
-                ring = {"event_ring_fd_handle": self._pass_fds([*fds, ring_fd], allocations)}
-            except BaseException:
-                self._drop_ring()
-                raise
-            finally:  # the daemon holds its own (SCM_RIGHTS); the mapping keeps the ring here
-                os.close(ring_fd)
+            fds.append(self._host_ring())  # passed last; closed here once passed (the daemon gets its own)
+            ring = {}
         else:
             raise InvalidArgument(f"KV tensors must be all CUDA or all CPU tensors, not {sorted(kinds)}")
         try:
-            req = transfer_pb2.RegisterKVRequest(session_id=self._open_session(),
+            sid = self._open_session()  # (no daemon: Unavailable at once, or a deadline; nothing left behind)
+            if self.backend == "host":
+                ring = {"event_ring_fd_handle": self._pass_fds(fds, allocations)}
+            req = transfer_pb2.RegisterKVRequest(session_id=sid,
                                                  layout=layout_to_proto(layout, node_pb2.LayoutSpec),
                                                  backend=self.backend, allocations=allocations, tensors=refs,
                                                  ring_slots=self.ring_slots, **ring)
@@ -393,6 +392,9 @@ class KVConnector:
         except BaseException:
             self._drop_ring()
             raise
+        finally:
+            if self.backend == "host":
+                os.close(fds[-1])  # the ring's: the daemon holds its own, the mapping keeps it here
         self.reg = _Registration(reply.registration_id, reply.layout_id, reply.copy_engine, layout)
         self._free = collections.deque(range(self.ring_slots))
         self._tensors = list(tensors)  # keep the memory alive while the daemon has it open
@@ -422,6 +424,17 @@ class KVConnector:
             self.reg = None
             self._tensors = []
             self._drop_ring()
+
+    def _host_ring(self) -> int:
+        """The stand-in's event ring: a sealed memfd, mapped here; returns its descriptor."""
+        ring_fd = sealed_memfd(f"kvtier-ring-{os.getpid()}-{id(self):x}", self.ring_slots * 8)
+        try:
+            self._ring_map = mmap.mmap(ring_fd, self.ring_slots * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(ring_fd)
+            raise
+        self._ring = np.frombuffer(self._ring_map, dtype=np.uint64)
+        return ring_fd
 
     def _pass_fds(self, fds: list[int], allocations: list[transfer_pb2.KVAllocation]) -> str:
         """Pass the allocations' descriptors and the ring's (last) to the daemon over the unix
