@@ -13,12 +13,42 @@ A principal names:
 
 How callers are authenticated (peer credentials on the unix socket, client certificates on
 TCP) is the authenticator's business; the rest of the daemon only sees principals.
+
+:class:`PeerAuthenticator` is the daemon's (issue 12, item 1):
+
+* **Unix socket.** A client first hand-shakes on the credential socket beside the gRPC socket
+  (:mod:`kvtier.handshake`, served by :mod:`kvtier.daemon.credentials`): the daemon reads the
+  peer's uid and gid from the kernel (``SO_PEERCRED``), refuses those its
+  :class:`AccessPolicy` does not allow, and hands out a token (128 random bits) that the
+  client sends in the ``kvtier-token`` metadata of every call. The token is valid while that
+  credential connection is open. ``caller`` is a hash of the token (never the token itself);
+  ``tenant`` comes from the uid -> tenant map (:data:`DEFAULT_TENANT` when unmapped).
+  :class:`TokenInterceptor` refuses every call of the Node, Locations and Transfer services
+  that carries no valid token (UNAUTHENTICATED), so no handler runs for an unknown caller.
+* **TCP with TLS** (mutual: the daemon requires a client certificate signed by ``--tls-ca``).
+  ``tenant`` is the certificate's common name, or what a ``cn:NAME=TENANT`` entry of the
+  tenant map maps it to; ``caller`` is a hash of the certificate.
+* **TCP with --insecure-tcp**: nobody is authenticated; every caller is the default tenant
+  (the operator asked for it; the daemon says so loudly at start).
+
+File descriptors passed on a credential connection (``SCM_RIGHTS``) are kept under handles
+bound to its token: :meth:`PeerAuthenticator.take_fd`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
+
+from kvtier.daemon.errors import Code, StoreError
+from kvtier.handshake import TOKEN_HEADER
 
 DEFAULT_TENANT = "default"
 
@@ -42,3 +72,218 @@ class Authenticator:
 
     def principal(self, context: Any) -> Principal:
         return LOCAL
+
+
+# -- authenticated transports (issue 12, item 1) ------------------------------------------------
+
+CN_PREFIX = "cn:"
+UNAUTHENTICATED_MESSAGE = (f"no valid credential: a local client connects to the daemon's credential socket "
+                           f"(<socket>.auth) first and sends the token it gets in the '{TOKEN_HEADER}' metadata "
+                           f"of every call (the kvtier client library does both); a token dies with its "
+                           f"credential connection (and with the daemon that issued it)")
+#: RPC prefixes served without a credential: health checks and reflection tell nothing about blocks
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def parse_tenants(entries: Iterable[str]) -> tuple[dict[int, str], dict[str, str]]:
+    """``UID=TENANT`` and ``cn:NAME=TENANT`` entries -> (uid -> tenant, certificate CN -> tenant).
+    Raises ValueError naming a malformed entry."""
+    by_uid: dict[int, str] = {}
+    by_cn: dict[str, str] = {}
+    for entry in entries:
+        who, sep, tenant = entry.partition("=")
+        who, tenant = who.strip(), tenant.strip()
+        if not sep or not who or not tenant:
+            raise ValueError(f"tenant entry {entry!r} is not UID=TENANT or cn:NAME=TENANT")
+        if who.startswith(CN_PREFIX) and len(who) > len(CN_PREFIX):
+            by_cn[who[len(CN_PREFIX):]] = tenant
+        elif who.isdigit():
+            by_uid[int(who)] = tenant
+        else:
+            raise ValueError(f"tenant entry {entry!r}: {who!r} is neither a numeric uid nor cn:NAME")
+    return by_uid, by_cn
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Who may call on the unix socket, and which tenant each caller is.
+
+    A peer is admitted when its uid is in ``allowed_uids`` (empty: the daemon's own uid only)
+    or its primary gid (as the kernel reports it) is in ``allowed_gids``. ``uid_tenants``:
+    uid -> tenant (unmapped: :data:`DEFAULT_TENANT`); ``cn_tenants``: TLS client certificate
+    common name -> tenant (unmapped: the common name itself)."""
+
+    allowed_uids: frozenset[int] = frozenset()
+    allowed_gids: frozenset[int] = frozenset()
+    uid_tenants: Mapping[int, str] = field(default_factory=dict)
+    cn_tenants: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, allowed_uids: Iterable[int] = (), allowed_gids: Iterable[int] = (),
+           tenants: Iterable[str] = ()) -> AccessPolicy:
+        by_uid, by_cn = parse_tenants(tenants)
+        return cls(frozenset(allowed_uids) or frozenset({os.geteuid()}), frozenset(allowed_gids), by_uid, by_cn)
+
+    @property
+    def shared(self) -> bool:
+        """Whether callers other than the daemon's own uid are allowed (the socket directory and
+        files must then be reachable by them)."""
+        return bool(self.allowed_gids) or any(uid != os.geteuid() for uid in self.allowed_uids)
+
+    def refusal(self, uid: int, gid: int) -> str | None:
+        """Why a peer of ``uid``/``gid`` is refused; None when it is admitted."""
+        if uid in self.allowed_uids or gid in self.allowed_gids:
+            return None
+        return (f"uid {uid} (gid {gid}) may not use this kvtierd: allowed uids "
+                f"{sorted(self.allowed_uids)}, gids {sorted(self.allowed_gids) or 'none'} "
+                f"(--allowed-uids, --allowed-gids)")
+
+    def tenant_of_uid(self, uid: int) -> str:
+        return self.uid_tenants.get(uid, DEFAULT_TENANT)
+
+    def tenant_of_cn(self, cn: str) -> str:
+        return self.cn_tenants.get(cn, cn)
+
+
+def key_salt(secret: bytes, tenant: str) -> str:
+    """A tenant's key salt: HMAC-SHA256 of the tenant's name under the deployment's secret, hex."""
+    return hmac.new(secret, b"kvtier tenant key salt\0" + tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def _caller_of(token: str) -> str:
+    return "tok:" + hashlib.blake2b(token.encode(), digest_size=16).hexdigest()
+
+
+class PeerAuthenticator(Authenticator):
+    """The daemon's authenticator (see the module docstring)."""
+
+    def __init__(self, policy: AccessPolicy, secret: bytes, insecure_tcp: bool = False) -> None:
+        self.policy = policy
+        self.secret = secret
+        self.insecure_tcp = insecure_tcp
+        self._tokens: dict[str, Principal] = {}          # token -> principal, while its connection is open
+        self._fds: dict[str, tuple[str, int]] = {}       # fd handle -> (owning token, fd)
+        self._certs: dict[bytes, str] = {}                # client certificate (PEM) -> caller id
+
+    # -- the credential socket's side (kvtier.daemon.credentials) --
+
+    def admit(self, uid: int, gid: int) -> tuple[str, Principal]:
+        """A new token and its principal for a peer of ``uid``/``gid``; PERMISSION_DENIED for one
+        the policy does not allow."""
+        why = self.policy.refusal(uid, gid)
+        if why is not None:
+            raise StoreError(Code.PERMISSION_DENIED, why)
+        token = secrets.token_hex(16)
+        p = Principal(self.policy.tenant_of_uid(uid), _caller_of(token), uid, "unix")
+        self._tokens[token] = p
+        return token, p
+
+    def revoke(self, token: str) -> None:
+        """The token's connection closed: the token is no longer valid; its untaken fds close."""
+        self._tokens.pop(token, None)
+        for handle in [h for h, (t, _) in self._fds.items() if t == token]:
+            _, fd = self._fds.pop(handle)
+            os.close(fd)
+
+    def salt(self, tenant: str) -> str:
+        return key_salt(self.secret, tenant)
+
+    def keep_fds(self, token: str, fds: list[int]) -> list[str]:
+        """Keep ``fds`` (now the daemon's) under new handles bound to ``token``."""
+        handles = []
+        for fd in fds:
+            handle = secrets.token_hex(16)
+            self._fds[handle] = (token, fd)
+            handles.append(handle)
+        return handles
+
+    def take_fd(self, principal: Principal, handle: str) -> int:
+        """The fd passed under ``handle``, now the caller's to close; NOT_FOUND for an unknown (or
+        already taken) handle, PERMISSION_DENIED for another caller's."""
+        entry = self._fds.get(handle)
+        if entry is None:
+            raise StoreError(Code.NOT_FOUND, "no file descriptor was passed under this handle (or it was "
+                                             "already used, or its credential connection closed)")
+        token, fd = entry
+        owner = self._tokens.get(token)
+        if owner is None or owner.caller != principal.caller:
+            raise StoreError(Code.PERMISSION_DENIED, "this file descriptor handle belongs to another caller")
+        del self._fds[handle]
+        return fd
+
+    @property
+    def open_fds(self) -> int:
+        return len(self._fds)
+
+    # -- gRPC calls --
+
+    def valid(self, token: str) -> bool:
+        return token in self._tokens
+
+    def principal(self, context: Any) -> Principal:
+        """The principal of a call: from its token on the unix socket, from the client
+        certificate on TCP. UNAUTHENTICATED when it has none."""
+        if context.peer().startswith("unix:"):
+            for key, value in context.invocation_metadata() or ():
+                if key == TOKEN_HEADER:
+                    p = self._tokens.get(value)
+                    if p is not None:
+                        return p
+                    break
+            raise StoreError(Code.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        return self.tcp_principal(context)
+
+    def tcp_principal(self, context: Any) -> Principal:
+        ac = context.auth_context()
+        if ac.get("transport_security_type") == [b"ssl"]:
+            cn = b"".join(ac.get("x509_common_name") or ()).decode(errors="replace")
+            pem = b"".join(ac.get("x509_pem_cert") or ())
+            caller = self._certs.get(pem)
+            if caller is None:
+                if len(self._certs) > 4096:
+                    self._certs.clear()
+                caller = self._certs[pem] = "cert:" + hashlib.sha256(pem).hexdigest()[:32]
+            if cn:
+                return Principal(self.policy.tenant_of_cn(cn), caller, None, "tcp")
+            raise StoreError(Code.UNAUTHENTICATED, "the client certificate has no common name (CN): the "
+                                                   "daemon takes the tenant from it")
+        if self.insecure_tcp:
+            return Principal(DEFAULT_TENANT, "insecure-tcp:" + context.peer(), None, "tcp")
+        raise StoreError(Code.UNAUTHENTICATED, "no client certificate: this listener needs TLS with a client "
+                                               "certificate signed by the daemon's --tls-ca")
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """On the unix-socket server: refuses (UNAUTHENTICATED) every call without a valid token,
+    before any handler runs; health checks and reflection (:data:`OPEN_METHODS`) pass."""
+
+    def __init__(self, auth: PeerAuthenticator) -> None:
+        self._tokens = auth._tokens  # one dict lookup a call
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_HEADER:
+                if value in self._tokens:
+                    return handler
+                break
+        if details.method.startswith(OPEN_METHODS):
+            return handler
+        return _DENY[(handler.request_streaming, handler.response_streaming)]
+
+
+async def _deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+
+async def _deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    yield  # an async generator, as a streaming handler is
+
+
+_DENY = {(False, False): grpc.unary_unary_rpc_method_handler(_deny_unary),
+         (False, True): grpc.unary_stream_rpc_method_handler(_deny_stream),
+         (True, False): grpc.stream_unary_rpc_method_handler(_deny_unary),
+         (True, True): grpc.stream_stream_rpc_method_handler(_deny_stream)}

@@ -16,7 +16,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.paths import default_socket_path
-from kvtier.settings import Settings, SettingsError, flag_name, parse_bool, parse_float, parse_int, parse_size
+from kvtier.settings import (
+    Settings,
+    SettingsError,
+    flag_name,
+    parse_bool,
+    parse_float,
+    parse_int,
+    parse_list,
+    parse_size,
+)
 from kvtier.settings import setting as _opt
 
 __all__ = ["Config", "ConfigError", "build_parser", "flag_name", "load_config", "parse_bool", "parse_size"]
@@ -25,14 +34,36 @@ ConfigError = SettingsError
 """A setting that cannot be used; the message names it and where it came from."""
 
 
+def parse_ids(value: str | Sequence[str] | Sequence[int]) -> tuple[int, ...]:
+    """Numeric uids or gids: ``"1000,1001"`` (a variable), a list (TOML, repeated flags)."""
+    items = [value] if isinstance(value, int) else parse_list(value) if isinstance(value, str) else value
+    out = []
+    for item in items:
+        for part in parse_list(item) if isinstance(item, str) else [item]:
+            try:
+                n = int(part)
+            except (TypeError, ValueError):
+                raise ValueError(f"not a numeric id: {part!r}") from None
+            if n < 0:
+                raise ValueError(f"not a numeric id: {part!r}")
+            out.append(n)
+    return tuple(out)
+
+
 @dataclass
 class Config:
     """Every kvtierd setting. See the module docstring for names and precedence."""
 
     socket: str = _opt("", "unix socket to serve on (default $XDG_RUNTIME_DIR/kvtier/kvtierd.sock, "
-                           "else /tmp/kvtier-$UID/kvtierd.sock); created mode 0600", metavar="PATH")
-    tcp: str = _opt("", "also listen on HOST:PORT (TCP, for remote routers); refuses to start if the "
-                        "port is taken; empty: no TCP listener", metavar="HOST:PORT")
+                           "else /tmp/kvtier-$UID/kvtierd.sock); created mode 0600 (0666 when "
+                           "--allowed-uids/--allowed-gids admit other users), with the credential socket "
+                           "PATH.auth beside it. Its directory must be this user's, not a symlink, and "
+                           "mode 0700 (0711 at most when other users are admitted): any other is refused; "
+                           "a missing one is created so", metavar="PATH")
+    tcp: str = _opt("", "also listen on HOST:PORT (TCP, for remote routers), with TLS and client "
+                        "certificates (--tls-cert, --tls-key, --tls-ca; refused without them unless "
+                        "--insecure-tcp); refuses to start if the port is taken; empty: no TCP listener",
+                    metavar="HOST:PORT")
     node_id: str = _opt("", "this node's name in events, metrics and routing (default: hostname)")
     shm_dir: str = _opt("/dev/shm", "tmpfs directory for the host pool and key table files; in a "
                                     "container mount a tmpfs this large", metavar="DIR")
@@ -41,9 +72,9 @@ class Config:
     host_prefault: bool = _opt(True, "allocate the host pool's memory when the first layout registers, so "
                                      "writes never pay for page allocation and a too-small tmpfs is "
                                      "found at once", parse_bool, "BOOL")
-    state_dir: str = _opt("", "accepted and ignored (kept so existing command lines and files still "
-                              "work): kvtierd keeps no state outside --shm-dir (host pool, key "
-                              "table) and --disk-dir (disk tier)", metavar="DIR")
+    state_dir: str = _opt("", "where the key secret (--key-secret-file) is kept when there is no "
+                              "--disk-dir; kvtierd keeps no other state outside --shm-dir (host pool, "
+                              "key table) and --disk-dir (disk tier)", metavar="DIR")
     disk_dir: str = _opt("", "directory for the disk tier's slab files and index; empty: no disk tier",
                          metavar="DIR")
     disk_capacity: int = _opt(0, "bytes of disk for KV blocks (e.g. 1TiB); 0 with --disk-dir set: "
@@ -93,8 +124,45 @@ class Config:
     kv_events_topic: str = _opt("kv@{node_id}@kvtier", "topic of every KV event message; {node_id} becomes "
                                                        "--node-id; llm-d reads kv@POD@MODEL, so put the "
                                                        "served model name last", metavar="TOPIC")
+    # -- transports and identity (issue 12) --
+    allowed_uids: tuple[int, ...] = _opt((), "uids admitted on the unix socket (each client's uid is read from "
+                                             "the kernel on the credential socket); none given: this "
+                                             "daemon's own uid only. Admitting another uid makes the socket "
+                                             "files 0666 and lets the socket directory be 0711",
+                                         parse_ids, "UID", repeat=True)
+    allowed_gids: tuple[int, ...] = _opt((), "gids admitted on the unix socket (a client whose primary gid is "
+                                             "listed); none given: none", parse_ids, "GID", repeat=True)
+    tenants: tuple[str, ...] = _opt((), "who is which tenant: UID=TENANT for unix-socket clients (unmapped "
+                                        "admitted uids are tenant 'default'), cn:NAME=TENANT for TCP "
+                                        "clients whose certificate's common name is NAME (unmapped: the "
+                                        "tenant is the common name itself); e.g. 1000=alice,1001=bob,"
+                                        "cn:router-1=alice", parse_list, "ENTRY", repeat=True)
+    tls_cert: str = _opt("", "PEM certificate (chain) of the --tcp listener", metavar="FILE")
+    tls_key: str = _opt("", "PEM private key of --tls-cert", metavar="FILE")
+    tls_ca: str = _opt("", "PEM CA certificate(s) that sign the clients' certificates: --tcp requires every "
+                           "client to present one (mutual TLS)", metavar="FILE")
+    insecure_tcp: bool = _opt(False, "serve --tcp without TLS: anyone who reaches the port is served, as "
+                                     "tenant 'default', and the daemon warns so at start; refused "
+                                     "without this when --tcp has no --tls-cert", parse_bool, "BOOL")
+    tcp_services: str = _opt("locations", "what --tcp serves: locations (the location feed and health: "
+                                          "what remote routers need) or all (adds Node and Transfer, for "
+                                          "remote engines); the unix socket always serves all")
+    key_secret_file: str = _opt("", "the deployment's secret (32 random bytes, created 0600 on first use) "
+                                    "each tenant's key salt is derived from (HMAC of the tenant name), "
+                                    "handed to local clients in the credential handshake; default: "
+                                    "key.secret in --disk-dir, else in --state-dir; with neither, a new "
+                                    "secret each run (keys then change at every restart; warned at "
+                                    "start)", metavar="FILE")
     config: str = _opt("", "TOML file with any of these settings, each under its TOML key: the flag's "
                            "name without -- and with _ for - (host_capacity = \"64GiB\")", metavar="FILE")
+    # -- feed limits (issue 12) --
+    max_feed_subscribers: int = _opt(64, "most WatchLocations subscribers (routers) served at once; one more is "
+                                         "refused RESOURCE_EXHAUSTED. A subscriber that falls further behind than "
+                                         "--event-log-keys keys of events is dropped (RESOURCE_EXHAUSTED) and "
+                                         "resubscribes", parse_int, "N")
+    max_concurrent_rpcs: int = _opt(4096, "most RPCs in flight at once, streams included (each client Session and "
+                                          "each WatchLocations stream counts for its whole life); one more is "
+                                          "refused RESOURCE_EXHAUSTED; 0: no limit", parse_int, "N")
     # -- sessions (issue 12) --
     session_quota: int = _opt(0, "most bytes of host slots one session may hold at once in grants (allocated, "
                                  "not committed) and leases (acquired, not released); over it a request is "
@@ -158,6 +226,31 @@ def _check(cfg: Config) -> None:
         raise ConfigError("--disk-write-through needs a disk tier: set --disk-dir")
     if cfg.event_log_keys <= 0:
         raise ConfigError("--event-log-keys must be positive")
+    if cfg.max_feed_subscribers < 1 or cfg.max_concurrent_rpcs < 0:
+        raise ConfigError("--max-feed-subscribers must be at least 1 and --max-concurrent-rpcs at least 0")
     for name in ("session_quota", "tenant_quota", "grant_ttl_s", "lease_ttl_s", "max_sessions", "transfer_wait_s"):
         if not getattr(cfg, name) >= (0 if name.endswith("quota") else 1e-9):  # (issue 12: sessions)
             raise ConfigError(f"{flag_name(name)} must be {'at least 0' if name.endswith('quota') else 'positive'}")
+    _check_transport(cfg)
+
+
+def _check_transport(cfg: Config) -> None:
+    from kvtier.daemon.auth import parse_tenants
+
+    try:
+        parse_tenants(cfg.tenants)
+    except ValueError as e:
+        raise ConfigError(f"--tenants: {e}") from None
+    if cfg.tcp_services not in ("locations", "all"):
+        raise ConfigError(f"--tcp-services: {cfg.tcp_services!r} is not locations or all")
+    tls = [name for name in ("tls_cert", "tls_key", "tls_ca") if getattr(cfg, name)]
+    if tls and len(tls) != 3:
+        missing = [flag_name(n) for n in ("tls_cert", "tls_key", "tls_ca") if not getattr(cfg, n)]
+        raise ConfigError(f"TLS needs --tls-cert, --tls-key and --tls-ca together (client certificates are "
+                          f"required); missing {', '.join(missing)}")
+    if tls and cfg.insecure_tcp:
+        raise ConfigError("--insecure-tcp and --tls-cert contradict each other: pick one")
+    if cfg.tcp and not tls and not cfg.insecure_tcp:
+        raise ConfigError(f"--tcp {cfg.tcp} without TLS would serve anyone who reaches the port: give "
+                          f"--tls-cert, --tls-key and --tls-ca (clients then need a certificate signed by "
+                          f"--tls-ca), or pass --insecure-tcp true to serve it in plaintext anyway")

@@ -14,6 +14,11 @@ it from here:
   stay at zero;
 * NodeInfo's workers and their layout fingerprints.
 
+Tenants: a report names a layout id of the reporting tenant, so its blocks are kept under
+that tenant's fingerprint (:mod:`kvtier.daemon.layouts`), and its worker under a name of
+that tenant (:func:`~kvtier.daemon.layouts.worker_key`): one tenant's reports never touch,
+clear or show another tenant's workers or blocks, even under the same worker id.
+
 A report is bound to the reporting sidecar's session. When that session ends (the engine
 exited or was killed), what it reported is cleared at once: the whole worker when no other
 open session reports for it, else that rank's fingerprint only (a tensor-parallel worker
@@ -28,9 +33,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.errors import Code, StoreError, check_keys
-from kvtier.daemon.layouts import Layouts
+from kvtier.daemon.layouts import Layouts, split_worker, worker_key
 from kvtier.daemon.observers import Observers
 from kvtier.daemon.sessions import Sessions
 from kvtier.tiers.vocab import Tier, pack_block
@@ -38,6 +44,7 @@ from kvtier.tiers.vocab import Tier, pack_block
 log = logging.getLogger("kvtier.device")
 
 MAX_WORKER_ID = 256
+MAX_WORKERS = 1024  # distinct worker ids with device blocks (each a NodeInfo entry)
 SESSION_CHECK_S = 1.0  # how often device blocks of ended sessions are looked for (see watch_sessions)
 GPU = Tier.GPU
 
@@ -51,16 +58,22 @@ class DeviceTier:
     observers: Observers
     counters: Counters
     max_keys: int
+    # workers are named by worker_key(tenant, worker id); fingerprints are tenant fingerprints
     held: dict[str, dict[bytes, set[bytes]]] = field(default_factory=dict)  # worker -> fingerprint -> keys
     bound: dict[str, dict[bytes, int]] = field(default_factory=dict)  # worker -> fingerprint -> reporting session
     _holders: Counter[bytes] = field(default_factory=Counter)  # packed block id -> workers holding it
     _per_fp: Counter[bytes] = field(default_factory=Counter)   # fingerprint -> blocks some worker holds
     version: int = 0                                            # bumped when workers or their layouts change
+    versions: Counter[str] = field(default_factory=Counter)    # the same, per tenant
 
     def __post_init__(self) -> None:
         # cleared the moment the session closes: a successor engine reporting under the same
         # worker id right after must not inherit the dead engine's blocks
         self.sessions.end_hooks.append(self._session_ended)
+
+    def _changed(self, tenant: str) -> None:
+        self.version += 1
+        self.versions[tenant] += 1
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -72,9 +85,18 @@ class DeviceTier:
         """Every device block as (worker, fingerprint, keys)."""
         return [(w, fp, list(keys)) for w, per_fp in self.held.items() for fp, keys in per_fp.items() if keys]
 
-    def workers(self) -> list[tuple[str, list[bytes]]]:
-        """Each worker and the layout fingerprints its ranks reported, sorted."""
-        return [(w, sorted(self.held[w])) for w in sorted(self.held)]
+    def workers(self, tenant: str | None = None) -> list[tuple[str, list[bytes]]]:
+        """Each worker and the layout fingerprints its ranks reported, sorted. With ``tenant``:
+        that tenant's workers only, by their own ids, with the layouts' own fingerprints."""
+        if tenant is None:
+            return [(w, sorted(self.held[w])) for w in sorted(self.held)]
+        out = []
+        for wkey, per_fp in self.held.items():
+            t, worker = split_worker(wkey)
+            if t == tenant:
+                regs = [self.layouts.find(fp) for fp in per_fp]
+                out.append((worker, sorted(r.wire_fingerprint for r in regs if r is not None)))
+        return sorted(out)
 
     def blocks_of(self, fingerprint: bytes) -> int:
         """Distinct blocks of this layout held on some worker's device."""
@@ -83,31 +105,37 @@ class DeviceTier:
     # -- reports ---------------------------------------------------------------------------
 
     def report(self, worker: str, layout_id: int, stored: Sequence[bytes], removed: Sequence[bytes],
-               clear: bool, session_id: int = 0) -> None:
+               clear: bool, session_id: int = 0, tenant: str = DEFAULT_TENANT) -> None:
         """Apply one worker's report: with ``clear`` it first forgets what it held under this
         layout; then ``stored`` arrived and ``removed`` left. Raises StoreError (and changes
         nothing) for a bad report."""
-        if not worker or len(worker) > MAX_WORKER_ID:
+        if not worker or len(worker) > MAX_WORKER_ID or "\x00" in worker:
             raise StoreError(Code.INVALID_ARGUMENT,
-                             f"worker_id must be 1 to {MAX_WORKER_ID} characters (e.g. the engine's address)")
-        fp = self.layouts.get(layout_id).layout.fingerprint
+                             f"worker_id must be 1 to {MAX_WORKER_ID} characters, no NUL (e.g. the engine's address)")
+        fp = self.layouts.get(layout_id, tenant).layout.fingerprint
         check_keys(stored, self.max_keys, unique=False)
         check_keys(removed, self.max_keys, unique=False)
-        if session_id and session_id not in self.sessions:
+        if not session_id:  # unbound holdings would never be cleared (issue 12)
+            raise StoreError(Code.INVALID_ARGUMENT, "session_id 0: report with the sidecar's open session, "
+                                                    "whose end clears what it reported")
+        if session_id not in self.sessions:
             raise StoreError(Code.FAILED_PRECONDITION,
                              f"session {session_id} is not open on this daemon: report with the sidecar's "
-                             f"current session (or 0)")
+                             f"current session")
         version = self.version
+        worker = worker_key(tenant, worker)
         per_fp = self.held.get(worker)
+        if per_fp is None and len(self.held) >= MAX_WORKERS:
+            raise StoreError(Code.RESOURCE_EXHAUSTED, f"{len(self.held)} workers report device blocks; the limit "
+                                                      f"is {MAX_WORKERS} workers per daemon")
         if per_fp is None:
             per_fp = self.held[worker] = {}
-            self.version += 1
+            self._changed(tenant)
         held = per_fp.get(fp)
         if held is None:
             held = per_fp[fp] = set()
-            self.version += 1
-        if session_id:
-            self.bound.setdefault(worker, {})[fp] = session_id
+            self._changed(tenant)
+        self.bound.setdefault(worker, {})[fp] = session_id
         if clear and held:
             self._drop(worker, fp, list(held))
         new = list(dict.fromkeys(k for k in stored if k not in held))
@@ -186,7 +214,7 @@ class DeviceTier:
         gone = {fp: list(keys) for fp, keys in per_fp.items() if keys}
         for fp, keys in gone.items():
             self._unhold(fp, keys)
-        self.version += 1
+        self._changed(split_worker(worker)[0])
         self.observers.cleared(GPU, worker, gone)
         self.observers.workers_changed()
         log.info("device blocks cleared: the worker's session ended", extra={"worker_id": worker})

@@ -11,7 +11,11 @@ import enum
 from collections import Counter
 from collections.abc import Sequence
 
-from kvtier.tiers.vocab import key_problem
+from kvtier.tiers.layout import MAX_LAYOUTS, MAX_SLOT_SIZES
+from kvtier.tiers.vocab import KEY_MAX, KEY_MIN, key_problem
+
+MAX_NAME_CHARS = 256
+"""The most characters of a name a client sends (client_name, worker_id, subscriber)."""
 
 
 class Code(enum.Enum):
@@ -42,10 +46,44 @@ def check_keys(keys: Sequence[bytes], limit: int, *, unique: bool) -> None:
     if len(keys) > limit:
         raise StoreError(Code.INVALID_ARGUMENT,
                          f"{len(keys)} keys in one request; the limit is {limit} (--max-batch-keys): split the batch")
-    for i, k in enumerate(keys):
-        why = key_problem(k)
-        if why is not None:
-            raise StoreError(Code.INVALID_ARGUMENT, f"key {i} is {why}" if why[0].isdigit() else f"key {i}: {why}")
+    lengths = set(map(len, keys)) if keys and set(map(type, keys)) == {bytes} else None
+    if lengths is None or min(lengths) < KEY_MIN or max(lengths) > KEY_MAX:  # (C loops first: the hot path)
+        for i, k in enumerate(keys):
+            why = key_problem(k)
+            if why is not None:
+                raise StoreError(Code.INVALID_ARGUMENT,
+                                 f"key {i} is {why}" if why[0].isdigit() else f"key {i}: {why}")
     if unique and len(set(keys)) != len(keys):
         dup = next(k for k, n in Counter(keys).items() if n > 1)
         raise StoreError(Code.INVALID_ARGUMENT, f"key {dup.hex()} appears more than once in one batch; send each key once")
+
+
+def check_ids(ids: Sequence[object], limit: int, what: str, more: Sequence[object] = ()) -> None:
+    """Refuse (INVALID_ARGUMENT) a request naming more than ``limit`` ids (``ids`` and ``more``
+    together: a commit's grants and aborts), or one id twice."""
+    n = len(ids) + len(more)
+    if n > limit:
+        raise StoreError(Code.INVALID_ARGUMENT,
+                         f"{n} {what} ids in one request; the limit is {limit} (--max-batch-keys): split the batch")
+    if len(set(ids).union(more)) != n:
+        raise StoreError(Code.INVALID_ARGUMENT, f"a {what} id appears twice in one request; name each once")
+
+
+def check_name(value: str, what: str, limit: int = MAX_NAME_CHARS) -> None:
+    """Refuse (INVALID_ARGUMENT) a name longer than ``limit`` characters."""
+    if len(value) > limit:
+        raise StoreError(Code.INVALID_ARGUMENT,
+                         f"{what} is {len(value)} characters; the limit is {limit}")
+
+
+def check_layout_room(layouts: int, slot_sizes: int, new_slot_size: bool) -> None:
+    """Refuse (RESOURCE_EXHAUSTED) a new layout beyond :data:`~kvtier.tiers.layout.MAX_LAYOUTS`,
+    or one that needs a new slot size (a new pool file and fd) beyond
+    :data:`~kvtier.tiers.layout.MAX_SLOT_SIZES`."""
+    if layouts >= MAX_LAYOUTS:
+        raise StoreError(Code.RESOURCE_EXHAUSTED,
+                         f"{layouts} layouts are registered; the limit is {MAX_LAYOUTS} layouts per daemon")
+    if new_slot_size and slot_sizes >= MAX_SLOT_SIZES:
+        raise StoreError(Code.RESOURCE_EXHAUSTED,
+                         f"{slot_sizes} slot sizes are in use; the limit is {MAX_SLOT_SIZES} slot sizes (pool "
+                         f"files) per daemon: this layout's block size needs a new one")

@@ -8,6 +8,16 @@ Owns
     (a restart starts a new one), seq counts from 1. The newest events are kept in a ring
     bounded by ``event_log_keys`` keys (an event of k keys weighs max(1, k)).
 
+Tenants
+    Each tenant has its own feed (:class:`TenantLog`: its own ring and numbering), holding only
+    the blocks of layouts that tenant registered, under the layouts' own fingerprints, and
+    its own workers by their own ids. :class:`LocationLog` is the default tenant's feed and
+    hands every change to the feed of the tenant whose layout it is under
+    (:meth:`LocationLog.for_tenant`). A change under a layout no tenant has registered
+    since the start (blocks the disk tier restored) is published when its tenant registers
+    it. Routers following one tenant's feed can therefore never learn another tenant's keys,
+    workers, or how busy it is (seqs count the tenant's own events only).
+
 Promises (the feed contract of ``locations.proto``; the Locations service,
 :mod:`kvtier.daemon.services.locations`, serves it)
     A subscriber that applies, in order, the snapshot (if sent) and then the events gets the
@@ -33,7 +43,9 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count
+from kvtier.daemon.layouts import RegisteredLayout, split_worker
 from kvtier.daemon.stats import TierUsage, tier_usage
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.layout import Layout
@@ -103,6 +115,10 @@ class LocationEvent:
     worker: str = ""            # gpu events only
 
 
+_DROPPED = LocationEvent(0, EventKind.CLEARED, Tier.HOST, b"")
+"""What stands in the ring's list for an event dropped from it until the list is compacted."""
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     node_id: str
@@ -113,10 +129,13 @@ class NodeInfo:
     layouts: list[Layout]
 
 
-class LocationLog:
-    """See the module docstring."""
+class TenantLog:
+    """One tenant's feed (see the module docstring): fingerprints are the layouts' own,
+    workers their own ids."""
 
-    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = 1 << 20) -> None:
+    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = 1 << 20,
+                 tenant: str = DEFAULT_TENANT) -> None:
+        self.tenant = tenant
         self.store = store
         self.node_id = node_id
         self.epoch = epoch
@@ -131,8 +150,8 @@ class LocationLog:
 
     @property
     def info_version(self) -> int:
-        """Changes whenever the node's workers (or their layouts) do."""
-        return self.store.device.version
+        """Changes whenever the tenant's workers (or their layouts) do."""
+        return self.store.device.versions[self.tenant]
 
     # -- the ring -------------------------------------------------------------------------
 
@@ -148,6 +167,7 @@ class LocationLog:
         while self._ring_keys > self.max_keys and len(self._ring) - self._start > 1:
             old = self._ring[self._start]
             self._ring_keys -= max(1, len(old.keys))
+            self._ring[self._start] = _DROPPED  # its keys go now, not when the list is compacted
             self._start += 1
         if self._start > 4096 and self._start * 2 > len(self._ring):
             del self._ring[:self._start]
@@ -164,15 +184,29 @@ class LocationLog:
         self.closed = True
         self._notify()
 
-    def since(self, seq: int, limit: int = 4096) -> list[LocationEvent] | None:
-        """Up to ``limit`` events after ``seq`` (oldest first), or None if some of them are no
-        longer held."""
+    def since(self, seq: int, limit: int = 4096, max_keys: int = 0) -> list[LocationEvent] | None:
+        """Up to ``limit`` events after ``seq`` (oldest first), and with ``max_keys`` no more
+        events than hold that many keys (at least one), or None if some of them are no longer
+        held. (A subscriber holds what it was given until it is sent: ``max_keys`` bounds that.)"""
         if seq >= self.head:
             return []
         if seq + 1 < self.first_seq:
             return None
         i = self._start + (seq + 1 - self.first_seq)
-        return self._ring[i:i + limit]
+        out = self._ring[i:i + limit]
+        if max_keys:
+            n = 0
+            for j, ev in enumerate(out):
+                n += max(1, len(ev.keys))
+                if n > max_keys and j:
+                    return out[:j]
+        return out
+
+    def behind(self, seq: int) -> int:
+        """How many events a subscriber that was sent everything up to ``seq`` is behind, when
+        that is further than the ring reaches back (the events it needs next are gone): 0
+        while it can still be served from the ring."""
+        return self.head - seq if seq + 1 < self.first_seq else 0
 
     def can_resume(self, epoch: int, from_seq: int) -> bool:
         """Whether a subscriber at ``(epoch, from_seq)`` can be sent just the events after it."""
@@ -188,34 +222,92 @@ class LocationLog:
         except asyncio.TimeoutError:
             pass
 
-    # -- LocationObserver -----------------------------------------------------------------
+    # -- the tenant's changes (the layouts' own fingerprints, the workers' own ids) ----------
 
-    def stored(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+    def _stored(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
         if keys:
             self._append(EventKind.STORED, tier, fingerprint, keys, worker)
 
-    def removed(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+    def _removed(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
         if keys:
             self._append(EventKind.REMOVED, tier, fingerprint, keys, worker)
 
-    def cleared(self, tier: Tier, worker: str = "", gone: Mapping[bytes, Sequence[bytes]] | None = None) -> None:
+    def _cleared(self, tier: Tier, worker: str = "") -> None:
         self._append(EventKind.CLEARED, tier, b"", (), worker)
-
-    def workers_changed(self) -> None:
-        self._notify()  # NodeInfo changed: wake the subscribers so they send it
 
     # -- snapshot and node info -----------------------------------------------------------
 
     def snapshot(self) -> tuple[int, list[LocationEvent]]:
-        """Everything visible now, as STORED entries, and the seq it is the state at."""
+        """Everything of the tenant's visible now, as STORED entries, and the seq it is the state at."""
         at = self.head
-        entries = [LocationEvent(at, EventKind.STORED, tier, fp, keys) for tier, fp, keys in self.store.holdings()]
+        store, tenant = self.store, self.tenant
+        entries = [LocationEvent(at, EventKind.STORED, tier, fp, keys)
+                   for tier, fp, keys in store.holdings(tenant)]
         entries += [LocationEvent(at, EventKind.STORED, Tier.GPU, fp, keys, worker)
-                    for worker, fp, keys in self.store.device.holdings()]
+                    for worker, fp, keys in store.device_holdings(tenant)]
         self.counters.add(Count.LOCATION_SNAPSHOTS)
         return at, entries
 
     def node_info(self) -> NodeInfo:
         store = self.store
-        return NodeInfo(self.node_id, self.epoch, self.head, store.device.workers(), tier_usage(store),
-                        [reg.layout for reg in store.layouts])
+        return NodeInfo(self.node_id, self.epoch, self.head, store.device.workers(self.tenant), tier_usage(store),
+                        [reg.wire for reg in store.layouts.of_tenant(self.tenant)])
+
+
+class LocationLog(TenantLog):
+    """The default tenant's feed, and the :class:`~kvtier.daemon.observers.LocationObserver`
+    that hands each change to its tenant's feed (see the module docstring)."""
+
+    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = 1 << 20) -> None:
+        super().__init__(store, node_id, epoch, max_keys, DEFAULT_TENANT)
+        self._logs: dict[str, TenantLog] = {DEFAULT_TENANT: self}
+        store.layout_hooks.append(self._layout_registered)
+
+    def for_tenant(self, tenant: str) -> TenantLog:
+        """The tenant's feed (made on first use)."""
+        log = self._logs.get(tenant)
+        if log is None:
+            log = self._logs[tenant] = TenantLog(self.store, self.node_id, self.epoch, self.max_keys, tenant)
+            log.closed = self.closed
+        return log
+
+    def close(self) -> None:
+        for log in list(self._logs.values()):
+            TenantLog.close(log)
+
+    def _layout_registered(self, reg: RegisteredLayout) -> None:
+        """A tenant registered a layout: what the tiers already hold under it (restored from
+        disk) enters the tenant's feed now."""
+        log = self.for_tenant(reg.tenant)
+        for tier, fp, keys in self.store.holdings(reg.tenant, reg.fingerprint):
+            log._stored(tier, fp, keys)
+
+    def _route(self, fingerprint: bytes) -> tuple[TenantLog, bytes] | None:
+        reg = self.store.layouts.find(fingerprint)
+        if reg is None:  # nobody registered it since the start: published when registered
+            return None
+        return self.for_tenant(reg.tenant), reg.wire_fingerprint
+
+    # -- LocationObserver -----------------------------------------------------------------
+
+    def stored(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+        to = self._route(fingerprint)
+        if to is not None and keys:
+            to[0]._stored(tier, to[1], keys, split_worker(worker)[1])
+
+    def removed(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+        to = self._route(fingerprint)
+        if to is not None and keys:
+            to[0]._removed(tier, to[1], keys, split_worker(worker)[1])
+
+    def cleared(self, tier: Tier, worker: str = "", gone: Mapping[bytes, Sequence[bytes]] | None = None) -> None:
+        if tier is Tier.GPU:  # one worker's blocks: its tenant's feed
+            tenant, wid = split_worker(worker)
+            self.for_tenant(tenant)._cleared(tier, wid)
+            return
+        for log in list(self._logs.values()):
+            log._cleared(tier, worker)
+
+    def workers_changed(self) -> None:
+        for log in list(self._logs.values()):
+            log._notify()  # NodeInfo changed: wake the subscribers so they send it

@@ -222,8 +222,8 @@ class Transfers:
         if not 0 < want.ring_slots <= MAX_RING_SLOTS:
             raise StoreError(Code.INVALID_ARGUMENT, f"ring_slots {want.ring_slots} is not in [1, {MAX_RING_SLOTS}]")
         ring = EventRing(want.ring_slots, tuple(want.event_handles), want.event_ring_path, want.event_ring_fd)
-        reg_layout = await self.store.register_layout(layout)
-        cls = self.store.pool(layout)
+        reg_layout = await self.store.register_layout(layout, sess.tenant)
+        cls = self.store.pool(reg_layout.layout)  # the tenant's pool
         memory = await self._open(engine, cls, want.allocations, ring)
         internal = self.store.open_session(f"transfer:{sess.client_name}", sess.pid,
                                            Principal(tenant=sess.tenant, caller=sess.owner), internal=True)

@@ -169,8 +169,9 @@ class Placement:
         the blocks' slots intact (pinned, or victims before finish_eviction)."""
         disk = self.disk
         assert disk is not None
+        await self.host.sealed(entries)  # the checksums the payloads must still have
         plan = disk.plan_write([(e.bkey, e.block_bytes, e.cls.slot_bytes) for e in entries],
-                               self.policy.victims(DISK))
+                               self.policy.victims(DISK), [e.checksum for e in entries])
         if plan.victims:
             gone = [v.bkey for v in plan.victims]
             self.counters.evicted(DISK, len(gone))
@@ -199,6 +200,11 @@ class Placement:
         visible = [d.bkey for d in done]
         self.policy.on_write(visible)
         self.observers.stored_blocks(DISK, visible)
+        if plan.mismatched:  # host payloads written after their commit: dropped, in host too
+            self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))
+            gone = [e.bkey for e in self.host.remove([d.bkey for d in plan.mismatched])]
+            self.policy.on_remove(HOST, gone)
+            self.observers.removed_blocks(HOST, gone)
         return len(visible)
 
     async def make_durable(self, bkeys: list[bytes]) -> int:
@@ -217,10 +223,10 @@ class Placement:
                     self.host.unpin(e)
         return sum(1 for b in bkeys if b in disk.entries)
 
-    async def promote(self, layout: Layout, bkeys: list[bytes]) -> set[bytes]:
+    async def promote(self, layout: Layout, bkeys: list[bytes], cls: SizeClass) -> set[bytes]:
         """Read the blocks the policy promotes among ``bkeys`` (on disk, not in host) into fresh
-        host slots, verify them, make them visible in host; returns the keys promoted. A
-        checksum failure drops the disk entry (a miss)."""
+        host slots of ``cls`` (the layout's tenant's pool), verify them, make them visible in
+        host; returns the keys promoted. A checksum failure drops the disk entry (a miss)."""
         disk = self.disk
         if disk is None:
             return set()
@@ -230,7 +236,7 @@ class Placement:
         for d in dents:
             disk.pin(d)
         try:
-            pairs, results, elapsed = await self._read_into_host(layout, dents)
+            pairs, results, elapsed = await self._read_into_host(layout, dents, cls)
         finally:
             for d in dents:
                 disk.unpin(d)
@@ -243,8 +249,10 @@ class Placement:
                 self._count_bad_read(d, outcome)
                 self.host.abort(h)
                 bad.append(d.bkey)
-            elif self.host.commit(h):
-                promoted.append(d.bkey)
+            else:
+                h.checksum = d.checksum  # the bytes just verified against it
+                if self.host.commit(h):
+                    promoted.append(d.bkey)
         if bad:
             gone = [e.bkey for e in disk.remove(bad)]
             self.policy.on_remove(DISK, gone)
@@ -256,14 +264,13 @@ class Placement:
         self.observers.stored_blocks(HOST, promoted)
         return set(promoted)
 
-    async def _read_into_host(self, layout: Layout, dents: list[DiskEntry]
+    async def _read_into_host(self, layout: Layout, dents: list[DiskEntry], cls: SizeClass
                               ) -> tuple[list[tuple[DiskEntry, HostEntry]], list[ReadOutcome], float]:
         """Reserve host slots for the disk entries (as far as there is room) and read them in;
         returns the (disk, host) pairs read, each read's outcome and the seconds it took."""
         disk = self.disk
         assert disk is not None
-        hosts = await self.reserve(self.host.size_class(layout.slot_bytes), [d.bkey for d in dents],
-                                   layout.block_bytes)
+        hosts = await self.reserve(cls, [d.bkey for d in dents], layout.block_bytes)
         pairs = [(d, h) for d, h in zip(dents, hosts, strict=True) if h is not None]
         self.counters.add(Count.PROMOTIONS_NO_SPACE, len(dents) - len(pairs))
         views = [self._slot_view(h.cls, h.offset) for _, h in pairs]

@@ -28,6 +28,7 @@ import inspect
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import stat
@@ -35,7 +36,9 @@ import time
 
 import grpc
 
+from kvtier.daemon.auth import AccessPolicy, PeerAuthenticator, TokenInterceptor
 from kvtier.daemon.config import Config
+from kvtier.daemon.credentials import CredentialServer
 from kvtier.daemon.device import watch_sessions
 from kvtier.daemon.events import LocationLog
 from kvtier.daemon.gpu import EngineUnavailable, Transfers, build_engines
@@ -43,8 +46,10 @@ from kvtier.daemon.keytable import KeyTablePublisher
 from kvtier.daemon.kv_events import KvEventsError, KvEventsPublisher
 from kvtier.daemon.metrics import MetricsServer, OpLatency, start_metrics_server
 from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
+from kvtier.daemon.services.tcp import add_tcp_services
 from kvtier.daemon.stats import StatsSource, tier_usage
 from kvtier.daemon.store import BlockStore
+from kvtier.handshake import auth_socket_path
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.disk import DiskTier, DiskTierError
 from kvtier.tiers.host import HostTier
@@ -59,13 +64,44 @@ class StartupError(RuntimeError):
     """The daemon cannot start; the message says why and what to change."""
 
 
-def _prepare_unix_socket(path: str) -> None:
-    d = os.path.dirname(path) or "."
+def _check_socket_dir(d: str, shared: bool) -> None:
+    """Refuse a socket directory another user could have made or can write into: not this
+    user's, a symlink, not a directory, or with group/other bits beyond 0700 (``shared``: beyond
+    0711, which lets other admitted users reach the sockets but not list or change the
+    directory). A missing one is created so."""
+    want = 0o711 if shared else 0o700
     try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise StartupError(f"cannot create the directory of --socket {path}: {e.strerror}; pass a --socket "
-                           f"in a directory this user can write") from None
+        st = os.lstat(d)
+    except FileNotFoundError:
+        try:
+            os.makedirs(d, mode=0o700)
+            os.chmod(d, want)
+        except FileExistsError:
+            pass  # made meanwhile: checked below like any other
+        except OSError as e:
+            raise StartupError(f"cannot create the directory of --socket, {d}: {e.strerror}; pass a --socket "
+                               f"in a directory this user can write") from None
+        st = os.lstat(d)
+    if stat.S_ISLNK(st.st_mode):
+        raise StartupError(f"the directory of --socket, {d}, is a symlink: refused (another user could point it "
+                           f"anywhere); use a real directory owned by this user, mode 0700")
+    if not stat.S_ISDIR(st.st_mode):
+        raise StartupError(f"the directory of --socket, {d}, is not a directory")
+    if st.st_uid != os.geteuid():
+        raise StartupError(f"the directory of --socket, {d}, is owned by uid {st.st_uid}, not by this daemon's "
+                           f"uid {os.geteuid()}: another user could have made it to catch clients; remove it "
+                           f"or pass a --socket in a directory of this user (mode 0700)")
+    extra = stat.S_IMODE(st.st_mode) & 0o077 & ~(want & 0o077)
+    if extra:
+        raise StartupError(f"the directory of --socket, {d}, is mode {stat.S_IMODE(st.st_mode):04o}: group or "
+                           f"other users may {'write or list' if extra & 0o066 else 'enter'} it; make it "
+                           f"{want:04o} (chmod {want:o} {d})" + ("" if shared else " or, to admit other users, "
+                                                                  "set --allowed-uids/--allowed-gids"))
+
+
+def _prepare_unix_socket(path: str, shared: bool = False) -> None:
+    d = os.path.dirname(path) or "."
+    _check_socket_dir(d, shared)
     if not os.path.exists(path):
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -77,6 +113,68 @@ def _prepare_unix_socket(path: str) -> None:
     finally:
         probe.close()
     raise StartupError(f"another process is serving on {path}; stop it or pass --socket")
+
+
+def _read_pem(flag: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise StartupError(f"cannot read {flag} {path}: {e.strerror}") from None
+    if b"-----BEGIN" not in data:
+        raise StartupError(f"{flag} {path} is not PEM (no -----BEGIN line)")
+    return data
+
+
+def tls_server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:
+    """Mutual TLS: the server's certificate and key, and the CA every client certificate must chain to."""
+    return grpc.ssl_server_credentials([(_read_pem("--tls-key", key), _read_pem("--tls-cert", cert))],
+                                       root_certificates=_read_pem("--tls-ca", ca), require_client_auth=True)
+
+
+SECRET_BYTES = 32
+
+
+def load_key_secret(path: str) -> bytes:
+    """The deployment's key secret at ``path``, created (0600, exclusively, never through a
+    symlink) when missing; refused if it is not this user's regular 0600 file of 32 bytes."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StartupError(f"cannot create the key secret {path}: {e.strerror}") from None
+    else:
+        try:
+            os.write(fd, secrets.token_bytes(SECRET_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        log.info("created the key secret", extra={"key_secret_file": path})
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise StartupError(f"cannot open the key secret {path}: {e.strerror} (a symlink is refused)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise StartupError(f"the key secret {path} must be a regular file of this user (uid {os.geteuid()}), "
+                               f"mode 0600; it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}")
+        data = os.read(fd, SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) != SECRET_BYTES:
+        raise StartupError(f"the key secret {path} holds {len(data)} bytes, not {SECRET_BYTES}: remove it to "
+                           f"make a new one (every tenant's keys then change)")
+    return data
+
+
+def key_secret_path(cfg: Config) -> str:
+    """--key-secret-file, else key.secret in --disk-dir, else in --state-dir; "" for none."""
+    if cfg.key_secret_file:
+        return cfg.key_secret_file
+    base = cfg.disk_dir or cfg.state_dir
+    return os.path.join(base, "key.secret") if base else ""
 
 
 def _probe_port(host: str, port: int, flag: str, shown: str) -> None:
@@ -138,7 +236,7 @@ def _check_dirs(cfg: Config) -> None:
 # -- files of killed daemons ---------------------------------------------------------------------
 
 #: the files a kvtierd makes in --shm-dir: its key table (and a rebuild's temporary file), its pools
-_OWN_FILE = re.compile(r"kvtier-(\d+)-(\d+)(?:\.keys(?:\.\d+\.tmp)?|-\d+\.pool)")
+_OWN_FILE = re.compile(r"kvtier-(\d+)-(\d+)(?:-t\d+)?(?:\.keys(?:\.\d+\.tmp)?|-\d+\.pool)")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -175,7 +273,8 @@ def sweep_dead_daemons(shm_dir: str) -> tuple[int, int]:
 
     A file goes only if all hold: its name is one kvtierd gives its files
     (``kvtier-<pid>-<epoch>.keys``, with ``.<n>.tmp`` during a rebuild, or
-    ``kvtier-<pid>-<epoch>-<slot bytes>.pool``), it is a regular file of this user, no process
+    ``kvtier-<pid>-<epoch>-<slot bytes>.pool``; a tenant's with ``-t<n>`` after the epoch),
+    it is a regular file of this user, no process
     with that pid is alive, and no process has it open for writing."""
     files = nbytes = 0
     uid = os.geteuid()
@@ -212,6 +311,10 @@ class Daemon:
         self.epoch = time.time_ns()
         self.socket_path = cfg.resolved_socket()
         self.server: grpc.aio.Server | None = None
+        self.tcp_server: grpc.aio.Server | None = None  # --tcp: its own server, serving --tcp-services only
+        self.policy = AccessPolicy.of(cfg.allowed_uids, cfg.allowed_gids, cfg.tenants)
+        self.auth = PeerAuthenticator(self.policy, b"", cfg.insecure_tcp)  # its secret: _load_secret
+        self.credentials: CredentialServer | None = None
         self.disk: DiskTier | None = None
         self.engines: dict[str, CopyEngine] = {}
         self.store: BlockStore | None = None
@@ -239,6 +342,7 @@ class Daemon:
             server = self._listen(tcp)
             self._build_engines()
             self._open_disk()
+            self._load_secret()
             self._sweep()
             self._build_store()
             self.kv_events = self._open_kv_events()
@@ -250,12 +354,17 @@ class Daemon:
             "socket": self.socket_path, "tcp": self.cfg.tcp or None, "node_id": self.node_id,
             "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.cfg.shm_dir,
             "metrics_port": self.metrics_port or None, "pid": os.getpid(),
+            "tcp_tls": bool(self.cfg.tls_cert) if self.cfg.tcp else None,
+            "allowed_uids": sorted(self.policy.allowed_uids), "allowed_gids": sorted(self.policy.allowed_gids),
             "copy_engines": sorted(e.name for e in self.engines.values())})
 
     def _check(self) -> tuple[str, int] | None:
         """Every check that can refuse the start, before anything is made."""
         _check_dirs(self.cfg)
-        _prepare_unix_socket(self.socket_path)
+        _prepare_unix_socket(self.socket_path, self.policy.shared)
+        if self.cfg.tcp and not self.cfg.tls_cert and not self.cfg.insecure_tcp:
+            raise StartupError(f"--tcp {self.cfg.tcp} without TLS would serve anyone who reaches the port: give "
+                               f"--tls-cert, --tls-key and --tls-ca, or pass --insecure-tcp true")
         tcp = _probe_tcp(self.cfg.tcp) if self.cfg.tcp else None
         if self.cfg.metrics_port:
             _probe_port(self.cfg.metrics_host, self.cfg.metrics_port, "--metrics-port",
@@ -267,7 +376,8 @@ class Daemon:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
-        self.server = server = grpc.aio.server(options=opts)
+        self.server = server = grpc.aio.server(options=opts, interceptors=[TokenInterceptor(self.auth)],
+                                               maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs or None)
         old_umask = os.umask(0o177)
         try:
             bound = server.add_insecure_port(f"unix:{self.socket_path}")
@@ -278,16 +388,55 @@ class Daemon:
         if not bound:
             raise StartupError(f"cannot listen on --socket {self.socket_path}")
         self._socket_made = True
+        self.credentials = CredentialServer(self.auth, auth_socket_path(self.socket_path), self._socket_mode)
+        try:
+            self.credentials.listen()
+        except OSError as e:
+            raise StartupError(f"cannot listen on the credential socket {self.credentials.path}: {e.strerror}") from None
         if tcp:
-            host, port = tcp
-            addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            try:
-                bound = server.add_insecure_port(addr)
-            except RuntimeError:
-                bound = 0
-            if not bound:
-                raise StartupError(f"cannot listen on --tcp {self.cfg.tcp}")
+            self.tcp_server = self._listen_tcp(tcp, opts)
         return server
+
+    @property
+    def _socket_mode(self) -> int:
+        return 0o666 if self.policy.shared else 0o600
+
+    def _listen_tcp(self, tcp: tuple[str, int], opts: list) -> grpc.aio.Server:
+        """The --tcp listener: its own server, so that it serves only --tcp-services."""
+        cfg = self.cfg
+        host, port = tcp
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        tcp_server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None)
+        try:
+            if cfg.tls_cert:
+                bound = tcp_server.add_secure_port(addr, tls_server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+            else:
+                bound = tcp_server.add_insecure_port(addr)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise StartupError(f"cannot listen on --tcp {cfg.tcp}")
+        if not cfg.tls_cert:
+            log.warning("INSECURE: --tcp %s serves in plaintext without authentication (--insecure-tcp): anyone "
+                        "who reaches the port is served as tenant 'default'; give --tls-cert, --tls-key and "
+                        "--tls-ca instead", cfg.tcp, extra={"tcp": cfg.tcp, "tcp_services": cfg.tcp_services})
+        return tcp_server
+
+    def _load_secret(self) -> None:
+        path = key_secret_path(self.cfg)
+        if not path:
+            self.auth.secret = secrets.token_bytes(SECRET_BYTES)
+            log.warning("no --key-secret-file, --disk-dir or --state-dir: the tenants' key salts come from a new "
+                        "random secret this run, so every block key changes at each restart (set "
+                        "--key-secret-file to keep them)")
+            return
+        parent = os.path.dirname(path) or "."
+        if not os.path.isdir(parent):
+            try:
+                os.makedirs(parent, mode=0o700)
+            except OSError as e:
+                raise StartupError(f"cannot create the directory of the key secret {path}: {e.strerror}") from None
+        self.auth.secret = load_key_secret(path)
 
     def _open_disk(self) -> None:
         cfg = self.cfg
@@ -333,13 +482,22 @@ class Daemon:
     async def _serve(self, server: grpc.aio.Server) -> None:
         assert self.store is not None and self.key_table is not None and self.locations is not None
         assert self.transfers is not None and self.stats is not None
-        servicers = (NodeService(self.store, self.stats, self.latency, key_table_path=self.key_table.path),
-                     LocationsService(self.locations, self.latency), TransferService(self.transfers, self.latency))
+        auth = self.auth
+        servicers = (NodeService(self.store, self.stats, self.latency, key_table_path=self.key_table.path, auth=auth),
+                     LocationsService(self.locations, self.latency, max_subscribers=self.cfg.max_feed_subscribers,
+                                      auth=auth),
+                     TransferService(self.transfers, self.latency, auth=auth))
         self.latency.expect(_timed_ops(*servicers))
         health_servicer = add_services(server, *servicers)
+        if self.tcp_server is not None:
+            add_tcp_services(self.tcp_server, self.cfg.tcp_services, health_servicer, *servicers)
         self.key_table.start()
         await server.start()
-        os.chmod(self.socket_path, 0o600)
+        os.chmod(self.socket_path, self._socket_mode)
+        assert self.credentials is not None
+        self.credentials.start()
+        if self.tcp_server is not None:
+            await self.tcp_server.start()
         self.stats.loop = asyncio.get_running_loop()
         self._session_watch = self.stats.loop.create_task(watch_sessions(self.store.device))
         await set_serving(health_servicer)
@@ -382,9 +540,15 @@ class Daemon:
             self._session_watch = None
         if self.locations is not None:
             self.locations.close()
+        if self.tcp_server is not None:
+            await self.tcp_server.stop(None)
+            self.tcp_server = None
         if self.server is not None:
             await self.server.stop(None)
             self.server = None
+        if self.credentials is not None:
+            await self.credentials.close()
+            self.credentials = None
         if self.transfers is not None:
             await self.transfers.close()
         else:
@@ -413,8 +577,14 @@ class Daemon:
         self.locations.close()
         if self.server is not None:
             log.info("shutting down", extra={"grace_s": GRACE_S})
-            await self.server.stop(GRACE_S)
-            self.server = None
+            stops = [self.server.stop(GRACE_S)]
+            if self.tcp_server is not None:
+                stops.append(self.tcp_server.stop(GRACE_S))
+            await asyncio.gather(*stops)
+            self.server = self.tcp_server = None
+        if self.credentials is not None:
+            await self.credentials.close()
+            self.credentials = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -223,16 +223,17 @@ class Sessions:
     def new_id(self) -> int:
         return random_ids(1, lambda s: not self._open.keys().isdisjoint(s))[0]
 
-    def open(self, client_name: str, pid: int, principal: Principal | None = None, *,
+    def open(self, client_name: str, pid: int, principal: Principal | str | None = None, *,
              internal: bool = False) -> Session:
-        """A new session owned by ``principal`` (None: in-process, owned by the local caller).
-        A client session over ``max_sessions`` is refused RESOURCE_EXHAUSTED."""
+        """A new session owned by ``principal`` (None: in-process, owned by the local caller; a
+        str: the local caller in that tenant). A client session over ``max_sessions`` is
+        refused RESOURCE_EXHAUSTED."""
         cap = self.limits.max_sessions
         if not internal and cap and self.streams >= cap:
             raise StoreError(Code.RESOURCE_EXHAUSTED,
                              f"{self.streams} Session streams are open; the limit is {cap} (--max-sessions): "
                              f"close idle clients, or raise the limit")
-        p = principal or Principal()
+        p = Principal(tenant=principal) if isinstance(principal, str) else principal or Principal()
         sess = Session(self.new_id(), client_name, pid, p.caller, p.tenant, internal)
         self._open[sess.session_id] = sess
         if not internal:

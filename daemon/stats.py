@@ -69,11 +69,13 @@ class StatsSource:
         self.started = time.monotonic()
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the daemon once it runs
 
-    def snapshot(self) -> NodeStats:
-        """Now, consistently: call it on the event loop."""
+    def snapshot(self, tenant: str | None = None) -> NodeStats:
+        """Now, consistently: call it on the event loop. With ``tenant``, the layouts are that
+        tenant's only (a Stats caller's); without, every tenant's (the operator's metrics)."""
         store = self.store
-        layouts = [LayoutUsage(reg.layout_id, reg.layout.fingerprint, reg.layout.block_bytes,
-                               store.blocks_of(reg.layout.fingerprint)) for reg in store.layouts]
+        regs = store.layouts if tenant is None else store.layouts.of_tenant(tenant)
+        layouts = [LayoutUsage(reg.layout_id, reg.wire_fingerprint, reg.layout.block_bytes,
+                               store.blocks_of(reg.fingerprint)) for reg in regs]
         return NodeStats(self.node_id, self.epoch, __version__, time.monotonic() - self.started,
                          len(store.sessions), tier_usage(store), layouts, store.counters.copy())
 

@@ -3,7 +3,9 @@
 :class:`BlockStore` puts the parts together and runs each request from validation to its
 typed result (:mod:`kvtier.daemon.results`):
 
-* :class:`~kvtier.daemon.layouts.Layouts`: registered layouts (one id per fingerprint);
+* :class:`~kvtier.daemon.layouts.Layouts`: registered layouts (one id per tenant and
+  fingerprint; a tenant's blocks are stored under its tenant fingerprint, so every request
+  reaches the caller's tenant's blocks only, and each tenant has its own host pool files);
 * :class:`~kvtier.daemon.sessions.Sessions`: client sessions, their grants and leases;
 * :class:`~kvtier.daemon.placement.Placement`: the host tier, the disk tier (optional) and
   the movement between them, decided by the node's
@@ -34,21 +36,21 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
-from kvtier.daemon.auth import Principal
+from kvtier.daemon.auth import DEFAULT_TENANT, Principal
 from kvtier.daemon.config import Config
 from kvtier.daemon.counters import Count, Counters, Flow, Op
 from kvtier.daemon.device import DeviceTier
-from kvtier.daemon.errors import Code, StoreError, check_keys
-from kvtier.daemon.layouts import Layouts, RegisteredLayout, layout_id_of
+from kvtier.daemon.errors import Code, StoreError, check_ids, check_keys, check_layout_room
+from kvtier.daemon.layouts import Layouts, RegisteredLayout, layout_id_of, split_worker
 from kvtier.daemon.observers import Observers
 from kvtier.daemon.placement import Placement
 from kvtier.daemon.results import MISS, NO_SPACE, CommitResult, GrantResult, GrantStatus, LeaseResult
 from kvtier.daemon.sessions import Limits, Session, Sessions
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.host import CapacityError, HostTier, SizeClass
+from kvtier.tiers.host import CapacityError, HostEntry, HostTier, PoolFileError, SizeClass
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.policy import TierPolicy
-from kvtier.tiers.vocab import MAX_KEYS_PER_CALL, Tier, pack_block
+from kvtier.tiers.vocab import MAX_KEYS_PER_CALL, Tier, key_of, pack_block
 
 log = logging.getLogger("kvtier.store")
 
@@ -78,6 +80,10 @@ class BlockStore:
         self.tiers = Placement(host, disk, self.policy, self.counters, self.observers)
         self.device = DeviceTier(self.layouts, self.sessions, self.observers, self.counters, max_batch_keys)
         self._to_end: set[asyncio.Task] = set()  # requests whose caller was cancelled, still running
+        # told of each layout a tenant registers for the first time (the per-tenant feed and
+        # key table publish what the disk tier restored under it)
+        self.layout_hooks: list[Callable[[RegisteredLayout], None]] = []
+        self.key_table_paths: dict[str, str] = {}  # tenant -> its key table (set by the publisher)
 
     @property
     def host(self) -> HostTier:
@@ -111,18 +117,23 @@ class BlockStore:
 
     # -- layouts and sessions ----------------------------------------------------------------
 
-    async def register_layout(self, layout: Layout) -> RegisteredLayout:
-        return await self._run_to_end(self._register_layout(layout))
+    async def register_layout(self, layout: Layout, tenant: str = DEFAULT_TENANT) -> RegisteredLayout:
+        """Register ``layout`` for ``tenant`` (its pool file is the tenant's own)."""
+        return await self._run_to_end(self._register_layout(layout, tenant))
 
-    async def _register_layout(self, layout: Layout) -> RegisteredLayout:
-        reg = self.layouts.find(layout.fingerprint)
+    async def _register_layout(self, layout: Layout, tenant: str) -> RegisteredLayout:
+        reg = self.layouts.find_for(tenant, layout)
         if reg is not None:
             return reg
-        new_class = layout.slot_bytes not in self.host.classes
+        group = self.layouts.group(tenant)
+        new_class = (group, layout.slot_bytes) not in self.host.classes
+        check_layout_room(len(self.layouts), len(self.host.classes), new_class)
         try:
-            cls = self.host.size_class(layout.slot_bytes, prefault=self.prefault)
+            cls = self.host.size_class(layout.slot_bytes, prefault=self.prefault, group=group)
         except CapacityError as e:
             raise StoreError(Code.RESOURCE_EXHAUSTED, str(e)) from None
+        except PoolFileError as e:
+            raise StoreError(Code.FAILED_PRECONDITION, str(e)) from None
         job = self.host.prefault_job(cls) if new_class else None
         if job and job.ranges:
             t = time.monotonic()
@@ -140,23 +151,30 @@ class BlockStore:
             log.info("host pool prefaulted", extra={"bytes": cls.pool_bytes, "seconds": round(dt, 3),
                                                     "s_per_gib": round(dt / (cls.pool_bytes / 2**30), 3)})
         known = len(self.layouts)
-        reg = self.layouts.add(layout)  # (or the one a concurrent call registered while we awaited)
+        reg = self.layouts.add(layout, tenant)  # (or the one a concurrent call registered while we awaited)
         if len(self.layouts) != known:
             log.info("layout registered", extra={"layout_id": reg.layout_id, "fingerprint": layout.fingerprint.hex(),
-                                                 "block_bytes": layout.block_bytes})
+                                                 "block_bytes": layout.block_bytes, "pool_group": group or None})
+            for hook in self.layout_hooks:
+                hook(reg)
         return reg
 
-    def layout(self, layout_id: int) -> RegisteredLayout:
-        return self.layouts.get(layout_id)
+    def layout(self, layout_id: int, tenant: str = DEFAULT_TENANT) -> RegisteredLayout:
+        """The tenant's layout of this id (another tenant's id is unknown here)."""
+        return self.layouts.get(layout_id, tenant)
 
     def pool(self, layout: Layout) -> SizeClass:
-        """The host pool (size class) a layout's blocks live in."""
-        return self.host.size_class(layout.slot_bytes)
+        """The host pool (size class) a registered layout's blocks live in: its tenant's
+        (``layout`` as :class:`RegisteredLayout.layout` has it; a plain layout: the default
+        tenant's)."""
+        tenant = getattr(layout, "tenant", DEFAULT_TENANT)
+        return self.host.size_class(layout.slot_bytes, group=self.layouts.group(tenant))
 
-    def open_session(self, client_name: str, pid: int, principal: Principal | None = None, *,
+    def open_session(self, client_name: str, pid: int, principal: Principal | str | None = None, *,
                      internal: bool = False) -> Session:
-        """A session owned by ``principal`` (None: the local caller); ``internal``: the daemon's
-        own (never named over the wire, never expires, not counted against ``max_sessions``)."""
+        """A session owned by ``principal`` (None: the local caller; a str: the local caller in
+        that tenant); ``internal``: the daemon's own (never named over the wire, never
+        expires, not counted against ``max_sessions``)."""
         return self.sessions.open(client_name, pid, principal, internal=internal)
 
     def close_session(self, session_id: int) -> tuple[int, int]:
@@ -187,7 +205,7 @@ class BlockStore:
         ``durable``, present keys not yet on disk are written there first (``durable`` in
         their results says which made it)."""
         sess = self.session(session_id)
-        layout = self.layout(layout_id).layout
+        layout = self.layout(layout_id, sess.tenant).layout
         self.check_keys(keys, unique=True)
         if durable and self.disk is None:
             raise StoreError(Code.FAILED_PRECONDITION, "durable put needs a disk tier: start kvtierd with --disk-dir")
@@ -228,11 +246,18 @@ class BlockStore:
     async def _commit(self, session_id: int, grant_ids: Sequence[int], abort_ids: Sequence[int],
                       durable: bool) -> CommitResult:
         sess = self.session(session_id)
+        check_ids(grant_ids, self.max_batch_keys, "grant", more=abort_ids)
         self.sessions.check_grants(sess, grant_ids, abort_ids)
         if durable and self.disk is None:
             raise StoreError(Code.FAILED_PRECONDITION, "durable commit needs a disk tier: start kvtierd with --disk-dir")
+        stale = [gid for gid in grant_ids if not sess.grants[gid].current]
+        if stale:  # its slot changed hands (reclaimed): committing it would publish another block's slot
+            self.sessions.drop_grants(session_id, stale)
+            raise StoreError(Code.FAILED_PRECONDITION, f"grant {stale[0]} was reclaimed and its slot given to "
+                                                       f"another block; nothing committed")
         entries = self.sessions.take_grants(sess, grant_ids, abort_ids)
         done = self.tiers.commit(entries)
+        self.host.seal(done)  # the payload checksums (a large batch's right after, on threads)
         self.counters.add(Count.COMMITS, len(done))
         self.counters.move(Flow.CLIENT_TO_HOST, sum(e.block_bytes for e in done))
         if not (durable or self.disk_write_through) or self.disk is None:
@@ -241,31 +266,37 @@ class BlockStore:
         self.counters.add(Count.DURABLE_COMMITS, n)
         return CommitResult(len(done), n)
 
-    def on_disk(self, layout_id: int, keys: Sequence[bytes]) -> list[bool]:
+    def on_disk(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT) -> list[bool]:
         """Whether each key is on disk and indexed (durable)."""
-        fp = self.layout(layout_id).layout.fingerprint
+        fp = self.layout(layout_id, tenant).layout.fingerprint
         return [self.tiers.on_disk(pack_block(fp, k)) for k in keys]
 
     # -- get: acquire, (client reads), release -------------------------------------------------
 
-    async def acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes]) -> list[LeaseResult]:
+    async def acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes],
+                      verify: bool = False) -> list[LeaseResult]:
         """One :class:`LeaseResult` per key; each hit is pinned. A cancelled caller's leases are
-        released once the promotions it started finish."""
+        released once the promotions it started finish. With ``verify``, each host block's
+        payload is checked against the checksum taken at its commit first; one that changed is
+        dropped and answered as a miss."""
         return await self._run_to_end(
-            self._acquire(session_id, layout_id, keys),
+            self._acquire(session_id, layout_id, keys, verify),
             lambda out: self.sessions.drop_leases(session_id, [r.lease_id for r in out]))
 
-    async def _acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes]) -> list[LeaseResult]:
+    async def _acquire(self, session_id: int, layout_id: int, keys: Sequence[bytes],
+                       verify: bool = False) -> list[LeaseResult]:
         sess = self.session(session_id)
-        layout = self.layout(layout_id).layout
-        self.check_keys(keys, unique=False)
+        layout = self.layout(layout_id, sess.tenant).layout
+        self.check_keys(keys, unique=True)  # a key named twice would be pinned twice
         bkeys = [pack_block(layout.fingerprint, k) for k in keys]
         held = [e for e in map(self.host.get, bkeys) if e is not None]
         self.tiers.hit(held)
         for entry in held:   # pinned while the rest is promoted, so the promotion cannot evict them
             self.host.pin(entry)
         try:
-            promoted = await self.tiers.promote(layout, bkeys)
+            promoted = await self.tiers.promote(layout, bkeys, self.pool(layout))
+            if verify and held:  # (promoted blocks were verified as they were read from disk)
+                await self._verify_host(held)
             if session_id not in self.sessions:  # it ended while the promotion was awaited
                 raise StoreError(Code.CANCELLED, "session closed during acquire")
             return self._lease(sess, layout, bkeys, promoted)
@@ -293,15 +324,31 @@ class BlockStore:
         self.counters.move(Flow.HOST_TO_CLIENT, n * layout.block_bytes)
         return out
 
+    async def _verify_host(self, held: list[HostEntry]) -> None:
+        """Drop the host blocks (pinned by the caller) whose payload changed since their commit."""
+        bad = await self.host.verify(list({id(e): e for e in held}.values()))
+        bad = [e for e in bad if self.host.get(e.bkey) is e]  # (not replaced while hashed)
+        if not bad:
+            return
+        self.counters.add(Count.CHECKSUM_FAILURES, len(bad))
+        for e in bad:
+            log.warning("host block dropped: its payload changed after its commit (a write into a slot "
+                        "its writer no longer held)", extra={"key": key_of(e.bkey).hex(), "slot": e.slot,
+                                                             "pool": e.cls.path})
+        gone = [e.bkey for e in self.host.remove([e.bkey for e in bad])]
+        self.policy.on_remove(Tier.HOST, gone)
+        self.observers.removed_blocks(Tier.HOST, gone)
+
     def release(self, session_id: int, lease_ids: Sequence[int], principal: Principal | None = None) -> None:
+        check_ids(lease_ids, self.max_batch_keys, "lease")
         self.sessions.release(session_id, lease_ids, principal)
 
     # -- lookup, evict, prefetch ---------------------------------------------------------------
 
-    def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[Tier | None]:
-        """The fastest tier holding each key: gpu (some engine worker on this node holds it),
-        host, disk; or None."""
-        layout = self.layout(layout_id).layout
+    def lookup(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT) -> list[Tier | None]:
+        """The fastest tier holding each of the tenant's keys: gpu (some engine worker of the
+        tenant on this node holds it), host, disk; or None."""
+        layout = self.layout(layout_id, tenant).layout
         self.check_keys(keys, unique=False)
         fp = layout.fingerprint
         device, tiers = self.device, self.tiers
@@ -314,41 +361,71 @@ class BlockStore:
         self.counters.looked_up(Op.LOOKUP, layout.block_tokens, hits, len(keys) - sum(hits.values()))
         return out
 
-    def count_table_lookups(self, layout_id: int, hits: Mapping[Tier, int], misses: int) -> None:
+    def count_table_lookups(self, layout_id: int, hits: Mapping[Tier, int], misses: int,
+                            tenant: str = DEFAULT_TENANT) -> None:
         """Count lookups a client answered from the key table (reported in batches) as lookups."""
-        self.counters.looked_up(Op.LOOKUP, self.layout(layout_id).layout.block_tokens, hits, misses)
+        self.counters.looked_up(Op.LOOKUP, self.layout(layout_id, tenant).layout.block_tokens, hits, misses)
 
-    def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
-        """Remove these blocks from host and disk; returns the entries removed."""
-        fp = self.layout(layout_id).layout.fingerprint
+    def evict(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT) -> int:
+        """Remove these blocks of the tenant from host and disk; returns the entries removed."""
+        fp = self.layout(layout_id, tenant).layout.fingerprint
         self.check_keys(keys, unique=False)
         n = self.tiers.remove([pack_block(fp, k) for k in keys])
         self.counters.add(Count.EVICTED_BY_REQUEST, n)
         return n
 
-    async def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
-        """See :meth:`_prefetch`; runs to its end even if the caller is cancelled."""
-        return await self._run_to_end(self._prefetch(layout_id, keys))
+    async def evict_durably(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT) -> int:
+        """:meth:`evict`, returning once the disk index deletes have committed: an Evict
+        answered this way stays done across a crash."""
+        n = self.evict(layout_id, keys, tenant)
+        if self.disk is not None:
+            await asyncio.wrap_future(self.disk.flush())
+        return n
 
-    async def _prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
-        """Bring these blocks from disk to host ahead of need; returns how many were promoted.
-        Without a disk tier nothing is below host, so nothing is promoted."""
-        layout = self.layout(layout_id).layout
+    async def prefetch(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT) -> int:
+        """See :meth:`_prefetch`; runs to its end even if the caller is cancelled."""
+        return await self._run_to_end(self._prefetch(layout_id, keys, tenant))
+
+    async def _prefetch(self, layout_id: int, keys: Sequence[bytes], tenant: str) -> int:
+        """Bring these blocks of the tenant from disk to host ahead of need; returns how many
+        were promoted. Without a disk tier nothing is below host, so nothing is promoted."""
+        layout = self.layout(layout_id, tenant).layout
         self.check_keys(keys, unique=False)
-        promoted = await self.tiers.promote(layout, [pack_block(layout.fingerprint, k) for k in keys])
+        promoted = await self.tiers.promote(layout, [pack_block(layout.fingerprint, k) for k in keys], self.pool(layout))
         self.counters.add(Count.PREFETCH_PROMOTIONS, len(promoted))
         return len(promoted)
 
     # -- what is held --------------------------------------------------------------------------
 
-    def holdings(self) -> list[tuple[Tier, bytes, list[bytes]]]:
+    def holdings(self, tenant: str | None = None, fingerprint: bytes | None = None
+                 ) -> list[tuple[Tier, bytes, list[bytes]]]:
         """Every visible block of host and disk as (tier, fingerprint, keys), for the location
         log's snapshots and the key table; consistent because it runs within one loop step.
-        (Device blocks are per worker: :meth:`DeviceTier.holdings`.)"""
-        return self.tiers.holdings()
+        Without ``tenant``: every block, under tenant fingerprints (the node's own view). With
+        ``tenant``: only the blocks of layouts that tenant registered, under the layouts' own
+        fingerprints (what the tenant's clients see); ``fingerprint`` (a tenant fingerprint)
+        narrows to one layout. (Device blocks are per worker: :meth:`DeviceTier.holdings`.)"""
+        out = self.tiers.holdings()
+        if fingerprint is not None:
+            out = [h for h in out if h[1] == fingerprint]
+        if tenant is None:
+            return out
+        find = self.layouts.find
+        return [(tier, reg.wire_fingerprint, keys) for tier, fp, keys in out
+                if (reg := find(fp)) is not None and reg.tenant == tenant]
+
+    def device_holdings(self, tenant: str) -> list[tuple[str, bytes, list[bytes]]]:
+        """The tenant's device blocks as (worker id, the layout's own fingerprint, keys)."""
+        out = []
+        for wkey, fp, keys in self.device.holdings():
+            reg = self.layouts.find(fp)
+            t, worker = split_worker(wkey)
+            if reg is not None and t == tenant and reg.tenant == tenant:
+                out.append((worker, reg.wire_fingerprint, keys))
+        return out
 
     def blocks_of(self, fingerprint: bytes) -> dict[Tier, int]:
-        """Blocks of one layout per tier (gpu: held on some worker's device)."""
+        """Blocks of one layout (its tenant fingerprint) per tier (gpu: held on some worker's device)."""
         return {Tier.GPU: self.device.blocks_of(fingerprint), **self.tiers.blocks_of(fingerprint)}
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from kvtier.settings import CONFIG, settings_of
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "kvtierd.example.toml"
 SETTING_LINE = re.compile(r"^# ([a-z_]+) = (.+)$")
 # keys whose line shows an example value rather than the default (an empty path, a port of 0)
-EXAMPLES = {"socket", "tcp", "node_id", "disk_dir", "disk_capacity", "metrics_port"}
+EXAMPLES = {"socket", "tcp", "node_id", "disk_dir", "disk_capacity", "metrics_port", "allowed_uids", "tenants",
+            "tls_cert", "tls_key", "tls_ca", "key_secret_file"}
 
 
 def test_the_example_loads_as_the_defaults() -> None:

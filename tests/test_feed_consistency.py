@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from kvtier.client.engine.transport import open_channel
 from kvtier.daemon.counters import Count
 from kvtier.daemon.events import EventKind, LocationEvent, LocationLog
 from kvtier.daemon.keytable import KeyTablePublisher
@@ -196,7 +197,7 @@ def test_a_reloaded_state_forgets_nodes_no_configured_feed_serves(start_daemon, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", name="A", host_capacity="16MiB")
+    d = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true", name="A", host_capacity="16MiB")
     path = str(tmp_path / "router.state")
     ks = _ghost_state(path, "unix:/nonexistent/kvtierd.sock" if via == "static" else f"127.0.0.2:{port}")
 
@@ -376,11 +377,10 @@ def test_a_resumed_feed_ends_with_the_workers_a_fresh_subscriber_sees(start_daem
             assert r.route(ks, dispatch=False).worker == "N"
     # the daemon's side: after the replayed events it sends its NodeInfo again, so any
     # subscriber learns the current workers without having to infer them
-    import grpc
 
     from kvtier.proto import locations_pb2_grpc
 
-    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+    with open_channel(f"unix:{d.socket}") as ch:
         call = locations_pb2_grpc.LocationsStub(ch).WatchLocations(
             L.WatchLocationsRequest(epoch=epoch, from_seq=seq), timeout=10)
         got = []

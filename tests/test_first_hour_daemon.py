@@ -90,7 +90,8 @@ def test_taken_port_is_one_line_and_leaves_nothing(tmp_path, shm_dir, flag) -> N
         taken.listen()
         port = taken.getsockname()[1]
         value = f"127.0.0.1:{port}" if flag == "--tcp" else str(port)
-        d = DaemonProcess(str(tmp_path), flag, value, shm_dir=shm_dir)
+        extra = ("--insecure-tcp", "true") if flag == "--tcp" else ()
+        d = DaemonProcess(str(tmp_path), flag, value, *extra, shm_dir=shm_dir)
         _assert_refused_cleanly(run_kvtierd(d), flag, str(port), "in use")
     assert os.listdir(shm_dir) == []
     assert not os.path.exists(d.socket)
@@ -188,7 +189,7 @@ def test_live_report_into_a_pipe_has_no_screen_codes(daemon) -> None:
 
 def test_report_counts_a_daemon_named_twice_once(start_daemon) -> None:
     tcp, metrics = free_port(), free_port()
-    d = start_daemon("--tcp", f"127.0.0.1:{tcp}", "--metrics-port", str(metrics), "--node-id", "twice")
+    d = start_daemon("--tcp", f"127.0.0.1:{tcp}", "--insecure-tcp", "true", "--tcp-services", "all", "--metrics-port", str(metrics), "--node-id", "twice")
     with Sidecar(d.socket, use_key_table=False) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))
         sc.put(lid, [b"k" * 16], [b"x" * BLOCK])

@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 from kvtier.client.engine import ExportError, KVConnector, KVConnectorError, SharedKVArena  # noqa: E402
 from kvtier.client.engine.sidecar import Sidecar  # noqa: E402
+from kvtier.client.engine.transport import open_channel  # noqa: E402
 from kvtier.tiers.copy_engine import CopyError, check_engine_ids, plan_chunks  # noqa: E402
 from kvtier.tiers.copy_engine import TensorRef as Ref  # noqa: E402
 from kvtier.tiers.layout import Layout  # noqa: E402
@@ -256,7 +257,7 @@ def test_cuda_registration_without_cuda_engine_is_refused(start_daemon) -> None:
     conn = KVConnector(d.socket)
     try:
         sid = conn._open_session()
-        with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+        with open_channel(f"unix:{d.socket}") as ch:
             stub = transfer_pb2_grpc.TransferStub(ch)
             req = transfer_pb2.RegisterKVRequest(session_id=sid, layout=layout_to_proto(layout, node_pb2.LayoutSpec),
                                                  backend="cuda", ring_slots=1,

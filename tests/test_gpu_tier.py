@@ -10,9 +10,8 @@ import glob
 import os
 import time
 
-import grpc
-
 from kvtier.client import Sidecar
+from kvtier.client.engine.transport import open_channel
 from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.keytable import TIER_BITS, KeyTableReader
 from kvtier.tiers.layout import Layout
@@ -26,7 +25,7 @@ def keys(n: int) -> list[bytes]:
 
 
 def typed_stats(sock: str) -> node_pb2.StatsReply:
-    with grpc.insecure_channel(f"unix:{sock}") as ch:
+    with open_channel(f"unix:{sock}") as ch:
         return node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=10)
 
 

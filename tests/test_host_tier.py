@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import InvalidArgument, KvtierError, Sidecar
+from kvtier.client.engine.transport import open_channel
 from kvtier.client.testing.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
 from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout, layout_to_proto
@@ -174,7 +175,7 @@ def test_killed_client_leaks_no_grants_or_pins(start_daemon) -> None:
 
 
 def _raw(daemon: DaemonProcess) -> tuple[grpc.Channel, node_pb2_grpc.NodeStub]:
-    ch = grpc.insecure_channel(f"unix:{daemon.socket}")
+    ch = open_channel(f"unix:{daemon.socket}")
     return ch, node_pb2_grpc.NodeStub(ch)
 
 
@@ -247,7 +248,7 @@ def test_taken_tcp_port_refuses_to_start(tmp_path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}")
+        d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true")
         try:
             with pytest.raises(RuntimeError, match="already in use"):
                 d.start(timeout=20)
@@ -259,7 +260,8 @@ def test_tcp_listener_serves(tmp_path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}").start()
+    d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true",
+                      "--tcp-services", "all").start()
     try:
         with Sidecar(target=f"127.0.0.1:{port}") as sc:
             assert sc.stats()["tiers"]["host"]["capacity_bytes"] == 256 * MiB

@@ -149,3 +149,17 @@ def test_unregistered_pool_gives_its_free_memory_back(tier: HostTier) -> None:
     res = put(tier, big, [b"X", b"Y"], 2 * SLOT)
     assert all(e is not None for e in res.entries)
     assert tier.backed_bytes <= tier.capacity and set(tier.entries) == {b"X", b"Y"}
+
+
+def test_stale_grant_never_commits_nor_frees_another_blocks_slot(tier: HostTier) -> None:
+    """A grant whose slot changed hands (aborted, then granted to another key) is stale: its
+    commit is refused and its abort gives nothing back (the slot is not handed out twice)."""
+    cls = tier.size_class(SLOT)
+    old = reserve(tier, cls, [b"a"]).entries[0]
+    tier.abort(old)                                   # reclaimed
+    new = reserve(tier, cls, [b"b"]).entries[0]
+    assert new.slot == old.slot and not old.current and new.current
+    assert not tier.commit(old) and tier.get(b"a") is None
+    tier.abort(old)                                   # a late abort: nothing freed
+    assert old.slot not in cls.free
+    assert tier.commit(new) and tier.get(b"b") is new

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import Sidecar
 from kvtier.client.engine.sidecar import TABLE_RETRY_S
+from kvtier.client.engine.transport import open_channel
 from kvtier.tiers.keytable import STATE_INVALID
 from kvtier.tiers.layout import Layout
 
@@ -74,7 +75,7 @@ def test_a_lookup_report_naming_an_unknown_layout_counts_nothing(daemon) -> None
     with Sidecar(daemon.socket) as sc:
         lid = sc._info(sc.register_layout(layout)).daemon_id  # the daemon's id of the layout
         before = sc.stats()["counters"]
-        with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
+        with open_channel(f"unix:{daemon.socket}") as ch:
             req = node_pb2.ReportLookupsRequest()
             req.layouts.add(layout_id=lid, hit_host=5, miss=3)
             req.layouts.add(layout_id=lid ^ 1, hit_host=1)

@@ -43,7 +43,29 @@ def test_proto_round_trip() -> None:
     lambda: Layout((TensorSpec("a", "float16", (4, 0), 0),), 16),
     lambda: Layout((TensorSpec("a", "float16", (4, 4), 0), TensorSpec("a", "float16", (4, 4), 0)), 16),
     lambda: Layout((TensorSpec("a", "float16", (4, 4), 0),), 16, tp_rank=2, tp_size=2),
+    # bounded (issue 12): each limit, one past it
+    lambda: Layout(tuple(TensorSpec(f"t{i}", "uint8", (1, 1), 0) for i in range(4097)), 16),
+    lambda: Layout((TensorSpec("a", "uint8", (1,) * 9, 0),), 16),
+    lambda: Layout((TensorSpec("a", "uint8", (1, (1 << 40) + 1), 0),), 16),
+    lambda: Layout((TensorSpec("a" * 129, "uint8", (1, 1), 0),), 16),
+    lambda: Layout((TensorSpec("a", "uint8", (1, 1), 0),), (1 << 16) + 1),
+    lambda: Layout((TensorSpec("a", "uint8", (1, 1), 0),), 16, tp_size=4097),
+    lambda: Layout((TensorSpec("a", "uint8", (1, (1 << 30) + 1), 0),), 16),
 ])
 def test_bad_layouts_say_what_is_wrong(bad) -> None:
     with pytest.raises(LayoutError):
         bad()
+
+
+def test_layout_limit_messages_name_the_limit_and_stay_short() -> None:
+    with pytest.raises(LayoutError, match="limit is 128 characters") as e:
+        Layout((TensorSpec("n" * 1_000_000, "uint8", (1, 1), 0),), 16)
+    assert len(str(e.value)) < 300
+    with pytest.raises(LayoutError, match="unknown dtype") as e:
+        Layout((TensorSpec("a", "d" * 1_000_000, (1, 1), 0),), 16)
+    assert len(str(e.value)) < 600
+    spec = layout_to_proto(Layout.flat(4096), node_pb2.LayoutSpec)
+    for i in range(5000):
+        spec.tensors.add(name=f"x{i}", dtype="uint8", shape=[1, 1], block_dim=0)
+    with pytest.raises(LayoutError, match="limit is 4096 tensors"):
+        layout_from_proto(spec)

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import KvtierError, Sidecar
+from kvtier.client.engine.transport import open_channel
 from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout
@@ -122,7 +123,7 @@ def test_scripted_workload_moves_counters_exactly(metered) -> None:
         assert v(m, "kvtier_bytes_total", direction="client->host") == 20 * BLOCK
 
     # a refused request is counted by status code and still timed
-    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+    with open_channel(f"unix:{d.socket}") as ch:
         with pytest.raises(grpc.RpcError) as e:
             node_pb2_grpc.NodeStub(ch).Lookup(node_pb2.LookupRequest(layout_id=99, keys=[b"k" * 8]), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -158,7 +159,7 @@ def test_stats_typed_fields_the_counters_map_and_the_metrics_agree(metered) -> N
         sc.get(lid, keys("s", 6))
         with pytest.raises(KvtierError):
             sc.lookup(lid, [b"short"])
-    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+    with open_channel(f"unix:{d.socket}") as ch:
         reply = node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=10)
     m = scrape(port)
     ops = {node_pb2.COUNTED_OP_LOOKUP: "lookup", node_pb2.COUNTED_OP_ACQUIRE: "acquire"}
@@ -202,7 +203,7 @@ def test_locations_handlers_are_timed_and_their_refusals_counted(metered) -> Non
         with pytest.raises(KvtierError) as e:
             sc.report_device_blocks(lid, stored=[b"short"], worker_id="w")
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+    with open_channel(f"unix:{d.socket}") as ch:
         locations_pb2_grpc.LocationsStub(ch).GetNodeInfo(locations_pb2.NodeInfoRequest(), timeout=10)
     m = scrape(port)
     assert v(m, "kvtier_op_latency_seconds_count", op="reportdeviceblocks") == 2

@@ -17,6 +17,7 @@ from _wait import wait_for
 
 from kvtier.client.engine.keys import Namespace, block_keys
 from kvtier.client.engine.sidecar import KvtierError, Sidecar
+from kvtier.client.engine.transport import open_channel
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import Overlap, ScorerConfig
@@ -354,8 +355,8 @@ def test_dns_names_follow_the_addresses_they_resolve_to(start_daemon) -> None:
     with _socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    a = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", name="A", host_capacity="16MiB")
-    b = start_daemon("--node-id", "B", "--tcp", f"127.0.0.2:{port}", name="B", host_capacity="16MiB")
+    a = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true", name="A", host_capacity="16MiB")
+    b = start_daemon("--node-id", "B", "--tcp", f"127.0.0.2:{port}", "--insecure-tcp", "true", name="B", host_capacity="16MiB")
     addresses = ["127.0.0.1", "127.0.0.2"]
 
     async def resolve(host: str, p: int) -> list[str]:
@@ -376,7 +377,7 @@ def test_dns_names_follow_the_addresses_they_resolve_to(start_daemon) -> None:
 
 
 def _watch(target: str, epoch: int, from_seq: int, messages: int) -> list[locations_pb2.WatchLocationsReply]:
-    with grpc.insecure_channel(target) as ch:
+    with open_channel(target) as ch:
         call = locations_pb2_grpc.LocationsStub(ch).WatchLocations(
             locations_pb2.WatchLocationsRequest(epoch=epoch, from_seq=from_seq), timeout=10)
         out = []

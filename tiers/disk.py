@@ -31,7 +31,19 @@ Durability order (what survives a crash)
 Integrity
     Every read recomputes the xxh3-64 of the payload; a mismatch (or a read error) is
     reported to the caller (:class:`ReadOutcome`), which must :meth:`DiskTier.remove` the entry and treat the block
-    as a miss. Wrong bytes are never made visible by this tier.
+    as a miss. Wrong bytes are never made visible by this tier. A write may carry the
+    checksum the host tier took at commit (``plan_write``'s ``expect``): a payload that no
+    longer matches it is not written, not indexed, never visible, and is reported in
+    :attr:`WritePlan.mismatched` (and logged) for the caller to count and drop.
+
+Files and ownership
+    The directory must belong to the daemon's user and not be writable by group or others
+    (else :class:`DiskTierError` at open): whoever can write it can replace the index or the
+    slabs. The index (LMDB) and slab files are created 0600 (existing ones are made so at
+    open), slab files without following links, and the directory is ``fsync``-ed on the
+    writer thread after a slab file was created, before any index entry naming it commits.
+    :meth:`DiskTier.flush` resolves once every removal queued before it has committed, so
+    an Evict can be answered only when it survives a crash.
 
 Entries and their states
     ``plan_write`` reserves slots (evicting, when the capacity is reached, the first unpinned
@@ -61,6 +73,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -99,6 +112,20 @@ def checksum(buf: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
+def check_directory(path: str) -> None:
+    """Refuse a disk directory another user owns, or that group or others may write: they
+    could replace its index or slab files (plant links, rewrite blocks with checksums)."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise DiskTierError(f"--disk-dir {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise DiskTierError(f"--disk-dir {path} is owned by uid {st.st_uid}, not by this daemon's uid "
+                            f"{os.geteuid()}: give the daemon a directory of its own (chown it)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise DiskTierError(f"--disk-dir {path} has mode {stat.S_IMODE(st.st_mode):04o}: group or others may "
+                            f"write it; make it 0700 (chmod 700 {path})")
+
+
 def default_map_size(capacity: int) -> int:
     """LMDB map size for ``capacity`` bytes of slots: 256 B per 4 KiB slot, at least 64 MiB."""
     return max(64 * 1024 * 1024, capacity // SLOT_ALIGN * 256)
@@ -133,6 +160,7 @@ class DiskEntry:
     pins: int = 0
     visible: bool = False
     removed: bool = False
+    expect: int | None = None   # the checksum the payload must have (the host tier's), if known
 
     @property
     def offset(self) -> int:
@@ -148,6 +176,7 @@ class WritePlan:
     _deletes: list[bytes] = field(default_factory=list)
     _punch: list[tuple[int, int, int]] = field(default_factory=list)   # (fd, offset, length)
     _grow: list[tuple[int, int, int]] = field(default_factory=list)
+    mismatched: list[DiskEntry] = field(default_factory=list)  # payloads that failed ``expect``: not written
 
     @property
     def planned(self) -> list[DiskEntry]:
@@ -166,6 +195,9 @@ class DiskTier(PinnedTier[DiskEntry]):
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
         except OSError as e:
             raise DiskTierError(f"--disk-dir {directory}: cannot create it: {e.strerror}") from None
+        check_directory(self.directory)
+        self._dir_changes = 0   # slab files created (bumped on the loop) ...
+        self._dir_synced = 0    # ... and how many of them the writer thread has fsynced the directory for
         self._lock_fd = self._take_lock()
         self._probe_odirect()
         self.slabs: dict[int, Slab] = {}
@@ -177,7 +209,7 @@ class DiskTier(PinnedTier[DiskEntry]):
         self.capacity = capacity
         self.map_size = map_size or default_map_size(capacity)
         try:
-            self.env = lmdb.open(os.path.join(self.directory, "index"), map_size=self.map_size, subdir=True,
+            self.env = lmdb.open(self._index_dir(), map_size=self.map_size, subdir=True, mode=0o600,
                                  max_dbs=2, sync=True, metasync=True, readahead=False, meminit=False)
         except lmdb.Error as e:
             raise DiskTierError(f"--disk-dir {directory}: cannot open the LMDB index: {e}") from None
@@ -194,6 +226,22 @@ class DiskTier(PinnedTier[DiskEntry]):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-writer")
 
     # -- open and restore -----------------------------------------------------------------
+
+    def _index_dir(self) -> str:
+        """The LMDB directory, 0700, its files 0600 (an index made before they were is fixed)."""
+        path = os.path.join(self.directory, "index")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):
+                raise DiskTierError(f"--disk-dir {self.directory}: {path} is not a directory") from None
+            os.chmod(path, 0o700)
+            for name in os.listdir(path):
+                f = os.path.join(path, name)
+                if stat.S_ISREG(os.lstat(f).st_mode):
+                    os.chmod(f, 0o600)
+        return path
 
     def _take_lock(self) -> int:
         fd = os.open(os.path.join(self.directory, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -219,7 +267,17 @@ class DiskTier(PinnedTier[DiskEntry]):
 
     def _open_slab(self, slot_bytes: int) -> Slab:
         path = os.path.join(self.directory, f"slab-{slot_bytes}.dat")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            self._dir_changes += 1  # a new name in the directory: fsynced before it is indexed
+        except FileExistsError:
+            try:
+                fd = os.open(path, flags)
+            except OSError as e:
+                raise DiskTierError(f"--disk-dir {self.directory}: cannot open {path}: {e.strerror} (a slab "
+                                    f"file must be a regular file, not a link)") from None
+            os.fchmod(fd, 0o600)
         nslots = os.fstat(fd).st_size // slot_bytes
         slab = Slab(slot_bytes, path, fd, nslots)
         self.slabs[slot_bytes] = slab
@@ -305,14 +363,16 @@ class DiskTier(PinnedTier[DiskEntry]):
 
     # -- writes ---------------------------------------------------------------------------
 
-    def plan_write(self, items: Sequence[tuple[bytes, int, int]], candidates: Iterable[bytes] = ()) -> WritePlan:
+    def plan_write(self, items: Sequence[tuple[bytes, int, int]], candidates: Iterable[bytes] = (),
+                   expect: Sequence[int | None] | None = None) -> WritePlan:
         """Reserve a slot per (bkey, length, slot_bytes), in order; None where nothing can be freed,
         the key is already on disk or being written, or the tier is degraded. When a slot must
         be freed, the victim is the first unpinned entry among ``candidates`` (packed ids, in
-        eviction order). Victims are hidden now."""
+        eviction order). Victims are hidden now. ``expect``: per item, the checksum its payload
+        must have (None: not known); a payload that differs is not written (``mismatched``)."""
         plan = WritePlan([], [])
         order = iter(candidates)
-        for bkey, length, slot_bytes in items:
+        for i, (bkey, length, slot_bytes) in enumerate(items):
             if self.degraded or bkey in self.entries or bkey in self._writing:
                 plan.entries.append(None)
                 continue
@@ -322,7 +382,7 @@ class DiskTier(PinnedTier[DiskEntry]):
                 plan.entries.append(None)
                 continue
             self._writing.add(bkey)
-            plan.entries.append(DiskEntry(bkey, slab, slot, length))
+            plan.entries.append(DiskEntry(bkey, slab, slot, length, expect=None if expect is None else expect[i]))
         return plan
 
     def _take_slot(self, slab: Slab, plan: WritePlan, order: Iterator[bytes]) -> int | None:
@@ -381,12 +441,22 @@ class DiskTier(PinnedTier[DiskEntry]):
             punch_hole(fd, off, length)
         for fd, off, length in plan._grow:
             self._preallocate(fd, off, length, planned)
-        for f in [self._io.submit(self._write_one, e, s) for e, s in zip(planned, sources, strict=True)]:
-            f.result()
-        for fd in {e.slab.fd for e in planned}:
+        futs = [self._io.submit(self._write_one, e, s) for e, s in zip(planned, sources, strict=True)]
+        ok = [f.result() for f in futs]
+        written = [e for e, good in zip(planned, ok, strict=True) if good]
+        plan.mismatched = [e for e, good in zip(planned, ok, strict=True) if not good]
+        for fd in {e.slab.fd for e in written}:
             os.fdatasync(fd)
+        changes = self._dir_changes
+        if changes != self._dir_synced:  # a slab file was created: its name must survive a crash
+            dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            self._dir_synced = changes
         with self.env.begin(write=True, db=self._blocks) as txn:
-            for e in planned:
+            for e in written:
                 txn.put(e.bkey, _VALUE.pack(e.slab.slot_bytes, e.slot, e.length, e.checksum, e.seq))
 
     @staticmethod
@@ -403,11 +473,15 @@ class DiskTier(PinnedTier[DiskEntry]):
                     os.posix_fallocate(fd, entry.offset, entry.slab.slot_bytes)
 
     @staticmethod
-    def _write_one(entry: DiskEntry, src: memoryview) -> None:
+    def _write_one(entry: DiskEntry, src: memoryview) -> bool:
+        """Write one payload; False (nothing written) if it fails the checksum it must have."""
         entry.checksum = checksum(src[:entry.length])
+        if entry.expect is not None and entry.checksum != entry.expect:
+            return False
         n = os.pwritev(entry.slab.fd, [src], entry.offset)
         if n != len(src):
             raise OSError(errno.EIO, f"short write: {n} of {len(src)} bytes at {entry.offset} of {entry.slab.path}")
+        return True
 
     def finish_write(self, plan: WritePlan, error: BaseException | None) -> list[DiskEntry]:
         """Make a finished batch visible (``error`` None), or give its slots up and degrade the
@@ -421,6 +495,15 @@ class DiskTier(PinnedTier[DiskEntry]):
                 e.slab.holes.append(e.slot)   # its space may not exist: never hand it out again
             self._degrade(error)
             return []
+        if plan.mismatched:  # never indexed: their slots are free again at once
+            for e in plan.mismatched:
+                self._unwanted.discard(e.bkey)
+                e.removed = True
+                e.slab.free.append(e.slot)
+                log.warning("block not written to disk: its payload no longer matches the checksum taken "
+                            "at commit (the host slot was written after the commit)",
+                            extra={"key": e.bkey[-16:].hex(), "slab": e.slab.path, "slot": e.slot})
+            planned = [e for e in planned if not e.removed]
         unwanted = [e for e in planned if e.bkey in self._unwanted]
         if unwanted:  # removed while written: never visible; index entries deleted before the slots are reused
             for e in unwanted:
@@ -469,6 +552,11 @@ class DiskTier(PinnedTier[DiskEntry]):
         if out:
             self._writer.submit(self._index_delete_logged, [e.bkey for e in out])
         return out
+
+    def flush(self) -> Future[None]:
+        """Resolves once every removal (and write) queued before it has committed: the writer
+        thread runs its work in order."""
+        return self._writer.submit(lambda: None)
 
     def _index_delete(self, bkeys: Sequence[bytes]) -> None:
         with self.env.begin(write=True, db=self._blocks) as txn:

@@ -1,8 +1,9 @@
 """Host tier: fixed-size slots in tmpfs files that local clients map and fill directly.
 
 What it owns
-    One pool file per size class (one class per distinct slot size) in a tmpfs directory,
-    created owner-only. Slot ``i`` of a class lies at byte ``i * slot_bytes`` of its file.
+    One pool file per size class (one class per pool group and distinct slot size: the
+    daemon gives each tenant its own group, so no client maps another tenant's slots) in a
+    tmpfs directory, created owner-only. Slot ``i`` of a class lies at byte ``i * slot_bytes`` of its file.
     The files are sparse; a slot's memory is allocated (``fallocate``) when it is first
     handed out, and released (hole punched) when a slot of another class needs the budget.
     ``capacity`` bounds the memory of all files together, always.
@@ -25,22 +26,53 @@ Eviction
     bytes stay intact, so the caller must not let clients write the new grants before
     ``finish_eviction`` (the daemon replies to Allocate only after it).
 
+Integrity
+    Every slot has a *generation*, bumped each time the slot changes hands (handed out as a
+    grant, freed, taken by an eviction). A grant records the generation it was given; a
+    grant whose slot has changed hands since is *stale*: ``commit`` refuses it (it never
+    becomes visible) and ``abort`` of it gives nothing back (the slot is someone else's).
+    :meth:`HostTier.seal` takes the xxh3-64 checksum of each granted block's payload at
+    commit; it is kept with the entry (:attr:`HostEntry.checksum`) so a later read can tell
+    whether the bytes changed since (:meth:`HostTier.verify`; demotion to disk compares it
+    too). A commit of at most ``INLINE_HASH_BYTES`` is hashed on the event loop before it is
+    visible. A larger one is made visible at once and hashed right after, on the tier's
+    hashing threads (up to ``HASH_THREADS`` parts, xxhash releases the GIL), so a large put
+    does not wait for it (hashing 128 MiB inline cost bench/host_tier.py a fifth of its put
+    throughput); whoever needs the checksum (a verified read, a demotion) awaits
+    :meth:`HostTier.sealed` first. A write that lands in that short window (milliseconds)
+    after such a commit goes into the checksum and is not detected, as is any write before
+    the commit. A client
+    maps the whole pool, so a client that keeps running after its session was reclaimed
+    can still write a slot that now holds another key's block: the checksum is how such a
+    write is found (the block is then dropped, never served by a verified read).
+
+Files
+    Pool files are created ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600: a file or a
+    symbolic link already at a pool's path is refused (:class:`PoolFileError`), never
+    truncated or followed.
+
 Threading: not thread-safe; the daemon calls it from its event loop only. ``fallocate`` of
-fresh slots is returned as work (``BackingJob``) for the caller to run in an executor.
+fresh slots is returned as work (``BackingJob``) for the caller to run in an executor; the
+checksums of :meth:`HostTier.seal` and :meth:`HostTier.verify` run on the tier's hashing
+threads while the caller awaits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
+import xxhash
 
 from kvtier.tiers.vocab import fingerprint_of
 
@@ -162,21 +194,73 @@ class CapacityError(HostTierError):
     """The capacity cannot hold even one slot of this size."""
 
 
+class PoolFileError(HostTierError):
+    """A pool file cannot be created: something (a file, a link) is already at its path."""
+
+
+def payload_checksum(buf: memoryview | bytes) -> int:
+    """The checksum of a block's payload, as the host and disk tiers keep it: xxh3-64."""
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+#: commits of at most this many payload bytes are hashed on the event loop before they are
+#: visible (about 70 us at 15 GB/s); larger ones on the hashing threads, right after
+INLINE_HASH_BYTES = 1 << 20
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))  # half the cores at most: the clients copy on the others
+
+
 @dataclass(eq=False)
 class SizeClass:
-    """The slots of one size, in one pool file."""
+    """The slots of one size of one pool group, in one pool file."""
 
     slot_bytes: int
     path: str
     fd: int
     nslots: int
+    group: str = ""                                 # the pool group ("" the default one)
     hwm: int = 0                                    # slots [0, hwm) have been handed out once
     free: list[int] = field(default_factory=list)   # backed slots, ready to reuse
     holes: list[int] = field(default_factory=list)  # punched slots below hwm, unbacked
+    # each slot's generation, bumped whenever it changes hands (np.zeros: pages never
+    # touched take no memory); a grant holds the generation it was given
+    gens: np.ndarray = field(default=None)  # type: ignore[assignment]
+    view: memoryview | None = None          # the daemon's read-only mapping (for checksums)
+    _mm: mmap.mmap | None = None
+
+    def __post_init__(self) -> None:
+        if self.gens is None:
+            self.gens = np.zeros(self.nslots, dtype=np.uint32)
+
+    def bump(self, slot: int) -> int:
+        """The slot changes hands: its new generation."""
+        g = (int(self.gens[slot]) + 1) & 0xFFFFFFFF
+        self.gens[slot] = g
+        return g
+
+    def payload(self, offset: int, length: int) -> memoryview:
+        if self.view is None:
+            self._mm = mmap.mmap(self.fd, self.pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            self.view = memoryview(self._mm)
+        return self.view[offset:offset + length]
+
+    def unmap(self) -> None:
+        try:
+            if self.view is not None:
+                self.view.release()
+            if self._mm is not None:
+                self._mm.close()
+        except BufferError:
+            pass  # a hash still holds a view; the mapping goes with it
+        self.view = self._mm = None
 
     @property
     def pool_bytes(self) -> int:
         return self.nslots * self.slot_bytes
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(group, slot bytes): the class's key in :attr:`HostTier.classes`."""
+        return (self.group, self.slot_bytes)
 
     @property
     def backed_slots(self) -> int:
@@ -194,10 +278,18 @@ class HostEntry:
     visible: bool = False
     pins: int = 0
     removed: bool = False  # hidden while pinned; slot freed on the last unpin
+    gen: int = 0           # the slot's generation when it was granted
+    checksum: int | None = None  # xxh3-64 of the payload, taken at commit (None: not taken)
+    sealing: asyncio.Task | None = None  # the checksum being taken (large commits): await it
 
     @property
     def offset(self) -> int:
         return self.slot * self.cls.slot_bytes
+
+    @property
+    def current(self) -> bool:
+        """The slot has not changed hands since this entry got it."""
+        return int(self.cls.gens[self.slot]) == self.gen
 
 
 @dataclass
@@ -229,47 +321,58 @@ class HostTier(PinnedTier[HostEntry]):
         self.shm_dir = shm_dir
         self.capacity = capacity
         self.prefix = name_prefix
-        self.classes: dict[int, SizeClass] = {}
+        self.classes: dict[tuple[str, int], SizeClass] = {}  # (group, slot bytes) -> class
         self.entries: dict[bytes, HostEntry] = {}         # visible entries
         self.per_fp: Counter[bytes] = Counter()           # visible entries per layout fingerprint
         self._pending_punch: list[tuple[SizeClass, int]] = []
-        self._registered: set[int] = set()  # slot sizes whose pool file a GPU has pinned
+        self._registered: set[tuple[str, int]] = set()  # classes whose pool file a GPU has pinned
+        self._hasher: ThreadPoolExecutor | None = None
+        self._sealing: set[asyncio.Task] = set()
 
     # -- size classes and budget ---------------------------------------------------------
 
-    def size_class(self, slot_bytes: int, prefault: bool = False) -> SizeClass:
-        """The size class of ``slot_bytes``, creating its pool file on first use.
+    def size_class(self, slot_bytes: int, prefault: bool = False, group: str = "") -> SizeClass:
+        """The size class of ``slot_bytes`` in pool ``group``, creating its pool file on first
+        use (``<prefix>-<slot bytes>.pool``; ``<prefix>-<group>-<slot bytes>.pool`` for a group).
+        Groups share the one byte budget.
 
         With ``prefault``, the first class created counts its whole file as backed and free,
         and the caller must run :meth:`prefault_job` (allocating the memory up front, so first
         writes do not pay for page allocation and a full tmpfs is found now, not later)."""
-        cls = self.classes.get(slot_bytes)
+        cls = self.classes.get((group, slot_bytes))
         if cls is not None:
             return cls
+        if group and not group.isalnum():
+            raise ValueError(f"pool group {group!r} must be letters and digits")
         nslots = self.capacity // slot_bytes
         if nslots == 0:
             raise CapacityError(f"host capacity {self.capacity} B cannot hold one {slot_bytes} B slot; "
                                 f"raise --host-capacity")
-        path = os.path.join(self.shm_dir, f"{self.prefix}-{slot_bytes}.pool")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.ftruncate(fd, nslots * slot_bytes)
-        cls = SizeClass(slot_bytes, path, fd, nslots)
+        path = os.path.join(self.shm_dir, f"{self.prefix}{'-' + group if group else ''}-{slot_bytes}.pool")
+        fd = create_exclusive(path)
+        try:
+            os.ftruncate(fd, nslots * slot_bytes)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        cls = SizeClass(slot_bytes, path, fd, nslots, group)
         if prefault and not self.classes:
             cls.hwm = nslots
             cls.free = list(range(nslots - 1, -1, -1))
-        self.classes[slot_bytes] = cls
+        self.classes[cls.key] = cls
         return cls
 
     def mark_registered(self, cls: SizeClass) -> None:
         """The class's file is pinned for a GPU (``cudaHostRegister``): its memory must never be
         punched (the GPU would keep writing pages the file no longer holds), so it is never
         handed to another size class; its own slots are reused as usual."""
-        self._registered.add(cls.slot_bytes)
+        self._registered.add(cls.key)
 
     def unmark_registered(self, cls: SizeClass) -> None:
         """The GPU no longer pins the class's file (its last KV registration closed): its free
         memory may go to other size classes again."""
-        self._registered.discard(cls.slot_bytes)
+        self._registered.discard(cls.key)
 
     @staticmethod
     def prefault_job(cls: SizeClass) -> BackingJob:
@@ -286,7 +389,11 @@ class HostTier(PinnedTier[HostEntry]):
 
     def close(self) -> None:
         """Close and unlink every pool file (daemon shutdown)."""
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
         for cls in self.classes.values():
+            cls.unmap()
             os.close(cls.fd)
             try:
                 os.unlink(cls.path)
@@ -312,7 +419,7 @@ class HostTier(PinnedTier[HostEntry]):
         order = iter(candidates)
         for bkey in bkeys:
             slot = self._take_slot(cls, victims, fresh, order)
-            out.append(None if slot is None else HostEntry(bkey, cls, slot, block_bytes))
+            out.append(None if slot is None else HostEntry(bkey, cls, slot, block_bytes, gen=cls.bump(slot)))
         ranges = [(cls.fd, s * cls.slot_bytes, cls.slot_bytes) for s in fresh]
         return Reservation(out, victims, BackingJob(ranges))
 
@@ -338,13 +445,14 @@ class HostTier(PinnedTier[HostEntry]):
                 return victim.slot
             # another class's slot: its memory is released in finish_eviction; count it as
             # released now so the budget admits a fresh slot of this class.
+            victim.cls.bump(victim.slot)
             victim.cls.holes.append(victim.slot)
             self._pending_punch.append((victim.cls, victim.slot))
 
     def _release_free_slot(self, needy: SizeClass) -> None:
         """Give the budget of another class's free (backed, unused) slots to ``needy``."""
         for other in self.classes.values():
-            if other.slot_bytes in self._registered:
+            if other.key in self._registered:
                 continue
             while other is not needy and other.free and self.backed_bytes + needy.slot_bytes > self.capacity:
                 slot = other.free.pop()
@@ -357,7 +465,7 @@ class HostTier(PinnedTier[HostEntry]):
         Candidates passed over stay passed over for the rest of one ``reserve`` (nothing
         changes their pins or classes meanwhile)."""
         return take_unpinned(self.entries, self.per_fp, order,
-                             lambda e: e.cls is needy or e.cls.slot_bytes not in self._registered)
+                             lambda e: e.cls is needy or e.cls.key not in self._registered)
 
     def _hide(self, entry: HostEntry) -> None:
         hide_entry(self.entries, self.per_fp, entry)
@@ -370,7 +478,11 @@ class HostTier(PinnedTier[HostEntry]):
 
     def commit(self, entry: HostEntry) -> bool:
         """Make a granted entry visible. False (and the slot freed) if the key became visible
-        meanwhile through another grant: the first commit wins, the bytes are the same block."""
+        meanwhile through another grant: the first commit wins, the bytes are the same block.
+        False, and nothing touched, for a stale grant (its slot changed hands since: it is
+        another block's now)."""
+        if not entry.current:
+            return False
         if entry.bkey in self.entries:
             self._free_slot(entry)
             return False
@@ -380,14 +492,16 @@ class HostTier(PinnedTier[HostEntry]):
         return True
 
     def abort(self, entry: HostEntry) -> None:
-        """Give back a grant that was never committed."""
+        """Give back a grant that was never committed (a stale one gives nothing back)."""
         self._free_slot(entry)
 
     def unback(self, entries: list[HostEntry]) -> None:
         """Give back grants whose memory could not be allocated (tmpfs full): their slots
         become holes, so the budget shrinks to what the filesystem can really hold."""
         for e in entries:
-            e.cls.holes.append(e.slot)
+            if e.current:
+                e.cls.bump(e.slot)
+                e.cls.holes.append(e.slot)
 
     def remove(self, bkeys: Iterable[bytes]) -> list[HostEntry]:
         """Hide these entries; free their slots now, or on the last unpin if pinned."""
@@ -404,4 +518,78 @@ class HostTier(PinnedTier[HostEntry]):
         return out
 
     def _free_slot(self, entry: HostEntry) -> None:
-        entry.cls.free.append(entry.slot)
+        if entry.current:  # a stale entry's slot is another block's: never freed twice
+            entry.cls.bump(entry.slot)
+            entry.cls.free.append(entry.slot)
+
+    # -- integrity -----------------------------------------------------------------------
+
+    @staticmethod
+    def _checksums(entries: Sequence[HostEntry]) -> list[int]:
+        return [payload_checksum(e.cls.payload(e.offset, e.block_bytes)) for e in entries]
+
+    async def checksums(self, entries: Sequence[HostEntry]) -> list[int]:
+        """The payload checksum of each entry's slot as it is now. Small batches are hashed
+        inline; larger ones in up to ``HASH_THREADS`` parts on the hashing threads (xxhash
+        releases the GIL), while the caller awaits. The caller keeps the slots from being
+        reused meanwhile (grants not yet committed, or pinned entries)."""
+        if sum(e.block_bytes for e in entries) <= INLINE_HASH_BYTES:
+            return self._checksums(entries)
+        for e in entries:
+            e.cls.payload(0, 0).release()  # map on the loop, not on the threads
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvtier-host-hash")
+        loop = asyncio.get_running_loop()
+        n = min(HASH_THREADS, len(entries))
+        parts = [entries[i::n] for i in range(n)]
+        sums = await asyncio.gather(*(loop.run_in_executor(self._hasher, self._checksums, p) for p in parts))
+        out = [0] * len(entries)
+        for i in range(n):
+            out[i::n] = sums[i]
+        return out
+
+    def seal(self, entries: Sequence[HostEntry]) -> None:
+        """Take the payload checksum of granted entries, as they are committed: now if the
+        batch is small, else on the hashing threads (``entry.sealing`` until it is taken)."""
+        if sum(e.block_bytes for e in entries) <= INLINE_HASH_BYTES:
+            for e, c in zip(entries, self._checksums(entries), strict=True):
+                e.checksum = c
+            return
+        task = asyncio.ensure_future(self._seal_later(list(entries)))
+        self._sealing.add(task)
+        task.add_done_callback(self._sealing.discard)
+        for e in entries:
+            e.sealing = task
+
+    async def _seal_later(self, entries: list[HostEntry]) -> None:
+        try:
+            for e, c in zip(entries, await self.checksums(entries), strict=True):
+                e.checksum = c
+        finally:
+            for e in entries:
+                e.sealing = None
+
+    async def sealed(self, entries: Iterable[HostEntry]) -> None:
+        """Wait until the checksums of these entries are taken (see :meth:`seal`)."""
+        pending = {id(t): t for t in (e.sealing for e in entries) if t is not None}
+        if pending:
+            await asyncio.gather(*pending.values(), return_exceptions=True)
+
+    async def verify(self, entries: Sequence[HostEntry]) -> list[HostEntry]:
+        """The entries whose payload no longer matches the checksum taken at commit (entries
+        without a checksum are not judged). The caller pins them meanwhile."""
+        await self.sealed(entries)
+        judged = [e for e in entries if e.checksum is not None]
+        return [e for e, c in zip(judged, await self.checksums(judged), strict=True) if c != e.checksum]
+
+
+def create_exclusive(path: str) -> int:
+    """Create a new pool file, owner-only: never an existing file, never through a link."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ELOOP):
+            what = "a symbolic link" if os.path.islink(path) else "a file"
+            raise PoolFileError(f"pool file {path}: {what} is already there; refusing to use or follow it "
+                                f"(another process planted it, or a daemon with this name is running)") from None
+        raise

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 #: bytes per element of every dtype name a layout may use
@@ -28,6 +28,17 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 SLOT_ALIGN = 4096
+
+# -- limits (a layout comes off the wire: each field is bounded, each refusal names its limit) --
+MAX_TENSORS = 4096          #: tensors in one layout (SGLang: 2 per layer)
+MAX_DIMS = 8                #: dimensions of one tensor's shape
+MAX_EXTENT = 1 << 40        #: extent of one dimension
+MAX_NAME_CHARS = 128        #: characters of a tensor name (and of a dtype name)
+MAX_BLOCK_TOKENS = 1 << 16  #: tokens of one block
+MAX_TP_SIZE = 4096          #: tensor-parallel size
+MAX_BLOCK_BYTES = 1 << 30   #: payload bytes of one block (1 GiB): one host slot
+MAX_LAYOUTS = 256           #: layouts one daemon accepts (each its own id, stats and NodeInfo entry)
+MAX_SLOT_SIZES = 16         #: distinct slot sizes one daemon accepts (each a pool file and an fd)
 
 
 class LayoutError(ValueError):
@@ -59,6 +70,37 @@ class TensorSpec:
                 "block_dim": self.block_dim, "token_indexed": self.token_indexed}
 
 
+def _short(text: str, n: int = 40) -> str:
+    """``text`` cut for a message (the names checked here come off the wire, of any length)."""
+    return repr(text) if len(text) <= n else f"{text[:n]!r}... ({len(text)} characters)"
+
+
+def check_tensor_count(n: int) -> None:
+    if n > MAX_TENSORS:
+        raise LayoutError(f"{n} tensors; the limit is {MAX_TENSORS} tensors per layout")
+
+
+def check_dims(name: str, ndim: int) -> None:
+    if ndim > MAX_DIMS:
+        raise LayoutError(f"tensor {_short(name)}: {ndim} dimensions; the limit is {MAX_DIMS} per tensor")
+
+
+def _validate_tensor(t: TensorSpec) -> None:
+    """Refuse a tensor with a field out of its bounds (see the limits above)."""
+    if len(t.name) > MAX_NAME_CHARS:
+        raise LayoutError(f"tensor name {_short(t.name)} is too long; the limit is {MAX_NAME_CHARS} characters")
+    if t.dtype not in DTYPE_BYTES:
+        raise LayoutError(f"tensor {_short(t.name)}: unknown dtype {_short(t.dtype)}; known: {sorted(DTYPE_BYTES)}")
+    check_dims(t.name, len(t.shape))
+    if not t.shape or any(d <= 0 for d in t.shape):
+        raise LayoutError(f"tensor {_short(t.name)}: shape {list(t.shape)} must be non-empty and positive")
+    if any(d > MAX_EXTENT for d in t.shape):
+        raise LayoutError(f"tensor {_short(t.name)}: shape {list(t.shape)} has an extent over the limit of "
+                          f"{MAX_EXTENT} (2^40) per dimension")
+    if not 0 <= t.block_dim < len(t.shape):
+        raise LayoutError(f"tensor {_short(t.name)}: block_dim {t.block_dim} is outside shape {list(t.shape)}")
+
+
 @dataclass(frozen=True)
 class Layout:
     """The tensors of one model shard in payload order, plus block tokens and TP rank/size."""
@@ -77,21 +119,22 @@ class Layout:
     def _validate(self) -> None:
         if not self.tensors:
             raise LayoutError("layout has no tensors: list every KV tensor of the model shard")
-        if self.block_tokens <= 0:
-            raise LayoutError(f"block_tokens must be positive, got {self.block_tokens}")
-        if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
+        check_tensor_count(len(self.tensors))
+        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
+            raise LayoutError(f"block_tokens must be 1 to {MAX_BLOCK_TOKENS}, got {self.block_tokens}")
+        if not 0 < self.tp_size <= MAX_TP_SIZE:
+            raise LayoutError(f"tp_size must be 1 to {MAX_TP_SIZE}, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank {self.tp_rank} is not in [0, tp_size={self.tp_size})")
         names = set()
         for t in self.tensors:
-            if t.dtype not in DTYPE_BYTES:
-                raise LayoutError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}; known: {sorted(DTYPE_BYTES)}")
-            if not t.shape or any(d <= 0 for d in t.shape):
-                raise LayoutError(f"tensor {t.name!r}: shape {list(t.shape)} must be non-empty and positive")
-            if not 0 <= t.block_dim < len(t.shape):
-                raise LayoutError(f"tensor {t.name!r}: block_dim {t.block_dim} is outside shape {list(t.shape)}")
+            _validate_tensor(t)
             if t.name in names:
                 raise LayoutError(f"tensor name {t.name!r} appears twice")
             names.add(t.name)
+        if self.block_bytes > MAX_BLOCK_BYTES:
+            raise LayoutError(f"one block would be {self.block_bytes} bytes; the limit is {MAX_BLOCK_BYTES} "
+                              f"(1 GiB) per block: use fewer block_tokens or split the layout")
 
     def canonical(self) -> dict:
         return {"tensors": [t.canonical() for t in self.tensors], "block_tokens": self.block_tokens,
@@ -161,7 +204,10 @@ def layout_to_proto(layout: Layout, msg_cls: type) -> object:
 
 def layout_from_proto(msg: object) -> Layout:
     """Build a :class:`Layout` from a ``kvtier.v1.LayoutSpec``; raises :class:`LayoutError`."""
-    tensors: Iterable = msg.tensors  # type: ignore[attr-defined]
+    tensors: Sequence = msg.tensors  # type: ignore[attr-defined]
+    check_tensor_count(len(tensors))  # before a spec is built for each
+    for t in tensors:
+        check_dims(t.name, len(t.shape))
     specs: Sequence[TensorSpec] = tuple(
         TensorSpec(t.name, t.dtype, tuple(int(x) for x in t.shape), int(t.block_dim), bool(t.token_indexed))
         for t in tensors)

@@ -228,6 +228,25 @@ class _SidecarCore:
         return self._transport.target
 
     @property
+    def tenant(self) -> str:
+        """The tenant the daemon knows this client as (from the credential handshake on the unix
+        socket; "" over TCP, where the client certificate says)."""
+        return self._transport.tenant
+
+    @property
+    def key_salt(self) -> str:
+        """The daemon's secret key salt for this client's tenant: what a
+        :class:`~kvtier.client.engine.keys.Namespace` built for this daemon uses by default
+        ("" over TCP)."""
+        return self._transport.key_salt
+
+    def pass_fds(self, fds: Sequence[int]) -> list[str]:
+        """Hand the daemon file descriptors (``SCM_RIGHTS`` over the credential connection; each
+        stays open here too); their handles, in order, usable by this client only, until the
+        daemon takes them or this client closes. Local daemons (unix socket) only."""
+        return self._transport.pass_fds(fds)
+
+    @property
     def timeout(self) -> float:
         return self._transport.timeout
 
@@ -298,15 +317,17 @@ class _SidecarCore:
         result.stored = len(gids)
         return result
 
-    def _get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None) -> Op[list[memoryview | None]]:
+    def _get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None,
+             verify: bool = False) -> Op[list[memoryview | None]]:
         info, keys = self._info(layout_id), _check_keys(keys)
-        return (yield from self._recovering(lambda: self._get_once(info, keys, out)))
+        return (yield from self._recovering(lambda: self._get_once(info, keys, out, verify)))
 
-    def _get_once(self, info: _LayoutInfo, keys: list[bytes], out: Sequence[Any] | None) -> Op[list[memoryview | None]]:
+    def _get_once(self, info: _LayoutInfo, keys: list[bytes], out: Sequence[Any] | None,
+                  verify: bool = False) -> Op[list[memoryview | None]]:
         yield SETTLE
         sid = yield from self._bound_session()
         reply = yield Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                      keys=keys))
+                                                                      keys=keys, verify=verify))
         try:
             return self._read(info, reply, out)
         finally:
@@ -653,9 +674,12 @@ class Sidecar(_SidecarCore):
         once the blocks are on disk and indexed (needs the disk tier)."""
         return self._transport.run(self._put(layout_id, keys, blocks, durable))
 
-    def get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None = None) -> list[memoryview | None]:
-        """Copy the blocks held under ``keys`` out (into ``out`` buffers if given); None per miss."""
-        return self._transport.run(self._get(layout_id, keys, out))
+    def get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None = None, *,
+            verify: bool = False) -> list[memoryview | None]:
+        """Copy the blocks held under ``keys`` out (into ``out`` buffers if given); None per miss.
+        ``verify``: the daemon checks each block against the checksum taken at its commit first
+        (a block changed since is dropped: a miss)."""
+        return self._transport.run(self._get(layout_id, keys, out, verify))
 
     def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         """The fastest tier holding each key ("gpu", "host", "disk"), or None.
@@ -735,9 +759,9 @@ class AsyncSidecar(_SidecarCore):
         return await self._transport.run(self._put(layout_id, keys, blocks, durable))
 
     async def get(self, layout_id: int, keys: Sequence[bytes],
-                  out: Sequence[Any] | None = None) -> list[memoryview | None]:
+                  out: Sequence[Any] | None = None, *, verify: bool = False) -> list[memoryview | None]:
         """As :meth:`Sidecar.get` (the release goes in the background there too)."""
-        return await self._transport.run(self._get(layout_id, keys, out))
+        return await self._transport.run(self._get(layout_id, keys, out, verify))
 
     async def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         """As :meth:`Sidecar.lookup`; a key table read never waits."""

@@ -58,13 +58,14 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
+from kvtier.handshake import Credentials, HandshakeError
 from kvtier.paths import SOCKET_ENV, default_socket_path, start_hint
 from kvtier.proto import locations_pb2_grpc, node_pb2, node_pb2_grpc, transfer_pb2_grpc
 
@@ -77,8 +78,9 @@ UNIX_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_r
 # A FAILED_PRECONDITION (unknown session or layout) or UNAVAILABLE answer may mean the daemon restarted.
 RESTART_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
 # A background call that failed with one of these lost nothing the caller must hear about: the
-# session it named is gone and its pins with it (CANCELLED: the daemon's shutdown cancels calls).
-_GONE_CODES = (*RESTART_CODES, grpc.StatusCode.CANCELLED)
+# session it named is gone and its pins with it (CANCELLED: the daemon's shutdown cancels calls;
+# UNAUTHENTICATED: the token died with the daemon that issued it).
+_GONE_CODES = (*RESTART_CODES, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAUTHENTICATED)
 
 T = TypeVar("T")
 
@@ -243,8 +245,167 @@ class DeadlineExceeded(_CodedError):
     CODE = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(_CodedError):
+    """The daemon does not know who is calling: no valid token (unix socket) or certificate (TCP)."""
+
+    CODE = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(_CodedError):
+    """The caller may not do this: its uid is not admitted, or it names another caller's id."""
+
+    CODE = grpc.StatusCode.PERMISSION_DENIED
+
+
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[_CodedError]] = {
-    cls.CODE: cls for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded)}
+    cls.CODE: cls for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded,
+                              Unauthenticated, PermissionDenied)}
+
+
+# -- who is calling (issue 12) ----------------------------------------------------------------
+
+def handshake_error(e: HandshakeError, endpoint: Endpoint | None = None) -> KvtierError:
+    """The :class:`KvtierError` of a failed credential handshake (an absent daemon named as
+    :meth:`Endpoint.check` names it)."""
+    if e.code == "UNAVAILABLE" and endpoint is not None:
+        problem = endpoint.problem()
+        if problem is not None:
+            return endpoint.unavailable(problem)
+    code = getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNAUTHENTICATED)
+    cls = _ERROR_BY_CODE.get(code)
+    return cls(e.details) if cls is not None else KvtierError(code, e.details)
+
+
+class _Meta(collections.namedtuple("_Meta", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                             "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                       grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds a local client's token (``metadata()``: the pairs to add) to every call of a blocking channel."""
+
+    def __init__(self, metadata: Any) -> None:
+        self._metadata = metadata
+
+    def _details(self, d: Any) -> _Meta:
+        return _Meta(d.method, d.timeout, (*(d.metadata or ()), *self._metadata()), d.credentials,
+                     d.wait_for_ready, getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+class _AsyncToken:
+    """Adds a local client's token to every call of a ``grpc.aio`` channel (given when the channel
+    is made; :func:`async_token_interceptors`)."""
+
+    def __init__(self, metadata: Any) -> None:
+        self._metadata = metadata
+
+    def _details(self, d: Any) -> Any:
+        return d._replace(metadata=grpc.aio.Metadata(*(d.metadata or ()), *self._metadata()))
+
+
+class _AsyncUnaryUnary(_AsyncToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AsyncUnaryStream(_AsyncToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AsyncStreamUnary(_AsyncToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+class _AsyncStreamStream(_AsyncToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+def async_token_interceptors(metadata: Any) -> list:
+    """The interceptors that add ``metadata()`` to every call of a ``grpc.aio`` channel (one per
+    kind of call: an aio channel files each interceptor under the first kind it is)."""
+    return [cls(metadata) for cls in (_AsyncUnaryUnary, _AsyncUnaryStream, _AsyncStreamUnary, _AsyncStreamStream)]
+
+
+class Identity:
+    """A client's identity toward one daemon: for a unix socket, its credential connection
+    (:class:`kvtier.handshake.Credentials`, made on first need and re-made when the daemon that
+    issued it is gone); for TCP, nothing here (TLS carries the client certificate)."""
+
+    def __init__(self, endpoint: Endpoint, client_name: str, timeout: float | None) -> None:
+        self.endpoint = endpoint
+        self.credentials = (Credentials(endpoint.socket, client_name, timeout)
+                            if endpoint.socket is not None else None)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The pairs every call carries (the token); hand-shakes first if not yet done."""
+        creds = self.credentials
+        if creds is None:
+            return ()
+        md = creds.metadata
+        if md:
+            return md
+        self._ensure(creds)
+        return creds.metadata
+
+    def refresh(self) -> bool:
+        """Re-hand-shake if the daemon closed the credential connection (it stopped or restarted);
+        True if it did (a call refused UNAUTHENTICATED is then worth retrying once)."""
+        return self.credentials is not None and self._ensure(self.credentials)
+
+    def _ensure(self, creds: Credentials) -> bool:
+        try:
+            return creds.ensure()
+        except HandshakeError as e:
+            if e.code == "UNAVAILABLE" and self.endpoint.problem() is None:
+                # something serves the gRPC socket but no credential socket: calls go without a
+                # token (a kvtierd answers UNAUTHENTICATED; anything else, as it will)
+                return False
+            raise handshake_error(e, self.endpoint) from None
+
+    def _do(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except HandshakeError as e:
+            raise handshake_error(e, self.endpoint) from None
+
+    @property
+    def tenant(self) -> str:
+        if self.credentials is None:
+            return ""
+        self.metadata()
+        return self.credentials.tenant
+
+    @property
+    def key_salt(self) -> str:
+        if self.credentials is None:
+            return ""
+        self.metadata()
+        return self.credentials.key_salt
+
+    def pass_fds(self, fds: Sequence[int]) -> list[str]:
+        if self.credentials is None:
+            raise FailedPrecondition("file descriptors can be passed only to a local daemon (unix socket)")
+        return self._do(self.credentials.pass_fds, list(fds))
+
+    def close(self) -> None:
+        if self.credentials is not None:
+            self.credentials.close()
 
 
 def rpc_error(e: grpc.RpcError) -> KvtierError:
@@ -252,6 +413,64 @@ def rpc_error(e: grpc.RpcError) -> KvtierError:
     code, details = e.code(), e.details() or ""
     cls = _ERROR_BY_CODE.get(code)
     return cls(details) if cls is not None else KvtierError(code, details)
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """A client's TLS files for a daemon (or route server) over TCP: its certificate and key
+    (the daemon requires one signed by its --tls-ca) and the CA that signed the server's."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as fh:
+                return fh.read()
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca), private_key=read(self.key),
+                                            certificate_chain=read(self.cert))
+
+    @classmethod
+    def from_env(cls, env: Any = None) -> ClientTls | None:
+        """From ``$KVTIER_TLS_CERT``, ``$KVTIER_TLS_KEY``, ``$KVTIER_TLS_CA`` (as the daemon's own
+        settings are named); None unless all three are set."""
+        env = os.environ if env is None else env
+        files = [env.get(f"KVTIER_TLS_{n}", "") for n in ("CERT", "KEY", "CA")]
+        return cls(*files) if all(files) else None
+
+
+def open_channel(target: str, *, aio: bool = False, tls: ClientTls | None = None, client_name: str = "",
+                 options: list | None = None, timeout: float | None = 10.0) -> Any:
+    """A gRPC channel to a kvtierd: ``target`` a gRPC target (``unix:PATH``, ``HOST:PORT``).
+
+    Over a unix socket the credential handshake is done first (raising :class:`KvtierError`:
+    Unavailable, PermissionDenied) and every call carries the token; the credential connection
+    lives as long as the channel object (``channel.kvtier_credentials``; closed with it when
+    collected, or by ``channel.kvtier_credentials.close()``). Over TCP: TLS with ``tls`` (a
+    client certificate), else plaintext."""
+    options = list(CHANNEL_OPTIONS if options is None else options)
+    path = unix_socket(target)
+    if path is None:
+        if tls is not None:
+            creds = tls.channel_credentials()
+            return (grpc.aio.secure_channel if aio else grpc.secure_channel)(target, creds, options=options)
+        return (grpc.aio.insecure_channel if aio else grpc.insecure_channel)(target, options=options)
+    identity = Credentials(path, client_name or default_client_name(), timeout)
+    try:
+        identity.connect()
+    except HandshakeError as e:
+        raise handshake_error(e) from None
+
+    def metadata() -> tuple[tuple[str, str], ...]:
+        return identity.metadata
+
+    if aio:
+        channel = grpc.aio.insecure_channel(target, options=options, interceptors=async_token_interceptors(metadata))
+    else:
+        channel = grpc.intercept_channel(grpc.insecure_channel(target, options=options), TokenInterceptor(metadata))
+    channel.kvtier_credentials = identity
+    return channel
 
 
 # -- the session stream -------------------------------------------------------------------
@@ -265,6 +484,7 @@ class _Session:
     def __init__(self, node: Any, client_name: str, endpoint: Endpoint | None = None,
                  timeout: float | None = None) -> None:
         self._node = node
+        self.identity: Identity | None = None  # set by the transport: the token the stream carries
         self.client_name = client_name
         self._endpoint = endpoint
         self._timeout = timeout
@@ -290,6 +510,11 @@ class _Session:
     def _check(self) -> None:
         if self._endpoint is not None:
             self._endpoint.check()
+        if self.identity is not None:
+            self.identity.refresh()
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.identity.metadata() if self.identity is not None else ()
 
     def _error(self, e: grpc.RpcError) -> KvtierError:
         return self._endpoint.error(e) if self._endpoint is not None else rpc_error(e)
@@ -346,7 +571,7 @@ class SessionStream(_Session):
                 while q.get() is not None:
                     pass
 
-            call = self._node.Session(requests(), wait_for_ready=True, timeout=None)
+            call = self._node.Session(requests(), wait_for_ready=True, timeout=None, metadata=self._metadata())
             expired = threading.Event()
             timer = None
             if self._timeout is not None:  # the stream has no deadline: only its opening is bounded
@@ -415,7 +640,7 @@ class AsyncSessionStream(_Session):
             if self._call is not None:
                 return self.session_id
             self._check()
-            call = self._node.Session(wait_for_ready=True)
+            call = self._node.Session(wait_for_ready=True)  # the channel's interceptor adds the token
 
             async def first() -> Any:
                 await call.write(self._hello())
@@ -526,8 +751,9 @@ class _Transport:
         self.target = self.endpoint.target
         self.client_name = client_name or default_client_name()
         self.timeout = timeout
+        self.identity = Identity(self.endpoint, self.client_name, timeout)
         options = CHANNEL_OPTIONS + (UNIX_CHANNEL_OPTIONS if self.endpoint.socket is not None else [])
-        self.channel = channel(self.target, options=options)
+        self.channel = channel(self.target, options)
         self.node = node_pb2_grpc.NodeStub(self.channel)
         self.locations = locations_pb2_grpc.LocationsStub(self.channel)
         self.transfer = transfer_pb2_grpc.TransferStub(self.channel)
@@ -536,6 +762,20 @@ class _Transport:
 
     def _method(self, call: Call) -> Any:
         return getattr(getattr(self, call.service), call.method)
+
+    @property
+    def tenant(self) -> str:
+        """The tenant the daemon knows this client as ("" over TCP: the certificate says)."""
+        return self.identity.tenant
+
+    @property
+    def key_salt(self) -> str:
+        """The daemon's key salt for this client's tenant ("" over TCP)."""
+        return self.identity.key_salt
+
+    def pass_fds(self, fds: Sequence[int]) -> list[str]:
+        """Hand the daemon file descriptors over the credential connection; their handles."""
+        return self.identity.pass_fds(fds)
 
     def _timeout(self, call: Call) -> float:
         return self.timeout if call.timeout is None else call.timeout
@@ -618,9 +858,18 @@ class Transport(_Transport):
 
     def __init__(self, path: str | None = None, *, target: str | None = None, client_name: str | None = None,
                  timeout: float = 60.0) -> None:
-        super().__init__(path, target, client_name, timeout, grpc.insecure_channel)
+        super().__init__(path, target, client_name, timeout, self._make_channel)
         self._lock = threading.RLock()
         self.session = SessionStream(self.node, self.client_name, self._lock, self.endpoint, timeout)
+        self.session.identity = self.identity
+
+    def _make_channel(self, target: str, options: list) -> grpc.Channel:
+        # the stubs call the plain channel and pass the token themselves (the cheapest);
+        # ``channel``, for whoever speaks the protocol directly, adds it to every call
+        self._plain = grpc.insecure_channel(target, options=options)
+        if self.identity.credentials is None:
+            return self._plain
+        return grpc.intercept_channel(self._plain, TokenInterceptor(self.identity.metadata))
 
     def run(self, op: Op[T]) -> T:
         """Perform ``op``'s steps, blocking; its result (or its error)."""
@@ -631,18 +880,27 @@ class Transport(_Transport):
 
     def close(self) -> None:
         self.session.close()
-        self.channel.close()
+        self._plain.close()
+        self.identity.close()
 
     async def _unary(self, call: Call) -> Any:
         if call.wait_for_ready:  # it would wait for a daemon that is not there until the timeout
             self.endpoint.check()
-        return self._method(call)(call.request, timeout=self._timeout(call), wait_for_ready=call.wait_for_ready)
+        method = self._method(call)
+        try:
+            return method(call.request, timeout=self._timeout(call), wait_for_ready=call.wait_for_ready,
+                          metadata=self.identity.metadata())
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED or not self.identity.refresh():
+                raise
+        return method(call.request, timeout=self._timeout(call), wait_for_ready=call.wait_for_ready,
+                      metadata=self.identity.metadata())
 
     async def _open(self) -> int:
         return self.session.open()
 
     def _start(self, call: Call) -> Any:
-        return self._method(call).future(call.request, timeout=self._timeout(call))
+        return self._method(call).future(call.request, timeout=self._timeout(call), metadata=self.identity.metadata())
 
     async def _wait(self, handle: Any) -> None:
         handle.result()
@@ -657,9 +915,15 @@ class AsyncTransport(_Transport):
 
     def __init__(self, path: str | None = None, *, target: str | None = None, client_name: str | None = None,
                  timeout: float = 60.0) -> None:
-        super().__init__(path, target, client_name, timeout, grpc.aio.insecure_channel)
+        super().__init__(path, target, client_name, timeout, self._make_channel)
         self._lock = asyncio.Lock()
         self.session = AsyncSessionStream(self.node, self.client_name, self._lock, self.endpoint, timeout)
+        self.session.identity = self.identity
+
+    def _make_channel(self, target: str, options: list) -> grpc.aio.Channel:
+        # the token goes with every call, the stubs' and those of whoever uses ``channel`` directly
+        interceptors = async_token_interceptors(self.identity.metadata) if self.identity.credentials else None
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
     async def run(self, op: Op[T]) -> T:
         """Perform ``op``'s steps, awaiting each; its result (or its error)."""
@@ -668,12 +932,18 @@ class AsyncTransport(_Transport):
     async def close(self) -> None:
         self.session.close()
         await self.channel.close()
+        self.identity.close()
 
     async def _unary(self, call: Call) -> Any:
         if call.wait_for_ready:
             self.endpoint.check()
-        return await self._method(call)(call.request, timeout=self._timeout(call),
-                                        wait_for_ready=call.wait_for_ready)
+        method = self._method(call)
+        try:
+            return await method(call.request, timeout=self._timeout(call), wait_for_ready=call.wait_for_ready)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED or not self.identity.refresh():
+                raise
+        return await method(call.request, timeout=self._timeout(call), wait_for_ready=call.wait_for_ready)
 
     async def _open(self) -> int:
         return await self.session.open()

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvtier.client.engine.transport import ClientTls, KvtierError, open_channel
 from kvtier.client.routing.index import FoldError, LocationIndex
 from kvtier.proto import locations_pb2, locations_pb2_grpc
 
@@ -122,8 +123,9 @@ class Feeds:
     def __init__(self, index: LocationIndex, lock: threading.RLock, *, daemons: Sequence[str] = (),
                  dns: Sequence[str] = (), resolve_interval_s: float = 10.0, reconnect_min_s: float = 0.1,
                  reconnect_max_s: float = 5.0, subscriber: str = "kvtier-router",
-                 resolve: Resolve | None = None) -> None:
+                 resolve: Resolve | None = None, tls: ClientTls | None = None) -> None:
         self.index = index
+        self.tls = tls  # client certificate for daemons over TCP (their --tcp with --tls-ca)
         self._lock = lock
         self.daemons = tuple(dict.fromkeys(feed_target(t) for t in daemons))
         self.dns = tuple(dns)
@@ -270,7 +272,7 @@ class Feeds:
                 await self._stream(target, received)
             except asyncio.CancelledError:
                 raise
-            except (grpc.RpcError, FeedError, FoldError, _StreamEnded, _DuplicateNode) as e:
+            except (grpc.RpcError, KvtierError, FeedError, FoldError, _StreamEnded, _DuplicateNode) as e:
                 if received[0]:  # it was up: retry soon
                     delay = self.reconnect_min_s
                 self._dropped(target, e, delay)
@@ -280,23 +282,35 @@ class Feeds:
     async def _stream(self, target: str, received: list[int]) -> None:
         """One subscription, from the node's position, until it breaks (raises); counts the
         messages in ``received[0]``."""
-        async with grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS) as channel:
-            stub = locations_pb2_grpc.LocationsStub(channel)
+        # a unix socket: the credential handshake first (the token goes with the stream); TCP:
+        # TLS with this router's client certificate when it has one
+        channel = open_channel(target, aio=True, tls=self.tls, client_name=self.subscriber, options=_CHANNEL_OPTIONS,
+                               timeout=2.0)
+        try:
+            await self._subscribe(channel, target, received)
+        finally:
+            await channel.close()
+            creds = getattr(channel, "kvtier_credentials", None)
+            if creds is not None:
+                creds.close()
+
+    async def _subscribe(self, channel: grpc.aio.Channel, target: str, received: list[int]) -> None:
+        stub = locations_pb2_grpc.LocationsStub(channel)
+        with self._lock:
+            node = self.targets.get(target, "")
+            epoch, seq = self.index.position(node) if node else (0, 0)
+        call = stub.WatchLocations(locations_pb2.WatchLocationsRequest(
+            epoch=epoch, from_seq=seq, subscriber=self.subscriber), wait_for_ready=False)
+        async for reply in call:
             with self._lock:
-                node = self.targets.get(target, "")
-                epoch, seq = self.index.position(node) if node else (0, 0)
-            call = stub.WatchLocations(locations_pb2.WatchLocationsRequest(
-                epoch=epoch, from_seq=seq, subscriber=self.subscriber), wait_for_ready=False)
-            async for reply in call:
-                with self._lock:
-                    st = self.status[target]
-                    if received[0] == 0:
-                        st.connected = True
-                    elif received[0] == 1 and epoch and reply.WhichOneof("body") == "events":
-                        st.resumes += 1
-                    self.apply(target, reply)
-                received[0] += 1
-            raise _StreamEnded("the daemon ended the stream (stopping?)")
+                st = self.status[target]
+                if received[0] == 0:
+                    st.connected = True
+                elif received[0] == 1 and epoch and reply.WhichOneof("body") == "events":
+                    st.resumes += 1
+                self.apply(target, reply)
+            received[0] += 1
+        raise _StreamEnded("the daemon ended the stream (stopping?)")
 
     def _dropped(self, target: str, e: Exception, retry_s: float) -> None:
         msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)

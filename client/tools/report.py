@@ -36,10 +36,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import grpc
 
-from kvtier.client.engine.transport import socket_path
+from kvtier.client.engine.transport import ClientTls, KvtierError, open_channel, socket_path
 from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.vocab import TIER_LABELS, Tier
 
@@ -164,19 +165,31 @@ class _GrpcSource:
     """A daemon's Stats RPC over its unix socket or gRPC ``HOST:PORT``."""
 
     def __init__(self, target: str, timeout: float) -> None:
-        self.channel = grpc.insecure_channel(target)
-        self.stub = node_pb2_grpc.NodeStub(self.channel)
+        self.target = target
+        self.channel: Any = None  # opened on first use (a unix socket's credential handshake first)
         self.timeout = timeout
 
     def report(self, target: str, op: str) -> NodeReport:
         try:
-            reply = self.stub.Stats(node_pb2.StatsRequest(), timeout=self.timeout, wait_for_ready=True)
+            if self.channel is None:
+                self.channel = open_channel(self.target, tls=ClientTls.from_env(), timeout=self.timeout)
+            reply = node_pb2_grpc.NodeStub(self.channel).Stats(node_pb2.StatsRequest(), timeout=self.timeout,
+                                                               wait_for_ready=True)
+        except KvtierError as e:
+            raise Unreachable(f"{e.code.name}: {e.details}") from None
         except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE):
+                self.close()  # a restarted daemon knows no old token: hand-shake again next time
             raise Unreachable(f"{e.code().name}: {e.details() or ''}") from None
         return from_stats_reply(target, reply, op)
 
     def close(self) -> None:
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
+            creds = getattr(self.channel, "kvtier_credentials", None)
+            if creds is not None:
+                creds.close()
+            self.channel = None
 
 
 def fleet_total(nodes: Sequence[NodeReport]) -> NodeReport:

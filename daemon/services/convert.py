@@ -13,13 +13,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.daemon.counters import Counters, Op, Place
+from kvtier.daemon.errors import Code, StoreError
 from kvtier.daemon.events import EventKind, LocationEvent, NodeInfo
 from kvtier.daemon.gpu import KVRegistration, TransferOrder, TransferResult, TransferStatus
 from kvtier.daemon.results import GrantResult, GrantStatus, LeaseResult
 from kvtier.daemon.stats import NodeStats
 from kvtier.proto import locations_pb2, node_pb2, transfer_pb2
 from kvtier.tiers.copy_engine import AllocationRef, TensorRef
-from kvtier.tiers.layout import Layout, layout_from_proto
+from kvtier.tiers.layout import MAX_LAYOUTS, Layout, layout_from_proto
 from kvtier.tiers.vocab import TIERS, Tier
 
 _GRANT = {GrantStatus.GRANTED: node_pb2.GRANTED, GrantStatus.PRESENT: node_pb2.PRESENT,
@@ -62,6 +63,36 @@ def reported_hits(counts: node_pb2.LookupCounts) -> dict[Tier, int]:
     return {Tier.GPU: counts.hit_gpu, Tier.HOST: counts.hit_host, Tier.DISK: counts.hit_disk}
 
 
+MAX_REPORTED_LOOKUPS = 1 << 40
+"""The most lookups (hits and misses, all layouts) one ReportLookups may carry: a sidecar
+reports about every second, so no real report comes near it, while a forged one cannot push
+the counters past what the wire (uint64) carries in any time that matters."""
+
+
+def reported_lookups(request: node_pb2.ReportLookupsRequest) -> list[tuple[int, dict[Tier, int], int]]:
+    """A report as (layout id, hits by tier, misses) per entry; refuses (INVALID_ARGUMENT, and
+    so counts nothing) more entries than a daemon has layouts or more lookups than
+    :data:`MAX_REPORTED_LOOKUPS`."""
+    if len(request.layouts) > MAX_LAYOUTS:
+        raise StoreError(Code.INVALID_ARGUMENT, f"{len(request.layouts)} layout entries in one report; the limit "
+                                                f"is {MAX_LAYOUTS} (one per layout)")
+    out = [(c.layout_id, reported_hits(c), c.miss) for c in request.layouts]
+    total = sum(sum(hits.values()) + miss for _, hits, miss in out)
+    if total > MAX_REPORTED_LOOKUPS:
+        raise StoreError(Code.INVALID_ARGUMENT, f"a report of {total} lookups; the limit is {MAX_REPORTED_LOOKUPS} "
+                                                f"(2^40) lookups per report")
+    return out
+
+
+U64_MAX = (1 << 64) - 1
+
+
+def u64(n: int) -> int:
+    """``n`` clamped to what a uint64 field carries: a counter past it reads as the maximum
+    (saturated) instead of failing the whole reply."""
+    return n if n <= U64_MAX else U64_MAX
+
+
 def counter_names(c: Counters) -> dict[str, int]:
     """Every counter under its name in the Stats reply's ``counters`` map (error codes only
     once refused)."""
@@ -81,7 +112,7 @@ def counter_names(c: Counters) -> dict[str, int]:
             out[f"errors:{code.name}"] = n
     for count, n in c.counts.items():
         out[count.value] = n
-    return out
+    return {name: u64(n) for name, n in out.items()}
 
 
 def stats_reply(s: NodeStats) -> node_pb2.StatsReply:
@@ -99,16 +130,17 @@ def stats_reply(s: NodeStats) -> node_pb2.StatsReply:
     for op in Op:
         for tier in TIERS:
             tally = c.hits[op][tier]
-            reply.hits.add(op=_OP[op], tier=int(tier), blocks=tally.blocks, tokens=tally.tokens)
-        reply.hits.add(op=_OP[op], tier=node_pb2.TIER_NONE, blocks=c.misses[op].blocks, tokens=c.misses[op].tokens)
+            reply.hits.add(op=_OP[op], tier=int(tier), blocks=u64(tally.blocks), tokens=u64(tally.tokens))
+        reply.hits.add(op=_OP[op], tier=node_pb2.TIER_NONE, blocks=u64(c.misses[op].blocks),
+                       tokens=u64(c.misses[op].tokens))
     for flow, n in c.moved.items():
-        reply.bytes_moved.add(source=_PLACE[flow.source], destination=_PLACE[flow.destination], bytes=n)
+        reply.bytes_moved.add(source=_PLACE[flow.source], destination=_PLACE[flow.destination], bytes=u64(n))
     for tier, n in c.evictions.items():
-        reply.evictions.add(tier=int(tier), blocks=n)
+        reply.evictions.add(tier=int(tier), blocks=u64(n))
     for code, n in c.errors.items():
         if n:
-            reply.errors.add(code=code.name, count=n)
-    reply.totals.update({count.value: n for count, n in c.counts.items()})
+            reply.errors.add(code=code.name, count=u64(n))
+    reply.totals.update({count.value: u64(n) for count, n in c.counts.items()})
     return reply
 
 

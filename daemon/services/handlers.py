@@ -1,6 +1,7 @@
 """What every gRPC handler of the daemon shares: errors answered with a status, and timing.
 
-:func:`handled` wraps a unary handler, :func:`handled_stream` a server-streaming one. A
+:func:`handled` wraps a unary handler, :func:`handled_stream` a server-streaming one (an async
+generator), :func:`handled_writer` one that writes its replies itself. A
 refused request (:class:`~kvtier.daemon.errors.StoreError`) is answered with its code's gRPC
 status and its message; a bad layout with INVALID_ARGUMENT; an unexpected exception is logged
 with its traceback and answered INTERNAL, and the daemon keeps serving. Each refusal is
@@ -70,6 +71,23 @@ def handled(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         self.latency.observe(op, time.perf_counter() - started)
         await _abort(self, context, code, message)
         raise AssertionError("unreachable")
+    return wrapper
+
+
+def handled_writer(fn: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """Wrap a server-streaming handler that writes its replies itself (``context.write``):
+    errors as :func:`handled`, not timed (so not listed among the timed ops either)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> None:
+        try:
+            await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            code, message = _refusal(fn.__name__, e)
+            await _abort(self, context, code, message)
+    del wrapper.__wrapped__  # type: ignore[attr-defined]  # the daemon times the handlers that have it
     return wrapper
 
 

@@ -6,25 +6,32 @@
 live events in batches of at most ``BATCH_KEYS`` keys, and an empty batch (``head_seq``) as a
 heartbeat when idle. NodeInfo is sent again whenever the workers change, and once after the
 events a resume replays (they are older than the NodeInfo that opened the stream), so the
-subscriber ends with the node's current workers. ``ReportDeviceBlocks`` applies a report to
-the gpu tier (:class:`~kvtier.daemon.device.DeviceTier`) and answers the seq of the last
-event it produced. Errors and timing: :mod:`kvtier.daemon.services.handlers`.
+subscriber ends with the node's current workers. At most ``max_subscribers`` streams are served
+at once (one more is refused RESOURCE_EXHAUSTED); a subscriber further behind than the event
+ring reaches (``--event-log-keys``) is dropped, RESOURCE_EXHAUSTED "fell behind ...;
+resubscribe", even while a write to it is blocked on its flow control, so what a subscriber
+that never reads holds stays bounded (:meth:`LocationsService._send`). ``ReportDeviceBlocks``
+applies a report to the gpu tier (:class:`~kvtier.daemon.device.DeviceTier`) and answers the
+seq of the last event it produced. Errors and timing: :mod:`kvtier.daemon.services.handlers`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.counters import Count
-from kvtier.daemon.events import LocationEvent, LocationLog
+from kvtier.daemon.errors import Code, StoreError, check_name
+from kvtier.daemon.events import LocationEvent, LocationLog, PackedKeys, TenantLog
 from kvtier.daemon.metrics import OpLatency
 from kvtier.daemon.services import convert
-from kvtier.daemon.services.handlers import handled, handled_stream
+from kvtier.daemon.services.handlers import handled, handled_writer
 from kvtier.proto import locations_pb2, locations_pb2_grpc
 
 log = logging.getLogger("kvtier.events")
@@ -32,6 +39,8 @@ log = logging.getLogger("kvtier.events")
 SNAPSHOT_PART_KEYS = 32768   # keys per SnapshotPart message
 BATCH_KEYS = 32768           # keys per EventBatch message (at least one event)
 HEARTBEAT_S = 5.0            # an idle stream sends an empty EventBatch (head_seq) this often
+MAX_SUBSCRIBERS = 64         # streams at once (--max-feed-subscribers)
+CHECK_S = 0.25               # how often a blocked write looks whether its subscriber fell too far behind
 
 Reply = locations_pb2.WatchLocationsReply
 
@@ -50,50 +59,106 @@ def _batches(events: Sequence[LocationEvent], max_keys: int) -> Iterable[list[Lo
 
 
 def snapshot_parts(at: int, entries: Sequence[LocationEvent], part_keys: int = SNAPSHOT_PART_KEYS
-                   ) -> list[locations_pb2.SnapshotPart]:
-    """A snapshot's entries as parts of at most ``part_keys`` keys (first and last marked)."""
-    parts: list[locations_pb2.SnapshotPart] = []
-    cur = locations_pb2.SnapshotPart(at_seq=at)
+                   ) -> Iterator[locations_pb2.SnapshotPart]:
+    """A snapshot's entries as parts of at most ``part_keys`` keys (first and last marked),
+    made one at a time as they are sent (a subscriber that does not read holds one part, not
+    a copy of the whole snapshot in messages)."""
+    cur = locations_pb2.SnapshotPart(at_seq=at, first=True)
     room = part_keys
     for ev in entries:
         for i in range(0, len(ev.keys), part_keys):
             chunk = ev.keys[i:i + part_keys]
             if len(chunk) > room:
-                parts.append(cur)
+                yield cur
                 cur = locations_pb2.SnapshotPart(at_seq=at)
                 room = part_keys
             cur.entries.append(locations_pb2.LocationEvent(
                 seq=at, kind=locations_pb2.STORED, tier=int(ev.tier), worker_id=ev.worker, fingerprint=ev.fingerprint,
                 keys=chunk))
             room -= len(chunk)
-    parts.append(cur)
-    parts[0].first = True
-    parts[-1].last = True
-    return parts
+    cur.last = True
+    yield cur
+
+
+class _Subscriber:
+    """Where one stream stands: the seq its replies so far bring it to."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
 
 
 class LocationsService(locations_pb2_grpc.LocationsServicer):
     """gRPC face of a :class:`LocationLog` and of the gpu tier (see the module docstring)."""
 
     def __init__(self, log_: LocationLog, latency: OpLatency, heartbeat_s: float = HEARTBEAT_S,
-                 auth: Authenticator | None = None) -> None:
+                 auth: Authenticator | None = None, max_subscribers: int = MAX_SUBSCRIBERS,
+                 check_s: float = CHECK_S) -> None:
         self.auth = auth or Authenticator()  # who is calling (kvtier.daemon.auth)
         self.log = log_
         self.store = log_.store
         self.counters = log_.store.counters
         self.latency = latency
         self.heartbeat_s = heartbeat_s
+        self.max_subscribers = max_subscribers  # --max-feed-subscribers
+        self.check_s = check_s
+        self.subscribers = 0                    # WatchLocations streams open now
 
-    @handled_stream
+    @handled_writer
     async def WatchLocations(self, request: locations_pb2.WatchLocationsRequest,
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[locations_pb2.WatchLocationsReply]:
-        loc = self.log
+                             context: grpc.aio.ServicerContext) -> None:
+        """The feed, at most ``max_subscribers`` streams at once; each reply written only
+        while the subscriber keeps up (see :meth:`_send`)."""
+        check_name(request.subscriber, "subscriber")
+        if self.subscribers >= self.max_subscribers:
+            raise StoreError(Code.RESOURCE_EXHAUSTED,
+                             f"{self.subscribers} location subscribers are connected; the limit is "
+                             f"{self.max_subscribers} (--max-feed-subscribers): retry later")
+        loc = self.log.for_tenant(self.auth.principal(context).tenant)   # the caller's tenant's feed only
+        self.subscribers += 1
+        try:
+            sub = _Subscriber(loc.head)
+            async for reply in self._replies(request, context, sub, loc):
+                await self._send(context, reply, sub, loc)
+        finally:
+            self.subscribers -= 1
+
+    async def _send(self, context: grpc.aio.ServicerContext, reply: Reply, sub: _Subscriber, loc: TenantLog) -> None:
+        """Write one reply. gRPC takes a write only while the subscriber's flow-control window
+        has room, so a subscriber that does not read blocks here, holding what it was given
+        (a snapshot, one batch) and gRPC's bounded buffer; once it is further behind than the
+        ring reaches it is dropped, and with it what it held."""
+        write = asyncio.ensure_future(context.write(reply))
+        try:
+            while True:
+                done, _ = await asyncio.wait((write,), timeout=self.check_s)
+                if done:
+                    write.result()
+                    return
+                behind = loc.behind(sub.seq)
+                if behind:
+                    raise self._fell_behind(behind)
+        finally:
+            if not write.done():
+                write.cancel()
+
+    def _fell_behind(self, behind: int) -> StoreError:
+        self.counters.add(Count.LOCATION_SUBSCRIBERS_BEHIND)
+        return StoreError(Code.RESOURCE_EXHAUSTED,
+                          f"subscriber fell behind by {behind} events (more than the {self.log.max_keys} keys "
+                          f"of events kept, --event-log-keys); resubscribe")
+
+    async def _replies(self, request: locations_pb2.WatchLocationsRequest, context: grpc.aio.ServicerContext,
+                       sub: _Subscriber, loc: TenantLog) -> AsyncIterator[Reply]:
+        """The replies of one stream on the tenant's feed ``loc`` (see the module docstring);
+        ``sub.seq`` follows them."""
         epoch = loc.epoch
         sent_version = loc.info_version
         yield Reply(epoch=epoch, node=convert.node_info_to_wire(loc.node_info()))
         pos: int | None = None
         if loc.can_resume(request.epoch, request.from_seq):
-            pos = request.from_seq
+            pos = sub.seq = request.from_seq
             self.counters.add(Count.LOCATION_RESUMES)
             if pos < loc.head:
                 # the events replayed are older than the NodeInfo just sent (a worker they
@@ -105,15 +170,18 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
         while not loc.closed:
             if pos is None:
                 pos, entries = loc.snapshot()
+                sub.seq = pos
+                # held until sent: as one bytes object per entry, not an object per key
+                entries = [replace(e, keys=PackedKeys(e.keys)) for e in entries]
                 for part in snapshot_parts(pos, entries):
                     yield Reply(epoch=epoch, snapshot=part)
-            events = loc.since(pos)
+                del entries
+            events = loc.since(pos, max_keys=BATCH_KEYS)
             if events is None:
-                self.counters.add(Count.LOCATION_SUBSCRIBERS_BEHIND)
-                pos = None
-                continue
+                raise self._fell_behind(loc.head - pos)
             if events:
                 for batch in _batches(events, BATCH_KEYS):
+                    sub.seq = batch[-1].seq
                     yield Reply(epoch=epoch, events=locations_pb2.EventBatch(
                         events=[convert.event_to_wire(ev) for ev in batch], head_seq=loc.head))
                     pos = batch[-1].seq
@@ -132,13 +200,16 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
     @handled
     async def ReportDeviceBlocks(self, request: locations_pb2.ReportDeviceBlocksRequest,
                                  context: Any) -> locations_pb2.ReportDeviceBlocksReply:
+        principal = self.auth.principal(context)
         if request.session_id:  # the reporting session must be the caller's own (issue 12)
-            self.store.session(request.session_id, self.auth.principal(context))
-        before = self.log.head
+            self.store.session(request.session_id, principal)
+        tenant = principal.tenant
+        loc = self.log.for_tenant(tenant)
+        before = loc.head
         self.store.device.report(request.worker_id, request.layout_id, list(request.stored), list(request.removed),
-                                 request.clear, request.session_id)
-        return locations_pb2.ReportDeviceBlocksReply(seq=self.log.head if self.log.head != before else 0)
+                                 request.clear, request.session_id, tenant)
+        return locations_pb2.ReportDeviceBlocksReply(seq=loc.head if loc.head != before else 0)
 
     @handled
     async def GetNodeInfo(self, request: locations_pb2.NodeInfoRequest, context: Any) -> locations_pb2.NodeInfo:
-        return convert.node_info_to_wire(self.log.node_info())
+        return convert.node_info_to_wire(self.log.for_tenant(self.auth.principal(context).tenant).node_info())

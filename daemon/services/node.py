@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from kvtier.daemon.auth import Authenticator
-from kvtier.daemon.errors import Code, StoreError
+from kvtier.daemon.errors import MAX_NAME_CHARS, Code, StoreError
 from kvtier.daemon.metrics import OpLatency
 from kvtier.daemon.services import convert
 from kvtier.daemon.services.handlers import handled
@@ -38,17 +38,21 @@ class NodeService(node_pb2_grpc.NodeServicer):
     async def RegisterLayout(self, request: node_pb2.RegisterLayoutRequest, context: Any) -> node_pb2.RegisterLayoutReply:
         if not request.HasField("layout"):
             raise StoreError(Code.INVALID_ARGUMENT, "RegisterLayout needs a layout")
-        reg = await self.store.register_layout(convert.layout_from_wire(request.layout))
-        cls = self.store.pool(reg.layout)
+        tenant = self.auth.principal(context).tenant
+        reg = await self.store.register_layout(convert.layout_from_wire(request.layout), tenant)
+        cls = self.store.pool(reg.layout)   # the tenant's own pool file
         return node_pb2.RegisterLayoutReply(
-            layout_id=reg.layout_id, fingerprint=reg.layout.fingerprint, block_bytes=reg.layout.block_bytes,
+            layout_id=reg.layout_id, fingerprint=reg.wire_fingerprint, block_bytes=reg.layout.block_bytes,
             slot_bytes=cls.slot_bytes, pool_path=cls.path, pool_bytes=cls.pool_bytes,
-            key_table_path=self.key_table_path, epoch=self.stats.epoch)
+            key_table_path=self.store.key_table_paths.get(tenant, ""), epoch=self.stats.epoch)
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
         if first is grpc.aio.EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Session stream starts with a hello message")
+        if len(first.hello.client_name) > MAX_NAME_CHARS:  # bounded (issue 12)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"client_name is {len(first.hello.client_name)} "
+                                f"characters; the limit is {MAX_NAME_CHARS}")
         try:  # a session belongs to its caller (ids are capabilities: kvtier.daemon.sessions)
             sess = self.store.open_session(first.hello.client_name, first.hello.pid, self.auth.principal(context))
         except StoreError as e:  # over --max-sessions
@@ -83,7 +87,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
     @handled
     async def Acquire(self, request: node_pb2.AcquireRequest, context: Any) -> node_pb2.AcquireReply:
         self.store.session(request.session_id, self.auth.principal(context))
-        return convert.acquire_reply(await self.store.acquire(request.session_id, request.layout_id, list(request.keys)))
+        return convert.acquire_reply(await self.store.acquire(request.session_id, request.layout_id, list(request.keys),
+                                                              request.verify))
 
     @handled
     async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseReply:
@@ -92,24 +97,30 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @handled
     async def Lookup(self, request: node_pb2.LookupRequest, context: Any) -> node_pb2.LookupReply:
-        return convert.lookup_reply(self.store.lookup(request.layout_id, list(request.keys)))
+        tenant = self.auth.principal(context).tenant
+        return convert.lookup_reply(self.store.lookup(request.layout_id, list(request.keys), tenant))
 
     @handled
     async def ReportLookups(self, request: node_pb2.ReportLookupsRequest, context: Any) -> node_pb2.ReportLookupsReply:
-        for c in request.layouts:  # every layout checked first: a bad report counts nothing
-            self.store.layout(c.layout_id)
-        for c in request.layouts:
-            self.store.count_table_lookups(c.layout_id, convert.reported_hits(c), c.miss)
+        tenant = self.auth.principal(context).tenant
+        reports = convert.reported_lookups(request)  # bounded (issue 12)
+        for layout_id, _, _ in reports:  # every layout checked first: a bad report counts nothing
+            self.store.layout(layout_id, tenant)
+        for layout_id, hits, miss in reports:
+            self.store.count_table_lookups(layout_id, hits, miss, tenant)
         return node_pb2.ReportLookupsReply()
 
     @handled
     async def Evict(self, request: node_pb2.EvictRequest, context: Any) -> node_pb2.EvictReply:
-        return node_pb2.EvictReply(evicted=self.store.evict(request.layout_id, list(request.keys)))
+        tenant = self.auth.principal(context).tenant
+        return node_pb2.EvictReply(evicted=await self.store.evict_durably(request.layout_id, list(request.keys), tenant))
 
     @handled
     async def Prefetch(self, request: node_pb2.PrefetchRequest, context: Any) -> node_pb2.PrefetchReply:
-        return node_pb2.PrefetchReply(promoted=await self.store.prefetch(request.layout_id, list(request.keys)))
+        tenant = self.auth.principal(context).tenant
+        return node_pb2.PrefetchReply(promoted=await self.store.prefetch(request.layout_id, list(request.keys), tenant))
 
     @handled
     async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsReply:
-        return convert.stats_reply(self.stats.snapshot())
+        # per-layout stats of the caller's tenant only (the node-wide counters and tiers stay)
+        return convert.stats_reply(self.stats.snapshot(self.auth.principal(context).tenant))

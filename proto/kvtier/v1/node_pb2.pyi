@@ -186,14 +186,16 @@ class CommitReply(_message.Message):
     def __init__(self, committed: _Optional[int] = ..., durable: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "layout_id", "keys")
+    __slots__ = ("session_id", "layout_id", "keys", "verify")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     layout_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    verify: bool
+    def __init__(self, session_id: _Optional[int] = ..., layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "offset", "found_in")

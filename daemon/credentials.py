@@ -1,0 +1,204 @@
+"""The daemon's credential socket (issue 12): who a unix-socket client is.
+
+Serves the handshake of :mod:`kvtier.handshake` on ``<socket>.auth``, on the daemon's event
+loop: each connection's peer credentials (``SO_PEERCRED``: uid, gid, pid) are read from the
+kernel and checked by the :class:`~kvtier.daemon.auth.PeerAuthenticator`, which issues the
+token; the token is revoked when the connection closes. File descriptors the client passes
+(``SCM_RIGHTS``) are kept under handles bound to the token (``PeerAuthenticator.take_fd``).
+
+Bounds: a hello must come within :data:`HELLO_TIMEOUT_S`; at most :data:`MAX_CONNECTIONS`
+credential connections are open at once (a connection beyond is refused RESOURCE_EXHAUSTED);
+a frame is at most :data:`kvtier.handshake.MAX_FRAME` bytes and a pass at most
+:data:`kvtier.handshake.MAX_FDS` descriptors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+from typing import Any
+
+from kvtier.daemon.auth import PeerAuthenticator
+from kvtier.daemon.errors import StoreError
+from kvtier.handshake import MAX_FDS, MAX_FRAME, fds_of, frame, unframe
+
+log = logging.getLogger("kvtier.credentials")
+
+HELLO_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 4096
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket, from the kernel."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CredentialServer:
+    """The credential socket at ``path``, served on the running loop (see the module docstring)."""
+
+    def __init__(self, auth: PeerAuthenticator, path: str, mode: int) -> None:
+        self.auth = auth
+        self.path = path
+        self.mode = mode
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._conns: set[asyncio.Task] = set()
+        self.made = False
+
+    def listen(self) -> None:
+        """Bind and listen (mode ``mode``); serving starts with :meth:`start`. Raises OSError."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a stale one: the gRPC socket's check found no daemon serving
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        old = os.umask(0o177)
+        try:
+            s.bind(self.path)
+        except OSError:
+            s.close()
+            raise
+        finally:
+            os.umask(old)
+        self.made = True
+        os.chmod(self.path, self.mode)
+        s.listen(128)
+        self._sock = s
+
+    def start(self) -> None:
+        assert self._sock is not None
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        for t in list(self._conns):
+            t.cancel()
+        if self._conns:
+            await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.made = False
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as e:  # EMFILE and the like: keep serving the others
+                log.warning("credential socket: accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            conn.setblocking(False)
+            task = loop.create_task(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        token = ""
+        fds: list[int] = []  # received, not yet claimed by a pass_fds message
+        try:
+            pid, uid, gid = peer_credentials(conn)
+            buf = bytearray()
+            hello = await asyncio.wait_for(self._message(conn, buf, fds), HELLO_TIMEOUT_S)
+            if hello is None:
+                return
+            if hello.get("op") != "hello":
+                raise _Refused("INVALID_ARGUMENT", "the first credential message must be a hello")
+            if len(self._conns) > MAX_CONNECTIONS:
+                raise _Refused("RESOURCE_EXHAUSTED", f"more than {MAX_CONNECTIONS} credential connections are "
+                                                     f"open; close some clients")
+            try:
+                token, p = self.auth.admit(uid, gid)
+            except StoreError as e:
+                log.warning("credential socket: refused a peer", extra={"peer_pid": pid, "peer_uid": uid,
+                                                                       "peer_gid": gid, "reason": str(e)})
+                raise _Refused(e.code.name, str(e)) from None
+            log.debug("credential socket: admitted", extra={"peer_pid": pid, "peer_uid": uid,
+                                                            "tenant": p.tenant, "client": str(hello.get("client"))})
+            await self._send(conn, {"ok": True, "token": token, "tenant": p.tenant, "key_salt": self.auth.salt(p.tenant),
+                                    "uid": uid, "caller": p.caller})
+            while (msg := await self._message(conn, buf, fds)) is not None:
+                await self._op(conn, token, msg, fds)
+        except _Refused as e:
+            with contextlib.suppress(OSError):
+                await self._send(conn, {"ok": False, "code": e.code, "error": str(e)})
+        except (ValueError, TimeoutError, asyncio.TimeoutError) as e:
+            with contextlib.suppress(OSError):
+                await self._send(conn, {"ok": False, "code": "INVALID_ARGUMENT", "error": str(e) or "no hello in time"})
+        except OSError:
+            pass
+        finally:
+            if token:
+                self.auth.revoke(token)
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+
+    async def _op(self, conn: socket.socket, token: str, msg: dict[str, Any], fds: list[int]) -> None:
+        if msg.get("op") != "pass_fds":
+            raise _Refused("INVALID_ARGUMENT", f"unknown credential operation {msg.get('op')!r}")
+        count = msg.get("count")
+        if not isinstance(count, int) or not 0 < count <= MAX_FDS or count > len(fds):
+            raise _Refused("INVALID_ARGUMENT", f"pass_fds: count {count!r} does not match the {len(fds)} "
+                                               f"descriptors sent with it (1 to {MAX_FDS})")
+        mine = fds[:count]
+        del fds[:count]
+        handles = self.auth.keep_fds(token, mine)
+        await self._send(conn, {"ok": True, "handles": handles})
+
+    async def _message(self, conn: socket.socket, buf: bytearray, fds: list[int]) -> dict[str, Any] | None:
+        """The next message (descriptors that came with it appended to ``fds``); None at EOF."""
+        while (msg := unframe(buf)) is None:
+            data = await self._recv(conn, fds)
+            if not data:
+                return None
+            buf += data
+            if len(fds) > MAX_FDS:
+                raise _Refused("INVALID_ARGUMENT", f"more than {MAX_FDS} descriptors sent at once")
+        return msg
+
+    async def _recv(self, conn: socket.socket, fds: list[int]) -> bytes:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data, anc, flags, _ = conn.recvmsg(MAX_FRAME + 4, _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
+            except (BlockingIOError, InterruptedError):
+                ready = loop.create_future()
+                loop.add_reader(conn.fileno(), _wake, ready)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(conn.fileno())
+                continue
+            fds.extend(fds_of(anc))
+            if flags & socket.MSG_CTRUNC:
+                raise _Refused("INVALID_ARGUMENT", f"more than {MAX_FDS} descriptors sent at once")
+            return data
+
+    @staticmethod
+    async def _send(conn: socket.socket, obj: dict[str, Any]) -> None:
+        await asyncio.get_running_loop().sock_sendall(conn, frame(obj))

@@ -1,0 +1,227 @@
+"""The credential handshake of a local kvtierd (issue 12): who a unix-socket caller is.
+
+gRPC cannot tell the uid of a unix-socket peer, so the daemon serves a second, small unix
+socket beside its gRPC socket: :func:`auth_socket_path` (``<socket>.auth``). A client
+connects there first and sends a hello; the daemon reads the peer's credentials from the
+kernel (``SO_PEERCRED``: uid, gid, pid), refuses a uid and gid it does not allow, and answers
+a *token* (128 random bits, hex), the caller's *tenant* and the tenant's *key salt*. The
+client attaches the token to every gRPC call (metadata :data:`TOKEN_HEADER`) and keeps the
+credential connection open for its whole life: the token is valid while that connection is
+open, so a dead client's token dies with it (the kernel closes a killed process's sockets).
+
+On the same connection a client can hand the daemon file descriptors (``SCM_RIGHTS``): each
+is kept under a 128-bit *handle* bound to that connection's token, which a later gRPC call
+(KV registration) names; a handle is usable by that caller only, and its fd is closed when
+the connection closes unless the daemon took it.
+
+Wire format: each message is a frame, a 4-byte big-endian length and that many bytes of a
+JSON object (at most :data:`MAX_FRAME` bytes). Requests: ``{"op": "hello", "client": NAME,
+"pid": PID}`` (first, once) and ``{"op": "pass_fds", "count": N}`` sent in one ``sendmsg``
+with N descriptors (at most :data:`MAX_FDS`). Replies: ``{"ok": true, ...}`` or ``{"ok":
+false, "code": CODE, "error": MESSAGE}`` (CODE: a gRPC status name), after which the daemon
+closes the connection.
+
+:class:`Credentials` is the client side (blocking; both the blocking and the asyncio
+transports use it: the exchange is local and short).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+import threading
+from typing import Any
+
+TOKEN_HEADER = "kvtier-token"
+"""The gRPC metadata key that carries a local client's token."""
+
+AUTH_SUFFIX = ".auth"
+MAX_FRAME = 64 * 1024
+MAX_FDS = 64
+_LEN = struct.Struct(">I")
+
+
+def auth_socket_path(grpc_socket: str) -> str:
+    """The credential socket of the daemon serving gRPC on the unix socket ``grpc_socket``."""
+    return grpc_socket + AUTH_SUFFIX
+
+
+def frame(obj: dict[str, Any]) -> bytes:
+    """One message as it goes on the wire."""
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"credential message of {len(body)} bytes; the most is {MAX_FRAME}")
+    return _LEN.pack(len(body)) + body
+
+
+def unframe(buf: bytearray) -> dict[str, Any] | None:
+    """The first complete message of ``buf`` (removed from it), or None if it is not all there.
+    Raises ValueError for a frame over :data:`MAX_FRAME` or a body that is not a JSON object."""
+    if len(buf) < _LEN.size:
+        return None
+    (n,) = _LEN.unpack_from(buf)
+    if n > MAX_FRAME:
+        raise ValueError(f"credential message of {n} bytes; the most is {MAX_FRAME}")
+    if len(buf) < _LEN.size + n:
+        return None
+    body = bytes(buf[_LEN.size:_LEN.size + n])
+    del buf[:_LEN.size + n]
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"credential message is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("credential message is not a JSON object")
+    return obj
+
+
+def fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an ``SCM_RIGHTS`` control message carried."""
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[:len(data) - len(data) % a.itemsize])
+            fds.extend(a)
+    return fds
+
+
+class HandshakeError(Exception):
+    """The daemon refused the handshake (``code``: a gRPC status name) or could not be reached
+    (``code`` UNAVAILABLE)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.details = message
+
+
+class Credentials:
+    """A client's credential connection to its local daemon (see the module docstring).
+
+    :meth:`connect` performs the handshake; :attr:`token`, :attr:`tenant`, :attr:`key_salt`
+    and :attr:`uid` are what the daemon answered. :meth:`ensure` re-connects when the daemon
+    closed the connection (it stopped, or restarted: a new daemon knows no old token)."""
+
+    def __init__(self, grpc_socket: str, client_name: str = "", timeout: float | None = 10.0) -> None:
+        self.path = auth_socket_path(grpc_socket)
+        self.client_name = client_name
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.token = ""
+        self.tenant = ""
+        self.key_salt = ""
+        self.uid = -1
+        self.metadata: tuple[tuple[str, str], ...] = ()  # (TOKEN_HEADER, token) once connected
+
+    def connect(self) -> Credentials:
+        """Hand-shake now (closing any previous connection). Raises :class:`HandshakeError`."""
+        with self._lock:
+            self._connect()
+        return self
+
+    def ensure(self) -> bool:
+        """Connected, re-connecting if the daemon closed the connection; True if it (re)connected."""
+        with self._lock:
+            if self._sock is not None and self._alive():
+                return False
+            self._connect()
+            return True
+
+    @property
+    def alive(self) -> bool:
+        """Connected, and the daemon has not closed the connection (one non-blocking peek)."""
+        with self._lock:
+            return self._sock is not None and self._alive()
+
+    def _alive(self) -> bool:
+        assert self._sock is not None
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+
+    def _connect(self) -> None:
+        self._close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.path)
+        except OSError as e:
+            s.close()
+            raise HandshakeError("UNAVAILABLE", f"cannot connect to the daemon's credential socket "
+                                                f"{self.path}: {e.strerror or e}") from None
+        try:
+            reply = self._exchange(s, {"op": "hello", "client": self.client_name, "pid": os.getpid()})
+        except BaseException:
+            s.close()
+            raise
+        self._sock = s
+        self.token = str(reply["token"])
+        self.tenant = str(reply.get("tenant", ""))
+        self.key_salt = str(reply.get("key_salt", ""))
+        self.uid = int(reply.get("uid", -1))
+        self.metadata = ((TOKEN_HEADER, self.token),)
+
+    def _exchange(self, s: socket.socket, request: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+        data = frame(request)
+        s.settimeout(self.timeout)
+        try:
+            if fds:
+                s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
+            else:
+                s.sendall(data)
+            buf = bytearray()
+            while (reply := unframe(buf)) is None:
+                chunk = s.recv(MAX_FRAME)
+                if not chunk:
+                    raise HandshakeError("UNAVAILABLE", f"the daemon closed its credential socket "
+                                                        f"{self.path} without an answer")
+                buf += chunk
+        except TimeoutError:
+            raise HandshakeError("DEADLINE_EXCEEDED", f"no answer on the daemon's credential socket "
+                                                      f"{self.path} within {self.timeout:g} s") from None
+        except ValueError as e:
+            raise HandshakeError("INTERNAL", f"bad answer on {self.path}: {e}") from None
+        except OSError as e:
+            raise HandshakeError("UNAVAILABLE", f"credential socket {self.path}: {e.strerror or e}") from None
+        finally:
+            s.settimeout(None)  # blocking without a timeout: a MSG_DONTWAIT peek (_alive) never waits
+        if not reply.get("ok"):
+            raise HandshakeError(str(reply.get("code", "UNAUTHENTICATED")), str(reply.get("error", "refused")))
+        return reply
+
+    def pass_fds(self, fds: list[int]) -> list[str]:
+        """Hand the daemon these file descriptors (each stays open here too); their handles,
+        in order, for a later call to name. At most :data:`MAX_FDS` at once."""
+        fds = [int(fd) for fd in fds]
+        if not fds:
+            return []
+        if len(fds) > MAX_FDS:
+            raise ValueError(f"{len(fds)} file descriptors at once; the most is {MAX_FDS}")
+        with self._lock:
+            if self._sock is None or not self._alive():
+                self._connect()
+            assert self._sock is not None
+            reply = self._exchange(self._sock, {"op": "pass_fds", "count": len(fds)}, fds)
+        handles = [str(h) for h in reply.get("handles", [])]
+        if len(handles) != len(fds):
+            raise HandshakeError("INTERNAL", f"the daemon answered {len(handles)} handles for {len(fds)} fds")
+        return handles
+
+    def close(self) -> None:
+        """Close the connection: the daemon revokes the token (and closes fds it did not take)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.metadata = ()
