@@ -362,3 +362,60 @@ def in_process(tmp_path, body, limits: Limits | None = None) -> None:
         os.close(kv_fd)
         os.close(ring_fd)
         shutil.rmtree(shm, ignore_errors=True)
+
+
+# -- two authenticated callers (the transport's credential handshake) ---------------------------
+
+def test_another_callers_session_is_refused(daemon) -> None:
+    """Caller B names caller A's session in every call that takes one: PERMISSION_DENIED (the
+    message says what was refused, not whose it is), and A's grants and leases are untouched."""
+    a, b = Raw(daemon.socket), Raw(daemon.socket)
+    try:
+        k = keys(2, b"xcall")
+        a.sc.put(a.lid, k[:1], blocks(1))
+        lid = a.acquire(k[:1])[0]
+        gid = a.allocate(k[1:])[0]
+        calls = [
+            (b.stub.Allocate, node_pb2.AllocateRequest(session_id=a.sid, layout_id=b.dlid, keys=keys(1, b"b"))),
+            (b.stub.Commit, node_pb2.CommitRequest(session_id=a.sid, grant_ids=[gid])),
+            (b.stub.Commit, node_pb2.CommitRequest(session_id=a.sid, abort_grant_ids=[gid])),
+            (b.stub.Acquire, node_pb2.AcquireRequest(session_id=a.sid, layout_id=b.dlid, keys=k[:1])),
+            (b.stub.Release, node_pb2.ReleaseRequest(session_id=a.sid, lease_ids=[lid])),
+        ]
+        for call, req in calls:
+            why = refused(grpc.StatusCode.PERMISSION_DENIED, call, req)
+            assert f"session {a.sid}" in why and "another caller" in why
+        a.release([lid])
+        assert a.commit([gid]) == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_another_callers_registration_is_refused(daemon) -> None:
+    """Caller B asks for an onboard into caller A's registered KV memory, naming A's session or
+    its own: PERMISSION_DENIED both ways, and A's engine memory is untouched."""
+    torch = pytest.importorskip("torch")
+    from kvtier.client.engine import KVConnector, SharedKVArena  # noqa: PLC0415
+
+    layout = Layout.vllm(num_layers=1, num_blocks=4, block_tokens=16, kv_heads=1, head_dim=16, dtype="float16")
+    arena = SharedKVArena(layout)
+    conn = KVConnector(daemon.socket, ring_slots=2)
+    b = Raw(daemon.socket)
+    try:
+        for t in arena.tensors:
+            t.copy_(torch.ones(t.shape, dtype=t.dtype))
+        conn.register(layout, arena.tensors)
+        assert conn.reg is not None
+        stub = transfer_pb2_grpc.TransferStub(b.sc._channel)
+        for sid in (conn.session_id, b.sid):
+            req = transfer_pb2.TransferRequest(session_id=sid, registration_id=conn.reg.registration_id,
+                                               keys=keys(1, b"xreg"), engine_ids=[0], event_slot=0, seq=1)
+            refused(grpc.StatusCode.PERMISSION_DENIED, stub.Onboard, req)
+            unreg = transfer_pb2.UnregisterKVRequest(session_id=sid, registration_id=conn.reg.registration_id)
+            refused(grpc.StatusCode.PERMISSION_DENIED, stub.UnregisterKV, unreg)
+        assert all(bool((t == 1).all()) for t in arena.tensors)
+    finally:
+        b.close()
+        conn.close()
+        arena.close()
