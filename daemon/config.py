@@ -166,7 +166,8 @@ class Config:
     # -- sessions (issue 12) --
     session_quota: int = _opt(0, "most bytes of host slots one session may hold at once in grants (allocated, "
                                  "not committed) and leases (acquired, not released); over it a request is "
-                                 "refused RESOURCE_EXHAUSTED; 0: half of --host-capacity", parse_size, "SIZE")
+                                 "refused RESOURCE_EXHAUSTED; 0: half of --host-capacity (at least 64MiB, or all of "
+                                 "a smaller pool)", parse_size, "SIZE")
     tenant_quota: int = _opt(0, "most bytes of host slots the sessions of one tenant may hold at once in grants "
                                 "and leases; 0: all of --host-capacity", parse_size, "SIZE")
     grant_ttl_s: float = _opt(60.0, "a grant not committed within this many seconds is aborted (its slot given "

@@ -49,6 +49,7 @@ from kvtier.daemon.errors import Code, StoreError
 from kvtier.tiers.host import HostEntry, HostTier
 
 ID_BITS = 63            # wire ids are uint64; 63 bits keep them positive wherever an int64 holds one
+MIN_DEFAULT_SESSION_QUOTA = 64 << 20  # the default session quota is half the pool, but not less
 EXPIRED_MEMO = 1 << 16  # per session: expired ids remembered (a late call is told why) at most
 
 
@@ -80,12 +81,13 @@ class Limits:
 
     @classmethod
     def from_config(cls, cfg: Config) -> Limits:
-        """kvtierd's settings: a quota of 0 there means half (session) or all (tenant) of
-        ``--host-capacity``, never no cap (a tenant quota of the whole pool is enforced by the
+        """kvtierd's settings: a quota of 0 there means half (session; at least 64 MiB, or the
+        whole of a smaller pool) or all (tenant) of ``--host-capacity``, never no cap (a tenant quota of the whole pool is enforced by the
         pool itself: its allocations answer NO_SPACE, as a full pool always did)."""
         tenant = cfg.tenant_quota or cfg.host_capacity
         # a tenant cap of the whole pool is the pool's own: a full pool answers NO_SPACE, as before
-        return cls(cfg.session_quota or max(1, cfg.host_capacity // 2), 0 if tenant >= cfg.host_capacity else tenant,
+        session = cfg.session_quota or max(cfg.host_capacity // 2, min(cfg.host_capacity, MIN_DEFAULT_SESSION_QUOTA))
+        return cls(session, 0 if tenant >= cfg.host_capacity else tenant,
                    cfg.grant_ttl_s, cfg.lease_ttl_s, cfg.max_sessions, cfg.transfer_wait_s)
 
 
