@@ -54,6 +54,7 @@ from kvtier.tiers.copy_engine import (
     check_engine_ids,
     plan_chunks,
     populate_mapping,
+    sealed_memfd,
 )
 from kvtier.tiers.layout import Layout
 
@@ -138,10 +139,9 @@ def host_rig(args: argparse.Namespace, layout: Layout, shm: str, pool_path: str,
     pin_s_per_gib = round((time.perf_counter() - t0) / (pool_size / (1 << 30)), 4)
     arena = SharedKVArena(layout, shm)
     fill_random(arena.tensors)
-    ring_path = os.path.join(shm, "bench.ring")
-    with open(ring_path, "wb") as fh:
-        fh.write(b"\0" * 16)
-    mem = eng.open_kv([AllocationRef(arena.size, path=arena.path)], EventRing(2, path=ring_path))
+    ring_fd = sealed_memfd("bench.ring", 16)
+    mem = eng.open_kv([AllocationRef(arena.size, fd=arena.fd)], EventRing(2, fd=ring_fd))
+    os.close(ring_fd)
     refs = [TensorRef(0, off) for off in arena.offsets]
     pool_arr = eng._pools[pool_path].arr
     kv_arr = mem.arrays[0]

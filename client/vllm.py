@@ -19,7 +19,7 @@ How it maps to kvtier
       been prepared but not completed is ``HIT_PENDING``, never loadable before it completes.
       ``prepare_store`` offers back, in the order given, the chunks kvtier does not hold yet.
     * The **worker** (each vLLM worker process) moves the pages. If the KV tensors can be
-      registered with the daemon (CUDA tensors, or CPU tensors in a shared-memory file) it
+      registered with the daemon (CUDA tensors, or CPU tensors in a sealed memfd) it
       registers them once through :class:`~kvtier.client.engine.KVConnector` and the daemon's
       copy engine moves pages by block id (``kvtier_copy: daemon``). vLLM's CPU backend keeps
       its KV cache in ordinary anonymous (heap) memory, which the daemon cannot map: there the

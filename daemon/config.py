@@ -16,7 +16,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.paths import default_socket_path
-from kvtier.settings import Settings, SettingsError, flag_name, parse_bool, parse_int, parse_list, parse_size
+from kvtier.settings import (
+    Settings,
+    SettingsError,
+    flag_name,
+    parse_bool,
+    parse_float,
+    parse_int,
+    parse_list,
+    parse_size,
+)
 from kvtier.settings import setting as _opt
 
 __all__ = ["Config", "ConfigError", "build_parser", "flag_name", "load_config", "parse_bool", "parse_size"]
@@ -154,6 +163,23 @@ class Config:
     max_concurrent_rpcs: int = _opt(4096, "most RPCs in flight at once, streams included (each client Session and "
                                           "each WatchLocations stream counts for its whole life); one more is "
                                           "refused RESOURCE_EXHAUSTED; 0: no limit", parse_int, "N")
+    # -- sessions (issue 12) --
+    session_quota: int = _opt(0, "most bytes of host slots one session may hold at once in grants (allocated, "
+                                 "not committed) and leases (acquired, not released); over it a request is "
+                                 "refused RESOURCE_EXHAUSTED; 0: half of --host-capacity (at least 64MiB, or all of "
+                                 "a smaller pool)", parse_size, "SIZE")
+    tenant_quota: int = _opt(0, "most bytes of host slots the sessions of one tenant may hold at once in grants "
+                                "and leases; 0: all of --host-capacity", parse_size, "SIZE")
+    grant_ttl_s: float = _opt(60.0, "a grant not committed within this many seconds is aborted (its slot given "
+                                    "back); a later Commit of it is refused DEADLINE_EXCEEDED", parse_float, "SECONDS")
+    lease_ttl_s: float = _opt(60.0, "a lease not released within this many seconds is unpinned; a later Release "
+                                    "of it is refused DEADLINE_EXCEEDED", parse_float, "SECONDS")
+    max_sessions: int = _opt(1024, "most Session streams open at once (each client holds one); more are refused "
+                                   "RESOURCE_EXHAUSTED", parse_int, "N")
+    transfer_wait_s: float = _opt(30.0, "most seconds an offload waits for the engine's \"KV written\" record; "
+                                        "past it the request is refused DEADLINE_EXCEEDED and gives back its "
+                                        "slots", parse_float, "SECONDS")
+    # -- end of sessions --
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
@@ -203,6 +229,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError("--event-log-keys must be positive")
     if cfg.max_feed_subscribers < 1 or cfg.max_concurrent_rpcs < 0:
         raise ConfigError("--max-feed-subscribers must be at least 1 and --max-concurrent-rpcs at least 0")
+    for name in ("session_quota", "tenant_quota", "grant_ttl_s", "lease_ttl_s", "max_sessions", "transfer_wait_s"):
+        if not getattr(cfg, name) >= (0 if name.endswith("quota") else 1e-9):  # (issue 12: sessions)
+            raise ConfigError(f"{flag_name(name)} must be {'at least 0' if name.endswith('quota') else 'positive'}")
     _check_transport(cfg)
 
 

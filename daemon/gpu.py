@@ -27,6 +27,13 @@ Promises
       ``kv_transfers_cancelled`` and ``kv_offloads_aborted`` count what was cut short.
     * A bad request is refused (INVALID_ARGUMENT / FAILED_PRECONDITION / NOT_FOUND) and
       changes nothing.
+    * Registration ids are random (as session ids, :mod:`kvtier.daemon.sessions`) and bound
+      to the registering session, which is bound to its caller: a request naming another
+      session's registration is refused PERMISSION_DENIED. The host copy engine maps engine
+      memory only from sealed memfds the engine passed (never a path the caller names: the
+      Transfer service refuses one); see :mod:`kvtier.tiers.copy_engine`.
+    * Every wait for an engine's "KV written" record is bounded (``--transfer-wait-s``): an
+      offload whose record does not come is refused DEADLINE_EXCEEDED and gives back its slots.
 
 Threading: requests run on the event loop; copies and their waits run in a dedicated
 executor so the loop never blocks.
@@ -38,7 +45,6 @@ import asyncio
 import enum
 import functools
 import importlib.util
-import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,10 +52,12 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.daemon.auth import Principal
 from kvtier.daemon.config import Config
 from kvtier.daemon.counters import Count, Flow
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.daemon.results import GrantStatus, LeaseResult
+from kvtier.daemon.sessions import random_ids
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.copy_engine import (
     OFFLOAD,
@@ -61,6 +69,7 @@ from kvtier.tiers.copy_engine import (
     HostCopyEngine,
     KVMemory,
     TensorRef,
+    WaitTimeout,
     check_engine_ids,
     plan_chunks,
     tensor_geometry,
@@ -120,7 +129,8 @@ class KVRegistration:
     tensors: list[TensorRef]             # one per layout tensor, in layout order
     ring_slots: int
     event_handles: tuple[bytes, ...] = ()
-    event_ring_path: str = ""
+    event_ring_path: str = ""            # refused for the host engine: see event_ring_fd
+    event_ring_fd: int = -1              # host engine: a sealed memfd the engine passed (SCM_RIGHTS)
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,8 @@ class Transfers:
         self.counters = store.counters
         self.engines = engines
         self.registrations: dict[int, Registration] = {}
-        self._ids = itertools.count(1)
+        for engine in engines.values():  # every wait for "KV written" is bounded (--transfer-wait-s)
+            engine.wait_timeout_s = store.limits.transfer_wait_s
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-transfer")
         self._tasks: set[asyncio.Task] = set()
         self._attached: set[tuple[str, str]] = set()
@@ -185,25 +196,39 @@ class Transfers:
 
     # -- registration ----------------------------------------------------------------------
 
-    async def register(self, want: KVRegistration) -> Registered:
-        """Open an engine's KV memory for copies; bound to its Node session."""
-        sess = self.store.session(want.session_id)
+    def check_memory(self, want: KVRegistration) -> CopyEngine:
+        """The copy engine of ``want``'s backend; refuses (INVALID_ARGUMENT) a host-memory
+        registration naming a file path: the daemon never opens a path a caller names."""
         engine = self.engines.get(want.backend)
         if engine is None:
             known = ", ".join(sorted(self.engines))
             raise StoreError(Code.FAILED_PRECONDITION,
                              f"this kvtierd has no {want.backend!r} copy engine (it serves: {known}); "
                              f"start it with --copy-engine cuda on a GPU node for CUDA KV memory")
+        if engine.backend == "host" and (want.event_ring_path or any(a.path for a in want.allocations)):
+            raise StoreError(Code.INVALID_ARGUMENT,
+                             "RegisterKV names a file path: the daemon does not open paths a caller names; pass "
+                             "each allocation and the event ring as a file descriptor over the unix socket "
+                             "(a memfd sealed with F_SEAL_SHRINK, in fd_handle and event_ring_fd_handle)")
+        return engine
+
+    async def register(self, want: KVRegistration, principal: Principal | None = None) -> Registered:
+        """Open an engine's KV memory for copies; bound to its Node session (which must be
+        ``principal``'s own when given)."""
+        sess = self.store.session(want.session_id, principal)
+        engine = self.check_memory(want)
         layout = want.layout
         self._check_tensors(layout, want.allocations, want.tensors)
         if not 0 < want.ring_slots <= MAX_RING_SLOTS:
             raise StoreError(Code.INVALID_ARGUMENT, f"ring_slots {want.ring_slots} is not in [1, {MAX_RING_SLOTS}]")
-        ring = EventRing(want.ring_slots, tuple(want.event_handles), want.event_ring_path)
+        ring = EventRing(want.ring_slots, tuple(want.event_handles), want.event_ring_path, want.event_ring_fd)
         reg_layout = await self.store.register_layout(layout, sess.tenant)
         cls = self.store.pool(reg_layout.layout)  # the tenant's pool
         memory = await self._open(engine, cls, want.allocations, ring)
-        internal = self.store.open_session(f"transfer:{sess.client_name}", sess.pid, sess.tenant)
-        reg = Registration(next(self._ids), sess.session_id, internal.session_id, reg_layout.layout_id, layout,
+        internal = self.store.open_session(f"transfer:{sess.client_name}", sess.pid,
+                                           Principal(tenant=sess.tenant, caller=sess.owner), internal=True)
+        reg_id = random_ids(1, lambda s: not self.registrations.keys().isdisjoint(s))[0]
+        reg = Registration(reg_id, sess.session_id, internal.session_id, reg_layout.layout_id, layout,
                            engine, memory, want.tensors, cls.path)
         self.registrations[reg.reg_id] = reg
         c = self.counters
@@ -319,8 +344,9 @@ class Transfers:
                              f"KV registration {reg_id} is not open (unregistered, or its session ended): "
                              f"call RegisterKV again")
         if reg.session_id != session_id:
-            raise StoreError(Code.FAILED_PRECONDITION,
-                             f"KV registration {reg_id} belongs to session {reg.session_id}, not {session_id}")
+            raise StoreError(Code.PERMISSION_DENIED,
+                             f"KV registration {reg_id} was made by another session: a session may use only "
+                             f"the registrations it made")
         return reg
 
     def _session_ended(self, session_id: int) -> None:
@@ -429,6 +455,8 @@ class Transfers:
             await self._copy(reg, plan, OFFLOAD, order, wait_done=True)
         except CopyError as e:
             await self._abort(reg, gids)
+            if isinstance(e, WaitTimeout):  # the engine never said its KV was written: nothing copied
+                raise StoreError(Code.DEADLINE_EXCEEDED, str(e)) from None
             if reg.closing:
                 self.counters.add(Count.KV_OFFLOADS_ABORTED)
                 raise StoreError(Code.CANCELLED, f"the engine's session ended during the offload: {e}") from None

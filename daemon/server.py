@@ -468,7 +468,7 @@ class Daemon:
         name = f"kvtier-{os.getpid()}-{self.epoch}"
         host = HostTier(cfg.shm_dir, cfg.host_capacity, name)
         self.store = store = BlockStore(host, cfg.max_batch_keys, self.disk, cfg.demote_min_seen,
-                                        cfg.disk_write_through, prefault=cfg.host_prefault)
+                                        cfg.disk_write_through, prefault=cfg.host_prefault, limits=cfg)
         self.disk = None  # the store owns it now
         try:
             self.key_table = KeyTablePublisher(store, cfg.shm_dir, name, self.epoch, self._tier_capacity)

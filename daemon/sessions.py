@@ -6,21 +6,173 @@ session closes, every grant is aborted and every lease released at once, and the
 :attr:`Sessions.end_hooks` are told its id (the gpu tier and the Transfer registrations
 follow their sessions that way).
 
-Session, grant and lease ids start at a random point per daemon run, so an id a client kept
-from before a restart names nothing here instead of someone else's.
+Ids are capabilities (issue 12)
+    Session, grant and lease ids are random (63 bits from the OS's CSPRNG, never 0, never
+    sequential, unique among the live ones), so an id a client kept from before a restart names
+    nothing here instead of someone else's. A wire id is a uint64, so its own 63 bits are not
+    the whole protection: every id is bound to the session that created it, and the session to
+    its creator (``owner``: the principal's ``caller``, an unguessable id of at least 128
+    random bits from the credential handshake, and ``tenant``). A call naming a session some
+    other caller opened, or a grant or lease some other session holds, is refused
+    PERMISSION_DENIED; guessing a live id is useless without the caller's credential.
+
+Quotas and deadlines (:class:`Limits`)
+    The bytes of a session's grants and leases (slot bytes) are capped per session and per
+    tenant; a request that would go over is refused RESOURCE_EXHAUSTED naming the quota (and
+    changes nothing). Grants and leases of client sessions expire: an expired grant's slot is
+    aborted, an expired lease unpinned, and a later Commit or Release naming it is refused
+    DEADLINE_EXCEEDED saying so. Expiry is by buckets of creation time a quarter of the
+    deadline wide (one sweep per bucket on the event loop, no per-id timer): an id expires
+    between ``ttl`` and ``1.25 * ttl`` after it was handed out. Internal sessions (the Transfer
+    service's, whose copies the daemon itself bounds) never expire. The number of open
+    Session streams is capped (``max_sessions``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import secrets
-from collections.abc import Callable, Iterable, Sequence
+import math
+import operator
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.daemon.auth import DEFAULT_TENANT
+import numpy as np
+
+from kvtier.daemon.auth import DEFAULT_TENANT, Principal
+from kvtier.daemon.config import Config
 from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.tiers.host import HostEntry, HostTier
+
+ID_BITS = 63            # wire ids are uint64; 63 bits keep them positive wherever an int64 holds one
+MIN_DEFAULT_SESSION_QUOTA = 64 << 20  # the default session quota is half the pool, but not less
+EXPIRED_MEMO = 1 << 16  # per session: expired ids remembered (a late call is told why) at most
+
+
+def random_ids(n: int, taken: Callable[[set[int]], bool] | None = None) -> list[int]:
+    """``n`` distinct random ids (see the module docstring), none 0 and, when ``taken`` is
+    given, none for which ``taken(ids)`` reports a clash with the live ones."""
+    if n <= 0:
+        return []
+    while True:
+        ids = (np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(64 - ID_BITS)).tolist()
+        s = set(ids)
+        if len(s) == n and 0 not in s and (taken is None or not taken(s)):
+            return ids
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Quotas and deadlines of the sessions (kvtierd sets them from its Config: ``--session-quota``,
+    ``--tenant-quota``, ``--grant-ttl-s``, ``--lease-ttl-s``, ``--max-sessions``,
+    ``--transfer-wait-s``). The defaults here (no caps, no expiry) are for stores built in
+    process; the daemon's own defaults cap everything."""
+
+    session_quota: int = 0          # bytes of grants + leases per session; 0: no cap
+    tenant_quota: int = 0           # bytes of grants + leases per tenant; 0: no cap
+    grant_ttl_s: float = math.inf   # a grant not committed by then is aborted
+    lease_ttl_s: float = math.inf   # a lease not released by then is unpinned
+    max_sessions: int = 0           # open Session streams at most; 0: no cap
+    transfer_wait_s: float = math.inf  # a Transfer's wait for the engine's "KV written" record
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Limits:
+        """kvtierd's settings: a quota of 0 there means half (session; at least 64 MiB, or the
+        whole of a smaller pool) or all (tenant) of ``--host-capacity``, never no cap (a tenant quota of the whole pool is enforced by the
+        pool itself: its allocations answer NO_SPACE, as a full pool always did)."""
+        tenant = cfg.tenant_quota or cfg.host_capacity
+        # a tenant cap of the whole pool is the pool's own: a full pool answers NO_SPACE, as before
+        session = cfg.session_quota or max(cfg.host_capacity // 2, min(cfg.host_capacity, MIN_DEFAULT_SESSION_QUOTA))
+        return cls(session, 0 if tenant >= cfg.host_capacity else tenant,
+                   cfg.grant_ttl_s, cfg.lease_ttl_s, cfg.max_sessions, cfg.transfer_wait_s)
+
+
+class Held:
+    """One session's grants (or leases): id -> entry, in buckets by creation time, oldest
+    first, so that expiry takes whole buckets (see the module docstring). Dict-like."""
+
+    __slots__ = ("buckets",)
+
+    def __init__(self) -> None:
+        self.buckets: deque[tuple[float, dict[int, HostEntry]]] = deque()
+
+    def add(self, deadline: float, ids: Sequence[int], entries: Sequence[HostEntry]) -> None:
+        if not self.buckets or self.buckets[-1][0] != deadline:
+            self.buckets.append((deadline, {}))
+        self.buckets[-1][1].update(zip(ids, entries, strict=True))
+
+    def get(self, hid: int) -> HostEntry | None:
+        for _, d in reversed(self.buckets):  # the newest first: what is committed is mostly recent
+            e = d.get(hid)
+            if e is not None:
+                return e
+        return None
+
+    def __contains__(self, hid: object) -> bool:
+        return isinstance(hid, int) and self.get(hid) is not None
+
+    def __getitem__(self, hid: int) -> HostEntry:
+        e = self.get(hid)
+        if e is None:
+            raise KeyError(hid)
+        return e
+
+    def pop(self, hid: int, default: HostEntry | None = None) -> HostEntry | None:
+        for _, d in reversed(self.buckets):
+            e = d.pop(hid, None)
+            if e is not None:
+                return e
+        return default
+
+    def first_missing(self, ids: Sequence[int]) -> int | None:
+        """The first of ``ids`` not held, or None (set operations: no Python loop per id)."""
+        rest = set(ids)
+        for _, d in self.buckets:
+            if not rest:
+                break
+            rest -= d.keys()
+        if not rest:
+            return None
+        return next(i for i in ids if i in rest)
+
+    def take(self, ids: Sequence[int]) -> list[HostEntry]:
+        """Remove and return the entries of ``ids``, all held (see :meth:`first_missing`)."""
+        if len(self.buckets) == 1:
+            d = self.buckets[0][1]
+            return [d.pop(i) for i in ids]
+        return [self.pop(i) for i in ids]  # type: ignore[misc]
+
+    def clashes(self, ids: set[int]) -> bool:
+        return any(not d.keys().isdisjoint(ids) for _, d in self.buckets)
+
+    def values(self) -> Iterator[HostEntry]:
+        return itertools.chain.from_iterable(d.values() for _, d in self.buckets)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(list(d) for _, d in self.buckets)
+
+    def __len__(self) -> int:
+        return sum(len(d) for _, d in self.buckets)
+
+    def __bool__(self) -> bool:
+        return any(d for _, d in self.buckets)
+
+    def clear(self) -> None:
+        self.buckets.clear()
+
+    def expire(self, now: float) -> list[dict[int, HostEntry]]:
+        """Take the buckets whose deadline has passed."""
+        out = []
+        while self.buckets and self.buckets[0][0] <= now:
+            out.append(self.buckets.popleft()[1])
+        return out
+
+    def next_deadline(self) -> float:
+        return self.buckets[0][0] if self.buckets else math.inf
 
 
 @dataclass(eq=False)
@@ -28,20 +180,35 @@ class Session:
     session_id: int
     client_name: str
     pid: int
-    tenant: str = DEFAULT_TENANT  # whose blocks it reaches (issue 12)
-    grants: dict[int, HostEntry] = field(default_factory=dict)   # grant id -> its reserved slot
-    leases: dict[int, HostEntry] = field(default_factory=dict)   # lease id -> the pinned entry
+    owner: str = ""                    # the creator's Principal.caller (see the module docstring)
+    tenant: str = DEFAULT_TENANT       # the creator's Principal.tenant
+    internal: bool = False             # the daemon's own (Transfer copies): never named over the wire, never expires
+    grants: Held = field(default_factory=Held)   # grant id -> its reserved slot
+    leases: Held = field(default_factory=Held)   # lease id -> the pinned entry
+    held_bytes: int = 0                # slot bytes of its grants and leases (the quota's measure)
+    expired: dict[int, str] = field(default_factory=dict)  # expired id -> "grant" or "lease"
+
+
+_SLOT_BYTES = operator.attrgetter("cls.slot_bytes")
+
+
+def _slot_bytes(entries: Iterable[HostEntry]) -> int:
+    return sum(map(_SLOT_BYTES, entries))
 
 
 class Sessions:
     """The open sessions (see the module docstring)."""
 
-    def __init__(self, host: HostTier, counters: Counters) -> None:
+    def __init__(self, host: HostTier, counters: Counters, limits: Limits | None = None) -> None:
         self.host = host
         self.counters = counters
+        self.limits = limits or Limits()
         self._open: dict[int, Session] = {}
-        self._ids = itertools.count(secrets.randbits(40) << 20)
+        self.streams = 0                            # open sessions that are not internal
+        self.tenant_bytes: dict[str, int] = {}      # tenant -> slot bytes of its grants and leases
         self.end_hooks: list[Callable[[int], None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf  # (time.monotonic) when it fires
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._open
@@ -56,19 +223,37 @@ class Sessions:
         return list(self._open)
 
     def new_id(self) -> int:
-        return next(self._ids)
+        return random_ids(1, lambda s: not self._open.keys().isdisjoint(s))[0]
 
-    def open(self, client_name: str, pid: int, tenant: str = DEFAULT_TENANT) -> Session:
-        sess = Session(self.new_id(), client_name, pid, tenant)
+    def open(self, client_name: str, pid: int, principal: Principal | str | None = None, *,
+             internal: bool = False) -> Session:
+        """A new session owned by ``principal`` (None: in-process, owned by the local caller; a
+        str: the local caller in that tenant). A client session over ``max_sessions`` is
+        refused RESOURCE_EXHAUSTED."""
+        cap = self.limits.max_sessions
+        if not internal and cap and self.streams >= cap:
+            raise StoreError(Code.RESOURCE_EXHAUSTED,
+                             f"{self.streams} Session streams are open; the limit is {cap} (--max-sessions): "
+                             f"close idle clients, or raise the limit")
+        p = Principal(tenant=principal) if isinstance(principal, str) else principal or Principal()
+        sess = Session(self.new_id(), client_name, pid, p.caller, p.tenant, internal)
         self._open[sess.session_id] = sess
+        if not internal:
+            self.streams += 1
         self.counters.add(Count.SESSIONS_OPENED)
         return sess
 
-    def get(self, session_id: int) -> Session:
+    def get(self, session_id: int, principal: Principal | None = None) -> Session:
+        """The open session ``session_id``. With ``principal`` (a call from the wire) it must be
+        that caller's own: another caller's is PERMISSION_DENIED, an internal one is not open."""
         sess = self._open.get(session_id)
-        if sess is None:
+        if sess is None or (principal is not None and sess.internal):
             raise StoreError(Code.FAILED_PRECONDITION,
                              f"session {session_id} is not open: open a Session stream first and keep it open")
+        if principal is not None and (sess.owner != principal.caller or sess.tenant != principal.tenant):
+            raise StoreError(Code.PERMISSION_DENIED,
+                             f"session {session_id} was opened by another caller: name the session your own "
+                             f"Session stream opened")
         return sess
 
     def close(self, session_id: int) -> tuple[int, int]:
@@ -76,6 +261,8 @@ class Sessions:
         sess = self._open.pop(session_id, None)
         if sess is None:
             return 0, 0
+        if not sess.internal:
+            self.streams -= 1
         for entry in sess.grants.values():
             self.host.abort(entry)
         for entry in sess.leases.values():
@@ -84,26 +271,152 @@ class Sessions:
         # emptied, so a request still holding this Session (awaiting) finds nothing to give back twice
         sess.grants.clear()
         sess.leases.clear()
+        sess.expired.clear()
+        self._refund(sess, sess.held_bytes)
         self.counters.add(Count.GRANTS_RECLAIMED, n[0])
         self.counters.add(Count.LEASES_RECLAIMED, n[1])
         for hook in self.end_hooks:
             hook(session_id)
         return n
 
+    # -- quotas ----------------------------------------------------------------------------
+
+    def check_quota(self, sess: Session, nbytes: int) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) ``nbytes`` more of grants or leases over the session's or
+        its tenant's quota."""
+        if nbytes <= 0:
+            return
+        lim = self.limits
+        if lim.session_quota and sess.held_bytes + nbytes > lim.session_quota:
+            raise StoreError(Code.RESOURCE_EXHAUSTED,
+                             f"session quota: this session holds {sess.held_bytes} B of grants and leases and "
+                             f"this request needs {nbytes} B more; the limit is {lim.session_quota} B per "
+                             f"session (--session-quota): commit, release or split the batch")
+        held = self.tenant_bytes.get(sess.tenant, 0)
+        if lim.tenant_quota and held + nbytes > lim.tenant_quota:
+            raise StoreError(Code.RESOURCE_EXHAUSTED,
+                             f"tenant quota: this tenant's sessions hold {held} B of grants and leases and this "
+                             f"request needs {nbytes} B more; the limit is {lim.tenant_quota} B per tenant "
+                             f"(--tenant-quota): commit or release first")
+
+    def _charge(self, sess: Session, nbytes: int) -> None:
+        sess.held_bytes += nbytes
+        self.tenant_bytes[sess.tenant] = self.tenant_bytes.get(sess.tenant, 0) + nbytes
+
+    def _refund(self, sess: Session, nbytes: int) -> None:
+        if not nbytes:
+            return
+        sess.held_bytes -= nbytes
+        left = self.tenant_bytes.get(sess.tenant, 0) - nbytes
+        if left > 0:
+            self.tenant_bytes[sess.tenant] = left
+        else:
+            self.tenant_bytes.pop(sess.tenant, None)
+
+    # -- expiry ----------------------------------------------------------------------------
+
+    def _deadline(self, sess: Session, ttl: float) -> float:
+        """The bucket deadline of an id handed out now (see the module docstring)."""
+        if sess.internal or math.isinf(ttl):
+            return math.inf
+        width = max(ttl / 4, 0.01)
+        return (math.floor(time.monotonic() / width) + 1) * width + ttl
+
+    def _arm(self, deadline: float) -> None:
+        """Make sure a sweep runs by ``deadline`` (one timer for all sessions)."""
+        if math.isinf(deadline):
+            return
+        if self._timer is not None and self._timer_at <= deadline + 1e-3:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # in-process use without a loop: sweep() is called by hand
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._swept)
+
+    def _swept(self) -> None:
+        self._timer = None
+        self.sweep()
+
+    def sweep(self, now: float | None = None) -> tuple[int, int]:
+        """Abort expired grants and unpin expired leases; returns (grants, leases) expired."""
+        now = time.monotonic() if now is None else now
+        ng = nl = 0
+        nxt = math.inf
+        for sess in self._open.values():
+            for d in sess.grants.expire(now):
+                for entry in d.values():
+                    self.host.abort(entry)
+                ng += self._expired(sess, d, "grant")
+            for d in sess.leases.expire(now):
+                for entry in d.values():
+                    self.host.unpin(entry)
+                nl += self._expired(sess, d, "lease")
+            nxt = min(nxt, sess.grants.next_deadline(), sess.leases.next_deadline())
+        self.counters.add(Count.GRANTS_RECLAIMED, ng)
+        self.counters.add(Count.LEASES_RECLAIMED, nl)
+        self._arm(nxt)
+        return ng, nl
+
+    def _expired(self, sess: Session, d: dict[int, HostEntry], kind: str) -> int:
+        self._refund(sess, _slot_bytes(d.values()))
+        memo = sess.expired
+        memo.update(dict.fromkeys(d, kind))
+        over = len(memo) - EXPIRED_MEMO
+        if over > 0:
+            for k in list(itertools.islice(memo, over)):
+                del memo[k]
+        return len(d)
+
+    def _late(self, sess: Session, hid: int) -> StoreError | None:
+        """DEADLINE_EXCEEDED for an id of this session that expired, else None."""
+        kind = sess.expired.get(hid)
+        if kind is None:
+            return None
+        if kind == "grant":
+            return StoreError(Code.DEADLINE_EXCEEDED,
+                              f"grant {hid} expired: it was not committed within {self.limits.grant_ttl_s:g} s "
+                              f"(--grant-ttl-s) and its slot was given back; allocate again, write, and commit "
+                              f"within the deadline")
+        return StoreError(Code.DEADLINE_EXCEEDED,
+                          f"lease {hid} expired: it was not released within {self.limits.lease_ttl_s:g} s "
+                          f"(--lease-ttl-s) and its block was unpinned, so what was read from its slot after "
+                          f"that may not be the block; acquire again, read, and release within the deadline")
+
+    def _not_held(self, sess: Session, hid: int, kind: str) -> StoreError:
+        """Why ``hid`` is not among the session's grants (or leases): expired, another session's, or unknown."""
+        late = self._late(sess, hid)
+        if late is not None:
+            return late
+        if any(hid in (s.grants if kind == "grant" else s.leases) for s in self._open.values() if s is not sess):
+            verb = "commit or abort" if kind == "grant" else "release"
+            return StoreError(Code.PERMISSION_DENIED,
+                              f"{kind} {hid} is held by another session: a session may {verb} only its own {kind}s")
+        what = "(already committed, aborted, or never granted)" if kind == "grant" else "(already released?)"
+        return StoreError(Code.INVALID_ARGUMENT, f"{kind} {hid} is not held by session {sess.session_id} {what}")
+
     # -- grants ----------------------------------------------------------------------------
 
-    def grant(self, sess: Session, entry: HostEntry) -> int:
-        gid = self.new_id()
-        sess.grants[gid] = entry
-        return gid
+    def grant(self, sess: Session, entries: Sequence[HostEntry], nbytes: int | None = None) -> list[int]:
+        """Record ``entries`` as the session's grants (``nbytes``: their slot bytes, when the
+        caller knows them); returns their ids (the caller checked :meth:`check_quota`)."""
+        ids = random_ids(len(entries), sess.grants.clashes)
+        deadline = self._deadline(sess, self.limits.grant_ttl_s)
+        sess.grants.add(deadline, ids, entries)
+        self._charge(sess, _slot_bytes(entries) if nbytes is None else nbytes)
+        self._arm(deadline)
+        return ids
 
     def check_grants(self, sess: Session, commit_ids: Sequence[int], abort_ids: Sequence[int]) -> None:
-        """Refuse a commit naming a grant the session does not hold, or one grant twice."""
-        for gid in itertools.chain(commit_ids, abort_ids):
-            if gid not in sess.grants:
-                raise StoreError(Code.INVALID_ARGUMENT,
-                                 f"grant {gid} is not held by session {sess.session_id} (already committed, "
-                                 f"aborted, or never granted)")
+        """Refuse a commit naming a grant the session does not hold (expired: DEADLINE_EXCEEDED;
+        another session's: PERMISSION_DENIED), or one grant twice."""
+        for ids in (commit_ids, abort_ids):
+            gid = sess.grants.first_missing(ids) if ids else None
+            if gid is not None:
+                raise self._not_held(sess, gid, "grant")
         if len(set(commit_ids) | set(abort_ids)) != len(commit_ids) + len(abort_ids):
             raise StoreError(Code.INVALID_ARGUMENT, "a grant id appears twice in one commit")
 
@@ -111,9 +424,12 @@ class Sessions:
         """:meth:`check_grants`, then abort ``abort_ids`` and return the entries of
         ``commit_ids`` (no longer grants). A bad call changes nothing."""
         self.check_grants(sess, commit_ids, abort_ids)
-        for gid in abort_ids:
-            self.host.abort(sess.grants.pop(gid))
-        return [sess.grants.pop(gid) for gid in commit_ids]
+        aborted = sess.grants.take(abort_ids)
+        taken = sess.grants.take(commit_ids)
+        for entry in aborted:
+            self.host.abort(entry)
+        self._refund(sess, _slot_bytes(aborted) + _slot_bytes(taken))
+        return taken
 
     def drop_grants(self, session_id: int, grant_ids: Iterable[int]) -> None:
         """Abort these grants if the session still holds them (its caller is gone)."""
@@ -124,27 +440,34 @@ class Sessions:
             entry = sess.grants.pop(gid, None)
             if entry is not None:
                 self.host.abort(entry)
+                self._refund(sess, entry.cls.slot_bytes)
 
     # -- leases ----------------------------------------------------------------------------
 
-    def lease(self, sess: Session, entry: HostEntry) -> int:
-        """Pin ``entry`` for the session; returns the lease id."""
-        self.host.pin(entry)
-        lid = self.new_id()
-        sess.leases[lid] = entry
-        return lid
+    def lease(self, sess: Session, entries: Sequence[HostEntry], nbytes: int | None = None) -> list[int]:
+        """Pin ``entries`` for the session (``nbytes``: their slot bytes, when the caller knows
+        them); returns the lease ids (the caller checked :meth:`check_quota`)."""
+        for entry in entries:
+            self.host.pin(entry)
+        ids = random_ids(len(entries), sess.leases.clashes)
+        deadline = self._deadline(sess, self.limits.lease_ttl_s)
+        sess.leases.add(deadline, ids, entries)
+        self._charge(sess, _slot_bytes(entries) if nbytes is None else nbytes)
+        self._arm(deadline)
+        return ids
 
-    def release(self, session_id: int, lease_ids: Sequence[int]) -> None:
+    def release(self, session_id: int, lease_ids: Sequence[int], principal: Principal | None = None) -> None:
         """Unpin these leases; a lease not held (or named twice) refuses the whole call."""
-        sess = self.get(session_id)
-        missing = [lid for lid in lease_ids if lid not in sess.leases]
-        if missing:
-            raise StoreError(Code.INVALID_ARGUMENT,
-                             f"lease {missing[0]} is not held by session {session_id} (already released?)")
+        sess = self.get(session_id, principal)
+        lid = sess.leases.first_missing(lease_ids) if lease_ids else None
+        if lid is not None:
+            raise self._not_held(sess, lid, "lease")
         if len(set(lease_ids)) != len(lease_ids):
             raise StoreError(Code.INVALID_ARGUMENT, "a lease id appears twice in one release")
-        for lid in lease_ids:
-            self.host.unpin(sess.leases.pop(lid))
+        entries = sess.leases.take(lease_ids)
+        for entry in entries:
+            self.host.unpin(entry)
+        self._refund(sess, _slot_bytes(entries))
 
     def drop_leases(self, session_id: int, lease_ids: Iterable[int]) -> None:
         """Release these leases if the session still holds them (its caller is gone)."""
@@ -155,3 +478,9 @@ class Sessions:
             entry = sess.leases.pop(lid, None) if lid else None
             if entry is not None:
                 self.host.unpin(entry)
+                self._refund(sess, entry.cls.slot_bytes)
+
+    def close_all(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -36,7 +36,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
-from kvtier.daemon.auth import DEFAULT_TENANT
+from kvtier.daemon.auth import DEFAULT_TENANT, Principal
+from kvtier.daemon.config import Config
 from kvtier.daemon.counters import Count, Counters, Flow, Op
 from kvtier.daemon.device import DeviceTier
 from kvtier.daemon.errors import Code, StoreError, check_ids, check_keys, check_layout_room
@@ -44,7 +45,7 @@ from kvtier.daemon.layouts import Layouts, RegisteredLayout, layout_id_of, split
 from kvtier.daemon.observers import Observers
 from kvtier.daemon.placement import Placement
 from kvtier.daemon.results import MISS, NO_SPACE, CommitResult, GrantResult, GrantStatus, LeaseResult
-from kvtier.daemon.sessions import Session, Sessions
+from kvtier.daemon.sessions import Limits, Session, Sessions
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import CapacityError, HostEntry, HostTier, PoolFileError, SizeClass
 from kvtier.tiers.layout import Layout
@@ -62,14 +63,17 @@ class BlockStore:
     """See the module docstring."""
 
     def __init__(self, host: HostTier, max_batch_keys: int = MAX_KEYS_PER_CALL, disk: DiskTier | None = None,
-                 demote_min_seen: int = 2, disk_write_through: bool = False, prefault: bool = True) -> None:
+                 demote_min_seen: int = 2, disk_write_through: bool = False, prefault: bool = True,
+                 limits: Limits | Config | None = None) -> None:
         self.prefault = prefault
         self.disk_write_through = disk_write_through
         self.max_batch_keys = max_batch_keys
         self.counters = Counters()
         self.observers = Observers()
         self.layouts = Layouts()
-        self.sessions = Sessions(host, self.counters)
+        # quotas and deadlines of sessions (kvtier.daemon.sessions): kvtierd passes its Config
+        self.limits = Limits.from_config(limits) if isinstance(limits, Config) else limits or Limits()
+        self.sessions = Sessions(host, self.counters, self.limits)
         # the daemon bounds host and disk in bytes (the tiers ask the policy for victims); the
         # gpu tier is the engines' (``device``), not placed here
         self.policy = TierPolicy(0, None, None if disk is not None else 0, demote_min_seen)
@@ -166,15 +170,21 @@ class BlockStore:
         tenant = getattr(layout, "tenant", DEFAULT_TENANT)
         return self.host.size_class(layout.slot_bytes, group=self.layouts.group(tenant))
 
-    def open_session(self, client_name: str, pid: int, tenant: str = DEFAULT_TENANT) -> Session:
-        return self.sessions.open(client_name, pid, tenant)
+    def open_session(self, client_name: str, pid: int, principal: Principal | str | None = None, *,
+                     internal: bool = False) -> Session:
+        """A session owned by ``principal`` (None: the local caller; a str: the local caller in
+        that tenant); ``internal``: the daemon's own (never named over the wire, never
+        expires, not counted against ``max_sessions``)."""
+        return self.sessions.open(client_name, pid, principal, internal=internal)
 
     def close_session(self, session_id: int) -> tuple[int, int]:
         """Abort the session's grants and release its leases; returns (grants, leases) reclaimed."""
         return self.sessions.close(session_id)
 
-    def session(self, session_id: int) -> Session:
-        return self.sessions.get(session_id)
+    def session(self, session_id: int, principal: Principal | None = None) -> Session:
+        """The open session; with ``principal`` (a call from the wire) it must be that caller's
+        own, else PERMISSION_DENIED (:meth:`Sessions.get`)."""
+        return self.sessions.get(session_id, principal)
 
     def check_keys(self, keys: Sequence[bytes], *, unique: bool) -> None:
         check_keys(keys, self.max_batch_keys, unique=unique)
@@ -207,6 +217,8 @@ class BlockStore:
             if present:
                 await tiers.make_durable(present)
         want = [i for i, b in enumerate(bkeys) if not tiers.in_host(b) and not tiers.on_disk(b)]
+        slot_bytes = self.pool(layout).slot_bytes
+        self.sessions.check_quota(sess, len(want) * slot_bytes)
         entries = await tiers.reserve(self.pool(layout), [bkeys[i] for i in want], layout.block_bytes)
         if session_id not in self.sessions:  # it ended while a demotion or the fallocate was awaited
             for entry in entries:
@@ -214,10 +226,13 @@ class BlockStore:
                     self.host.abort(entry)
             raise StoreError(Code.CANCELLED, "session closed during allocate")
         out = [GrantResult(GrantStatus.PRESENT, durable=durable and tiers.on_disk(b)) for b in bkeys]
-        for i, entry in zip(want, entries, strict=True):
-            out[i] = NO_SPACE if entry is None else GrantResult(
-                GrantStatus.GRANTED, self.sessions.grant(sess, entry), entry.offset)
-        granted = sum(1 for g in out if g.granted)
+        got = [(i, entry) for i, entry in zip(want, entries, strict=True) if entry is not None]
+        gids = self.sessions.grant(sess, [entry for _, entry in got], len(got) * slot_bytes)
+        for i in want:
+            out[i] = NO_SPACE
+        for (i, entry), gid in zip(got, gids, strict=True):
+            out[i] = GrantResult(GrantStatus.GRANTED, gid, entry.offset)
+        granted = len(got)
         self.counters.add(Count.GRANTS, granted)
         self.counters.add(Count.NO_SPACE, len(entries) - granted)
         return out
@@ -290,15 +305,19 @@ class BlockStore:
                 self.host.unpin(entry)
 
     def _lease(self, sess: Session, layout: Layout, bkeys: list[bytes], promoted: set[bytes]) -> list[LeaseResult]:
+        found = [self.host.get(b) for b in bkeys]
+        held = [e for e in found if e is not None]
+        nbytes = len(held) * self.pool(layout).slot_bytes  # (one layout: one pool)
+        self.sessions.check_quota(sess, nbytes)
+        lids = iter(self.sessions.lease(sess, held, nbytes))
         out: list[LeaseResult] = []
         hits: Counter[Tier] = Counter()
-        for b in bkeys:
-            entry = self.host.get(b)
+        for b, entry in zip(bkeys, found, strict=True):
             if entry is None:
                 out.append(MISS)
                 continue
             tier = Tier.DISK if b in promoted else Tier.HOST
-            out.append(LeaseResult(self.sessions.lease(sess, entry), entry.offset, tier))
+            out.append(LeaseResult(next(lids), entry.offset, tier))
             hits[tier] += 1
         n = sum(hits.values())
         self.counters.looked_up(Op.ACQUIRE, layout.block_tokens, hits, len(bkeys) - n)
@@ -320,9 +339,9 @@ class BlockStore:
         self.policy.on_remove(Tier.HOST, gone)
         self.observers.removed_blocks(Tier.HOST, gone)
 
-    def release(self, session_id: int, lease_ids: Sequence[int]) -> None:
+    def release(self, session_id: int, lease_ids: Sequence[int], principal: Principal | None = None) -> None:
         check_ids(lease_ids, self.max_batch_keys, "lease")
-        self.sessions.release(session_id, lease_ids)
+        self.sessions.release(session_id, lease_ids, principal)
 
     # -- lookup, evict, prefetch ---------------------------------------------------------------
 
@@ -419,4 +438,5 @@ class BlockStore:
     def close(self) -> None:
         for sid in self.sessions.ids():
             self.close_session(sid)
+        self.sessions.close_all()
         self.tiers.close()

@@ -7,7 +7,9 @@ Registers a vLLM-style KV cache (CPU shared memory for ``host``, CUDA for ``cuda
 back, printing ``round r`` after each round, so the test can kill it anywhere and knows
 which keys may exist; ``stall``: one round, then an offload whose "KV written" record never
 comes (an engine dying while its forward pass still writes the KV), printing ``stalled``
-once it is sent: the daemon's copy is then in flight, waiting, until the process dies.
+once it is sent: the daemon's copy is then in flight, waiting, until the process dies (or
+the daemon's --transfer-wait-s passes). The CPU stand-in's KV and event ring are sealed
+memfds (SharedKVArena), passed to the daemon over the unix socket.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ torch = pytest.importorskip("torch")
 
 from kvtier.client.engine import ExportError, KVConnector, KVConnectorError, SharedKVArena  # noqa: E402
 from kvtier.client.engine.sidecar import Sidecar  # noqa: E402
-from kvtier.client.engine.transport import open_channel  # noqa: E402
 from kvtier.tiers.copy_engine import CopyError, check_engine_ids, plan_chunks  # noqa: E402
 from kvtier.tiers.copy_engine import TensorRef as Ref  # noqa: E402
 from kvtier.tiers.layout import Layout  # noqa: E402
@@ -236,12 +235,12 @@ def test_bad_requests_are_refused_and_change_nothing(kvd, shm_dir) -> None:
         eng.close()
 
 
-def test_cpu_tensor_without_a_shared_file_is_refused(start_daemon, shm_dir) -> None:
+def test_cpu_tensor_without_a_sealed_memfd_is_refused(start_daemon, shm_dir) -> None:
     d = start_daemon("--copy-engine", "host")
     layout = Layout.vllm(num_layers=1, num_blocks=4, block_tokens=16, kv_heads=1, head_dim=16, dtype="float16")
     conn = KVConnector(d.socket, ring_dir=shm_dir)
     try:
-        with pytest.raises(ExportError, match="named shared-memory file"):
+        with pytest.raises(ExportError, match="memfd sealed against shrinking"):
             conn.register(layout, [torch.zeros(layout.tensors[0].shape, dtype=torch.float16)])
     finally:
         conn.close()
@@ -249,7 +248,7 @@ def test_cpu_tensor_without_a_shared_file_is_refused(start_daemon, shm_dir) -> N
 
 def test_cuda_registration_without_cuda_engine_is_refused(start_daemon) -> None:
     """A daemon with the host engine only says how to get a CUDA one (no GPU needed)."""
-    from kvtier.proto import node_pb2, transfer_pb2, transfer_pb2_grpc
+    from kvtier.proto import node_pb2, transfer_pb2
     from kvtier.tiers.layout import layout_to_proto
 
     d = start_daemon("--copy-engine", "host")
@@ -257,17 +256,17 @@ def test_cuda_registration_without_cuda_engine_is_refused(start_daemon) -> None:
     conn = KVConnector(d.socket)
     try:
         sid = conn._open_session()
-        with open_channel(f"unix:{d.socket}") as ch:
-            stub = transfer_pb2_grpc.TransferStub(ch)
-            req = transfer_pb2.RegisterKVRequest(session_id=sid, layout=layout_to_proto(layout, node_pb2.LayoutSpec),
-                                                 backend="cuda", ring_slots=1,
-                                                 allocations=[transfer_pb2.KVAllocation(ipc_handle=b"\0" * 64,
-                                                                                        size=1 << 20)],
-                                                 tensors=[transfer_pb2.KVTensorRef(allocation=0, offset=0)])
-            with pytest.raises(grpc.RpcError) as e:
-                stub.RegisterKV(req)
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "--copy-engine cuda" in e.value.details()
+        # the connector's own stub: a session is its opener's (another channel is another caller)
+        stub = conn._stub
+        req = transfer_pb2.RegisterKVRequest(session_id=sid, layout=layout_to_proto(layout, node_pb2.LayoutSpec),
+                                             backend="cuda", ring_slots=1,
+                                             allocations=[transfer_pb2.KVAllocation(ipc_handle=b"\0" * 64,
+                                                                                    size=1 << 20)],
+                                             tensors=[transfer_pb2.KVTensorRef(allocation=0, offset=0)])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterKV(req)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--copy-engine cuda" in e.value.details()
     finally:
         conn.close()
 

@@ -141,7 +141,7 @@ HOLDER = textwrap.dedent("""
 
 def test_killed_client_leaks_no_grants_or_pins(start_daemon) -> None:
     cap = 32 * MiB
-    d = start_daemon(host_capacity=str(cap))
+    d = start_daemon("--session-quota", str(cap), host_capacity=str(cap))  # one session may hold the pool
     nslots = cap // (2 * MiB)
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(2 * MiB))
@@ -216,6 +216,9 @@ def test_malformed_input_gets_clear_errors_and_daemon_keeps_serving(daemon: Daem
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "session" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             stub.Commit(node_pb2.CommitRequest(session_id=good._ensure_session(), grant_ids=[424242]))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED  # another caller's session (issue 12)
+        with pytest.raises(grpc.RpcError) as e:
+            good._stub.Commit(node_pb2.CommitRequest(session_id=good._ensure_session(), grant_ids=[424242]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     # garbage bytes straight onto the socket

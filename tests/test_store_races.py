@@ -22,16 +22,13 @@ import pytest
 
 from kvtier.daemon.counters import Count
 from kvtier.daemon.errors import Code
-from kvtier.daemon.gpu import Transfers
-from kvtier.daemon.metrics import OpLatency
+from kvtier.daemon.gpu import KVRegistration, Transfers
 from kvtier.daemon.results import GrantStatus
-from kvtier.daemon.services import TransferService
 from kvtier.daemon.store import BlockStore, StoreError
-from kvtier.proto import node_pb2, transfer_pb2
-from kvtier.tiers.copy_engine import HostCopyEngine
+from kvtier.tiers.copy_engine import AllocationRef, HostCopyEngine, TensorRef, sealed_memfd
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import BackingJob, HostTier
-from kvtier.tiers.layout import Layout, layout_to_proto
+from kvtier.tiers.layout import Layout
 from kvtier.tiers.vocab import Tier
 
 BLOCK = 64 * 1024
@@ -375,24 +372,17 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
     executor thread: the handles that thread opens must be closed (``close_kv``), not orphaned.
     The host stand-in's maps would go with garbage collection; the CUDA engine's IPC handles
     would stay open, so the test checks the contract: every opened memory is closed."""
-    kv_path, ring_path = str(tmp_path / "kv"), str(tmp_path / "ring")
-    with open(kv_path, "wb") as fh:
-        fh.truncate(4 * BLOCK)
-    with open(ring_path, "wb") as fh:
-        fh.truncate(8 * 8)
+    kv_fd, ring_fd = sealed_memfd("kvtier-test-kv", 4 * BLOCK), sealed_memfd("kvtier-test-ring", 8 * 8)
+    kv_ino = os.fstat(kv_fd).st_ino
     layout = Layout.flat(BLOCK, num_blocks=4)
 
     async def body(store, disk, lid, sid):
         engine = HostCopyEngine(1)
         transfers = Transfers(store, {"host": engine}, threads=1)
-        svc = TransferService(transfers, OpLatency())
         try:
-            req = transfer_pb2.RegisterKVRequest(
-                session_id=sid, layout=layout_to_proto(layout, node_pb2.LayoutSpec), backend="host",
-                allocations=[transfer_pb2.KVAllocation(path=kv_path, size=4 * BLOCK)],
-                tensors=[transfer_pb2.KVTensorRef(allocation=0, offset=0)],
-                event_ring_path=ring_path, ring_slots=8)
-            await svc.RegisterKV(req, None)                      # a first one: pool attached, layout known
+            req = KVRegistration(sid, layout, "host", [AllocationRef(4 * BLOCK, fd=kv_fd)], [TensorRef(0, 0)], 8,
+                                 event_ring_fd=ring_fd)
+            await transfers.register(req)                        # a first one: pool attached, layout known
             # opening takes a while (cudaIpcOpenMemHandle can): hold the real open_kv until released
             opening, go = threading.Event(), threading.Event()
             real_open = engine.open_kv
@@ -412,7 +402,7 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
                 real_close(mem)
 
             engine.open_kv, engine.close_kv = slow_open, close
-            task = asyncio.ensure_future(svc.RegisterKV(req, None))
+            task = asyncio.ensure_future(transfers.register(req))
             while not opening.is_set():
                 await asyncio.sleep(0.001)
             task.cancel()
@@ -428,11 +418,15 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
             assert len(opened) == 1 and [m for m in opened if m not in closed] == [], "opened KV memory never closed"
             assert c[Count.KV_HANDLES_OPENED] == c[Count.KV_HANDLES_CLOSED], c.counts
             assert c[Count.KV_EVENTS_OPENED] == c[Count.KV_EVENTS_CLOSED], c.counts
-            with open("/proc/self/maps") as fh:
-                assert kv_path not in fh.read(), "an engine allocation is still mapped by the daemon"
+            with open("/proc/self/maps") as fh:  # (the inode column)
+                assert f" {kv_ino} " not in fh.read(), "an engine allocation is still mapped by the daemon"
         finally:
             await transfers.close()
-    run(tmp_path, body)
+    try:
+        run(tmp_path, body)
+    finally:
+        os.close(kv_fd)
+        os.close(ring_fd)
 
 
 def test_slots_of_a_session_closed_during_fallocate_are_not_handed_out_unbacked(tmp_path, monkeypatch):

@@ -7,8 +7,9 @@ Primitives and their contract
         seconds per GiB that took. The engine owns the mapping until ``close``.
     ``open_kv(allocations, ring)`` -> :class:`KVMemory`
         Open an engine's KV memory: each allocation once (CUDA: ``cudaIpcOpenMemHandle``;
-        stand-in: ``mmap`` of the shared file), and its ring of completion events (CUDA:
-        ``cudaIpcOpenEventHandle`` per slot; stand-in: a file of uint64 sequence numbers).
+        stand-in: ``mmap`` of a file descriptor the engine passed, see "Engine memory on the
+        stand-in" below), and its ring of completion events (CUDA: ``cudaIpcOpenEventHandle``
+        per slot; stand-in: a descriptor of uint64 sequence numbers).
         The caller owns the returned memory and must ``close_kv`` it exactly once, after
         every copy issued on it has completed (``Completion.wait_done``).
     ``copy(mem, plan, direction, slot, seq, wait_written)`` -> :class:`Completion`
@@ -26,9 +27,20 @@ Primitives and their contract
         The engine is gone: a copy still waiting for its "KV written" record gives up with
         :class:`CopyError` (stand-in; a CUDA stream wait cannot be withdrawn, but a wait on an
         event never recorded passes at once).
+    ``wait_timeout_s`` (an attribute; kvtierd's ``--transfer-wait-s``) bounds the stand-in's
+        wait for a "KV written" record: past it the copy gives up with :class:`WaitTimeout`
+        and copies nothing. (A CUDA stream wait on an event cannot be withdrawn; what it waits
+        for is work the engine had already queued when it asked.)
     Offloads are cut into pieces of at most ``piece_bytes`` and onboards are served first
     between pieces, so a small onboard never waits behind a whole large offload (copy
     engines do not honour stream priorities).
+
+Engine memory on the stand-in (issue 12)
+    The host copy engine never opens a path: the engine's KV memory and its event ring come
+    as file descriptors the engine passed over the unix socket (SCM_RIGHTS), and each must be
+    a memfd sealed against shrinking (``F_SEAL_SHRINK``, checked with ``F_GET_SEALS``), so
+    that the engine cannot truncate a region the daemon has mapped and kill it with SIGBUS.
+    Anything else is refused (:func:`map_sealed_fd`). :func:`sealed_memfd` makes such memory.
 
 Who owns what
     The engine process owns its KV memory and its events; the copy engine only holds opened
@@ -47,10 +59,12 @@ Backends
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
 import os
 import queue
+import stat
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -77,14 +91,19 @@ class EngineMemoryError(CopyError):
     """Engine memory that cannot be opened from another process (the message names why)."""
 
 
+class WaitTimeout(CopyError):
+    """The engine's "KV written" record did not come within ``wait_timeout_s``; nothing was copied."""
+
+
 @dataclass(frozen=True)
 class AllocationRef:
-    """One engine allocation: a CUDA IPC handle (CUDA) or a shared-memory file (stand-in)."""
+    """One engine allocation: a CUDA IPC handle (CUDA) or a sealed memfd's descriptor (stand-in)."""
 
     size: int
     ipc_handle: bytes = b""
-    path: str = ""
+    path: str = ""   # refused by the host copy engine (a path names any file): pass ``fd``
     device: int = 0
+    fd: int = -1     # stand-in: a memfd sealed against shrinking (the caller keeps and closes it)
 
 
 @dataclass(frozen=True)
@@ -97,11 +116,12 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class EventRing:
-    """Completion events of one registration: CUDA IPC event handles, or a stand-in file."""
+    """Completion events of one registration: CUDA IPC event handles, or a stand-in memfd."""
 
     slots: int
     handles: tuple[bytes, ...] = ()
-    path: str = ""
+    path: str = ""   # refused by the host copy engine: pass ``fd``
+    fd: int = -1     # stand-in: a memfd sealed against shrinking, ``slots`` uint64s
 
 
 @dataclass
@@ -250,6 +270,7 @@ class CopyEngine(ABC):
     def __init__(self, piece_bytes: int) -> None:
         self.piece_bytes = piece_bytes
         self.pin_s_per_gib = 0.0
+        self.wait_timeout_s = math.inf  # the stand-in's wait for "KV written" (module docstring)
 
     @abstractmethod
     def attach_pool(self, path: str, size: int) -> float: ...
@@ -340,14 +361,14 @@ class HostCopyEngine(CopyEngine):
         mem = HostKVMemory(allocations, ring)
         maps: list[mmap.mmap] = []
         try:
-            for a in allocations:
-                if not a.path:
-                    raise EngineMemoryError("the host copy engine opens shared-memory files: give each allocation a path")
-                maps.append(_map_file(a.path, a.size))
+            for i, a in enumerate(allocations):
+                if a.fd < 0:
+                    raise EngineMemoryError(f"allocation {i}: {_FD_ONLY}")
+                maps.append(map_sealed_fd(a.fd, a.size, f"allocation {i}"))
                 mem.handles_open += 1
-            if not ring.path:
-                raise EngineMemoryError("the host copy engine needs an event ring file (event_ring_path)")
-            ring_map = _map_file(ring.path, ring.slots * 8)
+            if ring.fd < 0:
+                raise EngineMemoryError(f"the event ring: {_FD_ONLY}")
+            ring_map = map_sealed_fd(ring.fd, ring.slots * 8, "the event ring")
         except BaseException:
             for m in maps:
                 m.close()
@@ -376,7 +397,7 @@ class HostCopyEngine(CopyEngine):
         assert isinstance(mem, HostKVMemory)
         pool = _pool_for(self._pools, pool_path, mem, slot)
         if wait_written:
-            self._wait_written(mem, slot, 2 * seq)
+            self._wait_written(mem, slot, 2 * seq, self.wait_timeout_s)
         jobs = plan.pieces(self.piece_bytes)
         done = threading.Event()
         remaining = [len(jobs)]
@@ -409,13 +430,19 @@ class HostCopyEngine(CopyEngine):
         return Completion(wait)
 
     @staticmethod
-    def _wait_written(mem: HostKVMemory, slot: int, mark: int) -> None:
-        """Wait for the engine's "KV written" record (the stand-in of cudaStreamWaitEvent)."""
+    def _wait_written(mem: HostKVMemory, slot: int, mark: int, timeout_s: float = math.inf) -> None:
+        """Wait for the engine's "KV written" record (the stand-in of cudaStreamWaitEvent), at
+        most ``timeout_s`` (:class:`WaitTimeout`)."""
         ring = mem.ring_arr
         pause = 20e-6
+        deadline = time.monotonic() + timeout_s
         while int(ring[slot]) < mark:
             if mem.cancelled:
                 raise CopyError("the engine went away before its KV was written")
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"the engine's \"KV written\" record for request {mark // 2} did not come in "
+                                  f"event slot {slot} within {timeout_s:g} s (--transfer-wait-s); nothing was "
+                                  f"copied: record it before asking for the offload")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -442,17 +469,45 @@ class HostCopyEngine(CopyEngine):
         self._pools.clear()
 
 
-def _map_file(path: str, size: int) -> mmap.mmap:
+_FD_ONLY = ("the host copy engine maps engine memory only from a file descriptor passed over the unix socket "
+            "(a memfd sealed with F_SEAL_SHRINK; kvtier.client.engine.SharedKVArena makes one), never from a path")
+MEMFD_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A new memfd of ``size`` bytes sealed against shrinking and growing: memory an engine may
+    hand the daemon (see the module docstring). The caller owns the descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        raise EngineMemoryError(f"cannot open engine memory file {path}: {e.strerror}") from None
-    try:
-        if os.fstat(fd).st_size < size:
-            raise EngineMemoryError(f"engine memory file {path} is {os.fstat(fd).st_size} bytes, not {size}")
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def map_sealed_fd(fd: int, size: int, what: str) -> mmap.mmap:
+    """Map ``size`` bytes of ``fd`` read-write, only if it is a memfd sealed against shrinking
+    (``F_SEAL_SHRINK``) and at least that large: such a region can never shrink under the
+    mapping (no SIGBUS). ``what`` names it in the refusal (:class:`EngineMemoryError`)."""
+    if size <= 0:
+        raise EngineMemoryError(f"{what} has size {size}; give its size in bytes")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        st = os.fstat(fd)
+    except OSError as e:
+        raise EngineMemoryError(f"{what} is not a sealable memfd ({e.strerror}): {_FD_ONLY}") from None
+    if not stat.S_ISREG(st.st_mode) or not seals & fcntl.F_SEAL_SHRINK:
+        raise EngineMemoryError(f"{what} is not sealed against shrinking (F_SEAL_SHRINK): a region that can shrink "
+                                f"after registration could take the daemon down; {_FD_ONLY}")
+    if st.st_size < size:
+        raise EngineMemoryError(f"{what} is {st.st_size} bytes, not the {size} registered")
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        raise EngineMemoryError(f"cannot map {what} read-write: {e.strerror} (a write-sealed memfd cannot "
+                                f"be registered)") from None
 
 
 def _copy_blocks(arrays: list[np.ndarray], pool: np.ndarray, plan: ChunkPlan, direction: str) -> None:

@@ -13,8 +13,10 @@ Memory kinds
     CUDA tensors are exported with CUDA IPC (``torch``'s storage IPC handle; the daemon opens
     each allocation once). Memory CUDA IPC cannot export (virtual-memory-managed allocations:
     PyTorch's ``expandable_segments:True``, vLLM's sleep-mode allocator) is refused with
-    :class:`ExportError` naming the cause. The CPU stand-in takes CPU tensors backed by a named
-    shared-memory file (:class:`SharedKVArena` makes them), which the daemon maps by path.
+    :class:`ExportError` naming the cause. The CPU stand-in takes CPU tensors backed by a memfd
+    sealed against shrinking (:class:`SharedKVArena` makes them): its descriptor is passed to
+    the daemon over the unix socket (SCM_RIGHTS), never a path, and the seal keeps the region
+    from shrinking under the daemon's mapping. The event ring is such a memfd too.
 
 Completion, per request, through a ring of interprocess events exchanged at registration
 (CUDA: ``torch.cuda.Event(interprocess=True)``; stand-in: a shared file of sequence numbers,
@@ -58,6 +60,7 @@ from kvtier.client.engine.transport import (
     default_client_name,
 )
 from kvtier.proto import node_pb2, transfer_pb2
+from kvtier.tiers.copy_engine import sealed_memfd
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, layout_to_proto
 
 _STATUS = {transfer_pb2.TRANSFER_COPIED: "copied", transfer_pb2.TRANSFER_PRESENT: "present",
@@ -78,22 +81,19 @@ def _torch() -> Any:
 
 
 class SharedKVArena:
-    """CPU stand-in KV memory: one shared-memory file, carved into a layout's tensors.
-
-    The file lives in ``directory`` (a tmpfs) owner-only, until :meth:`close`."""
+    """CPU stand-in KV memory: one memfd sealed against shrinking and growing, carved into a
+    layout's tensors. It has no name in any directory (``directory`` is accepted and ignored);
+    :attr:`fd` is what the connector passes to the daemon. Lives until :meth:`close` (and
+    while the daemon has it mapped)."""
 
     def __init__(self, layout: Layout, directory: str = "/dev/shm", name: str | None = None) -> None:
         torch = _torch()
         self.layout = layout
         sizes = [int(np.prod(t.shape)) * DTYPE_BYTES[t.dtype] for t in layout.tensors]
         self.size = max(mmap.PAGESIZE, sum(-(-s // 4096) * 4096 for s in sizes))
-        self.path = os.path.join(directory, name or f"kvtier-kv-{os.getpid()}-{id(self):x}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, self.size)
-        finally:
-            os.close(fd)
-        self._buf = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
+        self.fd = sealed_memfd(name or f"kvtier-kv-{os.getpid()}-{id(self):x}", self.size)
+        self._mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.tensors: list[Any] = []
         self.offsets: list[int] = []  # byte offset of each tensor in the file
         off = 0
@@ -105,13 +105,18 @@ class SharedKVArena:
 
     def close(self) -> None:
         self.tensors.clear()
+        self._buf = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            self._mm.close()
+        except BufferError:
+            pass  # a tensor view is still alive somewhere; the mapping goes with it
 
 
-def _maps() -> list[tuple[int, int, int, str]]:
+def _maps() -> list[tuple[int, int, int, int, str]]:
+    """(lo, hi, file offset, inode, path) of each mapping of this process."""
     out = []
     with open("/proc/self/maps") as fh:
         for line in fh:
@@ -119,30 +124,47 @@ def _maps() -> list[tuple[int, int, int, str]]:
             if len(parts) < 6:
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            out.append((lo, hi, int(parts[2], 16), parts[5].rstrip("\n")))
+            out.append((lo, hi, int(parts[2], 16), int(parts[4]), parts[5].rstrip("\n")))
+    return out
+
+
+def _memfds() -> dict[int, int]:
+    """inode -> an open descriptor of this process for each memfd it holds open."""
+    out: dict[int, int] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:"):
+                out.setdefault(os.stat(f"/proc/self/fd/{name}").st_ino, int(name))
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor, for one)
     return out
 
 
 def _host_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[list[transfer_pb2.KVAllocation],
-                                                                               list[transfer_pb2.KVTensorRef]]:
-    """Find the shared-memory file behind each CPU tensor (``/proc/self/maps``)."""
-    maps = _maps()
-    allocs: dict[str, int] = {}
+                                                                               list[transfer_pb2.KVTensorRef], list[int]]:
+    """Find the memfd behind each CPU tensor (``/proc/self/maps``, then this process's open
+    descriptors); returns the allocations, the tensor refs and each allocation's descriptor
+    (this process's, to pass to the daemon)."""
+    maps, memfds = _maps(), _memfds()
+    allocs: dict[int, int] = {}
     out_allocs: list[transfer_pb2.KVAllocation] = []
+    fds: list[int] = []
     refs = []
     for name, t in zip(names, tensors, strict=True):
         ptr = t.data_ptr()
-        hit = next(((lo, off, path) for lo, hi, off, path in maps if lo <= ptr < hi), None)
-        if hit is None or not hit[2].startswith("/") or hit[2].endswith("(deleted)"):
-            raise ExportError(f"tensor {name}: CPU KV memory must be backed by a named shared-memory file the "
-                              f"daemon can open (this one is {hit[2] if hit else 'unmapped'!r}); allocate it "
-                              f"with kvtier.client.engine.SharedKVArena or torch.from_file(path, shared=True)")
-        lo, off, path = hit
-        if path not in allocs:
-            allocs[path] = len(out_allocs)
-            out_allocs.append(transfer_pb2.KVAllocation(path=path, size=os.stat(path).st_size))
-        refs.append(transfer_pb2.KVTensorRef(allocation=allocs[path], offset=off + ptr - lo))
-    return out_allocs, refs
+        hit = next(((lo, off, ino, path) for lo, hi, off, ino, path in maps if lo <= ptr < hi), None)
+        if hit is None or not hit[3].startswith("/memfd:") or hit[2] not in memfds:
+            raise ExportError(f"tensor {name}: CPU KV memory must be a memfd sealed against shrinking, held open "
+                              f"by this process, which is passed to the daemon (this one is "
+                              f"{hit[3] if hit else 'unmapped'!r}); allocate it with kvtier.client.engine.SharedKVArena")
+        lo, off, ino, _ = hit
+        if ino not in allocs:
+            allocs[ino] = len(out_allocs)
+            fd = memfds[ino]
+            fds.append(fd)
+            out_allocs.append(transfer_pb2.KVAllocation(size=os.fstat(fd).st_size))
+        refs.append(transfer_pb2.KVTensorRef(allocation=allocs[ino], offset=off + ptr - lo))
+    return out_allocs, refs, fds
 
 
 def _check_ipc_capable(ptr: int, name: str) -> None:
@@ -207,6 +229,18 @@ def _cuda_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[lis
         refs.append(transfer_pb2.KVTensorRef(allocation=allocs[handle],
                                              offset=base_off + t.storage_offset() * t.element_size()))
     return out_allocs, refs
+
+
+def _check_tensors(layout: Layout, tensors: Sequence[Any]) -> None:
+    """Refuse tensors that do not match the layout (count, shape, dtype) or are not contiguous."""
+    if len(tensors) != len(layout.tensors):
+        raise InvalidArgument(f"{len(tensors)} tensors for a layout of {len(layout.tensors)}")
+    for spec, t in zip(layout.tensors, tensors, strict=True):
+        if tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
+            raise InvalidArgument(f"tensor {spec.name}: {str(t.dtype)} {list(t.shape)} does not match the "
+                                  f"layout's {spec.dtype} {list(spec.shape)}")
+        if not t.is_contiguous():
+            raise InvalidArgument(f"tensor {spec.name} is not contiguous")
 
 
 class Transfer:
@@ -300,7 +334,7 @@ class KVConnector:
         self.reg: _Registration | None = None
         self._events: list[Any] = []
         self._ring: np.ndarray | None = None
-        self._ring_path = ""
+        self._ring_map: mmap.mmap | None = None
         self._seq = itertools.count(1)
         self._lock = threading.Condition()
         self._free: collections.deque[int] = collections.deque()
@@ -324,15 +358,8 @@ class KVConnector:
         event ring. Returns the layout's Node id (for Lookup and Evict through a Sidecar)."""
         if self.reg is not None:
             raise FailedPrecondition("this connector already holds a registration: unregister() first")
-        if len(tensors) != len(layout.tensors):
-            raise InvalidArgument(f"{len(tensors)} tensors for a layout of {len(layout.tensors)}")
+        _check_tensors(layout, tensors)
         names = [t.name for t in layout.tensors]
-        for spec, t in zip(layout.tensors, tensors, strict=True):
-            if tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
-                raise InvalidArgument(f"tensor {spec.name}: {str(t.dtype)} {list(t.shape)} does not match the "
-                                      f"layout's {spec.dtype} {list(spec.shape)}")
-            if not t.is_contiguous():
-                raise InvalidArgument(f"tensor {spec.name} is not contiguous")
         kinds = {t.device.type for t in tensors}
         if kinds == {"cuda"}:
             self.backend = "cuda"
@@ -345,19 +372,16 @@ class KVConnector:
             ring = {"event_handles": handles}
         elif kinds == {"cpu"}:
             self.backend = "host"
-            allocations, refs = _host_allocations(names, tensors)
-            self._ring_path = os.path.join(self.ring_dir, f"kvtier-ring-{os.getpid()}-{id(self):x}")
-            fd = os.open(self._ring_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.ftruncate(fd, self.ring_slots * 8)
-            finally:
-                os.close(fd)
-            self._ring = np.memmap(self._ring_path, dtype=np.uint64, mode="r+", shape=(self.ring_slots,))
-            ring = {"event_ring_path": self._ring_path}
+            allocations, refs, fds = _host_allocations(names, tensors)
+            fds.append(self._host_ring())  # passed last; closed here once passed (the daemon gets its own)
+            ring = {}
         else:
             raise InvalidArgument(f"KV tensors must be all CUDA or all CPU tensors, not {sorted(kinds)}")
-        try:  # no daemon (Unavailable at once, naming the socket) leaves no ring behind either
-            req = transfer_pb2.RegisterKVRequest(session_id=self._open_session(),
+        try:
+            sid = self._open_session()  # (no daemon: Unavailable at once, or a deadline; nothing left behind)
+            if self.backend == "host":
+                ring = {"event_ring_fd_handle": self._pass_fds(fds, allocations)}
+            req = transfer_pb2.RegisterKVRequest(session_id=sid,
                                                  layout=layout_to_proto(layout, node_pb2.LayoutSpec),
                                                  backend=self.backend, allocations=allocations, tensors=refs,
                                                  ring_slots=self.ring_slots, **ring)
@@ -368,9 +392,9 @@ class KVConnector:
         except BaseException:
             self._drop_ring()
             raise
-        if self._ring_path:  # the daemon has it mapped; the name is no longer needed (nothing leaks on a kill)
-            os.unlink(self._ring_path)
-            self._ring_path = ""
+        finally:
+            if self.backend == "host":
+                os.close(fds[-1])  # the ring's: the daemon holds its own, the mapping keeps it here
         self.reg = _Registration(reply.registration_id, reply.layout_id, reply.copy_engine, layout)
         self._free = collections.deque(range(self.ring_slots))
         self._tensors = list(tensors)  # keep the memory alive while the daemon has it open
@@ -401,15 +425,38 @@ class KVConnector:
             self._tensors = []
             self._drop_ring()
 
+    def _host_ring(self) -> int:
+        """The stand-in's event ring: a sealed memfd, mapped here; returns its descriptor."""
+        ring_fd = sealed_memfd(f"kvtier-ring-{os.getpid()}-{id(self):x}", self.ring_slots * 8)
+        try:
+            self._ring_map = mmap.mmap(ring_fd, self.ring_slots * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(ring_fd)
+            raise
+        self._ring = np.frombuffer(self._ring_map, dtype=np.uint64)
+        return ring_fd
+
+    def _pass_fds(self, fds: list[int], allocations: list[transfer_pb2.KVAllocation]) -> str:
+        """Pass the allocations' descriptors and the ring's (last) to the daemon over the unix
+        socket; sets each allocation's handle and returns the ring's."""
+        pass_fds = getattr(self._transport, "pass_fds", None)
+        if pass_fds is None:
+            raise FailedPrecondition("this kvtier client cannot pass file descriptors to the daemon, which maps "
+                                     "CPU KV memory only from passed descriptors")
+        handles = pass_fds(fds)
+        for a, h in zip(allocations, handles, strict=False):
+            a.fd_handle = h
+        return handles[-1]
+
     def _drop_ring(self) -> None:
         self._events = []
         self._ring = None
-        if self._ring_path:
+        if self._ring_map is not None:
             try:
-                os.unlink(self._ring_path)
-            except FileNotFoundError:
-                pass
-            self._ring_path = ""
+                self._ring_map.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with it
+            self._ring_map = None
 
     # -- transfers -------------------------------------------------------------------------
 

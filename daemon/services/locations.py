@@ -200,7 +200,10 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
     @handled
     async def ReportDeviceBlocks(self, request: locations_pb2.ReportDeviceBlocksRequest,
                                  context: Any) -> locations_pb2.ReportDeviceBlocksReply:
-        tenant = self.auth.principal(context).tenant
+        principal = self.auth.principal(context)
+        if request.session_id:  # the reporting session must be the caller's own (issue 12)
+            self.store.session(request.session_id, principal)
+        tenant = principal.tenant
         loc = self.log.for_tenant(tenant)
         before = loc.head
         self.store.device.report(request.worker_id, request.layout_id, list(request.stored), list(request.removed),

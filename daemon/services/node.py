@@ -53,8 +53,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if len(first.hello.client_name) > MAX_NAME_CHARS:  # bounded (issue 12)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"client_name is {len(first.hello.client_name)} "
                                 f"characters; the limit is {MAX_NAME_CHARS}")
-        sess = self.store.open_session(first.hello.client_name, first.hello.pid,
-                                      self.auth.principal(context).tenant)
+        try:  # a session belongs to its caller (ids are capabilities: kvtier.daemon.sessions)
+            sess = self.store.open_session(first.hello.client_name, first.hello.pid, self.auth.principal(context))
+        except StoreError as e:  # over --max-sessions
+            self.counters.refused(e.code)
+            await context.abort(grpc.StatusCode[e.code.name], str(e))
         log.info("session opened", extra={"session_id": sess.session_id, "client": sess.client_name,
                                           "pid": sess.pid})
         try:
@@ -70,23 +73,26 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @handled
     async def Allocate(self, request: node_pb2.AllocateRequest, context: Any) -> node_pb2.AllocateReply:
+        self.store.session(request.session_id, self.auth.principal(context))  # the caller's own, else refused
         grants = await self.store.allocate(request.session_id, request.layout_id, list(request.keys), request.durable)
         return convert.allocate_reply(grants)
 
     @handled
     async def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitReply:
+        self.store.session(request.session_id, self.auth.principal(context))
         done = await self.store.commit(request.session_id, list(request.grant_ids), list(request.abort_grant_ids),
                                        request.durable)
         return node_pb2.CommitReply(committed=done.committed, durable=done.durable)
 
     @handled
     async def Acquire(self, request: node_pb2.AcquireRequest, context: Any) -> node_pb2.AcquireReply:
+        self.store.session(request.session_id, self.auth.principal(context))
         return convert.acquire_reply(await self.store.acquire(request.session_id, request.layout_id, list(request.keys),
                                                               request.verify))
 
     @handled
     async def Release(self, request: node_pb2.ReleaseRequest, context: Any) -> node_pb2.ReleaseReply:
-        self.store.release(request.session_id, list(request.lease_ids))
+        self.store.release(request.session_id, list(request.lease_ids), self.auth.principal(context))
         return node_pb2.ReleaseReply()
 
     @handled

@@ -22,16 +22,18 @@ TRANSFER_NO_SPACE: TransferStatus
 TRANSFER_MISSING: TransferStatus
 
 class KVAllocation(_message.Message):
-    __slots__ = ("ipc_handle", "path", "size", "device")
+    __slots__ = ("ipc_handle", "path", "size", "device", "fd_handle")
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FD_HANDLE_FIELD_NUMBER: _ClassVar[int]
     ipc_handle: bytes
     path: str
     size: int
     device: int
-    def __init__(self, ipc_handle: _Optional[bytes] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+    fd_handle: str
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., fd_handle: _Optional[str] = ...) -> None: ...
 
 class KVTensorRef(_message.Message):
     __slots__ = ("allocation", "offset")
@@ -42,7 +44,7 @@ class KVTensorRef(_message.Message):
     def __init__(self, allocation: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class RegisterKVRequest(_message.Message):
-    __slots__ = ("session_id", "layout", "backend", "allocations", "tensors", "event_handles", "event_ring_path", "ring_slots")
+    __slots__ = ("session_id", "layout", "backend", "allocations", "tensors", "event_handles", "event_ring_path", "ring_slots", "event_ring_fd_handle")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,7 @@ class RegisterKVRequest(_message.Message):
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     EVENT_RING_PATH_FIELD_NUMBER: _ClassVar[int]
     RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_RING_FD_HANDLE_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     layout: _node_pb2.LayoutSpec
     backend: str
@@ -59,7 +62,8 @@ class RegisterKVRequest(_message.Message):
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
     event_ring_path: str
     ring_slots: int
-    def __init__(self, session_id: _Optional[int] = ..., layout: _Optional[_Union[_node_pb2.LayoutSpec, _Mapping]] = ..., backend: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[KVAllocation, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KVTensorRef, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., event_ring_path: _Optional[str] = ..., ring_slots: _Optional[int] = ...) -> None: ...
+    event_ring_fd_handle: str
+    def __init__(self, session_id: _Optional[int] = ..., layout: _Optional[_Union[_node_pb2.LayoutSpec, _Mapping]] = ..., backend: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[KVAllocation, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KVTensorRef, _Mapping]]] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., event_ring_path: _Optional[str] = ..., ring_slots: _Optional[int] = ..., event_ring_fd_handle: _Optional[str] = ...) -> None: ...
 
 class RegisterKVReply(_message.Message):
     __slots__ = ("registration_id", "layout_id", "copy_engine", "block_bytes")
