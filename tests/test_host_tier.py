@@ -356,6 +356,8 @@ def test_a_layout_id_kept_across_a_restart_never_reaches_another_layout(start_da
             lid1 = other.register_layout(rank1)
             other.put(lid1, keys_for(1), rand_blocks(1, rank1.block_bytes, 14))
             assert other._info(lid1).daemon_id != id0
+        ch.close()  # its token died with the daemon that issued it: the client keeps only the id
+        ch, stub = _raw(d)
         with pytest.raises(grpc.RpcError) as e:
             stub.Lookup(node_pb2.LookupRequest(layout_id=id0, keys=keys_for(1)))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
