@@ -366,3 +366,38 @@ def test_key_salt_is_secret_per_tenant_and_kept_across_restarts(start_daemon, tm
     os.chmod(secret, 0o644)  # readable by others: refused
     with pytest.raises(RuntimeError, match="mode 0600"):
         d.start()
+
+
+def test_route_server_over_tls_refuses_clients_without_a_certificate_and_follows_a_tls_daemon(
+        start_daemon, pki, tmp_path) -> None:
+    from kvtier.proto import router_pb2, router_pb2_grpc
+
+    port = free_port()
+    start_daemon("--node-id", "tls-node", "--tcp", f"127.0.0.1:{port}", "--tls-cert", str(pki / "server.pem"),
+                 "--tls-key", str(pki / "server.key"), "--tls-ca", str(pki / "ca.pem"))
+    rs_port = free_port()
+    tls = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"), "--tls-ca", str(pki / "ca.pem")]
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.client.routing.route_server", "--listen",
+                             f"127.0.0.1:{rs_port}", *tls, "--daemon", f"127.0.0.1:{port}",
+                             "--daemon-tls-cert", str(pki / "alice.pem"), "--daemon-tls-key", str(pki / "alice.key"),
+                             "--daemon-tls-ca", str(pki / "ca.pem")],
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "rs.log", "wb"), text=True)
+    try:
+        assert "listening on" in proc.stdout.readline(), (tmp_path / "rs.log").read_text()  # type: ignore[union-attr]
+        req = router_pb2.RouterStatusRequest()
+        for client in (None, "mallory"):
+            with _tls_channel(pki, rs_port, client) as ch, pytest.raises(grpc.RpcError) as e:
+                router_pb2_grpc.RouterStub(ch).Status(req, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        with _tls_channel(pki, rs_port, "alice") as ch:
+            deadline = time.monotonic() + 20
+            while not any(f.connected and f.node_id == "tls-node"
+                          for f in router_pb2_grpc.RouterStub(ch).Status(req, timeout=10).feeds):
+                assert time.monotonic() < deadline, (tmp_path / "rs.log").read_text()
+                time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    p = subprocess.run([sys.executable, "-m", "kvtier.client.routing.route_server", "--listen", "0.0.0.0:0"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "--insecure-tcp" in p.stderr, p.stderr
