@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import queue
 import socket
@@ -447,8 +448,9 @@ def open_channel(target: str, *, aio: bool = False, tls: ClientTls | None = None
     Over a unix socket the credential handshake is done first (raising :class:`KvtierError`:
     Unavailable, PermissionDenied) and every call carries the token; the credential connection
     lives as long as the channel object (``channel.kvtier_credentials``; closed with it when
-    collected, or by ``channel.kvtier_credentials.close()``). Over TCP: TLS with ``tls`` (a
-    client certificate), else plaintext."""
+    collected, or by ``channel.kvtier_credentials.close()``), and is made again before a call
+    when the daemon closed it (a restart). Over TCP: TLS with ``tls`` (a client certificate),
+    else plaintext."""
     options = list(CHANNEL_OPTIONS if options is None else options)
     path = unix_socket(target)
     if path is None:
@@ -463,6 +465,9 @@ def open_channel(target: str, *, aio: bool = False, tls: ClientTls | None = None
         raise handshake_error(e) from None
 
     def metadata() -> tuple[tuple[str, str], ...]:
+        # a daemon that restarted knows no old token: hand-shake again (one non-blocking peek a call)
+        with contextlib.suppress(HandshakeError):
+            identity.ensure()
         return identity.metadata
 
     if aio:
