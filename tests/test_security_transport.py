@@ -401,3 +401,16 @@ def test_route_server_over_tls_refuses_clients_without_a_certificate_and_follows
     p = subprocess.run([sys.executable, "-m", "kvtier.client.routing.route_server", "--listen", "0.0.0.0:0"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "--insecure-tcp" in p.stderr, p.stderr
+
+
+def test_sidecar_over_tcp_needs_a_client_certificate(start_daemon, pki) -> None:
+    from kvtier.client.engine.transport import ClientTls, KvtierError
+
+    port = free_port()
+    start_daemon("--tcp", f"127.0.0.1:{port}", "--tcp-services", "all", "--tls-cert", str(pki / "server.pem"),
+                 "--tls-key", str(pki / "server.key"), "--tls-ca", str(pki / "ca.pem"))
+    with Sidecar(target=f"127.0.0.1:{port}", timeout=5) as sc, pytest.raises(KvtierError):
+        sc.stats()  # plaintext to a TLS port
+    alice = ClientTls(str(pki / "alice.pem"), str(pki / "alice.key"), str(pki / "ca.pem"))
+    with Sidecar(target=f"127.0.0.1:{port}", timeout=10, tls=alice) as sc:
+        assert sc.stats()["tiers"]["host"]["capacity_bytes"] > 0
