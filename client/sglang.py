@@ -258,11 +258,10 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         if not self.config.model:
             logger.warning("kvtier: no model name from SGLang and no kvtier_model: pages are shared by every "
                            "model of this tenant with the same KV geometry; set kvtier_model")
-        self.namespace = Namespace(self.config.model, self.config.tenant)
         self.shard = shard_identity(storage_config)
-        blob = json.dumps({"scheme": KEY_SCHEME, "shard": self.shard}, sort_keys=True, separators=(",", ":"))
-        self._shard_digest = hashlib.blake2b(blob.encode(), digest_size=32, key=self.namespace.digest()).digest()
-        self._marker_key = hashlib.blake2b(b"epoch", digest_size=16, key=self._shard_digest).digest()
+        self.namespace: Namespace | None = None  # the tenant salt: kvtier_tenant, else the daemon's (at connect)
+        if self.config.tenant:
+            self._set_namespace(self.config.tenant)
         self.mem_pool_host: Any = None
         self.layout: Layout | None = None
         self._sc = self._new_sidecar()
@@ -507,7 +506,18 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         t.daemon = True
         t.start()
 
+    def _set_namespace(self, salt: str) -> None:
+        if not salt:
+            raise FailedPrecondition("no tenant key salt: over kvtier_target (TCP) set kvtier_tenant; the daemon "
+                                     "hands out its secret salt only over its unix socket")
+        self.namespace = Namespace(self.config.model, salt)
+        blob = json.dumps({"scheme": KEY_SCHEME, "shard": self.shard}, sort_keys=True, separators=(",", ":"))
+        self._shard_digest = hashlib.blake2b(blob.encode(), digest_size=32, key=self.namespace.digest()).digest()
+        self._marker_key = hashlib.blake2b(b"epoch", digest_size=16, key=self._shard_digest).digest()
+
     def _connect(self, now: float) -> None:
+        if self.namespace is None:  # no kvtier_tenant: the daemon's secret salt for this client's tenant
+            self._set_namespace(self._sc.key_salt)
         if not (self._lid and self._marker_lid):  # (registering again is a no-op in the sidecar)
             self._lid = self._sc.register_layout(self.layout)
             self._marker_lid = self._sc.register_layout(Layout.flat(EPOCH_BYTES, block_tokens=1, name="sglang.epoch"))

@@ -51,7 +51,8 @@ Configuration: ``kv_connector_extra_config`` keys (all optional)
       daemon's default socket path).
     * ``kvtier_model``: the model id that namespaces keys (default: vLLM's ``--model``).
       Engines that must share blocks use the same id, and the same weights.
-    * ``kvtier_tenant``: a tenant salt; engines with different salts never share blocks.
+    * ``kvtier_tenant``: a tenant salt; engines with different salts never share blocks
+      (default: the daemon's secret salt for this process's tenant, from its credential socket).
     * ``kvtier_timeout_s``: deadline of each call to the daemon (default 2.0).
     * ``kvtier_retry_s``: after a failed call, how long kvtier is bypassed (default 5.0).
     * ``kvtier_copy``: ``auto`` (default: ``daemon`` when the KV tensors can be registered,
@@ -80,7 +81,7 @@ import re
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvtier.client import KvtierError, Namespace, Sidecar  # noqa: E402
 from kvtier.client.engine import KVConnector, KVConnectorError  # noqa: E402
+from kvtier.client.engine.keys import daemon_key_salt  # noqa: E402
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, TensorSpec  # noqa: E402
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: its handler, format and level
@@ -247,10 +249,19 @@ class _Counts:
 class KeyMap:
     """vLLM offload keys -> kvtier keys: one 16-byte key per block of a chunk (module docstring)."""
 
-    def __init__(self, namespace: Namespace, blocks_per_chunk: int) -> None:
-        self.digest = namespace.digest()
+    def __init__(self, namespace: Namespace | Callable[[], Namespace], blocks_per_chunk: int) -> None:
+        # a callable: resolved on first use (the daemon's secret tenant salt, asked for then)
+        self._namespace = namespace
+        self._digest = namespace.digest() if isinstance(namespace, Namespace) else None
         self.blocks_per_chunk = blocks_per_chunk
         self._suffix = [i.to_bytes(4, "little") for i in range(blocks_per_chunk)]
+
+    @property
+    def digest(self) -> bytes:
+        if self._digest is None:
+            assert callable(self._namespace)
+            self._digest = self._namespace().digest()
+        return self._digest
 
     def chunk(self, key: bytes) -> tuple[bytes, ...]:
         return tuple(hashlib.blake2b(bytes(key) + s, digest_size=16, key=self.digest).digest()
@@ -1005,7 +1016,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         _check_supported(config)
         self.settings = KvtierSettings.from_extra(self.extra_config)
-        ns = Namespace(self.settings.model or config.model.name, self.settings.tenant)
+        model, s = self.settings.model or config.model.name, self.settings
+        # no kvtier_tenant: the daemon's secret salt for this process's tenant, asked for on first use
+        ns = Namespace(model, s.tenant) if s.tenant else (lambda: Namespace(model, daemon_key_salt(s.socket, s.timeout_s)))
         self.keymap = KeyMap(ns, self.blocks_per_chunk)
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None

@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -29,10 +30,24 @@ NAMESPACE_DIGEST_BYTES = 32
 
 @dataclass(frozen=True)
 class Namespace:
-    """What separates key spaces: the model and a tenant salt (empty: shared by all tenants)."""
+    """What separates key spaces: the model and a tenant salt.
+
+    The salt is secret: a client of a local kvtierd uses the daemon's salt for its tenant
+    (``Sidecar.key_salt``, :func:`daemon_key_salt`, :meth:`for_daemon`), so that no other
+    tenant can compute its keys (and so probe whether its prefixes are cached). An empty salt
+    makes keys anyone can compute; kvtier's own integrations never default to it."""
 
     model: str
     tenant_salt: str = ""
+
+    @classmethod
+    def for_daemon(cls, model: str, sidecar: Any) -> Namespace:
+        """The namespace of ``model`` under the daemon's secret salt for ``sidecar``'s tenant."""
+        salt = sidecar.key_salt
+        if not salt:
+            raise ValueError("the daemon gave no key salt (it hands it out only over its unix socket): "
+                             "give tenant_salt explicitly")
+        return cls(model, salt)
 
     def digest(self) -> bytes:
         blob = json.dumps({"model": self.model, "tenant_salt": self.tenant_salt},
@@ -72,6 +87,24 @@ def block_keys(token_ids: Sequence[int] | np.ndarray, block_tokens: int, namespa
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def daemon_key_salt(socket: str | None = None, timeout: float | None = 5.0) -> str:
+    """The key salt the local kvtierd (at ``socket``: as :func:`~kvtier.client.engine.transport.socket_path`)
+    hands this process's tenant: one credential handshake. Raises
+    :class:`~kvtier.client.engine.transport.KvtierError` (``Unavailable`` with no daemon there)."""
+    from kvtier.client.engine.transport import handshake_error, socket_path
+    from kvtier.handshake import Credentials, HandshakeError
+
+    creds = Credentials(socket_path(socket), "key-salt", timeout)
+    try:
+        creds.connect()
+    except HandshakeError as e:
+        raise handshake_error(e) from None
+    try:
+        return creds.key_salt
+    finally:
+        creds.close()
 
 
 def as_key(engine_hash: int | bytes) -> bytes:

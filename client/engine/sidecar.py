@@ -85,6 +85,7 @@ from kvtier.client.engine.transport import (
     AsyncTransport,
     Background,
     Call,
+    ClientTls,
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
@@ -657,8 +658,10 @@ class Sidecar(_SidecarCore):
     wait for a daemon that is there to answer."""
 
     def __init__(self, socket_path: str | None = None, *, target: str | None = None,
-                 client_name: str | None = None, timeout: float = 60.0, use_key_table: bool = True) -> None:
-        self._transport: Transport = Transport(socket_path, target=target, client_name=client_name, timeout=timeout)
+                 client_name: str | None = None, timeout: float = 60.0, use_key_table: bool = True,
+                 tls: ClientTls | None = None) -> None:
+        self._transport: Transport = Transport(socket_path, target=target, client_name=client_name, timeout=timeout,
+                                               tls=tls)
         super().__init__(self._transport, use_key_table)
         self._stub = self._transport.node  # (tests speak the raw protocol on it)
 
@@ -744,9 +747,10 @@ class AsyncSidecar(_SidecarCore):
     the table's heartbeat goes stale)."""
 
     def __init__(self, socket_path: str | None = None, *, target: str | None = None,
-                 client_name: str | None = None, timeout: float = 60.0, use_key_table: bool = True) -> None:
+                 client_name: str | None = None, timeout: float = 60.0, use_key_table: bool = True,
+                 tls: ClientTls | None = None) -> None:
         self._transport: AsyncTransport = AsyncTransport(socket_path, target=target, client_name=client_name,
-                                                         timeout=timeout)
+                                                         timeout=timeout, tls=tls)
         super().__init__(self._transport, use_key_table)
 
     async def register_layout(self, layout: Layout) -> int:

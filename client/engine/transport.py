@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import queue
 import socket
@@ -447,8 +448,9 @@ def open_channel(target: str, *, aio: bool = False, tls: ClientTls | None = None
     Over a unix socket the credential handshake is done first (raising :class:`KvtierError`:
     Unavailable, PermissionDenied) and every call carries the token; the credential connection
     lives as long as the channel object (``channel.kvtier_credentials``; closed with it when
-    collected, or by ``channel.kvtier_credentials.close()``). Over TCP: TLS with ``tls`` (a
-    client certificate), else plaintext."""
+    collected, or by ``channel.kvtier_credentials.close()``), and is made again before a call
+    when the daemon closed it (a restart). Over TCP: TLS with ``tls`` (a client certificate),
+    else plaintext."""
     options = list(CHANNEL_OPTIONS if options is None else options)
     path = unix_socket(target)
     if path is None:
@@ -463,6 +465,9 @@ def open_channel(target: str, *, aio: bool = False, tls: ClientTls | None = None
         raise handshake_error(e) from None
 
     def metadata() -> tuple[tuple[str, str], ...]:
+        # a daemon that restarted knows no old token: hand-shake again (one non-blocking peek a call)
+        with contextlib.suppress(HandshakeError):
+            identity.ensure()
         return identity.metadata
 
     if aio:
@@ -746,8 +751,10 @@ class _Transport:
     session: Any
 
     def __init__(self, path: str | None, target: str | None, client_name: str | None, timeout: float,
-                 channel: Any) -> None:
+                 channel: Any, tls: ClientTls | None = None) -> None:
         self.endpoint = Endpoint(path, target)
+        # over TCP: TLS with this client certificate (given, else $KVTIER_TLS_CERT/_KEY/_CA), else plaintext
+        self.tls = (tls or ClientTls.from_env()) if self.endpoint.socket is None else None
         self.target = self.endpoint.target
         self.client_name = client_name or default_client_name()
         self.timeout = timeout
@@ -857,8 +864,8 @@ class Transport(_Transport):
     """The blocking transport: a ``grpc.Channel``, thread-safe."""
 
     def __init__(self, path: str | None = None, *, target: str | None = None, client_name: str | None = None,
-                 timeout: float = 60.0) -> None:
-        super().__init__(path, target, client_name, timeout, self._make_channel)
+                 timeout: float = 60.0, tls: ClientTls | None = None) -> None:
+        super().__init__(path, target, client_name, timeout, self._make_channel, tls)
         self._lock = threading.RLock()
         self.session = SessionStream(self.node, self.client_name, self._lock, self.endpoint, timeout)
         self.session.identity = self.identity
@@ -866,7 +873,10 @@ class Transport(_Transport):
     def _make_channel(self, target: str, options: list) -> grpc.Channel:
         # the stubs call the plain channel and pass the token themselves (the cheapest);
         # ``channel``, for whoever speaks the protocol directly, adds it to every call
-        self._plain = grpc.insecure_channel(target, options=options)
+        if self.tls is not None:
+            self._plain = grpc.secure_channel(target, self.tls.channel_credentials(), options=options)
+        else:
+            self._plain = grpc.insecure_channel(target, options=options)
         if self.identity.credentials is None:
             return self._plain
         return grpc.intercept_channel(self._plain, TokenInterceptor(self.identity.metadata))
@@ -914,8 +924,8 @@ class AsyncTransport(_Transport):
     """The asyncio transport: a ``grpc.aio.Channel``, used from one event loop."""
 
     def __init__(self, path: str | None = None, *, target: str | None = None, client_name: str | None = None,
-                 timeout: float = 60.0) -> None:
-        super().__init__(path, target, client_name, timeout, self._make_channel)
+                 timeout: float = 60.0, tls: ClientTls | None = None) -> None:
+        super().__init__(path, target, client_name, timeout, self._make_channel, tls)
         self._lock = asyncio.Lock()
         self.session = AsyncSessionStream(self.node, self.client_name, self._lock, self.endpoint, timeout)
         self.session.identity = self.identity
@@ -923,6 +933,8 @@ class AsyncTransport(_Transport):
     def _make_channel(self, target: str, options: list) -> grpc.aio.Channel:
         # the token goes with every call, the stubs' and those of whoever uses ``channel`` directly
         interceptors = async_token_interceptors(self.identity.metadata) if self.identity.credentials else None
+        if self.tls is not None:
+            return grpc.aio.secure_channel(target, self.tls.channel_credentials(), options=options)
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
     async def run(self, op: Op[T]) -> T:

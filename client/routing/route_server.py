@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -43,12 +44,12 @@ from typing import Any
 import grpc
 
 from kvtier.client.engine.keys import Namespace, block_keys
-from kvtier.client.engine.transport import SOCKET_ENV, socket_path
+from kvtier.client.engine.transport import SOCKET_ENV, ClientTls, socket_path
 from kvtier.client.routing.feed import feed_target
 from kvtier.client.routing.router import Decision, Router, RouterConfig, RouterError, UnknownCandidates
 from kvtier.paths import default_socket_path
 from kvtier.proto import router_pb2, router_pb2_grpc
-from kvtier.settings import Settings, SettingsError, group, setting
+from kvtier.settings import Settings, SettingsError, group, parse_bool, setting
 from kvtier.tiers.vocab import MAX_KEYS_PER_CALL, check_keys
 
 log = logging.getLogger("kvtier.route_server")
@@ -63,8 +64,22 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class RouteServerConfig:
     """Every ``kvtier route-server`` setting: where it listens, the router's and scorer's."""
 
-    listen: str = setting("127.0.0.1:7071", "address to serve on: HOST:PORT or unix:PATH (port 0: any free port)",
-                          metavar="ADDRESS")
+    listen: str = setting("127.0.0.1:7071", "address to serve on: HOST:PORT or unix:PATH (port 0: any free port); "
+                                            "a unix socket is created 0600; TCP beyond loopback needs --tls-cert, "
+                                            "--tls-key and --tls-ca (or --insecure-tcp)", metavar="ADDRESS")
+    tls_cert: str = setting("", "PEM certificate of the --listen TCP listener (mutual TLS with --tls-key and "
+                                "--tls-ca)", metavar="FILE")
+    tls_key: str = setting("", "PEM private key of --tls-cert", metavar="FILE")
+    tls_ca: str = setting("", "PEM CA that signs the clients' certificates: with --tls-cert every client must "
+                              "present one", metavar="FILE")
+    insecure_tcp: bool = setting(False, "serve a --listen TCP address that is not loopback in plaintext, "
+                                        "unauthenticated (warned at start); refused without this unless "
+                                        "TLS is set", parse_bool, "BOOL")
+    daemon_tls_cert: str = setting("", "client certificate this router presents to kvtierds over TCP (their "
+                                       "--tls-ca must sign it; its CN is the tenant whose feed it gets)",
+                                   metavar="FILE")
+    daemon_tls_key: str = setting("", "PEM private key of --daemon-tls-cert", metavar="FILE")
+    daemon_tls_ca: str = setting("", "PEM CA that signs the kvtierds' --tls-cert", metavar="FILE")
     router: RouterConfig = group(RouterConfig)
     log_level: str = setting("info", "debug, info, warning or error")
     config: str = setting("", "TOML file with any of these settings (keys: the flag names with _ for -)",
@@ -122,9 +137,35 @@ def with_local_daemon(cfg: RouteServerConfig, env: Mapping[str, str] | None = No
 
 
 def check_settings(cfg: RouteServerConfig) -> None:
-    """Refuse an unknown log level."""
+    """Refuse an unknown log level, half a TLS setting, and plaintext TCP beyond loopback."""
     if cfg.log_level.lower() not in LOG_LEVELS:
         raise SettingsError(f"--log-level: {cfg.log_level!r} is not debug, info, warning or error")
+    for group_ in (("tls_cert", "tls_key", "tls_ca"), ("daemon_tls_cert", "daemon_tls_key", "daemon_tls_ca")):
+        given = [n for n in group_ if getattr(cfg, n)]
+        if given and len(given) != 3:
+            raise SettingsError(f"{', '.join('--' + n.replace('_', '-') for n in group_)} go together; missing "
+                                f"{', '.join('--' + n.replace('_', '-') for n in group_ if n not in given)}")
+    tcp = not cfg.listen.startswith("unix:")
+    if tcp and not cfg.tls_cert and not cfg.insecure_tcp and not _loopback(cfg.listen):
+        raise SettingsError(f"--listen {cfg.listen} without TLS would serve anyone who reaches the port: give "
+                            f"--tls-cert, --tls-key and --tls-ca, or pass --insecure-tcp true")
+
+
+def _loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def daemon_tls(cfg: RouteServerConfig) -> ClientTls | None:
+    """The client certificate for daemons over TCP, when configured."""
+    if not cfg.daemon_tls_cert:
+        return None
+    return ClientTls(cfg.daemon_tls_cert, cfg.daemon_tls_key, cfg.daemon_tls_ca)
 
 
 def request_keys(req: router_pb2.RouteRequest) -> list[bytes]:
@@ -204,16 +245,37 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return reply
 
 
-async def serve(cfg: RouterConfig, listen: str) -> None:
+def _server_credentials(cfg: RouteServerConfig) -> grpc.ServerCredentials:
+    def read(flag: str, path: str) -> bytes:
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as e:
+            raise SystemExit(f"kvtier route-server: cannot read {flag} {path}: {e.strerror}") from None
+    return grpc.ssl_server_credentials([(read("--tls-key", cfg.tls_key), read("--tls-cert", cfg.tls_cert))],
+                                       root_certificates=read("--tls-ca", cfg.tls_ca), require_client_auth=True)
+
+
+async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | None = None) -> None:
+    server_cfg = server_cfg or RouteServerConfig(listen=listen)
     server = grpc.aio.server()
+    old_umask = os.umask(0o177)  # a unix socket: owner only
     try:  # grpcio returns 0 or raises RuntimeError, by version, for an address it cannot bind
-        port = server.add_insecure_port(listen)
+        if server_cfg.tls_cert and not listen.startswith("unix:"):
+            port = server.add_secure_port(listen, _server_credentials(server_cfg))
+        else:
+            port = server.add_insecure_port(listen)
     except RuntimeError:
         port = 0
+    finally:
+        os.umask(old_umask)
     if port == 0 and not listen.startswith("unix:"):
         raise SystemExit(f"kvtier route-server: cannot listen on {listen} (port taken? --listen HOST:0 takes "
                          "any free port)")
-    router = Router(cfg).start()
+    if not listen.startswith("unix:") and not server_cfg.tls_cert:
+        log.warning(f"route-server serves {listen} in plaintext without authentication: every user who reaches "
+                    f"it can route and read Status; give --tls-cert, --tls-key and --tls-ca for mutual TLS")
+    router = Router(cfg, tls=daemon_tls(server_cfg)).start()
     router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
     await server.start()
     shown = listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
@@ -236,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg: RouteServerConfig = with_local_daemon(SETTINGS.load_or_exit(argv, check=check_settings))
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(cfg.router, cfg.listen))
+    asyncio.run(serve(cfg.router, cfg.listen, cfg))
 
 
 if __name__ == "__main__":

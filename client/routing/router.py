@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.client.engine.transport import ClientTls
 from kvtier.client.routing.feed import Feeds, FeedStatus, Resolve
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.loads import Loads
@@ -163,15 +164,17 @@ class _Workers:
 class Router:
     """See the module docstring."""
 
-    def __init__(self, config: RouterConfig | None = None, resolve: Resolve | None = None) -> None:
-        """``resolve(host, port)`` -> addresses, for the DNS feeds (default: the system resolver)."""
+    def __init__(self, config: RouterConfig | None = None, resolve: Resolve | None = None,
+                 tls: ClientTls | None = None) -> None:
+        """``resolve(host, port)`` -> addresses, for the DNS feeds (default: the system resolver);
+        ``tls``: the client certificate for daemons over TCP (their --tls-ca signs it)."""
         self.config = cfg = config or RouterConfig()
         self.scorer = Scorer(cfg.scorer)
         self.index = LocationIndex(cfg.speculative_ttl_s)
         self._lock = threading.RLock()
         self._feeds = Feeds(self.index, self._lock, daemons=cfg.daemons, dns=cfg.dns,
                             resolve_interval_s=cfg.resolve_interval_s, reconnect_min_s=cfg.reconnect_min_s,
-                            reconnect_max_s=cfg.reconnect_max_s, subscriber=cfg.name, resolve=resolve)
+                            reconnect_max_s=cfg.reconnect_max_s, subscriber=cfg.name, resolve=resolve, tls=tls)
         self._loads = Loads(cfg.load_ttl_s, self.scorer)
         self._w = _Workers()
         self.vllm = VllmEvents(self.index, self._lock, cfg.vllm_events, protect=self._feeds.foreign)

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier.client.engine.sidecar import KvtierError, Sidecar
-from kvtier.client.engine.transport import socket_path
+from kvtier.client.engine.transport import ClientTls, socket_path
 
 
 def _fmt_bytes(n: float) -> str:
@@ -35,13 +35,19 @@ def stats_main(argv: Sequence[str]) -> int:
     ap.add_argument("--socket", help="daemon unix socket (default: the daemon's default path)")
     ap.add_argument("--target", help="gRPC target instead of a socket, e.g. node7:7070")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--tls-cert", help="with --target: client certificate (PEM) the daemon's --tls-ca signed "
+                                       "(default $KVTIER_TLS_CERT); the daemon must serve Node on TCP "
+                                       "(--tcp-services all)")
+    ap.add_argument("--tls-key", help="with --target: the client certificate's key (default $KVTIER_TLS_KEY)")
+    ap.add_argument("--tls-ca", help="with --target: CA of the daemon's certificate (default $KVTIER_TLS_CA)")
     ns = ap.parse_args(argv)
+    tls = ClientTls(ns.tls_cert, ns.tls_key, ns.tls_ca) if ns.tls_cert and ns.tls_key and ns.tls_ca else None
     path = socket_path(ns.socket)
     if not ns.target and not os.path.exists(path):
         print(f"kvtier stats: no daemon socket at {path}; is kvtierd running? (--socket PATH)", file=sys.stderr)
         return 1
     try:
-        with Sidecar(ns.socket, target=ns.target, timeout=10) as sc:
+        with Sidecar(ns.socket, target=ns.target, timeout=10, tls=tls) as sc:
             st = sc.stats()
     except KvtierError as e:
         print(f"kvtier stats: {e}", file=sys.stderr)
