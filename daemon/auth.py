@@ -93,7 +93,7 @@ def parse_tenants(entries: Iterable[str]) -> tuple[dict[int, str], dict[str, str
     for entry in entries:
         who, sep, tenant = entry.partition("=")
         who, tenant = who.strip(), tenant.strip()
-        if not sep or not who or not tenant:
+        if not sep or not who or not tenant or "=" in tenant or "," in tenant:
             raise ValueError(f"tenant entry {entry!r} is not UID=TENANT or cn:NAME=TENANT")
         if who.startswith(CN_PREFIX) and len(who) > len(CN_PREFIX):
             by_cn[who[len(CN_PREFIX):]] = tenant
@@ -184,6 +184,10 @@ class PeerAuthenticator(Authenticator):
         for handle in [h for h, (t, _) in self._fds.items() if t == token]:
             _, fd = self._fds.pop(handle)
             os.close(fd)
+
+    def of_token(self, token: str) -> Principal | None:
+        """The principal of a live token (None once its connection closed)."""
+        return self._tokens.get(token)
 
     def salt(self, tenant: str) -> str:
         return key_salt(self.secret, tenant)

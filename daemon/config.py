@@ -50,6 +50,13 @@ def parse_ids(value: str | Sequence[str] | Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def parse_entries(value: str | Sequence[str]) -> tuple[str, ...]:
+    """Comma-separated entries, from a variable, a list (TOML) or repeated flags, each of which
+    may itself list several: ``--tenants 1000=alice,1001=bob`` is two entries."""
+    items = [value] if isinstance(value, str) else value
+    return tuple(part for item in items for part in parse_list(str(item)))
+
+
 @dataclass
 class Config:
     """Every kvtierd setting. See the module docstring for names and precedence."""
@@ -136,7 +143,7 @@ class Config:
                                         "admitted uids are tenant 'default'), cn:NAME=TENANT for TCP "
                                         "clients whose certificate's common name is NAME (unmapped: the "
                                         "tenant is the common name itself); e.g. 1000=alice,1001=bob,"
-                                        "cn:router-1=alice", parse_list, "ENTRY", repeat=True)
+                                        "cn:router-1=alice", parse_entries, "ENTRY", repeat=True)
     tls_cert: str = _opt("", "PEM certificate (chain) of the --tcp listener", metavar="FILE")
     tls_key: str = _opt("", "PEM private key of --tls-cert", metavar="FILE")
     tls_ca: str = _opt("", "PEM CA certificate(s) that sign the clients' certificates: --tcp requires every "

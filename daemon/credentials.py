@@ -5,6 +5,10 @@ loop: each connection's peer credentials (``SO_PEERCRED``: uid, gid, pid) are re
 kernel and checked by the :class:`~kvtier.daemon.auth.PeerAuthenticator`, which issues the
 token; the token is revoked when the connection closes. File descriptors the client passes
 (``SCM_RIGHTS``) are kept under handles bound to the token (``PeerAuthenticator.take_fd``).
+The ``open`` operation hands the caller one of its tenant's files (a pool file or key table
+the daemon named to it) as a descriptor (``files``: the daemon's
+:meth:`~kvtier.daemon.store.BlockStore.open_tenant_file`); a refused ``open`` is answered and
+the connection stays.
 
 Bounds: a hello must come within :data:`HELLO_TIMEOUT_S`; at most :data:`MAX_CONNECTIONS`
 credential connections are open at once (a connection beyond is refused RESOURCE_EXHAUSTED);
@@ -14,16 +18,18 @@ a frame is at most :data:`kvtier.handshake.MAX_FRAME` bytes and a pass at most
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
 import os
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
-from kvtier.daemon.auth import PeerAuthenticator
-from kvtier.daemon.errors import StoreError
+from kvtier.daemon.auth import PeerAuthenticator, Principal
+from kvtier.daemon.errors import Code, StoreError
 from kvtier.handshake import MAX_FDS, MAX_FRAME, fds_of, frame, unframe
 
 log = logging.getLogger("kvtier.credentials")
@@ -53,10 +59,13 @@ class _Refused(Exception):
 class CredentialServer:
     """The credential socket at ``path``, served on the running loop (see the module docstring)."""
 
-    def __init__(self, auth: PeerAuthenticator, path: str, mode: int) -> None:
+    def __init__(self, auth: PeerAuthenticator, path: str, mode: int,
+                 files: Callable[[Principal, str], int] | None = None) -> None:
         self.auth = auth
         self.path = path
         self.mode = mode
+        #: (caller, path) -> a new descriptor of that caller's tenant's file; raises StoreError
+        self.files = files
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
@@ -159,6 +168,9 @@ class CredentialServer:
             conn.close()
 
     async def _op(self, conn: socket.socket, token: str, msg: dict[str, Any], fds: list[int]) -> None:
+        if msg.get("op") == "open":
+            await self._open(conn, token, msg)
+            return
         if msg.get("op") != "pass_fds":
             raise _Refused("INVALID_ARGUMENT", f"unknown credential operation {msg.get('op')!r}")
         count = msg.get("count")
@@ -169,6 +181,45 @@ class CredentialServer:
         del fds[:count]
         handles = self.auth.keep_fds(token, mine)
         await self._send(conn, {"ok": True, "handles": handles})
+
+    async def _open(self, conn: socket.socket, token: str, msg: dict[str, Any]) -> None:
+        """Send the caller a descriptor of one of its tenant's files, or say why not (the
+        connection stays either way)."""
+        path = msg.get("path")
+        p = self.auth.of_token(token)
+        try:
+            if p is None or self.files is None:
+                raise StoreError(Code.FAILED_PRECONDITION, "this daemon hands out no files")
+            if not isinstance(path, str) or not path:
+                raise StoreError(Code.INVALID_ARGUMENT, "open needs a path (a pool_path or key_table_path the "
+                                                        "daemon named)")
+            fd = self.files(p, path)
+        except StoreError as e:
+            await self._send(conn, {"ok": False, "code": e.code.name, "error": str(e)})
+            return
+        try:
+            await self._send_fd(conn, {"ok": True, "fds": 1}, fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    async def _send_fd(conn: socket.socket, obj: dict[str, Any], fd: int) -> None:
+        data = frame(obj)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sent = conn.sendmsg([data], anc)
+                break
+            except (BlockingIOError, InterruptedError):
+                ready = loop.create_future()
+                loop.add_writer(conn.fileno(), _wake, ready)
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(conn.fileno())
+        if sent < len(data):  # the descriptor went with the first byte
+            await loop.sock_sendall(conn, data[sent:])
 
     async def _message(self, conn: socket.socket, buf: bytearray, fds: list[int]) -> dict[str, Any] | None:
         """The next message (descriptors that came with it appended to ``fds``); None at EOF."""

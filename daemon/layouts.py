@@ -134,6 +134,10 @@ class Layouts:
             g = self._groups[tenant] = f"t{len(self._groups)}"
         return g
 
+    def group_of(self, tenant: str) -> str | None:
+        """The tenant's pool group, None if it has none yet (unlike :meth:`group`, never makes one)."""
+        return self._groups.get(tenant)
+
     def find(self, fingerprint: bytes) -> RegisteredLayout | None:
         """The registration whose *tenant* fingerprint this is."""
         return self._by_fp.get(fingerprint)

@@ -36,10 +36,11 @@ import time
 
 import grpc
 
-from kvtier.daemon.auth import AccessPolicy, PeerAuthenticator, TokenInterceptor
+from kvtier.daemon.auth import AccessPolicy, PeerAuthenticator, Principal, TokenInterceptor
 from kvtier.daemon.config import Config
 from kvtier.daemon.credentials import CredentialServer
 from kvtier.daemon.device import watch_sessions
+from kvtier.daemon.errors import Code, StoreError
 from kvtier.daemon.events import LocationLog
 from kvtier.daemon.gpu import EngineUnavailable, Transfers, build_engines
 from kvtier.daemon.keytable import KeyTablePublisher
@@ -388,7 +389,8 @@ class Daemon:
         if not bound:
             raise StartupError(f"cannot listen on --socket {self.socket_path}")
         self._socket_made = True
-        self.credentials = CredentialServer(self.auth, auth_socket_path(self.socket_path), self._socket_mode)
+        self.credentials = CredentialServer(self.auth, auth_socket_path(self.socket_path), self._socket_mode,
+                                            files=self._tenant_file)
         try:
             self.credentials.listen()
         except OSError as e:
@@ -478,6 +480,12 @@ class Daemon:
         store.observers.add(self.key_table, self.locations)
         self.stats = StatsSource(store, self.node_id, self.epoch)
         self.transfers = Transfers(store, self.engines)
+
+    def _tenant_file(self, caller: Principal, path: str) -> int:
+        """The credential socket's ``open``: a descriptor of one of the caller's tenant's files."""
+        if self.store is None:
+            raise StoreError(Code.FAILED_PRECONDITION, "the daemon is still starting")
+        return self.store.open_tenant_file(caller.tenant, path)
 
     async def _serve(self, server: grpc.aio.Server) -> None:
         assert self.store is not None and self.key_table is not None and self.locations is not None

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -169,6 +171,27 @@ class BlockStore:
         tenant's)."""
         tenant = getattr(layout, "tenant", DEFAULT_TENANT)
         return self.host.size_class(layout.slot_bytes, group=self.layouts.group(tenant))
+
+    def open_tenant_file(self, tenant: str, path: str) -> int:
+        """A new descriptor of one of ``tenant``'s files, as a ``RegisterLayoutReply`` names them:
+        a host pool file of its pool group (read-write) or its key table (read-only); opened
+        ``O_NOFOLLOW | O_CLOEXEC`` and checked to be the very file the daemon made (a pool: the
+        same inode as its own descriptor; the key table: a regular file of the daemon's uid).
+        Any other path, another tenant's files included, is refused PERMISSION_DENIED with
+        the same message, whether or not it exists. The caller closes the descriptor."""
+        group = self.layouts.group_of(tenant)
+        cls = None if group is None else next(
+            (c for c in self.host.classes.values() if c.group == group and c.path == path), None)
+        if cls is not None:
+            fd = _open_checked(path, os.O_RDWR, os.fstat(cls.fd))
+        elif path and self.key_table_paths.get(tenant) == path:
+            fd = _open_checked(path, os.O_RDONLY, None)
+        else:
+            fd = None
+        if fd is None:
+            raise StoreError(Code.PERMISSION_DENIED, "not a pool file or key table of your tenant: the daemon "
+                                                     "hands out only the files its RegisterLayout replies name")
+        return fd
 
     def open_session(self, client_name: str, pid: int, principal: Principal | str | None = None, *,
                      internal: bool = False) -> Session:
@@ -440,3 +463,19 @@ class BlockStore:
             self.close_session(sid)
         self.sessions.close_all()
         self.tiers.close()
+
+
+def _open_checked(path: str, flags: int, same_as: os.stat_result | None) -> int | None:
+    """``path`` opened ``flags | O_NOFOLLOW | O_CLOEXEC``, if it is a regular file of this uid (and
+    the same inode as ``same_as``); None otherwise. NOT_FOUND if it cannot be opened (a key
+    table that was just closed, say)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise StoreError(Code.NOT_FOUND, f"cannot open {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+            or (same_as is not None and (st.st_dev, st.st_ino) != (same_as.st_dev, same_as.st_ino))):
+        os.close(fd)
+        return None
+    return fd

@@ -14,12 +14,21 @@ is kept under a 128-bit *handle* bound to that connection's token, which a later
 (KV registration) names; a handle is usable by that caller only, and its fd is closed when
 the connection closes unless the daemon took it.
 
+And the daemon hands the client its tenant's files the same way (:meth:`Credentials.open`):
+a pool file or key table that a ``RegisterLayoutReply`` named (``pool_path``,
+``key_table_path``) comes back as an open descriptor (pool read-write, key table read-only),
+so a client never opens a daemon file by its path, and the files stay 0600 (0400) to the
+daemon's uid however many uids its tenants run as. Any other path, another tenant's files
+included, is refused PERMISSION_DENIED without saying whether it exists.
+
 Wire format: each message is a frame, a 4-byte big-endian length and that many bytes of a
 JSON object (at most :data:`MAX_FRAME` bytes). Requests: ``{"op": "hello", "client": NAME,
-"pid": PID}`` (first, once) and ``{"op": "pass_fds", "count": N}`` sent in one ``sendmsg``
-with N descriptors (at most :data:`MAX_FDS`). Replies: ``{"ok": true, ...}`` or ``{"ok":
-false, "code": CODE, "error": MESSAGE}`` (CODE: a gRPC status name), after which the daemon
-closes the connection.
+"pid": PID}`` (first, once), ``{"op": "pass_fds", "count": N}`` sent in one ``sendmsg``
+with N descriptors (at most :data:`MAX_FDS`), and ``{"op": "open", "path": PATH}``, answered
+``{"ok": true, "fds": 1}`` with the descriptor attached. Replies: ``{"ok": true, ...}`` or
+``{"ok": false, "code": CODE, "error": MESSAGE}`` (CODE: a gRPC status name), after which the
+daemon closes the connection; except a refused ``open``, after which the connection (and its
+token) stays.
 
 :class:`Credentials` is the client side (blocking; both the blocking and the asyncio
 transports use it: the exchange is local and short).
@@ -42,6 +51,7 @@ AUTH_SUFFIX = ".auth"
 MAX_FRAME = 64 * 1024
 MAX_FDS = 64
 _LEN = struct.Struct(">I")
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
 def auth_socket_path(grpc_socket: str) -> str:
@@ -169,8 +179,12 @@ class Credentials:
         self.uid = int(reply.get("uid", -1))
         self.metadata = ((TOKEN_HEADER, self.token),)
 
-    def _exchange(self, s: socket.socket, request: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+    def _exchange(self, s: socket.socket, request: dict[str, Any], fds: list[int] | None = None,
+                  received: list[int] | None = None) -> dict[str, Any]:
+        """Send ``request`` (with ``fds``), and the reply; descriptors that came with the reply go
+        to ``received`` (closed when None: nobody asked for them)."""
         data = frame(request)
+        got: list[int] = []
         s.settimeout(self.timeout)
         try:
             if fds:
@@ -179,11 +193,15 @@ class Credentials:
                 s.sendall(data)
             buf = bytearray()
             while (reply := unframe(buf)) is None:
-                chunk = s.recv(MAX_FRAME)
+                chunk, anc, _, _ = s.recvmsg(MAX_FRAME, _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
+                got.extend(fds_of(anc))
                 if not chunk:
                     raise HandshakeError("UNAVAILABLE", f"the daemon closed its credential socket "
                                                         f"{self.path} without an answer")
                 buf += chunk
+            if received is not None:
+                received.extend(got)
+                got = []
         except TimeoutError:
             raise HandshakeError("DEADLINE_EXCEEDED", f"no answer on the daemon's credential socket "
                                                       f"{self.path} within {self.timeout:g} s") from None
@@ -193,6 +211,8 @@ class Credentials:
             raise HandshakeError("UNAVAILABLE", f"credential socket {self.path}: {e.strerror or e}") from None
         finally:
             s.settimeout(None)  # blocking without a timeout: a MSG_DONTWAIT peek (_alive) never waits
+            for fd in got:
+                os.close(fd)
         if not reply.get("ok"):
             raise HandshakeError(str(reply.get("code", "UNAUTHENTICATED")), str(reply.get("error", "refused")))
         return reply
@@ -214,6 +234,27 @@ class Credentials:
         if len(handles) != len(fds):
             raise HandshakeError("INTERNAL", f"the daemon answered {len(handles)} handles for {len(fds)} fds")
         return handles
+
+    def open(self, path: str) -> int:
+        """An open descriptor of one of this client's tenant's files that the daemon named
+        (``pool_path`` read-write, ``key_table_path`` read-only), now the caller's to close.
+        Raises :class:`HandshakeError` (PERMISSION_DENIED: not a file of this client's tenant)."""
+        fds: list[int] = []
+        with self._lock:
+            if self._sock is None or not self._alive():
+                self._connect()
+            assert self._sock is not None
+            try:
+                self._exchange(self._sock, {"op": "open", "path": str(path)}, received=fds)
+            except HandshakeError:
+                for fd in fds:
+                    os.close(fd)
+                raise
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise HandshakeError("INTERNAL", f"the daemon answered {len(fds)} descriptors for {path}")
+        return fds[0]
 
     def close(self) -> None:
         """Close the connection: the daemon revokes the token (and closes fds it did not take)."""

@@ -93,3 +93,12 @@ def test_one_default_per_knob() -> None:
     assert RouterConfig().scorer == scorer == load_settings(["--daemon", "a:1"], {}).router.scorer
     assert replay.scorer_config() == scorer
     assert scorer.disk_load_gbps == replay.disk_load_gbps == 2.0
+
+
+def test_tenants_flag_takes_comma_separated_entries(tmp_path) -> None:
+    """``--tenants 1000=alice,1001=bob`` (as its help shows) is two entries, like the variable."""
+    cfg = load_config(["--tenants", "1000=alice,1001=bob", "--tenants", "cn:r1=carol"], {})
+    assert cfg.tenants == ("1000=alice", "1001=bob", "cn:r1=carol")
+    assert load_config([], {"KVTIER_TENANTS": "1000=alice,1001=bob"}).tenants == ("1000=alice", "1001=bob")
+    with pytest.raises(ConfigError, match="tenant entry"):
+        load_config(["--tenants", "1000=alice=bob"], {})

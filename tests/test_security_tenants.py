@@ -1,43 +1,63 @@
 """Issue 12, item 2: tenants that cannot see each other (the data side).
 
-Each test is one attack by tenant B on tenant A's blocks, against a real kvtierd serving over
-its real unix socket: B looks up, gets, evicts, prefetches A's keys, follows the feed, reads
-its key table, routes on its feed, reads its pool file, reports device blocks under A's
-worker id. Each must find nothing of A's and change nothing of A's.
+Each test is one attack by tenant B on tenant A's blocks, against a real kvtierd subprocess
+serving over its real unix socket, with tenants taken from the real uid -> tenant map
+(``--allowed-uids ROOT,65534 --tenants ROOT=alice,65534=bob``): tenant A ("alice") is this
+process (root); tenant B ("bob") is a child process running as ``nobody`` (uid 65534: forked
+as root, then setgid/setuid before it connects), which performs B's operations for the test
+(:class:`NobodyTenant`, one request at a time over a pipe). B looks up, gets, evicts,
+prefetches A's keys, follows the feed, reads its key table, routes on its feed, reads its
+pool file, reports device blocks under A's worker id. Each must find nothing of A's and
+change nothing of A's.
 
-The daemon runs in this process (a thread with its own event loop) so that the test can give
-it an authenticator: :class:`MetadataTenantAuthenticator`, a TEST FIXTURE ONLY, takes the
-tenant from the caller's ``x-test-tenant`` metadata. Real deployments authenticate the
-tenant from peer credentials or client certificates (kvtier.daemon.auth); this fixture only
-stands in for that so two tenants can be tested on one socket.
+Both tenants authenticate as every client does (the credential socket: ``SO_PEERCRED``, a
+token in every call) and map their pool files and key tables through the credential
+socket's ``open`` (the daemon hands the file over as a descriptor): the files are the
+daemon's uid's alone (0600 / 0400, in a 0700 directory), so B, as nobody, could not open them
+by path.
+
+Run as a script (``python test_security_tenants.py SOCKET UID``), this file is that child.
 """
 
 from __future__ import annotations
 
-import asyncio
+import errno
+import io
 import os
+import pickle
 import queue
-import threading
-from collections.abc import Iterator
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
+import grpc._channel  # noqa: F401  (loaded while the child can still read the interpreter's files)
+import grpc._common  # noqa: F401
+import grpc._utilities  # noqa: F401
+import numpy as np
 import pytest
+from google.protobuf.message import Message
 
-import kvtier.daemon.services.locations as locations_service
-import kvtier.daemon.services.node as node_service
+from kvtier.client import Sidecar
 from kvtier.client.routing.router import Router, RouterConfig
-from kvtier.daemon.auth import LOCAL, Authenticator, Principal
-from kvtier.daemon.config import load_config
-from kvtier.daemon.server import Daemon
+from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.handshake import Credentials, HandshakeError
 from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers.host import PoolMapping
 from kvtier.tiers.keytable import KeyTableReader
 from kvtier.tiers.layout import Layout, layout_to_proto
 
+NOBODY = 65534
 BLOCK = 8192
 LAYOUT = Layout.flat(BLOCK)
 OTHER_LAYOUT = Layout.flat(BLOCK, name="only-a")   # a layout only tenant A registers
-HOST, DISK, GPU = node_pb2.TIER_HOST, node_pb2.TIER_DISK, node_pb2.TIER_GPU
+SMALL = Layout.flat(2048, name="small")  # 4 KiB slots: so many fit that its first block grows the key table
+HOST, DISK, GPU, NONE = node_pb2.TIER_HOST, node_pb2.TIER_DISK, node_pb2.TIER_GPU, node_pb2.TIER_NONE
 
 
 def key(i: int) -> bytes:
@@ -46,46 +66,19 @@ def key(i: int) -> bytes:
 
 A_KEYS = [key(i) for i in range(1, 5)]
 A_BYTES = b"A-SECRET" * (BLOCK // 8)
-
-
-class MetadataTenantAuthenticator(Authenticator):
-    """TEST FIXTURE ONLY: trusts the caller's ``x-test-tenant`` metadata (see the module docstring)."""
-
-    def principal(self, context) -> Principal:
-        for k, v in context.invocation_metadata() or ():
-            if k == "x-test-tenant":
-                return Principal(tenant=v, caller=f"test:{v}")
-        return LOCAL
-
-
-class InProcessDaemon:
-    """A real kvtierd (kvtier.daemon.server.Daemon) on its own event loop in a thread."""
-
-    def __init__(self, workdir: str, shm_dir: str, *args: str) -> None:
-        self.cfg = load_config(["--socket", os.path.join(workdir, "kvtierd.sock"), "--shm-dir", shm_dir,
-                                "--host-capacity", "16MiB", "--log-format", "text", *args], env={})
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.daemon = Daemon(self.cfg)
-        asyncio.run_coroutine_threadsafe(self.daemon.start(), self.loop).result(60)
-        self.target = f"unix:{self.cfg.socket}"
-
-    def stop(self) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self.daemon.stop(), self.loop).result(60)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
+B_BYTES = b"B-BYTES!" * (BLOCK // 8)
 
 
 class Tenant:
-    """One tenant's client: raw stubs on the daemon's socket, every call tagged with the tenant."""
+    """One tenant's client, as any local client is: hand-shaken on the credential socket (its
+    uid is its tenant), raw stubs on the daemon's socket with the token in every call, pool
+    files and key tables mapped from the descriptors the daemon hands over."""
 
-    def __init__(self, target: str, name: str) -> None:
-        self.name = name
-        self.md = (("x-test-tenant", name),)
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, socket_path: str, name: str) -> None:
+        self.socket = socket_path
+        self.creds = Credentials(socket_path, name).connect()
+        self.md = self.creds.metadata
+        self.channel = grpc.insecure_channel(f"unix:{socket_path}")
         self.node = node_pb2_grpc.NodeStub(self.channel)
         self.locations = locations_pb2_grpc.LocationsStub(self.channel)
         self._out: queue.Queue = queue.Queue()
@@ -93,22 +86,94 @@ class Tenant:
         self._out.put(node_pb2.SessionClientMessage(hello=node_pb2.SessionHello(client_name=name, pid=os.getpid())))
         self.session_id = next(self._stream).opened.session_id
         self.pools: dict[str, PoolMapping] = {}
+        self.tables: dict[str, KeyTableReader] = {}
+        self._table_opens = 0
+        self._watch: Any = None
 
     def close(self) -> None:
         self._out.put(None)
         self._stream.cancel()
+        self.watch_stop()
         for p in self.pools.values():
             p.close()
+        for t in self.tables.values():
+            t.close()
         self.channel.close()
+        self.creds.close()
+
+    # -- who, and files through the credential socket --
+
+    def get_session_id(self) -> int:
+        return self.session_id
+
+    def whoami(self) -> tuple[int, str]:
+        return os.getuid(), self.creds.tenant
+
+    def _opener(self, path: str) -> int:
+        self._table_opens += 1
+        try:
+            return self.creds.open(path)
+        except HandshakeError as e:
+            raise OSError(errno.EACCES, str(e)) from None
+
+    def open_code(self, path: str) -> tuple[str, str]:
+        """(code, message) of asking the daemon for ``path`` through the credential socket."""
+        try:
+            fd = self.creds.open(path)
+        except HandshakeError as e:
+            return e.code, e.details
+        os.close(fd)
+        return "OK", ""
+
+    @staticmethod
+    def open_directly(path: str) -> str:
+        """What opening ``path`` by name (read-only) does for this process: "OK" or the errno name."""
+        try:
+            os.close(os.open(path, os.O_RDONLY))
+        except OSError as e:
+            return errno.errorcode.get(e.errno or 0, str(e.errno))
+        return "OK"
+
+    def pool(self, reply: node_pb2.RegisterLayoutReply) -> PoolMapping:
+        if reply.pool_path not in self.pools:
+            fd = self.creds.open(reply.pool_path)   # never opened by path
+            self.pools[reply.pool_path] = PoolMapping(reply.pool_path, reply.pool_bytes, fd=fd)
+        return self.pools[reply.pool_path]
+
+    def pool_holds(self, reply: node_pb2.RegisterLayoutReply, needle: bytes) -> bool:
+        """Whether the pool file ``reply`` names, as this tenant maps it, holds ``needle`` anywhere."""
+        return needle in bytes(self.pool(reply).mm)
+
+    def table_tiers(self, path: str, fingerprint: bytes, keys: list[bytes]) -> list[str | None]:
+        """The key table at ``path`` (mapped from the daemon's descriptor) on these keys."""
+        if path not in self.tables:
+            self.tables[path] = KeyTableReader(path, opener=self._opener)
+        return self.tables[path].tiers(fingerprint, keys)
+
+    def table_opens(self) -> int:
+        """How many times this client's key table readers (re)opened a table (each through the daemon)."""
+        return self._table_opens
+
+    def sidecar_roundtrip(self) -> dict[str, Any]:
+        """put, get and lookup (the key table) with the kvtier Sidecar, as this process's uid."""
+        with Sidecar(self.socket, client_name="sidecar") as sc:
+            lid = sc.register_layout(LAYOUT)
+            out: dict[str, Any] = {"tenant": sc.tenant, "before": sc.lookup(lid, [key(90)])}
+            out["stored"] = sc.put(lid, [key(90)], [np.frombuffer(B_BYTES, dtype=np.uint8)]).stored
+            got = sc.get(lid, [key(90), key(1)])
+            out["got"] = [None if g is None else bytes(g) for g in got]
+            out["after"] = sc.lookup(lid, [key(90), key(1)])
+            out["table"] = sc._layouts[lid].table is not None and sc._vouched(sc._layouts[lid])
+        return out
+
+    # -- calls --
+
+    def rpc(self, service: str, method: str, request: Message) -> Any:
+        return getattr(getattr(self, service), method)(request, metadata=self.md, timeout=30)
 
     def register(self, layout: Layout = LAYOUT) -> node_pb2.RegisterLayoutReply:
         return self.node.RegisterLayout(node_pb2.RegisterLayoutRequest(
             layout=layout_to_proto(layout, node_pb2.LayoutSpec)), metadata=self.md)
-
-    def pool(self, reply: node_pb2.RegisterLayoutReply) -> PoolMapping:
-        if reply.pool_path not in self.pools:
-            self.pools[reply.pool_path] = PoolMapping(reply.pool_path, reply.pool_bytes)
-        return self.pools[reply.pool_path]
 
     def put(self, reg: node_pb2.RegisterLayoutReply, keys: list[bytes], payload: bytes, durable: bool = False) -> None:
         grants = self.node.Allocate(node_pb2.AllocateRequest(session_id=self.session_id, layout_id=reg.layout_id,
@@ -120,11 +185,11 @@ class Tenant:
         self.node.Commit(node_pb2.CommitRequest(session_id=self.session_id, grant_ids=[g.grant_id for g in grants],
                                                 durable=durable), metadata=self.md)
 
-    def get(self, reg: node_pb2.RegisterLayoutReply, keys: list[bytes]) -> list[bytes | None]:
+    def get(self, reg: node_pb2.RegisterLayoutReply, keys: list[bytes], size: int = BLOCK) -> list[bytes | None]:
         leases = self.node.Acquire(node_pb2.AcquireRequest(session_id=self.session_id, layout_id=reg.layout_id,
                                                            keys=keys), metadata=self.md).leases
         pool = self.pool(reg)
-        out = [bytes(pool.mm[le.offset:le.offset + BLOCK]) if le.lease_id else None for le in leases]
+        out = [bytes(pool.mm[le.offset:le.offset + size]) if le.lease_id else None for le in leases]
         self.node.Release(node_pb2.ReleaseRequest(session_id=self.session_id,
                                                   lease_ids=[le.lease_id for le in leases if le.lease_id]),
                           metadata=self.md)
@@ -133,9 +198,15 @@ class Tenant:
     def lookup(self, layout_id: int, keys: list[bytes]) -> list[int]:
         return list(self.node.Lookup(node_pb2.LookupRequest(layout_id=layout_id, keys=keys), metadata=self.md).tiers)
 
+    def report(self, reg: node_pb2.RegisterLayoutReply, worker: str, stored: list[bytes] = (),
+               removed: list[bytes] = (), clear: bool = False) -> None:
+        self.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
+            session_id=self.session_id, worker_id=worker, layout_id=reg.layout_id, stored=stored, removed=removed,
+            clear=clear), metadata=self.md)
+
     def feed(self, n: int) -> list[locations_pb2.WatchLocationsReply]:
         """The first ``n`` replies of a new subscription."""
-        stream = self.locations.WatchLocations(locations_pb2.WatchLocationsRequest(subscriber=self.name),
+        stream = self.locations.WatchLocations(locations_pb2.WatchLocationsRequest(subscriber=self.creds.tenant),
                                                metadata=self.md, timeout=10)
         out = []
         try:
@@ -147,6 +218,132 @@ class Tenant:
             stream.cancel()
         return out
 
+    def watch_start(self) -> None:
+        self._watch = self.locations.WatchLocations(locations_pb2.WatchLocationsRequest(subscriber="watch"),
+                                                    metadata=self.md, timeout=30)
+
+    def watch_next(self) -> locations_pb2.WatchLocationsReply:
+        return next(self._watch)
+
+    def watch_stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+
+# -- tenant B: a child running as nobody -----------------------------------------------------------
+
+_LEN = struct.Struct(">I")
+_MESSAGES = {cls.DESCRIPTOR.full_name: cls for mod in (node_pb2, locations_pb2) for cls in vars(mod).values()
+             if isinstance(cls, type) and issubclass(cls, Message)}
+
+
+def _message(name: str, data: bytes) -> Message:
+    return _MESSAGES[name].FromString(data)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Message):
+            return _message, (obj.DESCRIPTOR.full_name, obj.SerializeToString())
+        return NotImplemented
+
+
+def _send(f: Any, obj: Any) -> None:
+    buf = io.BytesIO()
+    _Pickler(buf).dump(obj)
+    f.write(_LEN.pack(len(buf.getvalue())) + buf.getvalue())
+    f.flush()
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name == "_message":   # this module is __main__ in the child, not in the test
+            return _message
+        return super().find_class(module, name)
+
+
+def _recv(f: Any) -> Any:
+    head = f.read(_LEN.size)
+    if len(head) < _LEN.size:
+        raise EOFError
+    return _Unpickler(io.BytesIO(f.read(_LEN.unpack(head)[0]))).load()
+
+
+class RemoteRpcError(Exception):
+    """A gRPC error of a call the child made (``code()`` and ``details()`` as grpc.RpcError)."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self._code, self._details = grpc.StatusCode[code], details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class NobodyTenant:
+    """Tenant B: a :class:`Tenant` in a child process running as ``uid``; each method call is
+    performed there (``b.lookup(...)``, ``b.rpc("node", "Evict", req)``)."""
+
+    def __init__(self, socket_path: str, uid: int = NOBODY) -> None:
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), socket_path, str(uid)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.session_id = self._call("get_session_id")
+        assert self.whoami() == (uid, "bob"), "tenant B's child is not nobody/bob"
+
+    def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        _send(self.proc.stdin, (name, args, kw))
+        kind, *rest = _recv(self.proc.stdout)
+        if kind == "ok":
+            return rest[0]
+        if kind == "rpc":
+            raise RemoteRpcError(*rest)
+        raise AssertionError(f"tenant B's {name} failed in the child:\n{rest[0]}")
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kw: self._call(name, *args, **kw)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serve_as(socket_path: str, uid: int) -> None:
+    """The child: become ``uid``, hand-shake, perform the parent's requests until stdin closes."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    t = Tenant(socket_path, "bob")
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    try:
+        while True:
+            try:
+                name, args, kw = _recv(stdin)
+            except EOFError:
+                return
+            try:
+                result = getattr(t, name)(*args, **kw)
+                _send(stdout, ("ok", result))
+            except grpc.RpcError as e:
+                _send(stdout, ("rpc", e.code().name, e.details()))
+            except Exception:
+                _send(stdout, ("error", traceback.format_exc()))
+    finally:
+        t.close()
+
+
+# -- fixtures ----------------------------------------------------------------------------------
 
 def feed_keys(replies: list[locations_pb2.WatchLocationsReply]) -> set[bytes]:
     keys: set[bytes] = set()
@@ -161,61 +358,80 @@ def feed_keys(replies: list[locations_pb2.WatchLocationsReply]) -> set[bytes]:
 
 
 @pytest.fixture
-def shm() -> Iterator[str]:
-    import shutil
-    import tempfile
-    d = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+def shared_dir() -> Iterator[str]:
+    """A socket directory nobody can reach (0711 under /tmp: pytest's tmp_path is 0700)."""
+    d = tempfile.mkdtemp(prefix="kvtier-sec-", dir="/tmp")
+    os.chmod(d, 0o711)
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def tenant_auth(monkeypatch) -> None:
-    """Every servicer the daemon builds authenticates with the test fixture's authenticator."""
-    monkeypatch.setattr(node_service, "Authenticator", MetadataTenantAuthenticator)
-    monkeypatch.setattr(locations_service, "Authenticator", MetadataTenantAuthenticator)
+class Node:
+    """A real kvtierd where uid 65534 is tenant bob and this process's uid is tenant alice."""
+
+    def __init__(self, shared_dir: str, disk_dir: str) -> None:
+        me = os.geteuid()
+        assert me != NOBODY
+        self.d = DaemonProcess(shared_dir, "--allowed-uids", f"{me},{NOBODY}", "--tenants", f"{me}=alice,{NOBODY}=bob",
+                               "--disk-dir", disk_dir, "--disk-capacity", "256MiB", host_capacity="16MiB")
+        self.socket = self.d.socket
+
+    def start(self) -> Node:
+        self.d.start()
+        return self
+
+    def stop(self) -> None:
+        self.d.stop()
+
+    def cleanup(self) -> None:
+        self.d.cleanup()
 
 
 @pytest.fixture
-def node(tenant_auth, tmp_path, shm) -> Iterator[InProcessDaemon]:
-    d = InProcessDaemon(str(tmp_path), shm, "--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB")
-    yield d
-    d.stop()
+def node(shared_dir, tmp_path) -> Iterator[Node]:
+    n = Node(shared_dir, str(tmp_path / "disk")).start()
+    yield n
+    n.cleanup()
 
 
 @pytest.fixture
-def tenants(node) -> Iterator[tuple[Tenant, Tenant]]:
+def tenants(node) -> Iterator[tuple[Tenant, NobodyTenant]]:
     """(A, B); A has put ``A_KEYS`` under ``LAYOUT`` and registered ``OTHER_LAYOUT``."""
-    a, b = Tenant(node.target, "alice"), Tenant(node.target, "bob")
-    reg = a.register()
-    a.register(OTHER_LAYOUT)
-    a.put(reg, A_KEYS, A_BYTES)
-    assert a.lookup(reg.layout_id, A_KEYS) == [HOST] * len(A_KEYS)
-    yield a, b
-    a.close()
-    b.close()
+    a = Tenant(node.socket, "alice")
+    b = NobodyTenant(node.socket)
+    try:
+        assert a.creds.tenant == "alice"
+        reg = a.register()
+        a.register(OTHER_LAYOUT)
+        a.put(reg, A_KEYS, A_BYTES)
+        assert a.lookup(reg.layout_id, A_KEYS) == [HOST] * len(A_KEYS)
+        yield a, b
+    finally:
+        b.close()
+        a.close()
 
+
+# -- the attacks -------------------------------------------------------------------------------
 
 def test_tenant_b_lookup_does_not_find_tenant_a_keys(tenants) -> None:
     a, b = tenants
     reg = b.register()   # the same layout: B must still find nothing of A's
-    assert b.lookup(reg.layout_id, A_KEYS) == [node_pb2.TIER_NONE] * len(A_KEYS)
+    assert b.lookup(reg.layout_id, A_KEYS) == [NONE] * len(A_KEYS)
 
 
 def test_tenant_b_cannot_use_a_layout_id_tenant_a_registered(tenants) -> None:
     a, b = tenants
     a_only = a.register(OTHER_LAYOUT).layout_id
-    with pytest.raises(grpc.RpcError) as seen:
+    with pytest.raises(RemoteRpcError) as seen:
         b.lookup(a_only, A_KEYS)
-    with pytest.raises(grpc.RpcError) as unknown:
+    with pytest.raises(RemoteRpcError) as unknown:
         b.lookup(a_only ^ 0x5A5A5A, A_KEYS)   # an id nobody registered
     # the same answer as for an id that does not exist: B does not learn A registered it
     assert seen.value.code() == unknown.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert seen.value.details().replace(str(a_only), "ID") == unknown.value.details().replace(
         str(a_only ^ 0x5A5A5A), "ID")
-    with pytest.raises(grpc.RpcError) as alloc:
-        b.node.Allocate(node_pb2.AllocateRequest(session_id=b.session_id, layout_id=a_only, keys=[key(99)]),
-                        metadata=b.md)
+    with pytest.raises(RemoteRpcError) as alloc:
+        b.rpc("node", "Allocate", node_pb2.AllocateRequest(session_id=b.session_id, layout_id=a_only, keys=[key(99)]))
     assert alloc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -229,77 +445,73 @@ def test_tenant_b_get_misses_tenant_a_keys(tenants) -> None:
 def test_tenant_b_put_of_the_same_key_does_not_reach_tenant_a(tenants) -> None:
     a, b = tenants
     reg_b = b.register()
-    b.put(reg_b, A_KEYS[:1], b"B-BYTES!" * (BLOCK // 8))   # not PRESENT: B has no such block
+    b.put(reg_b, A_KEYS[:1], B_BYTES)   # not PRESENT: B has no such block
     assert a.get(a.register(), A_KEYS[:1]) == [A_BYTES]
-    assert b.get(reg_b, A_KEYS[:1]) == [b"B-BYTES!" * (BLOCK // 8)]
+    assert b.get(reg_b, A_KEYS[:1]) == [B_BYTES]
 
 
 def test_tenant_b_evict_leaves_tenant_a_keys(tenants) -> None:
     a, b = tenants
     reg_b = b.register()
-    evicted = b.node.Evict(node_pb2.EvictRequest(layout_id=reg_b.layout_id, keys=A_KEYS), metadata=b.md).evicted
+    evicted = b.rpc("node", "Evict", node_pb2.EvictRequest(layout_id=reg_b.layout_id, keys=A_KEYS)).evicted
     assert evicted == 0
     assert a.lookup(a.register().layout_id, A_KEYS) == [HOST] * len(A_KEYS)
 
 
-def test_tenant_b_prefetch_does_not_promote_tenant_a_keys(tenant_auth, tmp_path, shm) -> None:
+def test_tenant_b_prefetch_does_not_promote_tenant_a_keys(shared_dir, tmp_path) -> None:
     """A's blocks are on disk only (the daemon restarted: this also shows a tenant's blocks
     are found again under its layout after a restart). B's Prefetch of them promotes
     nothing; A's does."""
-    args = ("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB")
-    d = InProcessDaemon(str(tmp_path), shm, *args)
+    n = Node(shared_dir, str(tmp_path / "disk")).start()
     try:
-        a = Tenant(d.target, "alice")
+        a = Tenant(n.socket, "alice")
         a.put(a.register(), A_KEYS, A_BYTES, durable=True)
         a.close()
+        n.stop()
+        n.start()
+        a, b = Tenant(n.socket, "alice"), NobodyTenant(n.socket)
+        try:
+            reg_a, reg_b = a.register(), b.register()
+            assert a.lookup(reg_a.layout_id, A_KEYS) == [DISK] * len(A_KEYS)
+            assert b.lookup(reg_b.layout_id, A_KEYS) == [NONE] * len(A_KEYS)
+            promoted = b.rpc("node", "Prefetch", node_pb2.PrefetchRequest(layout_id=reg_b.layout_id,
+                                                                          keys=A_KEYS)).promoted
+            assert promoted == 0
+            assert a.lookup(reg_a.layout_id, A_KEYS) == [DISK] * len(A_KEYS)
+            assert b.get(reg_b, A_KEYS) == [None] * len(A_KEYS)
+            assert a.rpc("node", "Prefetch", node_pb2.PrefetchRequest(layout_id=reg_a.layout_id,
+                                                                      keys=A_KEYS)).promoted == len(A_KEYS)
+            assert a.get(reg_a, A_KEYS[:1]) == [A_BYTES]
+        finally:
+            b.close()
+            a.close()
     finally:
-        d.stop()
-    d = InProcessDaemon(str(tmp_path), shm, *args)
-    try:
-        a, b = Tenant(d.target, "alice"), Tenant(d.target, "bob")
-        reg_a, reg_b = a.register(), b.register()
-        assert a.lookup(reg_a.layout_id, A_KEYS) == [DISK] * len(A_KEYS)
-        assert b.lookup(reg_b.layout_id, A_KEYS) == [node_pb2.TIER_NONE] * len(A_KEYS)
-        promoted = b.node.Prefetch(node_pb2.PrefetchRequest(layout_id=reg_b.layout_id, keys=A_KEYS),
-                                   metadata=b.md).promoted
-        assert promoted == 0
-        assert a.lookup(reg_a.layout_id, A_KEYS) == [DISK] * len(A_KEYS)
-        assert b.get(reg_b, A_KEYS) == [None] * len(A_KEYS)
-        assert a.node.Prefetch(node_pb2.PrefetchRequest(layout_id=reg_a.layout_id, keys=A_KEYS),
-                               metadata=a.md).promoted == len(A_KEYS)
-        assert a.get(reg_a, A_KEYS[:1]) == [A_BYTES]
-        a.close()
-        b.close()
-    finally:
-        d.stop()
+        n.cleanup()
 
 
 def test_tenant_b_feed_shows_no_tenant_a_keys_workers_or_layouts(tenants) -> None:
     a, b = tenants
     reg_a, reg_b = a.register(), b.register()
-    a.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        session_id=a.session_id, worker_id="engine-a", layout_id=reg_a.layout_id, stored=[key(50)]), metadata=a.md)
+    a.report(reg_a, "engine-a", stored=[key(50)])
     b.put(reg_b, [key(60)], b"B" * BLOCK)
     replies = b.feed(3)   # NodeInfo, the snapshot (one part), and A's put is not an event of B's
     info = replies[0].node
     assert [w.worker_id for w in info.workers] == []
     assert {lay.fingerprint for lay in info.layouts} == {reg_b.fingerprint}
-    seen = feed_keys(replies)
-    assert seen == {key(60)}
+    assert feed_keys(replies) == {key(60)}
     # live: A's next put reaches A's feed and not B's
-    stream = b.locations.WatchLocations(locations_pb2.WatchLocationsRequest(subscriber="b"), metadata=b.md,
-                                        timeout=10)
+    b.watch_start()
     try:
-        first = [next(stream), next(stream)]   # NodeInfo, snapshot
+        first = [b.watch_next(), b.watch_next()]   # NodeInfo, snapshot
         a.put(reg_a, [key(70)], A_BYTES)
         b.put(reg_b, [key(71)], b"B" * BLOCK)  # B's own event marks where A's would have been
         live: list[locations_pb2.WatchLocationsReply] = []
         while key(71) not in feed_keys(live):
-            live.append(next(stream))
+            live.append(b.watch_next())
     finally:
-        stream.cancel()
+        b.watch_stop()
     assert key(70) not in feed_keys(first + live) and not set(A_KEYS) & feed_keys(first + live)
-    info_b = b.locations.GetNodeInfo(locations_pb2.NodeInfoRequest(), metadata=b.md)
+    info_b = b.rpc("locations", "GetNodeInfo", locations_pb2.NodeInfoRequest())
     assert [w.worker_id for w in info_b.workers] == []
     # A's own feed has all of it
     mine = a.feed(3)
@@ -310,12 +522,10 @@ def test_tenant_b_feed_shows_no_tenant_a_keys_workers_or_layouts(tenants) -> Non
 def test_tenant_b_device_report_under_tenant_a_worker_id_touches_nothing_of_a(tenants) -> None:
     a, b = tenants
     reg_a, reg_b = a.register(), b.register()
-    a.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        session_id=a.session_id, worker_id="engine-a", layout_id=reg_a.layout_id, stored=[key(50)]), metadata=a.md)
+    a.report(reg_a, "engine-a", stored=[key(50)])
     assert a.lookup(reg_a.layout_id, [key(50)]) == [GPU]
-    assert b.lookup(reg_b.layout_id, [key(50)]) == [node_pb2.TIER_NONE]
-    b.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        session_id=b.session_id, worker_id="engine-a", layout_id=reg_b.layout_id, clear=True, removed=[key(50)]), metadata=b.md)
+    assert b.lookup(reg_b.layout_id, [key(50)]) == [NONE]
+    b.report(reg_b, "engine-a", removed=[key(50)], clear=True)
     assert a.lookup(reg_a.layout_id, [key(50)]) == [GPU]
     assert [w.worker_id for w in a.feed(1)[0].node.workers] == ["engine-a"]
 
@@ -324,29 +534,22 @@ def test_tenant_b_key_table_shows_no_tenant_a_keys(tenants) -> None:
     a, b = tenants
     reg_a, reg_b = a.register(), b.register()
     assert reg_b.key_table_path and reg_a.key_table_path and reg_b.key_table_path != reg_a.key_table_path
-    table_b = KeyTableReader(reg_b.key_table_path)
-    table_a = KeyTableReader(reg_a.key_table_path)
-    try:
-        assert table_b.tiers(LAYOUT.fingerprint, A_KEYS) == [None] * len(A_KEYS)
-        assert table_a.tiers(LAYOUT.fingerprint, A_KEYS) == ["host"] * len(A_KEYS)
-        b.put(reg_b, [key(60)], b"B" * BLOCK)
-        assert table_b.tiers(LAYOUT.fingerprint, [key(60)]) == ["host"]
-        assert table_a.tiers(LAYOUT.fingerprint, [key(60)]) == [None]
-        assert table_b.tiers(OTHER_LAYOUT.fingerprint, A_KEYS) == [None] * len(A_KEYS)
-    finally:
-        table_a.close()
-        table_b.close()
+    fp = LAYOUT.fingerprint
+    assert b.table_tiers(reg_b.key_table_path, fp, A_KEYS) == [None] * len(A_KEYS)
+    assert a.table_tiers(reg_a.key_table_path, fp, A_KEYS) == ["host"] * len(A_KEYS)
+    b.put(reg_b, [key(60)], b"B" * BLOCK)
+    assert b.table_tiers(reg_b.key_table_path, fp, [key(60)]) == ["host"]
+    assert a.table_tiers(reg_a.key_table_path, fp, [key(60)]) == [None]
+    assert b.table_tiers(reg_b.key_table_path, OTHER_LAYOUT.fingerprint, A_KEYS) == [None] * len(A_KEYS)
 
 
 def test_tenant_b_router_fed_by_its_feed_never_routes_on_tenant_a_keys(tenants) -> None:
     a, b = tenants
     reg_a, reg_b = a.register(), b.register()
-    a.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        session_id=a.session_id, worker_id="engine-a", layout_id=reg_a.layout_id, stored=A_KEYS), metadata=a.md)
-    b.locations.ReportDeviceBlocks(locations_pb2.ReportDeviceBlocksRequest(
-        session_id=b.session_id, worker_id="engine-b", layout_id=reg_b.layout_id, stored=[key(80)]), metadata=b.md)
+    a.report(reg_a, "engine-a", stored=A_KEYS)
+    b.report(reg_b, "engine-b", stored=[key(80)])
     router = Router(RouterConfig())
-    for reply in b.feed(2):
+    for reply in b.feed(2):   # B's subscription, made by B's process
         router.apply("daemon", reply)
     held = router.holdings()
     assert all(not set(A_KEYS) & keys for keys in held.values())
@@ -361,17 +564,64 @@ def test_tenant_pool_files_are_separate_and_b_never_maps_a_bytes(tenants) -> Non
     reg_a, reg_b = a.register(), b.register()
     assert reg_a.pool_path != reg_b.pool_path
     b.put(reg_b, [key(60)], b"B" * BLOCK)
-    with open(reg_b.pool_path, "rb") as f:
-        assert b"A-SECRET" not in f.read()
-    with open(reg_a.pool_path, "rb") as f:
-        assert b"A-SECRET" in f.read()
+    assert not b.pool_holds(reg_b, b"A-SECRET")   # the whole pool B maps
+    assert b.pool_holds(reg_b, b"B" * BLOCK)
+    assert a.pool_holds(reg_a, b"A-SECRET")
 
 
 def test_tenant_b_stats_list_only_its_layouts(tenants) -> None:
     a, b = tenants
     reg_b = b.register()
-    stats_b = b.node.Stats(node_pb2.StatsRequest(), metadata=b.md)
+    stats_b = b.rpc("node", "Stats", node_pb2.StatsRequest())
     assert [lay.fingerprint for lay in stats_b.layouts] == [reg_b.fingerprint]
     assert [lay.host_blocks for lay in stats_b.layouts] == [0]   # A's blocks of the same layout are not B's
-    stats_a = a.node.Stats(node_pb2.StatsRequest(), metadata=a.md)
+    stats_a = a.rpc("node", "Stats", node_pb2.StatsRequest())
     assert {lay.fingerprint for lay in stats_a.layouts} == {LAYOUT.fingerprint, OTHER_LAYOUT.fingerprint}
+
+
+# -- tenant files reach only their tenant's clients, as descriptors ---------------------------------
+
+def test_tenant_b_as_nobody_maps_its_own_pool_and_key_table_through_the_fd_op(tenants) -> None:
+    a, b = tenants
+    reg_b = b.register(SMALL)
+    # the files are the daemon's uid's alone: B cannot open them by name ...
+    assert b.open_directly(reg_b.pool_path) == "EACCES"
+    assert b.open_directly(reg_b.key_table_path) == "EACCES"
+    # ... and is handed them: it writes and reads its pool, and reads its key table
+    assert b.open_code(reg_b.pool_path) == ("OK", "")
+    assert b.open_code(reg_b.key_table_path) == ("OK", "")
+    assert b.table_tiers(reg_b.key_table_path, SMALL.fingerprint, [key(60)]) == [None]
+    assert b.table_opens() == 1
+    small = b"b" * SMALL.block_bytes
+    b.put(reg_b, [key(60)], small)   # the layout's first block: the daemon presizes (rebuilds) B's table
+    assert b.get(reg_b, [key(60)], SMALL.block_bytes) == [small]
+    # the reader reopened the rebuilt table, through the daemon too
+    assert b.table_tiers(reg_b.key_table_path, SMALL.fingerprint, [key(60)]) == ["host"]
+    assert b.table_opens() == 2
+    assert b.lookup(reg_b.layout_id, [key(60)]) == [HOST]
+
+
+def test_tenant_b_sidecar_as_nobody_puts_gets_and_reads_its_key_table(tenants) -> None:
+    a, b = tenants
+    out = b.sidecar_roundtrip()
+    assert out["tenant"] == "bob"
+    assert out["before"] == [None] and out["stored"] == 1
+    assert out["got"] == [B_BYTES, None]   # key(1) is A's
+    assert out["after"] == ["host", None] and out["table"], out
+
+
+def test_tenant_b_cannot_open_tenant_a_files_through_the_fd_op(tenants) -> None:
+    a, b = tenants
+    reg_a, reg_b = a.register(), b.register()
+    refused = [b.open_code(p) for p in (reg_a.pool_path, reg_a.key_table_path, reg_a.pool_path + ".nope",
+                                        "/etc/shadow", os.path.dirname(reg_a.pool_path))]
+    assert {code for code, _ in refused} == {"PERMISSION_DENIED"}, refused
+    assert len({msg for _, msg in refused}) == 1, "the refusal tells which paths exist"
+    # nor the other way round; and a refused open keeps the caller's credential (and token)
+    assert a.open_code(reg_b.pool_path)[0] == "PERMISSION_DENIED"
+    assert a.open_code(reg_a.pool_path) == ("OK", "")
+    assert b.lookup(reg_b.layout_id, A_KEYS) == [NONE] * len(A_KEYS)
+
+
+if __name__ == "__main__":
+    serve_as(sys.argv[1], int(sys.argv[2]))

@@ -95,10 +95,16 @@ MADV_POPULATE_WRITE = 23
 
 class PoolMapping:
     """A process's read-write mapping of one pool file (sidecars and copy engines map the
-    files the daemon names; they write a slot only under a grant, read it only under a lease)."""
+    files the daemon names; they write a slot only under a grant, read it only under a lease).
 
-    def __init__(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    ``fd``: map this open descriptor of the file (closed here once mapped) instead of opening
+    ``path``; a client gets it from the daemon (``Credentials.open``), since pool files are
+    owner-only and the client need not be the daemon's uid."""
+
+    def __init__(self, path: str, size: int, fd: int | None = None) -> None:
+        if fd is None:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.path = path
         try:
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

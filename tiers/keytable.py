@@ -75,7 +75,7 @@ import platform
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -368,16 +368,20 @@ class _Mapping:
 class KeyTableReader:
     """A client's read-only view of a daemon's key table (see the module docstring)."""
 
-    def __init__(self, path: str, stale_ns: int = STALE_NS) -> None:
+    def __init__(self, path: str, stale_ns: int = STALE_NS, opener: Callable[[str], int] | None = None) -> None:
         self.path = path
         self.stale_ns = stale_ns
+        # path -> a new read-only descriptor of the table there (a client's: the daemon hands
+        # it over, as the file is owner-only); used again on every reopen after a rebuild.
+        # It raises OSError (or KeyTableError) when it cannot.
+        self._opener = opener
         self._lock = threading.Lock()
         self._tags: dict[bytes, int] = {}
         self.rechecked = 0  # batched probes a concurrent write sent through the per-slot checks
         self._map = self._open()
 
     def _open(self) -> _Mapping:
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC) if self._opener is None else self._opener(self.path)
         try:
             size = os.fstat(fd).st_size
             # populate: map every page now, not by a fault inside the first probes that touch it
@@ -390,6 +394,11 @@ class KeyTableReader:
     @property
     def nslots(self) -> int:
         return self._map.nslots
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the daemon that writes the table (from its header)."""
+        return int(_U64.unpack_from(self._map.mm, 32)[0])
 
     def close(self) -> None:
         m = self._map

@@ -1,7 +1,10 @@
 """The engine-side client of a node's kvtierd: :class:`Sidecar` (blocking) and :class:`AsyncSidecar`.
 
 Bytes move through the host pool files the daemon names, which the sidecar maps read-write;
-gRPC carries only slot grants, commits, leases and releases, one call per batch:
+gRPC carries only slot grants, commits, leases and releases, one call per batch. A local
+daemon hands the sidecar its tenant's pool files and key table as file descriptors over the
+credential connection (:meth:`kvtier.handshake.Credentials.open`): they are the daemon's
+uid's alone, and the sidecar never opens them by path, whatever uid it runs as.
 
 * ``put``: Allocate (slots for the keys not yet held) -> write each block into its slot ->
   Commit. A block is visible to lookups once ``put`` returns. Blocks that found no slot
@@ -67,6 +70,7 @@ daemon at the target is :class:`Unavailable`.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import sys
@@ -115,8 +119,6 @@ __all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "PutResult", "Sidec
 TABLE_RETRY_S = 1.0  # after losing the key table, ask the daemon for a new one at most this often
 REPORT_S = 1.0       # table lookups are reported to the daemon's counters at most this often, and on close
 REPORT_TIMEOUT_S = 5.0  # for a lookup report: counts only, never worth a long wait
-_EPOCH = struct.Struct("<Q")
-_EPOCH_OFFSET = 32   # the daemon epoch in a key table's header (kvtier.tiers.keytable's file format)
 
 _TIER_LABEL: dict[int, str] = {int(t): t.label for t in TIERS}  # wire value -> "gpu" | "host" | "disk"
 
@@ -172,19 +174,14 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
-def _table_epoch(path: str) -> int:
+def _table_epoch(table: KeyTableReader) -> int:
     """The daemon epoch a key table's header carries; 0 if it cannot be read (never trusted:
-    no session has epoch 0). Read from the file, as the format documents it: a table's
+    no session has epoch 0). Read from the mapping, as the format documents it: a table's
     epoch never changes, and the file at a table's path always belongs to the same daemon."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            raw = os.pread(fd, _EPOCH.size, _EPOCH_OFFSET)
-        finally:
-            os.close(fd)
-    except OSError:
+        return table.epoch
+    except (ValueError, struct.error):
         return 0
-    return _EPOCH.unpack(raw)[0] if len(raw) == _EPOCH.size else 0
 
 
 def _tiers(reply: node_pb2.LookupReply) -> list[str | None]:
@@ -464,7 +461,7 @@ class _SidecarCore:
                                                         "client and daemon versions differ")
         pool = self._pools.get(reply.pool_path)
         if pool is None:
-            pool = self._pools[reply.pool_path] = PoolMapping(reply.pool_path, reply.pool_bytes)
+            pool = self._pools[reply.pool_path] = self._map_pool(reply.pool_path, reply.pool_bytes)
         info.daemon_id, info.block_bytes, info.pool, info.epoch = reply.layout_id, reply.block_bytes, pool, reply.epoch
         # forget pools no layout uses any more (a restarted daemon's old, unlinked pool): the
         # mapping goes with its last user, so its memory is freed instead of kept by this process
@@ -476,6 +473,33 @@ class _SidecarCore:
         tables = {id(i.table) for i in self._layouts.values()} | {id(info.table)}
         for table in [t for t in self._tables.values() if id(t) not in tables]:
             self._drop_table(table)
+
+    def _map_pool(self, path: str, size: int) -> PoolMapping:
+        """Map a pool file the daemon named: a local daemon hands it over as a descriptor (the
+        file is the daemon's uid's alone), so this client never opens it by its path; over TCP
+        (a daemon on this machine, same uid) the path is opened."""
+        if not self._transport.local:
+            return PoolMapping(path, size)
+        fd = self._transport.open_file(path)
+        try:
+            return PoolMapping(path, size, fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _table_opener(self, path: str) -> int:
+        """A key table's descriptor from the daemon (each open, reopens after a rebuild included)."""
+        try:
+            return self._transport.open_file(path)
+        except KvtierError as e:
+            raise OSError(errno.EACCES, f"the daemon did not hand over key table {path}: {e}") from None
+
+    def open_file(self, path: str) -> int:
+        """A descriptor of one of this client's tenant's files, as a RegisterLayout reply names
+        them (its pool file, read-write; its key table, read-only), handed over by the local
+        daemon; the caller closes it. :class:`PermissionDenied` for any other path (another
+        tenant's files included)."""
+        return self._transport.open_file(path)
 
     # -- key table -----------------------------------------------------------------------
 
@@ -542,10 +566,11 @@ class _SidecarCore:
         table = self._tables.get(path)
         if table is None:
             try:
-                table = self._tables[path] = KeyTableReader(path)
+                table = self._tables[path] = KeyTableReader(
+                    path, opener=self._table_opener if self._transport.local else None)
             except (OSError, KeyTableError):
                 return None
-            self._table_epochs[path] = _table_epoch(path)
+            self._table_epochs[path] = _table_epoch(table)
             self._had_table = True
         return table
 

@@ -404,6 +404,11 @@ class Identity:
             raise FailedPrecondition("file descriptors can be passed only to a local daemon (unix socket)")
         return self._do(self.credentials.pass_fds, list(fds))
 
+    def open_file(self, path: str) -> int:
+        if self.credentials is None:
+            raise FailedPrecondition("a daemon's files are handed out only to local clients (unix socket)")
+        return self._do(self.credentials.open, path)
+
     def close(self) -> None:
         if self.credentials is not None:
             self.credentials.close()
@@ -783,6 +788,17 @@ class _Transport:
     def pass_fds(self, fds: Sequence[int]) -> list[str]:
         """Hand the daemon file descriptors over the credential connection; their handles."""
         return self.identity.pass_fds(fds)
+
+    @property
+    def local(self) -> bool:
+        """A local daemon (unix socket): its files come as descriptors (:meth:`open_file`)."""
+        return self.identity.credentials is not None
+
+    def open_file(self, path: str) -> int:
+        """A descriptor of one of this client's tenant's files that the daemon named (a pool
+        file, read-write; a key table, read-only), handed over the credential connection;
+        the caller closes it. :class:`PermissionDenied` for any other path."""
+        return self.identity.open_file(path)
 
     def _timeout(self, call: Call) -> float:
         return self.timeout if call.timeout is None else call.timeout
