@@ -240,9 +240,10 @@ class BlockStore:
             if present:
                 await tiers.make_durable(present)
         want = [i for i, b in enumerate(bkeys) if not tiers.in_host(b) and not tiers.on_disk(b)]
-        slot_bytes = self.pool(layout).slot_bytes
-        self.sessions.check_quota(sess, len(want) * slot_bytes)
-        entries = await tiers.reserve(self.pool(layout), [bkeys[i] for i in want], layout.block_bytes)
+        cls = self.pool(layout)
+        # no more can be granted than the pool has slots (the rest answers NO_SPACE, as always)
+        self.sessions.check_quota(sess, min(len(want), cls.nslots) * cls.slot_bytes)
+        entries = await tiers.reserve(cls, [bkeys[i] for i in want], layout.block_bytes)
         if session_id not in self.sessions:  # it ended while a demotion or the fallocate was awaited
             for entry in entries:
                 if entry is not None:
@@ -250,7 +251,7 @@ class BlockStore:
             raise StoreError(Code.CANCELLED, "session closed during allocate")
         out = [GrantResult(GrantStatus.PRESENT, durable=durable and tiers.on_disk(b)) for b in bkeys]
         got = [(i, entry) for i, entry in zip(want, entries, strict=True) if entry is not None]
-        gids = self.sessions.grant(sess, [entry for _, entry in got], len(got) * slot_bytes)
+        gids = self.sessions.grant(sess, [entry for _, entry in got], len(got) * cls.slot_bytes)
         for i in want:
             out[i] = NO_SPACE
         for (i, entry), gid in zip(got, gids, strict=True):
