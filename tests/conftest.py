@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -25,3 +28,12 @@ def start_daemon(tmp_path) -> Iterator[Callable[..., DaemonProcess]]:
 @pytest.fixture
 def daemon(start_daemon) -> DaemonProcess:
     return start_daemon()
+
+
+@pytest.fixture
+def shared_dir():
+    """A socket directory other users can reach (0711 under /tmp: pytest's tmp_path is 0700)."""
+    d = tempfile.mkdtemp(prefix="kvtier-sec-", dir="/tmp")
+    os.chmod(d, 0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -26,11 +26,9 @@ import io
 import os
 import pickle
 import queue
-import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -356,14 +354,6 @@ def feed_keys(replies: list[locations_pb2.WatchLocationsReply]) -> set[bytes]:
                 keys.update(e.keys)
     return keys
 
-
-@pytest.fixture
-def shared_dir() -> Iterator[str]:
-    """A socket directory nobody can reach (0711 under /tmp: pytest's tmp_path is 0700)."""
-    d = tempfile.mkdtemp(prefix="kvtier-sec-", dir="/tmp")
-    os.chmod(d, 0o711)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class Node:

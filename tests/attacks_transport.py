@@ -126,14 +126,6 @@ def as_user(sock: str, uid: int = NOBODY) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture
-def shared_dir():
-    """A socket directory other users can reach (0711 under /tmp: pytest's tmp_path is 0700)."""
-    d = tempfile.mkdtemp(prefix="kvtier-sec-", dir="/tmp")
-    os.chmod(d, 0o711)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
 
 def test_a_second_uid_on_the_unix_socket_is_refused(shared_dir) -> None:
     # other users may connect (uid 4242 is admitted, so the sockets are 0666), but nobody is not admitted
