@@ -195,9 +195,11 @@ def daemon_series(ns: argparse.Namespace, daemon: DaemonProcess, echo_path: str,
         series = rpc_against_echo(rpc, rid, held, one, starts, echo_path, ns.nrpc)
         assert sc._info(lid).table is table, "the sidecar fell back to RPC during the run"
         daemon_rss = rss_bytes(daemon.pid)
+        daemon_private = rss_bytes(daemon.pid, "RssAnon")  # without the pool pages it has touched
         pool_bytes = tmpfs_bytes([os.path.join(daemon.shm_dir, f) for f in os.listdir(daemon.shm_dir)
                                   if f.endswith(".pool")])
         return {"shm1": shm1, "shm128": shm128, **series, "fill_s": fill_s, "daemon_rss": daemon_rss,
+                "daemon_private": daemon_private,
                 "pool_bytes": pool_bytes, "table_slots": table.nslots}
 
 
@@ -213,7 +215,8 @@ def assemble(ns: argparse.Namespace, blocks: int, m: dict, extra: dict) -> dict:
         "rpc_1key_over_echo_p50": round(pct(rpc1, 50) / pct(echo, 50), 2),
         "keys_held": blocks, "keys": ns.keys, "key_bytes": 16, "block_bytes": BLOCK, "layout": "flat(4096)",
         "daemon_table_slots": m["table_slots"], "fill_s": round(m["fill_s"], 1),
-        "daemon_rss_bytes": m["daemon_rss"], "pool_tmpfs_bytes": m["pool_bytes"],
+        "daemon_rss_bytes": m["daemon_rss"], "daemon_private_bytes": m["daemon_private"],
+        "pool_tmpfs_bytes": m["pool_bytes"],
         "n1": ns.n1, "n128": ns.n128, "nrpc": ns.nrpc, "echo_payload_bytes": m["payload_bytes"],
         **extra,
     }

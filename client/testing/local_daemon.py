@@ -93,12 +93,14 @@ def wait_healthy(target: str, timeout: float, proc: subprocess.Popen | None = No
             time.sleep(0.05)
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory from /proc/PID/status: ``VmRSS`` (all of it, pages of shared
+    tmpfs files it has touched included), or ``RssAnon`` (its private memory only)."""
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
 
 
 def tmpfs_bytes(paths: Sequence[str]) -> int:
