@@ -766,17 +766,19 @@ class _Transport:
         self.identity = Identity(self.endpoint, self.client_name, timeout)
         options = CHANNEL_OPTIONS + (UNIX_CHANNEL_OPTIONS if self.endpoint.socket is not None else [])
         self.channel = channel(self.target, options)
-        # the blocking transport's stubs call its plain channel and pass the token themselves:
-        # a client interceptor costs tens of microseconds a call
-        stubs = getattr(self, "_plain", None) or self.channel
-        self.node = node_pb2_grpc.NodeStub(stubs)
-        self.locations = locations_pb2_grpc.LocationsStub(stubs)
-        self.transfer = transfer_pb2_grpc.TransferStub(stubs)
+        self.node = node_pb2_grpc.NodeStub(self.channel)
+        self.locations = locations_pb2_grpc.LocationsStub(self.channel)
+        self.transfer = transfer_pb2_grpc.TransferStub(self.channel)
+        # the operations' calls (:meth:`_method`): the blocking transport's go over its plain
+        # channel and pass the token themselves (a client interceptor costs tens of us a call)
+        plain = getattr(self, "_plain", None) or self.channel
+        self._stubs = {"node": node_pb2_grpc.NodeStub(plain), "locations": locations_pb2_grpc.LocationsStub(plain),
+                       "transfer": transfer_pb2_grpc.TransferStub(plain)}
         self._deferred: collections.deque = collections.deque()  # background calls SETTLE waits for
         self._background: set = set()  # the others, referenced until done (gRPC cancels a dropped call)
 
     def _method(self, call: Call) -> Any:
-        return getattr(getattr(self, call.service), call.method)
+        return getattr(self._stubs[call.service], call.method)
 
     @property
     def tenant(self) -> str:
