@@ -250,3 +250,21 @@ def test_counts_land_in_the_callers_tenant_only(shared_dir) -> None:
             assert c.get("lookup_hit_blocks:host", 0) == 5  # bob's 5; alice's layout got none of bob's 7
     finally:
         d.cleanup()
+
+
+def test_over_tcp_table_lookups_are_still_reported(start_daemon) -> None:
+    """A daemon that takes no region from this client (TCP: no credential connection): the
+    sidecar reports its table lookups with ReportLookups, every second and on close."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon("--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true", "--tcp-services", "all")
+    lid = put_held(d.socket)
+    with Sidecar(target=f"127.0.0.1:{port}") as sc:
+        assert sc.register_layout(LAYOUT) == lid
+        for _ in range(6):
+            assert sc.lookup(lid, HELD[:2]) == ["host", "host"]
+        assert sc._info(lid).table is not None and not sc._info(lid).shared
+    assert looked_up(counters(d.socket)) == (12, 0)
