@@ -8,7 +8,10 @@ token; the token is revoked when the connection closes. File descriptors the cli
 The ``open`` operation hands the caller one of its tenant's files (a pool file or key table
 the daemon named to it) as a descriptor (``files``: the daemon's
 :meth:`~kvtier.daemon.store.BlockStore.open_tenant_file`); a refused ``open`` is answered and
-the connection stays.
+the connection stays. The ``lookup_counters`` operation takes the client's lookup counters
+region (one descriptor sent with it, :mod:`kvtier.tiers.lookup_counts`) for ``lookups`` (a
+:class:`~kvtier.daemon.lookup_regions.LookupRegions`), which folds it one last time when the
+connection closes; a refused region is answered and the connection stays.
 
 Bounds: a hello must come within :data:`HELLO_TIMEOUT_S`; at most :data:`MAX_CONNECTIONS`
 credential connections are open at once (a connection beyond is refused RESOURCE_EXHAUSTED);
@@ -30,6 +33,7 @@ from typing import Any
 
 from kvtier.daemon.auth import PeerAuthenticator, Principal
 from kvtier.daemon.errors import Code, StoreError
+from kvtier.daemon.lookup_regions import LookupRegions
 from kvtier.handshake import MAX_FDS, MAX_FRAME, fds_of, frame, unframe
 
 log = logging.getLogger("kvtier.credentials")
@@ -60,12 +64,15 @@ class CredentialServer:
     """The credential socket at ``path``, served on the running loop (see the module docstring)."""
 
     def __init__(self, auth: PeerAuthenticator, path: str, mode: int,
-                 files: Callable[[Principal, str], int] | None = None) -> None:
+                 files: Callable[[Principal, str], int] | None = None,
+                 lookups: LookupRegions | None = None) -> None:
         self.auth = auth
         self.path = path
         self.mode = mode
         #: (caller, path) -> a new descriptor of that caller's tenant's file; raises StoreError
         self.files = files
+        #: the clients' lookup counters regions (None: the operation is refused)
+        self.lookups = lookups
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
@@ -149,7 +156,8 @@ class CredentialServer:
             log.debug("credential socket: admitted", extra={"peer_pid": pid, "peer_uid": uid,
                                                             "tenant": p.tenant, "client": str(hello.get("client"))})
             await self._send(conn, {"ok": True, "token": token, "tenant": p.tenant, "key_salt": self.auth.salt(p.tenant),
-                                    "uid": uid, "caller": p.caller})
+                                    "uid": uid, "caller": p.caller,
+                                    "lookup_counters": self.lookups is not None})
             while (msg := await self._message(conn, buf, fds)) is not None:
                 await self._op(conn, token, msg, fds)
         except _Refused as e:
@@ -162,14 +170,28 @@ class CredentialServer:
             pass
         finally:
             if token:
-                self.auth.revoke(token)
+                self._closed(token)
             for fd in fds:
                 os.close(fd)
             conn.close()
 
+    def _closed(self, token: str) -> None:
+        """The connection of ``token`` closed: its lookup counters are folded a last time, then
+        the token is revoked."""
+        try:
+            if self.lookups is not None:
+                self.lookups.detach(token)
+        except Exception:  # the token is revoked whatever happened to the counters
+            log.exception("credential socket: folding a closed connection's lookup counters failed")
+        finally:
+            self.auth.revoke(token)
+
     async def _op(self, conn: socket.socket, token: str, msg: dict[str, Any], fds: list[int]) -> None:
         if msg.get("op") == "open":
             await self._open(conn, token, msg)
+            return
+        if msg.get("op") == "lookup_counters":
+            await self._lookup_counters(conn, token, fds)
             return
         if msg.get("op") != "pass_fds":
             raise _Refused("INVALID_ARGUMENT", f"unknown credential operation {msg.get('op')!r}")
@@ -201,6 +223,23 @@ class CredentialServer:
             await self._send_fd(conn, {"ok": True, "fds": 1}, fd)
         finally:
             os.close(fd)
+
+    async def _lookup_counters(self, conn: socket.socket, token: str, fds: list[int]) -> None:
+        """Take the client's lookup counters region (the one descriptor sent with the message),
+        or say why not (the connection stays either way)."""
+        p = self.auth.of_token(token)
+        if not fds:
+            raise _Refused("INVALID_ARGUMENT", "lookup_counters: send the region's descriptor with the message")
+        fd = fds.pop(0)
+        try:
+            if p is None or self.lookups is None:
+                os.close(fd)
+                raise StoreError(Code.FAILED_PRECONDITION, "this daemon takes no lookup counters")
+            self.lookups.attach(token, p, fd)  # closes fd
+        except StoreError as e:
+            await self._send(conn, {"ok": False, "code": e.code.name, "error": str(e)})
+            return
+        await self._send(conn, {"ok": True})
 
     @staticmethod
     async def _send_fd(conn: socket.socket, obj: dict[str, Any], fd: int) -> None:

@@ -45,6 +45,7 @@ from kvtier.daemon.events import LocationLog
 from kvtier.daemon.gpu import EngineUnavailable, Transfers, build_engines
 from kvtier.daemon.keytable import KeyTablePublisher
 from kvtier.daemon.kv_events import KvEventsError, KvEventsPublisher
+from kvtier.daemon.lookup_regions import LookupRegions
 from kvtier.daemon.metrics import MetricsServer, OpLatency, start_metrics_server
 from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
 from kvtier.daemon.services.tcp import add_tcp_services
@@ -323,12 +324,14 @@ class Daemon:
         self.locations: LocationLog | None = None
         self.transfers: Transfers | None = None
         self.stats: StatsSource | None = None
+        self.lookups: LookupRegions | None = None  # clients' lookup counters regions (issue 18)
         self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
         self.metrics: MetricsServer | None = None
         self.kv_events: KvEventsPublisher | None = None  # --kv-events-endpoint
         self.metrics_port = 0
         self._socket_made = False
         self._session_watch: asyncio.Task | None = None
+        self._lookup_folds: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     def _tier_capacity(self) -> int:
@@ -390,7 +393,7 @@ class Daemon:
             raise StartupError(f"cannot listen on --socket {self.socket_path}")
         self._socket_made = True
         self.credentials = CredentialServer(self.auth, auth_socket_path(self.socket_path), self._socket_mode,
-                                            files=self._tenant_file)
+                                            files=self._tenant_file)  # lookups: set once the store is built
         try:
             self.credentials.listen()
         except OSError as e:
@@ -478,7 +481,10 @@ class Daemon:
             raise StartupError(f"cannot create the key table in --shm-dir {cfg.shm_dir}: {e.strerror}") from None
         self.locations = LocationLog(store, self.node_id, self.epoch, cfg.event_log_keys)
         store.observers.add(self.key_table, self.locations)
-        self.stats = StatsSource(store, self.node_id, self.epoch)
+        self.lookups = LookupRegions(store)
+        self.stats = StatsSource(store, self.node_id, self.epoch, before=self.lookups.fold)
+        if self.credentials is not None:
+            self.credentials.lookups = self.lookups
         self.transfers = Transfers(store, self.engines)
 
     def _tenant_file(self, caller: Principal, path: str) -> int:
@@ -508,6 +514,8 @@ class Daemon:
             await self.tcp_server.start()
         self.stats.loop = asyncio.get_running_loop()
         self._session_watch = self.stats.loop.create_task(watch_sessions(self.store.device))
+        assert self.lookups is not None
+        self._lookup_folds = self.stats.loop.create_task(self.lookups.run())
         await set_serving(health_servicer)
         if self.cfg.metrics_port:
             try:
@@ -538,14 +546,18 @@ class Daemon:
             self.kv_events.close()  # after the last change: its batch goes out
             self.kv_events = None
 
+    def _cancel_tasks(self) -> None:
+        for task in (self._session_watch, self._lookup_folds):
+            if task is not None:
+                task.cancel()
+        self._session_watch = self._lookup_folds = None
+
     async def _undo(self) -> None:
         """Remove what a failed start made."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
-        if self._session_watch is not None:
-            self._session_watch.cancel()
-            self._session_watch = None
+        self._cancel_tasks()
         if self.locations is not None:
             self.locations.close()
         if self.tcp_server is not None:
@@ -557,6 +569,8 @@ class Daemon:
         if self.credentials is not None:
             await self.credentials.close()
             self.credentials = None
+        if self.lookups is not None:
+            self.lookups.close()
         if self.transfers is not None:
             await self.transfers.close()
         else:
@@ -579,9 +593,7 @@ class Daemon:
     async def stop(self) -> None:
         assert self.store is not None and self.key_table is not None and self.locations is not None
         assert self.transfers is not None
-        if self._session_watch is not None:
-            self._session_watch.cancel()
-            self._session_watch = None
+        self._cancel_tasks()
         self.locations.close()
         if self.server is not None:
             log.info("shutting down", extra={"grace_s": GRACE_S})
@@ -591,8 +603,10 @@ class Daemon:
             await asyncio.gather(*stops)
             self.server = self.tcp_server = None
         if self.credentials is not None:
-            await self.credentials.close()
+            await self.credentials.close()  # each connection's lookup counters folded a last time
             self.credentials = None
+        if self.lookups is not None:
+            self.lookups.close()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier import __version__
@@ -62,8 +63,10 @@ def tier_usage(store: BlockStore) -> list[TierUsage]:
 class StatsSource:
     """Snapshots of one daemon's state (see the module docstring)."""
 
-    def __init__(self, store: BlockStore, node_id: str, epoch: int) -> None:
+    def __init__(self, store: BlockStore, node_id: str, epoch: int,
+                 before: Callable[[], None] | None = None) -> None:
         self.store = store
+        self.before = before  # run first in each snapshot (the clients' lookup counters are folded in)
         self.node_id = node_id
         self.epoch = epoch
         self.started = time.monotonic()
@@ -71,7 +74,10 @@ class StatsSource:
 
     def snapshot(self, tenant: str | None = None) -> NodeStats:
         """Now, consistently: call it on the event loop. With ``tenant``, the layouts are that
-        tenant's only (a Stats caller's); without, every tenant's (the operator's metrics)."""
+        tenant's only (a Stats caller's); without, every tenant's (the operator's metrics).
+        Lookups clients counted in their counters regions are folded in first."""
+        if self.before is not None:
+            self.before()
         store = self.store
         regs = store.layouts if tenant is None else store.layouts.of_tenant(tenant)
         layouts = [LayoutUsage(reg.layout_id, reg.wire_fingerprint, reg.layout.block_bytes,

@@ -24,11 +24,14 @@ included, is refused PERMISSION_DENIED without saying whether it exists.
 Wire format: each message is a frame, a 4-byte big-endian length and that many bytes of a
 JSON object (at most :data:`MAX_FRAME` bytes). Requests: ``{"op": "hello", "client": NAME,
 "pid": PID}`` (first, once), ``{"op": "pass_fds", "count": N}`` sent in one ``sendmsg``
-with N descriptors (at most :data:`MAX_FDS`), and ``{"op": "open", "path": PATH}``, answered
-``{"ok": true, "fds": 1}`` with the descriptor attached. Replies: ``{"ok": true, ...}`` or
-``{"ok": false, "code": CODE, "error": MESSAGE}`` (CODE: a gRPC status name), after which the
-daemon closes the connection; except a refused ``open``, after which the connection (and its
-token) stays.
+with N descriptors (at most :data:`MAX_FDS`), ``{"op": "open", "path": PATH}``, answered
+``{"ok": true, "fds": 1}`` with the descriptor attached, and ``{"op": "lookup_counters"}`` sent
+with one descriptor: the client's lookup counters region (:mod:`kvtier.tiers.lookup_counts`),
+at most one per connection, which the daemon reads until the connection closes and one last
+time then (a daemon that takes it says ``"lookup_counters": true`` in its hello reply).
+Replies: ``{"ok": true, ...}`` or ``{"ok": false, "code": CODE, "error": MESSAGE}`` (CODE: a
+gRPC status name), after which the daemon closes the connection; except a refused ``open`` or ``lookup_counters``, after which
+the connection (and its token) stays.
 
 :class:`Credentials` is the client side (blocking; both the blocking and the asyncio
 transports use it: the exchange is local and short).
@@ -127,6 +130,10 @@ class Credentials:
         self.key_salt = ""
         self.uid = -1
         self.metadata: tuple[tuple[str, str], ...] = ()  # (TOKEN_HEADER, token) once connected
+        self.connects = 0                  # handshakes so far: each connection's number
+        self.takes_lookup_counters = False  # the daemon's hello said it takes a lookup counters region
+        #: called (with no argument, under this object's lock) after each handshake: a new connection
+        self.on_connect: list[Any] = []
 
     def connect(self) -> Credentials:
         """Hand-shake now (closing any previous connection). Raises :class:`HandshakeError`."""
@@ -178,6 +185,10 @@ class Credentials:
         self.key_salt = str(reply.get("key_salt", ""))
         self.uid = int(reply.get("uid", -1))
         self.metadata = ((TOKEN_HEADER, self.token),)
+        self.takes_lookup_counters = reply.get("lookup_counters") is True
+        self.connects += 1
+        for hook in self.on_connect:
+            hook()
 
     def _exchange(self, s: socket.socket, request: dict[str, Any], fds: list[int] | None = None,
                   received: list[int] | None = None) -> dict[str, Any]:
@@ -255,6 +266,20 @@ class Credentials:
                 os.close(fd)
             raise HandshakeError("INTERNAL", f"the daemon answered {len(fds)} descriptors for {path}")
         return fds[0]
+
+    def lookup_counters(self, fd: int) -> int:
+        """Hand the daemon this client's lookup counters region (``fd`` stays open here too), on
+        the current connection; that connection's number (:attr:`connects`): the daemon reads the
+        region until that connection closes. Raises :class:`HandshakeError` (UNIMPLEMENTED: the
+        daemon takes none; INVALID_ARGUMENT: it refused this region)."""
+        with self._lock:
+            if self._sock is None or not self._alive():
+                self._connect()
+            assert self._sock is not None
+            if not self.takes_lookup_counters:
+                raise HandshakeError("UNIMPLEMENTED", "this daemon takes no lookup counters region")
+            self._exchange(self._sock, {"op": "lookup_counters"}, [int(fd)])
+            return self.connects
 
     def close(self) -> None:
         """Close the connection: the daemon revokes the token (and closes fds it did not take)."""

@@ -22,8 +22,13 @@ microseconds instead of a gRPC round trip. The Lookup RPC stays the fallback: fo
 clients (``target`` over TCP, where the table's path is not on this machine), when the table
 is unavailable (daemon stopped, killed, or gave up on it) or when ``use_key_table=False``. A
 key the table shows may be evicted before it is used: ``get`` then returns None for it.
-Table lookups are reported to the daemon's lookup counters in the background, at most every
-``REPORT_S``, and on close.
+Table lookups are counted where nothing can lose them: in a lookup counters region
+(:mod:`kvtier.tiers.lookup_counts`, a sealed memfd) that a local sidecar hands the daemon
+once per credential connection, and that the daemon reads whenever its counters are read
+(Stats, metrics), every second, and one last time when the connection closes: on ``close()``,
+at exit without ``close()``, and after a kill -9 alike. Where the daemon takes no region
+(over TCP, an older daemon) they are reported with ReportLookups in the background, at most
+every ``REPORT_S``, and on close.
 
 The table is read only while this sidecar's session stream is open on the daemon that writes
 it (the epoch in the table's header is the session's; the first lookup opens the session if
@@ -71,9 +76,11 @@ daemon at the target is :class:`Unavailable`.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,12 +119,13 @@ from kvtier.tiers.keytable import (
     tier_names,
 )
 from kvtier.tiers.layout import Layout, layout_to_proto
+from kvtier.tiers.lookup_counts import MASKS, CountsWriter, by_tier
 from kvtier.tiers.vocab import TIERS
 
 __all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "PutResult", "Sidecar", "Unavailable", "stats_dict"]
 
 TABLE_RETRY_S = 1.0  # after losing the key table, ask the daemon for a new one at most this often
-REPORT_S = 1.0       # table lookups are reported to the daemon's counters at most this often, and on close
+REPORT_S = 1.0       # without a counters region: table lookups are reported at most this often, and on close
 REPORT_TIMEOUT_S = 5.0  # for a lookup report: counts only, never worth a long wait
 
 _TIER_LABEL: dict[int, str] = {int(t): t.label for t in TIERS}  # wire value -> "gpu" | "host" | "disk"
@@ -201,8 +209,10 @@ class _LayoutInfo:
     table: KeyTableReader | None = None
     table_retry_at: float = 0.0
     epoch: int = 0  # of the daemon whose RegisterLayout reply (pool, offsets) this holds
-    # table lookups not yet reported, by the tier bit set found (index 0: misses)
-    table_counts: np.ndarray = field(default_factory=lambda: np.zeros(8, dtype=np.int64))
+    # table lookups by the tier bit set found (index 0: misses): this layout's slot of the lookup
+    # counters region the daemon reads (shared), else those not yet reported (ReportLookups)
+    table_counts: np.ndarray = field(default_factory=lambda: np.zeros(MASKS, dtype=np.uint64))
+    shared: bool = False
 
 
 class _SidecarCore:
@@ -218,7 +228,12 @@ class _SidecarCore:
         self._tables: dict[str, KeyTableReader] = {}
         self._table_epochs: dict[str, int] = {}  # path -> the daemon epoch in the table's header
         self._had_table = False
-        self._report_at = 0.0
+        self._report_at = 0.0  # inf while every layout counts in the region the daemon reads
+        self._counts: CountsWriter | None = None  # that region
+        self._counts_conn = -1  # the credential connection it went on (-1: none; 0: none to be had)
+        self._pending: list[tuple[int, np.ndarray]] = []  # private counts left to report
+        self._share_lock = threading.Lock()
+        transport.on_connect(self._new_connection)
         self._generation = 0  # bumped by each restart recovery
 
     @property
@@ -284,6 +299,8 @@ class _SidecarCore:
         self._adopt(info, (yield self._register_call(info, wait_for_ready=True)))
         lid = info.daemon_id  # one id everywhere: the daemon's, derived from the fingerprint
         self._layouts[lid] = info
+        if self._counts is not None and self._counts_conn > 0:
+            self._count_in(self._counts, [info])
         return lid
 
     def _put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any], durable: bool) -> Op[PutResult]:
@@ -380,8 +397,9 @@ class _SidecarCore:
         return stats_dict((yield Call("node", "Stats", node_pb2.StatsRequest(), wait_for_ready=True)))
 
     def _close(self) -> Op[None]:
-        """Report the last table lookups and settle the last release (a daemon that is gone
-        needs neither), end the session, unmap the pools and tables."""
+        """Report the last table lookups not in the counters region and settle the last release
+        (a daemon that is gone needs neither), end the session, unmap the pools and tables (the
+        daemon reads the counters region one last time when the credential connection closes)."""
         req = self._report_due(force=True)
         if req is not None:
             try:
@@ -506,8 +524,9 @@ class _SidecarCore:
     def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> Op[np.ndarray | None]:
         """Tier bit sets from the key table (asking the daemon for a new table once it was
         lost, at most every TABLE_RETRY_S); None: use the Lookup RPC. The table is read only
-        while it is vouched for (:meth:`_confirm_table`). Table lookups are reported to the
-        daemon's counters in the background, at most every REPORT_S."""
+        while it is vouched for (:meth:`_confirm_table`). Table lookups are counted in the
+        counters region the daemon reads (:meth:`_share_counts`), else reported to the daemon's
+        counters in the background, at most every REPORT_S."""
         if info.table is None and self._want_table(info):
             try:
                 yield from self._register_all(wait_for_ready=False)
@@ -515,6 +534,8 @@ class _SidecarCore:
                 return None
         if info.table is not None and not self._vouched(info):
             yield from self._confirm_table(info)
+        if info.table is not None and self._counts_conn < 0:
+            self._share_counts()
         masks = self._table_masks(info, keys)
         if masks is not None:
             req = self._report_due()
@@ -524,8 +545,9 @@ class _SidecarCore:
 
     def _table_fast(self, layout_id: int, keys: Sequence[bytes]) -> np.ndarray | None:
         """The hot path of a blocking lookup, without running an operation: the tier bit sets
-        from a table already vouched for, when no report is due; None when anything else
-        must happen first (then the whole operation runs)."""
+        from a table already vouched for, when no report is due (never, while the lookups are
+        counted in the region the daemon reads); None when anything else must happen first (then
+        the whole operation runs)."""
         info = self._layouts.get(layout_id)
         if info is None or info.table is None or time.monotonic() >= self._report_at or not self._vouched(info):
             return None
@@ -589,8 +611,53 @@ class _SidecarCore:
         if len(masks) == 1:
             info.table_counts[masks[0]] += 1
         else:
-            info.table_counts += np.bincount(masks, minlength=8)
+            info.table_counts += np.bincount(masks, minlength=MASKS).view(np.uint64)
         return masks
+
+    # -- lookup counters -------------------------------------------------------------------
+
+    def _new_connection(self) -> None:
+        """A new credential connection (the daemon restarted, or closed the old one): the next
+        table lookup hands the daemon a new counters region (the old one is no longer read)."""
+        self._counts, self._counts_conn = None, -1
+        for info in self._layouts.values():  # counted privately until then
+            if info.shared:
+                info.table_counts, info.shared = np.zeros(MASKS, dtype=np.uint64), False
+        self._report_at = 0.0  # out of the fast path once: the next lookup runs _masks
+
+    def _share_counts(self) -> None:
+        """Count table lookups in a new counters region handed to the daemon on the current
+        credential connection; where it takes none (TCP, an older daemon), keep reporting them."""
+        if not self._transport.local:
+            self._counts_conn = 0
+            return
+        with self._share_lock:
+            if self._counts_conn >= 0:
+                return  # another thread did
+            writer = CountsWriter(f"kvtier-lookups-{os.getpid()}")
+            try:
+                conn = self._transport.lookup_counters(writer.fd)
+            except KvtierError:
+                self._counts_conn = 0  # until the next connection: reported instead
+                writer.close()
+                return
+            finally:
+                writer.release_fd()
+            self._counts, self._counts_conn = writer, conn
+            self._count_in(writer, list(self._layouts.values()))
+
+    def _count_in(self, writer: CountsWriter, infos: list[_LayoutInfo]) -> None:
+        """Move these layouts' counting into ``writer``'s slots (counts not yet reported stay
+        private and go with the next report)."""
+        for info in infos:
+            view = writer.claim(info.daemon_id)
+            if view is None:
+                continue
+            if not info.shared and info.table_counts.any():
+                self._pending.append((info.daemon_id, info.table_counts))
+            info.table_counts, info.shared = view, True
+        everywhere = all(i.shared for i in self._layouts.values())
+        self._report_at = math.inf if everywhere and not self._pending else time.monotonic()
 
     def _report_due(self, force: bool = False) -> node_pb2.ReportLookupsRequest | None:
         """The table lookups to report to the daemon's counters, if it is time (every REPORT_S,
@@ -598,14 +665,15 @@ class _SidecarCore:
         now = time.monotonic()
         if not force and now < self._report_at:
             return None
-        self._report_at = now + REPORT_S
+        private = [(i.daemon_id, i.table_counts) for i in self._layouts.values() if not i.shared]
+        self._report_at = now + REPORT_S if private else math.inf
         req = node_pb2.ReportLookupsRequest()
-        for info in self._layouts.values():
-            c = info.table_counts
+        for layout_id, c in [*self._pending, *private]:
             if c.any():
-                req.layouts.add(layout_id=info.daemon_id, hit_gpu=int(c[1::2].sum()), hit_host=int(c[2] + c[6]),
-                                hit_disk=int(c[4]), miss=int(c[0]))
+                gpu, host, disk, miss = by_tier([int(x) for x in c])
+                req.layouts.add(layout_id=layout_id, hit_gpu=gpu, hit_host=host, hit_disk=disk, miss=miss)
                 c[:] = 0
+        self._pending.clear()
         return req if req.layouts else None
 
     def _report_call(self, req: node_pb2.ReportLookupsRequest) -> Call:

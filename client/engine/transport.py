@@ -59,7 +59,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Coroutine, Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -408,6 +408,13 @@ class Identity:
         if self.credentials is None:
             raise FailedPrecondition("a daemon's files are handed out only to local clients (unix socket)")
         return self._do(self.credentials.open, path)
+
+    def lookup_counters(self, fd: int) -> int:
+        """Hand the daemon a lookup counters region; the number of the connection it went on
+        (:meth:`kvtier.handshake.Credentials.lookup_counters`)."""
+        if self.credentials is None:
+            raise FailedPrecondition("lookup counters regions go only to a local daemon (unix socket)")
+        return self._do(self.credentials.lookup_counters, fd)
 
     def close(self) -> None:
         if self.credentials is not None:
@@ -804,6 +811,16 @@ class _Transport:
         file, read-write; a key table, read-only), handed over the credential connection;
         the caller closes it. :class:`PermissionDenied` for any other path."""
         return self.identity.open_file(path)
+
+    def lookup_counters(self, fd: int) -> int:
+        """Hand the daemon this client's lookup counters region over the credential connection;
+        that connection's number. :class:`KvtierError` (UNIMPLEMENTED) where the daemon takes none."""
+        return self.identity.lookup_counters(fd)
+
+    def on_connect(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` after each new credential connection (a local daemon only)."""
+        if self.identity.credentials is not None:
+            self.identity.credentials.on_connect.append(hook)
 
     def _timeout(self, call: Call) -> float:
         return self.timeout if call.timeout is None else call.timeout
