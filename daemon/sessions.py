@@ -403,12 +403,7 @@ class Sessions:
     def grant(self, sess: Session, entries: Sequence[HostEntry], nbytes: int | None = None) -> list[int]:
         """Record ``entries`` as the session's grants (``nbytes``: their slot bytes, when the
         caller knows them); returns their ids (the caller checked :meth:`check_quota`)."""
-        ids = random_ids(len(entries), sess.grants.clashes)
-        deadline = self._deadline(sess, self.limits.grant_ttl_s)
-        sess.grants.add(deadline, ids, entries)
-        self._charge(sess, _slot_bytes(entries) if nbytes is None else nbytes)
-        self._arm(deadline)
-        return ids
+        return self._hold(sess, sess.grants, self.limits.grant_ttl_s, entries, nbytes)
 
     def check_grants(self, sess: Session, commit_ids: Sequence[int], abort_ids: Sequence[int]) -> None:
         """Refuse a commit naming a grant the session does not hold (expired: DEADLINE_EXCEEDED;
@@ -449,9 +444,15 @@ class Sessions:
         them); returns the lease ids (the caller checked :meth:`check_quota`)."""
         for entry in entries:
             self.host.pin(entry)
-        ids = random_ids(len(entries), sess.leases.clashes)
-        deadline = self._deadline(sess, self.limits.lease_ttl_s)
-        sess.leases.add(deadline, ids, entries)
+        return self._hold(sess, sess.leases, self.limits.lease_ttl_s, entries, nbytes)
+
+    def _hold(self, sess: Session, held: Held, ttl_s: float, entries: Sequence[HostEntry],
+              nbytes: int | None) -> list[int]:
+        """Give ``entries`` new ids in ``held`` (the session's grants or leases), expiring after
+        ``ttl_s``, and charge their slot bytes to the session and its tenant."""
+        ids = random_ids(len(entries), held.clashes)
+        deadline = self._deadline(sess, ttl_s)
+        held.add(deadline, ids, entries)
         self._charge(sess, _slot_bytes(entries) if nbytes is None else nbytes)
         self._arm(deadline)
         return ids
