@@ -54,6 +54,18 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
+async def _until_ready(conn: socket.socket, writable: bool) -> None:
+    """Wait until the loop says ``conn`` can be written (or read) without blocking."""
+    loop = asyncio.get_running_loop()
+    add, remove = (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
+    ready = loop.create_future()
+    add(conn.fileno(), _wake, ready)
+    try:
+        await ready
+    finally:
+        remove(conn.fileno())
+
+
 class _Refused(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -251,12 +263,7 @@ class CredentialServer:
                 sent = conn.sendmsg([data], anc)
                 break
             except (BlockingIOError, InterruptedError):
-                ready = loop.create_future()
-                loop.add_writer(conn.fileno(), _wake, ready)
-                try:
-                    await ready
-                finally:
-                    loop.remove_writer(conn.fileno())
+                await _until_ready(conn, writable=True)
         if sent < len(data):  # the descriptor went with the first byte
             await loop.sock_sendall(conn, data[sent:])
 
@@ -272,17 +279,11 @@ class CredentialServer:
         return msg
 
     async def _recv(self, conn: socket.socket, fds: list[int]) -> bytes:
-        loop = asyncio.get_running_loop()
         while True:
             try:
                 data, anc, flags, _ = conn.recvmsg(MAX_FRAME + 4, _ANCILLARY, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
-                ready = loop.create_future()
-                loop.add_reader(conn.fileno(), _wake, ready)
-                try:
-                    await ready
-                finally:
-                    loop.remove_reader(conn.fileno())
+                await _until_ready(conn, writable=False)
                 continue
             fds.extend(fds_of(anc))
             if flags & socket.MSG_CTRUNC:
