@@ -53,6 +53,7 @@ class Placement:
         self.counters = counters
         self.observers = observers
         self.disk_load_gbps = 0.0
+        self.remote_load_gbps = 0.0  # measured peer/store -> host bandwidth (0: not measured)
         self._evict_lock = asyncio.Lock()
         self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         if disk is not None:
@@ -297,6 +298,106 @@ class Placement:
         if nbytes and elapsed > 0:
             gbps = nbytes / elapsed / 1e9
             self.disk_load_gbps = gbps if not self.disk_load_gbps else 0.8 * self.disk_load_gbps + 0.2 * gbps
+
+    # -- blocks from elsewhere (a peer, the shared store) ----------------------------------
+
+    async def ingest(self, layout: Layout, cls: SizeClass,
+                     blocks: Sequence[tuple[bytes, bytes | memoryview, int]]) -> set[bytes]:
+        """Put blocks that arrived from outside this node (a peer daemon, the shared store)
+        into fresh host slots of ``cls`` (the layout's tenant's pool) and make them visible;
+        ``blocks`` are (packed block id, payload, xxh3-64 checksum the sender took).
+
+        Each payload is copied into its slot and hashed there (the copy the daemon will
+        serve): a block is visible only once its length is the layout's and its bytes match
+        the sender's checksum; one that does not is dropped and counted
+        (``checksum_failures``), never visible. Keys already in host are skipped. Returns the
+        keys that became visible in host (observers and the policy are told)."""
+        todo = [(b, p, c) for b, p, c in blocks if b not in self.host.entries]
+        bad = [b for b, p, _ in todo if len(p) != layout.block_bytes]
+        todo = [t for t in todo if len(t[1]) == layout.block_bytes]
+        if bad:
+            self.counters.add(Count.CHECKSUM_FAILURES, len(bad))
+            log.warning("blocks from elsewhere dropped: wrong length", extra={"blocks": len(bad)})
+        if not todo:
+            return set()
+        hosts = await self.reserve(cls, [b for b, _, _ in todo], layout.block_bytes)
+        pairs = [(t, h) for t, h in zip(todo, hosts, strict=True) if h is not None]
+        for (_, payload, _), h in pairs:
+            view = self._slot_view(h.cls, h.offset)
+            try:
+                view[:len(payload)] = payload
+            finally:
+                view.release()
+        sums = await self.host.checksums([h for _, h in pairs])
+        done: list[HostEntry] = []
+        for ((bkey, _, want), h), got in zip(pairs, sums, strict=True):
+            if got != want:
+                self.counters.add(Count.CHECKSUM_FAILURES)
+                log.warning("block from elsewhere dropped: checksum mismatch", extra={"key": key_of(bkey).hex()})
+                self.host.abort(h)
+                continue
+            h.checksum = got
+            done.append(h)
+        return {e.bkey for e in self.commit(done)}
+
+    async def payloads(self, bkeys: Sequence[bytes]) -> dict[bytes, tuple[bytes, int]]:
+        """Copies of the payloads of these blocks that host or disk holds, with their checksums
+        (verified: a host payload against its commit checksum, a disk one as it is read), for
+        sending to a peer or the store. Blocks held nowhere, or failing verification, are
+        left out."""
+        out: dict[bytes, tuple[bytes, int]] = {}
+        held = [e for e in (self.host.get(b) for b in bkeys) if e is not None]
+        for e in held:
+            self.host.pin(e)
+        try:
+            await self.host.sealed(held)
+            sums = await self.host.checksums(held)
+            for e, got in zip(held, sums, strict=True):
+                if e.checksum is not None and got == e.checksum:
+                    view = self._slot_view(e.cls, e.offset)
+                    try:
+                        out[e.bkey] = (bytes(view[:e.block_bytes]), got)
+                    finally:
+                        view.release()
+        finally:
+            for e in held:
+                self.host.unpin(e)
+        disk = self.disk
+        rest = [d for d in (disk.get(b) for b in bkeys if b not in out) if d is not None] if disk else []
+        if disk is not None and rest:
+            out.update(await self._read_disk_payloads(rest))
+        return out
+
+    async def _read_disk_payloads(self, dents: list[DiskEntry]) -> dict[bytes, tuple[bytes, int]]:
+        """Read disk blocks into page-aligned buffers (O_DIRECT), verified against their checksums."""
+        disk = self.disk
+        assert disk is not None
+        for d in dents:
+            disk.pin(d)
+        bufs = [mmap.mmap(-1, d.slab.slot_bytes) for d in dents]
+        views = [memoryview(b) for b in bufs]
+        out: dict[bytes, tuple[bytes, int]] = {}
+        try:
+            futs = disk.submit_read(dents, views)
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+            for d, v, outcome in zip(dents, views, results, strict=True):
+                if outcome is ReadOutcome.OK and not d.removed:
+                    out[d.bkey] = (bytes(v[:d.length]), d.checksum)
+                elif outcome is not ReadOutcome.OK:
+                    self._count_bad_read(d, outcome)
+        finally:
+            for d in dents:
+                disk.unpin(d)
+            for v, b in zip(views, bufs, strict=True):
+                v.release()
+                b.close()
+        return out
+
+    def measured_remote(self, nbytes: int, elapsed: float) -> None:
+        """Fold one fetch from a peer or the store (bytes, seconds) into ``remote_load_gbps``."""
+        if nbytes and elapsed > 0:
+            gbps = nbytes / elapsed / 1e9
+            self.remote_load_gbps = gbps if not self.remote_load_gbps else 0.8 * self.remote_load_gbps + 0.2 * gbps
 
     # -- removal ---------------------------------------------------------------------------
 

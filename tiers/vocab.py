@@ -36,6 +36,7 @@ class Tier(enum.IntEnum):
     GPU = 1
     HOST = 2
     DISK = 3
+    REMOTE = 4  # another node's daemon (a peer) or the shared store: never a daemon's own holding
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -58,8 +59,11 @@ class Tier(enum.IntEnum):
             raise ValueError(f"unknown tier {name!r}; tiers are {', '.join(TIER_LABELS)}") from None
 
 
-TIERS: tuple[Tier, ...] = tuple(Tier)
-TIER_LABELS: tuple[str, ...] = tuple(t.label for t in Tier)
+TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.HOST, Tier.DISK)
+"""The tiers a node holds itself (gpu, host, disk): key-table bits, per-tier columns, occupancy."""
+TIER_LABELS: tuple[str, ...] = tuple(t.label for t in TIERS)
+ALL_TIERS: tuple[Tier, ...] = tuple(Tier)
+"""Every tier including ``remote`` (a peer or the shared store, reached over the network)."""
 
 
 def key_problem(key: bytes) -> str | None:
