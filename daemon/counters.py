@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier.daemon.errors import Code
-from kvtier.tiers.vocab import TIERS, Tier
+from kvtier.tiers.vocab import ALL_TIERS, Tier
 
 
 class Op(enum.Enum):
@@ -126,7 +126,7 @@ class Counters:
     """See the module docstring. Every field's keys exist from the start."""
 
     def __init__(self) -> None:
-        self.hits: dict[Op, dict[Tier, Tally]] = {op: {t: Tally() for t in TIERS} for op in Op}
+        self.hits: dict[Op, dict[Tier, Tally]] = {op: {t: Tally() for t in ALL_TIERS} for op in Op}
         self.misses: dict[Op, Tally] = {op: Tally() for op in Op}
         self.moved: dict[Flow, int] = dict.fromkeys(Flow, 0)
         self.evictions: dict[Tier, int] = dict.fromkeys(EVICTING_TIERS, 0)

@@ -46,6 +46,7 @@ from kvtier.daemon.errors import Code, StoreError, check_ids, check_keys, check_
 from kvtier.daemon.layouts import Layouts, RegisteredLayout, layout_id_of, split_worker
 from kvtier.daemon.observers import Observers
 from kvtier.daemon.placement import Placement
+from kvtier.daemon.remote import RemoteSource
 from kvtier.daemon.results import MISS, NO_SPACE, CommitResult, GrantResult, GrantStatus, LeaseResult
 from kvtier.daemon.sessions import Limits, Session, Sessions
 from kvtier.tiers.disk import DiskTier
@@ -86,6 +87,8 @@ class BlockStore:
         # key table publish what the disk tier restored under it)
         self.layout_hooks: list[Callable[[RegisteredLayout], None]] = []
         self.key_table_paths: dict[str, str] = {}  # tenant -> its key table (set by the publisher)
+        # sources beyond this node (peers, the shared store; kvtier.daemon.remote), asked in order
+        self.remotes: list[RemoteSource] = []
 
     @property
     def host(self) -> HostTier:
@@ -319,16 +322,22 @@ class BlockStore:
             self.host.pin(entry)
         try:
             promoted = await self.tiers.promote(layout, bkeys, self.pool(layout))
+            found_in = dict.fromkeys(promoted, Tier.DISK)
+            if self.remotes:
+                found_in.update(dict.fromkeys(await self._read_through(sess.tenant, layout, bkeys), Tier.REMOTE))
             if verify and held:  # (promoted blocks were verified as they were read from disk)
                 await self._verify_host(held)
             if session_id not in self.sessions:  # it ended while the promotion was awaited
                 raise StoreError(Code.CANCELLED, "session closed during acquire")
-            return self._lease(sess, layout, bkeys, promoted)
+            return self._lease(sess, layout, bkeys, found_in)
         finally:
             for entry in held:
                 self.host.unpin(entry)
 
-    def _lease(self, sess: Session, layout: Layout, bkeys: list[bytes], promoted: set[bytes]) -> list[LeaseResult]:
+    def _lease(self, sess: Session, layout: Layout, bkeys: list[bytes], found_in: Mapping[bytes, Tier]
+               ) -> list[LeaseResult]:
+        """Pin the host blocks of ``bkeys`` for the caller; ``found_in`` names where a block that
+        is in host now came from in this get (disk, remote); the rest were in host."""
         found = [self.host.get(b) for b in bkeys]
         held = [e for e in found if e is not None]
         nbytes = len(held) * self.pool(layout).slot_bytes  # (one layout: one pool)
@@ -340,13 +349,37 @@ class BlockStore:
             if entry is None:
                 out.append(MISS)
                 continue
-            tier = Tier.DISK if b in promoted else Tier.HOST
+            tier = found_in.get(b, Tier.HOST)
             out.append(LeaseResult(next(lids), entry.offset, tier))
             hits[tier] += 1
         n = sum(hits.values())
         self.counters.looked_up(Op.ACQUIRE, layout.block_tokens, hits, len(bkeys) - n)
         self.counters.move(Flow.HOST_TO_CLIENT, n * layout.block_bytes)
         return out
+
+    async def _read_through(self, tenant: str, layout: Layout, bkeys: list[bytes]) -> set[bytes]:
+        """Fetch the blocks of ``bkeys`` no local tier holds from the read-through sources, in
+        order, into host; returns those now in host that way."""
+        got: set[bytes] = set()
+        for src in self.remotes:
+            if not src.read_through:
+                continue
+            missing = [b for b in bkeys if b not in got and not self.tiers.in_host(b)]
+            if not missing:
+                break
+            got |= await self.fetch_remote(src, tenant, layout, missing)
+        return got
+
+    async def fetch_remote(self, src: RemoteSource, tenant: str, layout: Layout, bkeys: list[bytes],
+                           from_node: str | None = None) -> set[bytes]:
+        """Fetch ``bkeys`` from one source into host (verified); returns those that became visible.
+        The bandwidth seen feeds ``remote_load_gbps``."""
+        t0 = time.perf_counter()
+        blocks = await src.fetch(tenant, layout, bkeys, from_node)
+        if not blocks:
+            return set()
+        self.tiers.measured_remote(sum(len(p) for _, p, _ in blocks), time.perf_counter() - t0)
+        return await self.tiers.ingest(layout, self.pool(layout), blocks)
 
     async def _verify_host(self, held: list[HostEntry]) -> None:
         """Drop the host blocks (pinned by the caller) whose payload changed since their commit."""

@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 
-from kvtier.daemon.counters import Count
+from kvtier.daemon.counters import Count, Op
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier, payload_checksum
@@ -64,3 +64,50 @@ def test_ingest_verifies_and_payloads_round_trip(tmp_path):
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         os.sync()
+
+
+class _DictSource:
+    """A source over a dict, standing in for the network (the peer and store sources have
+    their own tests with real daemons and a real Redis Cluster)."""
+
+    name = "store"
+
+    def __init__(self, blocks: dict[bytes, bytes], read_through: bool = True) -> None:
+        self.blocks, self.read_through, self.asked = blocks, read_through, []
+
+    async def fetch(self, tenant, layout, bkeys, from_node=None):
+        self.asked.append((tenant, list(bkeys)))
+        return [(b, self.blocks[b], payload_checksum(self.blocks[b])) for b in bkeys if b in self.blocks]
+
+
+def test_get_reads_through_remote_sources_for_local_misses():
+    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    layout = Layout.flat(BLOCK)
+    fp = layout.fingerprint
+
+    async def main() -> None:
+        store = BlockStore(HostTier(shm, 8 * BLOCK, "rt"))
+        lid = (await store.register_layout(layout)).layout_id
+        sid = store.open_session("test", os.getpid()).session_id
+        off = _DictSource({fp + key(9): payload(key(9))}, read_through=False)
+        src = _DictSource({fp + key(i): payload(key(i)) for i in (1, 2)})
+        store.remotes.extend([off, src])
+        try:
+            out = await store.acquire(sid, lid, [key(1), key(2), key(3), key(9)])
+            assert [r.found_in if r.hit else None for r in out] == [Tier.REMOTE, Tier.REMOTE, None, None]
+            assert off.asked == [] and src.asked == [("default", [fp + key(i) for i in (1, 2, 3, 9)])]
+            cls = store.pool(layout)
+            with open(cls.path, "rb") as fh:
+                fh.seek(out[0].offset)
+                assert fh.read(BLOCK) == payload(key(1))
+            assert store.counters.hits[Op.ACQUIRE][Tier.REMOTE].blocks == 2
+            assert store.tiers.remote_load_gbps > 0
+            out = await store.acquire(sid, lid, [key(1)])          # now a host hit: not asked again
+            assert out[0].found_in is Tier.HOST and len(src.asked) == 1
+        finally:
+            store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

@@ -163,8 +163,9 @@ def test_stats_typed_fields_the_counters_map_and_the_metrics_agree(metered) -> N
         reply = node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=10)
     m = scrape(port)
     ops = {node_pb2.COUNTED_OP_LOOKUP: "lookup", node_pb2.COUNTED_OP_ACQUIRE: "acquire"}
-    tiers = {node_pb2.TIER_GPU: "gpu", node_pb2.TIER_HOST: "host", node_pb2.TIER_DISK: "disk"}
-    assert len(reply.hits) == 2 * 4
+    tiers = {node_pb2.TIER_GPU: "gpu", node_pb2.TIER_HOST: "host", node_pb2.TIER_DISK: "disk",
+             node_pb2.TIER_REMOTE: "remote"}
+    assert len(reply.hits) == 2 * 5
     for h in reply.hits:
         op = ops[h.op]
         if h.tier == node_pb2.TIER_NONE:

@@ -34,7 +34,7 @@ def test_once_json_two_nodes_and_an_unreachable_one(start_daemon, tmp_path, caps
     nodes = {n["target"]: n for n in out["nodes"]}
     na, nb, ng = nodes[a.socket], nodes[b.socket], nodes[gone]
     assert (na["node_id"], na["asked_blocks"], na["hit_blocks"]["host"], na["miss_blocks"]) == ("node-a", 4, 3, 1)
-    assert na["hit_rate"] == 0.75 and na["hit_rate_by_tier"] == {"gpu": 0.0, "host": 0.75, "disk": 0.0}
+    assert na["hit_rate"] == 0.75 and na["hit_rate_by_tier"] == {"gpu": 0.0, "host": 0.75, "disk": 0.0, "remote": 0.0}
     assert na["reuse_tokens_share"] == 0.75
     assert (nb["asked_blocks"], nb["hit_rate"]) == (4, 0.25)
     assert not ng["reachable"] and ng["error"]

@@ -42,9 +42,9 @@ import grpc
 
 from kvtier.client.engine.transport import ClientTls, KvtierError, open_channel, socket_path
 from kvtier.proto import node_pb2, node_pb2_grpc
-from kvtier.tiers.vocab import TIER_LABELS, Tier
+from kvtier.tiers.vocab import ALL_TIERS, Tier
 
-TIERS = TIER_LABELS
+TIERS = tuple(t.label for t in ALL_TIERS)  # remote: blocks a get fetched from a peer or the store
 STORED_TIERS = (Tier.HOST.label, Tier.DISK.label)  # the tiers a daemon holds bytes in: occupancy columns
 #: ``--op`` -> the Stats reply's CountedOp
 OPS = {"lookup": node_pb2.COUNTED_OP_LOOKUP, "acquire": node_pb2.COUNTED_OP_ACQUIRE}
@@ -74,7 +74,7 @@ class NodeReport:
 
     def hit_rate_by_tier(self) -> dict[str, float]:
         n = self.asked_blocks
-        return {t: (self.hit_blocks[t] / n if n else 0.0) for t in TIERS}
+        return {t: (self.hit_blocks.get(t, 0) / n if n else 0.0) for t in TIERS}
 
     def hit_rate(self) -> float:
         n = self.asked_blocks

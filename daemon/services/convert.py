@@ -21,7 +21,7 @@ from kvtier.daemon.stats import NodeStats
 from kvtier.proto import locations_pb2, node_pb2, transfer_pb2
 from kvtier.tiers.copy_engine import AllocationRef, TensorRef
 from kvtier.tiers.layout import MAX_LAYOUTS, Layout, layout_from_proto
-from kvtier.tiers.vocab import TIERS, Tier
+from kvtier.tiers.vocab import ALL_TIERS, Tier
 
 _GRANT = {GrantStatus.GRANTED: node_pb2.GRANTED, GrantStatus.PRESENT: node_pb2.PRESENT,
           GrantStatus.NO_SPACE: node_pb2.NO_SPACE}
@@ -128,7 +128,7 @@ def stats_reply(s: NodeStats) -> node_pb2.StatsReply:
                           gpu_blocks=lay.blocks.get(Tier.GPU, 0))
     reply.counters.update(counter_names(c))
     for op in Op:
-        for tier in TIERS:
+        for tier in ALL_TIERS:
             tally = c.hits[op][tier]
             reply.hits.add(op=_OP[op], tier=int(tier), blocks=u64(tally.blocks), tokens=u64(tally.tokens))
         reply.hits.add(op=_OP[op], tier=node_pb2.TIER_NONE, blocks=u64(c.misses[op].blocks),
