@@ -223,9 +223,11 @@ class Peers:
             self._resolved.set()
             await asyncio.sleep(self.resolve_s)
 
-    async def refresh(self) -> None:
+    async def refresh(self, node_id: str = "") -> None:
         """Resolve every entry (an address that went away is dropped) and probe the peers whose
-        node id is not known yet or whose backoff has run out; waits for those probes."""
+        node id is not known yet or whose backoff has run out; waits for those probes. With
+        ``node_id`` (a fetch names it), also the peers that may be it, backoff or not: those
+        not known yet and those known as it."""
         wanted: dict[str, tuple[str, str]] = {}
         for entry in self.entries:
             host, _, port = entry.rpartition(":")
@@ -251,7 +253,8 @@ class Peers:
             if addr not in self.peers:
                 self.peers[addr] = PeerState(addr, server_name, entry)
         now = time.monotonic()
-        due = [p for p in self.peers.values() if (not p.known or p.down_until) and now >= p.down_until]
+        due = [p for p in self.peers.values()
+               if (not p.known or p.down_until) and (now >= p.down_until or (node_id and p.node_id in ("", node_id)))]
         if due:
             await asyncio.gather(*(self._probe(p) for p in due))
 
@@ -306,7 +309,7 @@ class Peers:
         if self._task is not None and not self._resolved.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._resolved.wait()), self.timeout_s)
-        await self.refresh()
+        await self.refresh(node_id)
         return next((p for p in self.live() if p.node_id == node_id), None)
 
     # -- fetches ----------------------------------------------------------------------------

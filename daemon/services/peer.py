@@ -59,7 +59,12 @@ MAX_BLOCK_BYTES = 1 << 31
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * 1024
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000)]
+                   ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
+                   # the daemon backs off a peer itself (kvtier.daemon.peers); a channel that
+                   # waited out gRPC's own reconnect backoff (up to 2 min) would fail calls fast
+                   # long after the peer came back
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class PeerService(peer_pb2_grpc.PeerServicer):
@@ -197,7 +202,7 @@ class PeerClient:
             info = await stub.GetNodeInfo(locations_pb2.NodeInfoRequest(), timeout=self.timeout_s,
                                           wait_for_ready=False)
         except grpc.RpcError as e:
-            raise _error(e, f"GetNodeInfo of {peer.address}") from None
+            raise await self._failed(peer, _error(e, f"GetNodeInfo of {peer.address}")) from None
         return info.node_id, info.epoch
 
     async def holds(self, peer: PeerState, tenant: str, fingerprint: bytes, keys: Sequence[bytes]) -> list[int]:
@@ -206,7 +211,7 @@ class PeerClient:
             reply = await stub.Holds(peer_pb2.HoldsRequest(fingerprint=fingerprint, keys=keys, tenant=tenant),
                                      timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise _error(e, f"Holds of {peer.address}") from None
+            raise await self._failed(peer, _error(e, f"Holds of {peer.address}")) from None
         return list(reply.tiers)
 
     async def fetch(self, peer: PeerState, tenant: str, fingerprint: bytes, block_bytes: int,
@@ -222,10 +227,11 @@ class PeerClient:
                 try:
                     msg = await asyncio.wait_for(call.read(), self.timeout_s)
                 except asyncio.TimeoutError:
-                    raise PeerTimeout(f"FetchBlocks of {peer.address}: no reply within {self.timeout_s} s",
-                                      partial=bool(parts)) from None
+                    raise await self._failed(peer, PeerTimeout(f"FetchBlocks of {peer.address}: no reply within "
+                                                               f"{self.timeout_s} s", partial=bool(parts))) from None
                 except grpc.RpcError as e:
-                    raise _error(e, f"FetchBlocks of {peer.address}", partial=bool(parts)) from None
+                    raise await self._failed(peer, _error(e, f"FetchBlocks of {peer.address}",
+                                                          partial=bool(parts))) from None
                 if msg is grpc.aio.EOF:
                     break
                 kind = msg.WhichOneof("msg")
@@ -250,6 +256,13 @@ class PeerClient:
                                         partial=True)
         finally:
             call.cancel()
+
+    async def _failed(self, peer: PeerState, e: PeerError) -> PeerError:
+        """A call failed with ``e``: a peer that is not answering loses its channels, so the next
+        call connects afresh (not after gRPC's own reconnect backoff)."""
+        if e.down:
+            await self.drop(peer)
+        return e
 
     async def drop(self, peer: PeerState) -> None:
         for key in [k for k in self._channels if k[0] == peer.address]:
