@@ -372,11 +372,24 @@ class Peers:
 
     async def _fetch_from(self, peer: PeerState, tenant: str, layout: Layout, bkeys: list[bytes]
                           ) -> AsyncIterator[list[Fetched]]:
-        """One FetchBlocks stream from ``peer``: batches of complete blocks; a failure ends it
-        (counted; the blocks not yet complete are misses)."""
+        """One FetchBlocks stream from ``peer``: batches of complete blocks of half a window
+        each, read while the previous batch is put into host (so at most a window is held);
+        a failure ends it (counted; the blocks not yet complete are misses)."""
+        queue: asyncio.Queue[list[Fetched] | None] = asyncio.Queue(maxsize=1)
+        reader = asyncio.ensure_future(self._read_stream(peer, tenant, layout, bkeys, queue))
+        try:
+            while (batch := await queue.get()) is not None:
+                yield batch
+        finally:
+            if not reader.done():
+                reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read_stream(self, peer: PeerState, tenant: str, layout: Layout, bkeys: list[bytes],
+                           queue: asyncio.Queue[list[Fetched] | None]) -> None:
         self.counters.add(Count.PEER_FETCHES)
         block_bytes = layout.block_bytes
-        window = max(1, self.window_bytes // max(1, block_bytes))
+        window = max(1, self.window_bytes // 2 // max(1, block_bytes))
         pending: list[Fetched] = []
         done: set[int] = set()
         try:
@@ -394,14 +407,16 @@ class Peers:
                     self.counters.add(Count.PEER_BYTES_FETCHED, block_bytes)
                     if len(pending) >= window:
                         batch, pending = pending, []
-                        yield batch
+                        await queue.put(batch)
         except PeerError as e:
             if e.partial:
                 self.counters.add(Count.PEER_PARTIAL_BLOCKS)
             self._failed(peer, e)
+        finally:
+            self.counters.add(Count.PEER_BLOCKS_MISSED, len(bkeys) - len(done))
         if pending:
-            yield pending
-        self.counters.add(Count.PEER_BLOCKS_MISSED, len(bkeys) - len(done))
+            await queue.put(pending)
+        await queue.put(None)
 
     def _hello(self, peer: PeerState, hello: Hello, tenant: str) -> None:
         if hello.tenant != tenant:  # never ingest another tenant's blocks as this one's

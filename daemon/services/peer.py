@@ -123,17 +123,28 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         bkeys = [pack_block(fp, k) for k in keys]
         await context.write(peer_pb2.FetchBlocksReply(hello=peer_pb2.PeerHello(
             node_id=self.node_id, epoch=self.epoch, tenant=tenant)))
-        window = max(1, self.window_bytes // block_bytes)
+        # half a window read while the other half is sent: at most a window of payloads in memory
+        half = max(1, self.window_bytes // 2 // block_bytes)
+        starts = range(0, len(bkeys), half)
+        reading: asyncio.Future | None = None
         try:
-            for start in range(0, len(bkeys), window):
-                await self._send_window(context, bkeys, start, min(len(bkeys), start + window), block_bytes, chunk)
+            for start in starts:
+                if reading is None:
+                    reading = asyncio.ensure_future(self.store.tiers.payloads(bkeys[start:start + half]))
+                got = await reading
+                nxt = start + half
+                reading = asyncio.ensure_future(self.store.tiers.payloads(bkeys[nxt:nxt + half])) \
+                    if nxt < len(bkeys) else None
+                await self._send_window(context, bkeys, got, start, min(len(bkeys), nxt), block_bytes, chunk)
         except asyncio.CancelledError:  # the caller went away (or the daemon stops)
             self.counters.add(Count.PEER_SERVE_ABORTED)
             raise
+        finally:
+            if reading is not None:
+                await asyncio.gather(reading, return_exceptions=True)  # its pins are let go
 
-    async def _send_window(self, context: Any, bkeys: list[bytes], start: int, end: int, block_bytes: int,
-                           chunk: int) -> None:
-        got = await self.store.tiers.payloads(bkeys[start:end])
+    async def _send_window(self, context: Any, bkeys: list[bytes], got: dict[bytes, tuple[bytes, int]], start: int,
+                           end: int, block_bytes: int, chunk: int) -> None:
         missing = [i for i in range(start, end)
                    if (p := got.get(bkeys[i])) is None or len(p[0]) != block_bytes]
         if missing:
