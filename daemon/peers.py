@@ -412,6 +412,9 @@ class Peers:
             if e.partial:
                 self.counters.add(Count.PEER_PARTIAL_BLOCKS)
             self._failed(peer, e)
+        except Exception:  # anything else ends this fetch too (logged, counted), never the daemon
+            log.exception("peer fetch failed", extra={"address": peer.address, "node_id": peer.node_id or None})
+            self.counters.add(Count.PEER_STREAM_ERRORS)
         finally:
             self.counters.add(Count.PEER_BLOCKS_MISSED, len(bkeys) - len(done))
         if pending:
