@@ -5,7 +5,7 @@ Real daemons on loopback, each with its own node id, TCP port and certificate (o
 by a get's read-through; ``B``'s certificate is mapped to another tenant on ``A``, so it gets
 nothing of the default tenant's. A fourth daemon, slowed down (``--peer-serve-delay-s``), is
 killed with SIGKILL mid-stream: ``C`` keeps the blocks that arrived whole, misses the rest,
-and serves no partial block.
+and serves no partial block; started again, it is a new epoch that ``C`` fetches from anew.
 """
 
 from __future__ import annotations
@@ -187,5 +187,15 @@ def test_a_peer_killed_mid_stream_leaves_misses_and_no_partial_block(cluster, pk
             assert after["peer_marked_down"] > before["peer_marked_down"]
             assert after["peer_blocks_missed"] - before["peer_blocks_missed"] >= n - result[0]
             assert after["checksum_failures"] == 0
+            # D comes back on the same address: a new epoch, a new peer (tried again after its backoff)
+            d = DaemonProcess(cluster["work"], "--node-id", "peer-d", "--tcp", f"127.0.0.1:{port}",
+                              *_tls(pki, "node-d"), "--peer-serve", "true", "--tenants", "cn:node-c=default",
+                              name="d").start()
+            with Sidecar(d.socket) as sd:
+                sd.register_layout(LAYOUT)
+                sd.put(lid, [key(200)], [payload(200)])
+            assert sc.prefetch(lid, [key(200)], from_node="peer-d") == 1
+            assert bytes(sc.get(lid, [key(200)])[0]) == payload(200)
+            assert counters(sc)["peer_new_epochs"] == after["peer_new_epochs"] + 1
     finally:
         d.cleanup()
