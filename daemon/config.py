@@ -187,6 +187,48 @@ class Config:
                                         "past it the request is refused DEADLINE_EXCEEDED and gives back its "
                                         "slots", parse_float, "SECONDS")
     # -- end of sessions --
+    # -- peers (issue 13) --
+    peer_serve: bool = _opt(False, "serve the Peer service on --tcp: other daemons fetch this node's host and "
+                                   "disk blocks, each only of the tenant its client certificate names "
+                                   "(--tenants cn:NAME=TENANT); needs --tcp", parse_bool, "BOOL")
+    peers: tuple[str, ...] = _opt((), "other daemons to fetch blocks from: the HOST:PORT of their --tcp "
+                                      "listeners (which need --peer-serve); a DNS name stands for every A/AAAA "
+                                      "record it resolves to (a Kubernetes headless Service), re-resolved every "
+                                      "--peer-resolve-s; each peer's node id is learned from it (GetNodeInfo). "
+                                      "e.g. 10.0.0.2:7070,kvtier.ns.svc.cluster.local:7070",
+                                  parse_entries, "HOST:PORT", repeat=True)
+    peer_read_through: bool = _opt(False, "a get of a block no local tier holds asks every live --peers whether it "
+                                          "holds it (one Holds call each, at once) and fetches it from one of "
+                                          "them into host; off: only Prefetch with from_node fetches from peers",
+                                   parse_bool, "BOOL")
+    peer_tls_cert: str = _opt("", "client certificate (PEM) for calls to --peers; default --tls-cert. The peers "
+                                  "serve the tenant its common name maps to (their --tenants); a fetch for "
+                                  "another tenant is refused", metavar="FILE")
+    peer_tls_key: str = _opt("", "PEM private key of --peer-tls-cert; default --tls-key", metavar="FILE")
+    peer_tls_ca: str = _opt("", "PEM CA certificate(s) that sign the peers' server certificates; default "
+                                "--tls-ca", metavar="FILE")
+    peer_tenant_certs: tuple[str, ...] = _opt((), "a client certificate per tenant for calls to --peers, "
+                                                  "TENANT=CERT:KEY (PEM files): this daemon fetches a "
+                                                  "tenant's blocks with its own certificate; tenants not "
+                                                  "listed use --peer-tls-cert", parse_entries, "ENTRY",
+                                              repeat=True)
+    peer_timeout_s: float = _opt(5.0, "most seconds a call to a peer waits for its next reply (its node info, a "
+                                      "Holds answer, the next chunk of a fetch); past it the call is cut, the "
+                                      "keys not yet complete are misses and the peer is marked down",
+                                 parse_float, "SECONDS")
+    peer_resolve_s: float = _opt(10.0, "re-resolve the --peers names and ask new peers their node id this often",
+                                 parse_float, "SECONDS")
+    peer_backoff_max_s: float = _opt(30.0, "a peer that stops answering is marked down and tried again after "
+                                           "0.5 s, doubling up to this", parse_float, "SECONDS")
+    peer_chunk_bytes: int = _opt(1024**2, "payload bytes per message of a peer fetch (64KiB to 4MiB)",
+                                 parse_size, "SIZE")
+    peer_window_bytes: int = _opt(32 * 1024**2, "payload bytes of a peer fetch held in memory at once on each "
+                                                "side: the serving daemon reads this many blocks' bytes at a "
+                                                "time, the fetching one puts arrived blocks into host once it "
+                                                "holds this many", parse_size, "SIZE")
+    peer_serve_delay_s: float = _opt(0.0, "for tests and demos only: the Peer service pauses this long after "
+                                          "each chunk it sends (a slow link); 0: no pause", parse_float, "SECONDS")
+    # -- end of peers --
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
@@ -240,6 +282,42 @@ def _check(cfg: Config) -> None:
         if not getattr(cfg, name) >= (0 if name.endswith("quota") else 1e-9):  # (issue 12: sessions)
             raise ConfigError(f"{flag_name(name)} must be {'at least 0' if name.endswith('quota') else 'positive'}")
     _check_transport(cfg)
+    _check_peers(cfg)
+
+
+def _check_peers(cfg: Config) -> None:
+    """(issue 13) the --peer-* settings."""
+    if cfg.peer_serve and not cfg.tcp:
+        raise ConfigError("--peer-serve needs --tcp: peers fetch over the TCP listener")
+    for entry in cfg.peers:
+        host, _, port = entry.rpartition(":")
+        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--peers: {entry!r} is not HOST:PORT")
+    for entry in cfg.peer_tenant_certs:
+        tenant, sep, files = entry.partition("=")
+        cert, sep2, key = files.partition(":")
+        if not (tenant and sep and cert and sep2 and key):
+            raise ConfigError(f"--peer-tenant-certs: {entry!r} is not TENANT=CERT:KEY")
+    _check_peer_numbers(cfg)
+    tls = cfg.peer_tls_cert or cfg.tls_cert
+    if cfg.peers and not tls and not cfg.insecure_tcp:
+        raise ConfigError("--peers needs a client certificate for the peers' mutual TLS: --peer-tls-cert, "
+                          "--peer-tls-key and --peer-tls-ca (or --tls-cert, --tls-key, --tls-ca); only with "
+                          "--insecure-tcp true are peers called in plaintext")
+    if bool(cfg.peer_tls_cert) != bool(cfg.peer_tls_key):
+        raise ConfigError("--peer-tls-cert and --peer-tls-key go together")
+
+
+def _check_peer_numbers(cfg: Config) -> None:
+    if not 64 * 1024 <= cfg.peer_chunk_bytes <= 4 * 1024**2:
+        raise ConfigError(f"--peer-chunk-bytes {cfg.peer_chunk_bytes} is not between 64KiB and 4MiB")
+    if cfg.peer_window_bytes < cfg.peer_chunk_bytes:
+        raise ConfigError("--peer-window-bytes must be at least --peer-chunk-bytes")
+    for name in ("peer_timeout_s", "peer_resolve_s", "peer_backoff_max_s"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{flag_name(name)} must be positive")
+    if cfg.peer_serve_delay_s < 0:
+        raise ConfigError("--peer-serve-delay-s must be at least 0")
 
 
 def _check_transport(cfg: Config) -> None:

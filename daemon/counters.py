@@ -108,6 +108,24 @@ class Count(enum.Enum):
     KV_ONBOARD_BLOCKS = "kv_onboard_blocks"
     KV_ONBOARD_MISSING = "kv_onboard_missing"
     KV_ONBOARD_ERRORS = "kv_onboard_errors"
+    # -- peers (issue 13) --
+    PEER_FETCHES = "peer_fetches"                      # FetchBlocks streams this daemon opened
+    PEER_BLOCKS_FETCHED = "peer_blocks_fetched"        # blocks that arrived complete and verified
+    PEER_BYTES_FETCHED = "peer_bytes_fetched"
+    PEER_BLOCKS_MISSED = "peer_blocks_missed"          # asked of a peer and not had (held nowhere, cut off)
+    PEER_PARTIAL_BLOCKS = "peer_partial_blocks"        # blocks a broken stream cut mid-way (dropped)
+    PEER_STREAM_ERRORS = "peer_stream_errors"          # peer calls that failed (unreachable, reset, died)
+    PEER_TIMEOUTS = "peer_timeouts"                    # peer calls cut after --peer-timeout-s without a reply
+    PEER_REFUSED = "peer_refused"                      # peer calls refused (another tenant's certificate, bad input)
+    PEER_PROTOCOL_ERRORS = "peer_protocol_errors"      # replies out of order or of the wrong size (stream dropped)
+    PEER_MARKED_DOWN = "peer_marked_down"              # times a peer was marked down (retried with backoff)
+    PEER_NEW_EPOCHS = "peer_new_epochs"                # peers seen again with a new epoch (a restart)
+    PEER_UNKNOWN_NODE = "peer_unknown_node"            # fetches naming a node id no live peer has
+    PEER_RESOLVE_ERRORS = "peer_resolve_errors"        # --peers names that did not resolve
+    PEER_HOLDS_ASKED = "peer_holds_asked"              # Holds calls made by read-through
+    PEER_BLOCKS_SERVED = "peer_blocks_served"          # blocks this daemon sent to peers
+    PEER_BYTES_SERVED = "peer_bytes_served"
+    PEER_SERVE_ABORTED = "peer_serve_aborted"          # FetchBlocks streams whose caller went away mid-way
 
 
 #: the tiers evictions are counted in (the gpu tier is the engines': they evict their own)

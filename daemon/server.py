@@ -47,7 +47,9 @@ from kvtier.daemon.keytable import KeyTablePublisher
 from kvtier.daemon.kv_events import KvEventsError, KvEventsPublisher
 from kvtier.daemon.lookup_regions import LookupRegions
 from kvtier.daemon.metrics import MetricsServer, OpLatency, start_metrics_server
+from kvtier.daemon.peers import Peers
 from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
+from kvtier.daemon.services.peer import PeerClient, PeerService
 from kvtier.daemon.services.tcp import add_tcp_services
 from kvtier.daemon.stats import StatsSource, tier_usage
 from kvtier.daemon.store import BlockStore
@@ -132,6 +134,23 @@ def tls_server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentia
     """Mutual TLS: the server's certificate and key, and the CA every client certificate must chain to."""
     return grpc.ssl_server_credentials([(_read_pem("--tls-key", key), _read_pem("--tls-cert", cert))],
                                        root_certificates=_read_pem("--tls-ca", ca), require_client_auth=True)
+
+
+def peer_channel_credentials(cfg: Config) -> dict[str, grpc.ChannelCredentials] | None:
+    """(issue 13) The client certificates for calls to --peers: tenant -> credentials, "" the
+    default (--peer-tls-cert, else --tls-cert); None: plaintext (--insecure-tcp, no certificate)."""
+    cert, key = (cfg.peer_tls_cert, cfg.peer_tls_key) if cfg.peer_tls_cert else (cfg.tls_cert, cfg.tls_key)
+    if not cert:
+        return None
+    ca_path = cfg.peer_tls_ca or cfg.tls_ca
+    ca = _read_pem("--peer-tls-ca", ca_path) if ca_path else None
+    out = {"": grpc.ssl_channel_credentials(ca, _read_pem("--peer-tls-key", key), _read_pem("--peer-tls-cert", cert))}
+    for entry in cfg.peer_tenant_certs:
+        tenant, _, files = entry.partition("=")
+        tcert, _, tkey = files.partition(":")
+        out[tenant] = grpc.ssl_channel_credentials(ca, _read_pem("--peer-tenant-certs", tkey),
+                                                   _read_pem("--peer-tenant-certs", tcert))
+    return out
 
 
 SECRET_BYTES = 32
@@ -328,6 +347,7 @@ class Daemon:
         self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
         self.metrics: MetricsServer | None = None
         self.kv_events: KvEventsPublisher | None = None  # --kv-events-endpoint
+        self.peers: Peers | None = None  # --peers (issue 13)
         self.metrics_port = 0
         self._socket_made = False
         self._session_watch: asyncio.Task | None = None
@@ -486,6 +506,13 @@ class Daemon:
         if self.credentials is not None:
             self.credentials.lookups = self.lookups
         self.transfers = Transfers(store, self.engines)
+        if cfg.peers:
+            wire = PeerClient(peer_channel_credentials(cfg), cfg.peer_timeout_s, cfg.peer_chunk_bytes)
+            self.peers = Peers(cfg.peers, wire, store.counters, read_through=cfg.peer_read_through,
+                               timeout_s=cfg.peer_timeout_s, resolve_s=cfg.peer_resolve_s,
+                               backoff_max_s=cfg.peer_backoff_max_s, window_bytes=cfg.peer_window_bytes,
+                               own_node_id=self.node_id)
+            store.remotes.append(self.peers)
 
     def _tenant_file(self, caller: Principal, path: str) -> int:
         """The credential socket's ``open``: a descriptor of one of the caller's tenant's files."""
@@ -504,7 +531,11 @@ class Daemon:
         self.latency.expect(_timed_ops(*servicers))
         health_servicer = add_services(server, *servicers)
         if self.tcp_server is not None:
-            add_tcp_services(self.tcp_server, self.cfg.tcp_services, health_servicer, *servicers)
+            peer = PeerService(self.store, self.node_id, self.epoch, self.latency, auth,
+                               self.cfg.peer_window_bytes, self.cfg.peer_serve_delay_s) if self.cfg.peer_serve else None
+            if peer is not None:
+                self.latency.expect(_timed_ops(peer))
+            add_tcp_services(self.tcp_server, self.cfg.tcp_services, health_servicer, *servicers, peer=peer)
         self.key_table.start()
         await server.start()
         os.chmod(self.socket_path, self._socket_mode)
@@ -517,6 +548,8 @@ class Daemon:
         assert self.lookups is not None
         self._lookup_folds = self.stats.loop.create_task(self.lookups.run())
         await set_serving(health_servicer)
+        if self.peers is not None:
+            self.peers.start()
         if self.cfg.metrics_port:
             try:
                 self.metrics = start_metrics_server(self.node_id, self.stats.snapshot_from_thread, self.latency,
@@ -552,8 +585,14 @@ class Daemon:
                 task.cancel()
         self._session_watch = self._lookup_folds = None
 
+    async def _close_peers(self) -> None:
+        if self.peers is not None:
+            await self.peers.close()
+            self.peers = None
+
     async def _undo(self) -> None:
         """Remove what a failed start made."""
+        await self._close_peers()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -594,6 +633,7 @@ class Daemon:
         assert self.store is not None and self.key_table is not None and self.locations is not None
         assert self.transfers is not None
         self._cancel_tasks()
+        await self._close_peers()
         self.locations.close()
         if self.server is not None:
             log.info("shutting down", extra={"grace_s": GRACE_S})

@@ -375,11 +375,23 @@ class BlockStore:
         """Fetch ``bkeys`` from one source into host (verified); returns those that became visible.
         The bandwidth seen feeds ``remote_load_gbps``."""
         t0 = time.perf_counter()
-        blocks = await src.fetch(tenant, layout, bkeys, from_node)
-        if not blocks:
-            return set()
-        self.tiers.measured_remote(sum(len(p) for _, p, _ in blocks), time.perf_counter() - t0)
-        return await self.tiers.ingest(layout, self.pool(layout), blocks)
+        stream = getattr(src, "stream", None)
+        if stream is None:
+            blocks = await src.fetch(tenant, layout, bkeys, from_node)
+            if not blocks:
+                return set()
+            self.tiers.measured_remote(sum(len(p) for _, p, _ in blocks), time.perf_counter() - t0)
+            return await self.tiers.ingest(layout, self.pool(layout), blocks)
+        # a source that streams (peers): each batch goes into host before the next is read, so
+        # a large fetch holds one batch in memory
+        got: set[bytes] = set()
+        nbytes = 0
+        async for batch in stream(tenant, layout, bkeys, from_node):
+            nbytes += sum(len(p) for _, p, _ in batch)
+            got |= await self.tiers.ingest(layout, self.pool(layout), batch)
+        if nbytes:
+            self.tiers.measured_remote(nbytes, time.perf_counter() - t0)
+        return got
 
     async def _verify_host(self, held: list[HostEntry]) -> None:
         """Drop the host blocks (pinned by the caller) whose payload changed since their commit."""
@@ -439,18 +451,32 @@ class BlockStore:
             await asyncio.wrap_future(self.disk.flush())
         return n
 
-    async def prefetch(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT) -> int:
+    async def prefetch(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT,
+                       from_node: str = "") -> int:
         """See :meth:`_prefetch`; runs to its end even if the caller is cancelled."""
-        return await self._run_to_end(self._prefetch(layout_id, keys, tenant))
+        return await self._run_to_end(self._prefetch(layout_id, keys, tenant, from_node))
 
-    async def _prefetch(self, layout_id: int, keys: Sequence[bytes], tenant: str) -> int:
-        """Bring these blocks of the tenant from disk to host ahead of need; returns how many
-        were promoted. Without a disk tier nothing is below host, so nothing is promoted."""
+    async def _prefetch(self, layout_id: int, keys: Sequence[bytes], tenant: str, from_node: str = "") -> int:
+        """Bring these blocks of the tenant from disk to host ahead of need; with ``from_node``
+        (a peer's node id, issue 13) fetch those held in no local tier from that peer. Returns
+        how many were brought to host. Without a disk tier nothing is below host, so nothing
+        is promoted."""
         layout = self.layout(layout_id, tenant).layout
         self.check_keys(keys, unique=False)
-        promoted = await self.tiers.promote(layout, [pack_block(layout.fingerprint, k) for k in keys], self.pool(layout))
+        peer = None
+        if from_node:
+            peer = next((src for src in self.remotes if src.name == "peer"), None)
+            if peer is None:
+                raise StoreError(Code.FAILED_PRECONDITION, "prefetch from_node needs peers: start kvtierd with "
+                                                           "--peers")
+        bkeys = list(dict.fromkeys(pack_block(layout.fingerprint, k) for k in keys))
+        promoted = await self.tiers.promote(layout, bkeys, self.pool(layout))
         self.counters.add(Count.PREFETCH_PROMOTIONS, len(promoted))
-        return len(promoted)
+        if peer is None:
+            return len(promoted)
+        missing = [b for b in bkeys if not self.tiers.in_host(b) and not self.tiers.on_disk(b)]
+        fetched = await self.fetch_remote(peer, tenant, layout, missing, from_node) if missing else set()
+        return len(promoted) + len(fetched)
 
     # -- what is held --------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import time
 
 import grpc
 import pytest
+from pki import make_ca, make_cert, tls_channel
 
 from kvtier.client import Sidecar
 from kvtier.client.engine.transport import open_channel
@@ -265,22 +266,7 @@ def test_tcp_without_tls_refuses_to_start_unless_insecure(tmp_path) -> None:
         d.cleanup()
 
 
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["/usr/bin/openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _ca(d, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-subj", f"/CN={name}", cwd=d)
-
-
-def _cert(d, name: str, ca: str, cn: str, san: str = "") -> None:
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
-             f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
-    ext = d / f"{name}.ext"
-    ext.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-days", "2", "-out", f"{name}.pem", "-extfile", str(ext), cwd=d)
+_ca, _cert = make_ca, make_cert
 
 
 @pytest.fixture(scope="module")
@@ -294,14 +280,7 @@ def pki(tmp_path_factory):
     return d
 
 
-def _tls_channel(pki, port: int, client: str | None) -> grpc.Channel:
-    ca = (pki / "ca.pem").read_bytes()
-    if client is None:
-        creds = grpc.ssl_channel_credentials(root_certificates=ca)
-    else:
-        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=(pki / f"{client}.key").read_bytes(),
-                                             certificate_chain=(pki / f"{client}.pem").read_bytes())
-    return grpc.secure_channel(f"127.0.0.1:{port}", creds)
+_tls_channel = tls_channel
 
 
 def _node_info(ch: grpc.Channel) -> locations_pb2.NodeInfo:

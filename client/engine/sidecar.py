@@ -375,9 +375,10 @@ class _SidecarCore:
         call = Call("node", "Evict", node_pb2.EvictRequest(layout_id=info.daemon_id, keys=keys))
         return (yield from self._recovering(lambda: one_call(call))).evicted
 
-    def _prefetch(self, layout_id: int, keys: Sequence[bytes]) -> Op[int]:
+    def _prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str = "") -> Op[int]:
         info, keys = self._info(layout_id), _check_keys(keys)
-        call = Call("node", "Prefetch", node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys))
+        call = Call("node", "Prefetch", node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys,
+                                                                 from_node=from_node or ""))
         return (yield from self._recovering(lambda: one_call(call))).promoted
 
     def _report_device_blocks(self, layout_id: int, stored: Sequence[bytes], removed: Sequence[bytes],
@@ -802,9 +803,11 @@ class Sidecar(_SidecarCore):
         """Drop these keys from every tier; returns how many were held."""
         return self._transport.run(self._evict(layout_id, keys))
 
-    def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
-        """Warm the host tier from disk for these keys; returns blocks promoted."""
-        return self._transport.run(self._prefetch(layout_id, keys))
+    def prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str | None = None) -> int:
+        """Warm the host tier from disk for these keys; with ``from_node`` (a peer daemon's node id,
+        issue 13) also fetch the keys held in no local tier from that peer. Returns blocks brought
+        to host."""
+        return self._transport.run(self._prefetch(layout_id, keys, from_node or ""))
 
     def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
                              worker_id: str | None = None, clear: bool = False) -> int:
@@ -872,9 +875,9 @@ class AsyncSidecar(_SidecarCore):
         """As :meth:`Sidecar.evict`."""
         return await self._transport.run(self._evict(layout_id, keys))
 
-    async def prefetch(self, layout_id: int, keys: Sequence[bytes]) -> int:
+    async def prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str | None = None) -> int:
         """As :meth:`Sidecar.prefetch`."""
-        return await self._transport.run(self._prefetch(layout_id, keys))
+        return await self._transport.run(self._prefetch(layout_id, keys, from_node or ""))
 
     async def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (),
                                    removed: Sequence[bytes] = (), worker_id: str | None = None,

@@ -118,7 +118,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
     @handled
     async def Prefetch(self, request: node_pb2.PrefetchRequest, context: Any) -> node_pb2.PrefetchReply:
         tenant = self.auth.principal(context).tenant
-        return node_pb2.PrefetchReply(promoted=await self.store.prefetch(request.layout_id, list(request.keys), tenant))
+        if len(request.from_node) > MAX_NAME_CHARS:  # bounded (issue 12)
+            raise StoreError(Code.INVALID_ARGUMENT, f"from_node is {len(request.from_node)} characters; the limit "
+                                                    f"is {MAX_NAME_CHARS}")
+        return node_pb2.PrefetchReply(promoted=await self.store.prefetch(request.layout_id, list(request.keys), tenant,
+                                                                         request.from_node))
 
     @handled
     async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsReply:

@@ -280,12 +280,14 @@ class EvictReply(_message.Message):
     def __init__(self, evicted: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("layout_id", "keys")
+    __slots__ = ("layout_id", "keys", "from_node")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
     layout_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    from_node: str
+    def __init__(self, layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., from_node: _Optional[str] = ...) -> None: ...
 
 class PrefetchReply(_message.Message):
     __slots__ = ("promoted",)
