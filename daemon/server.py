@@ -47,6 +47,8 @@ from kvtier.daemon.keytable import KeyTablePublisher
 from kvtier.daemon.kv_events import KvEventsError, KvEventsPublisher
 from kvtier.daemon.lookup_regions import LookupRegions
 from kvtier.daemon.metrics import MetricsServer, OpLatency, start_metrics_server
+from kvtier.daemon.remote_store import RemoteStore
+from kvtier.daemon.remote_store import build as build_remote_store
 from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
 from kvtier.daemon.services.tcp import add_tcp_services
 from kvtier.daemon.stats import StatsSource, tier_usage
@@ -328,6 +330,7 @@ class Daemon:
         self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
         self.metrics: MetricsServer | None = None
         self.kv_events: KvEventsPublisher | None = None  # --kv-events-endpoint
+        self.remote_store: RemoteStore | None = None  # --store-redis (issue 13)
         self.metrics_port = 0
         self._socket_made = False
         self._session_watch: asyncio.Task | None = None
@@ -486,6 +489,9 @@ class Daemon:
         if self.credentials is not None:
             self.credentials.lookups = self.lookups
         self.transfers = Transfers(store, self.engines)
+        self.remote_store = build_remote_store(cfg, store.tiers, store.counters, store.observers)
+        if self.remote_store is not None:
+            store.remotes.append(self.remote_store)
 
     def _tenant_file(self, caller: Principal, path: str) -> int:
         """The credential socket's ``open``: a descriptor of one of the caller's tenant's files."""
@@ -506,6 +512,8 @@ class Daemon:
         if self.tcp_server is not None:
             add_tcp_services(self.tcp_server, self.cfg.tcp_services, health_servicer, *servicers)
         self.key_table.start()
+        if self.remote_store is not None:
+            self.remote_store.start()
         await server.start()
         os.chmod(self.socket_path, self._socket_mode)
         assert self.credentials is not None
@@ -552,8 +560,14 @@ class Daemon:
                 task.cancel()
         self._session_watch = self._lookup_folds = None
 
+    async def _close_remote_store(self) -> None:
+        if self.remote_store is not None:
+            await self.remote_store.close()
+            self.remote_store = None
+
     async def _undo(self) -> None:
         """Remove what a failed start made."""
+        await self._close_remote_store()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -611,6 +625,7 @@ class Daemon:
             self.metrics.close()
             self.metrics = None
         await self.transfers.close()
+        await self._close_remote_store()
         await self.store.drain()  # requests cut off by the grace period finish their disk and slot work
         self._close_kv_events()
         self.key_table.close()
