@@ -137,7 +137,12 @@ def parse_nodes(spec: str) -> list[tuple[str, int]]:
 
 class RedisBackend:
     """A Redis Cluster through redis-py's (blocking) cluster client, made on first use so a
-    daemon starts while the store is down; thread-safe (one pipeline per call)."""
+    daemon starts while the store is down; thread-safe.
+
+    A batch is split by the master serving each name's slot (the client's slot map) and sent
+    as one plain pipeline per master, the masters in parallel: a master that is down or slow
+    fails its own names only. A connection error, a redirect (``MOVED``: the slots moved) or
+    an uncovered slot makes the next call learn the topology again (at most once a second)."""
 
     name = "redis"
 
@@ -146,56 +151,79 @@ class RedisBackend:
         self.timeout_s = timeout_s
         self._client = None
         self._lock = threading.Lock()
+        self._stale = False
+        self._refreshed = 0.0
+        self._fanout = ThreadPoolExecutor(8, thread_name_prefix="kvtier-redis")
 
     def client(self):  # noqa: ANN201 (redis.cluster.RedisCluster)
         with self._lock:
+            if self._client is not None and self._stale and time.monotonic() - self._refreshed > 1.0:
+                self._refreshed = time.monotonic()
+                self._stale = False
+                try:
+                    self._client.nodes_manager.initialize()
+                except Exception:  # every startup node down: keep the old map, try again later
+                    self._stale = True
             if self._client is None:
                 from redis.backoff import NoBackoff
                 from redis.cluster import ClusterNode, RedisCluster
                 from redis.retry import Retry
 
+                self._refreshed = time.monotonic()
                 self._client = RedisCluster(
                     startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], require_full_coverage=False,
                     socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                    retry=Retry(NoBackoff(), 1), cluster_error_retry_attempts=1)
+                    retry=Retry(NoBackoff(), 0))
             return self._client
 
-    def _reset(self) -> None:
+    def _run(self, names: Sequence[str], fill) -> list:  # noqa: ANN001
+        """``fill(pipe, i)`` adds the command of ``names[i]``; each name's reply or error."""
+        out: list = [None] * len(names)
+        try:
+            client = self.client()
+            groups: dict[str, tuple[object, list[int]]] = {}
+            for i, name in enumerate(names):
+                node = client.get_node_from_key(name)
+                groups.setdefault(node.name, (node, []))[1].append(i)
+        except Exception as e:  # no cluster reachable, a slot not covered
+            self._stale = True
+            return [e] * len(names)
+
+        def one(node, idxs: list[int]) -> list:  # noqa: ANN001
+            try:
+                pipe = node.redis_connection.pipeline(transaction=False)
+                for i in idxs:
+                    fill(pipe, i)
+                return pipe.execute(raise_on_error=False)
+            except Exception as e:  # the master is down, refused or timed out
+                return [e] * len(idxs)
+
+        jobs = list(groups.values())
+        results = ([one(*jobs[0])] if len(jobs) == 1
+                   else list(self._fanout.map(lambda job: one(*job), jobs)))
+        for (_, idxs), replies in zip(jobs, results, strict=True):
+            for i, r in zip(idxs, replies, strict=True):
+                if isinstance(r, Exception):
+                    self._stale = True
+                out[i] = r
+        return out
+
+    def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], ttl_s: float) -> list[bool]:
+        ms = max(1, int(ttl_s * 1000))
+        return [r is True for r in self._run([n for n, _ in items], lambda pipe, i: pipe.set(items[i][0], items[i][1],
+                                                                                          px=ms))]
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None | Exception]:
+        return [r if r is None or isinstance(r, bytes | Exception) else TypeError(type(r).__name__)
+                for r in self._run(names, lambda pipe, i: pipe.get(names[i]))]
+
+    def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
-
-    def _pipeline(self, fill, n: int) -> list:  # noqa: ANN001
-        """Run one pipeline; a failure of the whole pipeline is every command's error."""
-        try:
-            pipe = self.client().pipeline()
-            fill(pipe)
-            return pipe.execute(raise_on_error=False)
-        except Exception as e:  # a node down or gone, a timeout, the cluster not formed
-            self._reset()  # the next call learns the topology again
-            return [e] * n
-
-    def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], ttl_s: float) -> list[bool]:
-        ms = max(1, int(ttl_s * 1000))
-
-        def fill(pipe) -> None:  # noqa: ANN001
-            for name, value in items:
-                pipe.set(name, value, px=ms)
-
-        return [r is True for r in self._pipeline(fill, len(items))]
-
-    def get_many(self, names: Sequence[str]) -> list[bytes | None | Exception]:
-        def fill(pipe) -> None:  # noqa: ANN001
-            for name in names:
-                pipe.get(name)
-
-        return [r if r is None or isinstance(r, bytes | Exception) else TypeError(type(r).__name__)
-                for r in self._pipeline(fill, len(names))]
-
-    def close(self) -> None:
-        self._reset()
+        self._fanout.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
