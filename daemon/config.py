@@ -229,6 +229,25 @@ class Config:
     peer_serve_delay_s: float = _opt(0.0, "for tests and demos only: the Peer service pauses this long after "
                                           "each chunk it sends (a slow link); 0: no pause", parse_float, "SECONDS")
     # -- end of peers --
+    # -- shared store (issue 13) --
+    store_redis: str = _opt("", "the shared store: startup nodes of a Redis Cluster, HOST:PORT,... (the "
+                                "remote tier other daemons read through); empty: no store", metavar="HOST:PORT,...")
+    store_namespace: str = _opt("default", "keys in the store are kvtier:<namespace>:<tenant fingerprint>:<key>; "
+                                           "daemons share blocks only within one namespace", metavar="NAME")
+    store_ttl_s: float = _opt(3600.0, "each block written to the store expires this many seconds after its "
+                                      "write (Redis PX); the feed drops it from remote then", parse_float, "SECONDS")
+    store_write: str = _opt("put", "when host blocks are written behind to the store: put (after each commit, "
+                                   "so other nodes can read them at once), demotion (when host evicts them) "
+                                   "or off (read only)", metavar="put|demotion|off")
+    store_read_through: bool = _opt(True, "a get whose keys no local tier holds asks the store for them",
+                                    parse_bool, "BOOL")
+    store_timeout_s: float = _opt(2.0, "most seconds one store call may take (socket connect and read); a get "
+                                       "waits at most this long on the store, then answers misses",
+                                    parse_float, "SECONDS")
+    store_queue_bytes: int = _opt(256 * 1024**2, "most payload bytes waiting to be written behind; blocks "
+                                                 "beyond it are not written (store_writes_dropped)",
+                                  parse_size, "SIZE")
+    # -- end of shared store --
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
@@ -283,6 +302,7 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{flag_name(name)} must be {'at least 0' if name.endswith('quota') else 'positive'}")
     _check_transport(cfg)
     _check_peers(cfg)
+    _check_store(cfg)  # (issue 13: shared store)
 
 
 def _check_peers(cfg: Config) -> None:
@@ -340,3 +360,19 @@ def _check_transport(cfg: Config) -> None:
         raise ConfigError(f"--tcp {cfg.tcp} without TLS would serve anyone who reaches the port: give "
                           f"--tls-cert, --tls-key and --tls-ca (clients then need a certificate signed by "
                           f"--tls-ca), or pass --insecure-tcp true to serve it in plaintext anyway")
+
+
+def _check_store(cfg: Config) -> None:
+    """The shared store's settings (issue 13)."""
+    if cfg.store_write not in ("put", "demotion", "off"):
+        raise ConfigError(f"--store-write: {cfg.store_write!r} is not put, demotion or off")
+    if not cfg.store_ttl_s > 0 or not cfg.store_timeout_s > 0:
+        raise ConfigError("--store-ttl-s and --store-timeout-s must be positive")
+    if cfg.store_queue_bytes < 0:
+        raise ConfigError("--store-queue-bytes must be at least 0")
+    if not cfg.store_namespace or ":" in cfg.store_namespace:
+        raise ConfigError(f"--store-namespace: {cfg.store_namespace!r} must be non-empty and without ':'")
+    for node in parse_list(cfg.store_redis):
+        host, _, port = node.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--store-redis: {node!r} is not HOST:PORT")

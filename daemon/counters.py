@@ -126,6 +126,19 @@ class Count(enum.Enum):
     PEER_BLOCKS_SERVED = "peer_blocks_served"          # blocks this daemon sent to peers
     PEER_BYTES_SERVED = "peer_bytes_served"
     PEER_SERVE_ABORTED = "peer_serve_aborted"          # FetchBlocks streams whose caller went away mid-way
+    # -- shared store (issue 13) --
+    STORE_WRITES = "store_writes"                      # blocks written behind to the store
+    STORE_WRITE_BYTES = "store_write_bytes"            # their payload bytes
+    STORE_WRITES_DROPPED = "store_writes_dropped"      # not written: the write-behind queue was full
+    STORE_WRITES_SKIPPED = "store_writes_skipped"      # not written: gone from host, or changed, before the write
+    STORE_WRITE_ERRORS = "store_write_errors"          # not written: a store node failed or timed out
+    STORE_READS = "store_reads"                        # blocks read through from the store, verified
+    STORE_READ_BYTES = "store_read_bytes"              # their payload bytes
+    STORE_MISSES = "store_misses"                      # blocks asked of the store that it did not hold
+    STORE_READ_ERRORS = "store_read_errors"            # blocks not read: a store node failed or timed out
+    STORE_CORRUPT = "store_corrupt"                    # values failing header or checksum (misses, never served)
+    STORE_EXPIRED = "store_expired"                    # blocks this daemon wrote whose TTL lapsed (left the feed)
+    # -- end of shared store --
 
 
 #: the tiers evictions are counted in (the gpu tier is the engines': they evict their own)

@@ -147,7 +147,8 @@ class KeyTablePublisher(TenantKeyTable):
         if table is None:
             return
         for tier, _, keys in self.store.holdings(None, reg.fingerprint):
-            table._on_stored(tier, reg, keys)
+            if tier is not Tier.REMOTE:
+                table._on_stored(tier, reg, keys)
 
     def _route(self, fingerprint: bytes) -> tuple[TenantKeyTable, RegisteredLayout] | None:
         reg = self.store.layouts.find(fingerprint)
@@ -159,16 +160,22 @@ class KeyTablePublisher(TenantKeyTable):
     # -- LocationObserver ----------------------------------------------------------------
 
     def stored(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+        if tier is Tier.REMOTE:  # not this node's holding: the table has no bit for it
+            return
         to = self._route(fingerprint)
         if to is not None:
             to[0]._on_stored(tier, to[1], keys)
 
     def removed(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
+        if tier is Tier.REMOTE:
+            return
         to = self._route(fingerprint)
         if to is not None:
             to[0]._on_removed(tier, to[1], keys)
 
     def cleared(self, tier: Tier, worker: str = "", gone: Mapping[bytes, Sequence[bytes]] | None = None) -> None:
+        if tier is Tier.REMOTE:
+            return
         if tier is Tier.GPU:  # one worker's blocks: the others' stay
             for fp, keys in (gone or {}).items():
                 self.removed(tier, fp, keys, worker)

@@ -28,6 +28,7 @@ import logging
 import mmap
 import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from kvtier.daemon.counters import Count, Counters, Flow
 from kvtier.daemon.observers import Observers
@@ -40,6 +41,19 @@ from kvtier.tiers.vocab import Tier, group_by_fingerprint, key_of
 log = logging.getLogger("kvtier.store")
 
 HOST, DISK = Tier.HOST, Tier.DISK
+
+
+class WriteBehind(Protocol):
+    """Told of host commits and host victims, to write them elsewhere (the shared store,
+    :mod:`kvtier.daemon.remote_store`); ``held`` is what it wrote (the feed's remote tier)."""
+
+    held: Iterable[bytes]
+
+    def committed(self, entries: Sequence[HostEntry]) -> None:
+        """Clients' blocks just became visible in host (not those ingested from elsewhere)."""
+
+    async def evicted(self, victims: Sequence[HostEntry]) -> None:
+        """Host victims, their slots intact until this returns; must not wait on the network."""
 
 
 class Placement:
@@ -55,6 +69,7 @@ class Placement:
         self.disk_load_gbps = 0.0
         self.remote_load_gbps = 0.0  # measured peer/store -> host bandwidth (0: not measured)
         self._evict_lock = asyncio.Lock()
+        self.write_behind: WriteBehind | None = None  # the shared store's hooks (issue 13)
         self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         if disk is not None:
             policy.on_write(list(disk.entries))  # restored blocks, oldest write first
@@ -73,6 +88,8 @@ class Placement:
         tiers: list[tuple[Tier, Iterable[bytes]]] = [(HOST, self.host.entries)]
         if self.disk is not None:
             tiers.append((DISK, self.disk.entries))
+        if self.write_behind is not None:
+            tiers.append((Tier.REMOTE, self.write_behind.held))
         for tier, entries in tiers:
             out.extend((tier, fp, keys) for fp, keys in group_by_fingerprint(list(entries)).items())
         return out
@@ -130,6 +147,8 @@ class Placement:
         demote = self.policy.on_evict(HOST, bkeys)
         self.observers.removed_blocks(HOST, bkeys)
         try:
+            if self.write_behind is not None:  # copies what it writes before the slots are reused
+                await self.write_behind.evicted(victims)
             if self.disk is None:
                 return
             self.counters.add(Count.DEMOTIONS_SKIPPED_COLD, len(victims) - len(demote) - already)
@@ -141,13 +160,16 @@ class Placement:
         finally:
             self.policy.on_demotion_end(demote)
 
-    def commit(self, entries: Sequence[HostEntry]) -> list[HostEntry]:
+    def commit(self, entries: Sequence[HostEntry], write_behind: bool = True) -> list[HostEntry]:
         """Make granted entries visible in host (the first commit of a key wins); returns those
-        that became visible."""
+        that became visible. ``write_behind``: the store may write them (not blocks that came
+        from elsewhere)."""
         done = [e for e in entries if self.host.commit(e)]
         if done:
             self.policy.on_commit(e.bkey for e in done)
             self.observers.stored_blocks(HOST, (e.bkey for e in done))
+            if write_behind and self.write_behind is not None:
+                self.write_behind.committed(done)
         return done
 
     def hit(self, entries: Sequence[HostEntry]) -> None:
@@ -338,7 +360,7 @@ class Placement:
                 continue
             h.checksum = got
             done.append(h)
-        return {e.bkey for e in self.commit(done)}
+        return {e.bkey for e in self.commit(done, write_behind=False)}
 
     async def payloads(self, bkeys: Sequence[bytes]) -> dict[bytes, tuple[bytes, int]]:
         """Copies of the payloads of these blocks that host or disk holds, with their checksums

@@ -48,6 +48,8 @@ from kvtier.daemon.kv_events import KvEventsError, KvEventsPublisher
 from kvtier.daemon.lookup_regions import LookupRegions
 from kvtier.daemon.metrics import MetricsServer, OpLatency, start_metrics_server
 from kvtier.daemon.peers import Peers
+from kvtier.daemon.remote_store import RemoteStore
+from kvtier.daemon.remote_store import build as build_remote_store
 from kvtier.daemon.services import LocationsService, NodeService, TransferService, add_services, set_serving
 from kvtier.daemon.services.peer import PeerClient, PeerService
 from kvtier.daemon.services.tcp import add_tcp_services
@@ -348,6 +350,7 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self.kv_events: KvEventsPublisher | None = None  # --kv-events-endpoint
         self.peers: Peers | None = None  # --peers (issue 13)
+        self.remote_store: RemoteStore | None = None  # --store-redis (issue 13)
         self.metrics_port = 0
         self._socket_made = False
         self._session_watch: asyncio.Task | None = None
@@ -506,6 +509,9 @@ class Daemon:
         if self.credentials is not None:
             self.credentials.lookups = self.lookups
         self.transfers = Transfers(store, self.engines)
+        self.remote_store = build_remote_store(cfg, store.tiers, store.counters, store.observers)
+        if self.remote_store is not None:
+            store.remotes.append(self.remote_store)
         if cfg.peers:
             wire = PeerClient(peer_channel_credentials(cfg), cfg.peer_timeout_s, cfg.peer_chunk_bytes)
             self.peers = Peers(cfg.peers, wire, store.counters, read_through=cfg.peer_read_through,
@@ -537,6 +543,8 @@ class Daemon:
                 self.latency.expect(_timed_ops(peer))
             add_tcp_services(self.tcp_server, self.cfg.tcp_services, health_servicer, *servicers, peer=peer)
         self.key_table.start()
+        if self.remote_store is not None:
+            self.remote_store.start()
         await server.start()
         os.chmod(self.socket_path, self._socket_mode)
         assert self.credentials is not None
@@ -590,9 +598,15 @@ class Daemon:
             await self.peers.close()
             self.peers = None
 
+    async def _close_remote_store(self) -> None:
+        if self.remote_store is not None:
+            await self.remote_store.close()
+            self.remote_store = None
+
     async def _undo(self) -> None:
         """Remove what a failed start made."""
         await self._close_peers()
+        await self._close_remote_store()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -651,6 +665,7 @@ class Daemon:
             self.metrics.close()
             self.metrics = None
         await self.transfers.close()
+        await self._close_remote_store()
         await self.store.drain()  # requests cut off by the grace period finish their disk and slot work
         self._close_kv_events()
         self.key_table.close()

@@ -1,0 +1,329 @@
+"""Issue 13, item 2: the shared store (a real Redis Cluster, real daemons).
+
+Two daemons that share only the Redis Cluster serve each other's blocks byte-exact (A puts,
+A writes them behind, B's get reads them through); another tenant cannot read them; a value
+corrupted in Redis is a counted miss; a Redis master killed mid-run gives misses and counters,
+no crash, and the daemons keep serving host. In-process: the feed's remote tier (published on
+write, removed when the TTL lapses), write-behind on demotion, a full queue dropping writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from redis.cluster import ClusterNode
+from redis.cluster import RedisCluster as RedisClient
+from redis_cluster import REDIS_CLI, RedisCluster, cluster_fixture
+
+from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.daemon.auth import DEFAULT_TENANT
+from kvtier.daemon.counters import Count
+from kvtier.daemon.layouts import tenant_fingerprint
+from kvtier.daemon.remote_store import RedisBackend, RemoteStore, parse_nodes, redis_key
+from kvtier.daemon.store import BlockStore
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.layout import Layout
+from kvtier.tiers.vocab import Tier
+
+BLOCK = 64 * 1024
+LAYOUT = Layout.flat(BLOCK)
+FP = LAYOUT.fingerprint
+NS = "t13"
+
+
+def keys_of(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}-{i:04d}".encode().ljust(16, b".") for i in range(n)]
+
+
+def payload(k: bytes) -> bytes:
+    return (k * (BLOCK // len(k) + 1))[:BLOCK]
+
+
+def counters(sc: Sidecar) -> dict[str, int]:
+    return {k: v for k, v in sc.stats()["counters"].items() if k.startswith("store_")}
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what or cond}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisCluster]:
+    yield from cluster_fixture()
+
+
+@pytest.fixture(scope="module")
+def daemons(redis_cluster) -> Iterator[tuple[DaemonProcess, DaemonProcess, DaemonProcess]]:
+    """A and B: the default tenant; C: this user is tenant "bob". They share only Redis."""
+    work = tempfile.mkdtemp(prefix="kvtier-store-")
+    store = ("--store-redis", redis_cluster.nodes, "--store-namespace", NS)
+    me = os.getuid()
+    procs = [DaemonProcess(work, *store, "--metrics-port", str(free_port()), name="a"),
+             DaemonProcess(work, *store, name="b"),
+             DaemonProcess(work, *store, "--allowed-uids", str(me), "--tenants", f"{me}=bob", name="c")]
+    try:
+        for p in procs:
+            p.start()
+        yield procs[0], procs[1], procs[2]
+    finally:
+        for p in procs:
+            p.stop()
+            p.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def put_written(sc: Sidecar, lid: int, keys: list[bytes]) -> None:
+    """Put on a daemon and wait until its writer has written them behind."""
+    before = counters(sc)["store_writes"]
+    assert sc.put(lid, keys, [payload(k) for k in keys]).stored == len(keys)
+    wait_for(lambda: counters(sc)["store_writes"] >= before + len(keys), what="the write-behind")
+
+
+def test_two_daemons_share_blocks_through_the_store(daemons, redis_cluster):
+    a, b, _ = daemons
+    keys = keys_of("share", 8)
+    with Sidecar(a.socket) as sa, Sidecar(b.socket) as sb:
+        la, lb = sa.register_layout(LAYOUT), sb.register_layout(LAYOUT)
+        put_written(sa, la, keys)
+        assert sb.lookup(lb, keys) == [None] * len(keys)   # B never met A: nothing local
+        got = sb.get(lb, keys)
+        assert [bytes(g) if g is not None else None for g in got] == [payload(k) for k in keys]
+        cb = counters(sb)
+        assert cb["store_reads"] == len(keys) and cb["store_read_bytes"] == len(keys) * BLOCK
+        assert sb.lookup(lb, keys) == ["host"] * len(keys)  # read through into B's host tier
+        hits = sb.stats()["counters"]
+        assert hits.get("acquire_hits_remote", len(keys)) == len(keys)
+        # a key nobody put: a miss, asked of the store
+        assert sb.get(lb, keys_of("nobody", 1)) == [None]
+        assert counters(sb)["store_misses"] == 1
+    # in Redis under the tenant-scoped name, with its TTL
+    client = RedisClient(startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(redis_cluster.nodes)])
+    try:
+        name = redis_key(NS, FP + keys[0])
+        assert name == f"kvtier:{NS}:{FP.hex()}:{keys[0].hex()}"
+        assert 0 < client.pttl(name) <= 3600 * 1000
+    finally:
+        client.close()
+    # every store counter reaches /metrics
+    port = int(a.args[a.args.index("--metrics-port") + 1])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for c in Count:
+        if c.value.startswith("store_"):
+            assert f"kvtier_{c.value}_total" in text, c
+    assert any(line.startswith("kvtier_store_writes_total") and float(line.split()[-1]) >= len(keys)
+               for line in text.splitlines())
+
+
+def test_tenant_b_cannot_read_tenant_a_blocks_through_the_store(daemons):
+    a, _, c = daemons
+    keys = keys_of("tenant", 4)
+    with Sidecar(a.socket) as sa, Sidecar(c.socket) as sc:
+        la, lc = sa.register_layout(LAYOUT), sc.register_layout(LAYOUT)
+        put_written(sa, la, keys)
+        assert sc.get(lc, keys) == [None] * len(keys)
+        cc = counters(sc)
+        assert cc["store_reads"] == 0 and cc["store_misses"] == len(keys)  # another tenant's names
+        # bob's own blocks do go through the store: the same keys, bob's tenant fingerprint
+        put_written(sc, lc, keys)
+    assert tenant_fingerprint("bob", FP) != FP
+
+
+def corrupt(cluster: RedisCluster, name: str, value: bytes) -> None:
+    """Overwrite a value in Redis with redis-cli (-c follows the slot's redirect)."""
+    assert REDIS_CLI is not None
+    out = subprocess.run([REDIS_CLI, "-c", "-p", str(cluster.port_of(name)), "-x", "set", name],
+                         input=value, capture_output=True, timeout=10)
+    assert out.stdout.strip() == b"OK", out
+
+
+def test_corrupted_value_in_redis_is_a_counted_miss(daemons, redis_cluster):
+    a, b, _ = daemons
+    keys = keys_of("corrupt", 3)
+    with Sidecar(a.socket) as sa, Sidecar(b.socket) as sb:
+        la, lb = sa.register_layout(LAYOUT), sb.register_layout(LAYOUT)
+        put_written(sa, la, keys)
+        client = RedisClient(startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(redis_cluster.nodes)])
+        try:
+            good = [client.get(redis_key(NS, FP + k)) for k in keys]
+        finally:
+            client.close()
+        flipped = bytearray(good[0])
+        flipped[-100] ^= 0x40
+        corrupt(redis_cluster, redis_key(NS, FP + keys[0]), bytes(flipped))  # payload changed
+        corrupt(redis_cluster, redis_key(NS, FP + keys[1]), good[2])          # another block's value
+        before = counters(sb)
+        got = sb.get(lb, keys)
+        assert got[0] is None and got[1] is None and bytes(got[2]) == payload(keys[2])
+        after = counters(sb)
+        assert after["store_corrupt"] - before["store_corrupt"] == 2
+        assert after["store_reads"] - before["store_reads"] == 1
+        assert sb.lookup(lb, keys[:2]) == [None, None]   # never visible
+
+
+def test_redis_node_killed_mid_run_gives_misses_and_counters(tmp_path):
+    """Its own cluster: one master is killed while both daemons serve."""
+    if not REDIS_CLI:
+        pytest.skip("redis-server is not installed")
+    cluster = RedisCluster().start()
+    work = str(tmp_path)
+    store = ("--store-redis", cluster.nodes, "--store-namespace", NS, "--store-timeout-s", "1")
+    a = DaemonProcess(work, *store, name="ka")
+    b = DaemonProcess(work, *store, name="kb")
+    try:
+        a.start()
+        b.start()
+        keys = keys_of("killed", 24)
+        with Sidecar(a.socket) as sa, Sidecar(b.socket) as sb:
+            la, lb = sa.register_layout(LAYOUT), sb.register_layout(LAYOUT)
+            put_written(sa, la, keys)
+            dead = cluster.port_of(redis_key(NS, FP + keys[0]))
+            on_dead = {k for k in keys if cluster.port_of(redis_key(NS, FP + k)) == dead}
+            assert 0 < len(on_dead) < len(keys)
+            cluster.kill(dead)
+            got = sb.get(lb, keys)
+            for k, g in zip(keys, got, strict=True):
+                if k in on_dead:
+                    assert g is None
+                else:
+                    assert g is not None and bytes(g) == payload(k)
+            cb = counters(sb)
+            assert cb["store_read_errors"] >= len(on_dead) and cb["store_reads"] == len(keys) - len(on_dead)
+            # A keeps its host copies and keeps taking puts; writes to the dead node are counted
+            assert [bytes(g) for g in sa.get(la, keys)] == [payload(k) for k in keys]
+            more = keys_of("after", 24)
+            assert sa.put(la, more, [payload(k) for k in more]).stored == len(more)
+            wait_for(lambda: counters(sa)["store_write_errors"] > 0, what="a counted write error")
+            assert [bytes(g) for g in sa.get(la, more)] == [payload(k) for k in more]
+            # B serves its own host blocks, and asks the store again once its back-off passed
+            own = keys_of("own", 4)
+            assert sb.put(lb, own, [payload(k) for k in own]).stored == len(own)
+            assert [bytes(g) for g in sb.get(lb, own)] == [payload(k) for k in own]
+        assert a.stop() == 0 and b.stop() == 0
+    finally:
+        a.cleanup()
+        b.cleanup()
+        cluster.stop()
+
+
+# -- in process: the feed's remote tier, demotion, a full queue ---------------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Tier, bytes, list[bytes]]] = []
+
+    def stored(self, tier, fingerprint, keys, worker=""):  # noqa: ANN001
+        self.events.append(("stored", tier, fingerprint, list(keys)))
+
+    def removed(self, tier, fingerprint, keys, worker=""):  # noqa: ANN001
+        self.events.append(("removed", tier, fingerprint, list(keys)))
+
+    def cleared(self, tier, worker="", gone=None):  # noqa: ANN001
+        pass
+
+    def workers_changed(self):
+        pass
+
+    def remote(self, kind: str) -> set[bytes]:
+        return {k for e, t, _, ks in self.events if e == kind and t is Tier.REMOTE for k in ks}
+
+
+def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: int = 8,  # noqa: ANN001
+               queue_bytes: int = 64 * BLOCK, ttl_s: float = 60.0) -> None:
+    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+
+    async def main() -> None:
+        store = BlockStore(HostTier(shm, host_blocks * BLOCK, "rs"), demote_min_seen=1)
+        rec = Recorder()
+        store.observers.add(rec)
+        remote = RemoteStore(RedisBackend(parse_nodes(cluster.nodes), 2.0), store.tiers, store.counters,
+                             store.observers, NS + write, ttl_s, write, True, 2.0, queue_bytes)
+        store.remotes.append(remote)
+        remote.start()
+        try:
+            lid = (await store.register_layout(LAYOUT)).layout_id
+            sid = store.open_session("test", os.getpid()).session_id
+
+            async def put(keys: list[bytes]) -> None:
+                grants = await store.allocate(sid, lid, keys)
+                cls = store.pool(LAYOUT)
+                with open(cls.path, "r+b") as fh:
+                    for k, g in zip(keys, grants, strict=True):
+                        fh.seek(g.offset)
+                        fh.write(payload(k))
+                await store.commit(sid, [g.grant_id for g in grants], [], False)
+
+            await body(store, remote, rec, put)
+        finally:
+            await remote.close()
+            store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_feed_shows_written_blocks_in_remote_until_their_ttl_lapses(redis_cluster):
+    async def body(store, remote, rec, put):  # noqa: ANN001
+        keys = keys_of("feed", 4)
+        await put(keys)
+        assert rec.remote("stored") == set()   # not before the write succeeded
+        await remote.flush()
+        assert rec.remote("stored") == set(keys)
+        assert {(t, tuple(ks)) for t, _, ks in store.holdings() if t is Tier.REMOTE} == {(Tier.REMOTE, tuple(keys))}
+        assert remote.expire(time.monotonic() + 61) == len(keys)
+        assert rec.remote("removed") == set(keys) and store.counters[Count.STORE_EXPIRED] == len(keys)
+        assert not [h for h in store.holdings() if h[0] is Tier.REMOTE]
+
+    in_process(redis_cluster, body)
+
+
+def test_demotion_mode_writes_host_victims_only(redis_cluster):
+    async def body(store, remote, rec, put):  # noqa: ANN001
+        keys = keys_of("demote", 6)
+        await put(keys[:4])
+        await remote.flush()
+        assert store.counters[Count.STORE_WRITES] == 0    # a put alone writes nothing
+        await put(keys[4:])                                 # host holds 4: two victims leave it
+        await remote.flush()
+        assert store.counters[Count.STORE_WRITES] == 2
+        victims = rec.remote("stored")
+        assert len(victims) == 2 and not any(store.tiers.in_host(FP + k) for k in victims)
+        # a get reads them back through the store
+        layout = next(iter(store.layouts)).layout
+        found = await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in sorted(victims)])
+        assert [bytes(p) for _, p, _ in found] == [payload(k) for k in sorted(victims)]
+
+    in_process(redis_cluster, body, write="demotion", host_blocks=4)
+
+
+def test_full_write_behind_queue_drops_and_counts(redis_cluster):
+    async def body(store, remote, rec, put):  # noqa: ANN001
+        keys = keys_of("full", 6)
+        await put(keys)        # one commit: the queue takes two blocks, the rest are dropped
+        await remote.flush()
+        assert store.counters[Count.STORE_WRITES_DROPPED] == 4 and store.counters[Count.STORE_WRITES] == 2
+
+    in_process(redis_cluster, body, queue_bytes=2 * BLOCK)
