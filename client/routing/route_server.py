@@ -101,6 +101,11 @@ ranks (a dry run). Set dispatch=true to record the decision (the chosen worker's
 speculative entries, so the session's next turn sticks) and call Finish(decision_id) when
 the request ends. Python's Router.route(keys) dispatches by default (dispatch=True).
 
+Fetch hints: with --pulls (default true) a worker may be ranked first for blocks it can
+fetch from another node's host or disk or the shared store (TierOverlap.remote); then
+RouteReply.fetch names those keys and the node holding them ("store": the shared store).
+Apply them before the prefill: Sidecar.prefetch(layout_id, keys, from_node=from_node).
+
 Candidates: RouteRequest.candidates must name workers the router knows (see Status); any
 other name is refused with INVALID_ARGUMENT naming it.
 
