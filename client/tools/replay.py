@@ -44,7 +44,17 @@ Policies (``--policy``)
     load bandwidths (which the nodes also publish), ``--queued-weight`` and
     ``--active-weight``.
 
-Per (policy, replicas) the output has: ``hit_rate``, ``hit_rate_by_tier`` {gpu, host, disk},
+    ``kvtier-pull`` (only when named): ``kvtier`` with pulls (``RouterConfig.pulls``, the
+    route-server's default; ``kvtier`` is ``--pulls false``). With ``--peer-gbps`` > 0 the
+    router counts blocks other replicas hold in host or disk as the remote tier and returns
+    fetch hints; the chosen replica serves the hint's keys that another replica still holds,
+    past its own leading run, as remote hits, loaded at the peer bandwidth before its prefill.
+    With ``--peer-gbps 0`` it is ``kvtier``. No shared store is modelled.
+
+``--rate-scale X`` divides the arrival times by X.
+
+Per (policy, replicas) the output has: ``hit_rate`` (remote hits included), ``hit_rate_by_tier``
+{gpu, host, disk}, ``remote_hit_rate`` (blocks pulled from peers),
 ``prefill_tokens_saved``, ``imbalance`` (max / mean of the prefill tokens each replica
 computed), ``ttft_mean_s``, ``ttft_p99_s``, ``busiest_prefill_share`` (the time the busiest
 replica spent prefilling, as a share of the trace's span: above 1 it is *overloaded*, its
