@@ -51,12 +51,17 @@ class NodeStats:
 
 
 def tier_usage(store: BlockStore) -> list[TierUsage]:
-    """Host, then disk if the store has one."""
+    """Host, then disk if the store has one, then remote if it has peers or a shared store
+    (``BlockStore.remotes``): what this node loads from peers and the shared store, with the bandwidth its fetches measured (``Placement.remote_load_gbps``;
+    0 until one was measured: routers then use their default), no capacity and no blocks of
+    its own. Routers weight the remote tier with it (NodeInfo carries it)."""
     host = store.host
     out = [TierUsage(Tier.HOST, host.capacity, host.used_bytes, len(host.entries))]
     disk = store.disk
     if disk is not None:
         out.append(TierUsage(Tier.DISK, disk.capacity, disk.used_bytes, len(disk.entries), store.tiers.disk_load_gbps))
+    if store.remotes:  # only a node that can fetch (peers, a store) offers routers a remote tier
+        out.append(TierUsage(Tier.REMOTE, 0, 0, 0, store.tiers.remote_load_gbps))
     return out
 
 

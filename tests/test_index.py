@@ -30,7 +30,8 @@ from kvtier.tiers.vocab import Tier
 
 FP = b"f" * 16
 FP2 = b"g" * 16
-RANK = {"gpu": 0, "host": 1, "disk": 2}
+RANK = {"gpu": 0, "host": 1, "disk": 2, "remote": 3}
+NOT_HELD = 4
 
 
 def keys(n: int, tag: str = "k") -> list[bytes]:
@@ -38,31 +39,34 @@ def keys(n: int, tag: str = "k") -> list[bytes]:
 
 
 def holdings_of(idx: LocationIndex, ks: list[bytes]) -> np.ndarray:
-    """The index's holdings for a request of ``ks``: (3, workers)."""
-    return idx.holdings(idx.rows(ks))
+    """The index's holdings for a request of ``ks``, own tiers: (3, workers)."""
+    return idx.holdings(idx.rows(ks))[:3]
 
 
 def leading(ranks: list[int]) -> Overlap:
-    """The definition: from each key's best tier rank (0 gpu, 1 host, 2 disk, 3 not held), in
-    request order, the leading run held in gpu, in gpu or host, and in any tier."""
-    d = [0, 0, 0]
+    """The definition: from each key's best tier rank (0 gpu, 1 host, 2 disk, 3 remote, 4 not
+    held), in request order, the leading run held in gpu, in gpu or host, in any own tier,
+    and in those or remote."""
+    d = [0, 0, 0, 0]
     worst = 0  # tier t's run is unbroken while every key so far has rank <= t
     for r in ranks:
         worst = max(worst, r)
-        if worst >= 3:
+        if worst >= NOT_HELD:
             break
-        for t in range(worst, 3):
+        for t in range(worst, 4):
             d[t] += 1
     return Overlap(*d)
 
 
 def reference_rank(scorer: Scorer, n: int, overlaps: dict[str, Overlap], loads: dict[str, Load],
-                   w_host: dict[str, float], w_disk: dict[str, float], last: bytes) -> list[tuple[str, float]]:
+                   w_host: dict[str, float], w_disk: dict[str, float], last: bytes,
+                   w_remote: dict[str, float] | None = None) -> list[tuple[str, float]]:
     """The definition of the order: (worker, cost) best first, one worker at a time."""
     c = scorer.config
     out = []
     for w, ov in overlaps.items():
-        saved = ov.gpu + w_host[w] * (ov.host - ov.gpu) + w_disk[w] * (ov.disk - ov.host)
+        saved = ov.gpu + w_host[w] * (ov.host - ov.gpu) + w_disk[w] * (ov.disk - ov.host) + \
+            (w_remote or {}).get(w, 0.0) * (ov.remote - ov.disk)
         ld = loads[w]
         out.append((w, n - saved + c.queued_weight * ld.queued_blocks + c.active_weight * ld.active_requests, ld))
     out.sort(key=lambda x: (round(x[1], 9), x[2].queued_blocks, x[2].active_requests, tie_hash(last, x[0])))
@@ -70,7 +74,8 @@ def reference_rank(scorer: Scorer, n: int, overlaps: dict[str, Overlap], loads: 
 
 
 def test_overlaps_match_the_definition_on_random_holdings() -> None:
-    """d_t is the leading run held in tier t or faster, per worker (the definition: leading)."""
+    """d_t is the leading run held in tier t or faster, per worker (the definition: leading);
+    remote: another node's host or disk, or the store (a remote column of any node)."""
     rng = random.Random(7)
     idx = LocationIndex()
     workers = {f"w{i}": f"n{i % 3}" for i in range(7)}
@@ -80,7 +85,7 @@ def test_overlaps_match_the_definition_on_random_holdings() -> None:
     held: dict[tuple[str, str], set[bytes]] = {}
     for _ in range(400):
         w = rng.choice(sorted(workers))
-        tier = rng.choice(["gpu", "host", "disk"])
+        tier = rng.choice(["gpu", "host", "disk", "remote"])
         who, node = (w, workers[w]) if tier == "gpu" else ("", workers[w])
         lo = rng.randrange(200)
         batch = ks[lo:lo + rng.randrange(1, 40)]
@@ -93,7 +98,7 @@ def test_overlaps_match_the_definition_on_random_holdings() -> None:
             held.setdefault(loc, set()).difference_update(batch)
     for start in range(0, 200, 13):
         req = ks[start:start + 64] + keys(3, "new")
-        lead = holdings_of(idx, req)
+        lead = idx.holdings(idx.rows(req))
         for w in idx.plan().workers:
             node = workers[w.name]
 
@@ -101,10 +106,15 @@ def test_overlaps_match_the_definition_on_random_holdings() -> None:
                 for tier, loc in (("gpu", w), ("host", node), ("disk", node)):
                     if k in held.get((loc, tier), ()):
                         return RANK[tier]
-                return 3
+                if any(k in ks_ for (loc, tier), ks_ in held.items()
+                       if tier == "remote" or (tier in ("host", "disk") and loc != node)):
+                    return RANK["remote"]
+                return NOT_HELD
 
             want = leading([rank(k) for k in req])
-            assert (want.gpu, want.host, want.disk) == tuple(lead[:, w.index]), w.name
+            assert (want.gpu, want.host, want.disk, want.remote) == tuple(lead[:, w.index]), w.name
+            assert tuple(idx.holdings(idx.rows(req), remote=False)[:, w.index]) == \
+                (want.gpu, want.host, want.disk, want.disk)
 
 
 def test_a_tensor_parallel_worker_holds_a_block_only_when_every_rank_does() -> None:
@@ -185,22 +195,27 @@ def test_state_round_trip_keeps_holdings_and_drops_speculation() -> None:
 def test_vectorised_cost_and_order_equal_the_definition() -> None:
     rng = np.random.default_rng(3)
     scorer = Scorer(ScorerConfig())
-    published = [{"host": 30.0, "disk": 3.0}, {}, {"disk": 0.0}, {"host": 0.5}] * 10  # some use the defaults
+    published = [{"host": 30.0, "disk": 3.0, "remote": 20.0}, {}, {"disk": 0.0}, {"host": 0.5, "remote": 40.0}] * 10
     names = [f"worker-{i}" for i in range(40)]
     w_host = {w: scorer.tier_weight(Tier.HOST, bw.get("host", 0.0)) for w, bw in zip(names, published, strict=True)}
     w_disk = {w: scorer.tier_weight(Tier.DISK, bw.get("disk", 0.0)) for w, bw in zip(names, published, strict=True)}
-    assert len(set(w_host.values())) == 3 and len(set(w_disk.values())) == 2
+    # a node that publishes no remote tier cannot fetch from peers or a store: w_remote = 0
+    w_remote = {w: scorer.tier_weight(Tier.REMOTE, bw["remote"]) if "remote" in bw else 0.0
+                for w, bw in zip(names, published, strict=True)}
+    assert len(set(w_host.values())) == 3 and len(set(w_disk.values())) == 2 and len(set(w_remote.values())) == 3
     for trial in range(50):
         n = 64
         dg = rng.integers(0, 8, size=40) * (trial % 2)
         dh = dg + rng.integers(0, 20, size=40)
         dd = dh + rng.integers(0, 20, size=40)
+        dr = dd + rng.integers(0, 20, size=40)
         q = rng.integers(0, 3, size=40).astype(float)
         a = rng.integers(0, 2, size=40).astype(float)
         last = bytes(rng.integers(0, 256, size=16, dtype=np.uint8))
-        want = reference_rank(scorer, n, {w: Overlap(int(dg[i]), int(dh[i]), int(dd[i])) for i, w in enumerate(names)},
-                              {w: Load(q[i], a[i]) for i, w in enumerate(names)}, w_host, w_disk, last)
-        cost, saved = scorer.costs(n, np.stack([dg, dh, dd]), scorer.load_cost(q, a), scorer.weights(published))
+        want = reference_rank(scorer, n, {w: Overlap(int(dg[i]), int(dh[i]), int(dd[i]), int(dr[i]))
+                                          for i, w in enumerate(names)},
+                              {w: Load(q[i], a[i]) for i, w in enumerate(names)}, w_host, w_disk, last, w_remote)
+        cost, saved = scorer.costs(n, np.stack([dg, dh, dd, dr]), scorer.load_cost(q, a), scorer.weights(published))
         order = Scorer.order(cost, q, a, worker_digests(names), last)
         assert [names[i] for i in order] == [w for w, _ in want]
         assert np.allclose(cost[order], [c for _, c in want])
@@ -214,6 +229,9 @@ def test_tier_weights_follow_the_bandwidths() -> None:
     assert scorer.tier_weight(Tier.HOST) == pytest.approx(1 - 2.62144 / 50)      # the configured default
     assert scorer.tier_weight(Tier.HOST, 10.0) == pytest.approx(1 - 2.62144 / 10)  # a published one
     assert scorer.tier_weight(Tier.DISK) == 0.0 and scorer.tier_weight(Tier.DISK, 6.0) == pytest.approx(0.5631, abs=1e-4)
+    assert scorer.tier_weight(Tier.REMOTE) == pytest.approx(1 - 2.62144 / 10)  # remote_load_gbps
+    assert scorer.tier_weight(Tier.REMOTE, 25.0) == pytest.approx(1 - 2.62144 / 25)
+    assert Scorer(ScorerConfig(), pulls=False).tier_weight(Tier.REMOTE, 25.0) == 0.0  # pulls off: worth nothing
 
 
 def test_tie_hash_is_stable_and_vectorised_the_same() -> None:
@@ -349,22 +367,34 @@ def _reference_ranking(r: Router, req: list[bytes], names: list[str]) -> list[tu
             return all(k in locs.get(loc, ()) for loc in where)
         return any(k in locs.get(loc, ()) for loc in where)
 
+    def remote(k: bytes, w: str, node: str) -> bool:
+        """Some node's host or disk, or any node's store column, under each of w's fingerprints
+        (a tensor-parallel worker may hold one rank's shard itself and fetch the other's)."""
+        need = fps.get(w) or None
+        by_fp: dict[bytes, bool] = {}
+        for (_, tier, _, fp), held in locs.items():
+            if tier in ("host", "disk", "remote") and k in held:
+                by_fp[fp] = True
+        return any(by_fp.values()) if need is None else all(by_fp.get(fp, False) for fp in need)
+
     def rank(k: bytes, w: str, node: str) -> int:
         if k in locs.get(("", "speculative", w, b""), ()):
             return 0
         if not node:
-            return 3
+            return NOT_HELD
         for t, (tier, who) in enumerate((("gpu", w), ("host", ""), ("disk", ""))):
             if has(node, tier, who, k, w):
                 return t
-        return 3
+        return RANK["remote"] if remote(k, w, node) else NOT_HELD
 
     overlaps = {w: leading([rank(k, w, node_of.get(w, "")) for k in req]) for w in names}
     bandwidth = {w: r.index.node(n).load_gbps if n else {} for w, n in node_of.items()}
     w_host = {w: r.scorer.tier_weight(Tier.HOST, bandwidth[w].get("host", 0.0)) for w in names}
     w_disk = {w: r.scorer.tier_weight(Tier.DISK, bandwidth[w].get("disk", 0.0)) for w in names}
+    w_remote = {w: r.scorer.tier_weight(Tier.REMOTE, bandwidth[w]["remote"]) if "remote" in bandwidth[w] else 0.0
+                for w in names}  # a node that publishes no remote tier cannot fetch
     ranked = reference_rank(r.scorer, len(req), overlaps, {w: r.load(w) for w in names}, w_host, w_disk,
-                            req[-1] if req else b"")
+                            req[-1] if req else b"", w_remote)
     return [(w, cost, overlaps[w]) for w, cost in ranked]
 
 
@@ -377,7 +407,7 @@ def _random_holdings(r: Router, rng: random.Random, tensor_parallel: bool) -> tu
         decl = {w: [FP] for w in ws}
         if tensor_parallel and node == "n1":
             decl[ws[0]] = [FP, FP2]
-        r.index.set_node_info(node, decl, {"host": 4.0 + int(node[1]), "disk": 0.0})
+        r.index.set_node_info(node, decl, {"host": 4.0 + int(node[1]), "disk": 0.0, "remote": 3.0 + int(node[1])})
     others = [*nodes]
     if tensor_parallel:  # also a node that declares no worker: one worker, any fingerprint
         r.index.set_node_info("solo")
@@ -386,7 +416,7 @@ def _random_holdings(r: Router, rng: random.Random, tensor_parallel: bool) -> tu
     for _ in range(120):
         chain = rng.choice(chains)
         node = rng.choice(others)
-        tier = rng.choice(["host", "disk"] if node == "solo" else ["gpu", "host", "disk"])
+        tier = rng.choice(["host", "disk", "remote"] if node == "solo" else ["gpu", "host", "disk", "remote"])
         who = rng.choice(nodes[node]) if tier == "gpu" else ""
         fp = FP2 if (node == "solo" and rng.random() < 0.5) or (tensor_parallel and rng.random() < 0.2) else FP
         lo = rng.randrange(0, 30)

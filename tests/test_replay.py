@@ -337,7 +337,7 @@ def test_the_kvtier_policy_decides_exactly_as_router_route() -> None:
     c = cfg(gpu_tokens=4 * 12, host_tokens=4 * 40, disk_tokens=4 * 120, demote_min_seen=1, prefill_tps=1000.0,
             decode_tps=20.0, kv_bytes_per_token=4e5, host_load_gbps=2.0, disk_load_gbps=0.8, queued_weight=0.3,
             active_weight=0.2)
-    router = Router(RouterConfig(scorer=ScorerConfig(
+    router = Router(RouterConfig(pulls=False, scorer=ScorerConfig(
         prefill_tokens_per_s=1000.0, bytes_per_token=4e5, host_load_gbps=2.0, disk_load_gbps=0.8,
         queued_weight=0.3, active_weight=0.2)))
     cluster = Cluster(c, "kvtier", 4, observe=lambda i, reply: router.apply(f"node{i}", reply))
@@ -358,3 +358,21 @@ def test_the_kvtier_policy_decides_exactly_as_router_route() -> None:
     assert len({i for i, _, _ in chosen}) == 4
     assert sum(1 for _, load_won, _ in chosen if load_won) > 5      # the load outweighed a longer prefix
     assert sum(1 for _, _, from_disk in chosen if from_disk) > 20   # disk blocks counted beyond host's
+
+
+def test_the_remote_tier_pulls_a_busy_replicas_prefix_only_with_peers() -> None:
+    """Two requests of one 8-block prefix, the second while the first still prefills: with
+    peers (--peer-gbps) kvtier-pull sends it to the idle replica, which loads the prefix from
+    the busy one's host tier (remote hits, a shorter TTFT); without peers, or with the kvtier
+    policy, nothing is pulled and it waits behind the first."""
+    reqs = [Request(0.0, 128, 4, tuple(range(1, 9))), Request(0.001, 128, 4, tuple(range(1, 9)))]
+    peers = ReplayConfig(block_tokens=16, gpu_tokens=1024, host_tokens=4096, disk_tokens=0, peer_gbps=100.0)
+    pulled = replay(reqs, peers, "kvtier-pull", 2)
+    assert pulled.remote_hit_rate == pytest.approx(8 / 16) and pulled.hit_rate == pytest.approx(8 / 16)
+    assert pulled.hit_rate_by_tier == pytest.approx({"gpu": 0.0, "host": 0.0, "disk": 0.0})
+    load_s = 8 * 16 * 131072 / 100e9
+    assert pulled.ttft_mean_s == pytest.approx((128 / 20000 + load_s) / 2)
+    for row in (replay(reqs, replace(peers, peer_gbps=0.0), "kvtier-pull", 2), replay(reqs, peers, "kvtier", 2)):
+        assert row.remote_hit_rate == 0.0
+        assert row.hit_rate == pytest.approx(8 / 16) and row.hit_rate_by_tier["gpu"] == pytest.approx(8 / 16)
+        assert row.ttft_mean_s == pytest.approx((128 / 20000 + 128 / 20000 - 0.001) / 2)

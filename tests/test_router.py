@@ -64,13 +64,14 @@ def test_routes_to_the_host_holder_then_after_eviction_to_the_next(three) -> Non
             d = wait_for(lambda: (d := r.route(keys, dispatch=False)).ranked[1].overlap.host == 24 and d,
                          what="both holders in the index")
             assert d.workers == ["A", "B", "C"]
-            assert [x.overlap for x in d.ranked] == [Overlap(0, 32, 32), Overlap(0, 24, 24), Overlap()]
+            # remote: what each could fetch from another node's host (pulls are on by default)
+            assert [x.overlap for x in d.ranked] == [Overlap(0, 32, 32), Overlap(0, 24, 24, 32), Overlap(0, 0, 0, 32)]
             assert d.nodes == ["A", "B", "C"]
             assert sidecars["A"].evict(lids["A"], keys) == 32
             d = wait_for(lambda: (d := r.route(keys, dispatch=False)).worker == "B" and d,
                          what="A's eviction in the index")
             assert d.ranked[0].overlap == Overlap(0, 24, 24)
-            assert all(x.overlap == Overlap() for x in d.ranked[1:])
+            assert all(x.overlap == Overlap(0, 0, 0, 24) for x in d.ranked[1:])
     finally:
         for sc in sidecars.values():
             sc.close()
@@ -94,7 +95,7 @@ def test_host_holder_wins_over_disk_holder_until_it_evicts(start_daemon, tmp_pat
         assert sb.lookup(lb, keys) == ["disk"] * 32
         # KV of this layout: 256 B per token; disk at 2 GB/s loads far faster than recompute
         scorer = ScorerConfig(bytes_per_token=4096 / BLOCK_TOKENS)
-        with router_for(daemons, scorer=scorer) as r:
+        with router_for(daemons, scorer=scorer, pulls=False) as r:  # own tiers only (C could pull from A)
             d = wait_for(lambda: (d := r.route(keys, dispatch=False)).ranked[1].overlap.disk == 32 and d,
                          what="A's host and B's disk blocks in the index")
             assert [x.worker for x in d.ranked] == ["A", "B", "C"]

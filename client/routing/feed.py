@@ -15,7 +15,12 @@ Owns
       refused on the second), and each node's last epoch: a new epoch (the daemon restarted)
       is counted, logged and passed to ``on_epoch_change``; its snapshot replaces the node's
       state;
-    * a :class:`FeedStatus` per target.
+    * a :class:`FeedStatus` per target;
+    * silence: a daemon sends a heartbeat every 5 s on an idle stream, so a feed that hears
+      nothing for ``node_timeout_s`` (a daemon stopped, hung, or cut off without a reset)
+      drops its node from the index at once (its columns are given back: see
+      :meth:`~kvtier.client.routing.index.LocationIndex.drop_node`) and reconnects; the node
+      comes back from a snapshot when the daemon answers again (a new epoch if it restarted).
 
 Folding a message into the index is the index's
 (:meth:`~kvtier.client.routing.index.LocationIndex.fold`); this module decides which node a
@@ -111,6 +116,10 @@ class _DuplicateNode(Exception):
     """Two feeds claim the same node id."""
 
 
+class _Silent(Exception):
+    """The daemon sent nothing (not even a heartbeat) for ``node_timeout_s``."""
+
+
 async def system_resolve(host: str, port: int) -> list[str]:
     """The system resolver's addresses for ``host``."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -123,8 +132,9 @@ class Feeds:
     def __init__(self, index: LocationIndex, lock: threading.RLock, *, daemons: Sequence[str] = (),
                  dns: Sequence[str] = (), resolve_interval_s: float = 10.0, reconnect_min_s: float = 0.1,
                  reconnect_max_s: float = 5.0, subscriber: str = "kvtier-router",
-                 resolve: Resolve | None = None, tls: ClientTls | None = None) -> None:
+                 resolve: Resolve | None = None, tls: ClientTls | None = None, node_timeout_s: float = 0.0) -> None:
         self.index = index
+        self.node_timeout_s = node_timeout_s  # 0: never time a node out
         self.tls = tls  # client certificate for daemons over TCP (their --tcp with --tls-ca)
         self._lock = lock
         self.daemons = tuple(dict.fromkeys(feed_target(t) for t in daemons))
@@ -272,7 +282,7 @@ class Feeds:
                 await self._stream(target, received)
             except asyncio.CancelledError:
                 raise
-            except (grpc.RpcError, KvtierError, FeedError, FoldError, _StreamEnded, _DuplicateNode) as e:
+            except (grpc.RpcError, KvtierError, FeedError, FoldError, _StreamEnded, _DuplicateNode, _Silent) as e:
                 if received[0]:  # it was up: retry soon
                     delay = self.reconnect_min_s
                 self._dropped(target, e, delay)
@@ -301,7 +311,17 @@ class Feeds:
             epoch, seq = self.index.position(node) if node else (0, 0)
         call = stub.WatchLocations(locations_pb2.WatchLocationsRequest(
             epoch=epoch, from_seq=seq, subscriber=self.subscriber), wait_for_ready=False)
-        async for reply in call:
+        timeout = self.node_timeout_s or None
+        while True:
+            try:
+                reply = await asyncio.wait_for(call.read(), timeout)
+            except asyncio.TimeoutError:
+                call.cancel()
+                self._silent(target)
+                raise _Silent(f"nothing from the daemon for {self.node_timeout_s:g} s (--node-timeout-s): "
+                              f"its node left the index until it answers again") from None
+            if reply is grpc.aio.EOF:
+                break
             with self._lock:
                 st = self.status[target]
                 if received[0] == 0:
@@ -311,6 +331,19 @@ class Feeds:
                 self.apply(target, reply)
             received[0] += 1
         raise _StreamEnded("the daemon ended the stream (stopping?)")
+
+    def _silent(self, target: str) -> None:
+        """The target's daemon went quiet: its node leaves the index (the next subscription
+        starts from a snapshot)."""
+        with self._lock:
+            node = self.targets.get(target)
+            st = self.status.get(target)
+            if st is not None:
+                st.epoch = st.seq = 0
+            if node and self._node_owner.get(node) == target:
+                self.index.drop_node(node)
+                log.warning(f"feed {target} (node {node}) silent for {self.node_timeout_s:g} s: node dropped from "
+                            "the index until it answers again", extra={"target": target, "node": node})
 
     def _dropped(self, target: str, e: Exception, retry_s: float) -> None:
         msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)

@@ -86,7 +86,9 @@ from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
 _GPU = Tier.GPU.label
-_TIER_LABEL = {int(t): t.label for t in TIERS}  # wire value -> the tier's name in columns
+_TIER_LABEL = {int(t): t.label for t in (*TIERS, Tier.REMOTE)}  # wire value -> the tier's name in columns
+_REMOTE = Tier.REMOTE.label
+_SHARED = frozenset((Tier.HOST.label, Tier.DISK.label, _REMOTE))  # tiers another node can fetch from
 ALWAYS = 0  # column set in every live row (the neutral element of an AND over columns)
 NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
@@ -149,6 +151,7 @@ class LocationIndex:
         self._bits = np.zeros((max(16, initial_rows), 1), dtype=np.uint64)
         self._ncols = _FIRST_COLUMN
         self._columns: dict[tuple[str, str, str, bytes], int] = {}
+        self._free_cols: list[int] = []  # columns given back by nodes that left (all their bits clear)
         self._spec_cols: dict[str, tuple[int, int]] = {}  # worker -> its columns of generation 0 and 1
         self._spec_gen = 0
         self._spec_rotated_at: float | None = None
@@ -186,6 +189,8 @@ class LocationIndex:
         return col
 
     def _new_column(self) -> int:
+        if self._free_cols:  # a column of a node that left (cleared when it was given back)
+            return self._free_cols.pop()
         col = self._ncols
         self._ncols += 1
         self._reserve_columns(0)
@@ -331,9 +336,19 @@ class LocationIndex:
         self._maybe_compact()
 
     def drop_node(self, node_id: str) -> None:
-        """The node left (its address is gone): forget it and its workers."""
+        """The node left (its address is gone, or its heartbeats stopped): forget it and its
+        workers, and give their columns (locations and speculative entries) back for reuse:
+        they are cleared first, so a worker that gets one later starts with nothing."""
         self.reset_node(node_id)
-        self.nodes.pop(node_id, None)
+        view = self.nodes.pop(node_id, None)
+        gone = [loc for loc in self._columns if loc[0] == node_id]
+        freed = [self._columns.pop(loc) for loc in gone]
+        others = {w for n, v in self.nodes.items() for w in (v.workers or (n,))}
+        workers = [w for w in ((view.workers or (node_id,)) if view is not None else ())
+                   if w not in others and w not in self._external and w in self._spec_cols]
+        spec = [c for w in workers for c in self._spec_cols.pop(w)]
+        self._clear_columns(spec)
+        self._free_cols.extend([*freed, *spec])
         self._plan = None
 
     # -- the fold of a node's feed --------------------------------------------------------
@@ -526,9 +541,57 @@ class LocationIndex:
                     or_cols[t].append(cols or [NEVER])
         self._worker_by_name = {w.name: w for w in workers}
         self.workers = workers
+        rmask, groups = self._remote_groups(names)
         return _Plan(workers, {t: _pad(and_cols[t], ALWAYS) for t in TIER_LABELS},
                      {t: _pad(or_cols[t], NEVER) for t in TIER_LABELS}, np.asarray(spec, dtype=np.int64).reshape(-1, 2),
-                     self._bits.shape[1] * 64)
+                     self._bits.shape[1] * 64, rmask=rmask, rgroups=groups, sources=self._source_matrices())
+
+    def _source_matrices(self) -> tuple[list[str], dict[bytes | None, np.ndarray]]:
+        """(sources: the nodes by name, then "store"; per fingerprint (None: any), a (columns,
+        sources) 0/1 matrix: column c is one of that source's, a host or disk column of the
+        node, or any node's remote column for the store)."""
+        names = sorted({n for (n, t, _, _) in self._columns if t in _SHARED and t != _REMOTE}) + ["store"]
+        pos = {n: i for i, n in enumerate(names)}
+        ncols = self._bits.shape[1] * 64
+        mats: dict[bytes | None, np.ndarray] = {None: np.zeros((ncols, len(names)), dtype=np.float32)}
+        for (n, t, _, fp), c in self._columns.items():
+            if t not in _SHARED:
+                continue
+            src = pos["store"] if t == _REMOTE else pos[n]
+            if fp not in mats:
+                mats[fp] = np.zeros((ncols, len(names)), dtype=np.float32)
+            mats[fp][c, src] = mats[None][c, src] = 1
+        return names, mats
+
+    def _remote_groups(self, names: list[tuple[str, str]]) -> tuple[np.ndarray, list[list[int]]]:
+        """The ``remote`` tier's masks and, per worker, the masks it needs (all of them).
+
+        A block is in the remote tier for a worker when some node holds it in host or disk
+        (a peer serves it; the worker's own node counts too, as its own tiers already do) or
+        some daemon published it in the shared store (tier ``remote``), under a fingerprint
+        the worker needs. Masks (rows of uint64 words over the columns): one per fingerprint,
+        then "any fingerprint" (a node that declared no worker), then "none" (a worker no
+        daemon publishes: it has no daemon to fetch with)."""
+        fps = sorted({fp for (_, t, _, fp) in self._columns if t in _SHARED})
+        pos = {fp: i for i, fp in enumerate(fps)}
+        any_g, none_g = len(fps), len(fps) + 1
+        rmask = np.zeros((len(fps) + 2, self._bits.shape[1]), dtype=np.uint64)
+        for (_, t, _, fp), c in self._columns.items():
+            if t in _SHARED:
+                bit = np.uint64(1 << (c & 63))
+                rmask[pos[fp], c >> 6] |= bit
+                rmask[any_g, c >> 6] |= bit
+        groups: list[list[int]] = []
+        for name, node_id in names:
+            view = self.nodes.get(node_id)
+            declared = view.workers.get(name) if view is not None else None
+            if view is None:
+                groups.append([none_g])
+            elif declared:
+                groups.append([pos.get(fp, none_g) for fp in declared])
+            else:
+                groups.append([any_g])
+        return rmask, groups
 
     def rows(self, keys: list[bytes]) -> Rows:
         """(``n + 2`` int64: -1, the row of each of the ``n`` keys or -1 where it is not
@@ -586,16 +649,18 @@ class LocationIndex:
             i += run
         return _rows(Rows, (buf, first_miss))
 
-    def holdings(self, found: Rows, workers: np.ndarray | None = None) -> np.ndarray:
+    def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
         (``found``: :meth:`rows`' answer for its keys) it holds on its GPU (or speculatively),
-        in GPU or host, and in any tier: a (3, workers) int64 array, ``d_gpu <= d_host <=
-        d_disk`` (see the module docstring, Holdings)."""
+        in GPU or host, in any of its own tiers, and in those or the ``remote`` tier (another
+        node's host or disk, or the shared store: :meth:`_remote_groups`): a (4, workers)
+        int64 array, ``d_gpu <= d_host <= d_disk <= d_remote`` (see the module docstring,
+        Holdings). Without ``remote`` (pulls off), ``d_remote = d_disk``."""
         rows, m = found
         plan = self.plan()
         n_w = len(plan.workers) if workers is None else len(workers)
         if m == 0 or n_w == 0:
-            return np.zeros((3, n_w), dtype=np.int64)
+            return np.zeros((4, n_w), dtype=np.int64)
         if plan.fast is not None:
             # consecutive keys with equal rows are held alike, so the walk runs over the
             # segments of equal rows (a few per request), not over the keys. Around the known
@@ -605,34 +670,99 @@ class LocationIndex:
             starts = np.not_equal(bits[1:], bits[:-1]).any(axis=1).nonzero()[0]
             fast = plan.fast_flat if workers is None else plan.fast[:, workers].reshape(-1)
             n_seg = starts.size
+            seg_rows = bits[1:][starts]
             # per worker and segment, the bits of its gpu, speculative 0 and 1, host and disk
             # columns (5, workers x segments); summed three, four and five at a time (one
             # small matrix product) they count the set columns of "on GPU", "on GPU or
             # host", "anywhere": a run ends at the first segment where the count is 0
-            seg_bits = np.unpackbits(bits[1:][starts].view(np.uint8), axis=1, bitorder="little")
+            seg_bits = np.unpackbits(seg_rows.view(np.uint8), axis=1, bitorder="little")
             col = seg_bits.T.take(fast, axis=0).reshape(5, n_w * n_seg)
-            held = np.matmul(_TIER_SUMS, col).reshape(3, n_w, n_seg)
+            held = np.empty((4, n_w, n_seg), dtype=np.float32)
+            np.matmul(_TIER_SUMS, col, out=held[:3].reshape(3, n_w * n_seg))
+            if remote:  # "anywhere" or in a remote mask the worker needs (one per worker here)
+                if plan.rsingle >= 0:  # every worker needs the same mask (one model, one rank)
+                    np.add(held[2], np.bitwise_and(seg_rows, plan.rmask[plan.rsingle]).any(axis=1), out=held[3])
+                else:
+                    far = (seg_rows[:, None, :] & plan.rmask).any(axis=2)  # (segments, masks)
+                    rsel = plan.rsel if workers is None else plan.rsel[workers]
+                    np.add(held[2], far.T[rsel], out=held[3])
+            else:
+                held[3] = held[2]
             return starts[held.argmin(axis=2)]
+        return self._holdings_general(plan, rows, m, workers, n_w, remote)
+
+    def _holdings_general(self, plan: _Plan, rows: np.ndarray, m: int, workers: np.ndarray | None, n_w: int,
+                          remote: bool) -> np.ndarray:
+        """:meth:`holdings` over the keys, for plans with tensor-parallel workers or nodes
+        that declared none."""
         # the known prefix, then row 0 (empty) up to a multiple of 8 keys: the first key
         # not held is then always found, and the ORs can run eight keys at a time
         padded = np.zeros(m + 8 - m % 8, dtype=np.int64)
         padded[:m] = rows[1:m + 1]
         bits = self._bits[padded]
-        # only workers with a column set in the first key can hold a leading block
+        far = (bits[:, None, :] & plan.rmask).any(axis=2).T if remote else None  # (masks, keys)
+        # only workers with a column set in the first key can hold a leading block (any
+        # worker, when a remote mask is set there)
         first = np.unpackbits(bits[0].view(np.uint8), bitorder="little").view(np.bool_)
         touched = plan.col_workers[first].any(axis=0)
+        if far is not None and far[:, 0].any():
+            touched[:] = True
         if workers is not None:
             touched = touched[workers]
         cand = np.flatnonzero(touched)
-        lead = np.zeros((3, n_w), dtype=np.int64)
+        lead = np.zeros((4, n_w), dtype=np.int64)
         if not cand.size:
             return lead
         pick = cand if workers is None else workers[cand]
         # bytes of each key's row as columns, then bits: ut[c, i] is column c of key i
         ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
         held = plan.held(ut, pick)
-        lead[:, cand] = held.reshape(3 * cand.size, len(padded)).argmin(axis=1).reshape(3, cand.size)
+        lead[:3, cand] = held.reshape(3 * cand.size, len(padded)).argmin(axis=1).reshape(3, cand.size)
+        if far is None:
+            lead[3] = lead[2]
+        else:
+            for j, w in enumerate(pick.tolist()):
+                need = far[plan.rgroups[w]].all(axis=0)
+                lead[3, cand[j]] = np.argmin(held[2, j] | need)
         return lead
+
+    def sources(self, found: Rows, worker: int, start: int, end: int) -> list[tuple[str, int, int]]:
+        """Where worker ``worker`` (a plan index) can fetch keys ``start:end`` of a request
+        (``found``: :meth:`rows`' answer) from: ``[(node, i, j), ...]`` in key order, each
+        part the longest run from its start that one other node holds in host or disk
+        (equal runs: the first node by name), or ``"store"`` when only the shared store has
+        it (a ``remote`` column of any node). Stops at the first key nobody else holds."""
+        plan = self.plan()
+        w = plan.workers[worker]
+        view = self.nodes.get(w.node_id)
+        if view is None or end <= start:
+            return []
+        fps = view.workers.get(w.name) or (None,)  # None: any fingerprint
+        rows = found.rows[1 + start:1 + end]
+        ub = np.unpackbits(self._bits.take(rows, axis=0).view(np.uint8), axis=1, bitorder="little")
+        names, mats = plan.sources
+        held = None
+        for fp in fps:  # a key is held by a source when it holds every fingerprint the worker needs
+            mat = mats.get(fp)
+            if mat is None:
+                return []
+            h = np.matmul(ub, mat) > 0  # (keys, sources)
+            held = h if held is None else held & h
+        assert held is not None
+        if w.node_id in names:
+            held[:, names.index(w.node_id)] = False
+        held = np.vstack([held, np.zeros((1, len(names)), dtype=bool)])  # every run ends
+        out: list[tuple[str, int, int]] = []
+        i, n = 0, end - start
+        while i < n:
+            runs = held[i:].argmin(axis=0)  # per source, its run of held keys from i
+            best = int(runs.argmax())
+            run = int(runs[best])
+            if not run:
+                break
+            out.append((names[best], start + i, start + i + run))
+            i += run
+        return out
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -724,6 +854,9 @@ class _Plan:
     or_cols: dict[str, np.ndarray]    # tier -> (workers, G) columns, padded with NEVER
     spec: np.ndarray                  # (workers, 2) speculative columns
     n_columns: int = 64               # columns of the bit matrix (a multiple of 64)
+    rmask: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), dtype=np.uint64))  # remote masks
+    rgroups: list[list[int]] = field(default_factory=list)  # per worker: the remote masks it needs
+    sources: tuple[list[str], dict[bytes | None, np.ndarray]] = ([], {})  # LocationIndex._source_matrices
     fast: np.ndarray | None = None    # (5, workers) columns, or None
     fast_flat: np.ndarray | None = None  # ``fast.ravel()``
     col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
@@ -735,6 +868,9 @@ class _Plan:
             self.fast = np.stack([self.and_cols[_GPU][:, 0], self.spec[:, 0], self.spec[:, 1],
                                   self.and_cols["host"][:, 0], self.and_cols["disk"][:, 0]])
             self.fast_flat = self.fast.ravel()
+        # the remote mask each worker needs (one each on the fast path), and whether all share one
+        self.rsel = np.asarray([g[0] if len(g) == 1 else -1 for g in self.rgroups], dtype=np.int64)
+        self.rsingle = int(self.rsel[0]) if self.rsel.size and (self.rsel == self.rsel[0]).all() else -1
         # col_workers[c, w]: column c is one of worker w's (a worker whose columns are all
         # clear in a request's first key holds no leading block of it)
         cw = np.zeros((self.n_columns, len(self.workers)), dtype=np.bool_)

@@ -6,7 +6,9 @@ Owns, per worker, *queued* prefill blocks and *active* requests:
       queued blocks off, without it also the active request (a request whose prefill was
       never reported done takes both off). A dispatch never finished stops counting
       ``load_ttl_s`` after it was made (:meth:`Loads.expire`);
-    * an engine's own report (:meth:`Loads.report`) is a floor under both numbers;
+    * an engine's own report (:meth:`Loads.report`) is a floor under both numbers, for
+      ``report_ttl_s`` after it was made (0: until replaced): an engine that stops reporting
+      (it died, or its reporter did) stops holding its worker's load up;
     * arrays aligned with the index's workers (:meth:`Loads.align`): ``queued``, ``active``
       and ``cost`` (the scorer's load term ``a * queued + b * active``), updated in place on
       every change, so routing reads them without a per-worker loop.
@@ -38,8 +40,11 @@ class Loads:
     """See the module docstring; ``scorer`` prices the load (its
     :meth:`~kvtier.client.routing.scoring.Scorer.load_cost`)."""
 
-    def __init__(self, load_ttl_s: float, scorer: Scorer) -> None:
+    def __init__(self, load_ttl_s: float, scorer: Scorer, report_ttl_s: float = 0.0) -> None:
         self.load_ttl_s = load_ttl_s
+        self.report_ttl_s = report_ttl_s
+        self._reported_at: dict[str, float] = {}
+        self._next_report_expiry = float("inf")
         self._load_cost = scorer.load_cost
         # the same term for one worker, inline: it is updated on every dispatch and finish
         self._qw, self._aw = scorer.config.queued_weight, scorer.config.active_weight
@@ -86,10 +91,22 @@ class Loads:
             del self._dispatched[decision_id]
         return True
 
-    def report(self, worker: str, queued_blocks: float, active_requests: float) -> None:
-        """An engine's own report of its load: at least this much is counted."""
+    def report(self, worker: str, queued_blocks: float, active_requests: float, now: float = 0.0) -> None:
+        """An engine's own report of its load: at least this much is counted (until
+        ``report_ttl_s`` after ``now``)."""
         self._reported[worker] = (queued_blocks, active_requests)
+        if self.report_ttl_s > 0:
+            self._reported_at[worker] = now
+            self._next_report_expiry = min(self._next_report_expiry, now + self.report_ttl_s)
         self._add(worker, 0.0, 0.0)
+
+    def _expire_reports(self, now: float) -> None:
+        limit = now - self.report_ttl_s
+        for worker in [w for w, at in self._reported_at.items() if at <= limit]:
+            del self._reported_at[worker]
+            del self._reported[worker]
+            self._add(worker, 0.0, 0.0)
+        self._next_report_expiry = min(self._reported_at.values(), default=float("inf")) + self.report_ttl_s
 
     def load(self, worker: str) -> Load:
         rq, ra = self._reported.get(worker, (0.0, 0.0))
@@ -97,7 +114,10 @@ class Loads:
 
     def expire(self, now: float) -> None:
         """Finish what was dispatched more than ``load_ttl_s`` ago; drop finished entries
-        from the front of the queue (so it holds about the requests still running)."""
+        from the front of the queue (so it holds about the requests still running); forget
+        engine reports older than ``report_ttl_s``."""
+        if now >= self._next_report_expiry:
+            self._expire_reports(now)
         order = self._order
         if not order:
             return

@@ -101,6 +101,11 @@ ranks (a dry run). Set dispatch=true to record the decision (the chosen worker's
 speculative entries, so the session's next turn sticks) and call Finish(decision_id) when
 the request ends. Python's Router.route(keys) dispatches by default (dispatch=True).
 
+Fetch hints: with --pulls (default true) a worker may be ranked first for blocks it can
+fetch from another node's host or disk or the shared store (TierOverlap.remote); then
+RouteReply.fetch names those keys and the node holding them ("store": the shared store).
+Apply them before the prefill: Sidecar.prefetch(layout_id, keys, from_node=from_node).
+
 Candidates: RouteRequest.candidates must name workers the router knows (see Status); any
 other name is refused with INVALID_ARGUMENT naming it.
 
@@ -223,8 +228,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         for r, node in zip(d.ranked, d.nodes, strict=True):
             reply.ranked.add(worker_id=r.worker, node_id=node, cost=r.cost, saved_blocks=r.saved_blocks,
                              overlap=router_pb2.TierOverlap(gpu=r.overlap.gpu, host=r.overlap.host,
-                                                            disk=r.overlap.disk),
+                                                            disk=r.overlap.disk, remote=r.overlap.remote),
                              queued_blocks=r.load.queued_blocks, active_requests=r.load.active_requests)
+        for h in d.fetch:
+            reply.fetch.add(worker_id=h.worker, from_node=h.from_node, keys=h.keys, start=h.start, end=h.end)
         return reply
 
     async def Finish(self, request: router_pb2.FinishRequest, context: Any) -> router_pb2.FinishReply:

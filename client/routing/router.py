@@ -52,16 +52,17 @@ import numpy as np
 
 from kvtier.client.engine.transport import ClientTls
 from kvtier.client.routing.feed import Feeds, FeedStatus, Resolve
+from kvtier.client.routing.fetch import FetchHint
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.loads import Loads
 from kvtier.client.routing.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
 from kvtier.client.routing.vllm_events import VllmEvents, VllmSource, VllmStreamStatus, parse_vllm_events
 from kvtier.proto import locations_pb2
-from kvtier.settings import group, parse_float, parse_int, parse_list, setting
+from kvtier.settings import group, parse_bool, parse_float, parse_int, parse_list, setting
 
 log = logging.getLogger("kvtier.router")
 
-__all__ = ["Decision", "FeedStatus", "Router", "RouterConfig", "RouterError", "UnknownCandidates"]
+__all__ = ["Decision", "FeedStatus", "FetchHint", "Router", "RouterConfig", "RouterError", "UnknownCandidates"]
 
 
 @dataclass(frozen=True)
@@ -94,17 +95,27 @@ class RouterConfig:
     top_k: int = setting(8, "ranked workers returned (by route-server: when a request asks for 0)", parse_int, "N")
     name: str = setting("kvtier-router", "subscriber name in the daemons' logs")
     scorer: ScorerConfig = group(ScorerConfig)
+    # -- cluster sharing (issue 13) --
+    pulls: bool = setting(True, "count blocks a worker's daemon can fetch from a peer or the shared store (the "
+                                "remote tier) and return fetch hints for them; false: only a worker's own tiers "
+                                "count", parse_bool, "BOOL")
+    node_timeout_s: float = setting(15.0, "a daemon whose feed sends nothing for this long (it sends a heartbeat "
+                                          "every 5 s) leaves the index until it answers again (seconds; 0: never)",
+                                    parse_float, "S")
+    load_report_ttl_s: float = setting(30.0, "an engine's load report (set_load) counts for this long unless "
+                                             "renewed (seconds; 0: until replaced)", parse_float, "S")
 
 
 class Decision:
     """The outcome of :meth:`Router.route`: workers best first (``ranked`` is built on first use)."""
 
-    __slots__ = ("n_blocks", "decision_id", "_names", "_nodes", "_order", "_arrays", "_ranked")
+    __slots__ = ("n_blocks", "decision_id", "fetch", "_names", "_nodes", "_order", "_arrays", "_ranked")
 
     def __init__(self, n_blocks: int, names: list[str], nodes: list[str], order: list[int],
                  arrays: tuple[np.ndarray, ...]) -> None:
         self.n_blocks = n_blocks
         self.decision_id = 0  # set when dispatched
+        self.fetch: list[FetchHint] = []  # what the chosen worker should pull first (remote blocks)
         self._names, self._nodes, self._order, self._arrays = names, nodes, order, arrays
         self._ranked: list[Ranked] | None = None
 
@@ -125,13 +136,15 @@ class Decision:
     @property
     def ranked(self) -> list[Ranked]:
         if self._ranked is None:
-            cost, saved, (dg, dh, dd), q, a = self._arrays
-            self._ranked = [Ranked(self._names[i], float(cost[i]), Overlap(int(dg[i]), int(dh[i]), int(dd[i])),
+            cost, saved, (dg, dh, dd, dr), q, a = self._arrays
+            self._ranked = [Ranked(self._names[i], float(cost[i]),
+                                   Overlap(int(dg[i]), int(dh[i]), int(dd[i]), int(dr[i])),
                                    Load(float(q[i]), float(a[i])), float(saved[i])) for i in self._order]
         return self._ranked
 
     def __repr__(self) -> str:
-        return f"Decision(n_blocks={self.n_blocks}, decision_id={self.decision_id}, ranked={self.ranked!r})"
+        return (f"Decision(n_blocks={self.n_blocks}, decision_id={self.decision_id}, ranked={self.ranked!r}, "
+                f"fetch={self.fetch!r})")
 
 
 class RouterError(Exception):
@@ -158,7 +171,7 @@ class _Workers:
     names: list[str] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)
     digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
-    weights: np.ndarray = field(default_factory=lambda: np.zeros((3, 0)))
+    weights: np.ndarray = field(default_factory=lambda: np.zeros((4, 0)))
 
 
 class Router:
@@ -169,13 +182,15 @@ class Router:
         """``resolve(host, port)`` -> addresses, for the DNS feeds (default: the system resolver);
         ``tls``: the client certificate for daemons over TCP (their --tls-ca signs it)."""
         self.config = cfg = config or RouterConfig()
-        self.scorer = Scorer(cfg.scorer)
+        self.scorer = Scorer(cfg.scorer, pulls=cfg.pulls)
         self.index = LocationIndex(cfg.speculative_ttl_s)
         self._lock = threading.RLock()
+        self._save_lock = threading.Lock()  # one state file written at a time (periodic saves, close)
         self._feeds = Feeds(self.index, self._lock, daemons=cfg.daemons, dns=cfg.dns,
                             resolve_interval_s=cfg.resolve_interval_s, reconnect_min_s=cfg.reconnect_min_s,
-                            reconnect_max_s=cfg.reconnect_max_s, subscriber=cfg.name, resolve=resolve, tls=tls)
-        self._loads = Loads(cfg.load_ttl_s, self.scorer)
+                            reconnect_max_s=cfg.reconnect_max_s, subscriber=cfg.name, resolve=resolve, tls=tls,
+                            node_timeout_s=cfg.node_timeout_s)
+        self._loads = Loads(cfg.load_ttl_s, self.scorer, cfg.load_report_ttl_s)
         self._w = _Workers()
         self.vllm = VllmEvents(self.index, self._lock, cfg.vllm_events, protect=self._feeds.foreign)
         self._started = False
@@ -214,7 +229,7 @@ class Router:
                                   "feeds: Router.start(wait_s=...) or wait_synced(); see status())")
             sel = self._select(candidates) if candidates else None
             found = idx.rows(keys)
-            lead = idx.holdings(found, sel)
+            lead = idx.holdings(found, sel, self.config.pulls)
             if sel is None:
                 q, a, lc, wts, dig, names, nodes = loads.queued, loads.active, loads.cost, w.weights, w.digests, \
                     w.names, w.nodes
@@ -227,8 +242,13 @@ class Router:
             cost, saved = self.scorer.costs(n, lead, lc, wts)
             order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
             decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
+            best = order[0]
+            if lead[3, best] > lead[2, best] and wts[3, best] > 0:  # it counted remote blocks: say where
+                plan_i = best if sel is None else int(sel[best])
+                decision.fetch = [FetchHint(names[best], src, tuple(keys[i:j]), i, j)
+                                  for src, i, j in idx.sources(found, plan_i, int(lead[2, best]),
+                                                               int(lead[3, best]))]
             if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
-                best = order[0]
                 decision.decision_id = loads.dispatch(names[best], n - float(saved[best]), now)
                 if n:
                     idx.speculate(names[best], keys, found)
@@ -262,10 +282,12 @@ class Router:
         with self._lock:
             return self._loads.finish(decision_id, prefill_only)
 
-    def set_load(self, worker: str, queued_blocks: float, active_requests: float) -> None:
-        """An engine's own report of its load; the router counts at least this much."""
+    def set_load(self, worker: str, queued_blocks: float, active_requests: float, now: float | None = None) -> None:
+        """An engine's own report of its load; the router counts at least this much, for
+        ``load_report_ttl_s`` unless reported again."""
+        now = time.monotonic() if now is None else now
         with self._lock:
-            self._loads.report(worker, queued_blocks, active_requests)
+            self._loads.report(worker, queued_blocks, active_requests, now)
 
     def load(self, worker: str) -> Load:
         with self._lock:
@@ -384,12 +406,13 @@ class Router:
             arrays = self.index.state()
             targets = dict(self._feeds.targets)
         arrays["router_meta"] = np.frombuffer(json.dumps({"targets": targets}).encode(), dtype=np.uint8)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        with self._save_lock:
+            with open(tmp, "wb") as fh:
+                np.savez(fh, **arrays)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
 
     def load_state(self, path: str) -> None:
         with np.load(path) as z:

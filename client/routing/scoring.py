@@ -7,10 +7,14 @@ recomputing it::
 
     w_t  = max(0, 1 - load_time(t) / recompute_time)
          = max(0, 1 - bytes_per_token * prefill_tokens_per_s / load_bytes_per_s(t))
-    cost = N - [d_gpu + w_host (d_host - d_gpu) + w_disk (d_disk - d_host)]
+    cost = N - [d_gpu + w_host (d_host - d_gpu) + w_disk (d_disk - d_host)
+                + w_remote (d_remote - d_disk)]
              + queued_weight * queued_blocks + active_weight * active_requests
 
-(all in blocks). The worker with the lowest cost wins; equal costs go to the least loaded
+(all in blocks). ``d_remote`` counts, past the worker's own tiers, the blocks its node could
+fetch from a peer (another node's host or disk) or the shared store (the ``remote`` tier), at
+the bandwidth the worker's daemon publishes for it (``remote_load_gbps`` when none); with
+pulls off (``Scorer(pulls=False)``) ``w_remote`` is 0. The worker with the lowest cost wins; equal costs go to the least loaded
 worker (queued blocks, then active requests), then to a stable hash of the request's last key
 and the worker id, so a new session lands on a spread-out but reproducible worker. Never a
 coin flip: the same inputs rank the same way in every process and run.
@@ -50,6 +54,10 @@ class ScorerConfig:
     # once it has promoted blocks from disk, which then replaces this
     disk_load_gbps: float = setting(2.0, "disk->GPU load bandwidth when a daemon publishes none (10^9 B/s; "
                                          "O_DIRECT reads measured 0.8-1.8)", parse_float, "GBPS")
+    # 10: a 100 Gb/s NIC at 80 %; a daemon publishes what its fetches from peers and the store
+    # measure (its NodeInfo's remote tier), which then replaces this
+    remote_load_gbps: float = setting(10.0, "peer/store->GPU load bandwidth (the remote tier) when a daemon "
+                                            "publishes none (10^9 B/s)", parse_float, "GBPS")
     # a and b: cost per queued prefill block and per running request. Below 1: sending a turn
     # away from its session's cache also costs that session's later turns, so affinity is worth
     # a short queue (docs/replay.md: the sweep on conversation_trace.jsonl, 8 replicas).
@@ -59,11 +67,17 @@ class ScorerConfig:
 
 @dataclass(frozen=True)
 class Overlap:
-    """Leading blocks held in gpu, in host-or-faster, and in any tier (``gpu <= host <= disk``)."""
+    """Leading blocks held in gpu, in host-or-faster, in any of the worker's tiers, and in
+    those or the remote tier (``gpu <= host <= disk <= remote``)."""
 
     gpu: int = 0
     host: int = 0
     disk: int = 0
+    remote: int = -1  # in any tier or fetchable from a peer or the store; -1 (not given): = disk
+
+    def __post_init__(self) -> None:
+        if self.remote < 0:
+            object.__setattr__(self, "remote", self.disk)
 
 
 @dataclass(frozen=True)
@@ -115,8 +129,9 @@ def tie_hashes(last_key: bytes, digests: np.ndarray) -> np.ndarray:
 class Scorer:
     """Ranks workers by the cost in the module docstring."""
 
-    def __init__(self, config: ScorerConfig | None = None) -> None:
+    def __init__(self, config: ScorerConfig | None = None, pulls: bool = True) -> None:
         self.config = config or ScorerConfig()
+        self.pulls = pulls  # False: remote blocks count nothing (w_remote = 0)
 
     def tier_weight(self, tier: Tier, load_gbps: float = 0.0) -> float:
         """``w_t``: the fraction of a recompute that loading a block from ``tier`` saves, at
@@ -124,25 +139,32 @@ class Scorer:
         if tier == Tier.GPU:
             return 1.0
         c = self.config
-        bw = load_gbps or (c.host_load_gbps if tier == Tier.HOST else c.disk_load_gbps)
+        if tier == Tier.REMOTE and not self.pulls:
+            return 0.0
+        bw = load_gbps or {Tier.HOST: c.host_load_gbps, Tier.DISK: c.disk_load_gbps}.get(tier, c.remote_load_gbps)
         if bw <= 0:
             return 0.0
         return max(0.0, 1.0 - c.bytes_per_token * c.prefill_tokens_per_s / (bw * 1e9))
 
     def weights(self, load_gbps: Sequence[Mapping[str, float]]) -> np.ndarray:
-        """The (3, workers) weights of :meth:`costs`: ``1 - w_host``, ``w_host - w_disk``,
-        ``w_disk``, from each worker's published bandwidths (``{"host": gbps, "disk": gbps}``
-        of its node; missing or 0: the configured default)."""
-        w_host = np.array([self.tier_weight(Tier.HOST, bw.get("host", 0.0)) for bw in load_gbps], dtype=np.float64)
-        w_disk = np.array([self.tier_weight(Tier.DISK, bw.get("disk", 0.0)) for bw in load_gbps], dtype=np.float64)
-        return np.stack([1.0 - w_host, w_host - w_disk, w_disk]).reshape(3, len(load_gbps))
+        """The (4, workers) weights of :meth:`costs`: ``1 - w_host``, ``w_host - w_disk``,
+        ``w_disk - w_remote``, ``w_remote``, from each worker's published bandwidths
+        (``{"host": gbps, "disk": gbps, "remote": gbps}`` of its node; 0, or host/disk missing:
+        the configured default; remote missing: the node cannot fetch, ``w_remote`` = 0)."""
+        def w(tier: Tier) -> np.ndarray:
+            return np.array([self.tier_weight(tier, bw.get(tier.label, 0.0)) for bw in load_gbps], dtype=np.float64)
+
+        w_host, w_disk, w_remote = w(Tier.HOST), w(Tier.DISK), w(Tier.REMOTE)
+        # a node that publishes no remote tier has neither peers nor a store: it cannot pull
+        w_remote *= np.array([Tier.REMOTE.label in bw for bw in load_gbps], dtype=np.float64)
+        return np.stack([1.0 - w_host, w_host - w_disk, w_disk - w_remote, w_remote]).reshape(4, len(load_gbps))
 
     def costs(self, n_blocks: int, lead: np.ndarray, load_cost: np.ndarray,
               weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(cost, saved) for many workers at once. ``lead`` is (3, workers): d_gpu, d_host,
-        d_disk (the index's holdings); ``load_cost`` is :meth:`load_cost` per worker;
+        """(cost, saved) for many workers at once. ``lead`` is (4, workers): d_gpu, d_host,
+        d_disk, d_remote (the index's holdings); ``load_cost`` is :meth:`load_cost` per worker;
         ``weights`` is :meth:`weights`, so that ``saved = d_gpu + w_host (d_host - d_gpu) +
-        w_disk (d_disk - d_host)``."""
+        w_disk (d_disk - d_host) + w_remote (d_remote - d_disk)``."""
         saved = np.einsum("ij,ij->j", lead, weights)
         cost = n_blocks - saved
         cost += load_cost

@@ -44,7 +44,17 @@ Policies (``--policy``)
     load bandwidths (which the nodes also publish), ``--queued-weight`` and
     ``--active-weight``.
 
-Per (policy, replicas) the output has: ``hit_rate``, ``hit_rate_by_tier`` {gpu, host, disk},
+    ``kvtier-pull`` (only when named): ``kvtier`` with pulls (``RouterConfig.pulls``, the
+    route-server's default; ``kvtier`` is ``--pulls false``). With ``--peer-gbps`` > 0 the
+    router counts blocks other replicas hold in host or disk as the remote tier and returns
+    fetch hints; the chosen replica serves the hint's keys that another replica still holds,
+    past its own leading run, as remote hits, loaded at the peer bandwidth before its prefill.
+    With ``--peer-gbps 0`` it is ``kvtier``. No shared store is modelled.
+
+``--rate-scale X`` divides the arrival times by X.
+
+Per (policy, replicas) the output has: ``hit_rate`` (remote hits included), ``hit_rate_by_tier``
+{gpu, host, disk}, ``remote_hit_rate`` (blocks pulled from peers),
 ``prefill_tokens_saved``, ``imbalance`` (max / mean of the prefill tokens each replica
 computed), ``ttft_mean_s``, ``ttft_p99_s``, ``busiest_prefill_share`` (the time the busiest
 replica spent prefilling, as a share of the trace's span: above 1 it is *overloaded*, its
@@ -80,7 +90,9 @@ from kvtier.proto import locations_pb2 as L
 from kvtier.tiers.policy import TierPolicy
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
-POLICIES = ("round-robin", "random", "session", "prefix", "kvtier")
+POLICIES = ("round-robin", "random", "session", "prefix", "kvtier", "kvtier-pull")
+#: the policies run when ``--policy`` is not given (kvtier-pull needs ``--peer-gbps``)
+DEFAULT_POLICIES = ("round-robin", "random", "session", "prefix", "kvtier")
 #: the Dynamo-like ``prefix`` policy's fixed tier weights
 PREFIX_HOST_WEIGHT, PREFIX_DISK_WEIGHT = 0.75, 0.25
 
@@ -149,6 +161,8 @@ class ReplayConfig:
     queued_weight: float = _SCORER.queued_weight              # the kvtier policy's load weights (a, b)
     active_weight: float = _SCORER.active_weight
     seed: int = 0
+    peer_gbps: float = 0.0      # another replica's host/disk -> this GPU, 10^9 B/s (0: no peers, no remote tier)
+    rate_scale: float = 1.0     # arrival times were divided by this (recorded; main applies it)
 
     def blocks(self, tokens: int) -> int:
         return tokens // self.block_tokens
@@ -156,6 +170,7 @@ class ReplayConfig:
     def scorer_config(self) -> ScorerConfig:
         return ScorerConfig(prefill_tokens_per_s=self.prefill_tps, bytes_per_token=self.kv_bytes_per_token,
                             host_load_gbps=self.host_load_gbps, disk_load_gbps=self.disk_load_gbps,
+                            remote_load_gbps=self.peer_gbps or _SCORER.remote_load_gbps,
                             queued_weight=self.queued_weight, active_weight=self.active_weight)
 
     def block_load_s(self, tier: Tier) -> float:
@@ -163,7 +178,7 @@ class ReplayConfig:
         recompute = self.block_tokens / self.prefill_tps
         if tier == Tier.GPU:
             return 0.0
-        gbps = self.host_load_gbps if tier == Tier.HOST else self.disk_load_gbps
+        gbps = {Tier.HOST: self.host_load_gbps, Tier.DISK: self.disk_load_gbps}.get(tier, self.peer_gbps)
         if gbps <= 0:
             return recompute
         return min(recompute, self.block_tokens * self.kv_bytes_per_token / (gbps * 1e9))
@@ -188,6 +203,7 @@ class Row:
     evictions: dict[str, int] = field(default_factory=dict)
     demotions: int = 0
     promotions: int = 0
+    remote_hit_rate: float | None = None  # blocks pulled from another replica's host or disk / blocks (in hit_rate)
 
 
 # -- the simulated nodes -----------------------------------------------------------------------
@@ -223,6 +239,7 @@ class SimulatedNode:
             for tier, blocks, gbps in ((Tier.HOST, cfg.blocks(cfg.host_tokens), cfg.host_load_gbps),
                                        (Tier.DISK, cfg.blocks(cfg.disk_tokens), cfg.disk_load_gbps)):
                 info.tiers.add(tier=int(tier), capacity_bytes=blocks * block_bytes, load_gbps=gbps)
+            info.tiers.add(tier=int(Tier.REMOTE), capacity_bytes=0, load_gbps=cfg.peer_gbps)
             feed(L.WatchLocationsReply(epoch=1, node=info))
             feed(L.WatchLocationsReply(epoch=1, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)))
 
@@ -260,6 +277,11 @@ class SimulatedNode:
             assert self._feed is not None
             self._feed(L.WatchLocationsReply(epoch=1, events=batch))
 
+    def shares(self, key: bytes) -> bool:
+        """Whether this node could serve ``key`` to a peer (its host or disk holds it)."""
+        tiers = self._policy.tiers
+        return key in tiers[Tier.HOST] or key in tiers[Tier.DISK]
+
     def tiers(self) -> tuple[set[bytes], ...]:
         """What gpu, host and disk hold now (for tests)."""
         return tuple(set(self._policy.tiers[t]) for t in TIERS)
@@ -296,6 +318,7 @@ class Policy:
     gets every message of replica ``i``'s feed through :meth:`feed`."""
 
     follows_feeds = False
+    pulled: tuple[int, int] | None = None  # keys [i, j) of the last choice to fetch from peers first
 
     def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
         raise NotImplementedError
@@ -354,7 +377,7 @@ class PrefixAware(Policy):
         self.index.fold(f"node{replica}", reply)
 
     def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
-        lead = self.index.holdings(self.index.rows(keys))
+        lead = self.index.holdings(self.index.rows(keys), remote=False)[:3]
         plan = self.index.plan()
         if plan is not self._plan:
             pos = {w.name: w.index for w in plan.workers}
@@ -377,8 +400,11 @@ class RouterPolicy(Policy):
 
     follows_feeds = True
 
-    def __init__(self, cfg: ReplayConfig, n: int) -> None:
-        self.router = Router(RouterConfig(scorer=cfg.scorer_config()))
+    def __init__(self, cfg: ReplayConfig, n: int, pulls: bool = False) -> None:
+        # kvtier: route-server with --pulls false (each worker's own tiers); kvtier-pull: with
+        # pulls, when there are peers to pull from (--peer-gbps)
+        self.pulls = pulls and cfg.peer_gbps > 0
+        self.router = Router(RouterConfig(scorer=cfg.scorer_config(), pulls=self.pulls))
         self.replica = {f"replica{i}": i for i in range(n)}
         self._finishes: list[tuple[float, int, bool]] = []  # heap of (at, decision id, prefill only)
         self._last = 0
@@ -393,6 +419,7 @@ class RouterPolicy(Policy):
             self.router.finish(did, prefill_only)
         d = self.router.route(keys, now=now)
         self._last = d.decision_id
+        self.pulled = (d.fetch[0].start, d.fetch[-1].end) if d.fetch else None
         return self.replica[d.worker]  # type: ignore[index]
 
     def served(self, prefill_done_s: float, done_s: float) -> None:
@@ -404,7 +431,8 @@ def make_policy(policy: str, cfg: ReplayConfig, n: int) -> Policy:
     """The routing policy ``policy`` over ``n`` replicas."""
     makers: dict[str, Callable[[], Policy]] = {
         "round-robin": lambda: RoundRobin(n), "random": lambda: RandomChoice(n, cfg.seed),
-        "session": lambda: Sticky(n), "prefix": lambda: PrefixAware(cfg, n), "kvtier": lambda: RouterPolicy(cfg, n)}
+        "session": lambda: Sticky(n), "prefix": lambda: PrefixAware(cfg, n), "kvtier": lambda: RouterPolicy(cfg, n),
+        "kvtier-pull": lambda: RouterPolicy(cfg, n, pulls=True)}
     if policy not in makers:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     return makers[policy]()
@@ -437,10 +465,25 @@ class Cluster:
             return feed
 
         self.replicas = [Replica(cfg, i, feed_of(i)) for i in range(n)]
-        self._load_s = [cfg.block_load_s(t) for t in TIERS]
+        self._load_s = [cfg.block_load_s(t) for t in (*TIERS, Tier.REMOTE)]
+        self.remote_hits = 0  # blocks served from peers so far
+
+    def _pulled(self, i: int, keys: list[bytes], own: int) -> int:
+        """Blocks the chosen replica ``i`` fetches from peers: the fetch hint's keys [a, b),
+        from where its own leading run ``own`` ends (a <= own), while another replica still
+        holds them in host or disk; 0 without peers or a hint."""
+        span = self.policy.pulled
+        if not self.cfg.peer_gbps or span is None or not span[0] <= own < span[1]:
+            return 0
+        others = [rep.node for j, rep in enumerate(self.replicas) if j != i]
+        n = own
+        while n < span[1] and any(node.shares(keys[n]) for node in others):
+            n += 1
+        return n - own
 
     def step(self, req: Request) -> tuple[int, tuple[int, int, int], float]:
-        """Route and serve one request: (replica, blocks served from gpu, host, disk, TTFT)."""
+        """Route and serve one request: (replica, blocks served from gpu, host, disk, TTFT);
+        blocks pulled from peers (the remote tier) are added to :attr:`remote_hits`."""
         cfg, reps = self.cfg, self.replicas
         now = req.arrival_s
         for rep in reps:
@@ -448,11 +491,14 @@ class Cluster:
         keys = [block_key(h) for h in req.keys]
         i = self.policy.choose(req, keys, now, reps) if len(reps) > 1 else 0
         rep = reps[i]
-        hits = rep.node.access(keys)
-        computed = req.input_tokens - min(sum(hits) * cfg.block_tokens, req.input_tokens)
+        hits = rep.node.access(keys)  # every key is held by rep from now on: pulled ones too
+        remote = self._pulled(i, keys, sum(hits)) if self.policy.pulled else 0
+        self.remote_hits += remote
+        computed = req.input_tokens - min((sum(hits) + remote) * cfg.block_tokens, req.input_tokens)
         rep.computed_tokens += computed
         start = max(now, rep.free_at)
-        prefill_s = computed / cfg.prefill_tps + hits[1] * self._load_s[1] + hits[2] * self._load_s[2]
+        prefill_s = computed / cfg.prefill_tps + hits[1] * self._load_s[1] + hits[2] * self._load_s[2] + \
+            remote * self._load_s[3]
         rep.busy_s += prefill_s
         rep.free_at = start + prefill_s
         done = rep.free_at + req.output_tokens / cfg.decode_tps
@@ -475,15 +521,16 @@ def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas
     hits = [0, 0, 0]
     saved_tokens = 0
     for i, req in enumerate(requests):
+        before = cluster.remote_hits
         _, served, ttft[i] = cluster.step(req)
         for t in range(3):
             hits[t] += served[t]
-        saved_tokens += min(sum(served) * cfg.block_tokens, req.input_tokens)
+        saved_tokens += min((sum(served) + cluster.remote_hits - before) * cfg.block_tokens, req.input_tokens)
         if progress is not None and i % 256 == 255:
             progress(256)
     if progress is not None:
         progress(len(requests) % 256)
-    return _row(policy, cluster.replicas, requests, hits, saved_tokens, ttft)
+    return _row(policy, cluster.replicas, requests, hits, saved_tokens, ttft, cluster.remote_hits)
 
 
 def pooled(requests: Sequence[Request], cfg: ReplayConfig, replicas: Sequence[int],
@@ -500,7 +547,7 @@ def pooled(requests: Sequence[Request], cfg: ReplayConfig, replicas: Sequence[in
 
 
 def _row(policy: str, reps: list[Replica], requests: Sequence[Request], hits: list[int], saved_tokens: int,
-         ttft: np.ndarray) -> Row:
+         ttft: np.ndarray, remote: int = 0) -> Row:
     total = sum(len(r.keys) for r in requests)
     span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
     work = [r.computed_tokens for r in reps]
@@ -508,7 +555,8 @@ def _row(policy: str, reps: list[Replica], requests: Sequence[Request], hits: li
     counts = [r.node.counts() for r in reps]
     return Row(
         policy, len(reps),
-        hit_rate=sum(hits) / total if total else 0.0,
+        hit_rate=(sum(hits) + remote) / total if total else 0.0,
+        remote_hit_rate=remote / total if total else 0.0,
         hit_rate_by_tier={name: (hits[t] / total if total else 0.0) for t, name in enumerate(TIER_LABELS)},
         prefill_tokens_saved=saved_tokens,
         imbalance=max(work) / mean_work if mean_work else 1.0,
@@ -559,13 +607,13 @@ def _fmt(v: float | None, spec: str) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    head = ("policy", "replicas", "hit_rate", "gpu", "host", "disk", "tokens_saved", "imbalance",
+    head = ("policy", "replicas", "hit_rate", "gpu", "host", "disk", "remote", "tokens_saved", "imbalance",
             "ttft_mean_s", "ttft_p99_s")
     lines = [head]
     for r in rows:
         t = r.hit_rate_by_tier or {}
         lines.append((r.policy, str(r.replicas), _fmt(r.hit_rate, ".4f"), _fmt(t.get("gpu"), ".4f"),
-                      _fmt(t.get("host"), ".4f"), _fmt(t.get("disk"), ".4f"),
+                      _fmt(t.get("host"), ".4f"), _fmt(t.get("disk"), ".4f"), _fmt(r.remote_hit_rate, ".4f"),
                       _fmt(r.prefill_tokens_saved, ",d"), _fmt(r.imbalance, ".3f"), _fmt(r.ttft_mean_s, ".3f"),
                       _fmt(r.ttft_p99_s, ".3f")))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -577,7 +625,7 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(out)
 
 
-TIER_COLORS = {"gpu": "#1b7837", "host": "#2166ac", "disk": "#e08214"}
+TIER_COLORS = {"gpu": "#1b7837", "host": "#2166ac", "disk": "#e08214", "remote": "#8073ac"}
 
 
 def plot(rows: Sequence[Row], path: str, title: str = "", pooled: dict[int, Row] | None = None) -> None:
@@ -597,7 +645,7 @@ def plot(rows: Sequence[Row], path: str, title: str = "", pooled: dict[int, Row]
     cols = max(2, len(policies))
     fig = plt.figure(figsize=(3.3 * cols, 8.6))
     grid = fig.add_gridspec(2, 2 * cols, height_ratios=[1.0, 1.0], hspace=0.42, wspace=0.9)
-    top = max([sum((r.hit_rate_by_tier or {}).values()) for r in ok] +
+    top = max([(r.hit_rate or 0.0) for r in ok] +
               [p.hit_rate or 0.0 for p in (pooled or {}).values()] + [0.05])
     first = None
     for i, pol in enumerate(policies):
@@ -625,9 +673,10 @@ def _hit_panel(ax, rows: Sequence[Row], ticks: list[int], pooled: dict[int, Row]
                legend: bool) -> None:
     """One policy's hit rate by tier, stacked, per replica count; the pooled line over it."""
     xs = range(len(ticks))
-    by_n = {r.replicas: r.hit_rate_by_tier or {} for r in rows}
+    by_n = {r.replicas: {**(r.hit_rate_by_tier or {}), "remote": r.remote_hit_rate or 0.0} for r in rows}
     bottom = [0.0] * len(ticks)
-    for tier in TIER_LABELS:
+    shown = [*TIER_LABELS, *(["remote"] if any(r.remote_hit_rate for r in rows) else [])]
+    for tier in shown:
         vals = [by_n.get(n, {}).get(tier, 0.0) for n in ticks]
         ax.bar(xs, vals, 0.62, bottom=bottom, color=TIER_COLORS[tier], label=tier)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
@@ -741,7 +790,8 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
     ap.add_argument("trace", help="JSONL trace: timestamp (ms), input_length, output_length, hash_ids[, session_id]")
     ap.add_argument("--block-tokens", type=int, default=d.block_tokens, help="tokens per hash id [%(default)s]")
     ap.add_argument("--replicas", type=_int_list, default=[1, 2, 4, 8], help="comma list [1,2,4,8]")
-    ap.add_argument("--policy", type=_policy_list, default=list(POLICIES), help=f"comma list of {', '.join(POLICIES)} [all]")
+    ap.add_argument("--policy", type=_policy_list, default=list(DEFAULT_POLICIES),
+                    help=f"comma list of {', '.join(POLICIES)} [{','.join(DEFAULT_POLICIES)}]")
     ap.add_argument("--gpu-tokens", type=_tokens, default=d.gpu_tokens, help="per replica, e.g. 100k [%(default)s]")
     ap.add_argument("--host-tokens", type=_tokens, default=d.host_tokens, help="per replica, e.g. 1M [%(default)s]")
     ap.add_argument("--disk-tokens", type=_tokens, default=d.disk_tokens, help="per replica, e.g. 10M [%(default)s]")
@@ -760,6 +810,11 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
     ap.add_argument("--active-weight", type=float, default=d.active_weight,
                     help="kvtier policy: cost per active request [%(default)s]")
     ap.add_argument("--seed", type=int, default=d.seed, help="for random and prefix tie-breaks [%(default)s]")
+    ap.add_argument("--peer-gbps", type=float, default=d.peer_gbps,
+                    help="peers: a block another replica holds in host or disk loads at this bandwidth, 10^9 B/s, "
+                         "when the kvtier-pull policy's fetch hint asks for it (0: no peers) [%(default)s]")
+    ap.add_argument("--rate-scale", type=_positive, default=d.rate_scale,
+                    help="arrival times divided by this (2: twice the request rate) [%(default)s]")
     ap.add_argument("--json", action="store_true", help='print {"rows": [...]} as the last line')
     ap.add_argument("--plot", metavar="FILE.png",
                     help="draw hit rate by tier (with the pooled reference: 1 replica with N x the capacity), "
@@ -778,7 +833,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   host_tokens=args.host_tokens, disk_tokens=args.disk_tokens, demote_min_seen=args.demote_min_seen,
                   prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, kv_bytes_per_token=args.kv_bytes_per_token,
                   host_load_gbps=args.host_load_gbps, disk_load_gbps=args.disk_load_gbps,
-                  queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed)
+                  queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed,
+                  peer_gbps=args.peer_gbps, rate_scale=args.rate_scale)
+    if args.peer_gbps < 0:
+        ap.error("--peer-gbps must be >= 0 (0: no peers)")
     try:
         requests = load_trace(args.trace)
     except OSError as e:
@@ -787,6 +845,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvtier replay: {e}", file=sys.stderr)
         return 2
+    if cfg.rate_scale != 1.0:
+        requests = [replace(r, arrival_s=r.arrival_s / cfg.rate_scale) for r in requests]
     runs = [(p, n) for p in args.policy for n in args.replicas]
     bar = Progress(len(requests) * (len(runs) + (len(set(args.replicas)) if args.plot else 0)), sys.stderr.isatty())
     rows = []
@@ -806,7 +866,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(rows, args.plot, pooled=pool,
              title=f"{args.trace.rsplit('/', 1)[-1]}, {len(requests):,} requests; capacity per replica: "
                    f"gpu {_human(cfg.gpu_tokens)}, host {_human(cfg.host_tokens)}, disk {_human(cfg.disk_tokens)} "
-                   f"tokens; disk load {cfg.disk_load_gbps:g} GB/s")
+                   f"tokens; disk load {cfg.disk_load_gbps:g} GB/s"
+                   + (f"; peers {cfg.peer_gbps:g} GB/s" if cfg.peer_gbps else "")
+                   + (f"; {cfg.rate_scale:g}x arrival rate" if cfg.rate_scale != 1.0 else ""))
         print(f"plot written to {args.plot}")
     if args.json:
         out = {"config": asdict(cfg), "rows": [asdict(r) for r in rows]}

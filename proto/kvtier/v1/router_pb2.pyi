@@ -33,14 +33,16 @@ class RouteRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., block_tokens: _Optional[int] = ..., candidates: _Optional[_Iterable[str]] = ..., dispatch: _Optional[bool] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class TierOverlap(_message.Message):
-    __slots__ = ("gpu", "host", "disk")
+    __slots__ = ("gpu", "host", "disk", "remote")
     GPU_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     gpu: int
     host: int
     disk: int
-    def __init__(self, gpu: _Optional[int] = ..., host: _Optional[int] = ..., disk: _Optional[int] = ...) -> None: ...
+    remote: int
+    def __init__(self, gpu: _Optional[int] = ..., host: _Optional[int] = ..., disk: _Optional[int] = ..., remote: _Optional[int] = ...) -> None: ...
 
 class RankedWorker(_message.Message):
     __slots__ = ("worker_id", "node_id", "cost", "saved_blocks", "overlap", "queued_blocks", "active_requests")
@@ -61,14 +63,30 @@ class RankedWorker(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., cost: _Optional[float] = ..., saved_blocks: _Optional[float] = ..., overlap: _Optional[_Union[TierOverlap, _Mapping]] = ..., queued_blocks: _Optional[float] = ..., active_requests: _Optional[float] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("ranked", "n_blocks", "decision_id")
+    __slots__ = ("ranked", "n_blocks", "decision_id", "fetch")
     RANKED_FIELD_NUMBER: _ClassVar[int]
     N_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     ranked: _containers.RepeatedCompositeFieldContainer[RankedWorker]
     n_blocks: int
     decision_id: int
-    def __init__(self, ranked: _Optional[_Iterable[_Union[RankedWorker, _Mapping]]] = ..., n_blocks: _Optional[int] = ..., decision_id: _Optional[int] = ...) -> None: ...
+    fetch: _containers.RepeatedCompositeFieldContainer[FetchHint]
+    def __init__(self, ranked: _Optional[_Iterable[_Union[RankedWorker, _Mapping]]] = ..., n_blocks: _Optional[int] = ..., decision_id: _Optional[int] = ..., fetch: _Optional[_Iterable[_Union[FetchHint, _Mapping]]] = ...) -> None: ...
+
+class FetchHint(_message.Message):
+    __slots__ = ("worker_id", "from_node", "keys", "start", "end")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    from_node: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    start: int
+    end: int
+    def __init__(self, worker_id: _Optional[str] = ..., from_node: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
     __slots__ = ("decision_id", "prefill_only")
