@@ -187,6 +187,15 @@ class Config:
                                         "past it the request is refused DEADLINE_EXCEEDED and gives back its "
                                         "slots", parse_float, "SECONDS")
     # -- end of sessions --
+    # -- fixes (issue 14) --
+    event_log_bytes: int = _opt(64 << 20, "most bytes of daemon memory each tenant's location-event ring may take "
+                                          "(its keys and about 256 bytes per event), beside --event-log-keys; older "
+                                          "events are dropped first (a subscriber that fell behind them gets a "
+                                          "snapshot)", parse_size, "SIZE")
+    disk_recheck_s: float = _opt(10.0, "how often a degraded disk tier checks whether it can take writes again: a "
+                                       "full filesystem once it has room again, any other failure by retrying",
+                                 parse_float, "SECONDS")
+    # -- end of fixes --
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
@@ -232,8 +241,10 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{flag_name(name)} must be at least 1, got {getattr(cfg, name)}")
     if cfg.disk_write_through and not cfg.disk_dir:
         raise ConfigError("--disk-write-through needs a disk tier: set --disk-dir")
-    if cfg.event_log_keys <= 0:
-        raise ConfigError("--event-log-keys must be positive")
+    if cfg.event_log_keys <= 0 or cfg.event_log_bytes <= 0:
+        raise ConfigError("--event-log-keys and --event-log-bytes must be positive")
+    if cfg.disk_recheck_s < 0:
+        raise ConfigError("--disk-recheck-s must be at least 0")
     if cfg.max_feed_subscribers < 1 or cfg.max_concurrent_rpcs < 0:
         raise ConfigError("--max-feed-subscribers must be at least 1 and --max-concurrent-rpcs at least 0")
     for name in ("session_quota", "tenant_quota", "grant_ttl_s", "lease_ttl_s", "max_sessions", "transfer_wait_s"):
