@@ -241,16 +241,22 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{flag_name(name)} must be at least 1, got {getattr(cfg, name)}")
     if cfg.disk_write_through and not cfg.disk_dir:
         raise ConfigError("--disk-write-through needs a disk tier: set --disk-dir")
-    if cfg.event_log_keys <= 0 or cfg.event_log_bytes <= 0:
-        raise ConfigError("--event-log-keys and --event-log-bytes must be positive")
-    if cfg.disk_recheck_s < 0:
-        raise ConfigError("--disk-recheck-s must be at least 0")
+    if cfg.event_log_keys <= 0:
+        raise ConfigError("--event-log-keys must be positive")
     if cfg.max_feed_subscribers < 1 or cfg.max_concurrent_rpcs < 0:
         raise ConfigError("--max-feed-subscribers must be at least 1 and --max-concurrent-rpcs at least 0")
     for name in ("session_quota", "tenant_quota", "grant_ttl_s", "lease_ttl_s", "max_sessions", "transfer_wait_s"):
         if not getattr(cfg, name) >= (0 if name.endswith("quota") else 1e-9):  # (issue 12: sessions)
             raise ConfigError(f"{flag_name(name)} must be {'at least 0' if name.endswith('quota') else 'positive'}")
     _check_transport(cfg)
+    _check_fixes(cfg)
+
+
+def _check_fixes(cfg: Config) -> None:  # (issue 14)
+    if cfg.event_log_bytes <= 0:
+        raise ConfigError("--event-log-bytes must be positive")
+    if cfg.disk_recheck_s < 0:
+        raise ConfigError("--disk-recheck-s must be at least 0")
 
 
 def _check_transport(cfg: Config) -> None:
