@@ -13,6 +13,7 @@ import tracemalloc
 
 import pytest
 
+from kvtier.client.engine.sidecar import Sidecar
 from kvtier.daemon.events import LocationLog, event_bytes
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.host import HostTier
@@ -60,3 +61,59 @@ def test_the_event_ring_is_bounded_in_bytes(shm) -> None:
         assert held[-1].keys[0] == key(5999)
 
     asyncio.run(main())
+
+
+# -- the sidecar across daemon restarts (real kvtierd subprocesses) ------------------------------
+
+def _mapped(shm_dir: str, suffix: str) -> list[str]:
+    """Files of ``shm_dir`` ending in ``suffix`` this process maps ('... (deleted)' once unlinked)."""
+    with open("/proc/self/maps") as fh:
+        return sorted({line.split(None, 5)[5].strip() for line in fh
+                       if len(line.split(None, 5)) == 6 and shm_dir in line and suffix in line})
+
+
+def test_a_put_retried_after_a_restart_counts_each_key_once(start_daemon, tmp_path) -> None:
+    """The daemon is killed and restarted between a durable put's Allocate and its Commit (a
+    real kill -9 at that exact step, through the transport's call seam): the transparent retry
+    runs the put again, and its PutResult counts each key once (0.1's sync sidecar counted the
+    first attempt's present keys again, so ``durable == len(keys)`` could pass with fewer)."""
+    disk = str(tmp_path / "disk")
+    d = start_daemon("--disk-dir", disk, "--disk-capacity", "64MiB")
+    old, new = [key(i) for i in range(2)], [key(10 + i) for i in range(2)]
+    with Sidecar(d.socket, use_key_table=False) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        assert sc.put(lid, old, [bytes([i]) * BLOCK for i in range(2)], durable=True).durable == 2
+        transport, seen = sc._transport, []
+        unary = transport._unary
+
+        async def kill_before_the_commit(call):
+            if call.method == "Commit" and not seen:
+                seen.append(call)
+                d.kill()        # SIGKILL: its durable blocks survive on disk, nothing else does
+                d.start()
+            return await unary(call)
+
+        transport._unary = kill_before_the_commit
+        r = sc.put(lid, old + new, [bytes([i]) * BLOCK for i in range(4)], durable=True)
+        assert seen, "the put never reached its Commit"
+        assert (r.stored, r.present, r.dropped, r.durable) == (2, 2, [], 4), r
+        assert None not in sc.lookup(lid, old + new)
+
+
+def test_a_sidecar_maps_one_key_table_across_daemon_kills(start_daemon) -> None:
+    """Each kill -9 and restart of the daemon: the sidecar moves to the new daemon's key table
+    and unmaps the dead one's (0.1 kept one more mapping per restart)."""
+    d = start_daemon()
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        sc.put(lid, [key(0)], [bytes(BLOCK)])
+        assert sc.lookup(lid, [key(0)]) == ["host"]
+        assert len(_mapped(d.shm_dir, ".keys")) == 1
+        for _ in range(3):
+            d.kill()
+            d.start()
+            assert sc.lookup(lid, [key(0)]) == [None]   # the restarted daemon holds nothing (not durable)
+            sc.put(lid, [key(1)], [bytes(BLOCK)])
+            assert sc.lookup(lid, [key(1)]) == ["host"]
+            now = _mapped(d.shm_dir, ".keys")
+            assert len(now) == 1 and "(deleted)" not in now[0], f"dead daemons' key tables still mapped: {now}"
