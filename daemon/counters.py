@@ -108,6 +108,9 @@ class Count(enum.Enum):
     KV_ONBOARD_BLOCKS = "kv_onboard_blocks"
     KV_ONBOARD_MISSING = "kv_onboard_missing"
     KV_ONBOARD_ERRORS = "kv_onboard_errors"
+    # -- fixes (issue 14) --
+    KV_TRANSFERS_SUPERSEDED = "kv_transfers_superseded"  # an engine reused a ring slot whose transfer still ran
+    # -- end of fixes --
 
 
 #: the tiers evictions are counted in (the gpu tier is the engines': they evict their own)
