@@ -358,3 +358,16 @@ def test_the_kvtier_policy_decides_exactly_as_router_route() -> None:
     assert len({i for i, _, _ in chosen}) == 4
     assert sum(1 for _, load_won, _ in chosen if load_won) > 5      # the load outweighed a longer prefix
     assert sum(1 for _, _, from_disk in chosen if from_disk) > 20   # disk blocks counted beyond host's
+
+
+def test_replay_counts_only_the_leading_run_when_a_held_block_follows_a_miss() -> None:
+    """A request whose held blocks come after a miss: only the leading run is a hit (the engine
+    recomputes everything after its first miss), in every policy and tier column.
+    1 a [1,2,3]: 0 hits   2 a [1,9,3]: 1 (3 is held, past the miss)   3 a [7,2,3]: 0 (2, 3 held)"""
+    trace = [req(0, [1, 2, 3], "a"), req(10, [1, 9, 3], "a"), req(20, [7, 2, 3], "a")]
+    for policy in ("round-robin", "random", "session", "prefix", "kvtier"):
+        row = replay(trace, cfg(), policy, 1)
+        assert row.blocks == 9
+        assert row.hit_rate == pytest.approx(1 / 9), policy
+        assert row.hit_rate_by_tier == pytest.approx({"gpu": 1 / 9, "host": 0.0, "disk": 0.0}), policy
+        assert row.prefill_tokens_saved == 4
