@@ -332,3 +332,31 @@ def test_the_route_server_refuses_keys_over_32_bytes() -> None:
         asyncio.run(main())
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_a_late_completion_record_never_moves_a_slot_back() -> None:
+    """The stand-in copy engine's completion record of request 5 lands after the engine already
+    wrote request 9's "KV written" into the slot (the engine gave up on 5 and reused the slot
+    while 5's copy ran): the slot keeps 9's record, else the daemon would wait for 9's KV until
+    --transfer-wait-s and refuse it. (On the real engine, through its copy call.)"""
+    import numpy as np
+    from attacks_sessions import registration
+
+    from kvtier.tiers.copy_engine import ONBOARD, plan_chunks
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        kv_map, ring_map, kv, ring = _engine_views(kv_fd, ring_fd)
+        try:
+            reg = transfers.registrations[(await transfers.register(registration(sid, kv_fd, ring_fd))).registration_id]
+            engine = transfers.engines["host"]
+            plan = plan_chunks(reg.layout, reg.tensors, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+            ring[0] = 2 * 9
+            engine.copy(reg.memory, reg.pool_path, plan, ONBOARD, 0, 5, False).wait_done()
+            assert int(ring[0]) == 2 * 9, "a late completion record moved the slot back"
+            engine.copy(reg.memory, reg.pool_path, plan, ONBOARD, 1, 5, False).wait_done()
+            assert int(ring[1]) == 2 * 5 + 1
+        finally:
+            del kv, ring
+            _close_maps(kv_map, ring_map)
+
+    _slot_transfers(body)
