@@ -109,7 +109,7 @@ def test_a_sidecar_maps_one_key_table_across_daemon_kills(start_daemon) -> None:
         sc.put(lid, [key(0)], [bytes(BLOCK)])
         assert sc.lookup(lid, [key(0)]) == ["host"]
         assert len(_mapped(d.shm_dir, ".keys")) == 1
-        for _ in range(3):
+        for _ in range(2):   # 0.1 kept one more mapping per restart: two show it
             d.kill()
             d.start()
             assert sc.lookup(lid, [key(0)]) == [None]   # the restarted daemon holds nothing (not durable)
