@@ -248,6 +248,15 @@ class Config:
                                                  "beyond it are not written (store_writes_dropped)",
                                   parse_size, "SIZE")
     # -- end of shared store --
+    # -- fixes (issue 14) --
+    event_log_bytes: int = _opt(64 << 20, "most bytes of daemon memory each tenant's location-event ring may take "
+                                          "(its keys and about 256 bytes per event), beside --event-log-keys; older "
+                                          "events are dropped first (a subscriber that fell behind them gets a "
+                                          "snapshot)", parse_size, "SIZE")
+    disk_recheck_s: float = _opt(10.0, "how often a degraded disk tier checks whether it can take writes again: a "
+                                       "full filesystem once it has room again, any other failure by retrying",
+                                 parse_float, "SECONDS")
+    # -- end of fixes --
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
@@ -303,6 +312,7 @@ def _check(cfg: Config) -> None:
     _check_transport(cfg)
     _check_peers(cfg)
     _check_store(cfg)  # (issue 13: shared store)
+    _check_fixes(cfg)
 
 
 def _check_peers(cfg: Config) -> None:
@@ -338,6 +348,13 @@ def _check_peer_numbers(cfg: Config) -> None:
             raise ConfigError(f"{flag_name(name)} must be positive")
     if cfg.peer_serve_delay_s < 0:
         raise ConfigError("--peer-serve-delay-s must be at least 0")
+
+
+def _check_fixes(cfg: Config) -> None:  # (issue 14)
+    if cfg.event_log_bytes <= 0:
+        raise ConfigError("--event-log-bytes must be positive")
+    if cfg.disk_recheck_s < 0:
+        raise ConfigError("--disk-recheck-s must be at least 0")
 
 
 def _check_transport(cfg: Config) -> None:

@@ -139,6 +139,9 @@ class Count(enum.Enum):
     STORE_CORRUPT = "store_corrupt"                    # values failing header or checksum (misses, never served)
     STORE_EXPIRED = "store_expired"                    # blocks this daemon wrote whose TTL lapsed (left the feed)
     # -- end of shared store --
+    # -- fixes (issue 14) --
+    KV_TRANSFERS_SUPERSEDED = "kv_transfers_superseded"  # an engine reused a ring slot whose transfer still ran
+    # -- end of fixes --
 
 
 #: the tiers evictions are counted in (the gpu tier is the engines': they evict their own)

@@ -6,7 +6,9 @@ Owns
     the worker for the gpu tier, which :class:`~kvtier.daemon.device.DeviceTier` reports)
     becomes one :class:`LocationEvent` numbered ``(epoch, seq)``: the epoch is the daemon's
     (a restart starts a new one), seq counts from 1. The newest events are kept in a ring
-    bounded by ``event_log_keys`` keys (an event of k keys weighs max(1, k)).
+    bounded by ``event_log_keys`` keys (an event of k keys weighs max(1, k)) and by
+    ``event_log_bytes`` bytes of daemon heap per tenant (:func:`event_bytes`: the keys' bytes
+    and about 256 bytes of objects per event, measured with tracemalloc; issue 14).
 
 Tenants
     Each tenant has its own feed (:class:`TenantLog`: its own ring and numbering), holding only
@@ -104,6 +106,23 @@ class PackedKeys(Sequence[bytes]):
     def __repr__(self) -> str:
         return f"PackedKeys({list(self)!r})"
 
+    @property
+    def nbytes(self) -> int:
+        """Heap bytes its keys take (a bytes object is 33 bytes plus its length, and a pointer)."""
+        if self._width:
+            return len(self._blob)  # type: ignore[arg-type]
+        return sum(len(k) + 41 for k in self._blob)
+
+
+EVENT_OVERHEAD = 256
+"""Heap bytes of one ring event beside its keys (the event, its PackedKeys, the ring's slot;
+measured: 289 bytes for an event of one 32-byte key, 3,450 for one of 100)."""
+
+
+def event_bytes(keys: PackedKeys) -> int:
+    """What one event of ``keys`` weighs against ``event_log_bytes``."""
+    return EVENT_OVERHEAD + keys.nbytes
+
 
 @dataclass(frozen=True)
 class LocationEvent:
@@ -134,12 +153,14 @@ class TenantLog:
     workers their own ids."""
 
     def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = 1 << 20,
-                 tenant: str = DEFAULT_TENANT) -> None:
+                 tenant: str = DEFAULT_TENANT, max_bytes: int = 64 << 20) -> None:
         self.tenant = tenant
         self.store = store
         self.node_id = node_id
         self.epoch = epoch
         self.max_keys = max(1, max_keys)
+        self.max_bytes = max(1, max_bytes)
+        self._ring_bytes = 0
         self.head = 0                          # seq of the newest event
         self._ring: list[LocationEvent] = []   # events first_seq .. head, from index _start
         self._start = 0
@@ -162,11 +183,15 @@ class TenantLog:
 
     def _append(self, kind: EventKind, tier: Tier, fp: bytes, keys: Sequence[bytes], worker: str = "") -> None:
         self.head += 1
-        self._ring.append(LocationEvent(self.head, kind, tier, fp, PackedKeys(keys), worker))
+        packed = PackedKeys(keys)
+        self._ring.append(LocationEvent(self.head, kind, tier, fp, packed, worker))
         self._ring_keys += max(1, len(keys))
-        while self._ring_keys > self.max_keys and len(self._ring) - self._start > 1:
+        self._ring_bytes += event_bytes(packed)
+        while ((self._ring_keys > self.max_keys or self._ring_bytes > self.max_bytes)
+               and len(self._ring) - self._start > 1):
             old = self._ring[self._start]
             self._ring_keys -= max(1, len(old.keys))
+            self._ring_bytes -= event_bytes(old.keys)  # type: ignore[arg-type]
             self._ring[self._start] = _DROPPED  # its keys go now, not when the list is compacted
             self._start += 1
         if self._start > 4096 and self._start * 2 > len(self._ring):
@@ -258,8 +283,9 @@ class LocationLog(TenantLog):
     """The default tenant's feed, and the :class:`~kvtier.daemon.observers.LocationObserver`
     that hands each change to its tenant's feed (see the module docstring)."""
 
-    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = 1 << 20) -> None:
-        super().__init__(store, node_id, epoch, max_keys, DEFAULT_TENANT)
+    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = 1 << 20,
+                 max_bytes: int = 64 << 20) -> None:
+        super().__init__(store, node_id, epoch, max_keys, DEFAULT_TENANT, max_bytes)
         self._logs: dict[str, TenantLog] = {DEFAULT_TENANT: self}
         store.layout_hooks.append(self._layout_registered)
 
@@ -267,7 +293,8 @@ class LocationLog(TenantLog):
         """The tenant's feed (made on first use)."""
         log = self._logs.get(tenant)
         if log is None:
-            log = self._logs[tenant] = TenantLog(self.store, self.node_id, self.epoch, self.max_keys, tenant)
+            log = self._logs[tenant] = TenantLog(self.store, self.node_id, self.epoch, self.max_keys, tenant,
+                                                 self.max_bytes)
             log.closed = self.closed
         return log
 

@@ -34,6 +34,15 @@ Promises
       Transfer service refuses one); see :mod:`kvtier.tiers.copy_engine`.
     * Every wait for an engine's "KV written" record is bounded (``--transfer-wait-s``): an
       offload whose record does not come is refused DEADLINE_EXCEEDED and gives back its slots.
+    * A ring slot belongs to its newest sequence number (issue 14). An engine that gave up on
+      a transfer (its deadline passed) may reuse the slot while the daemon's copy still runs,
+      so: a request whose ``seq`` is not newer than the last one its slot carried is refused
+      FAILED_PRECONDITION (stale: a late or replayed request) and changes nothing; a newer
+      request on a slot supersedes the transfer still in flight there, whose copy is then not
+      issued if it has not been, and whose offload is never committed (the engine may have
+      reused those pages); the newer copy is issued only once the older one has ended. An
+      offload whose RPC was cancelled (the engine's deadline, or the engine gone) is never
+      committed either: the engine was told it failed. ``kv_transfers_superseded`` counts them.
 
 Threading: requests run on the event loop; copies and their waits run in a dedicated
 executor so the loop never blocks.
@@ -174,6 +183,17 @@ class Registration:
     inflight: int = 0
     closing: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    newest: dict[int, int] = field(default_factory=dict)          # slot -> newest seq it carried
+    running: dict[int, _InFlight] = field(default_factory=dict)   # slot -> its transfer in flight
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One transfer holding its ring slot (see "A ring slot belongs to its newest sequence number")."""
+
+    seq: int
+    abandoned: str = ""                  # why it must not commit (superseded, cancelled); "" while wanted
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Transfers:
@@ -399,7 +419,35 @@ class Transfers:
                              f"event_slot {order.event_slot} is outside the ring of {reg.memory.ring.slots}")
         if np.unique(ids).size != ids.size:
             raise StoreError(Code.INVALID_ARGUMENT, "an engine block id (or token index) appears twice in one request")
+        newest = reg.newest.get(order.event_slot, -1)
+        if order.seq <= newest:
+            raise StoreError(Code.FAILED_PRECONDITION,
+                             f"stale request: sequence number {order.seq} in event slot {order.event_slot}, which "
+                             f"already carried {newest}; each request must use a sequence number newer than the "
+                             f"last one of its slot (a late or replayed request is refused)")
         return reg, ids
+
+    def _claim(self, reg: Registration, order: TransferOrder) -> tuple[_InFlight, _InFlight | None]:
+        """Make ``order`` its slot's newest transfer (after :meth:`_validate`, in the same loop
+        step); returns it and the older transfer it supersedes, if one is still in flight."""
+        reg.newest[order.event_slot] = order.seq
+        older = reg.running.get(order.event_slot)
+        if older is not None:
+            older.abandoned = older.abandoned or (f"superseded by request {order.seq} in event slot "
+                                                  f"{order.event_slot}: the engine gave up on request {older.seq}")
+            self.counters.add(Count.KV_TRANSFERS_SUPERSEDED)
+        mine = reg.running[order.event_slot] = _InFlight(order.seq)
+        return mine, older
+
+    def _release_slot(self, reg: Registration, slot: int, mine: _InFlight) -> None:
+        mine.ended.set()
+        if reg.running.get(slot) is mine:
+            del reg.running[slot]
+
+    async def _after(self, older: _InFlight | None) -> None:
+        """Wait until the transfer this one superseded has ended (its copy is bounded)."""
+        if older is not None:
+            await older.ended.wait()
 
     async def _copy(self, reg: Registration, plan: Any, direction: str, order: TransferOrder, wait_done: bool) -> Any:
         loop = asyncio.get_running_loop()
@@ -413,16 +461,19 @@ class Transfers:
 
         return await loop.run_in_executor(self._executor, run)
 
-    def _detached(self, reg: Registration, work: Any) -> asyncio.Task:
-        """Run ``work`` as a task of its own that holds one in-flight count on ``reg``: a
-        cancelled RPC (engine killed, deadline) stops waiting for it, but the copy, the commit
-        or abort and the release still run to the end before the registration may close."""
+    def _detached(self, reg: Registration, work: Any, slot: int = -1, mine: _InFlight | None = None) -> asyncio.Task:
+        """Run ``work`` as a task of its own that holds one in-flight count on ``reg`` (and
+        ``slot`` for ``mine``): a cancelled RPC (engine killed, deadline) stops waiting for it,
+        but the copy, the commit or abort and the release still run to the end before the
+        registration may close."""
         reg.inflight += 1
 
         async def run() -> Any:
             try:
                 return await work
             finally:
+                if mine is not None:
+                    self._release_slot(reg, slot, mine)
                 self._done(reg)
 
         task = asyncio.get_running_loop().create_task(run())
@@ -438,14 +489,20 @@ class Transfers:
     async def offload(self, order: TransferOrder) -> TransferResult:
         """Copy engine blocks into fresh host slots and commit them; replies once committed."""
         reg, ids = self._validate(order)
-        task = self._detached(reg, self._offload(reg, ids, order))
+        mine, older = self._claim(reg, order)
+        task = self._detached(reg, self._offload(reg, ids, order, mine, older), order.event_slot, mine)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             self.counters.add(Count.KV_TRANSFERS_CANCELLED)  # the engine went away (or gave up) mid-copy
+            mine.abandoned = mine.abandoned or "the engine cancelled the offload (its deadline passed, or it is gone)"
             raise
 
-    async def _offload(self, reg: Registration, ids: np.ndarray, order: TransferOrder) -> TransferResult:
+    async def _offload(self, reg: Registration, ids: np.ndarray, order: TransferOrder, mine: _InFlight,
+                       older: _InFlight | None) -> TransferResult:
+        await self._after(older)
+        if mine.abandoned:  # given up on before its copy was issued: nothing to copy or commit
+            raise StoreError(Code.CANCELLED, f"offload not run: {mine.abandoned}")
         grants = await self.store.allocate(reg.store_session, reg.layout_id, order.keys)
         granted = [i for i, g in enumerate(grants) if g.granted]
         gids = [grants[i].grant_id for i in granted]
@@ -457,6 +514,9 @@ class Transfers:
             await self._abort(reg, gids)
             if isinstance(e, WaitTimeout):  # the engine never said its KV was written: nothing copied
                 raise StoreError(Code.DEADLINE_EXCEEDED, str(e)) from None
+            if mine.abandoned:
+                self.counters.add(Count.KV_OFFLOADS_ABORTED)
+                raise StoreError(Code.CANCELLED, f"offload not committed: {mine.abandoned}") from None
             if reg.closing:
                 self.counters.add(Count.KV_OFFLOADS_ABORTED)
                 raise StoreError(Code.CANCELLED, f"the engine's session ended during the offload: {e}") from None
@@ -464,10 +524,11 @@ class Transfers:
         except BaseException:
             await self._abort(reg, gids)
             raise
-        if reg.closing:  # the engine went away mid-copy: its KV cannot be vouched for
+        if reg.closing or mine.abandoned:  # the engine went away, or gave up: its KV cannot be vouched for
             await self._abort(reg, gids)
             self.counters.add(Count.KV_OFFLOADS_ABORTED)
-            raise StoreError(Code.CANCELLED, "the engine's session ended during the offload")
+            raise StoreError(Code.CANCELLED, f"offload not committed: {mine.abandoned}" if mine.abandoned else
+                             "the engine's session ended during the offload")
         if gids:
             await self.store.commit(reg.store_session, gids, [], False)
         self.counters.add(Count.KV_OFFLOAD_BLOCKS, len(gids))
@@ -482,12 +543,14 @@ class Transfers:
         """Copy held blocks (pinned meanwhile) into engine blocks; replies once the completion
         record is issued (the engine's stream can wait on it)."""
         reg, ids = self._validate(order)
+        mine, older = self._claim(reg, order)
         recorded = asyncio.get_running_loop().create_future()
-        self._detached(reg, self._onboard(reg, ids, order, recorded))
+        self._detached(reg, self._onboard(reg, ids, order, recorded, mine, older), order.event_slot, mine)
         try:
             leases, nbytes = await asyncio.shield(recorded)  # the completion record is issued: reply
         except asyncio.CancelledError:
             self.counters.add(Count.KV_TRANSFERS_CANCELLED)
+            mine.abandoned = mine.abandoned or "the engine cancelled the onboard (its deadline passed, or it is gone)"
             raise
         hits = sum(1 for lease in leases if lease.hit)
         c = self.counters
@@ -498,17 +561,22 @@ class Transfers:
                               nbytes)
 
     async def _onboard(self, reg: Registration, ids: np.ndarray, order: TransferOrder,
-                       recorded: asyncio.Future) -> None:
+                       recorded: asyncio.Future, mine: _InFlight, older: _InFlight | None) -> None:
         """Pin the hits (disk hits are promoted first), copy, hand the caller its answer once
-        the completion record is issued, keep the pins until the bytes have landed, release."""
+        the completion record is issued, keep the pins until the bytes have landed, release.
+        A superseded or cancelled onboard whose copy was not issued yet never writes the
+        engine's pages (they may hold other blocks by now)."""
         lids: list[int] = []
         try:
             try:
+                await self._after(older)
                 leases: list[LeaseResult] = await self.store.acquire(reg.store_session, reg.layout_id, order.keys)
                 hits = [i for i, lease in enumerate(leases) if lease.hit]
                 lids = [leases[i].lease_id for i in hits]
                 offsets = np.array([leases[i].offset for i in hits], dtype=np.int64)
                 plan = plan_chunks(reg.layout, reg.tensors, ids[hits], offsets)
+                if mine.abandoned:
+                    raise StoreError(Code.CANCELLED, f"onboard not run: {mine.abandoned}")
                 done = await self._copy(reg, plan, ONBOARD, order, wait_done=False)
             except BaseException as e:
                 if not recorded.done():

@@ -471,7 +471,8 @@ class Daemon:
         if not cfg.disk_dir:
             return
         try:
-            self.disk = disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_queue_depth, cfg.disk_map_size)
+            self.disk = disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_queue_depth, cfg.disk_map_size,
+                                        cfg.disk_recheck_s)
         except DiskTierError as e:
             raise StartupError(str(e)) from None
         log.info("disk tier opened", extra={
@@ -502,7 +503,7 @@ class Daemon:
             self.key_table = KeyTablePublisher(store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
         except OSError as e:
             raise StartupError(f"cannot create the key table in --shm-dir {cfg.shm_dir}: {e.strerror}") from None
-        self.locations = LocationLog(store, self.node_id, self.epoch, cfg.event_log_keys)
+        self.locations = LocationLog(store, self.node_id, self.epoch, cfg.event_log_keys, cfg.event_log_bytes)
         store.observers.add(self.key_table, self.locations)
         self.lookups = LookupRegions(store)
         self.stats = StatsSource(store, self.node_id, self.epoch, before=self.lookups.fold)

@@ -321,8 +321,8 @@ def test_a_transfer_whose_kv_is_never_written_times_out(tmp_path) -> None:
         order = TransferOrder(sid, reg.registration_id, keys(2, b"never"), np.array([0, 1]), 0, 7,
                               wait_written=True)
         t = time.monotonic()
-        with pytest.raises(StoreError) as e:
-            await transfers.offload(order)
+        with pytest.raises(StoreError) as e:  # bounded: an unbounded wait fails here, never hangs the suite
+            await asyncio.wait_for(transfers.offload(order), 10)
         assert e.value.code == Code.DEADLINE_EXCEEDED and "--transfer-wait-s" in str(e.value)
         assert time.monotonic() - t < 5
         assert not any(store.sessions[s].grants for s in store.sessions.ids())

@@ -90,10 +90,9 @@ def test_a_grant_committed_while_its_key_is_being_demoted_stays_published(shm, t
             g3 = (await store.allocate(s2, lid, [key(1)]))[0].grant_id
             await store.commit(s2, [g3], [], durable=False)          # host full
             evicting = asyncio.ensure_future(store.allocate(s2, lid, [key(2)]))
-            for _ in range(100):                                     # it runs up to the disk write
+            deadline = time.monotonic() + 10   # it runs up to the disk write (loop steps, not a count of them)
+            while fp + key(0) in store.host.entries and not evicting.done() and time.monotonic() < deadline:
                 await asyncio.sleep(0)
-                if fp + key(0) not in store.host.entries:
-                    break
             assert not evicting.done() and fp + key(0) not in store.host.entries, "key 0 is not mid-demotion"
             # mid-demotion the key is in no tier an acquire finds it in: the feed and the table agree
             assert fold(loc.since(0)) == holdings(store)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -271,9 +271,11 @@ def test_cuda_registration_without_cuda_engine_is_refused(start_daemon) -> None:
         conn.close()
 
 
-def _run_engine_until(socket: str, backend: str, shm_dir: str, mode: str, until: str) -> int:
+def _run_engine_until(socket: str, backend: str, shm_dir: str, mode: str, until: str,
+                      reached: Callable[[], bool] | None = None) -> int:
     """Start an engine process (tests/kv_engine_proc.py), read its lines until one starts with
-    ``until``, then kill it; returns the last round it finished."""
+    ``until`` (and then, if given, until ``reached()``: polled, bounded), then kill it; returns
+    the last round it finished."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, str(HERE / "kv_engine_proc.py"), socket, backend, shm_dir, mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=0)
@@ -291,7 +293,12 @@ def _run_engine_until(socket: str, backend: str, shm_dir: str, mode: str, until:
                 rounds = int(line.split()[1])
             if line.startswith(until):
                 break
-        time.sleep(0.2 if mode == "stall" else 0.004)  # let the request reach the daemon / a copy start
+        if reached is not None:  # the daemon is where the test needs it (no sleep racing a busy machine)
+            while not reached():
+                assert time.monotonic() < deadline, "the engine's request never reached the daemon"
+                time.sleep(0.01)
+        else:
+            time.sleep(0.004)  # a copy may start: the kill lands anywhere in the loop
     finally:
         proc.kill()
         proc.wait()
@@ -322,7 +329,12 @@ def test_engine_killed_mid_transfer_leaves_nothing_open(start_daemon, shm_dir, b
     with Sidecar(d.socket, use_key_table=False) as sc:
         lid = sc.register_layout(proc_mod.LAYOUT)
         # 1. killed while the daemon's offload waits for KV the engine never finished writing
-        _run_engine_until(d.socket, backend, shm_dir, "stall", "stalled")
+        slots = proc_mod.LAYOUT.slot_bytes * proc_mod.BLOCKS
+
+        def waiting() -> bool:  # round 0 is held, and the stalled offload's slots are granted
+            return backend == "cuda" or sc.stats()["tiers"]["host"]["used_bytes"] >= 2 * slots
+
+        _run_engine_until(d.socket, backend, shm_dir, "stall", "stalled", waiting)
         c = _wait_closed(sc, 1)
         if backend == "host":  # (a CUDA wait on an event never recorded passes at once)
             assert c["kv_inflight_at_close"] == 1 and c["kv_offloads_aborted"] == 1

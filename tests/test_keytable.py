@@ -475,3 +475,34 @@ def test_table_lookups_reach_the_daemons_counters(daemon: DaemonProcess) -> None
     assert counters.get("lookup_hit_blocks:host") == 3 * 4 + 1 + 4
     assert counters.get("lookup_miss_blocks") == 3 * 2 + 2
     assert counters.get("lookup_hit_tokens:host") == (3 * 4 + 1 + 4) * layout.block_tokens
+
+
+def test_a_write_between_a_batched_probe_and_its_check_forces_the_checked_probe(
+        table: tuple[KeyTableWriter, KeyTableReader]) -> None:
+    """The batched probe reads slots without their seqlocks, then re-reads the table's
+    generation: a write batch that landed in between (put there through the mapping's seam, so
+    the interleaving is exact, not a race to win) must send it through the per-slot checks, and
+    the answer is the table after the write. Without the re-check it returned what the unchecked
+    pass read (torn, had the write overlapped a slot)."""
+    w, r = table
+    keys = rand_keys(random.Random(14), 6)
+    w.set(FP_A, keys, "host")
+    m = r._map
+    landed: list[int] = []
+
+    def write_now() -> None:
+        if not landed:
+            landed.append(m.generation())
+            w.clear(FP_A, keys[2:4], "host")
+            w.set(FP_A, keys[2:4], "disk")
+
+    m.probed = write_now
+    try:
+        got = r.masks(FP_A, keys)
+    finally:
+        m.probed = None
+    assert landed, "the batched probe never reached its generation check"
+    assert m.generation() != landed[0] and not m.generation() & 1
+    assert r.rechecked == 1, "a write between the probe and its check did not force the checked probe"
+    assert got.tolist() == [TIER_BITS["host"]] * 2 + [TIER_BITS["disk"]] * 2 + [TIER_BITS["host"]] * 2
+    assert r.rechecked == 1 and (r.masks(FP_A, keys) == got).all() and r.rechecked == 1  # no write: no re-check

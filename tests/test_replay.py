@@ -376,3 +376,16 @@ def test_the_remote_tier_pulls_a_busy_replicas_prefix_only_with_peers() -> None:
         assert row.remote_hit_rate == 0.0
         assert row.hit_rate == pytest.approx(8 / 16) and row.hit_rate_by_tier["gpu"] == pytest.approx(8 / 16)
         assert row.ttft_mean_s == pytest.approx((128 / 20000 + 128 / 20000 - 0.001) / 2)
+
+
+def test_replay_counts_only_the_leading_run_when_a_held_block_follows_a_miss() -> None:
+    """A request whose held blocks come after a miss: only the leading run is a hit (the engine
+    recomputes everything after its first miss), in every policy and tier column.
+    1 a [1,2,3]: 0 hits   2 a [1,9,3]: 1 (3 is held, past the miss)   3 a [7,2,3]: 0 (2, 3 held)"""
+    trace = [req(0, [1, 2, 3], "a"), req(10, [1, 9, 3], "a"), req(20, [7, 2, 3], "a")]
+    for policy in ("round-robin", "random", "session", "prefix", "kvtier"):
+        row = replay(trace, cfg(), policy, 1)
+        assert row.blocks == 9
+        assert row.hit_rate == pytest.approx(1 / 9), policy
+        assert row.hit_rate_by_tier == pytest.approx({"gpu": 1 / 9, "host": 0.0, "disk": 0.0}), policy
+        assert row.prefill_tokens_saved == 4

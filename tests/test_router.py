@@ -344,10 +344,10 @@ def test_a_session_sticks_to_one_worker_before_any_event_arrives(three) -> None:
         assert r.holdings() == {}
     with router_for(three, speculative_ttl_s=0.2) as r:
         keys = session_keys(200, 4)
-        r.finish(r.route(keys).decision_id)
-        assert r.route(keys, dispatch=False).ranked[0].overlap.gpu == 4
-        time.sleep(0.45)
-        assert r.route(keys, dispatch=False).ranked[0].overlap.gpu == 0  # unconfirmed: expired
+        t = time.monotonic()  # the router's clock, given: no sleep races the 0.2 s TTL on a busy machine
+        r.finish(r.route(keys, now=t).decision_id)
+        assert r.route(keys, dispatch=False, now=t + 0.19).ranked[0].overlap.gpu == 4
+        assert r.route(keys, dispatch=False, now=t + 0.45).ranked[0].overlap.gpu == 0  # unconfirmed: expired
 
 
 def test_dns_names_follow_the_addresses_they_resolve_to(start_daemon) -> None:

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -44,27 +45,49 @@ def payload(k: bytes) -> bytes:
     return np.random.default_rng(int.from_bytes(k, "big")).bytes(BLOCK)
 
 
+WAIT_S = 10.0       # the longest any wait of these tests may take: past it the test fails, never hangs
+_GATES: list[Gate] = []   # every gate of the running test: ``run`` opens them all at its end
+
+
 class Gate:
-    """Holds every thread of an executor until opened."""
+    """Holds every thread of an executor until opened (at the latest when its test ends, pass or
+    fail: a test failing before it opened its gate used to hang the store's close forever)."""
 
     def __init__(self, executor, threads: int) -> None:
         self.event = threading.Event()
-        self.futs = [executor.submit(self.event.wait) for _ in range(threads)]
+        self.executor = executor
+        self.futs = [executor.submit(self.event.wait, 6 * WAIT_S) for _ in range(threads)]
+        _GATES.append(self)
+
+    def queued(self) -> int:
+        """Jobs waiting behind the gate (submitted to the held executor, not started)."""
+        return self.executor._work_queue.qsize()
 
     def open(self) -> None:
         self.event.set()
         for f in self.futs:
-            f.result()
+            f.result(WAIT_S)
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Yield to the loop until ``cond()``; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.001)
 
 
 async def settle(store: BlockStore, disk: DiskTier | None = None) -> None:
-    """Let detached work finish: loop steps, the disk writer's queue, then loop steps again."""
-    for _ in range(3):
-        for _ in range(50):
-            await asyncio.sleep(0)
+    """Let detached work finish: every other task of the loop ends (bounded), then the disk
+    writer's queue drains, twice (a finished task may have queued more)."""
+    for _ in range(2):
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        if others:
+            _, pending = await asyncio.wait(others, timeout=WAIT_S)
+            assert not pending, f"{len(pending)} tasks still running after {WAIT_S} s: {pending}"
         if disk is not None:
-            await asyncio.wrap_future(disk._writer.submit(lambda: None))
-        await asyncio.sleep(0.01)
+            await asyncio.wait_for(asyncio.wrap_future(disk._writer.submit(lambda: None)), WAIT_S)
+        await asyncio.sleep(0)
 
 
 def write_slot(store: BlockStore, off: int, data: bytes) -> None:
@@ -129,8 +152,12 @@ def run(tmp_path, body: Callable[[BlockStore, DiskTier | None, int, int], Awaita
         try:
             lid = (await store.register_layout(LAYOUT)).layout_id
             sid = store.open_session("test", os.getpid()).session_id
-            await body(store, disk, lid, sid)
+            async with asyncio.timeout(6 * WAIT_S):   # (in this task: settle waits for the others)
+                await body(store, disk, lid, sid)
         finally:
+            for gate in _GATES:   # a failed assertion before a gate opened: let the threads go
+                gate.event.set()
+            _GATES.clear()
             await asyncio.sleep(0.05)
             store.close()
 
@@ -141,10 +168,11 @@ def run(tmp_path, body: Callable[[BlockStore, DiskTier | None, int, int], Awaita
 
 
 async def parked(coro: Awaitable) -> asyncio.Task:
-    """Start ``coro`` and let it run until it waits on a gated thread."""
+    """Start ``coro`` and let it run until its work waits behind the (latest) gate: a job of it
+    is queued on the gated executor, however many loop steps that takes."""
+    gate = _GATES[-1]
     task = asyncio.ensure_future(coro)
-    for _ in range(20):
-        await asyncio.sleep(0)
+    await until(lambda: gate.queued() > 0 or task.done(), "the request to reach the gated threads")
     assert not task.done(), "the request should be parked on the gated disk threads"
     return task
 
@@ -352,8 +380,7 @@ def test_session_closed_while_fresh_slots_fail_to_back_lists_each_slot_once(tmp_
     async def body(store, disk, lid, sid):
         monkeypatch.setattr(BackingJob, "run", run_)
         task = asyncio.ensure_future(store.allocate(sid, lid, [key(1), key(2)]))
-        while not started.is_set():
-            await asyncio.sleep(0.001)
+        await until(started.is_set, "the fallocate to start")
         store.close_session(sid)
         proceed.set()
         with pytest.raises(StoreError) as ei:
@@ -403,8 +430,7 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
 
             engine.open_kv, engine.close_kv = slow_open, close
             task = asyncio.ensure_future(transfers.register(req))
-            while not opening.is_set():
-                await asyncio.sleep(0.001)
+            await until(opening.is_set, "the KV memory to be opening")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -447,8 +473,7 @@ def test_slots_of_a_session_closed_during_fallocate_are_not_handed_out_unbacked(
     async def body(store, disk, lid, sid):
         monkeypatch.setattr(BackingJob, "run", run_)
         task = asyncio.ensure_future(store.allocate(sid, lid, [key(1), key(2)]))
-        while not started.is_set():
-            await asyncio.sleep(0.001)
+        await until(started.is_set, "the fallocate to start")
         store.close_session(sid)
         other = store.open_session("other", os.getpid()).session_id
         grants = await store.allocate(other, lid, [key(3)])

@@ -330,6 +330,14 @@ def _rows(buf: np.ndarray, offsets: np.ndarray, size: int) -> tuple[np.ndarray, 
     return view, (offsets // np.uint64(g)).astype(np.int64)
 
 
+def _record(mem: HostKVMemory, slot: int, seq: int) -> None:
+    """The stand-in's completion record: never moves a slot back below a newer request's
+    "KV written" record (an engine that gave up on request ``seq`` may have reused the slot)."""
+    ring = mem.ring_arr
+    if int(ring[slot]) < 2 * seq + 1:
+        ring[slot] = 2 * seq + 1
+
+
 class HostCopyEngine(CopyEngine):
     """CPU stand-in: engine KV memory is a shared-memory file; ``threads`` workers copy whole
     blocks with numpy (see :func:`_copy_blocks`). A copy is cut into jobs of at most
@@ -411,12 +419,12 @@ class HostCopyEngine(CopyEngine):
                 last = remaining[0] == 0
             if last:
                 if not errors:
-                    mem.ring_arr[slot] = 2 * seq + 1
+                    _record(mem, slot, seq)
                 done.set()
 
         prio = 0 if direction == ONBOARD else 1
         if not jobs:
-            mem.ring_arr[slot] = 2 * seq + 1
+            _record(mem, slot, seq)
             done.set()
         for s in jobs:
             self._jobs.put((prio, next(self._order), mem, pool, plan.take(s), direction, finished))
@@ -445,6 +453,9 @@ class HostCopyEngine(CopyEngine):
                                   f"copied: record it before asking for the offload")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+        if int(ring[slot]) > mark:  # a newer request's record: the engine gave up on this one
+            raise CopyError(f"request {mark // 2} in event slot {slot} was superseded by a newer request "
+                            f"before its KV was written; nothing was copied")
 
     def _work(self) -> None:
         while True:

@@ -57,6 +57,16 @@ Failure
     ``ENOSPC`` (or any other ``OSError``) during a write batch, or a full LMDB map, turns the
     tier *degraded*: the batch is not made visible, one log line says why, and every later
     ``plan_write`` is refused (host-only operation); reads of committed entries go on.
+    Recovery (issue 14): :attr:`DiskTier.degraded` is checked again at most every
+    ``recheck_s`` seconds: a tier degraded by a full filesystem takes writes again once the
+    filesystem has room again (at least :data:`RECOVER_FREE_BYTES`, and four slots of its
+    largest class), any other failure is retried after ``recheck_s``; a write that fails again
+    degrades it again. One log line says when it recovered.
+
+Accounting of restored slabs (issue 14)
+    At open, every slot of a slab file that no index entry names is punched out of the file
+    and kept as a hole: restored blocks count only their own slots against ``capacity``, not
+    the whole preallocated (or once larger) file.
 
 Threading
     Bookkeeping (``get``, ``plan_write``, ``finish_write``, ``remove``, pins) is not
@@ -75,6 +85,7 @@ import os
 import re
 import stat
 import struct
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,6 +104,8 @@ GROW_BYTES = 256 * 1024 * 1024          # slab files grow by preallocated chunks
 INDEX_FORMAT = b"kvtier-disk-index-v1"
 _VALUE = struct.Struct("<IQQQQ")        # slot_bytes, slot, length, xxh3-64, write sequence
 _SLAB_NAME = re.compile(r"^slab-([0-9]+)\.dat$")
+RECOVER_FREE_BYTES = 1 << 20            # a full filesystem counts as having room again above this
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class DiskTierError(Exception):
@@ -186,7 +199,8 @@ class WritePlan:
 class DiskTier(PinnedTier[DiskEntry]):
     """Slots, index and pins of the disk tier (see the module docstring)."""
 
-    def __init__(self, directory: str, capacity: int = 0, queue_depth: int = 8, map_size: int = 0) -> None:
+    def __init__(self, directory: str, capacity: int = 0, queue_depth: int = 8, map_size: int = 0,
+                 recheck_s: float = 10.0) -> None:
         if queue_depth < 1:
             raise DiskTierError(f"disk queue depth must be at least 1, got {queue_depth}")
         self.directory = os.path.abspath(directory)
@@ -202,7 +216,7 @@ class DiskTier(PinnedTier[DiskEntry]):
         self._probe_odirect()
         self.slabs: dict[int, Slab] = {}
         self._open_slabs()
-        existing = sum(s.allocated_bytes for s in self.slabs.values())
+        existing = sum(os.fstat(s.fd).st_blocks * 512 for s in self.slabs.values())  # space really held
         if capacity <= 0:
             st = os.statvfs(self.directory)
             capacity = int((st.f_bavail * st.f_frsize + existing) * 0.9)
@@ -220,7 +234,14 @@ class DiskTier(PinnedTier[DiskEntry]):
         self._writing: set[bytes] = set()
         self._unwanted: set[bytes] = set()   # removed while being written: dropped when the write finishes
         self._seq = 0
-        self.degraded = ""                                       # why writes stopped; "" while healthy
+        self._degraded = ""                  # why writes stopped; "" while healthy (see ``degraded``)
+        self._space_error = False            # ... because the filesystem was full
+        self._recheck_at = 0.0               # monotonic time of the next recovery check
+        self.recheck_s = recheck_s
+        self.recoveries = 0                  # times the tier took writes again after degrading
+        # the durability barrier of a write batch; an attribute so that a test can make it fail
+        # (EIO) in a real tier and see that nothing it was guarding becomes visible
+        self._fdatasync = os.fdatasync
         self.restored, self.dropped_on_open = self._restore()
         self._io = ThreadPoolExecutor(queue_depth, thread_name_prefix="kvtier-disk-io")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-writer")
@@ -323,9 +344,22 @@ class DiskTier(PinnedTier[DiskEntry]):
             self.per_fp[fingerprint_of(e.bkey)] += 1
         self._seq = found[-1].seq if found else 0
         for slot_bytes, slab in self.slabs.items():
-            taken = used.get(slot_bytes, set())
-            slab.free = [s for s in range(slab.nslots - 1, -1, -1) if s not in taken]
+            self._release_untaken(slab, used.get(slot_bytes, set()))
         return len(found), len(bad)
+
+    @staticmethod
+    def _release_untaken(slab: Slab, taken: set[int]) -> None:
+        """Punch every slot of ``slab`` no restored entry names and keep it as a hole: restored
+        blocks count only their own slots (a slab file is preallocated in large chunks, and
+        slots punched for another class look allocated by the file's size alone)."""
+        untaken = [s for s in range(slab.nslots) if s not in taken]
+        start = 0
+        for i in range(1, len(untaken) + 1):  # one punch per run of consecutive slots
+            if i == len(untaken) or untaken[i] != untaken[i - 1] + 1:
+                punch_hole(slab.fd, untaken[start] * slab.slot_bytes, (i - start) * slab.slot_bytes)
+                start = i
+        slab.free = []
+        slab.holes = untaken[::-1]  # handed out lowest first
 
     # -- accounting -----------------------------------------------------------------------
 
@@ -446,7 +480,7 @@ class DiskTier(PinnedTier[DiskEntry]):
         written = [e for e, good in zip(planned, ok, strict=True) if good]
         plan.mismatched = [e for e, good in zip(planned, ok, strict=True) if not good]
         for fd in {e.slab.fd for e in written}:
-            os.fdatasync(fd)
+            self._fdatasync(fd)
         changes = self._dir_changes
         if changes != self._dir_synced:  # a slab file was created: its name must survive a crash
             dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -518,16 +552,42 @@ class DiskTier(PinnedTier[DiskEntry]):
             self.per_fp[fingerprint_of(e.bkey)] += 1
         return planned
 
+    @property
+    def degraded(self) -> str:
+        """Why writes stopped ("" while healthy). Read while degraded, it checks at most every
+        ``recheck_s`` whether the cause went away (module docstring: Failure) and recovers."""
+        if self._degraded and time.monotonic() >= self._recheck_at:
+            self._recheck_at = time.monotonic() + self.recheck_s
+            if not self._space_error or self._free_bytes() >= self._room_needed():
+                log.warning("disk tier takes writes again (it was degraded: %s)", self._degraded,
+                            extra={"disk_dir": self.directory})
+                self._degraded = ""
+                self._space_error = False
+                self.recoveries += 1
+        return self._degraded
+
+    def _free_bytes(self) -> int:
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
+    def _room_needed(self) -> int:
+        return max(RECOVER_FREE_BYTES, 4 * max(self.slabs, default=0))
+
     def _degrade(self, error: BaseException) -> None:
-        if self.degraded:
+        if self._degraded:
             return
         if isinstance(error, lmdb.MapFullError):
             why = f"LMDB index map is full ({self.map_size} B): raise --disk-map-size"
-        elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        elif isinstance(error, OSError) and error.errno in _SPACE_ERRNOS:
             why = f"{self.directory} is full ({os.strerror(error.errno)}): free space or lower --disk-capacity"
+            self._space_error = True
         else:
             why = f"write to {self.directory} failed: {error}"
-        self.degraded = why
+        self._degraded = why
+        self._recheck_at = time.monotonic() + self.recheck_s
         log.error("disk tier degraded to host-only: %s; committed disk blocks are still served", why,
                   extra={"disk_dir": self.directory})
 

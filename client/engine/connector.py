@@ -29,6 +29,17 @@ Completion, per request, through a ring of interprocess events exchanged at regi
   ``wait()`` blocks. A key the daemon does not hold comes back ``"missing"`` and its engine
   page is not touched.
 
+Ring slots and sequence numbers: every request carries a sequence number newer than any
+before it (one counter per connector), and a slot is handed out again in the order slots were
+freed (the least recently used first). A transfer whose deadline passes frees its slot at
+once; the daemon keeps that safe (:mod:`kvtier.daemon.gpu`: a slot belongs to its newest
+sequence number): a newer request in the slot supersedes the old transfer, which is then never
+committed nor copied if its copy was not issued yet, an offload whose call was cancelled is
+never committed, and a request older than its slot's newest is refused FAILED_PRECONDITION.
+Still, don't reuse the engine pages of a transfer that failed with DEADLINE_EXCEEDED for
+other KV before the daemon's ``--transfer-wait-s`` has passed: an onboard copy already
+issued cannot be withdrawn.
+
 The connector holds a Node session (:mod:`kvtier.client.engine.transport`, as the sidecars do)
 for as long as it is open: if the process dies, the daemon closes the registration, its
 handles and its slots. No daemon at the socket (a wrong path, a stopped or killed daemon) is
