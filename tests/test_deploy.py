@@ -15,6 +15,7 @@ dashboard and the Dockerfile, each checked by the tool that owns its format:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -24,10 +25,10 @@ import socket
 import stat
 import subprocess
 import sys
-import tomllib
 import urllib.request
 
 import pytest
+import tomllib
 import yaml
 
 from kvtier.client.testing.local_daemon import DaemonProcess
@@ -37,8 +38,9 @@ DEPLOY = ROOT / "deploy"
 BIN = pathlib.Path(sys.executable).parent
 K8S_VERSION = "1.30.0"
 
-sys.path.insert(0, str(DEPLOY))
-import render  # noqa: E402  (deploy/render.py)
+_spec = importlib.util.spec_from_file_location("kvtier_deploy_render", DEPLOY / "render.py")
+render = importlib.util.module_from_spec(_spec)  # deploy/render.py, which writes deploy/k8s/
+_spec.loader.exec_module(render)
 
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) renders the chart")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
