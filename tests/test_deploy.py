@@ -379,6 +379,19 @@ def test_the_image_installs_as_the_project_does() -> None:
         assert 'ENTRYPOINT ["/usr/local/bin/kvtierd-entrypoint"]' in s
 
 
+def test_every_package_directory_is_installed() -> None:
+    """A regular (non-editable) install, as in the image, ships only the packages pyproject lists:
+    a package directory left out installs without error and fails at import (found by building
+    the image: kvtier.daemon.services was missing)."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    for package, src in tool["package-dir"].items():
+        for init in (ROOT / src).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / src)
+            name = ".".join([package, *rel.parts])
+            assert name in listed, f"{name} ({init.parent.relative_to(ROOT)}) is not in pyproject's packages"
+
+
 def test_the_entrypoint_removes_a_dead_containers_pool_files_only(tmp_path) -> None:
     shm = tmp_path / "pool"
     shm.mkdir()
