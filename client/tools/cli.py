@@ -5,6 +5,7 @@
     kvtier report --daemons A,B [--once --json]                 live hit rate by tier and node
     kvtier route-server --daemon A [--daemon B] [--dns H:P]     the router as a gRPC service
     kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
+    kvtier health [SOCKET | HOST:PORT]                          exit 0 when a daemon serves (probes)
 
 Each command lives in its own module with a ``main(argv)``; see COMMANDS.
 """
@@ -92,6 +93,8 @@ COMMANDS = {
                      "kvtier.client.routing.route_server:main"),
     "replay": ("replay a Mooncake-format trace: hit rate by tier, replicas and router policy",
                "kvtier.client.tools.replay:main"),
+    "health": ("exit 0 when a kvtierd's gRPC health service answers SERVING (probes)",
+               "kvtier.client.tools.health:main"),
 }
 
 

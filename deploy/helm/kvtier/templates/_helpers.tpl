@@ -1,0 +1,116 @@
+{{/* Names and labels. */}}
+{{- define "kvtier.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvtier.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "kvtier.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "kvtier.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvtier.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/name: {{ include "kvtier.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvtier.selector" -}}
+app.kubernetes.io/name: {{ include "kvtier.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvtier.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{/* The route server needs no GPU: the cpu image, unless routeServer.image says otherwise. */}}
+{{- define "kvtier.routerImage" -}}
+{{- $tag := .Values.routeServer.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.routeServer.image.variant) -}}
+{{- printf "%s:%s" (.Values.routeServer.image.repository | default .Values.image.repository) $tag -}}
+{{- end -}}
+
+{{/* The headless Service: its DNS name resolves to every daemon pod. */}}
+{{- define "kvtier.daemonService" -}}
+{{- printf "%s-daemon" (include "kvtier.fullname" .) -}}
+{{- end -}}
+
+{{- define "kvtier.daemonDns" -}}
+{{- printf "%s.%s.svc.cluster.local:%d" (include "kvtier.daemonService" .) .Release.Namespace (int .Values.daemon.tcp.port) -}}
+{{- end -}}
+
+{{/* Memory the daemon container is given: the pool plus the daemon's own. */}}
+{{- define "kvtier.daemonMemory" -}}
+{{- printf "%dMi" (add (mul (int .Values.daemon.pool.capacityGiB) 1024) (int .Values.daemon.pool.overheadMiB)) -}}
+{{- end -}}
+
+{{/* A TOML file from a flat map: every value as JSON, which is TOML for strings, numbers, booleans
+     and arrays of them; a nested map is refused. */}}
+{{- define "kvtier.toml" -}}
+{{- range $key, $value := . }}
+{{- if kindIs "map" $value }}
+{{- fail (printf "config.%s: a kvtierd setting is a string, number, boolean or list, not a map" $key) }}
+{{- end }}
+{{ $key }} = {{ toJson $value }}
+{{- end }}
+{{- end -}}
+
+{{/* kvtierd's settings: what the chart derives, then daemon.config over it. */}}
+{{- define "kvtier.daemonConfig" -}}
+{{- $d := .Values.daemon -}}
+{{- $cfg := dict
+  "socket" (printf "%s/%s" $d.socketDir $d.socketName)
+  "shm_dir" "/var/lib/kvtier/pool"
+  "host_capacity" (printf "%dGiB" (int $d.pool.capacityGiB))
+  "state_dir" "/var/lib/kvtier/state"
+  "metrics_port" (int $d.metrics.port)
+  "metrics_host" "0.0.0.0"
+  "log_format" "json"
+  "allowed_uids" $d.allowedUids
+  "allowed_gids" $d.allowedGids
+  "tenants" $d.tenants
+-}}
+{{- if $d.disk.enabled }}
+{{- $_ := set $cfg "disk_dir" "/var/lib/kvtier/disk" }}
+{{- if $d.disk.capacity }}{{- $_ := set $cfg "disk_capacity" $d.disk.capacity }}{{- end }}
+{{- end }}
+{{- if $d.tcp.enabled }}
+{{- $_ := set $cfg "tcp" (printf "0.0.0.0:%d" (int $d.tcp.port)) }}
+{{- $_ := set $cfg "tcp_services" $d.tcp.services }}
+{{- $_ := set $cfg "tls_cert" "/etc/kvtier/tls/tls.crt" }}
+{{- $_ := set $cfg "tls_key" "/etc/kvtier/tls/tls.key" }}
+{{- $_ := set $cfg "tls_ca" "/etc/kvtier/tls/ca.crt" }}
+{{- end }}
+{{- if .Values.keySecret.secretName }}
+{{- $_ := set $cfg "key_secret_file" "/var/lib/kvtier/state/key.secret" }}
+{{- end }}
+{{- if eq .Values.image.variant "cpu" }}
+{{- $_ := set $cfg "copy_engine" "host" }}
+{{- end }}
+{{- include "kvtier.toml" (merge (deepCopy $d.config) $cfg) }}
+{{- end -}}
+
+{{- define "kvtier.routerConfig" -}}
+{{- $r := .Values.routeServer -}}
+{{- $cfg := dict
+  "listen" (printf "0.0.0.0:%d" (int $r.port))
+  "dns" (list (include "kvtier.daemonDns" .))
+  "tls_cert" "/etc/kvtier/tls/tls.crt"
+  "tls_key" "/etc/kvtier/tls/tls.key"
+  "tls_ca" "/etc/kvtier/tls/ca.crt"
+  "daemon_tls_cert" "/etc/kvtier/daemon-tls/tls.crt"
+  "daemon_tls_key" "/etc/kvtier/daemon-tls/tls.key"
+  "daemon_tls_ca" "/etc/kvtier/daemon-tls/ca.crt"
+-}}
+{{- include "kvtier.toml" (merge (deepCopy $r.config) $cfg) }}
+{{- end -}}

