@@ -5,6 +5,8 @@
     kvtier report --daemons A,B [--once --json]                 live hit rate by tier and node
     kvtier route-server --daemon A [--daemon B] [--dns H:P]     the router as a gRPC service
     kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
+    kvtier trace from-chat LOG.jsonl --tokenizer DIR --block-tokens N   chat logs -> a trace
+    kvtier measure --engines URL,... [--daemons ...] [--trace F]  prefix share and hit rate per replica
 
 Each command lives in its own module with a ``main(argv)``; see COMMANDS.
 """
@@ -92,6 +94,9 @@ COMMANDS = {
                      "kvtier.client.routing.route_server:main"),
     "replay": ("replay a Mooncake-format trace: hit rate by tier, replicas and router policy",
                "kvtier.client.tools.replay:main"),
+    "trace": ("make traces from chat logs (from-chat) and inspect them (stats)", "kvtier.client.tools.trace:main"),
+    "measure": ("prefix share and hit rate per replica from engines' and daemons' metrics (--trace: predictions)",
+                "kvtier.client.tools.measure:main"),
 }
 
 
