@@ -8,7 +8,8 @@ serving stack: one request a line, a JSON object with
 
 * ``messages`` (OpenAI chat messages; ``content`` a string or a list of ``{"type": "text",
   "text": ...}`` parts) and optionally ``tools`` (OpenAI tool definitions), either at the top
-  level or under ``request`` (a logged request body);
+  level or under ``request`` (a logged request body; the fields below may be in either, the
+  top level's win);
 * ``timestamp``: milliseconds (any origin) or an ISO 8601 string; or ``created`` (seconds, as
   in OpenAI responses);
 * optionally ``session_id`` (or ``conversation_id``): written as the trace's ``session_id``;
@@ -204,8 +205,9 @@ def parse_chat_line(line: str, where: str) -> tuple[float, list[dict], list[dict
     tools = body.get("tools") or None
     if tools is not None and not isinstance(tools, list):
         raise ValueError(f"{where}: tools must be a list")
-    sess = rec.get("session_id", rec.get("conversation_id", body.get("session_id")))
-    return _timestamp_ms(rec, where), messages, tools, None if sess is None else str(sess), _output_length(rec)
+    meta = {**body, **rec} if body is not rec else rec   # fields outside the request body win
+    sess = meta.get("session_id", meta.get("conversation_id"))
+    return _timestamp_ms(meta, where), messages, tools, None if sess is None else str(sess), _output_length(meta)
 
 
 def chat_to_trace(lines: Iterable[str], tokenizer: ChatTokenizer, block_tokens: int,
