@@ -57,6 +57,36 @@ def _workload(sessions: int, turns: int, seed: int = 1) -> list[tuple[str, list[
     return out
 
 
+def _serve(stub, sidecars: dict[str, Sidecar], lids: dict[str, int], work: list[tuple[str, list[int]]]) -> None:
+    """Route each request (dispatching, its session in the metadata), then do what an engine with
+    kvtier does on the chosen node: look its blocks up, store the missing ones; then Finish."""
+    for session, tokens in work:
+        req = router_pb2.RouteRequest(token_ids=tokens, namespace=router_pb2.NamespaceSpec(
+            model=NS.model, tenant_salt=NS.tenant_salt), block_tokens=BT, dispatch=True)
+        reply = stub.Route(req, timeout=5, metadata=[(SESSION_HEADER, session)])
+        node = reply.ranked[0].node_id
+        keys = block_keys(tokens, BT, NS)
+        sc = sidecars[node]
+        held = sc.lookup(lids[node], keys)   # counted by that daemon
+        new = [k for k, t in zip(keys, held, strict=True) if t is None]
+        if new:
+            assert not sc.put(lids[node], new, [bytes(1024)] * len(new)).dropped
+        stub.Finish(router_pb2.FinishRequest(decision_id=reply.decision_id), timeout=5,
+                    metadata=[(OUTPUT_HEADER, "8")])
+
+
+def _measure_json(argv: list[str], out) -> dict:
+    """``kvtier measure ARGV`` in this process; its JSON output."""
+    with open(out, "w") as fh:
+        old, sys.stdout = sys.stdout, fh
+        try:
+            rc = measure.main(argv)
+        finally:
+            sys.stdout = old
+    assert rc == 0, out.read_text()
+    return json.loads(out.read_text())
+
+
 def test_recorded_trace_replays_to_the_live_hit_rate(start_daemon, tmp_path) -> None:
     daemons = {n: start_daemon("--node-id", n, name=n, host_capacity="64MiB") for n in "AB"}
     trace = tmp_path / "routed.jsonl"
@@ -80,30 +110,12 @@ def test_recorded_trace_replays_to_the_live_hit_rate(start_daemon, tmp_path) -> 
         wait_for(synced, what="route-server feeds")
 
         work = _workload(sessions=7, turns=4)  # odd: round-robin moves sessions
-        for session, tokens in work:
-            req = router_pb2.RouteRequest(token_ids=tokens, namespace=router_pb2.NamespaceSpec(model=NS.model,
-                                          tenant_salt=NS.tenant_salt), block_tokens=BT, dispatch=True)
-            reply = stub.Route(req, timeout=5, metadata=[(SESSION_HEADER, session)])
-            node = reply.ranked[0].node_id
-            keys = block_keys(tokens, BT, NS)
-            sc = sidecars[node]
-            held = sc.lookup(lids[node], keys)   # the engine asks its daemon: counted there
-            new = [k for k, t in zip(keys, held, strict=True) if t is None]
-            if new:
-                assert not sc.put(lids[node], new, [bytes(1024)] * len(new)).dropped
-            stub.Finish(router_pb2.FinishRequest(decision_id=reply.decision_id), timeout=5,
-                        metadata=[(OUTPUT_HEADER, "8")])
+        _serve(stub, sidecars, lids, work)
         status = stub.Status(router_pb2.RouterStatusRequest(), timeout=5)
         channel.close()
-        live = measure.main  # the live figure through `kvtier measure --daemons`
-        out = tmp_path / "measure.json"
-        with open(out, "w") as fh:
-            old, sys.stdout = sys.stdout, fh
-            try:
-                assert live(["--daemons", ",".join(d.socket for d in daemons.values()), "--once", "--json"]) == 0
-            finally:
-                sys.stdout = old
-        m = json.loads(out.read_text())
+        # the live figure, through `kvtier measure --daemons`
+        m = _measure_json(["--daemons", ",".join(d.socket for d in daemons.values()), "--once", "--json"],
+                          tmp_path / "measure.json")
     finally:
         for sc in sidecars.values():
             sc.close()
