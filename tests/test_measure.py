@@ -204,7 +204,9 @@ def _chat_log(sessions: int, turns: int, seed: int = 3) -> list[dict]:
 
     def words(n: int) -> str:
         return " ".join(f"w{rng.randrange(400)}" for _ in range(n))
-    systems = [words(40), words(23)]
+    # system prompts of whole blocks (with their role token), and every first turn opens with the
+    # same task text: equal blocks after different prefixes, which only chained ids tell apart
+    systems, task = [words(2 * BT - 1), words(3 * BT - 1)], words(2 * BT)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}},
              {"type": "function", "function": {"name": "search", "parameters": {}}}]
     hist = {s: [{"role": "system", "content": systems[s % 2]}] for s in range(sessions)}
@@ -213,12 +215,12 @@ def _chat_log(sessions: int, turns: int, seed: int = 3) -> list[dict]:
         for s in range(sessions):
             if turn:
                 hist[s].append({"role": "assistant", "content": words(rng.randrange(3, 12))})
-            hist[s].append({"role": "user", "content": words(rng.randrange(5, 30))})
+            hist[s].append({"role": "user", "content": (task + " " if not turn else "") + words(rng.randrange(5, 30))})
             t += rng.randrange(10, 2000)
             rec: dict = {"messages": [dict(m) for m in hist[s]], "session_id": f"c{s}",
                          "timestamp": t if s % 2 else time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t // 1000))
                          + f".{t % 1000:03d}Z", "usage": {"completion_tokens": 7}}
-            if s % 3 == 0:
+            if s % 3 == 2:
                 rec["tools"] = tools
             out.append({"request": rec} if s == 1 else rec)
     return out
