@@ -234,10 +234,15 @@ def _pct(x: float | None) -> str:
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [head, *rows] if i < len(r)) for i in range(len(head))]
+    full = [r for r in [head, *rows] if len(r) == len(head)]   # short rows (unreachable) do not set widths
+    widths = [max(len(r[i]) for r in (full if i else [head, *rows])) for i in range(len(head))]
     out = []
     for k, r in enumerate([head, *rows]):
-        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))).rstrip())
+        if len(r) != len(head):
+            out.append("  ".join([r[0].ljust(widths[0]), *r[1:]]))
+        else:
+            out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
     return out
@@ -250,7 +255,7 @@ def format_engines(engines: Sequence[EngineReport], recent: dict[str, float | No
     rows = []
     for e in [*engines, engine_total(engines)]:
         if not e.reachable:
-            rows.append([e.url, f"unreachable: {e.error}"[:70]])
+            rows.append([e.url, f"unreachable: {e.error}"[:70] if e.error else "nothing reachable"])
             continue
         row = [e.url, e.kind or "?", f"{e.prompt_tokens:,}", _pct(e.prefix_share()), _pct(e.engine_hit_rate()),
                _pct(e.external_hit_rate())]
