@@ -109,6 +109,11 @@ other name is refused with INVALID_ARGUMENT naming it.
 Client stubs: from kvtier.proto import router_pb2, router_pb2_grpc
 (the service definition: kvtier/proto/kvtier/v1/router.proto in the installed package).
 
+Recording: --record-trace FILE writes every dispatched request as a trace kvtier replay reads
+(hash ids numbered per file; no key leaves the router). Route call metadata
+x-kvtier-session-id gives its session_id, Finish call metadata x-kvtier-output-tokens its
+output_length. Status counts recorded_requests and record_dropped.
+
 Settings: every option is also a variable KVTIER_ROUTER_<NAME> (--state-path:
 KVTIER_ROUTER_STATE_PATH) and a key of the --config TOML file (state_path); a flag beats the
 variable beats the file beats the default. Lists repeat the flag (--daemon A --daemon B); in
@@ -210,7 +215,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-route")
 
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteReply:
-        metadata = context.invocation_metadata()
+        metadata = context.invocation_metadata() if self.recorder is not None else None
 
         def route() -> Decision:  # hashing token ids is work too: off the event loop
             try:
