@@ -271,6 +271,10 @@ def test_chat_log_to_trace_keeps_the_ideal_prefix_hit_rate(tmp_path, capsys) -> 
     print(f"ideal prefix hit rate: trace {stats['ideal_prefix_hit_rate']:.4f}, tokens {direct:.4f}")
     assert stats["ideal_prefix_hit_rate"] == pytest.approx(direct, abs=1e-12) and 0.3 < direct < 0.95
     assert stats["blocks"] == total and stats["distinct_blocks"] == len(seen) and stats["sessions"] == 5
+    # the renderer without transformers (tokenizers and jinja2) makes the same trace
+    light = trace_tool.chat_to_trace(log_path.read_text().splitlines(),
+                                     trace_tool.ChatTokenizer(tok_dir, use_transformers=False), BT)
+    assert light == records
     ts = [r["timestamp"] for r in records]
     assert ts[0] == 0 and ts == sorted(ts)
 

@@ -80,15 +80,21 @@ def plain_rendering(messages: Sequence[dict], tools: Sequence[dict] | None) -> s
 class ChatTokenizer:
     """A local tokenizer that turns a chat request into the token ids an engine would see."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, use_transformers: bool | None = None) -> None:
+        """``use_transformers``: render and tokenize with ``transformers`` (None: when installed)
+        or with ``tokenizers`` and ``jinja2`` (False)."""
         if not os.path.isdir(path):
             raise ValueError(f"--tokenizer {path}: not a directory (a Hugging Face tokenizer directory with "
                              f"tokenizer.json)")
         self.path = path
         self.template = self._template_file()
         try:
+            if use_transformers is False:
+                raise ImportError("not asked for")
             from transformers import AutoTokenizer  # noqa: PLC0415 - optional, heavy
         except ImportError:
+            if use_transformers:
+                raise
             self._hf = None
             self._init_plain()
         else:
