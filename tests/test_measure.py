@@ -282,3 +282,21 @@ def test_chat_log_to_trace_keeps_the_ideal_prefix_hit_rate(tmp_path, capsys) -> 
     bad.write_text('{"messages": [], "timestamp": 1}\n')
     assert trace_tool.main(["from-chat", str(bad), "--tokenizer", tok_dir, "--block-tokens", "16"]) == 2
     assert "bad.jsonl:1: no messages" in capsys.readouterr().err
+
+
+def test_measure_reads_sglang_names() -> None:
+    """SGLang's names as its docs show them (no SGLang here to scrape): cached tokens by source,
+    device as the engine's own cache, host and storage as external; the gauge alone gives a rate."""
+    text = ('# TYPE sglang:prompt_tokens_total counter\nsglang:prompt_tokens_total{model_name="m"} 1000\n'
+            '# TYPE sglang:cached_tokens_total counter\n'
+            'sglang:cached_tokens_total{model_name="m",cache_source="device"} 300\n'
+            'sglang:cached_tokens_total{model_name="m",cache_source="host"} 150\n'
+            'sglang:cached_tokens_total{model_name="m",cache_source="storage_kvtier"} 50\n')
+    e = measure.from_engine_metrics("http://s:30000", text)
+    assert (e.kind, e.prompt_tokens, e.cache_hits, e.external_hits, e.external_queries) == \
+        ("sglang", 1000, 300, 200, 700)
+    assert e.prefix_share() == 0.5 and e.engine_hit_rate() == 0.3
+    g = measure.from_engine_metrics("http://s:30000", "# TYPE sglang:cache_hit_rate gauge\n"
+                                                      'sglang:cache_hit_rate{model_name="m"} 0.25\n')
+    assert g.engine_hit_rate() == 0.25 and g.prefix_share() is None
+    assert measure.from_engine_metrics("http://x", "# TYPE up gauge\nup 1\n").error
