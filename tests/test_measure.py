@@ -91,40 +91,36 @@ def test_recorded_trace_replays_to_the_live_hit_rate(start_daemon, tmp_path) -> 
     daemons = {n: start_daemon("--node-id", n, name=n, host_capacity="64MiB") for n in "AB"}
     trace = tmp_path / "routed.jsonl"
     sock = str(tmp_path / "router.sock")
-    log = open(tmp_path / "router.log", "wb")  # noqa: SIM115
     args = [sys.executable, "-m", "kvtier.client.routing.route_server", "--listen", f"unix:{sock}",
             "--reconnect-max-s", "0.3", "--record-trace", str(trace), "--record-trace-hold-s", "5"]
     for d in daemons.values():
         args += ["--daemon", d.socket]
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp_path / "router.log", "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     sidecars = {n: Sidecar(d.socket) for n, d in daemons.items()}
     try:
         lids = {n: sc.register_layout(LAYOUT) for n, sc in sidecars.items()}
         wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, what="route-server socket")
         channel = grpc.insecure_channel(f"unix:{sock}")
         stub = router_pb2_grpc.RouterStub(channel)
-
-        def synced() -> bool:
-            feeds = stub.Status(router_pb2.RouterStatusRequest(), timeout=5).feeds
-            return len(feeds) == 2 and all(f.connected and f.epoch for f in feeds)
-        wait_for(synced, what="route-server feeds")
-
+        wait_for(lambda: len(feeds := stub.Status(router_pb2.RouterStatusRequest(), timeout=5).feeds) == 2
+                 and all(f.connected and f.epoch for f in feeds), what="route-server feeds")
         work = _workload(sessions=7, turns=4)  # odd: round-robin moves sessions
         _serve(stub, sidecars, lids, work)
         status = wait_for(lambda: (st := stub.Status(router_pb2.RouterStatusRequest(), timeout=5)).recorded_requests
                           == len(work) and st, what="every request recorded (each has had its Finish)")
         channel.close()
-        # the live figure, through `kvtier measure --daemons`
-        m = _measure_json(["--daemons", ",".join(d.socket for d in daemons.values()), "--once", "--json"],
-                          tmp_path / "measure.json")
     finally:
         for sc in sidecars.values():
             sc.close()
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, (tmp_path / "router.log").read_text()
-        log.close()
 
+    # the live figure, through `kvtier measure --daemons` (and its --trace prediction)
+    m = _measure_json(["--daemons", ",".join(d.socket for d in daemons.values()), "--trace", str(trace),
+                       "--gpu-tokens", "1M", "--host-tokens", "10M", "--disk-tokens", "0", "--once", "--json"],
+                      tmp_path / "measure.json")
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(records) == len(work) and status.record_dropped == 0
     for rec, (session, tokens) in zip(records, work, strict=True):
@@ -145,6 +141,11 @@ def test_recorded_trace_replays_to_the_live_hit_rate(start_daemon, tmp_path) -> 
     print(f"live {live_rate:.4f} replay kvtier {replayed:.4f} round-robin {rr:.4f} ideal {ideal:.4f}")
     assert abs(replayed - live_rate) <= TOLERANCE, (replayed, live_rate)
     assert rr < live_rate - 0.1   # the comparison tells policies apart
+    pred = m["trace"]
+    assert pred["block_tokens"] == BT and pred["ideal_prefix_hit_rate"] == ideal
+    by = {(r["policy"], r["replicas"]): r["hit_rate"] for r in pred["predicted"]}
+    assert set(by) == {(p, n) for p in replay.POLICIES for n in (2, 4, 8)}
+    assert by[("kvtier", 2)] == replayed and by[("round-robin", 2)] == rr
 
 
 def test_the_recorder_rotates_by_size_and_counts_drops(tmp_path) -> None:
