@@ -301,3 +301,16 @@ def test_measure_reads_sglang_names() -> None:
                                                       'sglang:cache_hit_rate{model_name="m"} 0.25\n')
     assert g.engine_hit_rate() == 0.25 and g.prefix_share() is None
     assert measure.from_engine_metrics("http://x", "# TYPE up gauge\nup 1\n").error
+
+
+def test_measure_live_mode_refreshes(daemon) -> None:
+    """Without --once it prints a fresh table every --interval until interrupted."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.client.tools.cli", "measure", "--daemons", daemon.socket,
+                             "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(3.0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=20)[0]
+    assert proc.returncode == 0, out
+    assert out.count("kvtier measure  ") >= 2 and "kvtier daemons (lookups: hit rate by tier)" in out, out
