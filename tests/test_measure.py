@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -307,10 +308,16 @@ def test_measure_live_mode_refreshes(daemon) -> None:
     """Without --once it prints a fresh table every --interval until interrupted."""
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.client.tools.cli", "measure", "--daemons", daemon.socket,
                              "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
     try:
-        time.sleep(3.0)
+        wait_for(lambda: sum(x.startswith("kvtier measure  ") for x in list(lines)) >= 2, timeout=60,
+                 what="two refreshes")
     finally:
         proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=20)[0]
+        proc.wait(20)
+        reader.join(5)
+    out = "".join(lines)
     assert proc.returncode == 0, out
-    assert out.count("kvtier measure  ") >= 2 and "kvtier daemons (lookups: hit rate by tier)" in out, out
+    assert "kvtier daemons (lookups: hit rate by tier)" in out, out
