@@ -46,6 +46,7 @@ import grpc
 from kvtier.client.engine.keys import Namespace, block_keys
 from kvtier.client.engine.transport import SOCKET_ENV, ClientTls, socket_path
 from kvtier.client.routing.feed import feed_target
+from kvtier.client.routing.recorder import RecordConfig, Recorder, on_finish, on_route, open_recorder
 from kvtier.client.routing.router import Decision, Router, RouterConfig, RouterError, UnknownCandidates
 from kvtier.paths import default_socket_path
 from kvtier.proto import router_pb2, router_pb2_grpc
@@ -81,6 +82,7 @@ class RouteServerConfig:
     daemon_tls_key: str = setting("", "PEM private key of --daemon-tls-cert", metavar="FILE")
     daemon_tls_ca: str = setting("", "PEM CA that signs the kvtierds' --tls-cert", metavar="FILE")
     router: RouterConfig = group(RouterConfig)
+    record: RecordConfig = group(RecordConfig)  # --record-trace (issue 17, client/routing/recorder.py)
     log_level: str = setting("info", "debug, info, warning or error")
     config: str = setting("", "TOML file with any of these settings (keys: the flag names with _ for -)",
                           metavar="FILE")
@@ -111,6 +113,11 @@ other name is refused with INVALID_ARGUMENT naming it.
 
 Client stubs: from kvtier.proto import router_pb2, router_pb2_grpc
 (the service definition: kvtier/proto/kvtier/v1/router.proto in the installed package).
+
+Recording: --record-trace FILE writes every dispatched request as a trace kvtier replay reads
+(hash ids numbered per file; no key leaves the router). Route call metadata
+x-kvtier-session-id gives its session_id, Finish call metadata x-kvtier-output-tokens its
+output_length. Status counts recorded_requests and record_dropped.
 
 Settings: every option is also a variable KVTIER_ROUTER_<NAME> (--state-path:
 KVTIER_ROUTER_STATE_PATH) and a key of the --config TOML file (state_path); a flag beats the
@@ -154,6 +161,8 @@ def check_settings(cfg: RouteServerConfig) -> None:
     if tcp and not cfg.tls_cert and not cfg.insecure_tcp and not _loopback(cfg.listen):
         raise SettingsError(f"--listen {cfg.listen} without TLS would serve anyone who reaches the port: give "
                             f"--tls-cert, --tls-key and --tls-ca, or pass --insecure-tcp true")
+    if cfg.record.check():
+        raise SettingsError(str(cfg.record.check()))
 
 
 def _loopback(listen: str) -> bool:
@@ -205,18 +214,23 @@ class _BadRequest(Exception):
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, recorder: Recorder | None = None) -> None:
         self.router = router
+        self.recorder = recorder
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-route")
 
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteReply:
+        metadata = context.invocation_metadata() if self.recorder is not None else None
+
         def route() -> Decision:  # hashing token ids is work too: off the event loop
             try:
                 keys, candidates = request_keys(request), request_candidates(request)
             except ValueError as e:
                 raise _BadRequest(str(e)) from None
-            return self.router.route(keys, candidates, dispatch=request.dispatch,
-                                     top_k=request.top_k or self.router.config.top_k)
+            d = self.router.route(keys, candidates, dispatch=request.dispatch,
+                                  top_k=request.top_k or self.router.config.top_k)
+            on_route(self.recorder, request, metadata, keys, d.decision_id)
+            return d
 
         try:
             d = await asyncio.get_running_loop().run_in_executor(self._pool, route)
@@ -235,11 +249,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return reply
 
     async def Finish(self, request: router_pb2.FinishRequest, context: Any) -> router_pb2.FinishReply:
+        on_finish(self.recorder, request, context.invocation_metadata())
         return router_pb2.FinishReply(found=self.router.finish(request.decision_id, request.prefill_only))
 
     async def Status(self, request: router_pb2.RouterStatusRequest, context: Any) -> router_pb2.RouterStatusReply:
         reply = router_pb2.RouterStatusReply(indexed_keys=self.router.indexed_keys(),
                                              workers=[w for w, _ in self.router.workers()])
+        if self.recorder is not None:
+            c = self.recorder.counts()
+            reply.recorded_requests, reply.record_dropped = c["recorded"], c["dropped"]
         for st in self.router.status():
             reply.feeds.add(target=st.target, node_id=st.node_id, connected=st.connected, epoch=st.epoch,
                             seq=st.seq, head_seq=st.head_seq, snapshots=st.snapshots, resumes=st.resumes,
@@ -283,7 +301,8 @@ async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | 
         log.warning(f"route-server serves {listen} in plaintext without authentication: every user who reaches "
                     f"it can route and read Status; give --tls-cert, --tls-key and --tls-ca for mutual TLS")
     router = Router(cfg, tls=daemon_tls(server_cfg)).start()
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
+    recorder = open_recorder(server_cfg.record)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router, recorder), server)
     await server.start()
     shown = listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
     follows = ([feed_target(t) for t in cfg.daemons] + [f"dns:{n}" for n in cfg.dns]
@@ -299,6 +318,8 @@ async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | 
     await stop.wait()
     await server.stop(1.0)
     await loop.run_in_executor(None, router.close)
+    if recorder is not None:
+        recorder.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

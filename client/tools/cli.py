@@ -6,6 +6,8 @@
     kvtier route-server --daemon A [--daemon B] [--dns H:P]     the router as a gRPC service
     kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
     kvtier health [SOCKET | HOST:PORT]                          exit 0 when a daemon serves (probes)
+    kvtier trace from-chat LOG.jsonl --tokenizer DIR --block-tokens N   chat logs -> a trace
+    kvtier measure --engines URL,... [--daemons ...] [--trace F]  prefix share and hit rate per replica
 
 Each command lives in its own module with a ``main(argv)``; see COMMANDS.
 """
@@ -95,6 +97,9 @@ COMMANDS = {
                "kvtier.client.tools.replay:main"),
     "health": ("exit 0 when a kvtierd's gRPC health service answers SERVING (probes)",
                "kvtier.client.tools.health:main"),
+    "trace": ("make traces from chat logs (from-chat) and inspect them (stats)", "kvtier.client.tools.trace:main"),
+    "measure": ("prefix share and hit rate per replica from engines' and daemons' metrics (--trace: predictions)",
+                "kvtier.client.tools.measure:main"),
 }
 
 

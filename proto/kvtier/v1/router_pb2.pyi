@@ -131,11 +131,15 @@ class FeedState(_message.Message):
     def __init__(self, target: _Optional[str] = ..., node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., head_seq: _Optional[int] = ..., snapshots: _Optional[int] = ..., resumes: _Optional[int] = ..., epoch_changes: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class RouterStatusReply(_message.Message):
-    __slots__ = ("feeds", "indexed_keys", "workers")
+    __slots__ = ("feeds", "indexed_keys", "workers", "recorded_requests", "record_dropped")
     FEEDS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_KEYS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_DROPPED_FIELD_NUMBER: _ClassVar[int]
     feeds: _containers.RepeatedCompositeFieldContainer[FeedState]
     indexed_keys: int
     workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, feeds: _Optional[_Iterable[_Union[FeedState, _Mapping]]] = ..., indexed_keys: _Optional[int] = ..., workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    recorded_requests: int
+    record_dropped: int
+    def __init__(self, feeds: _Optional[_Iterable[_Union[FeedState, _Mapping]]] = ..., indexed_keys: _Optional[int] = ..., workers: _Optional[_Iterable[str]] = ..., recorded_requests: _Optional[int] = ..., record_dropped: _Optional[int] = ...) -> None: ...
