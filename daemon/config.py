@@ -229,6 +229,12 @@ class Config:
     peer_serve_delay_s: float = _opt(0.0, "for tests and demos only: the Peer service pauses this long after "
                                           "each chunk it sends (a slow link); 0: no pause", parse_float, "SECONDS")
     # -- end of peers --
+    # -- disk admission (issue 15) --
+    demote_queue_bytes: int = _opt(64 * 1024**2, "every host victim is demoted to disk while the disk's "
+                                                 "write queue (demotions being written) holds less than this "
+                                                 "many bytes; beyond it only blocks seen --demote-min-seen "
+                                                 "times are (0: always only those, as 0.1 did)", parse_size, "SIZE")
+    # -- end of disk admission --
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
