@@ -23,11 +23,10 @@ Rules
       seen at least ``demote_min_seen`` times go, and as many others as the room has left
       (least recently used first); at most :attr:`TierPolicy.disk_write_cap` in all, seen-often
       ones first (``None``: no cap; the daemon queues, the replay drops what its disk's write
-      bandwidth cannot take); the others are dropped. The seen-twice filter
-      exists to spare the disk's write bandwidth, so it applies only when writes back up:
-      applied always, it drops the blocks of a conversation's latest turn, which the next
-      turn needs (issue 15: 0.287 against 0.357 hit rate on the conversation trace). A victim already on disk stays there, untouched: an eviction
-      is not a use. A block evicted from ``disk`` is dropped.
+      bandwidth cannot take); the others are dropped. The seen-twice filter exists to spare
+      the disk's write bandwidth, so it applies only when writes back up: applied always, it
+      drops the blocks of a conversation's latest turn, which the next turn needs (issue 15).
+      A victim already on disk stays there, untouched: an eviction is not a use. A block evicted from ``disk`` is dropped.
     * Promotion: a get that finds a block on disk and not in host brings it into host
       (:meth:`TierPolicy.promotions`); it stays on disk too, and the hit is a use there.
     * Only a request's *leading run* of held blocks can be served (keys are chained prefix

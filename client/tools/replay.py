@@ -142,7 +142,7 @@ class ReplayConfig:
     disk_tokens: int = 10_000_000
     demote_min_seen: int = 2
     disk_write_gbps: float = 0.0          # the disk's write bandwidth (0: not modelled; 0.1's admission)
-    disk_write_queue_bytes: int = 64 << 20  # the daemon's --demote-queue-bytes
+    disk_write_burst_s: float = 8.0       # unused write bandwidth kept for later, in seconds of it
     prefill_tps: float = _SCORER.prefill_tokens_per_s        # prefill tokens per second of one replica
     decode_tps: float = 50.0                                  # output tokens per second of one request
     kv_bytes_per_token: float = _SCORER.bytes_per_token       # KV bytes of one token (all layers of the shard)
@@ -219,7 +219,7 @@ class SimulatedNode:
         self._published: dict[Tier, set[bytes]] = {t: set() for t in TIERS}
         self._seq = 0
         self._cfg = cfg
-        self._wq, self._wq_at = 0.0, 0.0  # disk write queue (bytes) and when it was last drained
+        self._credit, self._credit_at = 0.0, 0.0  # bytes the disk can still write now, as of when
         if feed is not None:
             info = L.NodeInfo(node_id=node_id, epoch=1)
             info.workers.add(worker_id=worker_id, fingerprints=[FINGERPRINT])
@@ -235,12 +235,12 @@ class SimulatedNode:
         block it used is then held (``TierPolicy.access``); the changes go to the feed."""
         policy = self._policy
         write_gbps = self._cfg.disk_write_gbps
-        if write_gbps > 0:  # the disk's write queue drains at its bandwidth; beyond the queue, dropped
+        if write_gbps > 0:  # the disk writes at its bandwidth (a token bucket); demotions beyond it are dropped
             block_bytes = self._cfg.block_tokens * self._cfg.kv_bytes_per_token
-            self._wq = max(0.0, self._wq - (now - self._wq_at) * write_gbps * 1e9)
-            self._wq_at = now
-            policy.disk_write_room = policy.disk_write_cap = int(
-                max(0.0, self._cfg.disk_write_queue_bytes - self._wq) // block_bytes)
+            rate = write_gbps * 1e9
+            self._credit = min(rate * self._cfg.disk_write_burst_s, self._credit + (now - self._credit_at) * rate)
+            self._credit_at = now
+            policy.disk_write_room = policy.disk_write_cap = int(self._credit // block_bytes)
             before = policy.counts.demotions
         if self._feed is None:
             ranks = policy.access(keys)
@@ -249,7 +249,7 @@ class SimulatedNode:
             ranks = policy.access(keys)
             self._publish(list(dict.fromkeys([*keys, *fronts[Tier.HOST]])), fronts)
         if write_gbps > 0:
-            self._wq += (policy.counts.demotions - before) * block_bytes
+            self._credit -= (policy.counts.demotions - before) * block_bytes
         return ranks.count(Tier.GPU), ranks.count(Tier.HOST), ranks.count(Tier.DISK)
 
     def _publish(self, entering: list[bytes], fronts: dict[Tier, list[bytes]]) -> None:
@@ -764,10 +764,11 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                          "this often [%(default)s]")
     ap.add_argument("--disk-write-gbps", type=float, default=d.disk_write_gbps,
                     help="the disk's write bandwidth, 10^9 B/s: every host eviction is demoted while the "
-                         "write queue (--disk-write-queue-bytes) has room, demotions beyond it are dropped; "
-                         "0: not modelled, only blocks used --demote-min-seen times are demoted [%(default)s]")
-    ap.add_argument("--disk-write-queue-bytes", type=int, default=d.disk_write_queue_bytes,
-                    help="the disk's write queue, as the daemon's --demote-queue-bytes [%(default)s]")
+                         "bandwidth has room for it (blocks used --demote-min-seen times first when it has not), "
+                         "demotions beyond it are dropped; 0: not modelled, only blocks used --demote-min-seen "
+                         "times are demoted, as in 0.1 [%(default)s]")
+    ap.add_argument("--disk-write-burst-s", type=float, default=d.disk_write_burst_s,
+                    help="write bandwidth left unused is kept for later up to this many seconds of it [%(default)s]")
     ap.add_argument("--prefill-tps", type=_positive, default=d.prefill_tps, help="prefill tokens/s per replica [%(default)s]")
     ap.add_argument("--decode-tps", type=_positive, default=d.decode_tps, help="output tokens/s per request [%(default)s]")
     ap.add_argument("--kv-bytes-per-token", type=_positive, default=d.kv_bytes_per_token,
@@ -795,11 +796,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--block-tokens must be >= 1")
     if args.demote_min_seen < 1:
         ap.error("--demote-min-seen must be >= 1")
-    if args.disk_write_gbps < 0 or args.disk_write_queue_bytes < 0:
-        ap.error("--disk-write-gbps and --disk-write-queue-bytes must be >= 0")
+    if args.disk_write_gbps < 0 or args.disk_write_burst_s < 0:
+        ap.error("--disk-write-gbps and --disk-write-burst-s must be >= 0")
     cfg = replace(ReplayConfig(), block_tokens=args.block_tokens, gpu_tokens=args.gpu_tokens,
                   host_tokens=args.host_tokens, disk_tokens=args.disk_tokens, demote_min_seen=args.demote_min_seen,
-                  disk_write_gbps=args.disk_write_gbps, disk_write_queue_bytes=args.disk_write_queue_bytes,
+                  disk_write_gbps=args.disk_write_gbps, disk_write_burst_s=args.disk_write_burst_s,
                   prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, kv_bytes_per_token=args.kv_bytes_per_token,
                   host_load_gbps=args.host_load_gbps, disk_load_gbps=args.disk_load_gbps,
                   queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed)
