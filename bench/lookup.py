@@ -27,7 +27,9 @@ daemon's RSS) and the table (40 B a slot, about 2.1 slots a key).
 
 Last line of stdout: one JSON object: shm_1key_p50_us, shm_128keys_p99_us, rpc_1key_p50_us,
 rpc_128keys_p99_us, grpc_echo_p50_us, their other percentiles, the ratio of the RPC lookup to
-the echo, and the parameters.
+the echo, ``daemon_bytes_per_block`` (the daemon's private memory, RssAnon, from its start to
+holding the blocks, per block held: the pool and the key table are tmpfs files and not in it),
+and the parameters.
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ def daemon_series(ns: argparse.Namespace, daemon: DaemonProcess, echo_path: str,
     """Fills the daemon with ``held`` and times every series through the sidecar API."""
     blocks = len(held)
     layout = Layout.flat(BLOCK)
+    private_before = rss_bytes(daemon.pid, "RssAnon")  # the daemon started, nothing registered or held
     with Sidecar(daemon.socket) as sc, Sidecar(daemon.socket, use_key_table=False) as rpc:
         lid, rid = sc.register_layout(layout), rpc.register_layout(layout)
         fill_s = fill_daemon(sc, lid, held, ns.batch)
@@ -199,7 +202,7 @@ def daemon_series(ns: argparse.Namespace, daemon: DaemonProcess, echo_path: str,
         pool_bytes = tmpfs_bytes([os.path.join(daemon.shm_dir, f) for f in os.listdir(daemon.shm_dir)
                                   if f.endswith(".pool")])
         return {"shm1": shm1, "shm128": shm128, **series, "fill_s": fill_s, "daemon_rss": daemon_rss,
-                "daemon_private": daemon_private,
+                "daemon_private": daemon_private, "daemon_private_before": private_before,
                 "pool_bytes": pool_bytes, "table_slots": table.nslots}
 
 
@@ -217,6 +220,9 @@ def assemble(ns: argparse.Namespace, blocks: int, m: dict, extra: dict) -> dict:
         "daemon_table_slots": m["table_slots"], "fill_s": round(m["fill_s"], 1),
         "daemon_rss_bytes": m["daemon_rss"], "daemon_private_bytes": m["daemon_private"],
         "pool_tmpfs_bytes": m["pool_bytes"],
+        # private (anonymous) memory the daemon gained from its start to holding keys_held blocks,
+        # per block: the pool and the key table are tmpfs files, outside RssAnon
+        "daemon_bytes_per_block": round((m["daemon_private"] - m["daemon_private_before"]) / blocks, 1),
         "n1": ns.n1, "n128": ns.n128, "nrpc": ns.nrpc, "echo_payload_bytes": m["payload_bytes"],
         **extra,
     }

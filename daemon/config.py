@@ -89,8 +89,9 @@ class Config:
     disk_queue_depth: int = _opt(8, "disk I/Os in flight at once (O_DIRECT reads and writes)", parse_int, "N")
     disk_map_size: int = _opt(0, "LMDB map size of the disk index (its most bytes); 0: 256 B per 4 KiB "
                                  "of --disk-capacity, at least 64MiB", parse_size, "SIZE")
-    demote_min_seen: int = _opt(2, "demote a block evicted from host to disk only if it was put or hit "
-                                   "at least this many times (1: every evicted block)", parse_int, "N")
+    demote_min_seen: int = _opt(2, "when the disk's write queue is full (--demote-queue-bytes), demote a "
+                                   "block evicted from host to disk only if it was put or hit at least this "
+                                   "many times (1: every evicted block)", parse_int, "N")
     disk_write_through: bool = _opt(False, "write every committed block to disk before acknowledging it "
                                            "(as if every put were durable); needs --disk-dir", parse_bool,
                                     "BOOL")
@@ -257,6 +258,12 @@ class Config:
                                        "full filesystem once it has room again, any other failure by retrying",
                                  parse_float, "SECONDS")
     # -- end of fixes --
+    # -- disk admission (issue 15) --
+    demote_queue_bytes: int = _opt(64 * 1024**2, "every host victim is demoted to disk while the disk's "
+                                                 "write queue (demotions being written) holds less than this "
+                                                 "many bytes; beyond it only blocks seen --demote-min-seen "
+                                                 "times are (0: always only those, as 0.1 did)", parse_size, "SIZE")
+    # -- end of disk admission --
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()

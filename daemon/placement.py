@@ -70,6 +70,10 @@ class Placement:
         self.remote_load_gbps = 0.0  # measured peer/store -> host bandwidth (0: not measured)
         self._evict_lock = asyncio.Lock()
         self.write_behind: WriteBehind | None = None  # the shared store's hooks (issue 13)
+        # disk admission (issue 15): every host victim is demoted while the disk writes in flight
+        # hold less than this many bytes (0: only the policy's seen-often ones, as 0.1 did)
+        self.demote_queue_bytes = 0
+        self._writing_bytes = 0  # bytes of disk writes in flight (demotions, durable writes)
         self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         if disk is not None:
             policy.on_write(list(disk.entries))  # restored blocks, oldest write first
@@ -108,9 +112,19 @@ class Placement:
         async with self._evict_lock:
             res = self.host.reserve(cls, bkeys, block_bytes, self.policy.victims(HOST))
             if res.victims:
+                self._tell_write_room(res.victims)
                 await self._host_evicted(res.victims)
             self.host.finish_eviction()
         return await self._back(res)
+
+    def _tell_write_room(self, victims: list[HostEntry]) -> None:
+        """Tell the policy how many demotions the disk's write queue takes before it backs up."""
+        limit = self.demote_queue_bytes
+        if not limit or self.disk is None:
+            self.policy.disk_write_room = None
+            return
+        per = max(v.block_bytes for v in victims)
+        self.policy.disk_write_room = max(0, limit - self._writing_bytes) // per
 
     async def _back(self, res: Reservation) -> list[HostEntry | None]:
         """Allocate the memory of a reservation's fresh slots (before anyone may write them);
@@ -208,11 +222,14 @@ class Placement:
             disk.finish_write(plan, None)
             return 0
         error: BaseException | None = None
+        writing = sum(e.block_bytes for e, d in zip(entries, plan.entries, strict=True) if d)
+        self._writing_bytes += writing
         try:
             await asyncio.wrap_future(disk.submit_write(plan, srcs))
         except Exception as e:  # any failure degrades the tier; the daemon keeps serving
             error = e
         finally:
+            self._writing_bytes -= writing
             for v in srcs:
                 v.release()
         was_degraded = bool(disk.degraded)

@@ -499,6 +499,7 @@ class Daemon:
         self.store = store = BlockStore(host, cfg.max_batch_keys, self.disk, cfg.demote_min_seen,
                                         cfg.disk_write_through, prefault=cfg.host_prefault, limits=cfg)
         self.disk = None  # the store owns it now
+        store.tiers.demote_queue_bytes = cfg.demote_queue_bytes  # disk admission (issue 15)
         try:
             self.key_table = KeyTablePublisher(store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
         except OSError as e:

@@ -219,7 +219,9 @@ def test_blocks_beyond_host_capacity_land_on_disk_and_come_back(start_daemon, tm
 
 
 def test_cold_blocks_are_not_demoted_below_threshold(start_daemon, tmp_path):
-    d = start_daemon(*_disk_args(str(tmp_path / "disk")), host_capacity="1MiB")  # 4 blocks
+    # --demote-queue-bytes 0: the seen-often filter always (else every victim goes while the
+    # disk's write queue has room: test_cold_blocks_are_demoted_while_the_write_queue_has_room)
+    d = start_daemon(*_disk_args(str(tmp_path / "disk"), "64MiB", "--demote-queue-bytes", "0"), host_capacity="1MiB")
     keys = [key(100 + i) for i in range(8)]
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))
@@ -228,6 +230,21 @@ def test_cold_blocks_are_not_demoted_below_threshold(start_daemon, tmp_path):
         assert sc.lookup(lid, keys) == [None] * 4 + ["host"] * 4
         c = sc.stats()["counters"]
         assert c["demotions_skipped_cold"] == 4 and c.get("demotions", 0) == 0
+
+
+def test_cold_blocks_are_demoted_while_the_write_queue_has_room(start_daemon, tmp_path):
+    """Disk admission (issue 15): with the default --demote-queue-bytes every host victim goes to
+    disk (the next turn of a conversation needs the blocks its latest turn put once)."""
+    d = start_daemon(*_disk_args(str(tmp_path / "disk")), host_capacity="1MiB")  # 4 blocks
+    keys = [key(200 + i) for i in range(8)]
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        sc.put(lid, keys[:4], [payload(k) for k in keys[:4]])     # seen once
+        sc.put(lid, keys[4:], [payload(k) for k in keys[4:]])
+        assert sc.lookup(lid, keys) == ["disk"] * 4 + ["host"] * 4
+        c = sc.stats()["counters"]
+        assert c["demotions"] == 4 and c.get("demotions_skipped_cold", 0) == 0
+        assert [bytes(g) for g in sc.get(lid, keys[:2])] == [payload(k) for k in keys[:2]]
 
 
 _BURST_CLIENT = textwrap.dedent("""

@@ -49,6 +49,7 @@ class Scenario:
     write_through: bool = False
     durable_share: float = 0.0   # of puts (needs a disk)
     steps: int = 150
+    queue_blocks: int = 0        # --demote-queue-bytes in blocks (0: only seen-often victims are demoted)
 
 
 SCENARIOS = [
@@ -56,6 +57,8 @@ SCENARIOS = [
     Scenario("disk", disk=True, demote_min_seen=2),
     Scenario("disk-hot", disk=True, demote_min_seen=1, durable_share=0.2),
     Scenario("write-through", disk=True, demote_min_seen=3, write_through=True, steps=100),
+    # disk admission (issue 15): every victim while the write queue has room, seen-often ones beyond
+    Scenario("disk-queue", disk=True, demote_min_seen=2, queue_blocks=2),
 ]
 
 
@@ -63,7 +66,7 @@ class Daemon:
     """The real daemon side: a kvtierd, a sidecar using the key table, one asking by RPC."""
 
     def __init__(self, start_daemon, tmp_path, sc: Scenario) -> None:
-        args = ["--demote-min-seen", str(sc.demote_min_seen)]
+        args = ["--demote-min-seen", str(sc.demote_min_seen), "--demote-queue-bytes", str(sc.queue_blocks * BLOCK)]
         if sc.disk:
             args += ["--disk-dir", str(tmp_path / "disk"), "--disk-capacity", str(DISK_BLOCKS * BLOCK)]
         if sc.write_through:
@@ -135,6 +138,7 @@ def _step(rng: random.Random, d: Daemon, p: TierPolicy, sc: Scenario, settled: b
 @pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.name)
 def test_daemon_and_policy_hold_the_same_blocks_after_every_step(start_daemon, tmp_path, sc: Scenario) -> None:
     policy = TierPolicy(0, HOST_BLOCKS, DISK_BLOCKS if sc.disk else 0, sc.demote_min_seen)
+    policy.disk_write_room = sc.queue_blocks or None  # the daemon's: nothing else is written meanwhile
     d = Daemon(start_daemon, tmp_path, sc)
     rng = random.Random(f"equivalence-{sc.name}")
     settled = True

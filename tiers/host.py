@@ -230,12 +230,18 @@ class SizeClass:
     # each slot's generation, bumped whenever it changes hands (np.zeros: pages never
     # touched take no memory); a grant holds the generation it was given
     gens: np.ndarray = field(default=None)  # type: ignore[assignment]
+    # each slot's payload checksum (HostEntry.checksum; np.zeros, as gens) and the checksum
+    # tasks of large commits in flight (HostEntry.sealing)
+    sums: np.ndarray = field(default=None)  # type: ignore[assignment]
+    sealing: dict[HostEntry, asyncio.Task] = field(default_factory=dict)
     view: memoryview | None = None          # the daemon's read-only mapping (for checksums)
     _mm: mmap.mmap | None = None
 
     def __post_init__(self) -> None:
         if self.gens is None:
             self.gens = np.zeros(self.nslots, dtype=np.uint32)
+        if self.sums is None:
+            self.sums = np.zeros(self.nslots, dtype=np.uint64)
 
     def bump(self, slot: int) -> int:
         """The slot changes hands: its new generation."""
@@ -273,29 +279,105 @@ class SizeClass:
         return self.hwm - len(self.holes)
 
 
-@dataclass(eq=False)
-class HostEntry:
-    """A block in the host tier (``bkey`` = layout fingerprint + key)."""
+_VISIBLE, _REMOVED, _SUMMED, _PIN = 1, 2, 4, 8  # HostEntry._state: flags, then pins x _PIN
 
-    bkey: bytes
-    cls: SizeClass
-    slot: int
-    block_bytes: int
-    visible: bool = False
-    pins: int = 0
-    removed: bool = False  # hidden while pinned; slot freed on the last unpin
-    gen: int = 0           # the slot's generation when it was granted
-    checksum: int | None = None  # xxh3-64 of the payload, taken at commit (None: not taken)
-    sealing: asyncio.Task | None = None  # the checksum being taken (large commits): await it
+
+class HostEntry:
+    """A block in the host tier (``bkey`` = layout fingerprint + key).
+
+    Compact (issue 15: a million held blocks cost the daemon about 160 bytes each as a plain
+    dataclass): ``__slots__``; slot and generation share one int (``_sg``); pins, ``visible``,
+    ``removed`` share another (small ints are shared objects); the checksum lives in the size
+    class's per-slot array (:attr:`SizeClass.sums`, valid while this entry's ``_SUMMED`` bit
+    is set: nobody writes a slot's checksum between its victim's eviction and its
+    ``finish_eviction``), and the checksum task of a large commit in :attr:`SizeClass.sealing`.
+    The attributes read and write as the dataclass's did."""
+
+    __slots__ = ("bkey", "cls", "_sg", "block_bytes", "_state")
+
+    def __init__(self, bkey: bytes, cls: SizeClass, slot: int, block_bytes: int, visible: bool = False,
+                 pins: int = 0, removed: bool = False, gen: int = 0, checksum: int | None = None) -> None:
+        self.bkey = bkey
+        self.cls = cls
+        self._sg = slot << 32 | gen
+        self.block_bytes = block_bytes
+        self._state = (_VISIBLE if visible else 0) | (_REMOVED if removed else 0) | pins * _PIN
+        if checksum is not None:
+            self.checksum = checksum
+
+    def __repr__(self) -> str:
+        return (f"HostEntry(bkey={self.bkey!r}, slot={self.slot}, block_bytes={self.block_bytes}, "
+                f"visible={self.visible}, pins={self.pins}, removed={self.removed}, gen={self.gen}, "
+                f"checksum={self.checksum})")
+
+    @property
+    def slot(self) -> int:
+        return self._sg >> 32
+
+    @property
+    def gen(self) -> int:
+        """The slot's generation when it was granted."""
+        return self._sg & 0xFFFFFFFF
+
+    @property
+    def visible(self) -> bool:
+        return bool(self._state & _VISIBLE)
+
+    @visible.setter
+    def visible(self, v: bool) -> None:
+        self._state = self._state | _VISIBLE if v else self._state & ~_VISIBLE
+
+    @property
+    def removed(self) -> bool:
+        """Hidden while pinned; the slot is freed on the last unpin."""
+        return bool(self._state & _REMOVED)
+
+    @removed.setter
+    def removed(self, v: bool) -> None:
+        self._state = self._state | _REMOVED if v else self._state & ~_REMOVED
+
+    @property
+    def pins(self) -> int:
+        return self._state // _PIN
+
+    @pins.setter
+    def pins(self, n: int) -> None:
+        self._state = self._state % _PIN + n * _PIN
+
+    @property
+    def checksum(self) -> int | None:
+        """xxh3-64 of the payload, taken at commit (None: not taken)."""
+        return int(self.cls.sums[self._sg >> 32]) if self._state & _SUMMED else None
+
+    @checksum.setter
+    def checksum(self, c: int | None) -> None:
+        if c is None:
+            self._state &= ~_SUMMED
+        else:
+            self.cls.sums[self._sg >> 32] = c
+            self._state |= _SUMMED
+
+    @property
+    def sealing(self) -> asyncio.Task | None:
+        """The checksum being taken (large commits): await it."""
+        return self.cls.sealing.get(self)
+
+    @sealing.setter
+    def sealing(self, task: asyncio.Task | None) -> None:
+        if task is None:
+            self.cls.sealing.pop(self, None)
+        else:
+            self.cls.sealing[self] = task
 
     @property
     def offset(self) -> int:
-        return self.slot * self.cls.slot_bytes
+        return (self._sg >> 32) * self.cls.slot_bytes
 
     @property
     def current(self) -> bool:
         """The slot has not changed hands since this entry got it."""
-        return int(self.cls.gens[self.slot]) == self.gen
+        sg = self._sg
+        return int(self.cls.gens[sg >> 32]) == sg & 0xFFFFFFFF
 
 
 @dataclass

@@ -16,10 +16,17 @@ Rules
       on its way to disk); a block that leaves every tier forgets it and starts again at one.
       It is stored as the block's value in the host and disk recency maps (no second map of
       all keys: ~40 MiB at a million blocks); :attr:`TierPolicy.seen` is a read-only view.
-    * Demotion: a block evicted from ``host`` goes to ``disk`` if it was seen at least
-      ``demote_min_seen`` times and is not on disk already (:meth:`TierPolicy.demotions`);
-      otherwise it is dropped. A victim already on disk stays there, untouched: an eviction
-      is not a use. A block evicted from ``disk`` is dropped.
+    * Demotion (:meth:`TierPolicy.demotions`): a block evicted from ``host`` and not on disk
+      already goes to ``disk`` while the disk's write queue has room
+      (:attr:`TierPolicy.disk_write_room`, in blocks, set by the caller before it evicts;
+      ``None`` or ``0``: none, as in 0.1); when the victims need more than the room, those
+      seen at least ``demote_min_seen`` times go, and as many others as the room has left
+      (least recently used first); at most :attr:`TierPolicy.disk_write_cap` in all, seen-often
+      ones first (``None``: no cap; the daemon queues, the replay drops what its disk's write
+      bandwidth cannot take); the others are dropped. The seen-twice filter exists to spare
+      the disk's write bandwidth, so it applies only when writes back up: applied always, it
+      drops the blocks of a conversation's latest turn, which the next turn needs (issue 15).
+      A victim already on disk stays there, untouched: an eviction is not a use. A block evicted from ``disk`` is dropped.
     * Promotion: a get that finds a block on disk and not in host brings it into host
       (:meth:`TierPolicy.promotions`); it stays on disk too, and the hit is a use there.
     * Only a request's *leading run* of held blocks can be served (keys are chained prefix
@@ -129,6 +136,10 @@ class TierPolicy:
             raise ValueError("demote_min_seen must be >= 1")
         self.capacity: dict[Tier, int | None] = dict(zip(TIERS, caps, strict=True))
         self.demote_min_seen = demote_min_seen
+        # demotions the disk's write queue takes now before it backs up (None: no limit), and
+        # the most a host eviction may demote at all (None: no cap); see demotions()
+        self.disk_write_room: int | None = None
+        self.disk_write_cap: int | None = None
         # oldest first; host and disk map a key to its seen count, gpu to None (see the class docstring)
         self.tiers: dict[Tier, OrderedDict[Hashable, int | None]] = {t: OrderedDict() for t in TIERS}
         self._loose: dict[Hashable, int] = {}  # seen counts of keys in neither host nor disk
@@ -169,13 +180,28 @@ class TierPolicy:
         return (k for k in self.tiers[tier] if k not in keep)
 
     def demotions(self, victims: Iterable[Hashable]) -> list[Hashable]:
-        """Which host victims go to disk: seen at least ``demote_min_seen`` times and not on disk
-        already (none without a disk tier)."""
+        """Which host victims go to disk (in victim order): of those not on disk already (none
+        without a disk tier), every one while :attr:`disk_write_room` holds them all; else
+        those seen at least ``demote_min_seen`` times, and as many of the others (least
+        recently used first) as the room has left; at most :attr:`disk_write_cap` in all,
+        seen-often ones first."""
         if self.capacity[DISK] == 0:
             return []
         host, disk, loose, need = self.tiers[HOST], self.tiers[DISK], self._loose, self.demote_min_seen
-        # a key not on disk has its count loose or in host (_count, inlined; loose counts are >= 1)
-        return [k for k in victims if k not in disk and (loose.get(k) or host.get(k) or 0) >= need]
+        room, cap = self.disk_write_room or 0, self.disk_write_cap
+        cands = [k for k in victims if k not in disk]
+        if len(cands) <= room and (cap is None or len(cands) <= cap):
+            return cands
+        # writes back up: the frequency filter (a key not on disk has its count loose or in
+        # host: _count, inlined; loose counts are >= 1)
+        hot = [k for k in cands if (loose.get(k) or host.get(k) or 0) >= need]
+        if cap is not None and len(hot) >= cap:
+            keep = set(hot[:cap])
+        else:
+            left = max(0, room - len(hot)) if cap is None else max(0, min(room, cap) - len(hot))
+            keep = set(hot)
+            keep.update(itertools.islice((k for k in cands if k not in keep), left))
+        return [k for k in cands if k in keep]
 
     def promotions(self, keys: Iterable[Hashable]) -> list[Hashable]:
         """Which keys of a get to bring from disk into host: those on disk and not in host

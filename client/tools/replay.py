@@ -153,6 +153,8 @@ class ReplayConfig:
     host_tokens: int = 1_000_000
     disk_tokens: int = 10_000_000
     demote_min_seen: int = 2
+    disk_write_gbps: float = 0.0          # the disk's write bandwidth (0: not modelled; 0.1's admission)
+    disk_write_burst_s: float = 8.0       # unused write bandwidth kept for later, in seconds of it
     prefill_tps: float = _SCORER.prefill_tokens_per_s        # prefill tokens per second of one replica
     decode_tps: float = 50.0                                  # output tokens per second of one request
     kv_bytes_per_token: float = _SCORER.bytes_per_token       # KV bytes of one token (all layers of the shard)
@@ -232,6 +234,8 @@ class SimulatedNode:
         self._feed = feed
         self._published: dict[Tier, set[bytes]] = {t: set() for t in TIERS}
         self._seq = 0
+        self._cfg = cfg
+        self._credit, self._credit_at = 0.0, 0.0  # bytes the disk can still write now, as of when
         if feed is not None:
             info = L.NodeInfo(node_id=node_id, epoch=1)
             info.workers.add(worker_id=worker_id, fingerprints=[FINGERPRINT])
@@ -243,16 +247,26 @@ class SimulatedNode:
             feed(L.WatchLocationsReply(epoch=1, node=info))
             feed(L.WatchLocationsReply(epoch=1, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)))
 
-    def access(self, keys: list[bytes]) -> tuple[int, int, int]:
+    def access(self, keys: list[bytes], now: float = 0.0) -> tuple[int, int, int]:
         """Serve one request: blocks of its leading run found in gpu, host and disk. Every
         block it used is then held (``TierPolicy.access``); the changes go to the feed."""
         policy = self._policy
+        write_gbps = self._cfg.disk_write_gbps
+        if write_gbps > 0:  # the disk writes at its bandwidth (a token bucket); demotions beyond it are dropped
+            block_bytes = self._cfg.block_tokens * self._cfg.kv_bytes_per_token
+            rate = write_gbps * 1e9
+            self._credit = min(rate * self._cfg.disk_write_burst_s, self._credit + (now - self._credit_at) * rate)
+            self._credit_at = now
+            policy.disk_write_room = policy.disk_write_cap = int(self._credit // block_bytes)
+            before = policy.counts.demotions
         if self._feed is None:
             ranks = policy.access(keys)
         else:
             fronts = {t: list(islice(policy.victims(t), 2 * len(keys) + 2)) for t in TIERS}
             ranks = policy.access(keys)
             self._publish(list(dict.fromkeys([*keys, *fronts[Tier.HOST]])), fronts)
+        if write_gbps > 0:
+            self._credit -= (policy.counts.demotions - before) * block_bytes
         return ranks.count(Tier.GPU), ranks.count(Tier.HOST), ranks.count(Tier.DISK)
 
     def _publish(self, entering: list[bytes], fronts: dict[Tier, list[bytes]]) -> None:
@@ -491,7 +505,7 @@ class Cluster:
         keys = [block_key(h) for h in req.keys]
         i = self.policy.choose(req, keys, now, reps) if len(reps) > 1 else 0
         rep = reps[i]
-        hits = rep.node.access(keys)  # every key is held by rep from now on: pulled ones too
+        hits = rep.node.access(keys, now)  # every key is held by rep from now on: pulled ones too
         remote = self._pulled(i, keys, sum(hits)) if self.policy.pulled else 0
         self.remote_hits += remote
         computed = req.input_tokens - min((sum(hits) + remote) * cfg.block_tokens, req.input_tokens)
@@ -796,7 +810,15 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
     ap.add_argument("--host-tokens", type=_tokens, default=d.host_tokens, help="per replica, e.g. 1M [%(default)s]")
     ap.add_argument("--disk-tokens", type=_tokens, default=d.disk_tokens, help="per replica, e.g. 10M [%(default)s]")
     ap.add_argument("--demote-min-seen", type=int, default=d.demote_min_seen,
-                    help="host evictions go to disk only if used this often [%(default)s]")
+                    help="when the disk's write queue is full, host evictions go to disk only if used "
+                         "this often [%(default)s]")
+    ap.add_argument("--disk-write-gbps", type=float, default=d.disk_write_gbps,
+                    help="the disk's write bandwidth, 10^9 B/s: every host eviction is demoted while the "
+                         "bandwidth has room for it (blocks used --demote-min-seen times first when it has not), "
+                         "demotions beyond it are dropped; 0: not modelled, only blocks used --demote-min-seen "
+                         "times are demoted, as in 0.1 [%(default)s]")
+    ap.add_argument("--disk-write-burst-s", type=float, default=d.disk_write_burst_s,
+                    help="write bandwidth left unused is kept for later up to this many seconds of it [%(default)s]")
     ap.add_argument("--prefill-tps", type=_positive, default=d.prefill_tps, help="prefill tokens/s per replica [%(default)s]")
     ap.add_argument("--decode-tps", type=_positive, default=d.decode_tps, help="output tokens/s per request [%(default)s]")
     ap.add_argument("--kv-bytes-per-token", type=_positive, default=d.kv_bytes_per_token,
@@ -829,8 +851,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--block-tokens must be >= 1")
     if args.demote_min_seen < 1:
         ap.error("--demote-min-seen must be >= 1")
+    if args.disk_write_gbps < 0 or args.disk_write_burst_s < 0:
+        ap.error("--disk-write-gbps and --disk-write-burst-s must be >= 0")
     cfg = replace(ReplayConfig(), block_tokens=args.block_tokens, gpu_tokens=args.gpu_tokens,
                   host_tokens=args.host_tokens, disk_tokens=args.disk_tokens, demote_min_seen=args.demote_min_seen,
+                  disk_write_gbps=args.disk_write_gbps, disk_write_burst_s=args.disk_write_burst_s,
                   prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, kv_bytes_per_token=args.kv_bytes_per_token,
                   host_load_gbps=args.host_load_gbps, disk_load_gbps=args.disk_load_gbps,
                   queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed,
