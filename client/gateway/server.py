@@ -26,8 +26,10 @@ prometheus_client for the metrics, transformers for the tokenizer and chat templ
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -56,6 +58,10 @@ log = logging.getLogger("kvtier.gateway")
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length", "server", "date"})
 
+
+INLINE_BODY_BYTES = 16384
+"""Bodies up to this size are tokenized on the event loop (well under a millisecond on an idle
+core); larger ones in a thread pool."""
 
 REPLICA_HEADER = "X-Kvtier-Replica"
 """Response header naming the replica that answered (the body is the replica's, unchanged)."""
@@ -231,6 +237,7 @@ class Gateway:
         self._discovered: dict[str, str] = {}
         self._discovered_at = -1.0
         self._slots = asyncio.Semaphore(cfg.max_concurrency)
+        self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="kvtier-gw-tok")
         self._session: Any = None
         self.started = time.time()
         if self.router is not None:
@@ -266,6 +273,7 @@ class Gateway:
     async def _cleanup(self, app: Any) -> None:
         if self._session is not None:
             await self._session.close()
+        self._pool.shutdown(wait=False)
         if self.router is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.router.close)
 
@@ -350,9 +358,10 @@ class Gateway:
     async def _forward(self, request: Any, endpoint: str) -> Any:
         t0 = time.perf_counter()
         raw = await request.read()
-        if len(raw) > 32768:  # tokenizing a long prompt would hold the event loop: a thread does it
+        if len(raw) > INLINE_BODY_BYTES:  # tokenizing a long prompt would hold the event loop (tokenizers
+            # releases the GIL while it encodes, so these threads use every core)
             err, keys, session = await asyncio.get_running_loop().run_in_executor(
-                None, self._decide, endpoint, raw, request)
+                self._pool, self._decide, endpoint, raw, request)
         else:
             err, keys, session = self._decide(endpoint, raw, request)
         if err is not None:
