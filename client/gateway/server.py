@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.client.engine.keys import Namespace
+from kvtier.client.engine.transport import ClientTls
 from kvtier.client.gateway.keys import SCHEMES, VLLM_DEFAULT_SEED, KeyScheme, has_extra_keys
 from kvtier.client.gateway.policy import POLICIES, Policy
 from kvtier.client.gateway.tokenize import PromptError, PromptTokenizer
@@ -112,6 +113,10 @@ class GatewayConfig:
     max_body_bytes: int = setting(64 << 20, "largest request body (bytes)", parse_int, "BYTES")
     metrics_port: int = setting(-1, "also serve /metrics on this port (0: any free port; -1: only on --listen)",
                                 parse_int, "PORT")
+    daemon_tls_cert: str = setting("", "client certificate for kvtierds over TCP (their --tls-ca signs it)",
+                                   metavar="FILE")
+    daemon_tls_key: str = setting("", "PEM private key of --daemon-tls-cert", metavar="FILE")
+    daemon_tls_ca: str = setting("", "PEM CA that signs the kvtierds' --tls-cert", metavar="FILE")
     router: RouterConfig = group(RouterConfig)
     log_level: str = setting("info", "debug, info, warning or error")
     config: str = setting("", "TOML file with any of these settings", metavar="FILE")
@@ -166,6 +171,9 @@ def check_settings(cfg: GatewayConfig) -> None:
     for name in ("block_tokens", "chunk_blocks", "max_concurrency"):
         if getattr(cfg, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
+    tls = [n for n in ("daemon_tls_cert", "daemon_tls_key", "daemon_tls_ca") if getattr(cfg, n)]
+    if tls and len(tls) != 3:
+        raise SettingsError("--daemon-tls-cert, --daemon-tls-key and --daemon-tls-ca go together")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise SettingsError(f"--log-level {cfg.log_level!r}: debug, info, warning or error")
 
@@ -230,7 +238,8 @@ class Gateway:
         self.keys = KeyScheme(cfg.keys, cfg.block_tokens, Namespace(cfg.key_model or cfg.model, cfg.tenant_salt),
                               cfg.chunk_blocks, cfg.vllm_hash_seed)
         use_router = cfg.policy == "kvtier" or cfg.router.daemons or cfg.router.dns
-        self.router = router if router is not None else (Router(cfg.router) if use_router else None)
+        tls = ClientTls(cfg.daemon_tls_cert, cfg.daemon_tls_key, cfg.daemon_tls_ca) if cfg.daemon_tls_cert else None
+        self.router = router if router is not None else (Router(cfg.router, tls=tls) if use_router else None)
         self.policy = Policy(cfg.policy, self.router, session_ttl_s=cfg.session_ttl_s)
         self.metrics = _Metrics()
         self.down_until: dict[str, float] = {}
