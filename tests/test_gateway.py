@@ -329,7 +329,7 @@ def fleet(tmp_path_factory) -> Iterator[dict]:
                 env={**os.environ, **ENGINE_ENV}, stdout=open(log, "w"), stderr=subprocess.STDOUT))
             replicas["a" if d is daemons[0] else "b"] = (f"http://127.0.0.1:{port}", log)
         for proc, (url, log) in zip(procs, replicas.values(), strict=True):
-            _wait_http(url + "/health", proc, log, 180)
+            _wait_http(url + "/health", proc, log, 420)  # vLLM starts in ~30 s alone, minutes on a busy machine
         urls = {k: u for k, (u, _) in replicas.items()}
         gateways = {}
         for policy in ("kvtier", "round-robin"):
