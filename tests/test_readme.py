@@ -50,7 +50,7 @@ from kvtier.proto import router_pb2, router_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # blocks that import vLLM or SGLang, or kvtier's integrations of them (Layout.vllm is not one)
-SKIP = re.compile(r"^\s*(?:from|import)\s+(?:vllm|sglang)\b|kvtier\.client\.(?:vllm|sglang)|^\s*(?:vllm|python -m sglang)",
+SKIP = re.compile(r"^\s*(?:from|import)\s+(?:vllm|sglang|openai)\b|kvtier\.client\.(?:vllm|sglang)|^\s*(?:vllm|python -m sglang)",
                   re.MULTILINE)
 ROUTER_DEFAULT = "127.0.0.1:7071"
 README_SOCKET = "/run/kvtier/kvtierd.sock"
@@ -251,6 +251,10 @@ def _parse_kvtier(argv: list[str], daemon_socket: str) -> None:
         from kvtier.client.tools.demo import build_parser
 
         build_parser().parse_args(args)
+    elif sub == "gateway":  # needs replicas to run: parsed and checked only (tests/test_gateway.py runs it)
+        from kvtier.client.gateway.server import SETTINGS, check_settings
+
+        check_settings(SETTINGS.load(args, {}))
     elif sub == "stats":
         args = [daemon_socket if a == README_SOCKET else a for a in args]
         p = subprocess.run([sys.executable, "-m", "kvtier.client.tools.cli", "stats", *args], capture_output=True,

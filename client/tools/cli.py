@@ -4,6 +4,7 @@
     kvtier demo [...]                                           a real daemon and a multi-turn workload
     kvtier report --daemons A,B [--once --json]                 live hit rate by tier and node
     kvtier route-server --daemon A [--daemon B] [--dns H:P]     the router as a gRPC service
+    kvtier gateway --replica A=URL --model M --tokenizer DIR   OpenAI front door routing by cached prefix
     kvtier replay TRACE.jsonl [--replicas 1,2,4,8 ...]          offline hit rate by tier, replicas, policy
     kvtier health [SOCKET | HOST:PORT]                          exit 0 when a daemon serves (probes)
     kvtier trace from-chat LOG.jsonl --tokenizer DIR --block-tokens N   chat logs -> a trace
@@ -93,6 +94,8 @@ COMMANDS = {
                "kvtier.client.tools.report:main"),
     "route-server": ("serve cache-aware routing decisions over gRPC (kvtier.v1.Router)",
                      "kvtier.client.routing.route_server:main"),
+    "gateway": ("an OpenAI-compatible HTTP front door routing each request to the replica holding its prefix",
+                "kvtier.client.gateway.server:main"),
     "replay": ("replay a Mooncake-format trace: hit rate by tier, replicas and router policy",
                "kvtier.client.tools.replay:main"),
     "health": ("exit 0 when a kvtierd's gRPC health service answers SERVING (probes)",

@@ -1,0 +1,142 @@
+"""How the gateway orders the replicas for one request (``--policy``).
+
+Every policy returns the healthy replicas in the order they are tried (the first is chosen;
+the others are the retries when one refuses before answering):
+
+* ``kvtier`` (default): the in-process :class:`~kvtier.client.routing.router.Router`'s ranking
+  (tier-discounted prefix overlap from the daemons' location feeds and the router's
+  speculative entries, against the load the gateway dispatched), with one override: a request
+  of a known session goes back to its session's replica when that replica saves at least as
+  many blocks as the best one (stickiness while the feeds have not caught up yet).
+* ``round-robin``: the replicas in turn.
+* ``session``: a session (the session header, else the body's ``user``) stays on the replica
+  it was first sent to (the one with the fewest requests in flight then); requests without
+  one go round-robin. What vLLM production-stack's session router does.
+* ``prefix``: the replica the gateway last sent the longest leading run of this request's
+  block keys to (the gateway's own memory, no daemon), else the one with the fewest requests
+  in flight. What prefix-aware routers without engine feedback (SGLang's cache-aware router's
+  approximate tree, production-stack's prefix router) do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES = ("kvtier", "round-robin", "session", "prefix")
+
+
+@dataclass
+class Choice:
+    """The replicas to try, in order, and the router's view of the first (when it was asked)."""
+
+    order: list[str]
+    overlap: tuple[int, int, int] = (0, 0, 0)  # leading blocks of the chosen replica on gpu, host, disk
+    n_blocks: int = 0
+
+
+class LruMap:
+    """A bounded map, oldest entries dropped first; optionally expiring after ``ttl_s``."""
+
+    def __init__(self, max_items: int, ttl_s: float = 0.0) -> None:
+        self.max_items, self.ttl_s = max_items, ttl_s
+        self._d: OrderedDict = OrderedDict()
+
+    def get(self, key, now: float):
+        v = self._d.get(key)
+        if v is None:
+            return None
+        value, at = v
+        if self.ttl_s and now - at > self.ttl_s:
+            del self._d[key]
+            return None
+        return value
+
+    def put(self, key, value, now: float) -> None:
+        self._d[key] = (value, now)
+        self._d.move_to_end(key)
+        while len(self._d) > self.max_items:
+            self._d.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class Policy:
+    """Orders replicas for requests; told what was dispatched (:meth:`dispatched`)."""
+
+    def __init__(self, name: str, router=None, max_sessions: int = 100_000, session_ttl_s: float = 3600.0,
+                 prefix_max_keys: int = 1 << 20) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"policy {name!r} is not one of {', '.join(POLICIES)}")
+        self.name, self.router = name, router
+        self.sessions = LruMap(max_sessions, session_ttl_s)
+        self.prefixes = LruMap(prefix_max_keys)
+        self.in_flight: dict[str, int] = {}
+        self._rr = 0
+
+    def _round_robin(self, names: Sequence[str]) -> list[str]:
+        i = self._rr % len(names)
+        self._rr += 1
+        return [*names[i:], *names[:i]]
+
+    def _least_busy(self, names: Sequence[str]) -> list[str]:
+        rr = self._round_robin(names)
+        return sorted(rr, key=lambda n: self.in_flight.get(n, 0))  # stable: ties keep the turn order
+
+    def choose(self, names: Sequence[str], keys: Sequence[bytes], session: str | None) -> Choice:
+        """``names``: the healthy replicas (non-empty), in a fixed order."""
+        now = time.monotonic()
+        ranked = None
+        if self.router is not None:
+            ranked = self.router.route(keys, list(names), dispatch=False, top_k=len(names)).ranked
+        if self.name == "kvtier" and ranked:
+            order = self._kvtier(ranked, session, now)
+        elif self.name == "session" and session:
+            order = self._first(self._least_busy(names), self.sessions.get(session, now))
+        elif self.name == "prefix":
+            order = self._first(self._least_busy(names), self._longest_prefix(keys, now))
+        else:
+            order = self._round_robin(names)
+        choice = Choice(order, n_blocks=len(keys))
+        first = next((r for r in ranked or () if r.worker == order[0]), None)
+        if first is not None:
+            choice.overlap = (first.overlap.gpu, first.overlap.host, first.overlap.disk)
+        return choice
+
+    @staticmethod
+    def _first(order: list[str], name: str | None) -> list[str]:
+        if name in order and name != order[0]:
+            order.remove(name)
+            order.insert(0, name)
+        return order
+
+    def _kvtier(self, ranked: list, session: str | None, now: float) -> list[str]:
+        order = [r.worker for r in ranked]
+        sticky = self.sessions.get(session, now) if session else None
+        mine = next((r for r in ranked if r.worker == sticky), None)
+        if mine is not None and mine.saved_blocks >= ranked[0].saved_blocks:
+            return self._first(order, sticky)
+        return order
+
+    def _longest_prefix(self, keys: Sequence[bytes], now: float) -> str | None:
+        """The replica the deepest of these keys was last sent to."""
+        for k in reversed(keys):
+            hit = self.prefixes.get(k, now)
+            if hit is not None:
+                return hit
+        return None
+
+    def dispatched(self, replica: str, keys: Sequence[bytes], session: str | None) -> None:
+        now = time.monotonic()
+        if session:
+            self.sessions.put(session, replica, now)
+        if self.name == "prefix":
+            for k in keys:
+                self.prefixes.put(k, replica, now)
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+
+    def ended(self, replica: str) -> None:
+        self.in_flight[replica] = max(0, self.in_flight.get(replica, 0) - 1)

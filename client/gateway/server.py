@@ -1,0 +1,564 @@
+"""``kvtier gateway``: an OpenAI-compatible front door that sends each request to the replica
+holding its prefix.
+
+Serves ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not),
+``GET /v1/models``, ``GET /health`` and ``GET /metrics``. Per request: read the JSON body,
+check the model, tokenize the prompt as the replicas do (:mod:`.tokenize`), compute the block
+keys the replicas' kvtierds publish (:mod:`.keys`), order the healthy replicas by the policy
+(:mod:`.policy`; ``kvtier`` asks the in-process :class:`~kvtier.client.routing.router.Router`,
+fed by the daemons' location feeds as ``route-server`` is), dispatch to the first (the
+router is charged the request's prefill and marks its keys as on that replica), forward the
+body unchanged and stream the answer back byte for byte, then tell the router the prefill
+ended (first byte) and the request ended (last byte). A replica that refuses before any byte
+was sent to the client (connection refused or reset, a timeout before the status line, a 5xx
+status) is skipped for ``--down-s`` seconds and the next replica is tried, up to
+``--retries`` more. Replicas are ``--replica NAME=URL``; NAME is the worker id the router
+knows the replica by: the ``--node-id`` of the replica's kvtierd when its engine declares no
+worker (vLLM's offloading spec does not), else the engine's worker id. With
+``--replica-url-template`` every worker the feeds report and no ``--replica`` names is a
+replica too, at that URL (``{worker}`` and ``{node}`` replaced).
+
+Libraries: aiohttp for both the server and the streaming client (one event loop, no thread
+hop per chunk, keep-alive pools, chunked streaming both ways), uvloop under it,
+prometheus_client for the metrics, transformers for the tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.client.engine.keys import Namespace
+from kvtier.client.engine.transport import ClientTls
+from kvtier.client.gateway.keys import SCHEMES, VLLM_DEFAULT_SEED, KeyScheme, has_extra_keys
+from kvtier.client.gateway.policy import POLICIES, Policy
+from kvtier.client.gateway.tokenize import PromptError, PromptTokenizer
+from kvtier.client.routing.router import Router, RouterConfig
+from kvtier.settings import (
+    Settings,
+    SettingsError,
+    group,
+    parse_bool,
+    parse_float,
+    parse_int,
+    parse_list,
+    setting,
+)
+
+log = logging.getLogger("kvtier.gateway")
+
+# headers never forwarded either way (hop-by-hop, or set by the sending side itself)
+_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                  "transfer-encoding", "upgrade", "host", "content-length", "server", "date"})
+
+
+INLINE_BODY_BYTES = 16384
+"""Bodies up to this size are tokenized on the event loop (well under a millisecond on an idle
+core); larger ones in a thread pool."""
+
+REPLICA_HEADER = "X-Kvtier-Replica"
+"""Response header naming the replica that answered (the body is the replica's, unchanged)."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Every ``kvtier gateway`` setting (flag, ``KVTIER_GATEWAY_<NAME>``, TOML key)."""
+
+    listen: str = setting("127.0.0.1:8000", "HOST:PORT to serve the OpenAI API on (port 0: any free port)",
+                          metavar="HOST:PORT")
+    replicas: tuple[str, ...] = setting((), "an engine replica: NAME=URL (NAME: the worker id the router knows it "
+                                            "by, its kvtierd's --node-id for vLLM; URL: its OpenAI server, "
+                                            "e.g. http://10.0.0.5:8000); repeat for several", parse_list,
+                                        "NAME=URL", name="replica", repeat=True)
+    replica_url_template: str = setting("", "discovery: every worker the location feeds report that no --replica "
+                                            "names is a replica at this URL ({worker}, {node} replaced; e.g. "
+                                            "http://{worker}.vllm.default.svc:8000)", metavar="URL")
+    model: str = setting("", "the model name clients ask for (the body's \"model\"; others get 404)", metavar="NAME")
+    tokenizer: str = setting("", "local directory with the model's tokenizer and chat template", metavar="DIR")
+    policy: str = setting("kvtier", f"routing policy: {', '.join(POLICIES)}", metavar="POLICY")
+    keys: str = setting("vllm", "key scheme of the replicas' kvtierds: vllm (kvtier's vLLM offloading spec) or "
+                                "tokens (kvtier's block_keys over token ids)", metavar="SCHEME")
+    block_tokens: int = setting(16, "tokens per engine block (vLLM's --block-size)", parse_int, "N")
+    chunk_blocks: int = setting(1, "engine blocks per offloaded chunk (the spec's blocks_per_chunk)", parse_int, "N")
+    key_model: str = setting("", "model id of the keys (the engines' kvtier_model; default --model)", metavar="ID")
+    tenant_salt: str = setting("", "tenant salt of the keys (the engines' kvtier_tenant)", metavar="SALT")
+    vllm_hash_seed: str = setting(VLLM_DEFAULT_SEED, "the engines' PYTHONHASHSEED if they set one (vLLM's "
+                                                     "root block hash)", metavar="SEED")
+    session_header: str = setting("x-session-id", "request header naming a session (stickiness); empty: none",
+                                  metavar="NAME")
+    session_user: bool = setting(True, "without the header, the body's \"user\" names the session", parse_bool,
+                                 "BOOL")
+    session_ttl_s: float = setting(3600.0, "a session not seen for this long is forgotten (seconds)",
+                                   parse_float, "S")
+    max_concurrency: int = setting(256, "requests forwarded at once; more wait up to --queue-timeout-s",
+                                   parse_int, "N")
+    queue_timeout_s: float = setting(10.0, "longest wait for a forwarding slot before 503 (seconds)",
+                                     parse_float, "S")
+    connect_timeout_s: float = setting(2.0, "connecting to a replica (seconds); past it the next is tried",
+                                       parse_float, "S")
+    first_byte_timeout_s: float = setting(300.0, "a replica's status line (seconds); past it the next is tried",
+                                          parse_float, "S")
+    read_timeout_s: float = setting(300.0, "longest silence of a replica while streaming (seconds)",
+                                    parse_float, "S")
+    retries: int = setting(2, "other replicas tried when one refuses before answering", parse_int, "N")
+    down_s: float = setting(5.0, "a replica that refused is skipped this long (seconds)", parse_float, "S")
+    max_body_bytes: int = setting(64 << 20, "largest request body (bytes)", parse_int, "BYTES")
+    metrics_port: int = setting(-1, "also serve /metrics on this port (0: any free port; -1: only on --listen)",
+                                parse_int, "PORT")
+    daemon_tls_cert: str = setting("", "client certificate for kvtierds over TCP (their --tls-ca signs it)",
+                                   metavar="FILE")
+    daemon_tls_key: str = setting("", "PEM private key of --daemon-tls-cert", metavar="FILE")
+    daemon_tls_ca: str = setting("", "PEM CA that signs the kvtierds' --tls-cert", metavar="FILE")
+    router: RouterConfig = group(RouterConfig)
+    log_level: str = setting("info", "debug, info, warning or error")
+    config: str = setting("", "TOML file with any of these settings", metavar="FILE")
+
+
+HELP = """\
+An OpenAI-compatible HTTP front door (/v1/chat/completions, /v1/completions, /v1/models,
+streaming or not) that sends each request to the engine replica holding the longest part of
+its prompt's KV cache, as kvtier's router ranks them from the kvtierds' location feeds
+(--daemon, --dns; as route-server). Replicas: --replica NAME=URL, NAME being the worker id
+the router knows (the replica's kvtierd --node-id for vLLM with kvtier's offloading spec).
+Keys: the gateway tokenizes each prompt with --tokenizer and computes the keys the engines'
+kvtier integration stores, so --block-tokens, --key-model (the engines' kvtier_model) and
+--tenant-salt (their kvtier_tenant) must match the engines'.
+Example:
+  kvtier gateway --listen 0.0.0.0:8000 --model llama --tokenizer /models/llama \\
+    --block-tokens 16 --tenant-salt team-a \\
+    --replica node-a=http://10.0.0.5:8000 --daemon 10.0.0.5:7070 \\
+    --replica node-b=http://10.0.0.6:8000 --daemon 10.0.0.6:7070
+"""
+
+SETTINGS = Settings(GatewayConfig, "KVTIER_GATEWAY_", "kvtier gateway", description=HELP)
+
+
+def parse_replicas(entries: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for e in entries:
+        name, sep, url = e.partition("=")
+        name, url = name.strip(), url.strip().rstrip("/")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise SettingsError(f"--replica {e!r}: expected NAME=http://HOST:PORT")
+        if name in out:
+            raise SettingsError(f"--replica {name!r} given twice")
+        out[name] = url
+    return out
+
+
+def check_settings(cfg: GatewayConfig) -> None:
+    parse_replicas(cfg.replicas)
+    if not cfg.replicas and not cfg.replica_url_template:
+        raise SettingsError("give at least one --replica NAME=URL (or --replica-url-template with --daemon)")
+    if cfg.replica_url_template and not (cfg.router.daemons or cfg.router.dns):
+        raise SettingsError("--replica-url-template discovers workers from the location feeds: give --daemon or --dns")
+    if not cfg.model:
+        raise SettingsError("--model: the model name clients ask for is required")
+    if not cfg.tokenizer:
+        raise SettingsError("--tokenizer DIR is required (the model's tokenizer files, local)")
+    if cfg.policy not in POLICIES:
+        raise SettingsError(f"--policy {cfg.policy!r}: one of {', '.join(POLICIES)}")
+    if cfg.keys not in SCHEMES:
+        raise SettingsError(f"--keys {cfg.keys!r}: one of {', '.join(SCHEMES)}")
+    for name in ("block_tokens", "chunk_blocks", "max_concurrency"):
+        if getattr(cfg, name) <= 0:
+            raise SettingsError(f"--{name.replace('_', '-')} must be positive")
+    tls = [n for n in ("daemon_tls_cert", "daemon_tls_key", "daemon_tls_ca") if getattr(cfg, n)]
+    if tls and len(tls) != 3:
+        raise SettingsError("--daemon-tls-cert, --daemon-tls-key and --daemon-tls-ca go together")
+    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise SettingsError(f"--log-level {cfg.log_level!r}: debug, info, warning or error")
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
+    """An OpenAI-style error (as vLLM's server answers them)."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+
+
+class _Metrics:
+    """kvtier_gateway_* on a private registry."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: PLC0415
+
+        self.registry = r = CollectorRegistry()
+        buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.requests = Counter("kvtier_gateway_requests", "requests answered, by replica (none: refused by the "
+                                "gateway), endpoint and HTTP status", ["replica", "endpoint", "status"], registry=r)
+        self.errors = Counter("kvtier_gateway_errors", "failures by reason: bad_request, unknown_model, overloaded, "
+                              "replica_refused (then retried), unreachable (every replica refused), "
+                              "upstream_broken (mid-stream), client_gone", ["reason"], registry=r)
+        self.decisions = Counter("kvtier_gateway_decisions", "requests dispatched, by chosen replica and policy",
+                                 ["replica", "policy"], registry=r)
+        self.retries = Counter("kvtier_gateway_retries", "requests sent on to another replica", registry=r)
+        self.ttft = Histogram("kvtier_gateway_ttft_seconds", "request arrival to the first body byte sent back",
+                              ["replica"], buckets=buckets, registry=r)
+        self.latency = Histogram("kvtier_gateway_latency_seconds", "request arrival to the last byte sent back",
+                                 ["replica"], buckets=buckets, registry=r)
+        self.overhead = Histogram("kvtier_gateway_decide_seconds", "parse, tokenize, key and rank a request",
+                                  buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .1), registry=r)
+        self.overlap = Counter("kvtier_gateway_overlap_blocks", "leading prompt blocks the chosen replica held "
+                               "when chosen, by tier (gpu: the engine's or speculative; host; disk), as the "
+                               "router saw them", ["tier"], registry=r)
+        self.prompt_blocks = Counter("kvtier_gateway_prompt_blocks", "full blocks of the prompts routed", registry=r)
+        self.in_flight = Gauge("kvtier_gateway_in_flight", "requests being forwarded", ["replica"], registry=r)
+        for t in ("gpu", "host", "disk"):
+            self.overlap.labels(t)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest  # noqa: PLC0415
+
+        return generate_latest(self.registry)
+
+
+class _Refused(Exception):
+    """A replica refused before any byte reached the client; ``body``/``status`` if it answered."""
+
+    def __init__(self, why: str, status: int = 0, body: bytes = b"", headers: Any = None) -> None:
+        super().__init__(why)
+        self.status, self.body, self.headers = status, body, headers
+
+
+class Gateway:
+    """The gateway's state and handlers; :meth:`app` is the aiohttp application."""
+
+    def __init__(self, cfg: GatewayConfig, tokenizer: PromptTokenizer | None = None,
+                 router: Router | None = None) -> None:
+        self.cfg = cfg
+        self.static = parse_replicas(cfg.replicas)
+        self.tokenizer = tokenizer or PromptTokenizer(cfg.tokenizer)
+        self.keys = KeyScheme(cfg.keys, cfg.block_tokens, Namespace(cfg.key_model or cfg.model, cfg.tenant_salt),
+                              cfg.chunk_blocks, cfg.vllm_hash_seed)
+        use_router = cfg.policy == "kvtier" or cfg.router.daemons or cfg.router.dns
+        tls = ClientTls(cfg.daemon_tls_cert, cfg.daemon_tls_key, cfg.daemon_tls_ca) if cfg.daemon_tls_cert else None
+        self.router = router if router is not None else (Router(cfg.router, tls=tls) if use_router else None)
+        self.policy = Policy(cfg.policy, self.router, session_ttl_s=cfg.session_ttl_s)
+        self.metrics = _Metrics()
+        self.down_until: dict[str, float] = {}
+        self._discovered: dict[str, str] = {}
+        self._discovered_at = -1.0
+        self._slots = asyncio.Semaphore(cfg.max_concurrency)
+        self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="kvtier-gw-tok")
+        self._session: Any = None
+        self.started = time.time()
+        if self.router is not None:
+            with self.router._lock:  # replicas no daemon publishes (yet) can still be picked
+                for name in self.static:
+                    self.router.index.add_external_worker(name)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def app(self) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        app = web.Application(client_max_size=self.cfg.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app: Any) -> None:
+        import aiohttp  # noqa: PLC0415
+
+        cfg = self.cfg
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s))
+        if self.router is not None and not self.router._started:
+            self.router.start()
+
+    async def _cleanup(self, app: Any) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self._pool.shutdown(wait=False)
+        if self.router is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.router.close)
+
+    # -- replicas -------------------------------------------------------------------------
+
+    def replicas(self) -> dict[str, str]:
+        """name -> base URL: the static ones, and (with a template) the workers the feeds report."""
+        tpl = self.cfg.replica_url_template
+        if not tpl or self.router is None:
+            return self.static
+        now = time.monotonic()
+        if now - self._discovered_at > 1.0:
+            self._discovered_at = now
+            found = {w: tpl.format(worker=w, node=n).rstrip("/") for w, n in self.router.workers() if n}
+            self._discovered = {**found, **self.static}
+        return self._discovered
+
+    def healthy(self, names: Sequence[str]) -> list[str]:
+        now = time.monotonic()
+        up = [n for n in names if self.down_until.get(n, 0.0) <= now]
+        return up or list(names)  # all refused lately: try them anyway
+
+    # -- handlers -------------------------------------------------------------------------
+
+    def _json(self, status: int, body: bytes) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    def _fail(self, endpoint: str, status: int, reason: str, message: str, kind: str,
+              param: str | None = None) -> Any:
+        self.metrics.errors.labels(reason).inc()
+        self.metrics.requests.labels("none", endpoint, str(status)).inc()
+        return self._json(status, error_body(status, message, kind, param))
+
+    async def models(self, request: Any) -> Any:
+        return self._json(200, json.dumps({"object": "list", "data": [
+            {"id": self.cfg.model, "object": "model", "created": int(self.started), "owned_by": "kvtier-gateway",
+             "root": self.cfg.model}]}).encode())
+
+    async def health(self, request: Any) -> Any:
+        return self._json(200, b"{}")
+
+    async def metrics_handler(self, request: Any) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def chat(self, request: Any) -> Any:
+        return await self._forward(request, "chat")
+
+    async def completions(self, request: Any) -> Any:
+        return await self._forward(request, "completions")
+
+    def _session_of(self, request: Any, body: Mapping[str, Any]) -> str | None:
+        h = self.cfg.session_header
+        sid = request.headers.get(h) if h else None
+        if not sid and self.cfg.session_user and isinstance(body.get("user"), str):
+            sid = body["user"]
+        return sid or None
+
+    def _decide(self, endpoint: str, raw: bytes, request: Any) -> tuple[Any, list[bytes], str | None]:
+        """Parse, check, tokenize and key a request: (error response or None, keys, session)."""
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body is not a JSON object")
+        except ValueError as e:
+            return self._fail(endpoint, 400, "bad_request", f"invalid JSON body: {e}", "BadRequestError"), [], None
+        model = body.get("model")
+        if model != self.cfg.model:
+            return self._fail(endpoint, 404, "unknown_model",
+                              f"The model `{model}` does not exist: this gateway serves `{self.cfg.model}`.",
+                              "NotFoundError", "model"), [], None
+        try:
+            ids = self.tokenizer.chat(body) if endpoint == "chat" else self.tokenizer.completion(body)
+        except PromptError as e:
+            return self._fail(endpoint, 400, "bad_request", str(e), "BadRequestError"), [], None
+        keys = [] if self.cfg.keys == "vllm" and has_extra_keys(body) else self.keys.keys(ids)
+        return None, keys, self._session_of(request, body)
+
+    async def _forward(self, request: Any, endpoint: str) -> Any:
+        t0 = time.perf_counter()
+        raw = await request.read()
+        if len(raw) > INLINE_BODY_BYTES:  # tokenizing a long prompt would hold the event loop (tokenizers
+            # releases the GIL while it encodes, so these threads use every core)
+            err, keys, session = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._decide, endpoint, raw, request)
+        else:
+            err, keys, session = self._decide(endpoint, raw, request)
+        if err is not None:
+            return err
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.cfg.queue_timeout_s)
+        except asyncio.TimeoutError:
+            return self._fail(endpoint, 503, "overloaded", f"the gateway is at --max-concurrency "
+                              f"{self.cfg.max_concurrency} and no slot freed within {self.cfg.queue_timeout_s:g} s",
+                              "ServiceUnavailableError")
+        try:
+            return await self._route_and_send(request, endpoint, raw, keys, session, t0)
+        finally:
+            self._slots.release()
+
+    async def _route_and_send(self, request: Any, endpoint: str, raw: bytes, keys: list[bytes],
+                              session: str | None, t0: float) -> Any:
+        m, replicas = self.metrics, self.replicas()
+        choice = self.policy.choose(self.healthy(sorted(replicas)), keys, session)
+        m.overhead.observe(time.perf_counter() - t0)
+        m.prompt_blocks.inc(choice.n_blocks)
+        g, h, d = choice.overlap
+        m.overlap.labels("gpu").inc(g)
+        m.overlap.labels("host").inc(h - g)
+        m.overlap.labels("disk").inc(d - h)
+        last: _Refused | None = None
+        for attempt, name in enumerate(choice.order[:1 + self.cfg.retries]):
+            if attempt:
+                m.retries.inc()
+            try:
+                return await self._send(request, endpoint, raw, keys, session, name, replicas[name], t0)
+            except _Refused as e:
+                last = e
+                m.errors.labels("replica_refused").inc()
+                self.down_until[name] = time.monotonic() + self.cfg.down_s
+                log.warning("replica %s refused: %s", name, e)
+        assert last is not None
+        if last.status:  # every replica answered 5xx: the last answer, as it was
+            m.requests.labels("none", endpoint, str(last.status)).inc()
+            m.errors.labels("unreachable").inc()
+            return self._upstream_error(last)
+        tried = ", ".join(choice.order[:1 + self.cfg.retries])
+        return self._fail(endpoint, 502, "unreachable", f"no replica answered (tried {tried}): {last}",
+                          "BadGatewayError")
+
+    def _upstream_error(self, e: _Refused) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        headers = {k: v for k, v in (e.headers or {}).items() if k.lower() not in _HOP}
+        return web.Response(status=e.status, body=e.body, headers=headers)
+
+    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> int:
+        self.policy.dispatched(name, keys, session)
+        self.metrics.decisions.labels(name, self.cfg.policy).inc()
+        self.metrics.in_flight.labels(name).inc()
+        if self.router is None:
+            return 0
+        return self.router.route(keys, [name], dispatch=True, top_k=1).decision_id
+
+    def _ended(self, name: str, decision: int) -> None:
+        self.policy.ended(name)
+        self.metrics.in_flight.labels(name).dec()
+        if decision:
+            self.router.finish(decision)
+
+    async def _send(self, request: Any, endpoint: str, raw: bytes, keys: list[bytes], session: str | None,
+                    name: str, base: str, t0: float) -> Any:
+        import aiohttp  # noqa: PLC0415
+
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        decision = self._dispatch(name, keys, session)
+        try:
+            up = await asyncio.wait_for(self._session.post(base + request.path_qs, data=raw, headers=headers),
+                                        self.cfg.first_byte_timeout_s)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            self._ended(name, decision)
+            raise _Refused(f"{type(e).__name__}: {e}") from None
+        try:
+            if up.status >= 500:
+                body = await up.read()
+                raise _Refused(f"HTTP {up.status}", up.status, body, up.headers)
+            return await self._stream(request, endpoint, up, name, decision, t0)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise _Refused(f"{type(e).__name__}: {e}") from None
+        finally:
+            up.release()
+            self._ended(name, decision)
+
+    async def _stream(self, request: Any, endpoint: str, up: Any, name: str, decision: int, t0: float) -> Any:
+        import aiohttp  # noqa: PLC0415
+        from aiohttp import web  # noqa: PLC0415
+
+        m = self.metrics
+        # the first chunk before the client's response starts: a replica that fails here is retried
+        first = await up.content.readany()
+        resp = web.StreamResponse(status=up.status, reason=up.reason)
+        for k, v in up.headers.items():
+            if k.lower() not in _HOP:
+                resp.headers.add(k, v)
+        resp.headers[REPLICA_HEADER] = name
+        if up.content_length is not None:
+            resp.content_length = up.content_length
+        status = str(up.status)
+        try:
+            await resp.prepare(request)
+            if first:
+                await resp.write(first)
+                m.ttft.labels(name).observe(time.perf_counter() - t0)
+                if decision:
+                    self.router.finish(decision, prefill_only=True)
+            try:
+                while True:
+                    chunk = await up.content.readany()
+                    if not chunk:
+                        break
+                    await resp.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                m.errors.labels("upstream_broken").inc()
+                log.warning("replica %s broke off mid-answer: %s", name, e)
+                status = "broken"
+                if request.transport is not None:  # the client sees the answer cut off, not complete
+                    request.transport.close()
+                return resp
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError) as e:
+            m.errors.labels("client_gone").inc()
+            log.info("client went away while %s answered: %s", name, e)
+            status = "client_gone"
+            return resp
+        finally:
+            m.requests.labels(name, endpoint, status).inc()
+            m.latency.labels(name).observe(time.perf_counter() - t0)
+        return resp
+
+
+async def serve(cfg: GatewayConfig, ready: asyncio.Future | None = None) -> None:
+    from aiohttp import web  # noqa: PLC0415
+
+    gw = Gateway(cfg)
+    runner = web.AppRunner(gw.app(), access_log=None)
+    await runner.setup()
+    host, _, port = cfg.listen.rpartition(":")
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port), backlog=1024)
+    try:
+        await site.start()
+    except OSError as e:
+        raise SystemExit(f"kvtier gateway: cannot listen on {cfg.listen}: {e.strerror}") from None
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    mport = None
+    if cfg.metrics_port >= 0:
+        mapp = web.Application()
+        mapp.router.add_get("/metrics", gw.metrics_handler)
+        mrunner = web.AppRunner(mapp, access_log=None)
+        await mrunner.setup()
+        msite = web.TCPSite(mrunner, host or "127.0.0.1", cfg.metrics_port)
+        await msite.start()
+        mport = msite._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    print(f"kvtier gateway listening on http://{host or '127.0.0.1'}:{bound}"
+          + (f", metrics on port {mport}" if mport is not None else "")
+          + f"; policy {cfg.policy}; replicas {', '.join(f'{k}={v}' for k, v in gw.static.items()) or 'discovered'}",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal  # noqa: PLC0415
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg: GatewayConfig = SETTINGS.load_or_exit(argv, check=check_settings)
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        import uvloop  # noqa: PLC0415
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        asyncio.run(serve(cfg))
+    except RuntimeError as e:
+        print(f"kvtier gateway: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

