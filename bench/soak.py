@@ -49,6 +49,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -156,179 +157,229 @@ def _code(e: BaseException) -> str:
 
 # -- the clients ------------------------------------------------------------------------------
 
-def sidecar_client(idx: int, gen: int, cfg: dict, ctl: Control) -> None:
-    from kvtier.client.engine.sidecar import Sidecar, _SidecarCore
-    from kvtier.client.engine.transport import KvtierError
-    from kvtier.tiers.layout import Layout
+class SidecarClient:
+    """One engine-like process on the Sidecar API: a random op at a time, every byte it gets
+    compared with its key's bytes; durable puts it was told succeeded are logged (acks file)."""
 
-    rng = random.Random(idx * 7919 + gen)
-    tally = Tally(os.path.join(cfg["work"], f"client-{idx}-{gen}.json"))
-    block = cfg["block_bytes"]
-    layout = Layout.flat(block, TOKENS)
-    acks = open(os.path.join(cfg["work"], f"durable-{idx}.acks"), "a")
-    nshared, ndur = cfg["shared_keys"], cfg["durable_per_client"]
-    dur_next = sum(1 for _ in open(acks.name)) if os.path.getsize(acks.name) else 0
-    original_write = _SidecarCore._write
+    def __init__(self, idx: int, gen: int, cfg: dict, ctl: Control) -> None:
+        from kvtier.client.engine.sidecar import Sidecar, _SidecarCore
+        from kvtier.tiers.layout import Layout
 
-    def stalling_write(info, reply, keys, arrs, result):  # type: ignore[no-untyped-def]
-        if ctl.stall[idx] == 1:  # the scheduler stops this engine between Allocate and its writes
-            ctl.stall[idx] = 2
-            os.kill(os.getpid(), signal.SIGSTOP)
-            if ctl.stall[idx] == 2:
-                ctl.stall[idx] = 3  # resumed: the writes below land after the grants expired
-        return original_write(info, reply, keys, arrs, result)
+        self.idx, self.cfg, self.ctl = idx, cfg, ctl
+        self.rng = random.Random(idx * 7919 + gen)
+        self.tally = Tally(os.path.join(cfg["work"], f"client-{idx}-{gen}.json"))
+        self.block = cfg["block_bytes"]
+        self.layout = Layout.flat(self.block, TOKENS)
+        self.acks = open(os.path.join(cfg["work"], f"durable-{idx}.acks"), "a")
+        self.nshared, self.ndur = cfg["shared_keys"], cfg["durable_per_client"]
+        with open(self.acks.name) as fh:
+            self.dur_next = sum(1 for _ in fh)
+        original_write = _SidecarCore._write
 
-    _SidecarCore._write = staticmethod(stalling_write)
-    sc = Sidecar(cfg["socket"], timeout=20, client_name=f"soak-{idx}")
-    lid = None
-    while not ctl.stop.is_set():
-        if _wait_pause(ctl, idx):
-            continue
-        op = rng.choices(OPS, WEIGHTS)[0]
-        t0 = time.perf_counter()
-        stalled = ctl.stall[idx] == 1
-        try:
-            if lid is None:
-                lid = sc.register_layout(layout)
-            n = rng.randint(1, MAX_BATCH)
-            start = rng.randrange(nshared)
-            keys = [shared_key((start + i) % nshared) for i in range(n)]
-            if op == "put" or stalled:
-                res = sc.put(lid, keys, [derive(k, block) for k in keys])
-                if ctl.stall[idx] == 3:
-                    tally.counts["late_commit_accepted"] += 1
-                    with open(os.path.join(cfg["work"], "stall.log"), "a") as fh:
-                        fh.write(f"client {idx}: the late put was accepted: {res}\n")
-            elif op == "put_durable":
-                j = dur_next % ndur if dur_next >= ndur else dur_next
-                dk = [durable_key(idx, j)]
-                res = sc.put(lid, dk, [derive(dk[0], block)], durable=True)
-                if res.durable >= 1 and not res.dropped:
-                    if dur_next < ndur:
-                        acks.write(dk[0].hex() + "\n")
-                        acks.flush()
-                    dur_next += 1
-            elif op == "get":
-                if dur_next and rng.random() < 0.2:
-                    keys = [durable_key(idx, rng.randrange(min(dur_next, ndur))) for _ in range(n)]
-                    keys = list(dict.fromkeys(keys))
-                out = sc.get(lid, keys, verify=rng.random() < 0.2)
-                for k, view in zip(keys, out, strict=True):
-                    if view is None:
-                        continue
-                    if np.array_equal(np.frombuffer(view, dtype=np.uint8), derive(k, block)):
-                        tally.counts["blocks_verified"] += 1
-                    else:
-                        tally.counts["corrupt_served"] += 1
-                        with open(os.path.join(cfg["work"], "corrupt.log"), "a") as fh:
-                            fh.write(f"client {idx} get {k.hex()}\n")
-            elif op == "lookup":
-                sc.lookup(lid, keys)
-            elif op == "prefix_length":
-                sc.prefix_length(lid, keys)
-            elif op == "prefetch":
-                if dur_next:
-                    keys = list(dict.fromkeys(durable_key(idx, rng.randrange(min(dur_next, ndur))) for _ in range(n)))
-                sc.prefetch(lid, keys)
-            elif op == "evict":
-                sc.evict(lid, keys)
-            tally.op(op, time.perf_counter() - t0)
-        except KvtierError as e:
-            if ctl.stall[idx] == 3:
-                with open(os.path.join(cfg["work"], "stall.log"), "a") as fh:
-                    fh.write(f"client {idx}: the late put was refused {e.code.name}: {e.details}\n")
-            if ctl.stall[idx] == 3 and e.code.name == "DEADLINE_EXCEEDED":
-                tally.counts["late_commit_refused"] += 1
+        def stalling_write(info, reply, keys, arrs, result):  # type: ignore[no-untyped-def]
+            if ctl.stall[idx] == 1:  # the scheduler stops this engine between Allocate and its writes
+                ctl.stall[idx] = 2
+                os.kill(os.getpid(), signal.SIGSTOP)
+                if ctl.stall[idx] == 2:
+                    ctl.stall[idx] = 3  # resumed: the writes below land after the grants expired
+            return original_write(info, reply, keys, arrs, result)
+
+        _SidecarCore._write = staticmethod(stalling_write)
+        self.sc = Sidecar(cfg["socket"], timeout=20, client_name=f"soak-{idx}")
+        self.lid: int | None = None
+
+    def log(self, name: str, line: str) -> None:
+        with open(os.path.join(self.cfg["work"], name), "a") as fh:
+            fh.write(f"client {self.idx}: {line}\n")
+
+    def durable_keys(self, n: int) -> list[bytes]:
+        top = min(self.dur_next, self.ndur)
+        return list(dict.fromkeys(durable_key(self.idx, self.rng.randrange(top)) for _ in range(n)))
+
+    def op_put(self, keys: list[bytes]) -> None:
+        res = self.sc.put(self.lid, keys, [derive(k, self.block) for k in keys])
+        if self.ctl.stall[self.idx] == 3:
+            self.tally.counts["late_commit_accepted"] += 1
+            self.log("stall.log", f"the late put was accepted: {res}")
+
+    def op_put_durable(self, keys: list[bytes]) -> None:
+        j = self.dur_next % self.ndur
+        dk = [durable_key(self.idx, j)]
+        res = self.sc.put(self.lid, dk, [derive(dk[0], self.block)], durable=True)
+        if res.durable >= 1 and not res.dropped:
+            if self.dur_next < self.ndur:
+                self.acks.write(dk[0].hex() + "\n")
+                self.acks.flush()
+            self.dur_next += 1
+
+    def op_get(self, keys: list[bytes]) -> None:
+        if self.dur_next and self.rng.random() < 0.2:
+            keys = self.durable_keys(len(keys))
+        out = self.sc.get(self.lid, keys, verify=self.rng.random() < 0.2)
+        for k, view in zip(keys, out, strict=True):
+            if view is None:
+                continue
+            if np.array_equal(np.frombuffer(view, dtype=np.uint8), derive(k, self.block)):
+                self.tally.counts["blocks_verified"] += 1
             else:
-                tally.error(e.code.name)
+                self.tally.counts["corrupt_served"] += 1
+                self.log("corrupt.log", f"get {k.hex()}")
+
+    def op_lookup(self, keys: list[bytes]) -> None:
+        self.sc.lookup(self.lid, keys)
+
+    def op_prefix_length(self, keys: list[bytes]) -> None:
+        self.sc.prefix_length(self.lid, keys)
+
+    def op_prefetch(self, keys: list[bytes]) -> None:
+        self.sc.prefetch(self.lid, self.durable_keys(len(keys)) if self.dur_next else keys)
+
+    def op_evict(self, keys: list[bytes]) -> None:
+        self.sc.evict(self.lid, keys)  # shared keys only: durable keys are never evicted
+
+    def step(self) -> None:
+        from kvtier.client.engine.transport import KvtierError
+
+        stalled = self.ctl.stall[self.idx] == 1
+        op = "put" if stalled else self.rng.choices(OPS, WEIGHTS)[0]
+        n, start = self.rng.randint(1, MAX_BATCH), self.rng.randrange(self.nshared)
+        keys = [shared_key((start + i) % self.nshared) for i in range(n)]
+        t0 = time.perf_counter()
+        try:
+            if self.lid is None:
+                self.lid = self.sc.register_layout(self.layout)
+            getattr(self, "op_" + op)(keys)
+            self.tally.op(op, time.perf_counter() - t0)
+        except KvtierError as e:
+            late = self.ctl.stall[self.idx] == 3
+            if late:
+                self.log("stall.log", f"the late put was refused {e.code.name}: {e.details}")
+            if late and e.code.name == "DEADLINE_EXCEEDED":
+                self.tally.counts["late_commit_refused"] += 1
+            else:
+                self.tally.error(e.code.name)
             if e.code.name == "FAILED_PRECONDITION":
-                lid = None  # a restarted daemon: register again
+                self.lid = None  # a restarted daemon: register again
             time.sleep(0.02)
-        if ctl.stall[idx] in (3, 4):
-            ctl.stall[idx] = 0
-        tally.flush()
-    tally.flush(force=True)
-    with contextlib.suppress(Exception):
-        sc.close()
+        if self.ctl.stall[self.idx] in (3, 4):
+            self.ctl.stall[self.idx] = 0
+
+    def run(self) -> None:
+        while not self.ctl.stop.is_set():
+            if not _wait_pause(self.ctl, self.idx):
+                self.step()
+            self.tally.flush()
+        self.tally.flush(force=True)
+        with contextlib.suppress(Exception):
+            self.sc.close()
+
+
+def sidecar_client(idx: int, gen: int, cfg: dict, ctl: Control) -> None:
+    SidecarClient(idx, gen, cfg, ctl).run()
+
+
+class TransferClient:
+    """An engine on the Transfer service with CPU stand-in KV memory: offloads blocks it fills
+    with their keys' bytes, onboards blocks (its own or another engine's) and compares them."""
+
+    NBLOCKS = 32
+
+    def __init__(self, idx: int, gen: int, cfg: dict, ctl: Control) -> None:
+        import torch
+
+        from kvtier.client.engine import SharedKVArena
+        from kvtier.tiers.layout import Layout
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.idx, self.cfg, self.ctl = idx, cfg, ctl
+        self.rng = random.Random(idx * 104729 + gen)
+        self.tally = Tally(os.path.join(cfg["work"], f"client-{idx}-{gen}.json"))
+        self.layout = Layout.vllm(num_layers=2, num_blocks=self.NBLOCKS, block_tokens=TOKENS, kv_heads=2,
+                                  head_dim=64, dtype="float16")
+        self.arena = SharedKVArena(self.layout, cfg["shm"])
+        self.u8 = [t.view(torch.uint8) for t in self.arena.tensors]  # [2, nblocks, ...] as bytes
+        self.conn: Any = None
+        self.nkeys = cfg["shared_keys"] // 4
+
+    def fill(self, b: int, key: bytes) -> None:
+        for ti, t in enumerate(self.u8):
+            sl = t[:, b]
+            sl.copy_(self.torch.from_numpy(derive(key, sl.numel(), ti).copy()).view(sl.shape))
+
+    def holds(self, b: int, key: bytes) -> bool:
+        return all(np.array_equal(t[:, b].contiguous().numpy().ravel(), derive(key, t[:, b].numel(), ti))
+                   for ti, t in enumerate(self.u8))
+
+    def offload(self, keys: list[bytes]) -> None:
+        src = self.rng.sample(range(self.NBLOCKS // 2), len(keys))
+        for b, k in zip(src, keys, strict=True):
+            self.fill(b, k)
+        t0 = time.perf_counter()
+        self.conn.offload(keys, src).wait(30)
+        self.tally.op("offload", time.perf_counter() - t0)
+
+    def onboard(self, keys: list[bytes]) -> None:
+        dst = self.rng.sample(range(self.NBLOCKS // 2, self.NBLOCKS), len(keys))
+        t0 = time.perf_counter()
+        statuses = self.conn.onboard(keys, dst).wait(30)
+        self.tally.op("onboard", time.perf_counter() - t0)
+        for b, k, s in zip(dst, keys, statuses, strict=True):
+            if s != "copied":
+                continue
+            if self.holds(b, k):
+                self.tally.counts["blocks_verified"] += 1
+            else:
+                self.tally.counts["corrupt_served"] += 1
+                with open(os.path.join(self.cfg["work"], "corrupt.log"), "a") as fh:
+                    fh.write(f"client {self.idx} onboard {k.hex()}\n")
+
+    def step(self) -> None:
+        from kvtier.client.engine import KVConnector
+        from kvtier.client.engine.transport import KvtierError
+
+        try:
+            if self.conn is None:
+                self.conn = KVConnector(self.cfg["socket"], ring_dir=self.cfg["shm"], ring_slots=4, timeout=20)
+                self.conn.register(self.layout, self.arena.tensors)
+            keys = list(dict.fromkeys(xfer_key(self.rng.randrange(self.nkeys)) for _ in range(self.rng.randint(1, 8))))
+            (self.offload if self.rng.random() < 0.5 else self.onboard)(keys)
+        except Exception as e:  # refused, a transfer that timed out, a ring that went away
+            self.tally.error(e.code.name if isinstance(e, KvtierError) else type(e).__name__)
+            self.close()
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.conn is not None:
+                self.conn.close()
+        self.conn = None
+
+    def run(self) -> None:
+        while not self.ctl.stop.is_set():
+            if not _wait_pause(self.ctl, self.idx):
+                self.step()
+            self.tally.flush()
+        self.tally.flush(force=True)
+        self.close()
 
 
 def transfer_client(idx: int, gen: int, cfg: dict, ctl: Control) -> None:
-    import torch
+    TransferClient(idx, gen, cfg, ctl).run()
 
-    from kvtier.client.engine import KVConnector, SharedKVArena
-    from kvtier.client.engine.transport import KvtierError
-    from kvtier.tiers.layout import Layout
 
-    torch.set_num_threads(1)
-    rng = random.Random(idx * 104729 + gen)
-    tally = Tally(os.path.join(cfg["work"], f"client-{idx}-{gen}.json"))
-    nblocks = 32
-    layout = Layout.vllm(num_layers=2, num_blocks=nblocks, block_tokens=TOKENS, kv_heads=2, head_dim=64,
-                         dtype="float16")
-    arena = SharedKVArena(layout, cfg["shm"])
-    u8 = [t.view(torch.uint8) for t in arena.tensors]  # [2, nblocks, ...] as bytes
-
-    def fill(b: int, key: bytes) -> None:
-        for ti, t in enumerate(u8):
-            sl = t[:, b]
-            sl.copy_(torch.from_numpy(derive(key, sl.numel(), ti).copy()).view(sl.shape))
-
-    def check(b: int, key: bytes) -> bool:
-        return all(np.array_equal(t[:, b].contiguous().numpy().ravel(), derive(key, t[:, b].numel(), ti))
-                   for ti, t in enumerate(u8))
-
-    conn = None
-    nkeys = cfg["shared_keys"] // 4
-    while not ctl.stop.is_set():
-        if _wait_pause(ctl, idx):
-            continue
-        try:
-            if conn is None:
-                conn = KVConnector(cfg["socket"], ring_dir=cfg["shm"], ring_slots=4, timeout=20)
-                conn.register(layout, arena.tensors)
-            n = rng.randint(1, 8)
-            keys = [xfer_key(rng.randrange(nkeys)) for _ in range(n)]
-            keys = list(dict.fromkeys(keys))
-            if rng.random() < 0.5:
-                src = rng.sample(range(nblocks // 2), len(keys))
-                for b, k in zip(src, keys, strict=True):
-                    fill(b, k)
-                t0 = time.perf_counter()
-                conn.offload(keys, src).wait(30)
-                tally.op("offload", time.perf_counter() - t0)
-            else:
-                dst = rng.sample(range(nblocks // 2, nblocks), len(keys))
-                t0 = time.perf_counter()
-                statuses = conn.onboard(keys, dst).wait(30)
-                tally.op("onboard", time.perf_counter() - t0)
-                for b, k, s in zip(dst, keys, statuses, strict=True):
-                    if s != "copied":
-                        continue
-                    if check(b, k):
-                        tally.counts["blocks_verified"] += 1
-                    else:
-                        tally.counts["corrupt_served"] += 1
-                        with open(os.path.join(cfg["work"], "corrupt.log"), "a") as fh:
-                            fh.write(f"client {idx} onboard {k.hex()}\n")
-        except KvtierError as e:
-            tally.error(e.code.name)
-            with contextlib.suppress(Exception):
-                if conn is not None:
-                    conn.close()
-            conn = None
-            time.sleep(0.1)
-        except Exception as e:  # a transfer that timed out, a ring that went away
-            tally.error(type(e).__name__)
-            with contextlib.suppress(Exception):
-                if conn is not None:
-                    conn.close()
-            conn = None
-            time.sleep(0.1)
+def _follow(stream: Any, tally: Tally, ctl: Control, stuck_at: list[float], stuck_s: float) -> None:
+    """Read a feed stream until a pause or the end; once past ``stuck_at[0]``, stop reading for
+    ``stuck_s`` (a subscriber that stops reading), then go on (once: it becomes infinity)."""
+    for _reply in stream:
+        tally.counts["feed_replies"] += 1
         tally.flush()
-    tally.flush(force=True)
-    with contextlib.suppress(Exception):
-        if conn is not None:
-            conn.close()
+        if time.monotonic() > stuck_at[0]:
+            end, stuck_at[0] = time.monotonic() + stuck_s, math.inf
+            while time.monotonic() < end and not ctl.stop.is_set() and ctl.pause.value <= 0:
+                time.sleep(0.1)
+        if ctl.stop.is_set() or ctl.pause.value > 0:
+            return
 
 
 def subscriber(idx: int, gen: int, cfg: dict, ctl: Control) -> None:
@@ -338,8 +389,7 @@ def subscriber(idx: int, gen: int, cfg: dict, ctl: Control) -> None:
     from kvtier.proto import locations_pb2, locations_pb2_grpc
 
     tally = Tally(os.path.join(cfg["work"], f"client-{idx}-{gen}.json"))
-    stuck = cfg["stuck_subscriber"] == idx
-    stuck_at = time.monotonic() + cfg["stuck_after_s"]
+    stuck_at = [time.monotonic() + cfg["stuck_after_s"] if cfg["stuck_subscriber"] == idx else math.inf]
     while not ctl.stop.is_set():
         if _wait_pause(ctl, idx):  # streams closed while the harness counts the daemon's fds
             continue
@@ -361,16 +411,7 @@ def subscriber(idx: int, gen: int, cfg: dict, ctl: Control) -> None:
 
         threading.Thread(target=watch, daemon=True).start()
         try:
-            for _reply in stream:
-                tally.counts["feed_replies"] += 1
-                tally.flush()
-                if stuck and time.monotonic() > stuck_at:
-                    stuck = False  # once: stop reading, then come back
-                    end = time.monotonic() + cfg["stuck_s"]
-                    while time.monotonic() < end and not ctl.stop.is_set() and ctl.pause.value <= 0:
-                        time.sleep(0.1)
-                if ctl.stop.is_set() or ctl.pause.value > 0:
-                    break
+            _follow(stream, tally, ctl, stuck_at, cfg["stuck_s"])
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 tally.error(e.code().name)
@@ -569,10 +610,11 @@ class Harness:
         self.lid = 0
         self.report: dict[str, Any] = {"lost_durable": 0, "corrupt_served_sweep": 0, "accounting_errors": 0,
                                        "leaked_files": 0, "fd_growth": 0, "checks": 0, "durable_checked": 0,
-                                       "findings": []}
+                                       "sweep_verified": 0, "findings": []}
         self.faults: dict[str, Any] = {"kills": 0, "client_kills": 0, "client_stops": 0, "disk_fill": "",
                                        "slow_disk": "", "stuck_subscriber": ns.subscribers > 0}
         self.incarnation_fds: int | None = None
+        self.noisy: NoisyNeighbour | None = None
         self.samples: list[tuple[float, int, int, int]] = []  # (t, RssAnon, VmRSS, fds)
         self.last_start = 0.0
 
@@ -633,7 +675,7 @@ class Harness:
         stray = [n for n in os.listdir(self.shm)
                  if n.startswith("kvtier-") and f"-{pid}-" not in n and not n.startswith("kvtier-kv-")
                  and not n.startswith("kvtier-ring-")]
-        disk_ok = ("index", "slab", "..ballast", "..noisy", "key.secret", "lost+found", "data.mdb", "lock.mdb", "LOCK")
+        disk_ok = ("index", "slab", "..ballast", "..noisy", "key.secret", "lost+found", "LOCK")
         stray += [f"disk/{n}" for n in os.listdir(self.disk.dir) if not n.startswith(disk_ok)]
         return stray
 
@@ -658,53 +700,61 @@ class Harness:
     def resume(self) -> None:
         self.ctl.pause.value = -abs(self.ctl.pause.value)
 
+    def sweep(self, sc: Any) -> None:
+        """Read every held block of the shared key space back and compare it."""
+        keys = [shared_key(i) for i in range(self.ns.shared_keys)]
+        for i in range(0, len(keys), 256):
+            batch = keys[i:i + 256]
+            for k, view in zip(batch, sc.get(self.lid, batch), strict=True):
+                if view is None:
+                    continue
+                if np.array_equal(np.frombuffer(view, dtype=np.uint8), derive(k, self.block)):
+                    self.report["sweep_verified"] += 1
+                else:
+                    self.report["corrupt_served_sweep"] += 1
+                    self.finding(f"sweep: key {k.hex()} holds bytes that are not its own")
+
+    def check_accounting(self, st: dict) -> None:
+        """Each tier's used bytes are its blocks times the slot (every layout here has 16 KiB
+        blocks, a multiple of 4 KiB: slot == block), and the layouts' blocks add up."""
+        if any(self.ctl.stall[i] == 2 for i in range(self.ns.clients)):
+            return  # a stopped client's grants hold slots: checked at the next pause
+        errors = [f"{name}: used_bytes {t['used_bytes']} != {t['blocks']} blocks x {self.block}"
+                  for name, t in st["tiers"].items()
+                  if name in ("host", "disk") and t["used_bytes"] != t["blocks"] * self.block]
+        by_layout = sum(lay["host_blocks"] for lay in st["layouts"])
+        if by_layout != st["tiers"]["host"]["blocks"]:
+            errors.append(f"host blocks by layout {by_layout} != tier blocks {st['tiers']['host']['blocks']}")
+        self.report["accounting_errors"] += len(errors)
+        for e in errors:
+            self.finding(e)
+
+    def check_fds(self, final: bool) -> None:
+        pid = self.daemon.pid
+        fds = fd_count(pid)
+        if self.ns.keep:
+            with open(os.path.join(self.work, f"fds-{self.report['checks']}.txt"), "w") as fh:
+                for n in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+                    with contextlib.suppress(OSError):
+                        fh.write(f"{n} {os.readlink(f'/proc/{pid}/fd/{n}')}\n")
+        if self.incarnation_fds is None:
+            self.incarnation_fds = fds
+        elif fds > self.incarnation_fds:
+            self.report["fd_growth"] = max(self.report["fd_growth"], fds - self.incarnation_fds)
+            self.finding(f"daemon fds {self.incarnation_fds} -> {fds} between checks{' (final)' if final else ''}")
+
     def full_check(self, final: bool = False) -> None:
-        if not self.pause():
-            self.resume()
-            return
+        """With every client paused between operations: sweep, accounting, files, fds."""
         try:
+            if not self.pause():
+                return
             time.sleep(0.2)  # replies of the last ops settle
             sc = self.sidecar()
             self.report["checks"] += 1
-            keys = [shared_key(i) for i in range(self.ns.shared_keys)]
-            for i in range(0, len(keys), 256):
-                batch = keys[i:i + 256]
-                for k, view in zip(batch, sc.get(self.lid, batch), strict=True):
-                    if view is not None:
-                        if np.array_equal(np.frombuffer(view, dtype=np.uint8), derive(k, self.block)):
-                            self.report.setdefault("sweep_verified", 0)
-                            self.report["sweep_verified"] += 1
-                        else:
-                            self.report["corrupt_served_sweep"] += 1
-                            self.finding(f"sweep: key {k.hex()} holds bytes that are not its own")
-            st = sc.stats()
-            stopped = [i for i in range(self.ns.clients) if self.ctl.stall[i] == 2]
-            for name, t in st["tiers"].items():
-                if stopped:  # a stopped client's grants hold slots: the sum is checked at the next pause
-                    break
-                if name not in ("host", "disk"):
-                    continue
-                expect = t["blocks"] * self.block  # block bytes are a multiple of 4 KiB: slot == block
-                if t["used_bytes"] != expect:
-                    self.report["accounting_errors"] += 1
-                    self.finding(f"{name}: used_bytes {t['used_bytes']} != {t['blocks']} blocks x {self.block}")
-            layouts_host = sum(lay["host_blocks"] for lay in st["layouts"])
-            if layouts_host != st["tiers"]["host"]["blocks"] and not stopped:
-                self.report["accounting_errors"] += 1
-                self.finding(f"host blocks by layout {layouts_host} != tier blocks {st['tiers']['host']['blocks']}")
+            self.sweep(sc)
+            self.check_accounting(sc.stats())
             self.check_files()
-            fds = fd_count(self.daemon.pid)
-            if self.ns.keep:
-                with open(os.path.join(self.work, f"fds-{self.report['checks']}.txt"), "w") as fh:
-                    for n in sorted(os.listdir(f"/proc/{self.daemon.pid}/fd"), key=int):
-                        with contextlib.suppress(OSError):
-                            fh.write(f"{n} {os.readlink(f'/proc/{self.daemon.pid}/fd/{n}')}\n")
-            if self.incarnation_fds is None:
-                self.incarnation_fds = fds
-            elif fds > self.incarnation_fds:
-                self.report["fd_growth"] = max(self.report["fd_growth"], fds - self.incarnation_fds)
-                if final:
-                    self.finding(f"daemon fds {self.incarnation_fds} -> {fds} between checks")
+            self.check_fds(final)
         finally:
             self.resume()
 
@@ -786,72 +836,71 @@ class Harness:
             t += ns.check_s
         return sorted(ev)
 
+    def fill(self) -> None:
+        self.faults["disk_fill"] = self.disk.fill()
+
+    def slow(self) -> None:
+        self.noisy = NoisyNeighbour(self.disk.dir)
+
+    def unslow(self) -> None:
+        if self.noisy is not None:
+            mib = self.noisy.close() >> 20
+            self.faults["slow_disk"] = f"noisy neighbour wrote {mib} MiB with O_DIRECT|O_DSYNC in {self.ns.slow_s} s"
+            self.noisy = None
+
+    def restart_exited(self) -> None:
+        """A client that died by itself is started again (and counted)."""
+        for i, p in enumerate(self.procs):
+            if p is not None and not p.is_alive() and self.ctl.stall[i] != 2:
+                self.gens[i] += 1
+                self.faults["client_exits"] = self.faults.get("client_exits", 0) + 1
+                self.start_client(i)
+
+    def stop_all(self) -> None:
+        self.ctl.stop.set()
+        for i, p in enumerate(self.procs):
+            if p is not None and self.ctl.stall[i] == 2:
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, signal.SIGCONT)
+        for p in self.procs:
+            if p is not None:
+                p.join(15)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+
     def run(self) -> dict:
         ns = self.ns
         self.start_daemon()
         for i in range(ns.clients):
             self.start_client(i)
         t0 = time.monotonic()
-        noisy: NoisyNeighbour | None = None
+        actions: dict[str, Callable[[], None]] = {
+            "kill": self.kill_daemon, "fill": self.fill, "unfill": self.disk.unfill, "slow": self.slow,
+            "unslow": self.unslow, "kill_client": self.kill_client, "stop_client": self.stop_client,
+            "check": self.full_check}
         events = self.schedule()
         next_sample = 0.0
         try:
-            while True:
-                now = time.monotonic() - t0
-                if now >= ns.duration:
-                    break
+            while (now := time.monotonic() - t0) < ns.duration:
                 if now >= next_sample:
                     self.sample()
                     next_sample = now + 1.0
                 while events and events[0][0] <= now:
-                    _, what = events.pop(0)
-                    if what == "kill":
-                        self.kill_daemon()
-                    elif what == "fill":
-                        self.faults["disk_fill"] = self.disk.fill()
-                    elif what == "unfill":
-                        self.disk.unfill()
-                    elif what == "slow":
-                        noisy = NoisyNeighbour(self.disk.dir)
-                    elif what == "unslow" and noisy is not None:
-                        self.faults["slow_disk"] = (f"noisy neighbour wrote {noisy.close() >> 20} MiB with "
-                                                    f"O_DIRECT|O_DSYNC in {ns.slow_s} s")
-                        noisy = None
-                    elif what == "kill_client":
-                        self.kill_client()
-                    elif what == "stop_client":
-                        self.stop_client()
-                    elif what == "check":
-                        self.full_check()
-                for i, p in enumerate(self.procs):  # a client that died by itself is started again
-                    if p is not None and not p.is_alive() and self.ctl.stall[i] != 2:
-                        self.gens[i] += 1
-                        self.faults.setdefault("client_exits", 0)
-                        self.faults["client_exits"] += 1
-                        self.start_client(i)
+                    actions[events.pop(0)[1]]()
+                self.restart_exited()
                 time.sleep(0.05)
             self.disk.unfill()
-            if noisy is not None:
-                noisy.close()
+            self.unslow()
             time.sleep(ns.grant_ttl_s * 1.5)
             self.full_check(final=True)
             self.sample()
         finally:
-            self.ctl.stop.set()
-            for i, p in enumerate(self.procs):
-                if p is not None and self.ctl.stall[i] == 2:
-                    with contextlib.suppress(OSError):
-                        os.kill(p.pid, signal.SIGCONT)
-            for p in self.procs:
-                if p is not None:
-                    p.join(15)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
+            self.stop_all()
         return self.summarise(time.monotonic() - t0)
 
-    def summarise(self, elapsed: float) -> dict:
-        ns = self.ns
+    def merged(self) -> tuple[dict[str, np.ndarray], dict[str, int], dict[str, int]]:
+        """Every client's tallies added up: latency histograms, errors by code, counts."""
         hist: dict[str, np.ndarray] = {}
         errors: dict[str, int] = {}
         counts: dict[str, int] = {}
@@ -864,6 +913,20 @@ class Harness:
                 errors[k] = errors.get(k, 0) + v
             for k, v in t["counts"].items():
                 counts[k] = counts.get(k, 0) + v
+        return hist, errors, counts
+
+    def logged_findings(self) -> None:
+        for name, prefix in (("corrupt.log", "served corrupt: "), ("stall.log", "stopped "),
+                             ("client-crash.log", "")):
+            path = os.path.join(self.work, name)
+            if os.path.exists(path):
+                with open(path) as fh:
+                    for line in fh.readlines()[:5]:
+                        self.finding(prefix + line.strip())
+
+    def summarise(self, elapsed: float) -> dict:
+        ns = self.ns
+        hist, errors, counts = self.merged()
         p50, p99, ops_by = {}, {}, {}
         upper = np.append(BOUNDS, BOUNDS[-1])
         for op, h in sorted(hist.items()):
@@ -878,21 +941,7 @@ class Harness:
         if len(last) >= 4:
             warm = last[len(last) // 4]
             rss_growth = round((last[-1][1] - warm[1]) / max(1, warm[1]), 4)
-        corrupt_log = os.path.join(self.work, "corrupt.log")
-        if os.path.exists(corrupt_log):
-            with open(corrupt_log) as fh:
-                for line in fh.readlines()[:5]:
-                    self.finding("served corrupt: " + line.strip())
-        stall_log = os.path.join(self.work, "stall.log")
-        if os.path.exists(stall_log):
-            with open(stall_log) as fh:
-                for line in fh.readlines()[:5]:
-                    self.finding("stopped client: " + line.strip())
-        crash_log = os.path.join(self.work, "client-crash.log")
-        if os.path.exists(crash_log):
-            with open(crash_log) as fh:
-                for line in fh.readlines()[:5]:
-                    self.finding(line.strip())
+        self.logged_findings()
         r = self.report
         return {
             "ops": int(sum(ops_by.values())), "ops_by": ops_by,
