@@ -613,7 +613,7 @@ class Harness:
                                        "sweep_verified": 0, "findings": []}
         self.faults: dict[str, Any] = {"kills": 0, "client_kills": 0, "client_stops": 0, "disk_fill": "",
                                        "slow_disk": "", "stuck_subscriber": ns.subscribers > 0}
-        self.incarnation_fds: int | None = None
+        self.incarnation_fds: dict[str, int] | None = None
         self.noisy: NoisyNeighbour | None = None
         self.samples: list[tuple[float, int, int, int]] = []  # (t, RssAnon, VmRSS, fds)
         self.last_start = 0.0
@@ -729,19 +729,42 @@ class Harness:
         for e in errors:
             self.finding(e)
 
-    def check_fds(self, final: bool) -> None:
+    def fd_kinds(self) -> dict[str, int]:
+        """The daemon's open fds by kind: per-client ones (a connection's socket, a client's
+        lookup counters region, an engine's KV memory and event ring) apart from the rest."""
         pid = self.daemon.pid
-        fds = fd_count(pid)
+        kinds: dict[str, int] = {}
+        for n in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{n}")
+            except OSError:
+                continue
+            kind = target.split(":")[0] if ":" in target and not target.startswith("/memfd:") else target
+            for prefix in ("/memfd:kvtier-lookups", "/memfd:kvtier-kv", "/memfd:kvtier-ring"):
+                if target.startswith(prefix):
+                    kind = prefix
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds
+
+    def check_fds(self, final: bool) -> None:
+        """Leaked fds: per-client kinds above what the clients can hold (one each: lookup regions
+        per sidecar, KV memory and ring per engine; two sockets per client), every other kind
+        above the first check of this daemon's incarnation."""
+        kinds = self.fd_kinds()
         if self.ns.keep:
-            with open(os.path.join(self.work, f"fds-{self.report['checks']}.txt"), "w") as fh:
-                for n in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
-                    with contextlib.suppress(OSError):
-                        fh.write(f"{n} {os.readlink(f'/proc/{pid}/fd/{n}')}\n")
+            with open(os.path.join(self.work, f"fds-{self.report['checks']}.json"), "w") as fh:
+                json.dump(kinds, fh)
+        n_side = self.roles.count("sidecar") + 1  # and the harness's own
+        n_xfer = self.roles.count("transfer")
+        limits = {"/memfd:kvtier-lookups": n_side, "/memfd:kvtier-kv": n_xfer, "/memfd:kvtier-ring": n_xfer,
+                  "socket": 2 * (len(self.roles) + 1) + 8}
         if self.incarnation_fds is None:
-            self.incarnation_fds = fds
-        elif fds > self.incarnation_fds:
-            self.report["fd_growth"] = max(self.report["fd_growth"], fds - self.incarnation_fds)
-            self.finding(f"daemon fds {self.incarnation_fds} -> {fds} between checks{' (final)' if final else ''}")
+            self.incarnation_fds = {k: v for k, v in kinds.items() if k not in limits}
+        excess = {k: v - limits.get(k, self.incarnation_fds.get(k, 0)) for k, v in kinds.items()}
+        excess = {k: v for k, v in excess.items() if v > 0}
+        if excess:
+            self.report["fd_growth"] = max(self.report["fd_growth"], sum(excess.values()))
+            self.finding(f"daemon fds beyond what its clients hold: {excess}{' (final)' if final else ''}")
 
     def full_check(self, final: bool = False) -> None:
         """With every client paused between operations: sweep, accounting, files, fds."""
@@ -829,7 +852,8 @@ class Harness:
         ev += [(0.45 * d, "slow"), (0.45 * d + ns.slow_s, "unslow")]
         nck = max(1, int(d / 10))
         ev += [(self.rng.uniform(0.05, 0.9) * d, "kill_client") for _ in range(nck)]
-        ev += [(self.rng.uniform(0.1, 0.8) * d, "stop_client") for _ in range(max(1, int(d / 40)))]
+        stops = max(1, int(d / 40)) if ns.client_stops < 0 else ns.client_stops
+        ev += [(self.rng.uniform(0.1, 0.8) * d, "stop_client") for _ in range(stops)]
         t = ns.check_s
         while t < d:
             ev.append((t, "check"))
@@ -989,6 +1013,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shared-keys", type=int, default=4096, help="key space of the plain puts and gets")
     ap.add_argument("--durable-per-client", type=int, default=40, help="durable keys per client (fit on disk)")
     ap.add_argument("--grant-ttl-s", type=float, default=2.0)
+    ap.add_argument("--client-stops", type=int, default=-1,
+                    help="clients stopped inside a put until their grants expire (default: one per 40 s)")
     ap.add_argument("--demote-min-seen", type=int, default=1_000_000, help="off: the disk holds durable blocks only")
     ap.add_argument("--event-log-keys", type=int, default=65536)
     ap.add_argument("--check-s", type=float, default=15.0, help="a full check (clients paused) this often")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -28,7 +27,7 @@ import grpc
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.counters import Count
 from kvtier.daemon.errors import Code, StoreError, check_name
-from kvtier.daemon.events import LocationEvent, LocationLog, PackedKeys, TenantLog
+from kvtier.daemon.events import LocationEvent, LocationLog, TenantLog
 from kvtier.daemon.metrics import OpLatency
 from kvtier.daemon.services import convert
 from kvtier.daemon.services.handlers import handled, handled_writer
@@ -169,10 +168,10 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
                                                "head": loc.head})
         while not loc.closed:
             if pos is None:
-                pos, entries = loc.snapshot()
+                # built in chunks, the loop free in between; held until sent as one bytes
+                # object per entry (PackedKeys), not an object per key
+                pos, entries = await loc.snapshot_async()
                 sub.seq = pos
-                # held until sent: as one bytes object per entry, not an object per key
-                entries = [replace(e, keys=PackedKeys(e.keys)) for e in entries]
                 for part in snapshot_parts(pos, entries):
                     yield Reply(epoch=epoch, snapshot=part)
                 del entries
