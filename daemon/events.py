@@ -54,7 +54,7 @@ from kvtier.daemon.store import BlockStore
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.vocab import Tier, group_by_fingerprint
 
-SNAPSHOT_CHUNK_KEYS = 8192  # keys grouped and packed per loop step while a snapshot is built
+SNAPSHOT_CHUNK_KEYS = 4096  # keys grouped and packed per loop step while a snapshot is built
 
 
 class EventKind(enum.Enum):
@@ -85,7 +85,12 @@ class PackedKeys(Sequence[bytes]):
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._n))]
+            start, stop, stride = i.indices(self._n)
+            if not self._width or stride != 1:
+                return [self[j] for j in range(start, stop, stride)]
+            w = self._width
+            blob = self._blob[start * w:max(start, stop) * w]
+            return [blob[o:o + w] for o in range(0, len(blob), w)]
         if not self._width:
             return self._blob[i]
         if i < 0:
