@@ -36,7 +36,14 @@ from hypothesis import strategies as st
 
 from kvtier.client.engine.transport import open_channel
 from kvtier.client.testing.local_daemon import DaemonProcess
-from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from kvtier.proto import (
+    locations_pb2,
+    locations_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
 
 CASES = int(os.environ.get("KVTIER_FUZZ_CASES", "40"))
 PROPER = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
