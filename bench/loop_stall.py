@@ -59,6 +59,21 @@ def subscribe(socket: str, go: mp.Event, out: mp.Queue) -> None:  # type: ignore
     out.put((time.monotonic() - t0, n))
 
 
+def time_rpcs(rpc: Sidecar, rid: int, probe: list[bytes], lat: list[float], stats_lat: list[float],
+              done: threading.Event) -> None:
+    """Lookup RPCs back to back, every tenth a Stats, until ``done``."""
+    i = 0
+    while not done.is_set():
+        t = time.perf_counter()
+        if i % 10 == 9:
+            rpc.stats()
+            stats_lat.append(time.perf_counter() - t)
+        else:
+            rpc.lookup(rid, probe)
+            lat.append(time.perf_counter() - t)
+        i += 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=2_000_000)
@@ -89,20 +104,7 @@ def main() -> None:
         lat: list[float] = []
         stats_lat: list[float] = []
         done = threading.Event()
-
-        def time_rpcs() -> None:
-            i = 0
-            while not done.is_set():
-                t = time.perf_counter()
-                if i % 10 == 9:
-                    rpc.stats()
-                    stats_lat.append(time.perf_counter() - t)
-                else:
-                    rpc.lookup(rid, probe)
-                    lat.append(time.perf_counter() - t)
-                i += 1
-
-        timer = threading.Thread(target=time_rpcs)
+        timer = threading.Thread(target=time_rpcs, args=(rpc, rid, probe, lat, stats_lat, done))
         timer.start()
         time.sleep(0.5)
         t0 = time.monotonic()
