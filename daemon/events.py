@@ -26,7 +26,10 @@ Promises (the feed contract of ``locations.proto``; the Locations service,
     node's current holdings. A subscriber resuming at ``(epoch, from_seq)`` gets every event
     after ``from_seq`` exactly once when the ring still holds them (:meth:`LocationLog.since`
     answers None when it does not: the subscriber then needs a snapshot). A snapshot is
-    built in one pass of the event loop, so it is exactly the state at its ``at_seq``.
+    exactly the state at its ``at_seq``: the tiers' key sets are copied in one loop step
+    (C-speed copies), then grouped in chunks with the loop free in between, so millions of
+    keys never stall it (:meth:`TenantLog.snapshot_async`); subscribers joining at once share
+    one snapshot.
     :attr:`LocationLog.info_version` changes whenever the node's workers do, so NodeInfo can
     be sent again.
 
@@ -51,7 +54,9 @@ from kvtier.daemon.layouts import RegisteredLayout, split_worker
 from kvtier.daemon.stats import TierUsage, tier_usage
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.layout import Layout
-from kvtier.tiers.vocab import Tier
+from kvtier.tiers.vocab import Tier, group_by_fingerprint
+
+SNAPSHOT_CHUNK_KEYS = 4096  # keys grouped and packed per loop step while a snapshot is built
 
 
 class EventKind(enum.Enum):
@@ -82,7 +87,12 @@ class PackedKeys(Sequence[bytes]):
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._n))]
+            start, stop, stride = i.indices(self._n)
+            if not self._width or stride != 1:
+                return [self[j] for j in range(start, stop, stride)]
+            w = self._width
+            blob = self._blob[start * w:max(start, stop) * w]
+            return [blob[o:o + w] for o in range(0, len(blob), w)]
         if not self._width:
             return self._blob[i]
         if i < 0:
@@ -168,6 +178,7 @@ class TenantLog:
         self._changed = asyncio.Event()
         self.counters = store.counters
         self.closed = False
+        self._building: asyncio.Future | None = None  # a snapshot being built (snapshot_async)
 
     @property
     def info_version(self) -> int:
@@ -270,6 +281,45 @@ class TenantLog:
                    for tier, fp, keys in store.holdings(tenant)]
         entries += [LocationEvent(at, EventKind.STORED, Tier.GPU, fp, keys, worker)
                     for worker, fp, keys in store.device_holdings(tenant)]
+        self.counters.add(Count.LOCATION_SNAPSHOTS)
+        return at, entries
+
+    async def snapshot_async(self) -> tuple[int, list[LocationEvent]]:
+        """:meth:`snapshot` without stalling the event loop, however many keys are held: the
+        tiers' key sets are copied in the loop step that reads ``at`` (C-speed copies, so the
+        state is exactly the one at ``at``), then grouped and packed in chunks of
+        ``SNAPSHOT_CHUNK_KEYS`` with the loop free between chunks. Subscribers that join while
+        one is being built share it (they then resume from its ``at`` with the ring's events,
+        like any subscriber). The entries are :class:`PackedKeys` of at most a chunk each."""
+        task = self._building
+        if task is None:
+            task = self._building = asyncio.ensure_future(self._build_snapshot())
+            task.add_done_callback(lambda t: setattr(self, "_building", None) if self._building is t else None)
+        return await asyncio.shield(task)
+
+    async def _build_snapshot(self) -> tuple[int, list[LocationEvent]]:
+        at = self.head
+        store, tenant = self.store, self.tenant
+        wire = {reg.fingerprint: reg.wire_fingerprint for reg in store.layouts.of_tenant(tenant)}
+        tiers = store.tiers
+        sources: list[tuple[Tier, str, list[bytes]]] = [(Tier.HOST, "", list(tiers.host.entries))]
+        if tiers.disk is not None:
+            sources.append((Tier.DISK, "", list(tiers.disk.entries)))
+        device = [(split_worker(wkey)[1], fp, list(keys)) for wkey, per_fp in list(store.device.held.items())
+                  if split_worker(wkey)[0] == tenant for fp, keys in per_fp.items() if keys and fp in wire]
+        entries: list[LocationEvent] = []
+        step = SNAPSHOT_CHUNK_KEYS
+        for tier, _, packed in sources:
+            for i in range(0, len(packed), step):
+                for fp, keys in group_by_fingerprint(packed[i:i + step]).items():
+                    if fp in wire:
+                        entries.append(LocationEvent(at, EventKind.STORED, tier, wire[fp], PackedKeys(keys)))
+                await asyncio.sleep(0)
+        for worker, fp, keys in device:
+            for i in range(0, len(keys), step):
+                entries.append(LocationEvent(at, EventKind.STORED, Tier.GPU, wire[fp], PackedKeys(keys[i:i + step]),
+                                             worker))
+                await asyncio.sleep(0)
         self.counters.add(Count.LOCATION_SNAPSHOTS)
         return at, entries
 

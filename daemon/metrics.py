@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -47,21 +48,36 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
 class OpLatency:
     """Per-operation latency histograms, updated by the handlers, read at scrape time.
 
-    ``observe`` is called on the event loop; the scrape runs on the metrics thread and reads
-    plain lists, which can at worst be one observation apart between a bucket and the sum."""
+    ``observe`` is called on the event loop; the scrape runs on the metrics thread and reads a
+    consistent copy (:meth:`frozen`): ``observe`` makes a version odd while it writes and even
+    after, and the copy is taken again until it saw the same even version before and after."""
 
     def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
         self.bounds = bounds
         self.counts: dict[str, list[int]] = {}   # op -> count per bucket (last: above every bound)
         self.sums: dict[str, float] = {}
+        self.version = 0                          # odd while observe() writes
 
     def observe(self, op: str, seconds: float) -> None:
+        self.version += 1
         counts = self.counts.get(op)
         if counts is None:
             counts = self.counts[op] = [0] * (len(self.bounds) + 1)
             self.sums[op] = 0.0
         counts[bisect.bisect_left(self.bounds, seconds)] += 1
         self.sums[op] += seconds
+        self.version += 1
+
+    def frozen(self) -> tuple[dict[str, list[int]], dict[str, float]]:
+        """A consistent copy of (counts, sums), from any thread (see the class docstring)."""
+        while True:
+            v = self.version
+            if v % 2 == 0:
+                counts = {op: list(c) for op, c in list(self.counts.items())}
+                sums = dict(self.sums)
+                if self.version == v and counts.keys() <= sums.keys():
+                    return counts, sums
+            time.sleep(0)
 
     def expect(self, ops: Iterable[str]) -> None:
         """Export these ops from the first scrape, at zero until they are called."""
@@ -73,12 +89,13 @@ class OpLatency:
     def family(self, node: str) -> HistogramMetricFamily:
         fam = HistogramMetricFamily("kvtier_op_latency_seconds", "time to handle one RPC, by operation",
                                     labels=["node", "op"])
-        for op, counts in list(self.counts.items()):
+        all_counts, sums = self.frozen()
+        for op, counts in all_counts.items():
             cumulative, running = [], 0
-            for bound, n in zip((*map(str, self.bounds), "+Inf"), list(counts), strict=True):
+            for bound, n in zip((*map(str, self.bounds), "+Inf"), counts, strict=True):
                 running += n
                 cumulative.append((bound, running))
-            fam.add_metric([node, op], cumulative, self.sums[op])
+            fam.add_metric([node, op], cumulative, sums[op])
         return fam
 
 

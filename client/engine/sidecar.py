@@ -228,6 +228,7 @@ class _SidecarCore:
         self._tables: dict[str, KeyTableReader] = {}
         self._table_epochs: dict[str, int] = {}  # path -> the daemon epoch in the table's header
         self._had_table = False
+        self.table_fallbacks = 0  # lookups the key table could not answer (then asked by RPC)
         self._report_at = 0.0  # inf while every layout counts in the region the daemon reads
         self._counts: CountsWriter | None = None  # that region
         self._counts_conn = -1  # the credential connection it went on (-1: none; 0: none to be had)
@@ -589,8 +590,10 @@ class _SidecarCore:
         table = self._tables.get(path)
         if table is None:
             try:
+                session = self._transport.session  # late heartbeats are tolerated while its stream is open
                 table = self._tables[path] = KeyTableReader(
-                    path, opener=self._table_opener if self._transport.local else None)
+                    path, opener=self._table_opener if self._transport.local else None,
+                    alive=lambda: session.alive and session.epoch == self._table_epochs.get(path))
             except (OSError, KeyTableError):
                 return None
             self._table_epochs[path] = _table_epoch(table)
@@ -607,6 +610,7 @@ class _SidecarCore:
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         except TableUnavailable:
+            self.table_fallbacks += 1  # every lookup the table could not answer (issue 14)
             self._drop_table(table)
             return None
         if len(masks) == 1:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -28,7 +27,7 @@ import grpc
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.counters import Count
 from kvtier.daemon.errors import Code, StoreError, check_name
-from kvtier.daemon.events import LocationEvent, LocationLog, PackedKeys, TenantLog
+from kvtier.daemon.events import LocationEvent, LocationLog, TenantLog
 from kvtier.daemon.metrics import OpLatency
 from kvtier.daemon.services import convert
 from kvtier.daemon.services.handlers import handled, handled_writer
@@ -36,7 +35,7 @@ from kvtier.proto import locations_pb2, locations_pb2_grpc
 
 log = logging.getLogger("kvtier.events")
 
-SNAPSHOT_PART_KEYS = 32768   # keys per SnapshotPart message
+SNAPSHOT_PART_KEYS = 4096    # keys per SnapshotPart message: each write serializes one on the loop (about 1 ms)
 BATCH_KEYS = 32768           # keys per EventBatch message (at least one event)
 HEARTBEAT_S = 5.0            # an idle stream sends an empty EventBatch (head_seq) this often
 MAX_SUBSCRIBERS = 64         # streams at once (--max-feed-subscribers)
@@ -104,6 +103,7 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
         self.max_subscribers = max_subscribers  # --max-feed-subscribers
         self.check_s = check_s
         self.subscribers = 0                    # WatchLocations streams open now
+        self._building: dict[str, asyncio.Future] = {}  # tenant -> its snapshot being built (_snapshot)
 
     @handled_writer
     async def WatchLocations(self, request: locations_pb2.WatchLocationsRequest,
@@ -169,13 +169,13 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
                                                "head": loc.head})
         while not loc.closed:
             if pos is None:
-                pos, entries = loc.snapshot()
+                # built once for every subscriber joining meanwhile, in parts, the loop free
+                # between parts (see _snapshot); held until sent
+                pos, parts = await self._snapshot(loc)
                 sub.seq = pos
-                # held until sent: as one bytes object per entry, not an object per key
-                entries = [replace(e, keys=PackedKeys(e.keys)) for e in entries]
-                for part in snapshot_parts(pos, entries):
-                    yield Reply(epoch=epoch, snapshot=part)
-                del entries
+                for reply in parts:
+                    yield reply
+                del parts
             events = loc.since(pos, max_keys=BATCH_KEYS)
             if events is None:
                 raise self._fell_behind(loc.head - pos)
@@ -196,6 +196,26 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
                 return
             if loc.head == head_before and loc.info_version == sent_version:
                 yield Reply(epoch=epoch, events=locations_pb2.EventBatch(head_seq=loc.head))
+
+    async def _snapshot(self, loc: TenantLog) -> tuple[int, list[Reply]]:
+        """The tenant's snapshot as its replies, built once and shared by every subscriber that
+        asks while it is being built (ten routers joining at once cost one snapshot, not ten),
+        a part per loop step: the loop never stalls for millions of keys (issue 14)."""
+        task = self._building.get(loc.tenant)
+        if task is None:
+            task = self._building[loc.tenant] = asyncio.ensure_future(self._build(loc))
+            task.add_done_callback(lambda t, k=loc.tenant: self._building.pop(k, None)
+                                   if self._building.get(k) is t else None)
+        return await asyncio.shield(task)
+
+    @staticmethod
+    async def _build(loc: TenantLog) -> tuple[int, list[Reply]]:
+        pos, entries = await loc.snapshot_async()
+        replies = []
+        for part in snapshot_parts(pos, entries):
+            replies.append(Reply(epoch=loc.epoch, snapshot=part))
+            await asyncio.sleep(0)
+        return pos, replies
 
     @handled
     async def ReportDeviceBlocks(self, request: locations_pb2.ReportDeviceBlocksRequest,

@@ -1,0 +1,81 @@
+"""A short soak in CI: bench/soak.py for about 20 s with 2 kill -9 of the daemon, a full and a
+slow disk, clients killed, a subscriber that stops reading; its JSON must show no lost
+durable block, no corrupt byte served, exact accounting, no leaked fd or file.
+
+Clients stopped past their grants' expiry (``--client-stops``) are left out here: their late
+writes land in slots given to other keys (test_stale_grant_writes_land_nowhere below shows it
+deterministically), which the full soak reports as ``corrupt_served``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def soak() -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--clients", "10", "--transfer-clients", "1",
+           "--subscribers", "2", "--duration", "20", "--kills", "2", "--check-s", "7", "--grant-ttl-s", "1.5",
+           "--client-stops", "0", "--seed", os.environ.get("KVTIER_SOAK_SEED", "3")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_short_soak_loses_and_corrupts_nothing(soak: dict) -> None:
+    assert soak["kills"] == 2
+    assert soak["ops"] > 1000 and soak["blocks_verified"] > 1000, soak
+    assert soak["durable_checked"] > 0, soak
+    zeros = {k: soak[k] for k in ("lost_durable", "corrupt_served", "accounting_errors", "fd_growth")}
+    assert zeros == dict.fromkeys(zeros, 0), (zeros, soak["findings"])
+    assert soak["faults"]["disk_fill"].startswith("filled"), soak["faults"]  # mounted: the disk did fill
+    assert soak["late_commit_accepted"] == 0, soak["findings"]
+
+
+@pytest.mark.xfail(reason="issue 14 item 6: a killed daemon's pool file stays in the shm dir until the "
+                          "fixes branch removes it at restart", strict=False)
+def test_the_short_soak_leaves_no_file_of_a_dead_daemon(soak: dict) -> None:
+    assert soak["leaked_files"] == 0, soak["findings"]
+
+
+@pytest.mark.xfail(reason="found by the soak (issue 14): an expired grant's slot is given to the next "
+                          "Allocate at once, while the client that was granted it may still write it", strict=True)
+def test_stale_grant_writes_land_nowhere(start_daemon) -> None:
+    """A client granted a slot stops (SIGSTOP, a long GC pause) past --grant-ttl-s; its grant
+    expires and the slot goes back. Another client puts a block and gets that slot. The first
+    client resumes and writes its bytes into the slot it was granted: the other client's
+    committed block must not change."""
+    import time
+
+    import numpy as np
+
+    from kvtier.client import Sidecar
+    from kvtier.proto import node_pb2
+    from kvtier.tiers.layout import Layout
+
+    daemon = start_daemon("--grant-ttl-s", "1")
+    layout = Layout.flat(4096)
+    with Sidecar(daemon.socket) as late, Sidecar(daemon.socket) as other:
+        lid = late.register_layout(layout)
+        other.register_layout(layout)
+        sid = late._ensure_session()
+        grant = late._stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=lid, keys=[b"L" * 16]),
+                                    timeout=10).grants[0]
+        assert grant.status == node_pb2.GRANTED
+        time.sleep(2.0)  # past --grant-ttl-s (1 s here) and its sweep
+        other.put(lid, [b"O" * 16], [np.full(4096, 7, np.uint8)])
+        pool = late._info(lid).pool
+        pool.arr[grant.offset:grant.offset + 4096] = 9  # the late write, through the slot it was granted
+        try:
+            late._stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=[grant.grant_id]), timeout=10)
+        except Exception as e:  # refused: DEADLINE_EXCEEDED
+            assert "expired" in str(e)
+        got = other.get(lid, [b"O" * 16])[0]
+        assert got is not None and bytes(got) == bytes([7]) * 4096, "a stale grant's write changed another block"
