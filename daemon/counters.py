@@ -143,6 +143,9 @@ class Count(enum.Enum):
     KV_TRANSFERS_SUPERSEDED = "kv_transfers_superseded"  # an engine reused a ring slot whose transfer still ran
     # -- end of fixes --
 
+    # -- stale grants (issue 14: the soak) --
+    GRANTS_WITHHELD = "grants_withheld"  # expired grants whose slots were withheld from reuse
+    # -- end of stale grants --
 
 #: the tiers evictions are counted in (the gpu tier is the engines': they evict their own)
 EVICTING_TIERS: tuple[Tier, ...] = (Tier.HOST, Tier.DISK)

@@ -291,16 +291,25 @@ def _remove_if_unused(path: str) -> bool:
         os.close(fd)
 
 
+SWEEP_S = 2.0
+"""How often a running daemon sweeps its --shm-dir again for dead daemons' files."""
+
+
 def sweep_dead_daemons(shm_dir: str) -> tuple[int, int]:
     """Remove from ``shm_dir`` the files killed kvtierds left there; returns (files, bytes).
 
     A file goes only if all hold: its name is one kvtierd gives its files
     (``kvtier-<pid>-<epoch>.keys``, with ``.<n>.tmp`` during a rebuild, or
     ``kvtier-<pid>-<epoch>-<slot bytes>.pool``; a tenant's with ``-t<n>`` after the epoch),
-    it is a regular file of this user, no process
-    with that pid is alive, and no process has it open for writing."""
+    it is a regular file of this user, no process with that pid is alive, and either no process
+    has it open for writing, or it is a pool file whose daemon has no key table left (a live
+    daemon holds its key tables open from before its first pool file until it exits, so they
+    are never removed under it; a dead one's go at the first sweep). Such a pool file may still
+    be mapped by that daemon's former clients until they move to its successor: unlinked, its
+    memory is freed with their last mapping instead of staying in the tmpfs for good."""
     files = nbytes = 0
     uid = os.geteuid()
+    orphans: list[tuple[os.DirEntry, os.stat_result, str]] = []
     for entry in os.scandir(shm_dir):
         m = _OWN_FILE.fullmatch(entry.name)
         if m is None or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
@@ -309,9 +318,22 @@ def sweep_dead_daemons(shm_dir: str) -> tuple[int, int]:
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == uid and _remove_if_unused(entry.path):
+        if not (stat.S_ISREG(st.st_mode) and st.st_uid == uid):
+            continue
+        if _remove_if_unused(entry.path):
             files += 1
             nbytes += st.st_blocks * 512
+        elif entry.name.endswith(".pool"):
+            orphans.append((entry, st, f"kvtier-{m.group(1)}-{m.group(2)}"))
+    if orphans:
+        tables = {f"kvtier-{m.group(1)}-{m.group(2)}" for m in
+                  (_OWN_FILE.fullmatch(n) for n in os.listdir(shm_dir) if ".keys" in n) if m is not None}
+        for entry, st, daemon in orphans:
+            if daemon not in tables:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    files += 1
+                    nbytes += st.st_blocks * 512
     return files, nbytes
 
 
@@ -355,6 +377,7 @@ class Daemon:
         self._socket_made = False
         self._session_watch: asyncio.Task | None = None
         self._lookup_folds: asyncio.Task | None = None
+        self._sweeps: asyncio.Task | None = None  # dead daemons' files, again while clients let go of them
         self._stopped = asyncio.Event()
 
     def _tier_capacity(self) -> int:
@@ -557,6 +580,7 @@ class Daemon:
         self._session_watch = self.stats.loop.create_task(watch_sessions(self.store.device))
         assert self.lookups is not None
         self._lookup_folds = self.stats.loop.create_task(self.lookups.run())
+        self._sweeps = self.stats.loop.create_task(self._sweep_again())
         await set_serving(health_servicer)
         if self.peers is not None:
             self.peers.start()
@@ -590,10 +614,21 @@ class Daemon:
             self.kv_events = None
 
     def _cancel_tasks(self) -> None:
-        for task in (self._session_watch, self._lookup_folds):
+        for task in (self._session_watch, self._lookup_folds, self._sweeps):
             if task is not None:
                 task.cancel()
-        self._session_watch = self._lookup_folds = None
+        self._session_watch = self._lookup_folds = self._sweeps = None
+
+    async def _sweep_again(self) -> None:
+        """Sweep the shm dir every SWEEP_S: a killed daemon's pool files stay while its clients
+        still map them (a file open for writing is never removed), and go once they let go."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                await loop.run_in_executor(None, self._sweep)
+            except OSError as e:
+                log.warning("sweeping the shm dir failed", extra={"shm_dir": self.cfg.shm_dir, "error": str(e)})
 
     async def _close_peers(self) -> None:
         if self.peers is not None:

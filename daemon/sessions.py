@@ -19,9 +19,13 @@ Ids are capabilities (issue 12)
 Quotas and deadlines (:class:`Limits`)
     The bytes of a session's grants and leases (slot bytes) are capped per session and per
     tenant; a request that would go over is refused RESOURCE_EXHAUSTED naming the quota (and
-    changes nothing). Grants and leases of client sessions expire: an expired grant's slot is
-    aborted, an expired lease unpinned, and a later Commit or Release naming it is refused
-    DEADLINE_EXCEEDED saying so. Expiry is by buckets of creation time a quarter of the
+    changes nothing). Grants and leases of client sessions expire: an expired lease is
+    unpinned, and a later Commit or Release naming an expired id is refused DEADLINE_EXCEEDED
+    saying so. An expired grant's slot is *withheld*, not given to anyone else: its client may
+    still be writing it (a stopped process resumed, a long pause), and a slot reused at once
+    would let that late write change another key's committed block. It stays charged to the
+    session until the client names the grant again (a late Commit or abort: the client is done
+    writing; the call is refused and the slot goes back) or its session ends. Expiry is by buckets of creation time a quarter of the
     deadline wide (one sweep per bucket on the event loop, no per-id timer): an id expires
     between ``ttl`` and ``1.25 * ttl`` after it was handed out. Internal sessions (the Transfer
     service's, whose copies the daemon itself bounds) never expire. The number of open
@@ -187,6 +191,7 @@ class Session:
     leases: Held = field(default_factory=Held)   # lease id -> the pinned entry
     held_bytes: int = 0                # slot bytes of its grants and leases (the quota's measure)
     expired: dict[int, str] = field(default_factory=dict)  # expired id -> "grant" or "lease"
+    withheld: dict[int, HostEntry] = field(default_factory=dict)  # expired grants' slots (see the module doc)
 
 
 _SLOT_BYTES = operator.attrgetter("cls.slot_bytes")
@@ -263,13 +268,14 @@ class Sessions:
             return 0, 0
         if not sess.internal:
             self.streams -= 1
-        for entry in sess.grants.values():
+        for entry in itertools.chain(sess.grants.values(), sess.withheld.values()):
             self.host.abort(entry)
         for entry in sess.leases.values():
             self.host.unpin(entry)
-        n = len(sess.grants), len(sess.leases)
+        n = len(sess.grants) + len(sess.withheld), len(sess.leases)
         # emptied, so a request still holding this Session (awaiting) finds nothing to give back twice
         sess.grants.clear()
+        sess.withheld.clear()
         sess.leases.clear()
         sess.expired.clear()
         self._refund(sess, sess.held_bytes)
@@ -348,8 +354,8 @@ class Sessions:
         nxt = math.inf
         for sess in self._open.values():
             for d in sess.grants.expire(now):
-                for entry in d.values():
-                    self.host.abort(entry)
+                sess.withheld.update(d)  # not aborted: the client may still write them
+                self.counters.add(Count.GRANTS_WITHHELD, len(d))
                 ng += self._expired(sess, d, "grant")
             for d in sess.leases.expire(now):
                 for entry in d.values():
@@ -362,7 +368,8 @@ class Sessions:
         return ng, nl
 
     def _expired(self, sess: Session, d: dict[int, HostEntry], kind: str) -> int:
-        self._refund(sess, _slot_bytes(d.values()))
+        if kind == "lease":  # (a withheld grant's slot stays charged until it goes back)
+            self._refund(sess, _slot_bytes(d.values()))
         memo = sess.expired
         memo.update(dict.fromkeys(d, kind))
         over = len(memo) - EXPIRED_MEMO
@@ -379,8 +386,8 @@ class Sessions:
         if kind == "grant":
             return StoreError(Code.DEADLINE_EXCEEDED,
                               f"grant {hid} expired: it was not committed within {self.limits.grant_ttl_s:g} s "
-                              f"(--grant-ttl-s) and its slot was given back; allocate again, write, and commit "
-                              f"within the deadline")
+                              f"(--grant-ttl-s); its slot was withheld until now and is given back; allocate "
+                              f"again, write, and commit within the deadline")
         return StoreError(Code.DEADLINE_EXCEEDED,
                           f"lease {hid} expired: it was not released within {self.limits.lease_ttl_s:g} s "
                           f"(--lease-ttl-s) and its block was unpinned, so what was read from its slot after "
@@ -411,9 +418,18 @@ class Sessions:
         for ids in (commit_ids, abort_ids):
             gid = sess.grants.first_missing(ids) if ids else None
             if gid is not None:
+                self._give_back_withheld(sess, itertools.chain(commit_ids, abort_ids))
                 raise self._not_held(sess, gid, "grant")
         if len(set(commit_ids) | set(abort_ids)) != len(commit_ids) + len(abort_ids):
             raise StoreError(Code.INVALID_ARGUMENT, "a grant id appears twice in one commit")
+
+    def _give_back_withheld(self, sess: Session, grant_ids: Iterable[int]) -> None:
+        """The client named these expired grants again: it is done writing their slots, which
+        go back to the pool (and off the session's charge)."""
+        back = [e for e in (sess.withheld.pop(g, None) for g in grant_ids) if e is not None]
+        for entry in back:
+            self.host.abort(entry)
+        self._refund(sess, _slot_bytes(back))
 
     def take_grants(self, sess: Session, commit_ids: Sequence[int], abort_ids: Sequence[int]) -> list[HostEntry]:
         """:meth:`check_grants`, then abort ``abort_ids`` and return the entries of
