@@ -199,3 +199,42 @@ def test_a_peer_killed_mid_stream_leaves_misses_and_no_partial_block(cluster, pk
             assert counters(sc)["peer_new_epochs"] == after["peer_new_epochs"] + 1
     finally:
         d.cleanup()
+
+
+def test_an_engine_prefetches_from_a_peer_then_onboards_byte_exact(cluster, tmp_path) -> None:
+    """The engine side of a fetch hint: a KVConnector on C prefetches blocks an engine on A
+    offloaded (``from_node``), then onboards them into its own pages: the bytes A's engine had."""
+    import tempfile
+
+    import torch
+
+    from kvtier.client.engine.connector import KVConnector, SharedKVArena
+
+    layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
+    shm = tempfile.mkdtemp(prefix="kvtier-peer-kv-", dir="/dev/shm")
+    arenas = [SharedKVArena(layout, shm) for _ in range(2)]
+    conns: list[KVConnector] = []
+    try:
+        gen = torch.Generator().manual_seed(7)
+        for t in arenas[0].tensors:
+            t.copy_(torch.randint(-100, 100, t.shape, generator=gen).to(t.dtype))
+        keys = [b"engine-peer-%04d" % i for i in range(4)]
+        on_a = KVConnector(cluster["a"].socket, ring_dir=shm, ring_slots=4)
+        conns.append(on_a)
+        on_a.register(layout, arenas[0].tensors)
+        assert on_a.offload(keys, [0, 1, 2, 3]).wait(30) == ["copied"] * 4
+        on_c = KVConnector(cluster["c"].socket, ring_dir=shm, ring_slots=4)
+        conns.append(on_c)
+        on_c.register(layout, arenas[1].tensors)
+        assert on_c.prefetch(keys + [b"engine-peer-none"], from_node="peer-a") == 4
+        assert on_c.onboard(keys, [4, 5, 6, 7]).wait(30) == ["copied"] * 4
+        for src, dst in zip(arenas[0].tensors, arenas[1].tensors, strict=True):
+            assert torch.equal(src[:, 0:4], dst[:, 4:8])  # [2 (K, V), block, ...]: blocks 0-3 -> 4-7
+    finally:
+        for c in conns:
+            c.close()
+        for a in arenas:
+            a.close()
+        for name in os.listdir(shm):
+            os.unlink(os.path.join(shm, name))
+        os.rmdir(shm)

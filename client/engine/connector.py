@@ -471,6 +471,21 @@ class KVConnector:
 
     # -- transfers -------------------------------------------------------------------------
 
+    def prefetch(self, keys: Sequence[bytes], from_node: str | None = None) -> int:
+        """Bring these blocks of the registered layout into the host tier ahead of an
+        ``onboard``: from this node's disk, or with ``from_node`` from that peer daemon (a
+        router's fetch hint, issue 13); returns how many were brought. Blocking, bounded by
+        the connector's timeout; the engine recomputes what did not arrive."""
+        reg = self.reg
+        if reg is None:
+            raise FailedPrecondition("register() the KV tensors first")
+        req = node_pb2.PrefetchRequest(layout_id=reg.layout_id, keys=[bytes(k) for k in keys],
+                                       from_node=from_node or "")
+        try:
+            return int(self._transport.node.Prefetch(req, timeout=self.timeout).promoted)
+        except grpc.RpcError as e:
+            raise self._transport.error(e) from None
+
     def offload(self, keys: Sequence[bytes], engine_ids: Sequence[int] | np.ndarray, stream: Any = None) -> Transfer:
         """Copy these engine pages to the host tier under ``keys``. On CUDA, first records
         "KV written" on ``stream`` (default: current), which the daemon's copy waits for."""
