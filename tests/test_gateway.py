@@ -259,6 +259,88 @@ def test_vllm_keys_follow_the_spec() -> None:
     assert len(ks.keys(toks)) == 4  # 4 full blocks, 2 whole chunks
 
 
+# -- --record-trace ------------------------------------------------------------------------------
+
+
+def usage_backend(name: str, seen: list) -> web.Application:
+    """A stand-in replica that reports its output as OpenAI servers do: ``usage`` in a plain
+    answer; streaming, one token a chunk, or (``stream_options.include_usage``) two tokens a
+    chunk and a final usage chunk, so counting chunks would give half."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        seen.append(name)
+        n = body["max_tokens"]
+        if not body.get("stream"):
+            return web.json_response({"id": "c", "choices": [{"message": {"content": "tok5 " * n}}],
+                                      "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
+        usage = (body.get("stream_options") or {}).get("include_usage")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(n // 2 if usage else n):
+            delta = {"content": "tok5 tok6" if usage else "tok5"}
+            await resp.write(b"data: " + json.dumps({"choices": [{"delta": delta}], "usage": None}).encode() + b"\n\n")
+        await resp.write(b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n')
+        if usage:
+            await resp.write(b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\n' % n)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    return app
+
+
+def test_record_trace_writes_what_was_routed_and_replays(loop, gateway, tmp_path) -> None:
+    """Three sessions of three turns (growing histories, a shared system prompt) through the
+    gateway with --record-trace: one line per request with the session (header or ``user``),
+    the prompt's token count, the output tokens from the replica's usage or its chunks, and
+    hash ids that number the gateway's block keys; the trace replays."""
+    from _wait import wait_for
+
+    from kvtier.client.routing.recorder import RecordConfig
+    from kvtier.client.tools import replay
+    from kvtier.client.tools.trace import ideal_hit_rate
+
+    seen: list = []
+    path = tmp_path / "gw.jsonl"
+    url, gw = gateway({n: f"http://127.0.0.1:{loop.serve(usage_backend(n, seen))}" for n in ("a", "b")},
+                      record=RecordConfig(record_trace=str(path)))
+    system = {"role": "system", "content": " ".join(f"tok{i}" for i in range(3, 15))}
+    sent = []  # (body, session, expected output)
+    for turn in range(3):
+        for s in range(3):
+            hist = [system] + [{"role": "user", "content": " ".join(f"tok{100 * s + 10 * t + i}" for i in range(9))}
+                               for t in range(turn + 1)]
+            out = 4 + 2 * turn + s
+            body = {"model": "tiny", "messages": hist, "max_tokens": out, "stream": s > 0}
+            if s == 2:
+                body["stream_options"] = {"include_usage": True}
+            headers = {"X-Session-Id": f"sess-{s}"} if s != 1 else {}
+            if s == 1:
+                body["user"] = "user-1"
+            status, _, _ = post(url + "/v1/chat/completions", body, headers)
+            assert status == 200
+            sent.append((body, "user-1" if s == 1 else f"sess-{s}", out))
+    lines = wait_for(lambda: (ls := path.read_text().splitlines()) and len(ls) == 9 and ls, what="9 records")
+    recs = [json.loads(x) for x in lines]
+    ids: dict[bytes, int] = {}
+    for rec, (body, session, out) in zip(recs, sent, strict=True):
+        toks = gw.tokenizer.chat(body)
+        keys = gw.keys.keys(toks)
+        assert keys and rec["hash_ids"] == [ids.setdefault(k, len(ids)) for k in keys]
+        assert (rec["session_id"], rec["input_length"], rec["output_length"]) == (session, len(toks), out)
+    assert [r["timestamp"] for r in recs] == sorted(r["timestamp"] for r in recs) and recs[0]["timestamp"] == 0
+    assert 'kvtier_gateway_recorded_total 9.0' in gw.metrics.render().decode()
+    reqs = replay.load_trace(str(path))
+    assert len(reqs) == 9 and {r.session for r in reqs} == {"sess-0", "user-1", "sess-2"}
+    ideal = ideal_hit_rate(r.keys for r in reqs)[0]
+    assert ideal > 0.5  # later turns repeat their history, every request the system prompt
+    cfg = replay.ReplayConfig(block_tokens=4, gpu_tokens=10**5, host_tokens=0, disk_tokens=0)
+    assert replay.replay(reqs, cfg, "kvtier", 2).hit_rate == pytest.approx(ideal, abs=0.1)
+
+
 # -- the engine test: two real vLLM replicas, each with its kvtierd, and the gateway ----------
 
 BLOCK, SESSIONS, TURNS, FIRST, PER_TURN, MAX_TOKENS = 32, 3, 3, 352, 40, 8
