@@ -223,9 +223,8 @@ def test_kvtier_policy_sticks_before_any_event() -> None:
     """No daemon has said anything yet: the router's speculative entries keep a session's
     next turn where its first went, and sessions spread."""
     router = Router(RouterConfig())
-    with router._lock:
-        for n in ("a", "b", "c"):
-            router.index.add_external_worker(n)
+    for n in ("a", "b", "c"):
+        router.add_worker(n)
     pol = Policy("kvtier", router)
     ks = KeyScheme("vllm", 4, Namespace("tiny", "salt"))
     firsts = {}
@@ -339,6 +338,114 @@ def test_record_trace_writes_what_was_routed_and_replays(loop, gateway, tmp_path
     assert ideal > 0.5  # later turns repeat their history, every request the system prompt
     cfg = replay.ReplayConfig(block_tokens=4, gpu_tokens=10**5, host_tokens=0, disk_tokens=0)
     assert replay.replay(reqs, cfg, "kvtier", 2).hit_rate == pytest.approx(ideal, abs=0.1)
+
+
+# -- fetch hints applied: three real kvtierds that are each other's peers (mTLS) ----------------
+
+HOLDER_QUEUED = 60.0  # queued blocks on the holder at which a free worker that pulls wins (test_router_cluster)
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory) -> Iterator[dict]:
+    """Daemons A, B, C: peers over mutual TLS, serving Node over TCP (--tcp-services all) to a
+    client certificate ``gateway`` mapped to the default tenant; B and C have the layout
+    registered (their engines would)."""
+    from pki import make_ca, make_cert
+
+    from kvtier.client.engine.sidecar import Sidecar
+    from kvtier.client.testing.local_daemon import DaemonProcess
+    from kvtier.tiers.layout import Layout
+
+    root, pki = tmp_path_factory.mktemp("peers"), tmp_path_factory.mktemp("pki")
+    make_ca(pki, "ca")
+    for n in ("node-A", "node-B", "node-C", "gateway"):
+        make_cert(pki, n, "ca", n, "IP:127.0.0.1")
+    ports = {n: free_port() for n in "ABC"}
+    tenants = ",".join([*(f"cn:node-{n}=default" for n in "ABC"), "cn:gateway=default"])
+
+    def args(n: str) -> list[str]:
+        return ["--node-id", n, "--tcp", f"127.0.0.1:{ports[n]}", "--tcp-services", "all",
+                "--tls-cert", str(pki / f"node-{n}.pem"), "--tls-key", str(pki / f"node-{n}.key"),
+                "--tls-ca", str(pki / "ca.pem"), "--peer-serve", "true", "--tenants", tenants,
+                "--peers", ",".join(f"127.0.0.1:{ports[p]}" for p in "ABC" if p != n), "--peer-timeout-s", "5"]
+
+    daemons = {n: DaemonProcess(str(root), *args(n), name=n, host_capacity="16MiB").start() for n in "ABC"}
+    layout = Layout.flat(4096, 4)
+    lids = {}
+    for n in "BC":
+        with Sidecar(daemons[n].socket) as sc:
+            lids[n] = sc.register_layout(layout)
+    yield {"daemons": daemons, "ports": ports, "pki": pki, "layout": layout, "lids": lids}
+    for d in daemons.values():
+        d.cleanup()
+
+
+def lookup_backend(name: str, daemon, layout, keys: dict, seen: list) -> web.Application:
+    """A stand-in replica that, as a request arrives, looks its keys up in its own kvtierd."""
+    from kvtier.client.engine.sidecar import Sidecar
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+
+        def look() -> list:
+            with Sidecar(daemon.socket) as sc:
+                return sc.lookup(sc.register_layout(layout), keys[body])
+        seen.append((name, await asyncio.get_running_loop().run_in_executor(None, look)))
+        return web.Response(body=PLAIN, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    return app
+
+
+def test_fetch_hints_are_prefetched_into_the_chosen_replica_before_it_sees_the_request(loop, gateway,
+                                                                                         peers) -> None:
+    """A holds a 32-block prefix and is loaded: the gateway's router picks a free replica with a
+    fetch hint, and the gateway has that replica's kvtierd pull the prefix from A (Node.Prefetch
+    over mTLS TCP) before forwarding: the replica finds every block in its host tier on arrival.
+    With a prefetch timeout too short to finish, the request goes on at once (counted)."""
+    from _wait import wait_for
+
+    from kvtier.client.engine.sidecar import Sidecar
+    from kvtier.client.routing.fetch import layout_id_of
+
+    daemons, pki, lids, layout = peers["daemons"], peers["pki"], peers["lids"], peers["layout"]
+    assert lids["B"] == layout_id_of(peers["layout"].fingerprint)
+    seen: list = []
+    keys_of: dict = {}
+    urls = {n: f"http://127.0.0.1:{loop.serve(lookup_backend(n, daemons[n], layout, keys_of, seen))}"
+            for n in "ABC"}
+    tls = {"daemon_tls_cert": str(pki / "gateway.pem"), "daemon_tls_key": str(pki / "gateway.key"),
+           "daemon_tls_ca": str(pki / "ca.pem")}
+    feeds = RouterConfig(daemons=tuple(f"127.0.0.1:{p}" for p in peers["ports"].values()))
+
+    def run(gw_url: str, gw: Gateway, first_word: int) -> tuple[str, list]:
+        body = chat(128, start=first_word)
+        raw = json.dumps(body).encode()
+        keys = keys_of[raw] = gw.keys.keys(gw.tokenizer.chat(body))
+        assert len(keys) == 32
+        with Sidecar(daemons["A"].socket) as sc:
+            assert not sc.put(sc.register_layout(peers["layout"]), keys, [k * (4096 // len(k)) for k in keys]).dropped
+        wait_for(lambda: gw.router.route(keys, dispatch=False).ranked[0].overlap.host == 32, what="A's blocks")
+        gw.router.set_load("A", HOLDER_QUEUED, 0)
+        assert gw.router.route(keys, dispatch=False).fetch  # the router would pull
+        status, _, headers = post(gw_url + "/v1/chat/completions", raw)
+        assert status == 200 and seen[-1][0] == headers[REPLICA_HEADER] != "A"
+        return seen[-1][0], seen[-1][1]
+
+    url, gw = gateway(urls, router=feeds, **tls)
+    name, found = run(url, gw, 3)
+    assert found == ["host"] * 32  # in the free replica's own host tier before it saw the request
+    metrics = gw.metrics.render().decode()
+    assert 'kvtier_gateway_prefetches_total{outcome="done"} 1.0' in metrics
+    assert "kvtier_gateway_prefetched_blocks_total 32.0" in metrics
+    with Sidecar(daemons[name].socket) as sc:
+        assert sc.stats()["counters"]["peer_blocks_fetched"] >= 32
+
+    url, gw = gateway(urls, router=feeds, prefetch_timeout_s=0.001, **tls)
+    _, found = run(url, gw, 300)
+    assert found != ["host"] * 32  # the request did not wait for the pull
+    assert 'kvtier_gateway_prefetches_total{outcome="timeout"} 1.0' in gw.metrics.render().decode()
 
 
 # -- the engine test: two real vLLM replicas, each with its kvtierd, and the gateway ----------
