@@ -111,6 +111,13 @@ Fetch hints: with --pulls (default true) a worker may be ranked first for blocks
 fetch from another node's host or disk or the shared store (TierOverlap.remote); then
 RouteReply.fetch names those keys and the node holding them ("store": the shared store).
 Apply them before the prefill: Sidecar.prefetch(layout_id, keys, from_node=from_node).
+The route-server only returns them: the caller (a gateway) applies them, as kvtier gateway
+does with its in-process router.
+
+Health: grpc.health.v1 on --listen (and alone, in plaintext, on --health-listen for probes):
+the server ("") is SERVING once it listens; kvtier.v1.Router is SERVING while the router
+knows at least one worker (a daemon's feed answered), NOT_SERVING before. Probe with
+kvtier health 127.0.0.1:PORT [--service kvtier.v1.Router].
 
 Candidates: RouteRequest.candidates must name workers the router knows (see Status); any
 other name is refused with INVALID_ARGUMENT naming it.
