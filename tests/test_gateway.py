@@ -340,6 +340,28 @@ def test_record_trace_writes_what_was_routed_and_replays(loop, gateway, tmp_path
     assert replay.replay(reqs, cfg, "kvtier", 2).hit_rate == pytest.approx(ideal, abs=0.1)
 
 
+def test_hint_fingerprints_come_from_the_feeds() -> None:
+    """The layouts a hint is fetched under: the worker's declared ones, else the holder's,
+    narrowed to the worker's node's own; the store: the worker's node's."""
+    from kvtier.client.routing.fetch import STORE, FetchHint, hint_fingerprints, layout_id_of
+    from kvtier.client.routing.index import LocationIndex
+
+    fa, fb, fc = b"a" * 16, b"b" * 16, b"c" * 16
+    idx = LocationIndex()
+    keys = [bytes([i]) * 16 for i in range(4)]
+    idx.stored("A", "host", "", fa, keys)
+    idx.stored("A", "disk", "", fb, keys)
+    idx.stored("C", "host", "", fb, keys[:1])
+    idx.set_node_info("D", {"d0": [fc, fa]})
+    idx.set_node_info("E")
+    assert hint_fingerprints(idx, FetchHint("B", "A", tuple(keys))) == [fa, fb]  # B: no node, the holder's
+    assert hint_fingerprints(idx, FetchHint("C", "A", tuple(keys))) == [fb]  # narrowed to C's own
+    assert hint_fingerprints(idx, FetchHint("E", "A", tuple(keys))) == [fa, fb]  # E publishes none
+    assert hint_fingerprints(idx, FetchHint("d0", "A", tuple(keys))) == [fa, fc]  # declared
+    assert hint_fingerprints(idx, FetchHint("C", STORE, tuple(keys))) == [fb]
+    assert layout_id_of(b"\xff\xff\xff\xff" + bytes(12)) == 0x7FFFFFFF and layout_id_of(bytes(16)) == 1
+
+
 # -- fetch hints applied: three real kvtierds that are each other's peers (mTLS) ----------------
 
 HOLDER_QUEUED = 60.0  # queued blocks on the holder at which a free worker that pulls wins (test_router_cluster)

@@ -22,8 +22,11 @@ so the engine's connector finds them there at prefill.
   and the request goes on: the engine recomputes what is missing. (The daemon finishes a
   prefetch it started even when the caller gives up, so the blocks still land for later
   turns.)
+* **The store**: a hint whose keys only the shared store holds (``from_node`` ``"store"``) is
+  not sent (``Node.Prefetch`` fetches from peers only); the replica's kvtierd reads them
+  through from the store on the engine's get (``--store-read-through``). Counted ``store``.
 * **Counted**: ``kvtier_gateway_prefetches_total{outcome}`` (``done``, ``timeout``, ``error``,
-  ``no_layout``, ``no_daemon``), ``kvtier_gateway_prefetched_blocks_total``,
+  ``no_layout``, ``no_daemon``, ``store``), ``kvtier_gateway_prefetched_blocks_total``,
   ``kvtier_gateway_prefetch_seconds``.
 """
 
@@ -40,7 +43,7 @@ import grpc
 
 from kvtier.client.engine.transport import ClientTls, KvtierError, open_channel
 from kvtier.client.routing.feed import channel_options
-from kvtier.client.routing.fetch import FetchHint, layout_id_of
+from kvtier.client.routing.fetch import STORE, FetchHint, layout_id_of
 from kvtier.proto import node_pb2, node_pb2_grpc
 
 log = logging.getLogger("kvtier.gateway")
@@ -90,6 +93,9 @@ class Prefetcher:
 
     async def _one(self, hint: FetchHint) -> None:
         m = self.metrics
+        if hint.from_node == STORE:  # Prefetch fetches from peers only; the daemon reads the store
+            m.prefetches.labels("store").inc()  # through on the engine's get (--store-read-through)
+            return
         addr = self._address(hint.worker)
         if addr is None:
             m.prefetches.labels("no_daemon").inc()

@@ -232,7 +232,8 @@ class _Metrics:
         self.prefetches = Counter("kvtier_gateway_prefetches", "fetch hints applied before forwarding, by outcome: "
                                   "done (the replica's kvtierd answered), timeout (abandoned after "
                                   "--prefetch-timeout-s), error (refused or unreachable), no_layout (no layout "
-                                  "fingerprint known for the hint), no_daemon (no feed serves the replica's node)",
+                                  "fingerprint known for the hint), no_daemon (no feed serves the replica's node), "
+                                  "store (only the shared store holds the keys: left to the daemon's read-through)",
                                   ["outcome"], registry=r)
         self.prefetched_blocks = Counter("kvtier_gateway_prefetched_blocks", "blocks the replicas' kvtierds reported "
                                          "brought to host by the gateway's prefetches", registry=r)
@@ -243,7 +244,7 @@ class _Metrics:
                                 "included: see kvtier_gateway_record_dropped)", registry=r)
         self.record_dropped = Gauge("kvtier_gateway_record_dropped", "--record-trace records dropped (writer "
                                     "behind, queue full)", registry=r)
-        for o in ("done", "timeout", "error", "no_layout", "no_daemon"):
+        for o in ("done", "timeout", "error", "no_layout", "no_daemon", "store"):
             self.prefetches.labels(o)
         for t in ("gpu", "host", "disk"):
             self.overlap.labels(t)
