@@ -223,9 +223,8 @@ def test_kvtier_policy_sticks_before_any_event() -> None:
     """No daemon has said anything yet: the router's speculative entries keep a session's
     next turn where its first went, and sessions spread."""
     router = Router(RouterConfig())
-    with router._lock:
-        for n in ("a", "b", "c"):
-            router.index.add_external_worker(n)
+    for n in ("a", "b", "c"):
+        router.add_worker(n)
     pol = Policy("kvtier", router)
     ks = KeyScheme("vllm", 4, Namespace("tiny", "salt"))
     firsts = {}
@@ -257,6 +256,217 @@ def test_vllm_keys_follow_the_spec() -> None:
     assert ks.keys(toks)[:2] == [hashlib.blake2b(chunk + i.to_bytes(4, "little"), digest_size=16,
                                                  key=ns.digest()).digest() for i in range(2)]
     assert len(ks.keys(toks)) == 4  # 4 full blocks, 2 whole chunks
+
+
+# -- --record-trace ------------------------------------------------------------------------------
+
+
+def usage_backend(name: str, seen: list) -> web.Application:
+    """A stand-in replica that reports its output as OpenAI servers do: ``usage`` in a plain
+    answer; streaming, one token a chunk, or (``stream_options.include_usage``) two tokens a
+    chunk and a final usage chunk, so counting chunks would give half."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        seen.append(name)
+        n = body["max_tokens"]
+        if not body.get("stream"):
+            return web.json_response({"id": "c", "choices": [{"message": {"content": "tok5 " * n}}],
+                                      "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
+        usage = (body.get("stream_options") or {}).get("include_usage")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(n // 2 if usage else n):
+            delta = {"content": "tok5 tok6" if usage else "tok5"}
+            await resp.write(b"data: " + json.dumps({"choices": [{"delta": delta}], "usage": None}).encode() + b"\n\n")
+        await resp.write(b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n')
+        if usage:
+            await resp.write(b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\n' % n)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    return app
+
+
+def test_record_trace_writes_what_was_routed_and_replays(loop, gateway, tmp_path) -> None:
+    """Three sessions of three turns (growing histories, a shared system prompt) through the
+    gateway with --record-trace: one line per request with the session (header or ``user``),
+    the prompt's token count, the output tokens from the replica's usage or its chunks, and
+    hash ids that number the gateway's block keys; the trace replays."""
+    from _wait import wait_for
+
+    from kvtier.client.routing.recorder import RecordConfig
+    from kvtier.client.tools import replay
+    from kvtier.client.tools.trace import ideal_hit_rate
+
+    seen: list = []
+    path = tmp_path / "gw.jsonl"
+    url, gw = gateway({n: f"http://127.0.0.1:{loop.serve(usage_backend(n, seen))}" for n in ("a", "b")},
+                      record=RecordConfig(record_trace=str(path)))
+    system = {"role": "system", "content": " ".join(f"tok{i}" for i in range(3, 15))}
+    sent = []  # (body, session, expected output)
+    for turn in range(3):
+        for s in range(3):
+            hist = [system] + [{"role": "user", "content": " ".join(f"tok{100 * s + 10 * t + i}" for i in range(9))}
+                               for t in range(turn + 1)]
+            out = 4 + 2 * turn + s
+            body = {"model": "tiny", "messages": hist, "max_tokens": out, "stream": s > 0}
+            if s == 2:
+                body["stream_options"] = {"include_usage": True}
+            headers = {"X-Session-Id": f"sess-{s}"} if s != 1 else {}
+            if s == 1:
+                body["user"] = "user-1"
+            status, _, _ = post(url + "/v1/chat/completions", body, headers)
+            assert status == 200
+            sent.append((body, "user-1" if s == 1 else f"sess-{s}", out))
+    lines = wait_for(lambda: (ls := path.read_text().splitlines()) and len(ls) == 9 and ls, what="9 records")
+    recs = [json.loads(x) for x in lines]
+    ids: dict[bytes, int] = {}
+    for rec, (body, session, out) in zip(recs, sent, strict=True):
+        toks = gw.tokenizer.chat(body)
+        keys = gw.keys.keys(toks)
+        assert keys and rec["hash_ids"] == [ids.setdefault(k, len(ids)) for k in keys]
+        assert (rec["session_id"], rec["input_length"], rec["output_length"]) == (session, len(toks), out)
+    assert [r["timestamp"] for r in recs] == sorted(r["timestamp"] for r in recs) and recs[0]["timestamp"] == 0
+    assert 'kvtier_gateway_recorded_total 9.0' in gw.metrics.render().decode()
+    reqs = replay.load_trace(str(path))
+    assert len(reqs) == 9 and {r.session for r in reqs} == {"sess-0", "user-1", "sess-2"}
+    ideal = ideal_hit_rate(r.keys for r in reqs)[0]
+    assert ideal > 0.5  # later turns repeat their history, every request the system prompt
+    cfg = replay.ReplayConfig(block_tokens=4, gpu_tokens=10**5, host_tokens=0, disk_tokens=0)
+    assert replay.replay(reqs, cfg, "kvtier", 2).hit_rate == pytest.approx(ideal, abs=0.1)
+
+
+def test_hint_fingerprints_come_from_the_feeds() -> None:
+    """The layouts a hint is fetched under: the worker's declared ones, else the holder's,
+    narrowed to the worker's node's own; the store: the worker's node's."""
+    from kvtier.client.routing.fetch import STORE, FetchHint, hint_fingerprints, layout_id_of
+    from kvtier.client.routing.index import LocationIndex
+
+    fa, fb, fc = b"a" * 16, b"b" * 16, b"c" * 16
+    idx = LocationIndex()
+    keys = [bytes([i]) * 16 for i in range(4)]
+    idx.stored("A", "host", "", fa, keys)
+    idx.stored("A", "disk", "", fb, keys)
+    idx.stored("C", "host", "", fb, keys[:1])
+    idx.set_node_info("D", {"d0": [fc, fa]})
+    idx.set_node_info("E")
+    assert hint_fingerprints(idx, FetchHint("B", "A", tuple(keys))) == [fa, fb]  # B: no node, the holder's
+    assert hint_fingerprints(idx, FetchHint("C", "A", tuple(keys))) == [fb]  # narrowed to C's own
+    assert hint_fingerprints(idx, FetchHint("E", "A", tuple(keys))) == [fa, fb]  # E publishes none
+    assert hint_fingerprints(idx, FetchHint("d0", "A", tuple(keys))) == [fa, fc]  # declared
+    assert hint_fingerprints(idx, FetchHint("C", STORE, tuple(keys))) == [fb]
+    assert layout_id_of(b"\xff\xff\xff\xff" + bytes(12)) == 0x7FFFFFFF and layout_id_of(bytes(16)) == 1
+
+
+# -- fetch hints applied: three real kvtierds that are each other's peers (mTLS) ----------------
+
+HOLDER_QUEUED = 60.0  # queued blocks on the holder at which a free worker that pulls wins (test_router_cluster)
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory) -> Iterator[dict]:
+    """Daemons A, B, C: peers over mutual TLS, serving Node over TCP (--tcp-services all) to a
+    client certificate ``gateway`` mapped to the default tenant; B and C have the layout
+    registered (their engines would)."""
+    from pki import make_ca, make_cert
+
+    from kvtier.client.engine.sidecar import Sidecar
+    from kvtier.client.testing.local_daemon import DaemonProcess
+    from kvtier.tiers.layout import Layout
+
+    root, pki = tmp_path_factory.mktemp("peers"), tmp_path_factory.mktemp("pki")
+    make_ca(pki, "ca")
+    for n in ("node-A", "node-B", "node-C", "gateway"):
+        make_cert(pki, n, "ca", n, "IP:127.0.0.1")
+    ports = {n: free_port() for n in "ABC"}
+    tenants = ",".join([*(f"cn:node-{n}=default" for n in "ABC"), "cn:gateway=default"])
+
+    def args(n: str) -> list[str]:
+        return ["--node-id", n, "--tcp", f"127.0.0.1:{ports[n]}", "--tcp-services", "all",
+                "--tls-cert", str(pki / f"node-{n}.pem"), "--tls-key", str(pki / f"node-{n}.key"),
+                "--tls-ca", str(pki / "ca.pem"), "--peer-serve", "true", "--tenants", tenants,
+                "--peers", ",".join(f"127.0.0.1:{ports[p]}" for p in "ABC" if p != n), "--peer-timeout-s", "5"]
+
+    daemons = {n: DaemonProcess(str(root), *args(n), name=n, host_capacity="16MiB").start() for n in "ABC"}
+    layout = Layout.flat(4096, 4)
+    lids = {}
+    for n in "BC":
+        with Sidecar(daemons[n].socket) as sc:
+            lids[n] = sc.register_layout(layout)
+    yield {"daemons": daemons, "ports": ports, "pki": pki, "layout": layout, "lids": lids}
+    for d in daemons.values():
+        d.cleanup()
+
+
+def lookup_backend(name: str, daemon, layout, keys: dict, seen: list) -> web.Application:
+    """A stand-in replica that, as a request arrives, looks its keys up in its own kvtierd."""
+    from kvtier.client.engine.sidecar import Sidecar
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+
+        def look() -> list:
+            with Sidecar(daemon.socket) as sc:
+                return sc.lookup(sc.register_layout(layout), keys[body])
+        seen.append((name, await asyncio.get_running_loop().run_in_executor(None, look)))
+        return web.Response(body=PLAIN, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    return app
+
+
+def test_fetch_hints_are_prefetched_into_the_chosen_replica_before_it_sees_the_request(loop, gateway,
+                                                                                         peers) -> None:
+    """A holds a 32-block prefix and is loaded: the gateway's router picks a free replica with a
+    fetch hint, and the gateway has that replica's kvtierd pull the prefix from A (Node.Prefetch
+    over mTLS TCP) before forwarding: the replica finds every block in its host tier on arrival.
+    With a prefetch timeout too short to finish, the request goes on at once (counted)."""
+    from _wait import wait_for
+
+    from kvtier.client.engine.sidecar import Sidecar
+    from kvtier.client.routing.fetch import layout_id_of
+
+    daemons, pki, lids, layout = peers["daemons"], peers["pki"], peers["lids"], peers["layout"]
+    assert lids["B"] == layout_id_of(peers["layout"].fingerprint)
+    seen: list = []
+    keys_of: dict = {}
+    urls = {n: f"http://127.0.0.1:{loop.serve(lookup_backend(n, daemons[n], layout, keys_of, seen))}"
+            for n in "ABC"}
+    tls = {"daemon_tls_cert": str(pki / "gateway.pem"), "daemon_tls_key": str(pki / "gateway.key"),
+           "daemon_tls_ca": str(pki / "ca.pem")}
+    feeds = RouterConfig(daemons=tuple(f"127.0.0.1:{p}" for p in peers["ports"].values()))
+
+    def run(gw_url: str, gw: Gateway, first_word: int) -> tuple[str, list]:
+        body = chat(128, start=first_word)
+        raw = json.dumps(body).encode()
+        keys = keys_of[raw] = gw.keys.keys(gw.tokenizer.chat(body))
+        assert len(keys) == 32
+        with Sidecar(daemons["A"].socket) as sc:
+            assert not sc.put(sc.register_layout(peers["layout"]), keys, [k * (4096 // len(k)) for k in keys]).dropped
+        wait_for(lambda: gw.router.route(keys, dispatch=False).ranked[0].overlap.host == 32, what="A's blocks")
+        gw.router.set_load("A", HOLDER_QUEUED, 0)
+        assert gw.router.route(keys, dispatch=False).fetch  # the router would pull
+        status, _, headers = post(gw_url + "/v1/chat/completions", raw)
+        assert status == 200 and seen[-1][0] == headers[REPLICA_HEADER] != "A"
+        return seen[-1][0], seen[-1][1]
+
+    url, gw = gateway(urls, router=feeds, **tls)
+    name, found = run(url, gw, 3)
+    assert found == ["host"] * 32  # in the free replica's own host tier before it saw the request
+    metrics = gw.metrics.render().decode()
+    assert 'kvtier_gateway_prefetches_total{outcome="done"} 1.0' in metrics
+    assert "kvtier_gateway_prefetched_blocks_total 32.0" in metrics
+    with Sidecar(daemons[name].socket) as sc:
+        assert sc.stats()["counters"]["peer_blocks_fetched"] >= 32
+
+    url, gw = gateway(urls, router=feeds, prefetch_timeout_s=0.001, **tls)
+    run(url, gw, 300)  # answered: the request did not wait for the pull
+    assert 'kvtier_gateway_prefetches_total{outcome="timeout"} 1.0' in gw.metrics.render().decode()
 
 
 # -- the engine test: two real vLLM replicas, each with its kvtierd, and the gateway ----------

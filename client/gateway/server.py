@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import logging
 import os
@@ -40,7 +41,10 @@ from kvtier.client.engine.keys import Namespace
 from kvtier.client.engine.transport import ClientTls
 from kvtier.client.gateway.keys import SCHEMES, VLLM_DEFAULT_SEED, KeyScheme, has_extra_keys
 from kvtier.client.gateway.policy import POLICIES, Policy
+from kvtier.client.gateway.prefetch import Prefetcher
 from kvtier.client.gateway.tokenize import PromptError, PromptTokenizer
+from kvtier.client.gateway.usage import NULL_COUNTER, OutputCounter
+from kvtier.client.routing.recorder import RecordConfig, open_recorder
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.settings import (
     Settings,
@@ -117,7 +121,14 @@ class GatewayConfig:
                                    metavar="FILE")
     daemon_tls_key: str = setting("", "PEM private key of --daemon-tls-cert", metavar="FILE")
     daemon_tls_ca: str = setting("", "PEM CA that signs the kvtierds' --tls-cert", metavar="FILE")
+    prefetch: bool = setting(True, "apply the router's fetch hints (policy kvtier, --pulls): ask the chosen "
+                                   "replica's kvtierd to fetch the hinted blocks from the peer that holds them "
+                                   "before forwarding the request", parse_bool, "BOOL")
+    prefetch_timeout_s: float = setting(0.5, "longest wait for a fetch hint's prefetch (seconds); past it the "
+                                             "request goes on and the engine recomputes what is missing",
+                                        parse_float, "S")
     router: RouterConfig = group(RouterConfig)
+    record: RecordConfig = group(RecordConfig)  # --record-trace (issue 17's recorder, client/routing/recorder.py)
     log_level: str = setting("info", "debug, info, warning or error")
     config: str = setting("", "TOML file with any of these settings", metavar="FILE")
 
@@ -176,6 +187,14 @@ def check_settings(cfg: GatewayConfig) -> None:
         raise SettingsError("--daemon-tls-cert, --daemon-tls-key and --daemon-tls-ca go together")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise SettingsError(f"--log-level {cfg.log_level!r}: debug, info, warning or error")
+    _check_prefetch_and_record(cfg)
+
+
+def _check_prefetch_and_record(cfg: GatewayConfig) -> None:
+    if cfg.prefetch_timeout_s <= 0:
+        raise SettingsError("--prefetch-timeout-s must be positive")
+    if cfg.record.check():
+        raise SettingsError(str(cfg.record.check()))
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
@@ -210,6 +229,23 @@ class _Metrics:
                                "router saw them", ["tier"], registry=r)
         self.prompt_blocks = Counter("kvtier_gateway_prompt_blocks", "full blocks of the prompts routed", registry=r)
         self.in_flight = Gauge("kvtier_gateway_in_flight", "requests being forwarded", ["replica"], registry=r)
+        self.prefetches = Counter("kvtier_gateway_prefetches", "fetch hints applied before forwarding, by outcome: "
+                                  "done (the replica's kvtierd answered), timeout (abandoned after "
+                                  "--prefetch-timeout-s), error (refused or unreachable), no_layout (no layout "
+                                  "fingerprint known for the hint), no_daemon (no feed serves the replica's node), "
+                                  "store (only the shared store holds the keys: left to the daemon's read-through)",
+                                  ["outcome"], registry=r)
+        self.prefetched_blocks = Counter("kvtier_gateway_prefetched_blocks", "blocks the replicas' kvtierds reported "
+                                         "brought to host by the gateway's prefetches", registry=r)
+        self.prefetch_seconds = Histogram("kvtier_gateway_prefetch_seconds", "time a request waited for its "
+                                          "prefetches", buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2),
+                                          registry=r)
+        self.recorded = Counter("kvtier_gateway_recorded", "requests handed to --record-trace (dropped ones "
+                                "included: see kvtier_gateway_record_dropped)", registry=r)
+        self.record_dropped = Gauge("kvtier_gateway_record_dropped", "--record-trace records dropped (writer "
+                                    "behind, queue full)", registry=r)
+        for o in ("done", "timeout", "error", "no_layout", "no_daemon", "store"):
+            self.prefetches.labels(o)
         for t in ("gpu", "host", "disk"):
             self.overlap.labels(t)
 
@@ -250,9 +286,12 @@ class Gateway:
         self._session: Any = None
         self.started = time.time()
         if self.router is not None:
-            with self.router._lock:  # replicas no daemon publishes (yet) can still be picked
-                for name in self.static:
-                    self.router.index.add_external_worker(name)
+            for name in self.static:  # replicas no daemon publishes (yet) can still be picked
+                self.router.add_worker(name)
+        self.recorder = open_recorder(cfg.record)
+        self._record_ids = itertools.count(1)
+        self.prefetcher = (Prefetcher(self.router, tls, cfg.prefetch_timeout_s, self.metrics)
+                           if self.router is not None and cfg.prefetch and cfg.policy == "kvtier" else None)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -282,6 +321,10 @@ class Gateway:
     async def _cleanup(self, app: Any) -> None:
         if self._session is not None:
             await self._session.close()
+        if self.prefetcher is not None:
+            await self.prefetcher.close()
+        if self.recorder is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.recorder.close)
         self._pool.shutdown(wait=False)
         if self.router is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.router.close)
@@ -344,35 +387,35 @@ class Gateway:
             sid = body["user"]
         return sid or None
 
-    def _decide(self, endpoint: str, raw: bytes, request: Any) -> tuple[Any, list[bytes], str | None]:
-        """Parse, check, tokenize and key a request: (error response or None, keys, session)."""
+    def _decide(self, endpoint: str, raw: bytes, request: Any) -> tuple[Any, list[bytes], str | None, int]:
+        """Parse, check, tokenize and key a request: (error response or None, keys, session, tokens)."""
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
         except ValueError as e:
-            return self._fail(endpoint, 400, "bad_request", f"invalid JSON body: {e}", "BadRequestError"), [], None
+            return self._fail(endpoint, 400, "bad_request", f"invalid JSON body: {e}", "BadRequestError"), [], None, 0
         model = body.get("model")
         if model != self.cfg.model:
             return self._fail(endpoint, 404, "unknown_model",
                               f"The model `{model}` does not exist: this gateway serves `{self.cfg.model}`.",
-                              "NotFoundError", "model"), [], None
+                              "NotFoundError", "model"), [], None, 0
         try:
             ids = self.tokenizer.chat(body) if endpoint == "chat" else self.tokenizer.completion(body)
         except PromptError as e:
-            return self._fail(endpoint, 400, "bad_request", str(e), "BadRequestError"), [], None
+            return self._fail(endpoint, 400, "bad_request", str(e), "BadRequestError"), [], None, 0
         keys = [] if self.cfg.keys == "vllm" and has_extra_keys(body) else self.keys.keys(ids)
-        return None, keys, self._session_of(request, body)
+        return None, keys, self._session_of(request, body), len(ids)
 
     async def _forward(self, request: Any, endpoint: str) -> Any:
         t0 = time.perf_counter()
         raw = await request.read()
         if len(raw) > INLINE_BODY_BYTES:  # tokenizing a long prompt would hold the event loop (tokenizers
             # releases the GIL while it encodes, so these threads use every core)
-            err, keys, session = await asyncio.get_running_loop().run_in_executor(
+            err, keys, session, n_tokens = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._decide, endpoint, raw, request)
         else:
-            err, keys, session = self._decide(endpoint, raw, request)
+            err, keys, session, n_tokens = self._decide(endpoint, raw, request)
         if err is not None:
             return err
         try:
@@ -381,13 +424,27 @@ class Gateway:
             return self._fail(endpoint, 503, "overloaded", f"the gateway is at --max-concurrency "
                               f"{self.cfg.max_concurrency} and no slot freed within {self.cfg.queue_timeout_s:g} s",
                               "ServiceUnavailableError")
+        rec = self._record(keys, n_tokens, session)
+        counter = OutputCounter() if rec else None
         try:
-            return await self._route_and_send(request, endpoint, raw, keys, session, t0)
+            return await self._route_and_send(request, endpoint, raw, keys, session, t0, counter)
         finally:
             self._slots.release()
+            if rec:
+                self.recorder.finish(rec, counter.tokens())  # type: ignore[union-attr]
+
+    def _record(self, keys: list[bytes], n_tokens: int, session: str | None) -> int:
+        """Hand the request to --record-trace (never waits); its record id, 0 when not recording."""
+        if self.recorder is None:
+            return 0
+        rid = next(self._record_ids)
+        self.recorder.record(keys, n_tokens, session, rid)
+        self.metrics.recorded.inc()
+        self.metrics.record_dropped.set(self.recorder.dropped)
+        return rid
 
     async def _route_and_send(self, request: Any, endpoint: str, raw: bytes, keys: list[bytes],
-                              session: str | None, t0: float) -> Any:
+                              session: str | None, t0: float, counter: OutputCounter | None = None) -> Any:
         m, replicas = self.metrics, self.replicas()
         choice = self.policy.choose(self.healthy(sorted(replicas)), keys, session)
         m.overhead.observe(time.perf_counter() - t0)
@@ -401,7 +458,7 @@ class Gateway:
             if attempt:
                 m.retries.inc()
             try:
-                return await self._send(request, endpoint, raw, keys, session, name, replicas[name], t0)
+                return await self._send(request, endpoint, raw, keys, session, name, replicas[name], t0, counter)
             except _Refused as e:
                 last = e
                 m.errors.labels("replica_refused").inc()
@@ -422,13 +479,15 @@ class Gateway:
         headers = {k: v for k, v in (e.headers or {}).items() if k.lower() not in _HOP}
         return web.Response(status=e.status, body=e.body, headers=headers)
 
-    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> int:
+    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list]:
+        """Charge the chosen replica: (the router's decision id, its fetch hints)."""
         self.policy.dispatched(name, keys, session)
         self.metrics.decisions.labels(name, self.cfg.policy).inc()
         self.metrics.in_flight.labels(name).inc()
         if self.router is None:
-            return 0
-        return self.router.route(keys, [name], dispatch=True, top_k=1).decision_id
+            return 0, []
+        d = self.router.route(keys, [name], dispatch=True, top_k=1)
+        return d.decision_id, d.fetch
 
     def _ended(self, name: str, decision: int) -> None:
         self.policy.ended(name)
@@ -437,11 +496,13 @@ class Gateway:
             self.router.finish(decision)
 
     async def _send(self, request: Any, endpoint: str, raw: bytes, keys: list[bytes], session: str | None,
-                    name: str, base: str, t0: float) -> Any:
+                    name: str, base: str, t0: float, counter: OutputCounter | None = None) -> Any:
         import aiohttp  # noqa: PLC0415
 
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        decision = self._dispatch(name, keys, session)
+        decision, hints = self._dispatch(name, keys, session)
+        if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
+            await self.prefetcher.apply(hints)
         try:
             up = await asyncio.wait_for(self._session.post(base + request.path_qs, data=raw, headers=headers),
                                         self.cfg.first_byte_timeout_s)
@@ -452,14 +513,15 @@ class Gateway:
             if up.status >= 500:
                 body = await up.read()
                 raise _Refused(f"HTTP {up.status}", up.status, body, up.headers)
-            return await self._stream(request, endpoint, up, name, decision, t0)
+            return await self._stream(request, endpoint, up, name, decision, t0, counter)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise _Refused(f"{type(e).__name__}: {e}") from None
         finally:
             up.release()
             self._ended(name, decision)
 
-    async def _stream(self, request: Any, endpoint: str, up: Any, name: str, decision: int, t0: float) -> Any:
+    async def _stream(self, request: Any, endpoint: str, up: Any, name: str, decision: int, t0: float,
+                      counter: OutputCounter | None = None) -> Any:
         import aiohttp  # noqa: PLC0415
         from aiohttp import web  # noqa: PLC0415
 
@@ -474,6 +536,9 @@ class Gateway:
         if up.content_length is not None:
             resp.content_length = up.content_length
         status = str(up.status)
+        counter = counter or NULL_COUNTER
+        counter.start(up.headers.get("Content-Type", ""), up.status)
+        counter.feed(first)
         try:
             await resp.prepare(request)
             if first:
@@ -486,6 +551,7 @@ class Gateway:
                     chunk = await up.content.readany()
                     if not chunk:
                         break
+                    counter.feed(chunk)
                     await resp.write(chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 m.errors.labels("upstream_broken").inc()

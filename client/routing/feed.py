@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -87,6 +88,7 @@ class FeedStatus:
     resumes: int = 0         # how often the stream resumed after its last event
     epoch_changes: int = 0   # daemon restarts seen
     last_error: str = ""
+    name: str = ""           # the DNS name this address was resolved from ("": a static target)
 
     @property
     def synced(self) -> bool:
@@ -102,6 +104,25 @@ def _hint(target: str, msg: str) -> str:
     if "resolv" in msg or "Domain name not found" in msg:
         return " (not a resolvable HOST:PORT; a unix socket is a path or unix:PATH)"
     return ""
+
+
+def channel_options(tls: ClientTls | None, name: str = "", base: Sequence[tuple[str, object]] = ()) -> list:
+    """gRPC channel options for a daemon address: ``base``, and over TLS to an address a DNS
+    ``name`` resolved to, ``grpc.ssl_target_name_override`` = the name, so the daemon's
+    certificate is checked against the name (a Kubernetes pod's certificate names its Service,
+    not the pod IP the feed dials). A name that is itself an IP address needs none."""
+    opts = list(base)
+    if tls is not None and name and not _is_ip(name):
+        opts.append(("grpc.ssl_target_name_override", name))
+    return opts
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
 
 
 class FeedError(Exception):
@@ -255,10 +276,10 @@ class Feeds:
             t.cancel()
         await asyncio.gather(*tasks, *self._tasks.values(), return_exceptions=True)
 
-    def _start_feed(self, target: str) -> None:
+    def _start_feed(self, target: str, name: str = "") -> None:
         if target not in self._tasks:
             with self._lock:
-                self.status.setdefault(target, FeedStatus(target))
+                self.status.setdefault(target, FeedStatus(target)).name = name
             self._tasks[target] = asyncio.ensure_future(self._feed(target))
 
     async def _stop_feed(self, target: str) -> None:
@@ -294,7 +315,9 @@ class Feeds:
         messages in ``received[0]``."""
         # a unix socket: the credential handshake first (the token goes with the stream); TCP:
         # TLS with this router's client certificate when it has one
-        channel = open_channel(target, aio=True, tls=self.tls, client_name=self.subscriber, options=_CHANNEL_OPTIONS,
+        st = self.status.get(target)
+        options = channel_options(self.tls, st.name if st is not None else "", _CHANNEL_OPTIONS)
+        channel = open_channel(target, aio=True, tls=self.tls, client_name=self.subscriber, options=options,
                                timeout=2.0)
         try:
             await self._subscribe(channel, target, received)
@@ -394,7 +417,7 @@ class Feeds:
                             extra={"name": name, "error": str(e)})
                 found = mine
             for target in sorted(found - mine):
-                self._start_feed(target)
+                self._start_feed(target, host)
             for target in sorted(mine - found):
                 await self._stop_feed(target)
             mine = found

@@ -60,9 +60,10 @@ MAX_SESSION_CHARS = 256
 class RecordConfig:
     """The route-server's trace recording settings (a group of ``RouteServerConfig``)."""
 
-    record_trace: str = setting("", "append every dispatched Route request to this trace file, in the format "
-                                    "kvtier replay reads (hash ids are small integers assigned per file: no "
-                                    "key leaves the router); empty: no recording", metavar="FILE")
+    record_trace: str = setting("", "append every routed request (route-server: each dispatched Route; gateway: "
+                                    "each request it forwards) to this trace file, in the format kvtier replay "
+                                    "reads (hash ids are small integers assigned per file: no key leaves the "
+                                    "router); empty: no recording", metavar="FILE")
     record_trace_max_bytes: int = setting(256 * 2**20, "rotate --record-trace when it would pass this size: "
                                                        "FILE -> FILE.1 -> FILE.2 ...; each file is a trace of "
                                                        "its own", parse_size, "BYTES")

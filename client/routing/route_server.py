@@ -46,6 +46,7 @@ import grpc
 from kvtier.client.engine.keys import Namespace, block_keys
 from kvtier.client.engine.transport import SOCKET_ENV, ClientTls, socket_path
 from kvtier.client.routing.feed import feed_target
+from kvtier.client.routing.health import RouterHealth
 from kvtier.client.routing.recorder import RecordConfig, Recorder, on_finish, on_route, open_recorder
 from kvtier.client.routing.router import Decision, Router, RouterConfig, RouterError, UnknownCandidates
 from kvtier.paths import default_socket_path
@@ -76,6 +77,9 @@ class RouteServerConfig:
     insecure_tcp: bool = setting(False, "serve a --listen TCP address that is not loopback in plaintext, "
                                         "unauthenticated (warned at start); refused without this unless "
                                         "TLS is set", parse_bool, "BOOL")
+    health_listen: str = setting("", "also serve the gRPC health service alone, in plaintext, on this HOST:PORT "
+                                     "(for probes: kvtier health HOST:PORT; loopback unless --insecure-tcp); the "
+                                     "--listen address serves it too", metavar="HOST:PORT")
     daemon_tls_cert: str = setting("", "client certificate this router presents to kvtierds over TCP (their "
                                        "--tls-ca must sign it; its CN is the tenant whose feed it gets)",
                                    metavar="FILE")
@@ -107,6 +111,13 @@ Fetch hints: with --pulls (default true) a worker may be ranked first for blocks
 fetch from another node's host or disk or the shared store (TierOverlap.remote); then
 RouteReply.fetch names those keys and the node holding them ("store": the shared store).
 Apply them before the prefill: Sidecar.prefetch(layout_id, keys, from_node=from_node).
+The route-server only returns them: the caller (a gateway) applies them, as kvtier gateway
+does with its in-process router.
+
+Health: grpc.health.v1 on --listen (and alone, in plaintext, on --health-listen for probes):
+the server ("") is SERVING once it listens; kvtier.v1.Router is SERVING while the router
+knows at least one worker (a daemon's feed answered), NOT_SERVING before. Probe with
+kvtier health 127.0.0.1:PORT [--service kvtier.v1.Router].
 
 Candidates: RouteRequest.candidates must name workers the router knows (see Status); any
 other name is refused with INVALID_ARGUMENT naming it.
@@ -161,6 +172,9 @@ def check_settings(cfg: RouteServerConfig) -> None:
     if tcp and not cfg.tls_cert and not cfg.insecure_tcp and not _loopback(cfg.listen):
         raise SettingsError(f"--listen {cfg.listen} without TLS would serve anyone who reaches the port: give "
                             f"--tls-cert, --tls-key and --tls-ca, or pass --insecure-tcp true")
+    if cfg.health_listen and not cfg.insecure_tcp and not _loopback(cfg.health_listen):
+        raise SettingsError(f"--health-listen {cfg.health_listen} is plaintext: give a loopback address (a probe "
+                            f"runs in the pod), or pass --insecure-tcp true")
     if cfg.record.check():
         raise SettingsError(str(cfg.record.check()))
 
@@ -303,7 +317,21 @@ async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | 
     router = Router(cfg, tls=daemon_tls(server_cfg)).start()
     recorder = open_recorder(server_cfg.record)
     router_pb2_grpc.add_RouterServicer_to_server(RouterService(router, recorder), server)
+    health = RouterHealth(router)
+    health.add_to(server)
+    probe_server = None
+    if server_cfg.health_listen:
+        probe_server = grpc.aio.server()
+        health.add_to(probe_server)
+        try:
+            ok = probe_server.add_insecure_port(server_cfg.health_listen)
+        except RuntimeError:
+            ok = 0
+        if not ok:
+            raise SystemExit(f"kvtier route-server: cannot listen on --health-listen {server_cfg.health_listen}")
+        await probe_server.start()
     await server.start()
+    await health.start()
     shown = listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
     follows = ([feed_target(t) for t in cfg.daemons] + [f"dns:{n}" for n in cfg.dns]
                + [f"vllm:{e}" for e in cfg.vllm_events])
@@ -316,6 +344,9 @@ async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await health.stop()
+    if probe_server is not None:
+        await probe_server.stop(0.5)
     await server.stop(1.0)
     await loop.run_in_executor(None, router.close)
     if recorder is not None:

@@ -52,7 +52,7 @@ import numpy as np
 
 from kvtier.client.engine.transport import ClientTls
 from kvtier.client.routing.feed import Feeds, FeedStatus, Resolve
-from kvtier.client.routing.fetch import FetchHint
+from kvtier.client.routing.fetch import FetchHint, hint_fingerprints
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.loads import Loads
 from kvtier.client.routing.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
@@ -276,6 +276,17 @@ class Router:
                                self.scorer.weights(bandwidths))
         self._loads.align(names)
         return w
+
+    def add_worker(self, name: str) -> None:
+        """A worker no daemon publishes (yet), e.g. a gateway's static replica: it holds nothing
+        but can be named as a candidate and picked."""
+        with self._lock:
+            self.index.add_external_worker(name)
+
+    def hint_fingerprints(self, hint: FetchHint) -> list[bytes]:
+        """The layout fingerprints to apply a fetch hint under (:func:`~.fetch.hint_fingerprints`)."""
+        with self._lock:
+            return hint_fingerprints(self.index, hint)
 
     def finish(self, decision_id: int, prefill_only: bool = False) -> bool:
         """The dispatched request's prefill is done (``prefill_only``) or it ended."""

@@ -104,6 +104,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $r := .Values.routeServer -}}
 {{- $cfg := dict
   "listen" (printf "0.0.0.0:%d" (int $r.port))
+  "health_listen" (printf "127.0.0.1:%d" (int $r.healthPort))
   "dns" (list (include "kvtier.daemonDns" .))
   "tls_cert" "/etc/kvtier/tls/tls.crt"
   "tls_key" "/etc/kvtier/tls/tls.key"

@@ -1,0 +1,135 @@
+"""The gateway applies the router's fetch hints before it forwards a request (issue 13 item 4).
+
+When the ``kvtier`` policy's router sends a request to a replica that holds less of its prefix
+than another node (the holder is loaded, this one is free), the dispatch decision carries
+:class:`~kvtier.client.routing.fetch.FetchHint`\\ s: which keys, from which node. Before the
+request goes to the replica, :meth:`Prefetcher.apply` asks the replica's kvtierd
+(``Node.Prefetch`` with ``from_node``) to fetch those keys from the holder into its host tier,
+so the engine's connector finds them there at prefill.
+
+* **Where**: the replica's node is the one the feeds report for its worker id; the call goes
+  over the daemon address the gateway's feed for that node uses (a unix socket locally; TCP
+  with ``--daemon-tls-*`` mutual TLS to a daemon started with ``--tcp-services all``, which
+  serves Node over TCP; the daemon maps the gateway's certificate CN to the tenant it acts
+  for, ``--tenants cn:GATEWAY=TENANT``). One channel per address, kept.
+* **Which layout**: ``Node.Prefetch`` names a layout id; a layout's id is its fingerprint's
+  first 31 bits on every daemon (:func:`~kvtier.client.routing.fetch.layout_id_of`), and the
+  fingerprints come from the feeds (:func:`~kvtier.client.routing.fetch.hint_fingerprints`).
+  The replica's engine must have registered the layout on its daemon (it has, once it stored
+  a block); otherwise the daemon refuses (counted ``error``).
+* **Bounded**: all hints of a request are asked at once and waited for at most
+  ``--prefetch-timeout-s``; what has not answered by then is abandoned (counted ``timeout``)
+  and the request goes on: the engine recomputes what is missing. (The daemon finishes a
+  prefetch it started even when the caller gives up, so the blocks still land for later
+  turns.)
+* **The store**: a hint whose keys only the shared store holds (``from_node`` ``"store"``) is
+  not sent (``Node.Prefetch`` fetches from peers only); the replica's kvtierd reads them
+  through from the store on the engine's get (``--store-read-through``). Counted ``store``.
+* **Counted**: ``kvtier_gateway_prefetches_total{outcome}`` (``done``, ``timeout``, ``error``,
+  ``no_layout``, ``no_daemon``, ``store``), ``kvtier_gateway_prefetched_blocks_total``,
+  ``kvtier_gateway_prefetch_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from kvtier.client.engine.transport import ClientTls, KvtierError, open_channel
+from kvtier.client.routing.feed import channel_options
+from kvtier.client.routing.fetch import STORE, FetchHint, layout_id_of
+from kvtier.proto import node_pb2, node_pb2_grpc
+
+log = logging.getLogger("kvtier.gateway")
+
+CLIENT_NAME = "kvtier-gateway"
+
+
+class Prefetcher:
+    """Applies fetch hints through the replicas' kvtierds (module docstring)."""
+
+    def __init__(self, router: Any, tls: ClientTls | None, timeout_s: float, metrics: Any) -> None:
+        self.router, self.tls, self.timeout_s, self.metrics = router, tls, timeout_s, metrics
+        self._channels: dict[str, Any] = {}
+        self._warned: dict[str, float] = {}
+
+    async def apply(self, hints: Sequence[FetchHint]) -> None:
+        """Prefetch every hint at once; returns after they answered or ``timeout_s``."""
+        t0 = time.perf_counter()
+        tasks = [asyncio.ensure_future(self._one(h)) for h in hints]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            raise
+        for t in pending:
+            t.cancel()
+            self.metrics.prefetches.labels("timeout").inc()
+        self.metrics.prefetch_seconds.observe(time.perf_counter() - t0)
+
+    def _address(self, worker: str) -> tuple[str, str] | None:
+        """(target, DNS name) of the feed that serves the worker's node, when one is connected."""
+        node = dict(self.router.workers()).get(worker)
+        if not node:
+            return None
+        for st in self.router.status():
+            if st.node_id == node and st.connected:
+                return st.target, st.name
+        return None
+
+    def _channel(self, target: str, name: str) -> Any:
+        ch = self._channels.get(target)
+        if ch is None:
+            ch = self._channels[target] = open_channel(target, aio=True, tls=self.tls, client_name=CLIENT_NAME,
+                                                       options=channel_options(self.tls, name), timeout=2.0)
+        return ch
+
+    async def _one(self, hint: FetchHint) -> None:
+        m = self.metrics
+        if hint.from_node == STORE:  # Prefetch fetches from peers only; the daemon reads the store
+            m.prefetches.labels("store").inc()  # through on the engine's get (--store-read-through)
+            return
+        addr = self._address(hint.worker)
+        if addr is None:
+            m.prefetches.labels("no_daemon").inc()
+            return
+        fps = self.router.hint_fingerprints(hint)
+        if not fps:
+            m.prefetches.labels("no_layout").inc()
+            return
+        try:
+            stub = node_pb2_grpc.NodeStub(self._channel(*addr))
+            replies = await asyncio.gather(*(stub.Prefetch(node_pb2.PrefetchRequest(
+                layout_id=layout_id_of(fp), keys=list(hint.keys), from_node=hint.from_node)) for fp in fps))
+        except (grpc.RpcError, KvtierError, OSError) as e:
+            m.prefetches.labels("error").inc()
+            self._warn(addr[0], hint, e)
+            if isinstance(e, KvtierError | OSError):  # the handshake failed: try a fresh channel next time
+                self._channels.pop(addr[0], None)
+            return
+        m.prefetches.labels("done").inc()
+        m.prefetched_blocks.inc(sum(r.promoted for r in replies))
+
+    def _warn(self, target: str, hint: FetchHint, e: Exception) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(target, -60.0) >= 10.0:  # at most every 10 s per daemon
+            self._warned[target] = now
+            msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.warning(f"prefetch of {len(hint.keys)} blocks from {hint.from_node} on {hint.worker}'s kvtierd "
+                        f"({target}) failed: {msg}")
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            with contextlib.suppress(Exception):
+                await ch.close()
+            creds = getattr(ch, "kvtier_credentials", None)
+            if creds is not None:
+                creds.close()
+        self._channels.clear()
