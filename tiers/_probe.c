@@ -195,7 +195,53 @@ static PyObject *generation(PyObject *self, PyObject *table) {
     return PyLong_FromUnsignedLongLong(g);
 }
 
+/* (leading run of masks with a bit of fast_bits, leading run of non-zero masks): prefix_lengths. */
+static PyObject *prefix(PyObject *self, PyObject *args) {
+    Py_buffer mb;
+    int fast_bits;
+    if (!PyArg_ParseTuple(args, "y*i", &mb, &fast_bits))
+        return NULL;
+    const uint8_t *m = (const uint8_t *)mb.buf;
+    Py_ssize_t n = mb.len, nfast = n, nany = n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (nfast == n && !(m[i] & fast_bits))
+            nfast = i;
+        if (!m[i]) {
+            nany = i;
+            break;
+        }
+    }
+    PyBuffer_Release(&mb);
+    return Py_BuildValue("(nn)", nfast, nany);
+}
+
+/* counts[m] += 1 for each mask m (counts: a writable buffer of 8-byte counters, one per mask). */
+static PyObject *tally(PyObject *self, PyObject *args) {
+    Py_buffer mb, cb;
+    if (!PyArg_ParseTuple(args, "y*w*", &mb, &cb))
+        return NULL;
+    const uint8_t *m = (const uint8_t *)mb.buf;
+    uint64_t *c = (uint64_t *)cb.buf;
+    Py_ssize_t nc = cb.len / 8;
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < mb.len; i++) {
+        if (m[i] < nc)
+            c[m[i]]++;
+        else
+            bad = 1;
+    }
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&cb);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "a mask beyond the counters");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"prefix", prefix, METH_VARARGS, "prefix(masks, fast_bits) -> (leading fast run, leading held run)"},
+    {"tally", tally, METH_VARARGS, "tally(masks, counts): counts[m] += 1 for each mask m (uint64 counters)"},
     {"probe", probe, METH_VARARGS, "probe(table, shift, tag, keys, out, checked, spin_limit_ns) -> 0 | 1"},
     {"generation", generation, METH_O, "generation(table) -> the table's generation counter"},
     {NULL, NULL, 0, NULL},

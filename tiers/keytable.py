@@ -523,6 +523,8 @@ class KeyTableReader:
 
 def prefix_lengths(masks: np.ndarray) -> tuple[int, int]:
     """From per-key tier bit sets: (leading run with a gpu or host bit, leading run with any bit)."""
+    if _cprobe is not None and masks.dtype == np.uint8 and masks.flags.c_contiguous:
+        return _cprobe.prefix(masks, FAST_BITS)
     fast = (masks & FAST_BITS) == 0
     anyt = masks == 0
     n = len(masks)
