@@ -57,6 +57,9 @@ def test_compiled_and_numpy_probes_agree_on_random_tables(shm) -> None:
         lengths = (8, 9, 16, 20, 31, 32)
         universe = [rng.randbytes(rng.choice(lengths)) for _ in range(3000)]
         universe += [b"samefirst" + i.to_bytes(rng.choice((7, 12)), "little") for i in range(200)]  # first-word twins
+        # keys alike but for their last word (24 and 32 bytes), and for their length alone (zero padding)
+        universe += [b"t" * 24 + i.to_bytes(8, "little") for i in range(400)] + [b"u" * 16 + bytes([i]) for i in range(200)]
+        universe += [b"v" * 8 + bytes(n) for n in range(0, 25)]
         tiers = list(TIER_BITS)
         for step in range(40):  # sets and clears make tombstones; growth and compaction rebuild
             fp = FP_A if step % 3 else FP_B
