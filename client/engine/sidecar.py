@@ -406,17 +406,47 @@ class _SidecarCore:
 
     def _get_once(self, info: _LayoutInfo, keys: list[bytes], out: Sequence[Any] | None,
                   verify: bool = False) -> Op[list[memoryview | None]]:
+        """Acquire, copy out, release; a big get as a pipeline of pieces (:func:`_pieces`): the
+        Acquire of piece i+1 is in flight while piece i is copied out."""
+        if out is not None and len(out) != len(keys):
+            raise InvalidArgument(f"{len(out)} output buffers for {len(keys)} keys")
         yield SETTLE
         sid = yield from self._bound_session()
-        reply = yield Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                      keys=keys, verify=verify))
+        pieces = _pieces(len(keys), len(keys) * (info.block_bytes or info.layout.block_bytes))
+
+        def acquire(lo: int, hi: int) -> Call:
+            return Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
+                                                                   keys=keys[lo:hi], verify=verify))
+
+        got: list[memoryview | None] = []
+        nxt: Any = None  # the handle of the next piece's Acquire in flight
+        reply = yield acquire(*pieces[0])
         try:
-            return self._read(info, reply, out)
-        finally:
-            held = [lease.lease_id for lease in reply.leases if lease.lease_id]
-            if held:  # copied out: released in the background (module docstring)
-                yield Background(Call("node", "Release", node_pb2.ReleaseRequest(session_id=sid, lease_ids=held)),
-                                 settle=True)
+            for i, (lo, hi) in enumerate(pieces):
+                if i + 1 < len(pieces):
+                    nxt = yield Start(acquire(*pieces[i + 1]))
+                try:
+                    got += self._read(info, reply, None if out is None else out[lo:hi])
+                finally:
+                    yield from self._release(sid, reply)  # copied out (or failed): in the background
+                if nxt is not None:
+                    reply, nxt = (yield Reply(nxt)), None
+        except BaseException:
+            if nxt is not None:  # its pins go too
+                try:
+                    yield from self._release(sid, (yield Reply(nxt)))
+                except KvtierError:
+                    pass
+            raise
+        return got
+
+    @staticmethod
+    def _release(sid: int, reply: node_pb2.AcquireReply) -> Op[None]:
+        """Release an Acquire's leases in the background (module docstring)."""
+        held = [lease.lease_id for lease in reply.leases if lease.lease_id]
+        if held:
+            yield Background(Call("node", "Release", node_pb2.ReleaseRequest(session_id=sid, lease_ids=held)),
+                             settle=True)
 
     def _lookup(self, layout_id: int, keys: Sequence[bytes]) -> Op[list[str | None]]:
         info, keys = self._info(layout_id), _check_keys(keys)
