@@ -187,6 +187,15 @@ def _pieces(n: int, nbytes: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def _check_distinct(keys: list[bytes], pieces: list[tuple[int, int]]) -> None:
+    """A batch sent as several pieces is refused, before any call, for a repeated key, as the
+    daemon refuses one sent whole (each piece alone would not show it)."""
+    if len(pieces) > 1 and len(set(keys)) != len(keys):
+        seen: set[bytes] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))
+        raise InvalidArgument(f"key {dup.hex()} appears more than once in one batch; send each key once")
+
+
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     """Keys as a list of bytes (their lengths are the daemon's, or the key table's, to check)."""
     if all(type(k) is bytes for k in keys):  # the common case, on the lookup hot path
@@ -340,6 +349,7 @@ class _SidecarCore:
         yield SETTLE
         sid = yield from self._bound_session()
         pieces = _pieces(len(keys), len(keys) * (info.block_bytes or info.layout.block_bytes))
+        _check_distinct(keys, pieces)
 
         def allocate(lo: int, hi: int) -> Call:
             return Call("node", "Allocate", node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
@@ -413,6 +423,7 @@ class _SidecarCore:
         yield SETTLE
         sid = yield from self._bound_session()
         pieces = _pieces(len(keys), len(keys) * (info.block_bytes or info.layout.block_bytes))
+        _check_distinct(keys, pieces)
 
         def acquire(lo: int, hi: int) -> Call:
             return Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
