@@ -12,8 +12,8 @@ from kvtier.client.engine import sidecar as sidecar_mod
 from kvtier.client.engine.sidecar import InvalidArgument, Sidecar
 from kvtier.tiers.layout import Layout
 
-BLOCK = 1 << 20
-N = 16  # 16 MiB: four pieces of 4 MiB
+BLOCK = 2 << 20
+N = 16  # 32 MiB: four pieces of 8 MiB
 
 
 def key(i: int) -> bytes:
@@ -74,7 +74,7 @@ def test_a_big_put_and_get_overlap_their_calls_with_the_copies(start_daemon) -> 
         log.clear()
         got = sc.get(lid, [key(i) for i in range(N)] + [key(99 + i) for i in range(4)])
         gets = [e for e in log if e[1] in ("Acquire", "out")]
-        assert gets[:3] == [("send", "Acquire", 4), ("send", "Acquire", 4), ("copy", "out", 4)], gets
+        assert gets[:3] == [("send", "Acquire", 5), ("send", "Acquire", 5), ("copy", "out", 5)], gets
         assert [bytes(g[:64]) if g is not None else None for g in got] == \
             [b[:64] for b in blocks(0, N)] + [None] * 4
         with pytest.raises(InvalidArgument, match="3 output buffers for 20 keys"):

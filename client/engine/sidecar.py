@@ -174,9 +174,9 @@ def _as_bytes(block: Any, block_bytes: int, index: int) -> np.ndarray:
 
 
 _tally = None if _cprobe is None else _cprobe.tally  # counts[m] += 1 per mask, in C
-PIPELINE_MIN_BYTES = 8 << 20  # a put of at least this much goes as a pipeline of pieces
-PIPELINE_PIECE_BYTES = 4 << 20  # ... of at least this much each
-PIPELINE_MAX_PIECES = 8
+PIPELINE_MIN_BYTES = 16 << 20  # a put of at least this much goes as a pipeline of pieces
+PIPELINE_PIECE_BYTES = 8 << 20  # ... of at least this much each
+PIPELINE_MAX_PIECES = 4
 
 
 def _pieces(n: int, nbytes: int) -> list[tuple[int, int]]:
