@@ -110,3 +110,29 @@ def test_a_pipelined_put_retried_after_a_restart_counts_each_key_once(start_daem
         assert r.stored + r.present == N and r.dropped == [] and r.durable == N, r
         assert r.present >= 2
         assert None not in sc.lookup(lid, [key(i) for i in range(N)])
+
+
+def test_the_asyncio_sidecar_pipelines_the_same(start_daemon) -> None:
+    """The same pieces through AsyncSidecar (its transport's Start and Reply steps)."""
+    import asyncio
+
+    from kvtier.client.engine.sidecar import AsyncSidecar
+
+    d = start_daemon(host_capacity="64MiB")
+
+    async def run() -> None:
+        sc = AsyncSidecar(d.socket)
+        try:
+            lid = await sc.register_layout(Layout.flat(BLOCK))
+            started: list[str] = []
+            start = sc._transport._start
+            sc._transport._start = lambda call: started.append(call.method) or start(call)
+            r = await sc.put(lid, [key(i) for i in range(N)], blocks(0, N))
+            got = await sc.get(lid, [key(i) for i in range(N)])
+            assert (r.stored, r.present, r.dropped) == (N, 0, []), r
+            assert [bytes(g[:64]) for g in got] == [b[:64] for b in blocks(0, N)]
+            assert started.count("Allocate") == 3 and started.count("Commit") == 4 and started.count("Acquire") == 3
+        finally:
+            await sc.close()
+
+    asyncio.run(run())
