@@ -9,17 +9,23 @@ caller buffers (Acquire RPC, copy out, Release RPC), and times a one-key Lookup 
 unix socket (``lookup_*``: the Lookup RPC; ``shm_lookup_*``: the same call answered from the
 shared-memory key table, the sidecar's default).
 The limit, measured in the same run: one thread copying the same total bytes between two
-prefaulted buffers (numpy, i.e. memcpy).
+prefaulted buffers (numpy, i.e. memcpy), timed batch by batch interleaved with the puts and
+the gets (each put or get of a batch is followed by a copy of the same bytes), so that load
+from other processes falls on both alike (``memcpy_gbps``; ``memcpy_after_gbps``: the best of
+three copies of the whole after the run, the 0.1 method). A put is a pipeline of pieces (the
+sidecar's): ``put_pieces`` per batch.
 
     python bench/host_tier.py [--gib 1] [--batch 64] [--block-mib 2] [--out FILE.json]
 
 Last line of stdout: one JSON object (put_gbps, get_gbps, memcpy_gbps, ratio, lookup_p50_us,
-lookup_p99_us and the parameters).
+lookup_p99_us, memcpy_after_gbps, put_pieces, put_cpu_gbps, put_client_cpu_gbps, memcpy_cpu_gbps,
+cpu_ratio (CPU time: see assemble) and the parameters).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -29,6 +35,7 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
+from kvtier.client.engine.sidecar import _pieces
 from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
 
@@ -77,33 +84,59 @@ def warm_fill(sc: Sidecar, lid: int, warm_keys: list[bytes], batch: int, blocks:
     return time.perf_counter() - t
 
 
-def timed_puts(sc: Sidecar, lid: int, keys: list[bytes], batch: int, src: list[np.ndarray]) -> float:
-    """Puts of every key in batches, each block stamped with its index; seconds inside the put calls."""
-    put_s = 0.0
+def memcpy_s(dst: np.ndarray, src: np.ndarray, cpu: list[float]) -> float:
+    """Seconds of one copy of ``src`` into ``dst`` (the limit, timed next to each batch); its
+    CPU seconds are added to ``cpu[0]``."""
+    c, t = time.process_time(), time.perf_counter()
+    np.copyto(dst, src)
+    t = time.perf_counter() - t
+    cpu[0] += time.process_time() - c
+    return t
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_puts(sc: Sidecar, lid: int, keys: list[bytes], batch: int, src: list[np.ndarray],
+               dst: np.ndarray, cpu: dict) -> tuple[float, float]:
+    """Puts of every key in batches, each block stamped with its index; seconds inside the put
+    calls, and in a memcpy of the same bytes after each (CPU seconds of both into ``cpu``)."""
+    put_s = mc_s = 0.0
+    mc_cpu = [0.0]
     for b0 in range(0, len(keys), batch):
         payload = src[(b0 // batch) % 2]
         payload[:, :8] = np.arange(b0, b0 + batch, dtype="<u8").view(np.uint8).reshape(-1, 8)
         blocks = list(payload)
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         res = sc.put(lid, keys[b0:b0 + batch], blocks)
         put_s += time.perf_counter() - t
+        cpu["put"] += time.process_time() - c
+        mc_s += memcpy_s(dst, payload, mc_cpu)
         if res.stored != batch:
             raise SystemExit(f"put stored {res.stored} of {batch}: {res}")
-    return put_s
+    cpu["memcpy"] = mc_cpu[0]
+    return put_s, mc_s
 
 
-def timed_gets(sc: Sidecar, lid: int, keys: list[bytes], batch: int, out: list[bytearray]) -> float:
-    """Gets of every key in batches into ``out``, checking the stamp; seconds inside the get calls."""
-    get_s = 0.0
+def timed_gets(sc: Sidecar, lid: int, keys: list[bytes], batch: int, out: list[bytearray],
+               src: np.ndarray, dst: np.ndarray) -> tuple[float, float]:
+    """Gets of every key in batches into ``out``, checking the stamp; seconds inside the get calls,
+    and in a memcpy of the same bytes after each."""
+    get_s = mc_s = 0.0
     for b0 in range(0, len(keys), batch):
         t = time.perf_counter()
         got = sc.get(lid, keys[b0:b0 + batch], out=out)
         get_s += time.perf_counter() - t
+        mc_s += memcpy_s(dst, src, [0.0])
         if any(g is None for g in got):
             raise SystemExit("get missed a block that was put")
         if int.from_bytes(out[-1][:8], "little") != b0 + batch - 1:
             raise SystemExit("get returned the wrong bytes")
-    return get_s
+    return get_s, mc_s
 
 
 def run_daemon(ns: argparse.Namespace, block: int, nblocks: int) -> dict:
@@ -112,6 +145,7 @@ def run_daemon(ns: argparse.Namespace, block: int, nblocks: int) -> dict:
     # distinct payloads: a pool of random batches whose first 8 bytes carry the block index
     src = [rng.integers(0, 256, (ns.batch, block), dtype=np.uint8) for _ in range(2)]
     out = [bytearray(block) for _ in range(ns.batch)]
+    dst = np.ones((ns.batch, block), dtype=np.uint8)  # prefaulted: the memcpy's destination
     keys = [i.to_bytes(8, "little") + b"kvtier-b" for i in range(nblocks)]
     warm_keys = [i.to_bytes(8, "little") + b"warm-up!" for i in range(nblocks)]
 
@@ -121,14 +155,17 @@ def run_daemon(ns: argparse.Namespace, block: int, nblocks: int) -> dict:
             with Sidecar(d.socket) as sc:
                 lid = sc.register_layout(Layout.flat(block))
                 warm_s = warm_fill(sc, lid, warm_keys, ns.batch, src[0])
-                put_s = timed_puts(sc, lid, keys, ns.batch, src)
-                get_s = timed_gets(sc, lid, keys, ns.batch, out)
+                cpu = {"put": 0.0, "daemon": proc_cpu_s(d.pid)}
+                put_s, mc_put_s = timed_puts(sc, lid, keys, ns.batch, src, dst, cpu)
+                cpu["daemon"] = proc_cpu_s(d.pid) - cpu["daemon"]
+                get_s, mc_get_s = timed_gets(sc, lid, keys, ns.batch, out, src[1], dst)
                 shm_lat = time_lookups(sc, lid, keys, ns.lookups)
             with Sidecar(d.socket, use_key_table=False) as rpc:  # one Lookup RPC over the socket
                 lat = time_lookups(rpc, rpc.register_layout(Layout.flat(block)), keys, ns.lookups)
         finally:
             d.cleanup()
-    return {"warm_s": warm_s, "put_s": put_s, "get_s": get_s, "lat": lat, "shm_lat": shm_lat}
+    return {"warm_s": warm_s, "put_s": put_s, "get_s": get_s, "lat": lat, "shm_lat": shm_lat,
+            "memcpy_s": mc_put_s + mc_get_s, "cpu": cpu}
 
 
 def assemble(ns: argparse.Namespace, block: int, nblocks: int, run: dict,
@@ -146,6 +183,15 @@ def assemble(ns: argparse.Namespace, block: int, nblocks: int, run: dict,
         "block_bytes": block, "batch": ns.batch, "blocks": nblocks, "bytes_each_way": total,
         "host_capacity": total, "lookups": ns.lookups, "memcpy_threads": 1,
         "first_fill_gbps": round(total / run["warm_s"] / 1e9, 3),
+        "memcpy_after_gbps": round(run["memcpy_after_gbps"], 3),
+        "put_pieces": len(_pieces(ns.batch, ns.batch * block)),
+        # CPU seconds, which load from other processes disturbs much less than wall time: the
+        # put's (this process, all its threads, inside the put calls, plus the daemon's over the
+        # puts) against the interleaved memcpys' of the same bytes
+        "put_cpu_gbps": round(total / (run["cpu"]["put"] + run["cpu"]["daemon"]) / 1e9, 3),
+        "put_client_cpu_gbps": round(total / run["cpu"]["put"] / 1e9, 3),
+        "memcpy_cpu_gbps": round(total / run["cpu"]["memcpy"] / 1e9, 3),
+        "cpu_ratio": round(run["cpu"]["memcpy"] / (run["cpu"]["put"] + run["cpu"]["daemon"]), 3),
     }
 
 
@@ -155,7 +201,8 @@ def main() -> None:
     nblocks = max(ns.batch, int(ns.gib * (1 << 30)) // block // ns.batch * ns.batch)
     total = nblocks * block
     run = run_daemon(ns, block, nblocks)
-    mc = memcpy_gbps(total, block)
+    run["memcpy_after_gbps"] = memcpy_gbps(total, block)
+    mc = 2 * total / run["memcpy_s"] / 1e9
     put_gbps, get_gbps = total / run["put_s"] / 1e9, total / run["get_s"] / 1e9
     result = assemble(ns, block, nblocks, run, (put_gbps, get_gbps, mc))
     print(f"put {put_gbps:.2f} GB/s, get {get_gbps:.2f} GB/s, memcpy {mc:.2f} GB/s "

@@ -26,7 +26,9 @@ Memory: ``--daemon-blocks`` x 4 KiB of tmpfs plus the daemon's index (the JSON r
 daemon's RSS) and the table (40 B a slot, about 2.1 slots a key).
 
 Last line of stdout: one JSON object: shm_1key_p50_us, shm_128keys_p99_us, rpc_1key_p50_us,
-rpc_128keys_p99_us, grpc_echo_p50_us, their other percentiles, the ratio of the RPC lookup to
+rpc_128keys_p99_us, grpc_echo_p50_us, their other percentiles, ``shm_1key_cpu_us`` and
+``shm_128keys_cpu_us`` (this process's CPU time per lookup, over a second pass: less disturbed
+by load than the percentiles), ``probe`` (``--probe``: compiled or numpy), the ratio of the RPC lookup to
 the echo, ``daemon_bytes_per_block`` (the daemon's private memory, RssAnon, from its start to
 holding the blocks, per block held: the pool and the key table are tmpfs files and not in it),
 and the parameters.
@@ -52,6 +54,7 @@ from _report import emit  # bench/_report.py (scripts run from bench/)
 from kvtier.client import Sidecar
 from kvtier.client.testing.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
 from kvtier.proto import node_pb2
+from kvtier.tiers import keytable
 from kvtier.tiers.keytable import KeyTableReader, KeyTableWriter
 from kvtier.tiers.layout import Layout
 
@@ -88,6 +91,15 @@ def timed(fn: Callable[[int], object], n: int, warmup: int = 200) -> np.ndarray:
         fn(i)
         out[i] = clock() - t
     return out / 1e3
+
+
+def cpu_per_call(fn: Callable[[int], object], n: int) -> float:
+    """CPU time of this process per call of ``fn(i)`` (us): load from other processes inflates
+    it much less than wall time."""
+    t = time.process_time()
+    for i in range(n):
+        fn(i)
+    return round((time.process_time() - t) / n * 1e6, 2)
 
 
 def pct(lat: np.ndarray, q: float) -> float:
@@ -159,6 +171,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--n128", type=int, default=5000, help="128-key prefix lookups to time (table)")
     ap.add_argument("--nrpc", type=int, default=3000, help="lookups to time per RPC series and echo")
     ap.add_argument("--batch", type=int, default=8192, help="blocks per put while filling")
+    ap.add_argument("--probe", choices=("compiled", "numpy"), default="compiled" if keytable.COMPILED else "numpy",
+                    help="the key-table probe the readers use (default: the compiled one when it is built)")
     ap.add_argument("--out", help="also write the JSON here")
     return ap.parse_args()
 
@@ -195,13 +209,15 @@ def daemon_series(ns: argparse.Namespace, daemon: DaemonProcess, echo_path: str,
         assert rpc.prefix_length(rid, held[starts[0]:starts[0] + 128]) == (128, 128)
         shm1 = timed(lambda i: sc.lookup(lid, one[i]), ns.n1)
         shm128 = timed(lambda i: sc.prefix_length(lid, held[starts[i]:starts[i] + 128]), ns.n128)
+        cpu1 = cpu_per_call(lambda i: sc.lookup(lid, one[i]), ns.n1)
+        cpu128 = cpu_per_call(lambda i: sc.prefix_length(lid, held[starts[i]:starts[i] + 128]), ns.n128)
         series = rpc_against_echo(rpc, rid, held, one, starts, echo_path, ns.nrpc)
         assert sc._info(lid).table is table, "the sidecar fell back to RPC during the run"
         daemon_rss = rss_bytes(daemon.pid)
         daemon_private = rss_bytes(daemon.pid, "RssAnon")  # without the pool pages it has touched
         pool_bytes = tmpfs_bytes([os.path.join(daemon.shm_dir, f) for f in os.listdir(daemon.shm_dir)
                                   if f.endswith(".pool")])
-        return {"shm1": shm1, "shm128": shm128, **series, "fill_s": fill_s, "daemon_rss": daemon_rss,
+        return {"shm1": shm1, "shm128": shm128, "cpu1": cpu1, "cpu128": cpu128, **series, "fill_s": fill_s, "daemon_rss": daemon_rss,
                 "daemon_private": daemon_private, "daemon_private_before": private_before,
                 "pool_bytes": pool_bytes, "table_slots": table.nslots}
 
@@ -212,6 +228,7 @@ def assemble(ns: argparse.Namespace, blocks: int, m: dict, extra: dict) -> dict:
     return {
         "shm_1key_p50_us": pct(shm1, 50), "shm_1key_p99_us": pct(shm1, 99),
         "shm_128keys_p50_us": pct(shm128, 50), "shm_128keys_p99_us": pct(shm128, 99),
+        "shm_1key_cpu_us": m["cpu1"], "shm_128keys_cpu_us": m["cpu128"], "probe": ns.probe,
         "rpc_1key_p50_us": pct(rpc1, 50), "rpc_1key_p99_us": pct(rpc1, 99),
         "rpc_128keys_p50_us": pct(rpc128, 50), "rpc_128keys_p99_us": pct(rpc128, 99),
         "grpc_echo_p50_us": pct(echo, 50), "grpc_echo_p99_us": pct(echo, 99),
@@ -230,6 +247,9 @@ def assemble(ns: argparse.Namespace, blocks: int, m: dict, extra: dict) -> dict:
 
 def main() -> None:
     ns = parse_args()
+    if ns.probe == "compiled" and keytable._cprobe is None:
+        raise SystemExit("--probe compiled: the compiled probe is not built (pip install the project)")
+    keytable.COMPILED = ns.probe == "compiled"  # the readers the sidecars open take this default
     blocks = ns.daemon_blocks or ns.keys
     rng = random.Random(0)
     keys = [rng.randbytes(16) for _ in range(max(ns.keys, blocks))]

@@ -29,6 +29,7 @@ from kvtier.client import InvalidArgument, KvtierError, Sidecar
 from kvtier.client.engine.sidecar import AsyncSidecar
 from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.tiers.keytable import (
+    COMPILED,
     SPIN_LIMIT_S,
     TIER_BITS,
     KeyTableReader,
@@ -231,14 +232,16 @@ _RACE_WRITER = textwrap.dedent("""
 """)
 
 
-def test_reader_racing_a_writer_process_never_sees_a_wrong_tier_or_torn_key(tmp_path) -> None:
+@pytest.mark.parametrize("compiled", [pytest.param(True, marks=pytest.mark.skipif(
+    not COMPILED, reason="the compiled probe is not built")), False], ids=["compiled", "numpy"])
+def test_reader_racing_a_writer_process_never_sees_a_wrong_tier_or_torn_key(tmp_path, compiled) -> None:
     shm = os.path.join("/dev/shm", f"kvtier-kt-race-{os.getpid()}")
     os.makedirs(shm, exist_ok=True)
     path = os.path.join(shm, "race.keys")
     proc = subprocess.Popen([sys.executable, "-c", _RACE_WRITER, path, "4"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        r = KeyTableReader(path)
+        r = KeyTableReader(path, compiled=compiled)
         fp = bytes(range(16))
         stable = [b"stable" + i.to_bytes(10, "little") for i in range(64)]
         gpu_only = [b"gpu-only" + i.to_bytes(8, "little") for i in range(300)]

@@ -62,9 +62,14 @@ Contract
       before the caller acts on it. Acquire answers such a key as a miss; nothing ever
       reads a slot's bytes from this table.
 
-Probes are vectorised over the batch of keys (numpy; no Python loop per key). A batch of
-one key takes a scalar path that computes the same hash in Python integers: it is faster
-than a dozen numpy calls on one-element arrays.
+A reader probes with the compiled probe (``tiers/_probe.c``, the extension
+``kvtier.tiers._probe`` that ``pip install`` builds): the same hash, slots and protocol in C,
+one call per batch (hash every key, prefetch its home slot, then walk each run), without
+numpy's per-call overhead. Where it is absent (no compiler at install) the reader probes with
+numpy, with the same answers: vectorised over the batch of keys (no Python loop per key); a
+batch of one key takes a scalar path that computes the same hash in Python integers. The
+writer always uses numpy. Both readers follow the same protocol: a batch is probed unchecked
+between two reads of the generation, then checked when they differ; one key is probed checked.
 """
 
 from __future__ import annotations
@@ -128,6 +133,16 @@ _KEY_WORDS = struct.Struct("<4Q")
 
 # fastest tier of each bit set: index into TIER_ORDER, or -1
 _FASTEST = np.array([-1 if m == 0 else (m & -m).bit_length() - 1 for m in range(8)], dtype=np.int8)
+
+
+try:  # the compiled probe (tiers/_probe.c, built by pip install); None: probe with numpy
+    from kvtier.tiers import _probe as _cprobe
+except ImportError:  # pragma: no cover - an install without a C compiler
+    _cprobe = None
+
+#: whether readers probe with the compiled probe by default
+COMPILED = _cprobe is not None
+_SPIN_LIMIT_NS = int(SPIN_LIMIT_S * 1e9)
 
 
 class KeyTableError(Exception):
@@ -277,6 +292,23 @@ class _Mapping:
                 return tiers, False
         return self.probe(tag, words, lens, checked=True, want_slots=False, deadline=deadline)[1], True
 
+    def read_compiled(self, tag: int, keys: Sequence[bytes]) -> tuple[np.ndarray, bool]:
+        """:meth:`read` (and :meth:`probe_one` for one key) with the compiled probe: the same
+        protocol, and the same ``probed`` seam between the optimistic probe and its re-check."""
+        out = np.empty(len(keys), dtype=np.uint8)
+        mm, shift = self.mm, self.shift
+        if len(keys) > 1:
+            gen = _cprobe.generation(mm)
+            if not gen & 1:
+                _cprobe.probe(mm, shift, tag, keys, out, False, 0)
+                if self.probed is not None:
+                    self.probed()
+                if _cprobe.generation(mm) == gen:
+                    return out, False
+        if _cprobe.probe(mm, shift, tag, keys, out, True, _SPIN_LIMIT_NS):
+            raise TableUnavailable("a key table slot stayed mid-update; the daemon may be stopped")
+        return out, len(keys) > 1
+
     def probe_one(self, tag: int, key: bytes) -> int:
         """The tiers of one key: the scalar probe (same hash and slots, per-slot seqlock)."""
         klen = len(key)
@@ -374,8 +406,12 @@ class KeyTableReader:
     """A client's read-only view of a daemon's key table (see the module docstring)."""
 
     def __init__(self, path: str, stale_ns: int = STALE_NS, opener: Callable[[str], int] | None = None,
-                 alive: Callable[[], bool] | None = None) -> None:
+                 alive: Callable[[], bool] | None = None, compiled: bool | None = None) -> None:
         self.path = path
+        # probe with the compiled probe (None: when it is built); False: with numpy
+        if compiled and _cprobe is None:
+            raise ImportError("the compiled key-table probe (kvtier.tiers._probe) is not built")
+        self.compiled = COMPILED if compiled is None else compiled
         self.stale_ns = stale_ns
         # a heartbeat older than stale_ns means the writer is gone only if ``alive()`` (e.g. the
         # caller's session stream to that daemon is still open) says so too: a daemon whose
@@ -464,6 +500,9 @@ class KeyTableReader:
                 out = np.zeros(len(keys), dtype=np.uint8)
                 if keys:
                     key_words(keys)  # same argument errors as a real probe
+            elif self.compiled:
+                out, rechecked = m.read_compiled(tag, keys)
+                self.rechecked += rechecked
             elif len(keys) == 1:
                 out = np.array([m.probe_one(tag, bytes(keys[0]))], dtype=np.uint8)
             else:
@@ -484,6 +523,8 @@ class KeyTableReader:
 
 def prefix_lengths(masks: np.ndarray) -> tuple[int, int]:
     """From per-key tier bit sets: (leading run with a gpu or host bit, leading run with any bit)."""
+    if _cprobe is not None and masks.dtype == np.uint8 and masks.flags.c_contiguous:
+        return _cprobe.prefix(masks, FAST_BITS)
     fast = (masks & FAST_BITS) == 0
     anyt = masks == 0
     n = len(masks)

@@ -102,6 +102,8 @@ from kvtier.client.engine.transport import (
     KvtierError,
     Locked,
     Op,
+    Reply,
+    Start,
     Transport,
     Unavailable,
     one_call,
@@ -118,6 +120,7 @@ from kvtier.tiers.keytable import (
     prefix_lengths,
     tier_names,
 )
+from kvtier.tiers.keytable import _cprobe as _cprobe
 from kvtier.tiers.layout import Layout, layout_to_proto
 from kvtier.tiers.lookup_counts import MASKS, CountsWriter, by_tier
 from kvtier.tiers.vocab import TIERS
@@ -168,6 +171,29 @@ def _as_bytes(block: Any, block_bytes: int, index: int) -> np.ndarray:
     if arr.size != block_bytes:
         raise InvalidArgument(f"block {index} is {arr.size} bytes; this layout's blocks are {block_bytes} bytes")
     return arr
+
+
+_tally = None if _cprobe is None else _cprobe.tally  # counts[m] += 1 per mask, in C
+PIPELINE_MIN_BYTES = 16 << 20  # a put of at least this much goes as a pipeline of pieces
+PIPELINE_PIECE_BYTES = 8 << 20  # ... of at least this much each
+PIPELINE_MAX_PIECES = 4
+
+
+def _pieces(n: int, nbytes: int) -> list[tuple[int, int]]:
+    """A put of ``n`` blocks (``nbytes`` in all) as pieces ``[lo, hi)``: one below
+    ``PIPELINE_MIN_BYTES``, else up to ``PIPELINE_MAX_PIECES`` of ``PIPELINE_PIECE_BYTES`` or more."""
+    k = 1 if nbytes < PIPELINE_MIN_BYTES else max(1, min(PIPELINE_MAX_PIECES, n, nbytes // PIPELINE_PIECE_BYTES))
+    bounds = [n * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _check_distinct(keys: list[bytes], pieces: list[tuple[int, int]]) -> None:
+    """A batch sent as several pieces is refused, before any call, for a repeated key, as the
+    daemon refuses one sent whole (each piece alone would not show it)."""
+    if len(pieces) > 1 and len(set(keys)) != len(keys):
+        seen: set[bytes] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))
+        raise InvalidArgument(f"key {dup.hex()} appears more than once in one batch; send each key once")
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -315,23 +341,73 @@ class _SidecarCore:
         return (yield from self._recovering(lambda: self._put_once(info, keys, arrs, durable)))
 
     def _put_once(self, info: _LayoutInfo, keys: list[bytes], arrs: list[np.ndarray], durable: bool) -> Op[PutResult]:
+        """Allocate, write, commit; a big put as a pipeline of pieces (:func:`_pieces`): the
+        Allocate of piece i+1 is in flight while piece i is copied, and the Commit of piece i
+        (the daemon checksums it) while piece i+1 is copied. Returns once every piece is
+        committed; a piece's refusal or error is its keys' alone (dropped), a failed call raises."""
         result = PutResult()
         yield SETTLE
         sid = yield from self._bound_session()
-        reply = yield Call("node", "Allocate", node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                        keys=keys, durable=durable))
+        pieces = _pieces(len(keys), len(keys) * (info.block_bytes or info.layout.block_bytes))
+        _check_distinct(keys, pieces)
+
+        def allocate(lo: int, hi: int) -> Call:
+            return Call("node", "Allocate", node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
+                                                                     keys=keys[lo:hi], durable=durable))
+
+        commits: list[Any] = []  # handles of the Commits in flight
+        nxt: Any = None          # the handle of the next piece's Allocate in flight
+        reply: Any = None
         try:
-            gids = self._write(info, reply, keys, arrs, result)
+            reply = yield allocate(*pieces[0])
+            for i, (lo, hi) in enumerate(pieces):
+                if i + 1 < len(pieces):
+                    nxt = yield Start(allocate(*pieces[i + 1]))
+                gids = self._write(info, reply, keys[lo:hi], arrs[lo:hi], result)
+                reply = None  # written: its grants are the Commit's now
+                if gids:
+                    commit = Call("node", "Commit", node_pb2.CommitRequest(session_id=sid, grant_ids=gids,
+                                                                           durable=durable))
+                    if len(pieces) == 1:  # nothing to overlap it with: a plain call
+                        result.durable += (yield commit).durable
+                    else:
+                        commits.append((yield Start(commit)))
+                    result.stored += len(gids)
+                if nxt is not None:
+                    reply, nxt = (yield Reply(nxt)), None
+            while commits:
+                result.durable += (yield Reply(commits.pop(0))).durable
         except BaseException:
-            aborts = [g.grant_id for g in reply.grants if g.status == node_pb2.GRANTED]
-            yield Call("node", "Commit", node_pb2.CommitRequest(session_id=sid, abort_grant_ids=aborts))
+            yield from self._abandon(sid, reply, nxt, commits)
             raise
-        if gids:
-            committed = yield Call("node", "Commit", node_pb2.CommitRequest(session_id=sid, grant_ids=gids,
-                                                                            durable=durable))
-            result.durable += committed.durable
-        result.stored = len(gids)
         return result
+
+    def _abandon(self, sid: int, reply: Any, nxt: Any, commits: list[Any]) -> Op[None]:
+        """A put failed: wait for the calls in flight (their outcome no longer matters) and
+        abort the grants not committed: the piece being written and the next piece's."""
+        for handle in commits:
+            try:
+                yield Reply(handle)
+            except KvtierError:
+                pass
+        if nxt is not None:
+            try:
+                got = yield Reply(nxt)
+            except KvtierError:
+                got = None
+            if got is not None:
+                yield from self._abort(sid, got)
+        if reply is not None:
+            yield from self._abort(sid, reply)
+
+    @staticmethod
+    def _abort(sid: int, reply: node_pb2.AllocateReply) -> Op[None]:
+        aborts = [g.grant_id for g in reply.grants if g.status == node_pb2.GRANTED]
+        if aborts:
+            try:
+                yield Call("node", "Commit", node_pb2.CommitRequest(session_id=sid, abort_grant_ids=aborts))
+            except KvtierError:
+                pass  # the session is gone with its grants, or the daemon reclaims them at its end
 
     def _get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None,
              verify: bool = False) -> Op[list[memoryview | None]]:
@@ -340,17 +416,48 @@ class _SidecarCore:
 
     def _get_once(self, info: _LayoutInfo, keys: list[bytes], out: Sequence[Any] | None,
                   verify: bool = False) -> Op[list[memoryview | None]]:
+        """Acquire, copy out, release; a big get as a pipeline of pieces (:func:`_pieces`): the
+        Acquire of piece i+1 is in flight while piece i is copied out."""
+        if out is not None and len(out) != len(keys):
+            raise InvalidArgument(f"{len(out)} output buffers for {len(keys)} keys")
         yield SETTLE
         sid = yield from self._bound_session()
-        reply = yield Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                      keys=keys, verify=verify))
+        pieces = _pieces(len(keys), len(keys) * (info.block_bytes or info.layout.block_bytes))
+        _check_distinct(keys, pieces)
+
+        def acquire(lo: int, hi: int) -> Call:
+            return Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
+                                                                   keys=keys[lo:hi], verify=verify))
+
+        got: list[memoryview | None] = []
+        nxt: Any = None  # the handle of the next piece's Acquire in flight
+        reply = yield acquire(*pieces[0])
         try:
-            return self._read(info, reply, out)
-        finally:
-            held = [lease.lease_id for lease in reply.leases if lease.lease_id]
-            if held:  # copied out: released in the background (module docstring)
-                yield Background(Call("node", "Release", node_pb2.ReleaseRequest(session_id=sid, lease_ids=held)),
-                                 settle=True)
+            for i, (lo, hi) in enumerate(pieces):
+                if i + 1 < len(pieces):
+                    nxt = yield Start(acquire(*pieces[i + 1]))
+                try:
+                    got += self._read(info, reply, None if out is None else out[lo:hi])
+                finally:
+                    yield from self._release(sid, reply)  # copied out (or failed): in the background
+                if nxt is not None:
+                    reply, nxt = (yield Reply(nxt)), None
+        except BaseException:
+            if nxt is not None:  # its pins go too
+                try:
+                    yield from self._release(sid, (yield Reply(nxt)))
+                except KvtierError:
+                    pass
+            raise
+        return got
+
+    @staticmethod
+    def _release(sid: int, reply: node_pb2.AcquireReply) -> Op[None]:
+        """Release an Acquire's leases in the background (module docstring)."""
+        held = [lease.lease_id for lease in reply.leases if lease.lease_id]
+        if held:
+            yield Background(Call("node", "Release", node_pb2.ReleaseRequest(session_id=sid, lease_ids=held)),
+                             settle=True)
 
     def _lookup(self, layout_id: int, keys: Sequence[bytes]) -> Op[list[str | None]]:
         info, keys = self._info(layout_id), _check_keys(keys)
@@ -553,6 +660,11 @@ class _SidecarCore:
         info = self._layouts.get(layout_id)
         if info is None or info.table is None or time.monotonic() >= self._report_at or not self._vouched(info):
             return None
+        if info.table.compiled:  # it checks each key's type itself: no pass over the keys here
+            try:
+                return self._table_masks(info, keys)
+            except (TypeError, BufferError):
+                pass  # not bytes: _check_keys names the key
         return self._table_masks(info, _check_keys(keys))
 
     def _vouched(self, info: _LayoutInfo) -> bool:
@@ -615,6 +727,8 @@ class _SidecarCore:
             return None
         if len(masks) == 1:
             info.table_counts[masks[0]] += 1
+        elif _tally is not None:
+            _tally(masks, info.table_counts)
         else:
             info.table_counts += np.bincount(masks, minlength=MASKS).view(np.uint64)
         return masks

@@ -717,10 +717,25 @@ class Locked:
     op: Generator
 
 
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Send ``call`` now without waiting; the step's result is a handle for :class:`Reply`
+    (wait for each: an abandoned call is cancelled when its handle goes)."""
+
+    call: Call
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Wait for a call :class:`Start` sent; its reply (or its error)."""
+
+    handle: Any
+
+
 SESSION = "session"
 SETTLE = "settle"
 
-Step = Call | Background | Locked | str
+Step = Call | Background | Locked | Start | Reply | str
 Op = Generator[Step, Any, T]
 
 
@@ -868,6 +883,10 @@ class _Transport:
             return None
         if type(step) is Locked:
             return await self._locked(step.op)
+        if type(step) is Start:
+            return step.call, self._start(step.call)
+        if type(step) is Reply:
+            return await self._reply_of(*step.handle)
         raise TypeError(f"not a transport step: {step!r}")
 
     async def _settle(self) -> None:
@@ -882,6 +901,16 @@ class _Transport:
     def _forget(self, handle: Any) -> None:
         self._background.discard(handle)
 
+    async def _reply_of(self, call: Call, handle: Any) -> Any:
+        """The reply of a call :class:`Start` sent; refused UNAUTHENTICATED (a restarted daemon:
+        refused before it acted) it is sent again once the hand-shake is renewed, as in ``_unary``."""
+        try:
+            return await self._reply(handle)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED or not self.identity.refresh():
+                raise
+        return await self._unary(call)
+
     async def _unary(self, call: Call) -> Any:
         raise NotImplementedError
 
@@ -892,6 +921,9 @@ class _Transport:
         raise NotImplementedError
 
     async def _locked(self, op: Generator) -> Any:
+        raise NotImplementedError
+
+    async def _reply(self, handle: Any) -> Any:
         raise NotImplementedError
 
     def _start(self, call: Call) -> Any:
@@ -953,6 +985,9 @@ class Transport(_Transport):
     async def _wait(self, handle: Any) -> None:
         handle.result()
 
+    async def _reply(self, handle: Any) -> Any:
+        return handle.result()
+
     async def _locked(self, op: Generator) -> Any:
         with self._lock:
             return await self._complete(op)
@@ -1004,6 +1039,9 @@ class AsyncTransport(_Transport):
     async def _wait(self, handle: Any) -> None:
         if not handle.cancelled():
             await handle
+
+    async def _reply(self, handle: Any) -> Any:
+        return await handle
 
     async def _locked(self, op: Generator) -> Any:
         async with self._lock:

@@ -1,0 +1,166 @@
+"""The compiled key-table probe (tiers/_probe.c) against the numpy probe it replaces: built by the
+install, the same answers on random tables (tags, key lengths, tombstones, first-word twins, long
+runs), the same protocol (a write between a batched probe and its generation re-check forces the
+checked probe; a slot left mid-update gives up after the spin limit), and the same errors.
+(The reader racing a writer process runs for both probes in tests/test_keytable.py.)"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.tiers import keytable
+from kvtier.tiers.keytable import (
+    FAST_BITS,
+    TIER_BITS,
+    KeyTableReader,
+    KeyTableWriter,
+    TableUnavailable,
+    prefix_lengths,
+)
+
+FP_A, FP_B = bytes(range(16)), bytes(15) + b"\x01"
+needs_c = pytest.mark.skipif(keytable._cprobe is None, reason="the compiled probe is not built")
+
+
+@pytest.fixture
+def shm(tmp_path):
+    d = os.path.join("/dev/shm", f"kvtier-probe-test-{os.getpid()}-{tmp_path.name}")
+    os.makedirs(d)
+    yield d
+    for name in os.listdir(d):
+        os.unlink(os.path.join(d, name))
+    os.rmdir(d)
+
+
+def test_the_install_built_the_compiled_probe() -> None:
+    """pip install (editable too) compiles tiers/_probe.c; CI installs the headers it needs (.ci/run).
+    Readers use it by default."""
+    assert keytable._cprobe is not None, "kvtier.tiers._probe is missing: the install did not build tiers/_probe.c"
+    assert keytable.COMPILED
+
+
+def _readers(path: str) -> tuple[KeyTableReader, KeyTableReader]:
+    return KeyTableReader(path, compiled=True), KeyTableReader(path, compiled=False)
+
+
+@needs_c
+def test_compiled_and_numpy_probes_agree_on_random_tables(shm) -> None:
+    rng = random.Random(15)
+    w = KeyTableWriter(os.path.join(shm, "t.keys"), nslots=16)
+    cr, nr = _readers(w.path)
+    try:
+        lengths = (8, 9, 16, 20, 31, 32)
+        universe = [rng.randbytes(rng.choice(lengths)) for _ in range(3000)]
+        universe += [b"samefirst" + i.to_bytes(rng.choice((7, 12)), "little") for i in range(200)]  # first-word twins
+        # keys alike but for their last word (24 and 32 bytes), and for their length alone (zero padding)
+        universe += [b"t" * 24 + i.to_bytes(8, "little") for i in range(400)] + [b"u" * 16 + bytes([i]) for i in range(200)]
+        universe += [b"v" * 8 + bytes(n) for n in range(0, 25)]
+        tiers = list(TIER_BITS)
+        for step in range(40):  # sets and clears make tombstones; growth and compaction rebuild
+            fp = FP_A if step % 3 else FP_B
+            w.set(fp, rng.sample(universe, 300), rng.choice(tiers))
+            w.clear(fp, rng.sample(universe, 200), rng.choice(tiers))
+            if step == 25:
+                w.compact()
+            for fp in (FP_A, FP_B, bytes(16)):  # bytes(16): a layout the table does not know
+                batch = rng.sample(universe, rng.choice((1, 2, 7, 128, 700)))
+                want = w.masks(fp, batch)
+                assert (cr.masks(fp, batch) == want).all() and (nr.masks(fp, batch) == want).all()
+                assert cr.prefix_length(fp, batch) == nr.prefix_length(fp, batch)
+        assert w.tombstones > 0 and w.rebuilds > 0
+        assert int((w.masks(FP_A, universe) != 0).sum()) > 300  # a real mix of held and not
+    finally:
+        cr.close()
+        nr.close()
+        w.close()
+
+
+def test_compiled_prefix_lengths_match_numpy() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        masks = rng.choice(np.array([0, 1, 2, 3, 4, 6], dtype=np.uint8), size=int(rng.integers(0, 12)),
+                           p=[0.1, 0.2, 0.3, 0.1, 0.2, 0.1])
+        fast, anyt = (masks & FAST_BITS) == 0, masks == 0
+        n = len(masks)
+        want = (int(fast.argmax()) if fast.any() else n, int(anyt.argmax()) if anyt.any() else n)
+        assert prefix_lengths(masks) == want, masks
+
+
+@needs_c
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_a_write_between_the_batched_probe_and_its_recheck_forces_the_checked_probe(shm, compiled) -> None:
+    """The seam ``_Mapping.probed`` runs between the optimistic probe and the generation re-check
+    on both paths: a write landed there sends the batch through the per-slot checks."""
+    w = KeyTableWriter(os.path.join(shm, "t.keys"), nslots=16)
+    r = KeyTableReader(w.path, compiled=compiled)
+    try:
+        rng = random.Random(4)
+        keys = [rng.randbytes(16) for _ in range(6)]
+        w.set(FP_A, keys, "host")
+        m, landed = r._map, []
+
+        def write_now() -> None:
+            if not landed:
+                landed.append(m.generation())
+                w.clear(FP_A, keys[2:4], "host")
+                w.set(FP_A, keys[2:4], "disk")
+
+        m.probed = write_now
+        got = r.masks(FP_A, keys)
+        m.probed = None
+        assert landed and r.rechecked == 1
+        host, disk = TIER_BITS["host"], TIER_BITS["disk"]
+        assert got.tolist() == [host, host, disk, disk, host, host]
+        assert (r.masks(FP_A, keys) == got).all() and r.rechecked == 1  # no write: no re-check
+    finally:
+        r.close()
+        w.close()
+
+
+@needs_c
+@pytest.mark.parametrize("batch", [1, 5], ids=["one-key", "batch"])
+def test_a_slot_left_mid_update_gives_up_after_the_spin_limit(shm, batch) -> None:
+    """A writer stopped between its seq stores (odd seq, odd generation): the compiled probe
+    spins on that slot for SPIN_LIMIT_S, then the table is unavailable (the caller asks the daemon)."""
+    w = KeyTableWriter(os.path.join(shm, "t.keys"), nslots=16)
+    r = KeyTableReader(w.path, compiled=True)
+    try:
+        keys = [bytes([i]) * 16 for i in range(batch)]
+        w.set(FP_A, keys, "host")
+        slot = w._map.probe(w.tag(FP_A), *keytable.key_words(keys[:1]), checked=False)[0][0]
+        w._begin(w._map)
+        w._map.seq[slot] += 1  # mid-update, and stays so
+        t = time.monotonic()
+        with pytest.raises(TableUnavailable, match="mid-update"):
+            r.masks(FP_A, keys)
+        assert keytable.SPIN_LIMIT_S <= time.monotonic() - t < 5
+        w._map.seq[slot] += 1
+        w._end(w._map)
+        assert r.masks(FP_A, keys).tolist() == [TIER_BITS["host"]] * batch
+    finally:
+        r.close()
+        w.close()
+
+
+@needs_c
+def test_compiled_probe_refuses_what_the_numpy_probe_refuses(shm) -> None:
+    w = KeyTableWriter(os.path.join(shm, "t.keys"), nslots=16)
+    cr, nr = _readers(w.path)
+    try:
+        w.set(FP_A, [b"k" * 16], "host")
+        for bad in ([b"short"], [b"k" * 16, b"x" * 33]):
+            for r in (cr, nr):
+                with pytest.raises(ValueError, match=r"key \d+ is \d+ bytes; keys are 8 to 32 bytes"):
+                    r.masks(FP_A, bad)
+        with pytest.raises(TypeError):
+            cr.masks(FP_A, [b"k" * 16, "a str key of 16b"])
+        assert cr.masks(FP_A, [bytearray(b"k" * 16), memoryview(b"k" * 16)]).tolist() == [TIER_BITS["host"]] * 2
+    finally:
+        cr.close()
+        nr.close()
+        w.close()
