@@ -396,7 +396,7 @@ class BlockStore:
     async def _verify_host(self, held: list[HostEntry]) -> None:
         """Drop the host blocks (pinned by the caller) whose payload changed since their commit."""
         bad = await self.host.verify(list({id(e): e for e in held}.values()))
-        bad = [e for e in bad if self.host.get(e.bkey) is e]  # (not replaced while hashed)
+        bad = [e for e in bad if self.host.get(e.bkey) == e]  # (not replaced while hashed)
         if not bad:
             return
         self.counters.add(Count.CHECKSUM_FAILURES, len(bad))

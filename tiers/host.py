@@ -60,6 +60,7 @@ threads while the caller awaits.
 from __future__ import annotations
 
 import asyncio
+import array
 import ctypes
 import ctypes.util
 import errno
@@ -233,7 +234,12 @@ class SizeClass:
     # each slot's payload checksum (HostEntry.checksum; np.zeros, as gens) and the checksum
     # tasks of large commits in flight (HostEntry.sealing)
     sums: np.ndarray = field(default=None)  # type: ignore[assignment]
-    sealing: dict[HostEntry, asyncio.Task] = field(default_factory=dict)
+    sealing: dict[int, asyncio.Task] = field(default_factory=dict)  # by the entry's slot << 32 | gen
+    # the state (HostEntry flags and pins) and block bytes of each slot whose entry is held in
+    # the tier (committed: visible, or removed while pinned); 4 B each a slot
+    states: array.array = field(default=None)  # type: ignore[assignment]
+    sizes: array.array = field(default=None)   # type: ignore[assignment]
+    index: int = 0                             # the class's number in its HostTier (HostTier.entries' values)
     view: memoryview | None = None          # the daemon's read-only mapping (for checksums)
     _mm: mmap.mmap | None = None
 
@@ -242,6 +248,10 @@ class SizeClass:
             self.gens = np.zeros(self.nslots, dtype=np.uint32)
         if self.sums is None:
             self.sums = np.zeros(self.nslots, dtype=np.uint64)
+        if self.states is None:
+            self.states = array.array("I", bytes(4 * self.nslots))
+        if self.sizes is None:
+            self.sizes = array.array("I", bytes(4 * self.nslots))
 
     def bump(self, slot: int) -> int:
         """The slot changes hands: its new generation."""
@@ -285,15 +295,20 @@ _VISIBLE, _REMOVED, _SUMMED, _PIN = 1, 2, 4, 8  # HostEntry._state: flags, then 
 class HostEntry:
     """A block in the host tier (``bkey`` = layout fingerprint + key).
 
-    Compact (issue 15: a million held blocks cost the daemon about 160 bytes each as a plain
-    dataclass): ``__slots__``; slot and generation share one int (``_sg``); pins, ``visible``,
-    ``removed`` share another (small ints are shared objects); the checksum lives in the size
-    class's per-slot array (:attr:`SizeClass.sums`, valid while this entry's ``_SUMMED`` bit
-    is set: nobody writes a slot's checksum between its victim's eviction and its
-    ``finish_eviction``), and the checksum task of a large commit in :attr:`SizeClass.sealing`.
-    The attributes read and write as the dataclass's did."""
+    Compact (issue 15 item 5): the tier does not keep these objects. What it holds of a
+    committed entry is one small int in :attr:`HostTier.entries` (size class number and slot),
+    the state (flags and pins) and block bytes in its size class's per-slot arrays
+    (:attr:`SizeClass.states`, :attr:`SizeClass.sizes`), the checksum in :attr:`SizeClass.sums`
+    (valid while the ``_SUMMED`` bit is set: nobody writes a slot's checksum between its
+    victim's eviction and its ``finish_eviction``) and a large commit's checksum task in
+    :attr:`SizeClass.sealing`. :meth:`HostTier.get` makes an entry object on demand, a *view*
+    of those arrays: views of one held entry share its pins and flags, and compare equal
+    (same class, slot and generation), not identical. A grant (not committed yet) and an entry
+    the tier gave up (a victim, a removed unpinned entry) keep their own state (``_st`` >= 0);
+    a held one's is in the arrays (``_st`` = -1). The attributes read and write as the
+    former dataclass's did."""
 
-    __slots__ = ("bkey", "cls", "_sg", "block_bytes", "_state")
+    __slots__ = ("bkey", "cls", "_sg", "block_bytes", "_st")
 
     def __init__(self, bkey: bytes, cls: SizeClass, slot: int, block_bytes: int, visible: bool = False,
                  pins: int = 0, removed: bool = False, gen: int = 0, checksum: int | None = None) -> None:
@@ -301,9 +316,39 @@ class HostEntry:
         self.cls = cls
         self._sg = slot << 32 | gen
         self.block_bytes = block_bytes
-        self._state = (_VISIBLE if visible else 0) | (_REMOVED if removed else 0) | pins * _PIN
+        self._st = (_VISIBLE if visible else 0) | (_REMOVED if removed else 0) | pins * _PIN
         if checksum is not None:
             self.checksum = checksum
+
+    @property
+    def _state(self) -> int:
+        st = self._st
+        return self.cls.states[self._sg >> 32] if st < 0 else st
+
+    @_state.setter
+    def _state(self, v: int) -> None:
+        if self._st < 0:
+            self.cls.states[self._sg >> 32] = v
+        else:
+            self._st = v
+
+    def _attach(self) -> None:
+        """The tier holds this entry now: its state goes to the class's arrays."""
+        slot = self._sg >> 32
+        self.cls.states[slot] = self._st
+        self.cls.sizes[slot] = self.block_bytes
+        self._st = -1
+
+    def _detach(self) -> None:
+        """The tier gives this entry up: it keeps a copy of its state."""
+        if self._st < 0:
+            self._st = self.cls.states[self._sg >> 32]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HostEntry) and self.cls is other.cls and self._sg == other._sg
+
+    def __hash__(self) -> int:
+        return hash((id(self.cls), self._sg))
 
     def __repr__(self) -> str:
         return (f"HostEntry(bkey={self.bkey!r}, slot={self.slot}, block_bytes={self.block_bytes}, "
@@ -360,14 +405,14 @@ class HostEntry:
     @property
     def sealing(self) -> asyncio.Task | None:
         """The checksum being taken (large commits): await it."""
-        return self.cls.sealing.get(self)
+        return self.cls.sealing.get(self._sg)
 
     @sealing.setter
     def sealing(self, task: asyncio.Task | None) -> None:
         if task is None:
-            self.cls.sealing.pop(self, None)
+            self.cls.sealing.pop(self._sg, None)
         else:
-            self.cls.sealing[self] = task
+            self.cls.sealing[self._sg] = task
 
     @property
     def offset(self) -> int:
@@ -378,6 +423,20 @@ class HostEntry:
         """The slot has not changed hands since this entry got it."""
         sg = self._sg
         return int(self.cls.gens[sg >> 32]) == sg & 0xFFFFFFFF
+
+
+def _view(bkey: bytes, cls: SizeClass, slot: int) -> HostEntry:
+    """An entry object for a held entry (its state in the class's arrays)."""
+    e = HostEntry.__new__(HostEntry)
+    e.bkey = bkey
+    e.cls = cls
+    e._sg = slot << 32 | int(cls.gens[slot])
+    e.block_bytes = cls.sizes[slot]
+    e._st = -1
+    return e
+
+
+_SLOT = 0xFFFFFFFF
 
 
 @dataclass
@@ -410,7 +469,9 @@ class HostTier(PinnedTier[HostEntry]):
         self.capacity = capacity
         self.prefix = name_prefix
         self.classes: dict[tuple[str, int], SizeClass] = {}  # (group, slot bytes) -> class
-        self.entries: dict[bytes, HostEntry] = {}         # visible entries
+        # visible entries: packed id -> size class index << 32 | slot (HostEntry: see get)
+        self.entries: dict[bytes, int] = {}
+        self._by_index: list[SizeClass] = []
         self.per_fp: Counter[bytes] = Counter()           # visible entries per layout fingerprint
         self._pending_punch: list[tuple[SizeClass, int]] = []
         self._registered: set[tuple[str, int]] = set()  # classes whose pool file a GPU has pinned
@@ -444,7 +505,8 @@ class HostTier(PinnedTier[HostEntry]):
             os.close(fd)
             os.unlink(path)
             raise
-        cls = SizeClass(slot_bytes, path, fd, nslots, group)
+        cls = SizeClass(slot_bytes, path, fd, nslots, group, index=len(self._by_index))
+        self._by_index.append(cls)
         if prefault and not self.classes:
             cls.hwm = nslots
             cls.free = list(range(nslots - 1, -1, -1))
@@ -490,6 +552,16 @@ class HostTier(PinnedTier[HostEntry]):
         self.classes.clear()
 
     # -- reads ---------------------------------------------------------------------------
+
+    def get(self, bkey: bytes) -> HostEntry | None:
+        """The visible entry of ``bkey`` (a view: see :class:`HostEntry`), or None."""
+        v = self.entries.get(bkey)
+        return None if v is None else _view(bkey, self._by_index[v >> 32], v & _SLOT)
+
+    def held(self) -> Iterator[HostEntry]:
+        """Every visible entry (views)."""
+        by_index = self._by_index
+        return (_view(b, by_index[v >> 32], v & _SLOT) for b, v in self.entries.items())
 
     def _reclaim(self, entry: HostEntry) -> None:
         self._free_slot(entry)
@@ -552,11 +624,19 @@ class HostTier(PinnedTier[HostEntry]):
         own class's, or another class's whose memory may be released (not GPU-registered).
         Candidates passed over stay passed over for the rest of one ``reserve`` (nothing
         changes their pins or classes meanwhile)."""
-        return take_unpinned(self.entries, self.per_fp, order,
-                             lambda e: e.cls is needy or e.cls.key not in self._registered)
-
-    def _hide(self, entry: HostEntry) -> None:
-        hide_entry(self.entries, self.per_fp, entry)
+        entries, by_index, registered = self.entries, self._by_index, self._registered
+        for bkey in order:
+            v = entries.get(bkey)
+            if v is None:
+                continue
+            cls, slot = by_index[v >> 32], v & _SLOT
+            if cls.states[slot] >= _PIN or (cls is not needy and cls.key in registered):
+                continue
+            entry = _view(bkey, cls, slot)
+            entry._detach()
+            hide_entry(entries, self.per_fp, entry)
+            return entry
+        return None
 
     def finish_eviction(self) -> None:
         """Release the memory of victims taken from other size classes (after demotion)."""
@@ -575,7 +655,8 @@ class HostTier(PinnedTier[HostEntry]):
             self._free_slot(entry)
             return False
         entry.visible = True
-        self.entries[entry.bkey] = entry
+        entry._attach()
+        self.entries[entry.bkey] = entry.cls.index << 32 | entry.slot
         self.per_fp[fingerprint_of(entry.bkey)] += 1
         return True
 
@@ -595,12 +676,13 @@ class HostTier(PinnedTier[HostEntry]):
         """Hide these entries; free their slots now, or on the last unpin if pinned."""
         out = []
         for bkey in bkeys:
-            entry = self.entries.get(bkey)
+            entry = self.get(bkey)
             if entry is None:
                 continue
-            self._hide(entry)
-            entry.removed = True
+            hide_entry(self.entries, self.per_fp, entry)
+            entry.removed = True  # pinned: the views that hold its pins see it (the arrays)
             if entry.pins == 0:
+                entry._detach()
                 self._free_slot(entry)
             out.append(entry)
         return out
