@@ -59,8 +59,8 @@ threads while the caller awaits.
 
 from __future__ import annotations
 
-import asyncio
 import array
+import asyncio
 import ctypes
 import ctypes.util
 import errno
