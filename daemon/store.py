@@ -79,7 +79,7 @@ class BlockStore:
         self.sessions = Sessions(host, self.counters, self.limits)
         # the daemon bounds host and disk in bytes (the tiers ask the policy for victims); the
         # gpu tier is the engines' (``device``), not placed here
-        self.policy = TierPolicy(0, None, None if disk is not None else 0, demote_min_seen)
+        self.policy = TierPolicy(0, None, None if disk is not None else 0, demote_min_seen, host_map=host.recency())
         self.tiers = Placement(host, disk, self.policy, self.counters, self.observers)
         self.device = DeviceTier(self.layouts, self.sessions, self.observers, self.counters, max_batch_keys)
         self._to_end: set[asyncio.Task] = set()  # requests whose caller was cancelled, still running

@@ -100,3 +100,60 @@ def test_a_victim_keeps_its_state_when_its_slot_is_committed_again(shm) -> None:
         assert not grant.current or t.get(b"c") == grant
     finally:
         t.close()
+
+
+def _put(t, rec, ref, cls, want, counts) -> None:
+    """A put: victims in order (popped in the same step), then commit and count."""
+    res = t.reserve(cls, want, cls.slot_bytes, iter(rec))
+    res.backing.run()
+    for v in res.victims:
+        assert rec.pop(v.bkey) == ref.pop(v.bkey)
+    t.finish_eviction()
+    for e, n in zip(res.entries, counts, strict=False):
+        if e is not None and t.commit(e):
+            rec[e.bkey] = ref[e.bkey] = n
+
+
+def _remove(t, rec, ref, k, pin: bool) -> None:
+    """A removal (of a pinned entry, maybe): popped in the same step."""
+    e = t.get(k)
+    if e is not None and pin:
+        t.pin(e)
+    for g in [x.bkey for x in t.remove([k])]:
+        assert rec.pop(g) == ref.pop(g)
+    if e is not None and e.pins:
+        t.unpin(e)
+
+
+def test_the_host_recency_behaves_as_the_policys_ordered_dict(shm) -> None:
+    """HostRecency (the daemon's host order, in the tier's slot arrays) against an OrderedDict
+    under random commits, hits, evictions (victims in order, popped in the same step) and
+    removals, across two size classes: the same order, counts and answers after every step."""
+    import random
+    from collections import OrderedDict
+
+    t = HostTier(shm, capacity=48 * SLOT, name_prefix="r")
+    try:
+        rec = t.recency()
+        ref: OrderedDict[bytes, int] = OrderedDict()
+        classes = [t.size_class(SLOT), t.size_class(2 * SLOT)]  # two classes share the order
+        rng = random.Random(7)
+        names = [bytes([i]) * 32 for i in range(40)]
+        for _ in range(1500):
+            op = rng.random()
+            if op < 0.45:
+                want = [k for k in rng.sample(names, rng.randint(1, 4)) if k not in t.entries]
+                _put(t, rec, ref, rng.choice(classes), want, [rng.randint(1, 5) for _ in want])
+            elif op < 0.8:  # hits
+                for k in [k for k in rng.sample(names, 3) if k in ref]:
+                    rec.move_to_end(k)
+                    ref.move_to_end(k)
+                    rec[k] = ref[k] = ref[k] + 1
+            else:
+                _remove(t, rec, ref, rng.choice(names), rng.random() < 0.5)
+            assert list(rec) == list(ref) and list(rec.items()) == list(ref.items()) and len(rec) == len(ref)
+            assert all((k in rec) == (k in ref) and rec.get(k) == ref.get(k) for k in names)
+            assert not t._gone
+        assert len(ref) > 10
+    finally:
+        t.close()

@@ -240,6 +240,13 @@ class SizeClass:
     states: array.array = field(default=None)  # type: ignore[assignment]
     sizes: array.array = field(default=None)   # type: ignore[assignment]
     index: int = 0                             # the class's number in its HostTier (HostTier.entries' values)
+    # the policy's host recency order (HostRecency), when the tier keeps it: per slot, the
+    # previous and next entries (class index << 32 | slot; -1: none), the seen count, the key
+    # (None: not in the order); allocated on first use
+    lprev: array.array | None = None
+    lnext: array.array | None = None
+    lseen: array.array | None = None
+    lkeys: list[bytes | None] | None = None
     view: memoryview | None = None          # the daemon's read-only mapping (for checksums)
     _mm: mmap.mmap | None = None
 
@@ -252,6 +259,13 @@ class SizeClass:
             self.states = array.array("I", bytes(4 * self.nslots))
         if self.sizes is None:
             self.sizes = array.array("I", bytes(4 * self.nslots))
+
+    def recency_arrays(self) -> None:
+        if self.lkeys is None:
+            self.lprev = array.array("q", [-1]) * self.nslots
+            self.lnext = array.array("q", [-1]) * self.nslots
+            self.lseen = array.array("I", bytes(4 * self.nslots))
+            self.lkeys = [None] * self.nslots
 
     def bump(self, slot: int) -> int:
         """The slot changes hands: its new generation."""
@@ -472,6 +486,10 @@ class HostTier(PinnedTier[HostEntry]):
         # visible entries: packed id -> size class index << 32 | slot (HostEntry: see get)
         self.entries: dict[bytes, int] = {}
         self._by_index: list[SizeClass] = []
+        # with a HostRecency: entries hidden (victims, removed) whose place in the policy's
+        # order is not dropped yet (the policy is told in the same loop step): key -> node
+        self._recency: HostRecency | None = None
+        self._gone: dict[bytes, int] = {}
         self.per_fp: Counter[bytes] = Counter()           # visible entries per layout fingerprint
         self._pending_punch: list[tuple[SizeClass, int]] = []
         self._registered: set[tuple[str, int]] = set()  # classes whose pool file a GPU has pinned
@@ -507,6 +525,8 @@ class HostTier(PinnedTier[HostEntry]):
             raise
         cls = SizeClass(slot_bytes, path, fd, nslots, group, index=len(self._by_index))
         self._by_index.append(cls)
+        if self._recency is not None:
+            cls.recency_arrays()
         if prefault and not self.classes:
             cls.hwm = nslots
             cls.free = list(range(nslots - 1, -1, -1))
@@ -557,6 +577,15 @@ class HostTier(PinnedTier[HostEntry]):
         """The visible entry of ``bkey`` (a view: see :class:`HostEntry`), or None."""
         v = self.entries.get(bkey)
         return None if v is None else _view(bkey, self._by_index[v >> 32], v & _SLOT)
+
+    def recency(self) -> HostRecency:
+        """The placement policy's host order and seen counts, kept in this tier's per-slot
+        arrays (pass it to TierPolicy as ``host_map``); one per tier."""
+        if self._recency is None:
+            self._recency = HostRecency(self)
+            for cls in self._by_index:
+                cls.recency_arrays()
+        return self._recency
 
     def held(self) -> Iterator[HostEntry]:
         """Every visible entry (views)."""
@@ -635,6 +664,8 @@ class HostTier(PinnedTier[HostEntry]):
             entry = _view(bkey, cls, slot)
             entry._detach()
             hide_entry(entries, self.per_fp, entry)
+            if self._recency is not None:
+                self._gone[bkey] = v
             return entry
         return None
 
@@ -679,6 +710,8 @@ class HostTier(PinnedTier[HostEntry]):
             entry = self.get(bkey)
             if entry is None:
                 continue
+            if self._recency is not None:
+                self._gone[bkey] = self.entries[bkey]
             hide_entry(self.entries, self.per_fp, entry)
             entry.removed = True  # pinned: the views that hold its pins see it (the arrays)
             if entry.pins == 0:
@@ -751,6 +784,133 @@ class HostTier(PinnedTier[HostEntry]):
         await self.sealed(entries)
         judged = [e for e in entries if e.checksum is not None]
         return [e for e, c in zip(judged, await self.checksums(judged), strict=True) if c != e.checksum]
+
+
+class HostRecency:
+    """The placement policy's host map (``TierPolicy(host_map=...)``) kept in the host tier's
+    per-slot arrays: an intrusive doubly linked list over the slots (least recently used
+    first) and each block's seen count, found through :attr:`HostTier.entries` (no dict of
+    its own, no object per block: issue 15 item 5). It behaves as the ``OrderedDict`` the
+    policy keeps otherwise, for the operations the policy uses, on one condition the daemon
+    meets: a key enters it only while the tier holds it visible, and a key the tier hides
+    (a victim, a removal) is popped from it in the same loop step (until then it stays in
+    the order: :attr:`HostTier._gone`)."""
+
+    def __init__(self, host: HostTier) -> None:
+        self._entries = host.entries
+        self._gone = host._gone
+        self._by_index = host._by_index
+        self._head = -1
+        self._tail = -1
+        self._len = 0
+
+    def _node(self, k: bytes) -> int:
+        v = self._entries.get(k)
+        if v is None:
+            v = self._gone.get(k)
+            if v is None:
+                return -1
+        return v if self._by_index[v >> 32].lkeys[v & _SLOT] == k else -1  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, k: object) -> bool:
+        return self._node(k) >= 0  # type: ignore[arg-type]
+
+    def get(self, k: bytes, default: int | None = None) -> int | None:
+        v = self._node(k)
+        return default if v < 0 else self._by_index[v >> 32].lseen[v & _SLOT]  # type: ignore[index]
+
+    def __getitem__(self, k: bytes) -> int:
+        v = self._node(k)
+        if v < 0:
+            raise KeyError(k)
+        return self._by_index[v >> 32].lseen[v & _SLOT]  # type: ignore[index]
+
+    def __setitem__(self, k: bytes, n: int) -> None:
+        """Set ``k``'s count (a key in the order keeps its place; a new one goes last)."""
+        v = self._node(k)
+        if v >= 0:
+            self._by_index[v >> 32].lseen[v & _SLOT] = n  # type: ignore[index]
+            return
+        v = self._entries.get(k)
+        if v is None:
+            raise KeyError(f"{k!r} is not held in the host tier")
+        g = self._gone.pop(k, None)
+        if g is not None and self._by_index[g >> 32].lkeys[g & _SLOT] == k:  # type: ignore[index]
+            self.pop_node(g)  # its former place, never popped (not expected)
+        cls, slot = self._by_index[v >> 32], v & _SLOT
+        if cls.lkeys[slot] is not None:  # a former holder of the slot never popped (not expected)
+            self.pop_node(v)
+        cls.lkeys[slot] = k  # type: ignore[index]
+        cls.lseen[slot] = n  # type: ignore[index]
+        self._append(v)
+        self._len += 1
+
+    def move_to_end(self, k: bytes) -> None:
+        v = self._node(k)
+        if v < 0:
+            raise KeyError(k)
+        if v != self._tail:
+            self._unlink(v)
+            self._append(v)
+
+    def pop(self, k: bytes, default: int | None = None) -> int | None:
+        v = self._node(k)
+        if v < 0:
+            return default
+        self._gone.pop(k, None)
+        return self.pop_node(v)
+
+    def pop_node(self, v: int) -> int:
+        cls, slot = self._by_index[v >> 32], v & _SLOT
+        self._unlink(v)
+        cls.lkeys[slot] = None  # type: ignore[index]
+        self._len -= 1
+        return cls.lseen[slot]  # type: ignore[index]
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Keys, least recently used first (entries the tier hid meanwhile included)."""
+        by_index, v = self._by_index, self._head
+        while v >= 0:
+            cls, slot = by_index[v >> 32], v & _SLOT
+            nxt = cls.lnext[slot]  # type: ignore[index]
+            yield cls.lkeys[slot]  # type: ignore[index,misc]
+            v = nxt
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(self)
+
+    def items(self) -> Iterator[tuple[bytes, int]]:
+        by_index = self._by_index
+        for k in self:
+            v = self._node(k)
+            yield k, by_index[v >> 32].lseen[v & _SLOT]  # type: ignore[index]
+
+    def _append(self, v: int) -> None:
+        cls, slot = self._by_index[v >> 32], v & _SLOT
+        tail = self._tail
+        cls.lprev[slot] = tail  # type: ignore[index]
+        cls.lnext[slot] = -1  # type: ignore[index]
+        if tail < 0:
+            self._head = v
+        else:
+            self._by_index[tail >> 32].lnext[tail & _SLOT] = v  # type: ignore[index]
+        self._tail = v
+
+    def _unlink(self, v: int) -> None:
+        by_index = self._by_index
+        cls, slot = by_index[v >> 32], v & _SLOT
+        p, n = cls.lprev[slot], cls.lnext[slot]  # type: ignore[index]
+        if p < 0:
+            self._head = n
+        else:
+            by_index[p >> 32].lnext[p & _SLOT] = n  # type: ignore[index]
+        if n < 0:
+            self._tail = p
+        else:
+            by_index[n >> 32].lprev[n & _SLOT] = p  # type: ignore[index]
 
 
 def create_exclusive(path: str) -> int:
