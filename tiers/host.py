@@ -75,7 +75,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import xxhash
 
-from kvtier.tiers.vocab import fingerprint_of
+from kvtier.tiers.vocab import FP_BYTES, fingerprint_of
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -680,16 +680,34 @@ class HostTier(PinnedTier[HostEntry]):
         meanwhile through another grant: the first commit wins, the bytes are the same block.
         False, and nothing touched, for a stale grant (its slot changed hands since: it is
         another block's now)."""
-        if not entry.current:
+        cls, sg, bkey = entry.cls, entry._sg, entry.bkey
+        slot = sg >> 32
+        if cls.gens[slot] != sg & 0xFFFFFFFF:  # stale (HostEntry.current)
             return False
-        if entry.bkey in self.entries:
+        if bkey in self.entries:
             self._free_slot(entry)
             return False
-        entry.visible = True
-        entry._attach()
-        self.entries[entry.bkey] = entry.cls.index << 32 | entry.slot
-        self.per_fp[fingerprint_of(entry.bkey)] += 1
+        cls.states[slot] = entry._st | _VISIBLE  # a grant's own state, into the arrays (_attach)
+        cls.sizes[slot] = entry.block_bytes
+        entry._st = -1
+        self.entries[bkey] = cls.index << 32 | slot
+        self.per_fp[bkey[:FP_BYTES]] += 1
         return True
+
+    def pin(self, entry: HostEntry) -> None:
+        if entry._st < 0:
+            entry.cls.states[entry._sg >> 32] += _PIN
+        else:
+            entry._st += _PIN
+
+    def unpin(self, entry: HostEntry) -> None:
+        st = entry._state
+        if st < _PIN:
+            raise self.error(f"unpin of an entry with no pins (slot {entry.slot})")
+        st -= _PIN
+        entry._state = st
+        if st < _PIN and st & _REMOVED:
+            self._reclaim(entry)
 
     def abort(self, entry: HostEntry) -> None:
         """Give back a grant that was never committed (a stale one gives nothing back)."""
@@ -819,8 +837,13 @@ class HostRecency:
         return self._node(k) >= 0  # type: ignore[arg-type]
 
     def get(self, k: bytes, default: int | None = None) -> int | None:
-        v = self._node(k)
-        return default if v < 0 else self._by_index[v >> 32].lseen[v & _SLOT]  # type: ignore[index]
+        v = self._entries.get(k)
+        if v is None:
+            v = self._gone.get(k)
+            if v is None:
+                return default
+        cls, slot = self._by_index[v >> 32], v & _SLOT
+        return cls.lseen[slot] if cls.lkeys[slot] == k else default  # type: ignore[index]
 
     def __getitem__(self, k: bytes) -> int:
         v = self._node(k)
@@ -830,28 +853,43 @@ class HostRecency:
 
     def __setitem__(self, k: bytes, n: int) -> None:
         """Set ``k``'s count (a key in the order keeps its place; a new one goes last)."""
-        v = self._node(k)
-        if v >= 0:
-            self._by_index[v >> 32].lseen[v & _SLOT] = n  # type: ignore[index]
-            return
+        by_index = self._by_index
         v = self._entries.get(k)
-        if v is None:
+        if v is None:  # only a key hidden but not popped yet is in the order without being held
+            g = self._gone.get(k)
+            if g is not None and by_index[g >> 32].lkeys[g & _SLOT] == k:  # type: ignore[index]
+                by_index[g >> 32].lseen[g & _SLOT] = n  # type: ignore[index]
+                return
             raise KeyError(f"{k!r} is not held in the host tier")
-        g = self._gone.pop(k, None)
-        if g is not None and self._by_index[g >> 32].lkeys[g & _SLOT] == k:  # type: ignore[index]
-            self.pop_node(g)  # its former place, never popped (not expected)
-        cls, slot = self._by_index[v >> 32], v & _SLOT
-        if cls.lkeys[slot] is not None:  # a former holder of the slot never popped (not expected)
+        cls, slot = by_index[v >> 32], v & _SLOT
+        held = cls.lkeys[slot]  # type: ignore[index]
+        if held == k:
+            cls.lseen[slot] = n  # type: ignore[index]
+            return
+        if held is not None:  # a former holder of the slot never popped (not expected)
             self.pop_node(v)
+        if self._gone:
+            g = self._gone.pop(k, None)
+            if g is not None and by_index[g >> 32].lkeys[g & _SLOT] == k:  # type: ignore[index]
+                self.pop_node(g)  # its former place, never popped (not expected)
         cls.lkeys[slot] = k  # type: ignore[index]
         cls.lseen[slot] = n  # type: ignore[index]
-        self._append(v)
+        tail = self._tail
+        cls.lprev[slot] = tail  # type: ignore[index]
+        cls.lnext[slot] = -1  # type: ignore[index]
+        if tail < 0:
+            self._head = v
+        else:
+            by_index[tail >> 32].lnext[tail & _SLOT] = v  # type: ignore[index]
+        self._tail = v
         self._len += 1
 
     def move_to_end(self, k: bytes) -> None:
-        v = self._node(k)
-        if v < 0:
-            raise KeyError(k)
+        v = self._entries.get(k)
+        if v is None or self._by_index[v >> 32].lkeys[v & _SLOT] != k:  # type: ignore[index]
+            v = self._node(k)
+            if v < 0:
+                raise KeyError(k)
         if v != self._tail:
             self._unlink(v)
             self._append(v)
