@@ -3,7 +3,10 @@
 Fills a real BlockStore (host tier, key-table publisher, location log) with ``--blocks`` 4 KiB
 blocks through allocate + commit, in batches, and reports the Python heap growth per block
 (the pool and the key table are tmpfs files, outside the heap). Components: the store alone
-(``store_bytes_per_block``), and with the key table and location log attached.
+(``store_bytes_per_block``), and with the key table and location log attached. The size
+class's per-slot arrays (36 B a slot: states, sizes, generations, checksums, the host order's
+links, seen counts and key pointers) are made with the class, in the warm-up batch, so they are
+not in these figures: add them. RSS per block at 1M blocks: ``bench/lookup.py``.
 
     python bench/mem_per_block.py [--blocks 100000] [--batch 4096]
 """
