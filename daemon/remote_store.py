@@ -405,7 +405,7 @@ class RemoteStore:
     async def _materialize(self, batch: list[_Job]) -> None:
         """Copy the blocks of put jobs still in host (the same entry) into values."""
         host = self.placement.host
-        live = [j for j in batch if j.entry is not None and host.get(j.bkey) is j.entry]
+        live = [j for j in batch if j.entry is not None and host.get(j.bkey) == j.entry]
         self.counters.add(Count.STORE_WRITES_SKIPPED, sum(1 for j in batch if j.entry is not None) - len(live))
         if not live:
             return

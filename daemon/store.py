@@ -79,7 +79,7 @@ class BlockStore:
         self.sessions = Sessions(host, self.counters, self.limits)
         # the daemon bounds host and disk in bytes (the tiers ask the policy for victims); the
         # gpu tier is the engines' (``device``), not placed here
-        self.policy = TierPolicy(0, None, None if disk is not None else 0, demote_min_seen)
+        self.policy = TierPolicy(0, None, None if disk is not None else 0, demote_min_seen, host_map=host.recency())
         self.tiers = Placement(host, disk, self.policy, self.counters, self.observers)
         self.device = DeviceTier(self.layouts, self.sessions, self.observers, self.counters, max_batch_keys)
         self._to_end: set[asyncio.Task] = set()  # requests whose caller was cancelled, still running
@@ -396,7 +396,7 @@ class BlockStore:
     async def _verify_host(self, held: list[HostEntry]) -> None:
         """Drop the host blocks (pinned by the caller) whose payload changed since their commit."""
         bad = await self.host.verify(list({id(e): e for e in held}.values()))
-        bad = [e for e in bad if self.host.get(e.bkey) is e]  # (not replaced while hashed)
+        bad = [e for e in bad if self.host.get(e.bkey) == e]  # (not replaced while hashed)
         if not bad:
             return
         self.counters.add(Count.CHECKSUM_FAILURES, len(bad))

@@ -89,7 +89,7 @@ def test_first_commit_wins(tier: HostTier) -> None:
     r2 = tier.reserve(cls, [b"a"], SLOT)
     assert tier.commit(r1.entries[0]) is True
     assert tier.commit(r2.entries[0]) is False
-    assert tier.get(b"a") is r1.entries[0] and r2.entries[0].slot in cls.free
+    assert tier.get(b"a") == r1.entries[0] and r2.entries[0].slot in cls.free
 
 
 def test_budget_spans_size_classes_and_is_released(tier: HostTier) -> None:
@@ -162,4 +162,4 @@ def test_stale_grant_never_commits_nor_frees_another_blocks_slot(tier: HostTier)
     assert not tier.commit(old) and tier.get(b"a") is None
     tier.abort(old)                                   # a late abort: nothing freed
     assert old.slot not in cls.free
-    assert tier.commit(new) and tier.get(b"b") is new
+    assert tier.commit(new) and tier.get(b"b") == new

@@ -135,7 +135,7 @@ def host_slots_accounted(host: HostTier) -> None:
     """Every slot below hwm is exactly one of: free, a hole, or held by a visible entry (the
     tests hold no grants and no leases when they call this)."""
     for cls in host.classes.values():
-        held = [e.slot for e in host.entries.values() if e.cls is cls]
+        held = [e.slot for e in host.held() if e.cls is cls]
         every = sorted(cls.free + cls.holes + held)
         assert every == list(range(cls.hwm)), (
             f"slots leaked or listed twice: free={sorted(cls.free)} holes={sorted(cls.holes)} held={sorted(held)}")
@@ -243,7 +243,7 @@ def test_cancelled_acquire_during_promotion_leaks_no_pin(tmp_path):
         gate.open()
         await settle(store, disk)
         assert not store.sessions[sid].leases
-        assert all(e.pins == 0 for e in store.host.entries.values()), "a lease of the cancelled acquire is still held"
+        assert all(e.pins == 0 for e in store.host.held()), "a lease of the cancelled acquire is still held"
         assert all(e.pins == 0 for e in disk.entries.values())
         host_slots_accounted(store.host)
         assert await get(store, sid, lid, [key(0), key(4)]) == [payload(key(0)), payload(key(4))]

@@ -59,6 +59,7 @@ threads while the caller awaits.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import ctypes
 import ctypes.util
@@ -74,7 +75,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import xxhash
 
-from kvtier.tiers.vocab import fingerprint_of
+from kvtier.tiers.vocab import FP_BYTES, fingerprint_of
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -233,7 +234,19 @@ class SizeClass:
     # each slot's payload checksum (HostEntry.checksum; np.zeros, as gens) and the checksum
     # tasks of large commits in flight (HostEntry.sealing)
     sums: np.ndarray = field(default=None)  # type: ignore[assignment]
-    sealing: dict[HostEntry, asyncio.Task] = field(default_factory=dict)
+    sealing: dict[int, asyncio.Task] = field(default_factory=dict)  # by the entry's slot << 32 | gen
+    # the state (HostEntry flags and pins) and block bytes of each slot whose entry is held in
+    # the tier (committed: visible, or removed while pinned); 4 B each a slot
+    states: array.array = field(default=None)  # type: ignore[assignment]
+    sizes: array.array = field(default=None)   # type: ignore[assignment]
+    index: int = 0                             # the class's number in its HostTier (HostTier.entries' values)
+    # the policy's host recency order (HostRecency), when the tier keeps it: per slot, the
+    # previous and next entries (class index << 32 | slot; -1: none), the seen count, the key
+    # (None: not in the order); allocated on first use
+    lprev: array.array | None = None
+    lnext: array.array | None = None
+    lseen: array.array | None = None
+    lkeys: list[bytes | None] | None = None
     view: memoryview | None = None          # the daemon's read-only mapping (for checksums)
     _mm: mmap.mmap | None = None
 
@@ -242,6 +255,17 @@ class SizeClass:
             self.gens = np.zeros(self.nslots, dtype=np.uint32)
         if self.sums is None:
             self.sums = np.zeros(self.nslots, dtype=np.uint64)
+        if self.states is None:
+            self.states = array.array("I", bytes(4 * self.nslots))
+        if self.sizes is None:
+            self.sizes = array.array("I", bytes(4 * self.nslots))
+
+    def recency_arrays(self) -> None:
+        if self.lkeys is None:
+            self.lprev = array.array("q", [-1]) * self.nslots
+            self.lnext = array.array("q", [-1]) * self.nslots
+            self.lseen = array.array("I", bytes(4 * self.nslots))
+            self.lkeys = [None] * self.nslots
 
     def bump(self, slot: int) -> int:
         """The slot changes hands: its new generation."""
@@ -285,15 +309,20 @@ _VISIBLE, _REMOVED, _SUMMED, _PIN = 1, 2, 4, 8  # HostEntry._state: flags, then 
 class HostEntry:
     """A block in the host tier (``bkey`` = layout fingerprint + key).
 
-    Compact (issue 15: a million held blocks cost the daemon about 160 bytes each as a plain
-    dataclass): ``__slots__``; slot and generation share one int (``_sg``); pins, ``visible``,
-    ``removed`` share another (small ints are shared objects); the checksum lives in the size
-    class's per-slot array (:attr:`SizeClass.sums`, valid while this entry's ``_SUMMED`` bit
-    is set: nobody writes a slot's checksum between its victim's eviction and its
-    ``finish_eviction``), and the checksum task of a large commit in :attr:`SizeClass.sealing`.
-    The attributes read and write as the dataclass's did."""
+    Compact (issue 15 item 5): the tier does not keep these objects. What it holds of a
+    committed entry is one small int in :attr:`HostTier.entries` (size class number and slot),
+    the state (flags and pins) and block bytes in its size class's per-slot arrays
+    (:attr:`SizeClass.states`, :attr:`SizeClass.sizes`), the checksum in :attr:`SizeClass.sums`
+    (valid while the ``_SUMMED`` bit is set: nobody writes a slot's checksum between its
+    victim's eviction and its ``finish_eviction``) and a large commit's checksum task in
+    :attr:`SizeClass.sealing`. :meth:`HostTier.get` makes an entry object on demand, a *view*
+    of those arrays: views of one held entry share its pins and flags, and compare equal
+    (same class, slot and generation), not identical. A grant (not committed yet) and an entry
+    the tier gave up (a victim, a removed unpinned entry) keep their own state (``_st`` >= 0);
+    a held one's is in the arrays (``_st`` = -1). The attributes read and write as the
+    former dataclass's did."""
 
-    __slots__ = ("bkey", "cls", "_sg", "block_bytes", "_state")
+    __slots__ = ("bkey", "cls", "_sg", "block_bytes", "_st")
 
     def __init__(self, bkey: bytes, cls: SizeClass, slot: int, block_bytes: int, visible: bool = False,
                  pins: int = 0, removed: bool = False, gen: int = 0, checksum: int | None = None) -> None:
@@ -301,9 +330,39 @@ class HostEntry:
         self.cls = cls
         self._sg = slot << 32 | gen
         self.block_bytes = block_bytes
-        self._state = (_VISIBLE if visible else 0) | (_REMOVED if removed else 0) | pins * _PIN
+        self._st = (_VISIBLE if visible else 0) | (_REMOVED if removed else 0) | pins * _PIN
         if checksum is not None:
             self.checksum = checksum
+
+    @property
+    def _state(self) -> int:
+        st = self._st
+        return self.cls.states[self._sg >> 32] if st < 0 else st
+
+    @_state.setter
+    def _state(self, v: int) -> None:
+        if self._st < 0:
+            self.cls.states[self._sg >> 32] = v
+        else:
+            self._st = v
+
+    def _attach(self) -> None:
+        """The tier holds this entry now: its state goes to the class's arrays."""
+        slot = self._sg >> 32
+        self.cls.states[slot] = self._st
+        self.cls.sizes[slot] = self.block_bytes
+        self._st = -1
+
+    def _detach(self) -> None:
+        """The tier gives this entry up: it keeps a copy of its state."""
+        if self._st < 0:
+            self._st = self.cls.states[self._sg >> 32]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HostEntry) and self.cls is other.cls and self._sg == other._sg
+
+    def __hash__(self) -> int:
+        return hash((id(self.cls), self._sg))
 
     def __repr__(self) -> str:
         return (f"HostEntry(bkey={self.bkey!r}, slot={self.slot}, block_bytes={self.block_bytes}, "
@@ -360,14 +419,14 @@ class HostEntry:
     @property
     def sealing(self) -> asyncio.Task | None:
         """The checksum being taken (large commits): await it."""
-        return self.cls.sealing.get(self)
+        return self.cls.sealing.get(self._sg)
 
     @sealing.setter
     def sealing(self, task: asyncio.Task | None) -> None:
         if task is None:
-            self.cls.sealing.pop(self, None)
+            self.cls.sealing.pop(self._sg, None)
         else:
-            self.cls.sealing[self] = task
+            self.cls.sealing[self._sg] = task
 
     @property
     def offset(self) -> int:
@@ -378,6 +437,20 @@ class HostEntry:
         """The slot has not changed hands since this entry got it."""
         sg = self._sg
         return int(self.cls.gens[sg >> 32]) == sg & 0xFFFFFFFF
+
+
+def _view(bkey: bytes, cls: SizeClass, slot: int) -> HostEntry:
+    """An entry object for a held entry (its state in the class's arrays)."""
+    e = HostEntry.__new__(HostEntry)
+    e.bkey = bkey
+    e.cls = cls
+    e._sg = slot << 32 | int(cls.gens[slot])
+    e.block_bytes = cls.sizes[slot]
+    e._st = -1
+    return e
+
+
+_SLOT = 0xFFFFFFFF
 
 
 @dataclass
@@ -410,7 +483,13 @@ class HostTier(PinnedTier[HostEntry]):
         self.capacity = capacity
         self.prefix = name_prefix
         self.classes: dict[tuple[str, int], SizeClass] = {}  # (group, slot bytes) -> class
-        self.entries: dict[bytes, HostEntry] = {}         # visible entries
+        # visible entries: packed id -> size class index << 32 | slot (HostEntry: see get)
+        self.entries: dict[bytes, int] = {}
+        self._by_index: list[SizeClass] = []
+        # with a HostRecency: entries hidden (victims, removed) whose place in the policy's
+        # order is not dropped yet (the policy is told in the same loop step): key -> node
+        self._recency: HostRecency | None = None
+        self._gone: dict[bytes, int] = {}
         self.per_fp: Counter[bytes] = Counter()           # visible entries per layout fingerprint
         self._pending_punch: list[tuple[SizeClass, int]] = []
         self._registered: set[tuple[str, int]] = set()  # classes whose pool file a GPU has pinned
@@ -444,7 +523,10 @@ class HostTier(PinnedTier[HostEntry]):
             os.close(fd)
             os.unlink(path)
             raise
-        cls = SizeClass(slot_bytes, path, fd, nslots, group)
+        cls = SizeClass(slot_bytes, path, fd, nslots, group, index=len(self._by_index))
+        self._by_index.append(cls)
+        if self._recency is not None:
+            cls.recency_arrays()
         if prefault and not self.classes:
             cls.hwm = nslots
             cls.free = list(range(nslots - 1, -1, -1))
@@ -490,6 +572,25 @@ class HostTier(PinnedTier[HostEntry]):
         self.classes.clear()
 
     # -- reads ---------------------------------------------------------------------------
+
+    def get(self, bkey: bytes) -> HostEntry | None:
+        """The visible entry of ``bkey`` (a view: see :class:`HostEntry`), or None."""
+        v = self.entries.get(bkey)
+        return None if v is None else _view(bkey, self._by_index[v >> 32], v & _SLOT)
+
+    def recency(self) -> HostRecency:
+        """The placement policy's host order and seen counts, kept in this tier's per-slot
+        arrays (pass it to TierPolicy as ``host_map``); one per tier."""
+        if self._recency is None:
+            self._recency = HostRecency(self)
+            for cls in self._by_index:
+                cls.recency_arrays()
+        return self._recency
+
+    def held(self) -> Iterator[HostEntry]:
+        """Every visible entry (views)."""
+        by_index = self._by_index
+        return (_view(b, by_index[v >> 32], v & _SLOT) for b, v in self.entries.items())
 
     def _reclaim(self, entry: HostEntry) -> None:
         self._free_slot(entry)
@@ -552,11 +653,21 @@ class HostTier(PinnedTier[HostEntry]):
         own class's, or another class's whose memory may be released (not GPU-registered).
         Candidates passed over stay passed over for the rest of one ``reserve`` (nothing
         changes their pins or classes meanwhile)."""
-        return take_unpinned(self.entries, self.per_fp, order,
-                             lambda e: e.cls is needy or e.cls.key not in self._registered)
-
-    def _hide(self, entry: HostEntry) -> None:
-        hide_entry(self.entries, self.per_fp, entry)
+        entries, by_index, registered = self.entries, self._by_index, self._registered
+        for bkey in order:
+            v = entries.get(bkey)
+            if v is None:
+                continue
+            cls, slot = by_index[v >> 32], v & _SLOT
+            if cls.states[slot] >= _PIN or (cls is not needy and cls.key in registered):
+                continue
+            entry = _view(bkey, cls, slot)
+            entry._detach()
+            hide_entry(entries, self.per_fp, entry)
+            if self._recency is not None:
+                self._gone[bkey] = v
+            return entry
+        return None
 
     def finish_eviction(self) -> None:
         """Release the memory of victims taken from other size classes (after demotion)."""
@@ -569,15 +680,34 @@ class HostTier(PinnedTier[HostEntry]):
         meanwhile through another grant: the first commit wins, the bytes are the same block.
         False, and nothing touched, for a stale grant (its slot changed hands since: it is
         another block's now)."""
-        if not entry.current:
+        cls, sg, bkey = entry.cls, entry._sg, entry.bkey
+        slot = sg >> 32
+        if cls.gens[slot] != sg & 0xFFFFFFFF:  # stale (HostEntry.current)
             return False
-        if entry.bkey in self.entries:
+        if bkey in self.entries:
             self._free_slot(entry)
             return False
-        entry.visible = True
-        self.entries[entry.bkey] = entry
-        self.per_fp[fingerprint_of(entry.bkey)] += 1
+        cls.states[slot] = entry._st | _VISIBLE  # a grant's own state, into the arrays (_attach)
+        cls.sizes[slot] = entry.block_bytes
+        entry._st = -1
+        self.entries[bkey] = cls.index << 32 | slot
+        self.per_fp[bkey[:FP_BYTES]] += 1
         return True
+
+    def pin(self, entry: HostEntry) -> None:
+        if entry._st < 0:
+            entry.cls.states[entry._sg >> 32] += _PIN
+        else:
+            entry._st += _PIN
+
+    def unpin(self, entry: HostEntry) -> None:
+        st = entry._state
+        if st < _PIN:
+            raise self.error(f"unpin of an entry with no pins (slot {entry.slot})")
+        st -= _PIN
+        entry._state = st
+        if st < _PIN and st & _REMOVED:
+            self._reclaim(entry)
 
     def abort(self, entry: HostEntry) -> None:
         """Give back a grant that was never committed (a stale one gives nothing back)."""
@@ -595,12 +725,15 @@ class HostTier(PinnedTier[HostEntry]):
         """Hide these entries; free their slots now, or on the last unpin if pinned."""
         out = []
         for bkey in bkeys:
-            entry = self.entries.get(bkey)
+            entry = self.get(bkey)
             if entry is None:
                 continue
-            self._hide(entry)
-            entry.removed = True
+            if self._recency is not None:
+                self._gone[bkey] = self.entries[bkey]
+            hide_entry(self.entries, self.per_fp, entry)
+            entry.removed = True  # pinned: the views that hold its pins see it (the arrays)
             if entry.pins == 0:
+                entry._detach()
                 self._free_slot(entry)
             out.append(entry)
         return out
@@ -669,6 +802,153 @@ class HostTier(PinnedTier[HostEntry]):
         await self.sealed(entries)
         judged = [e for e in entries if e.checksum is not None]
         return [e for e, c in zip(judged, await self.checksums(judged), strict=True) if c != e.checksum]
+
+
+class HostRecency:
+    """The placement policy's host map (``TierPolicy(host_map=...)``) kept in the host tier's
+    per-slot arrays: an intrusive doubly linked list over the slots (least recently used
+    first) and each block's seen count, found through :attr:`HostTier.entries` (no dict of
+    its own, no object per block: issue 15 item 5). It behaves as the ``OrderedDict`` the
+    policy keeps otherwise, for the operations the policy uses, on one condition the daemon
+    meets: a key enters it only while the tier holds it visible, and a key the tier hides
+    (a victim, a removal) is popped from it in the same loop step (until then it stays in
+    the order: :attr:`HostTier._gone`)."""
+
+    def __init__(self, host: HostTier) -> None:
+        self._entries = host.entries
+        self._gone = host._gone
+        self._by_index = host._by_index
+        self._head = -1
+        self._tail = -1
+        self._len = 0
+
+    def _node(self, k: bytes) -> int:
+        v = self._entries.get(k)
+        if v is None:
+            v = self._gone.get(k)
+            if v is None:
+                return -1
+        return v if self._by_index[v >> 32].lkeys[v & _SLOT] == k else -1  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, k: object) -> bool:
+        return self._node(k) >= 0  # type: ignore[arg-type]
+
+    def get(self, k: bytes, default: int | None = None) -> int | None:
+        v = self._entries.get(k)
+        if v is None:
+            v = self._gone.get(k)
+            if v is None:
+                return default
+        cls, slot = self._by_index[v >> 32], v & _SLOT
+        return cls.lseen[slot] if cls.lkeys[slot] == k else default  # type: ignore[index]
+
+    def __getitem__(self, k: bytes) -> int:
+        v = self._node(k)
+        if v < 0:
+            raise KeyError(k)
+        return self._by_index[v >> 32].lseen[v & _SLOT]  # type: ignore[index]
+
+    def __setitem__(self, k: bytes, n: int) -> None:
+        """Set ``k``'s count (a key in the order keeps its place; a new one goes last)."""
+        by_index = self._by_index
+        v = self._entries.get(k)
+        if v is None:  # only a key hidden but not popped yet is in the order without being held
+            g = self._gone.get(k)
+            if g is not None and by_index[g >> 32].lkeys[g & _SLOT] == k:  # type: ignore[index]
+                by_index[g >> 32].lseen[g & _SLOT] = n  # type: ignore[index]
+                return
+            raise KeyError(f"{k!r} is not held in the host tier")
+        cls, slot = by_index[v >> 32], v & _SLOT
+        held = cls.lkeys[slot]  # type: ignore[index]
+        if held == k:
+            cls.lseen[slot] = n  # type: ignore[index]
+            return
+        if held is not None:  # a former holder of the slot never popped (not expected)
+            self.pop_node(v)
+        if self._gone:
+            g = self._gone.pop(k, None)
+            if g is not None and by_index[g >> 32].lkeys[g & _SLOT] == k:  # type: ignore[index]
+                self.pop_node(g)  # its former place, never popped (not expected)
+        cls.lkeys[slot] = k  # type: ignore[index]
+        cls.lseen[slot] = n  # type: ignore[index]
+        tail = self._tail
+        cls.lprev[slot] = tail  # type: ignore[index]
+        cls.lnext[slot] = -1  # type: ignore[index]
+        if tail < 0:
+            self._head = v
+        else:
+            by_index[tail >> 32].lnext[tail & _SLOT] = v  # type: ignore[index]
+        self._tail = v
+        self._len += 1
+
+    def move_to_end(self, k: bytes) -> None:
+        v = self._entries.get(k)
+        if v is None or self._by_index[v >> 32].lkeys[v & _SLOT] != k:  # type: ignore[index]
+            v = self._node(k)
+            if v < 0:
+                raise KeyError(k)
+        if v != self._tail:
+            self._unlink(v)
+            self._append(v)
+
+    def pop(self, k: bytes, default: int | None = None) -> int | None:
+        v = self._node(k)
+        if v < 0:
+            return default
+        self._gone.pop(k, None)
+        return self.pop_node(v)
+
+    def pop_node(self, v: int) -> int:
+        cls, slot = self._by_index[v >> 32], v & _SLOT
+        self._unlink(v)
+        cls.lkeys[slot] = None  # type: ignore[index]
+        self._len -= 1
+        return cls.lseen[slot]  # type: ignore[index]
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Keys, least recently used first (entries the tier hid meanwhile included)."""
+        by_index, v = self._by_index, self._head
+        while v >= 0:
+            cls, slot = by_index[v >> 32], v & _SLOT
+            nxt = cls.lnext[slot]  # type: ignore[index]
+            yield cls.lkeys[slot]  # type: ignore[index,misc]
+            v = nxt
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(self)
+
+    def items(self) -> Iterator[tuple[bytes, int]]:
+        by_index = self._by_index
+        for k in self:
+            v = self._node(k)
+            yield k, by_index[v >> 32].lseen[v & _SLOT]  # type: ignore[index]
+
+    def _append(self, v: int) -> None:
+        cls, slot = self._by_index[v >> 32], v & _SLOT
+        tail = self._tail
+        cls.lprev[slot] = tail  # type: ignore[index]
+        cls.lnext[slot] = -1  # type: ignore[index]
+        if tail < 0:
+            self._head = v
+        else:
+            self._by_index[tail >> 32].lnext[tail & _SLOT] = v  # type: ignore[index]
+        self._tail = v
+
+    def _unlink(self, v: int) -> None:
+        by_index = self._by_index
+        cls, slot = by_index[v >> 32], v & _SLOT
+        p, n = cls.lprev[slot], cls.lnext[slot]  # type: ignore[index]
+        if p < 0:
+            self._head = n
+        else:
+            by_index[p >> 32].lnext[p & _SLOT] = n  # type: ignore[index]
+        if n < 0:
+            self._tail = p
+        else:
+            by_index[n >> 32].lprev[n & _SLOT] = p  # type: ignore[index]
 
 
 def create_exclusive(path: str) -> int:

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -128,7 +128,7 @@ class TierPolicy:
     they enter host."""
 
     def __init__(self, gpu_blocks: int | None, host_blocks: int | None, disk_blocks: int | None,
-                 demote_min_seen: int = 2) -> None:
+                 demote_min_seen: int = 2, host_map: MutableMapping[Hashable, int | None] | None = None) -> None:
         caps = (gpu_blocks, host_blocks, disk_blocks)
         if any(c is not None and c < 0 for c in caps):
             raise ValueError("tier capacities are block counts >= 0 (or None: bounded by the caller)")
@@ -142,6 +142,8 @@ class TierPolicy:
         self.disk_write_cap: int | None = None
         # oldest first; host and disk map a key to its seen count, gpu to None (see the class docstring)
         self.tiers: dict[Tier, OrderedDict[Hashable, int | None]] = {t: OrderedDict() for t in TIERS}
+        if host_map is not None:  # the daemon's: kept in the host tier's slot arrays (HostRecency)
+            self.tiers[HOST] = host_map  # type: ignore[assignment]
         self._loose: dict[Hashable, int] = {}  # seen counts of keys in neither host nor disk
         self._moving: set[Hashable] = set()    # host victims on their way to disk: they keep their counts
         self.counts = PolicyCounts()
