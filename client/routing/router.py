@@ -105,10 +105,14 @@ class RouterConfig:
     load_report_ttl_s: float = setting(30.0, "an engine's load report (set_load) counts for this long unless "
                                              "renewed (seconds; 0: until replaced)", parse_float, "S")
     # -- new sessions (issue 15) --
-    new_session_spread: float = setting(0.25, "a new session's request (no worker holds more than "
-                                              "--new-session-share of it) costs this many of its blocks per live "
-                                              "session its worker holds beyond the fewest any worker holds (0: "
-                                              "the 0.1 rule, overlap and load only)", parse_float, "X")
+    # 0 (off) by default: on the traces we have (docs/replay.md, "New sessions") the 0.1 rule
+    # with pulls already meets every goal and the spread costs a little there; 0.25 wins where
+    # many sessions share a short prompt and their later turns collide
+    new_session_spread: float = setting(0.0, "a new session's request (no worker holds more than "
+                                             "--new-session-share of it) costs this many of its blocks per live "
+                                             "session its worker holds beyond the fewest any worker holds, at most "
+                                             "what that worker's cache saves it (0: off, overlap and load only; "
+                                             "try 0.25)", parse_float, "X")
     new_session_share: float = setting(0.8, "a request is a new session when no worker holds more than this share "
                                             "of its blocks (0..1)", parse_float, "X")
     session_halflife_s: float = setting(300.0, "a worker's live-session count (the new sessions placed there) "
