@@ -104,6 +104,19 @@ class RouterConfig:
                                     parse_float, "S")
     load_report_ttl_s: float = setting(30.0, "an engine's load report (set_load) counts for this long unless "
                                              "renewed (seconds; 0: until replaced)", parse_float, "S")
+    # -- new sessions (issue 15) --
+    # 0 (off) by default: on the traces we have (docs/replay.md, "New sessions") the 0.1 rule
+    # with pulls already meets every goal and the spread costs a little there; 0.25 wins where
+    # many sessions share a short prompt and their later turns collide
+    new_session_spread: float = setting(0.0, "a new session's request (no worker holds more than "
+                                             "--new-session-share of it) costs this many of its blocks per live "
+                                             "session its worker holds beyond the fewest any worker holds, at most "
+                                             "what that worker's cache saves it (0: off, overlap and load only; "
+                                             "try 0.25)", parse_float, "X")
+    new_session_share: float = setting(0.8, "a request is a new session when no worker holds more than this share "
+                                            "of its blocks (0..1)", parse_float, "X")
+    session_halflife_s: float = setting(300.0, "a worker's live-session count (the new sessions placed there) "
+                                               "halves every this many seconds", parse_float, "S")
 
 
 class Decision:
@@ -194,6 +207,8 @@ class Router:
         self._w = _Workers()
         self.vllm = VllmEvents(self.index, self._lock, cfg.vllm_events, protect=self._feeds.foreign)
         self._started = False
+        self._sessions: dict[str, float] = {}  # worker -> live sessions placed there (decaying)
+        self._sessions_at = 0.0
 
     @property
     def on_epoch_change(self) -> Callable[[str, int, int], None] | None:
@@ -240,6 +255,10 @@ class Router:
                 names = [w.names[i] for i in picked]
                 nodes = [w.nodes[i] for i in picked]
             cost, saved = self.scorer.costs(n, lead, lc, wts)
+            new_session = self._new_session(n, lead)
+            if new_session:
+                extra = self._session_spread(names, now)  # live sessions beyond the fewest
+                cost += np.minimum(self.config.new_session_spread * n * extra, saved) + 1e-3 * extra
             order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
             decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
             best = order[0]
@@ -250,9 +269,41 @@ class Router:
                                                                int(lead[3, best]))]
             if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
                 decision.decision_id = loads.dispatch(names[best], n - float(saved[best]), now)
+                if new_session:
+                    self._sessions[names[best]] = self._sessions.get(names[best], 0.0) + 1.0
                 if n:
                     idx.speculate(names[best], keys, found)
             return decision
+
+    def _new_session(self, n: int, lead: np.ndarray) -> bool:
+        """Whether this request starts a session, for the spread term: no worker holds (in any of
+        its tiers, a peer's or the store: ``d_remote``; speculative entries included) more than
+        ``new_session_share`` of its blocks. A later turn finds its previous turn on the worker
+        that served it; a new session finds at most a prefix it shares with others (a system
+        prompt), which a peer or another worker's host tier can serve anyway."""
+        cfg = self.config
+        if cfg.new_session_spread <= 0 or not n or not lead.shape[1]:
+            return False
+        return float(lead[3].max()) < cfg.new_session_share * n
+
+    def _session_spread(self, names: list[str], now: float) -> np.ndarray:
+        """Per worker, the live sessions it holds beyond the fewest any ranked worker holds.
+        Live sessions: the new sessions placed on it, halving every ``session_halflife_s``.
+        A new session costs ``new_session_spread * n`` blocks per such session, capped at the
+        blocks the worker would save (what a session costs its worker is all its later turns,
+        which stick to their cache; a short shared prefix is saved once: the term can cancel
+        that prefix's pull, never push a session off a worker that holds none of it, which is
+        the load's job), plus 0.001 block per session, so that among otherwise equal workers
+        the one with fewer live sessions wins."""
+        cfg, live = self.config, self._sessions
+        dt = now - self._sessions_at
+        if dt > 0 and live:
+            f = 0.5 ** (dt / cfg.session_halflife_s) if cfg.session_halflife_s > 0 else 0.0
+            for w in live:
+                live[w] *= f
+        self._sessions_at = max(self._sessions_at, now)
+        held = np.fromiter((live.get(w, 0.0) for w in names), dtype=np.float64, count=len(names))
+        return held - held.min()
 
     def _select(self, candidates: Sequence[str]) -> np.ndarray:
         """Plan indices of the candidates (each once); raises :class:`UnknownCandidates`."""

@@ -141,6 +141,7 @@ def load_trace(path: str) -> list[Request]:
 
 
 _SCORER = ScorerConfig()
+_ROUTER = RouterConfig()
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,10 @@ class ReplayConfig:
     seed: int = 0
     peer_gbps: float = 0.0      # another replica's host/disk -> this GPU, 10^9 B/s (0: no peers, no remote tier)
     rate_scale: float = 1.0     # arrival times were divided by this (recorded; main applies it)
+    # the router's new-session rule (issue 15; RouterConfig's defaults; spread 0: the 0.1 rule)
+    new_session_spread: float = _ROUTER.new_session_spread
+    new_session_share: float = _ROUTER.new_session_share
+    session_halflife_s: float = _ROUTER.session_halflife_s
 
     def blocks(self, tokens: int) -> int:
         return tokens // self.block_tokens
@@ -418,7 +423,10 @@ class RouterPolicy(Policy):
         # kvtier: route-server with --pulls false (each worker's own tiers); kvtier-pull: with
         # pulls, when there are peers to pull from (--peer-gbps)
         self.pulls = pulls and cfg.peer_gbps > 0
-        self.router = Router(RouterConfig(scorer=cfg.scorer_config(), pulls=self.pulls))
+        self.router = Router(RouterConfig(scorer=cfg.scorer_config(), pulls=self.pulls,
+                                          new_session_spread=cfg.new_session_spread,
+                                          new_session_share=cfg.new_session_share,
+                                          session_halflife_s=cfg.session_halflife_s))
         self.replica = {f"replica{i}": i for i in range(n)}
         self._finishes: list[tuple[float, int, bool]] = []  # heap of (at, decision id, prefill only)
         self._last = 0
@@ -837,6 +845,13 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                          "when the kvtier-pull policy's fetch hint asks for it (0: no peers) [%(default)s]")
     ap.add_argument("--rate-scale", type=_positive, default=d.rate_scale,
                     help="arrival times divided by this (2: twice the request rate) [%(default)s]")
+    ap.add_argument("--new-session-spread", type=float, default=d.new_session_spread,
+                    help="kvtier policies: a new session's cost per live session on a worker, in its own blocks "
+                         "(0: the 0.1 rule; route-server's --new-session-spread) [%(default)s]")
+    ap.add_argument("--new-session-share", type=float, default=d.new_session_share,
+                    help="a request is a new session when no worker holds more than this share of it [%(default)s]")
+    ap.add_argument("--session-halflife-s", type=_positive, default=d.session_halflife_s,
+                    help="live sessions per worker halve every this many seconds [%(default)s]")
     ap.add_argument("--json", action="store_true", help='print {"rows": [...]} as the last line')
     ap.add_argument("--plot", metavar="FILE.png",
                     help="draw hit rate by tier (with the pooled reference: 1 replica with N x the capacity), "
@@ -859,7 +874,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, kv_bytes_per_token=args.kv_bytes_per_token,
                   host_load_gbps=args.host_load_gbps, disk_load_gbps=args.disk_load_gbps,
                   queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed,
-                  peer_gbps=args.peer_gbps, rate_scale=args.rate_scale)
+                  peer_gbps=args.peer_gbps, rate_scale=args.rate_scale, new_session_spread=args.new_session_spread,
+                  new_session_share=args.new_session_share, session_halflife_s=args.session_halflife_s)
     if args.peer_gbps < 0:
         ap.error("--peer-gbps must be >= 0 (0: no peers)")
     try:
