@@ -93,6 +93,8 @@ ALWAYS = 0  # column set in every live row (the neutral element of an AND over c
 NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
 # rows: the tiers; columns: gpu, speculative 0, speculative 1, host, disk (see _Plan.fast)
+_WORD_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a row of w bools as one integer
+_TABLE_LIMIT = 8 << 20  # bytes: the largest per-plan byte table (_Plan.byte_table)
 _TIER_SUMS = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=np.float32)
 
 
@@ -661,6 +663,26 @@ class LocationIndex:
         n_w = len(plan.workers) if workers is None else len(workers)
         if m == 0 or n_w == 0:
             return np.zeros((4, n_w), dtype=np.int64)
+        tab = plan.byte_table() if plan.fast is not None else None
+        if tab is not None and tab.shape[1] == self._bits.shape[1] * 2048:
+            # segments of equal rows as below; then each byte of a segment's row picks a
+            # column of the plan's byte table (per tier, the workers whose test one of the
+            # byte's set columns passes, as bit masks): their OR answers every worker and
+            # tier for the segment at once. ANDed over the segments so far, a worker's bit
+            # stays set while its run lasts: the count of set bits is the failing segment
+            bits = self._bits.take(rows[:m + 2], axis=0)
+            ne = np.not_equal(bits[1:], bits[:-1])
+            wide = _WORD_VIEW.get(ne.shape[1])
+            starts = (ne.view(wide).ravel() if wide is not None else ne.any(axis=1)).nonzero()[0]
+            seg = bits[1:].take(starts, axis=0).view(np.uint8)
+            got = np.bitwise_or.reduce(tab.take(seg + plan.byte_offsets, axis=1), axis=2)  # (4 x words, segments)
+            alive = np.bitwise_and.accumulate(got, axis=1)
+            runs = np.unpackbits(alive.view(np.uint8), axis=1, bitorder="little")
+            runs = runs.reshape(tab.shape[0], starts.size, 64).sum(axis=1).reshape(4, -1)
+            lead = starts.take(runs[:, :len(plan.workers)] if workers is None else runs[:, workers])
+            if not remote:
+                lead[3] = lead[2]
+            return lead
         if plan.fast is not None:
             # consecutive keys with equal rows are held alike, so the walk runs over the
             # segments of equal rows (a few per request), not over the keys. Around the known
@@ -860,6 +882,8 @@ class _Plan:
     fast: np.ndarray | None = None    # (5, workers) columns, or None
     fast_flat: np.ndarray | None = None  # ``fast.ravel()``
     col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
+    _table: np.ndarray | None = None  # byte_table(), once built (empty: none for this plan)
+    byte_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
         simple = all(self.and_cols[t].shape[1] == 1 and self.or_cols[t].shape[1] == 1
@@ -880,6 +904,42 @@ class _Plan:
                 cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
             cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
         self.col_workers = cw
+
+    def byte_table(self) -> np.ndarray | None:
+        """For the fast plan: ``table[256 * b + v]`` is, for byte ``b`` of a row holding the
+        value ``v``, the (4, words) uint64 bit masks of the workers whose tier tests (on
+        GPU, in GPU or host, anywhere of its own, or also in its remote mask) one of the
+        columns set in that byte passes; stored transposed, ``(4 * words, bytes * 256)``,
+        where a worker is bit ``w`` of each tier's words. None when the plan is not fast or the
+        table would exceed ``_TABLE_LIMIT`` bytes (many columns and workers). Built once."""
+        if self._table is not None or self.fast is None:
+            return self._table if self._table is not None and self._table.size else None
+        n_w, ncols = len(self.workers), self.n_columns
+        words = (n_w + 63) // 64
+        if ncols * 256 // 8 * 4 * max(words, 1) * 8 > _TABLE_LIMIT or not n_w:
+            self._table = np.zeros((0, 0), dtype=np.uint64)
+            return None
+        contrib = np.zeros((ncols, 4, words * 64), dtype=np.bool_)  # column -> (tier, worker)
+        ws = np.arange(n_w)
+        for k, tiers in enumerate(((0, 1, 2, 3),) * 3 + ((1, 2, 3), (2, 3))):  # gpu, spec 0, 1, host, disk
+            for t in tiers:
+                contrib[self.fast[k], t, ws] = True
+        # the remote mask each worker needs: its columns count for the worker's remote test
+        rbits = np.unpackbits(self.rmask.view(np.uint8), axis=1, bitorder="little").view(np.bool_)  # (masks, cols)
+        need = np.zeros((n_w, ncols), dtype=np.bool_)
+        have = self.rsel >= 0
+        need[have] = rbits[self.rsel[have], :ncols]
+        contrib[:, 3, :n_w] |= need.T
+        packed = np.packbits(contrib, axis=2, bitorder="little").view(np.uint64)  # (cols, 4, words)
+        nbytes = ncols // 8
+        packed = packed.reshape(nbytes, 8, 4 * words)
+        values = np.arange(256)
+        table = np.zeros((nbytes, 256, 4 * words), dtype=np.uint64)
+        for j in range(8):
+            table[:, (values >> j) & 1 == 1] |= packed[:, j][:, None, :]
+        self._table = np.ascontiguousarray(table.reshape(nbytes * 256, 4 * words).T)
+        self.byte_offsets = np.arange(nbytes, dtype=np.int64) * 256
+        return self._table
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,
