@@ -94,6 +94,7 @@ NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
 # rows: the tiers; columns: gpu, speculative 0, speculative 1, host, disk (see _Plan.fast)
 _WORD_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a row of w bools as one integer
+_PROBE_EACH = 512  # keys: a longer list (a fold's batch) is looked up key by key, not by runs
 _TABLE_LIMIT = 8 << 20  # bytes: the largest per-plan byte table (_Plan.byte_table)
 _TIER_SUMS = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=np.float32)
 
@@ -238,10 +239,14 @@ class LocationIndex:
         indexed); without, only those of indexed keys."""
         if not isinstance(keys, list):
             keys = list(keys)  # once: a protobuf field makes new bytes objects on every pass
-        found = self.rows(keys)
-        rows = found.rows[1:len(keys) + 1]
+        if len(keys) > _PROBE_EACH:  # a fold's batch: one probe per key (runs pay off for requests)
+            rows = np.fromiter(map(self._rows.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+            indexed = 0
+        else:
+            rows, indexed = self.rows(keys)
+            rows = rows[1:len(keys) + 1]
         if create:
-            return self._fill(keys, rows, found.indexed)
+            return self._fill(keys, rows, indexed)
         return rows[rows >= 0]
 
     def _fill(self, keys: list[bytes], rows: np.ndarray, indexed: int) -> np.ndarray:
@@ -251,9 +256,15 @@ class LocationIndex:
         if missing is None or not missing.size:
             return rows
         rows = rows.copy()
-        new = [keys[i] for i in missing.tolist()]
-        self._alloc_rows(list(dict.fromkeys(new)))
-        rows[missing] = list(map(self._rows.__getitem__, new))
+        new = keys if missing.size == len(keys) else [keys[i] for i in missing.tolist()]
+        distinct = list(dict.fromkeys(new))
+        start = len(self._keys)
+        fresh = len(distinct) == len(new) and not self._free  # rows start, start + 1, ... in order
+        self._alloc_rows(distinct)
+        if fresh:
+            rows[missing] = np.arange(start, start + len(new), dtype=np.int64)
+        else:
+            rows[missing] = list(map(self._rows.__getitem__, new))
         return rows
 
     def _set(self, rows: np.ndarray, col: int) -> None:
@@ -307,6 +318,11 @@ class LocationIndex:
         """Keys became visible in (node, tier) or on worker's GPU, under layout ``fp``. A gpu
         event declares its worker (and fingerprint) on the node unless ``declare`` is False
         (the event is history: the node's newer NodeInfo no longer lists that worker)."""
+        self._set(self._rows_of(keys, create=True), self._stored_column(node, tier, worker, fp, declare))
+
+    def _stored_column(self, node: str, tier: str, worker: str, fp: bytes, declare: bool) -> int:
+        """The column a stored event sets (made if new); a gpu event with ``declare``
+        declares its worker and fingerprint on the node."""
         col = self._column(node, tier, worker if tier == _GPU else "", fp)
         if tier == _GPU and declare:
             view = self.node(node)
@@ -314,7 +330,7 @@ class LocationIndex:
             if fp not in fps:
                 view.workers[worker] = tuple(sorted((*fps, fp)))
                 self._plan = None
-        self._set(self._rows_of(keys, create=True), col)
+        return col
 
     def removed(self, node: str, tier: str, worker: str, fp: bytes, keys: Sequence[bytes]) -> None:
         col = self._columns.get((node, tier, worker if tier == _GPU else "", fp))
@@ -369,19 +385,61 @@ class LocationIndex:
             if part.first:
                 self.reset_node(node_id)
                 view.epoch = 0  # not a valid position until the last part
-            for ev in part.entries:
-                self._fold_event(view, ev, reply.epoch)
+            self._fold_events(view, part.entries, reply.epoch, False)
             if part.last:
                 view.epoch, view.seq = reply.epoch, part.at_seq
         elif body == "events":
             view = self.node(node_id)
             if view.epoch != reply.epoch:
                 raise FoldError(f"events of epoch {reply.epoch} while at epoch {view.epoch}")
-            for ev in reply.events.events:
-                if ev.seq != view.seq + 1:
-                    raise FoldError(f"event seq {ev.seq} after {view.seq}: a gap or a duplicate")
-                self._fold_event(view, ev, reply.epoch)
-                view.seq = ev.seq
+            self._fold_events(view, reply.events.events, reply.epoch, True)
+
+    def _fold_events(self, view: NodeView, events: Iterable[locations_pb2.LocationEvent], epoch: int,
+                     in_order: bool) -> None:
+        """Fold events in order; ``in_order``: each must follow the node's position (which
+        then moves), else :class:`FoldError` once those before it are folded. Consecutive
+        stored events are folded together: one lookup of all their keys' rows (new rows
+        for new keys), then each event's column set in its slice of them."""
+        keys: list[bytes] = []
+        parts: list[tuple[int, int, int]] = []  # (column, start, end) in keys
+        stored = locations_pb2.STORED
+        try:
+            for ev in events:
+                if in_order:
+                    if ev.seq != view.seq + 1:
+                        raise FoldError(f"event seq {ev.seq} after {view.seq}: a gap or a duplicate")
+                    view.seq = ev.seq
+                tier = _TIER_LABEL.get(ev.tier)
+                if tier is None:
+                    continue
+                if ev.kind == stored:
+                    col = self._stored_column(view.node_id, tier, ev.worker_id, ev.fingerprint,
+                                              self._declares(view, tier, ev, epoch))
+                    start = len(keys)
+                    keys.extend(ev.keys)
+                    parts.append((col, start, len(keys)))
+                    continue
+                if parts:
+                    self._set_parts(keys, parts)
+                    keys, parts = [], []
+                self._fold_event(view, ev, epoch)
+        finally:
+            if parts:
+                self._set_parts(keys, parts)
+
+    def _set_parts(self, keys: list[bytes], parts: list[tuple[int, int, int]]) -> None:
+        rows = self._rows_of(keys, create=True)
+        for col, start, end in parts:
+            self._set(rows[start:end], col)
+
+    @staticmethod
+    def _declares(view: NodeView, tier: str, ev: locations_pb2.LocationEvent, epoch: int) -> bool:
+        """Whether a stored event declares its worker: not a gpu event that a resume replays
+        from before the NodeInfo that no longer lists the worker."""
+        if tier != _GPU or view.info is None:
+            return True
+        info_epoch, info_seq, listed = view.info
+        return info_epoch != epoch or ev.seq > info_seq or ev.worker_id in listed
 
     def _fold_info(self, info: locations_pb2.NodeInfo) -> None:
         view = self.node(info.node_id)
@@ -396,11 +454,8 @@ class LocationIndex:
         if tier is None:
             return
         if ev.kind == locations_pb2.STORED:
-            declare = True
-            if tier == _GPU and view.info is not None:  # a resume replays events older than its NodeInfo
-                info_epoch, info_seq, listed = view.info
-                declare = info_epoch != epoch or ev.seq > info_seq or ev.worker_id in listed
-            self.stored(view.node_id, tier, ev.worker_id, ev.fingerprint, ev.keys, declare=declare)
+            self.stored(view.node_id, tier, ev.worker_id, ev.fingerprint, ev.keys,
+                        declare=self._declares(view, tier, ev, epoch))
         elif ev.kind == locations_pb2.REMOVED:
             self.removed(view.node_id, tier, ev.worker_id, ev.fingerprint, ev.keys)
         elif ev.kind == locations_pb2.CLEARED:
