@@ -164,6 +164,7 @@ class LocationIndex:
         self._worker_by_name: dict[str, Worker] = {}
         self._external: list[str] = []
         self._plan: _Plan | None = None
+        self._run: tuple[np.ndarray | None, int] = (None, 0)  # rows()' last one-run answer, its first row
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -493,8 +494,13 @@ class LocationIndex:
                 keys = list(keys)
             found = self.rows(keys)
         rows, indexed = found
+        col = cols[self._spec_gen]
+        if rows is self._run[0] and indexed == len(keys):  # one run of rows: rows r, r + 1, ...
+            r = self._run[1]
+            self._bits[r:r + indexed, col >> 6] |= np.uint64(1 << (col & 63))
+            return
         rows = rows[1:len(keys) + 1]
-        self._set(rows if indexed == len(keys) else self._fill(keys, rows, indexed), cols[self._spec_gen])
+        self._set(rows if indexed == len(keys) else self._fill(keys, rows, indexed), col)
 
     def expire(self, now: float) -> None:
         """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
@@ -665,6 +671,7 @@ class LocationIndex:
         if r is not None and stored[r:r + n] == keys:  # one run: the common case
             out = np.arange(r - 1, r + n + 1, dtype=np.int64)
             out[0] = out[n + 1] = -1
+            self._run = (out, r)  # speculate() then sets a slice of rows, not a list of them
             return _rows(Rows, (out, n))
         buf = np.empty(n + 2, dtype=np.int64)
         buf[0] = buf[n + 1] = -1
@@ -733,7 +740,7 @@ class LocationIndex:
             got = np.bitwise_or.reduce(tab.take(seg + plan.byte_offsets, axis=1), axis=2)  # (4 x words, segments)
             alive = np.bitwise_and.accumulate(got, axis=1)
             runs = np.unpackbits(alive.view(np.uint8), axis=1, bitorder="little")
-            runs = runs.reshape(tab.shape[0], starts.size, 64).sum(axis=1).reshape(4, -1)
+            runs = np.add.reduce(runs.reshape(tab.shape[0], starts.size, 64), axis=1, dtype=np.intp).reshape(4, -1)
             lead = starts.take(runs[:, :len(plan.workers)] if workers is None else runs[:, workers])
             if not remote:
                 lead[3] = lead[2]
