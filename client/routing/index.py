@@ -76,12 +76,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import eq as _eq
 from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.client.routing.rowtable import WIDTH, RowTable
 from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
@@ -94,6 +93,7 @@ NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
 # rows: the tiers; columns: gpu, speculative 0, speculative 1, host, disk (see _Plan.fast)
 _WORD_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a row of w bools as one integer
+_ZERO_KEY = bytes(WIDTH)
 _PROBE_EACH = 512  # keys: a longer list (a fold's batch) is looked up key by key, not by runs
 _TABLE_LIMIT = 8 << 20  # bytes: the largest per-plan byte table (_Plan.byte_table)
 _TIER_SUMS = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=np.float32)
@@ -148,10 +148,10 @@ class LocationIndex:
 
     def clear(self, initial_rows: int = 16) -> None:
         """Forget everything: keys, locations, nodes and their positions, speculative entries."""
-        self._rows: dict[bytes, int] = {}
-        self._keys: list[bytes | None] = [None]  # row 0 stays empty: the request padding
-        self._free: list[int] = []
         self._bits = np.zeros((max(16, initial_rows), 1), dtype=np.uint64)
+        self._rows = RowTable(len(self._bits))  # key -> row
+        self._high = 1  # rows below this were given out; row 0 stays empty: the request padding
+        self._free: list[int] = []
         self._ncols = _FIRST_COLUMN
         self._columns: dict[tuple[str, str, str, bytes], int] = {}
         self._free_cols: list[int] = []  # columns given back by nodes that left (all their bits clear)
@@ -177,8 +177,8 @@ class LocationIndex:
         return self._ncols
 
     def nbytes(self) -> int:
-        """Bytes of the index's own arrays (the bit matrix and the row list; not the dict)."""
-        return int(self._bits.nbytes) + 8 * len(self._keys)
+        """Bytes of the index's own arrays (the bit matrix and the key table's)."""
+        return int(self._bits.nbytes) + self._rows.nbytes()
 
     # -- columns and rows -----------------------------------------------------------------
 
@@ -208,32 +208,32 @@ class LocationIndex:
             grown[:, :self._bits.shape[1]] = self._bits
             self._bits = grown
 
-    def _alloc_rows(self, keys: list[bytes]) -> None:
-        """Give rows to keys not yet indexed (distinct, absent from the table)."""
+    def _alloc_rows(self, keys: list[bytes]) -> np.ndarray:
+        """Give rows to keys not yet indexed (distinct, absent from the table); returns them,
+        in the keys' order (freed rows first, then new ones in order)."""
         n = len(keys)
         take = min(n, len(self._free))
+        rows = np.empty(n, dtype=np.int64)
         if take:
-            reused = self._free[len(self._free) - take:]
+            rows[:take] = self._free[len(self._free) - take:]
             del self._free[len(self._free) - take:]
-            for r, k in zip(reused, keys[:take], strict=True):
-                self._keys[r] = k
-            self._rows.update(zip(keys[:take], reused, strict=True))
-            self._bits[np.asarray(reused, dtype=np.int64), 0] |= np.uint64(1 << ALWAYS)
-        if take == n:
-            return
-        start = len(self._keys)
-        need = start + n - take
-        if need >= self._bits.shape[0]:  # the last row stays empty: row -1 reads as "no key"
-            cap = self._bits.shape[0]
-            while cap <= need:
-                cap *= 2
-            grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
-            grown[:start] = self._bits[:start]
-            self._bits = grown
-        fresh = keys[take:]
-        self._keys.extend(fresh)
-        self._rows.update(zip(fresh, range(start, need), strict=True))
-        self._bits[start:need, 0] |= np.uint64(1 << ALWAYS)
+            self._bits[rows[:take], 0] |= np.uint64(1 << ALWAYS)
+        if take < n:
+            start = self._high
+            need = start + n - take
+            if need >= self._bits.shape[0]:  # the last row stays empty: row -1 reads as "no key"
+                cap = self._bits.shape[0]
+                while cap <= need:
+                    cap *= 2
+                grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
+                grown[:start] = self._bits[:start]
+                self._bits = grown
+            rows[take:] = np.arange(start, need, dtype=np.int64)
+            self._high = need
+            self._bits[start:need, 0] |= np.uint64(1 << ALWAYS)
+        self._rows.reserve_rows(self._bits.shape[0])
+        self._rows.insert(keys, rows)
+        return rows
 
     def _rows_of(self, keys: Sequence[bytes], create: bool) -> np.ndarray:
         """The rows of ``keys``: with ``create``, one for every key (new rows for keys not
@@ -241,7 +241,7 @@ class LocationIndex:
         if not isinstance(keys, list):
             keys = list(keys)  # once: a protobuf field makes new bytes objects on every pass
         if len(keys) > _PROBE_EACH:  # a fold's batch: one probe per key (runs pay off for requests)
-            rows = np.fromiter(map(self._rows.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+            rows = self._rows.find(keys)
             indexed = 0
         else:
             rows, indexed = self.rows(keys)
@@ -259,13 +259,8 @@ class LocationIndex:
         rows = rows.copy()
         new = keys if missing.size == len(keys) else [keys[i] for i in missing.tolist()]
         distinct = list(dict.fromkeys(new))
-        start = len(self._keys)
-        fresh = len(distinct) == len(new) and not self._free  # rows start, start + 1, ... in order
-        self._alloc_rows(distinct)
-        if fresh:
-            rows[missing] = np.arange(start, start + len(new), dtype=np.int64)
-        else:
-            rows[missing] = list(map(self._rows.__getitem__, new))
+        given = self._alloc_rows(distinct)
+        rows[missing] = given if len(distinct) == len(new) else self._rows.find(new)
         return rows
 
     def _set(self, rows: np.ndarray, col: int) -> None:
@@ -281,7 +276,7 @@ class LocationIndex:
         masks: dict[int, int] = {}
         for col in cols:
             masks[col >> 6] = masks.get(col >> 6, 0) | (1 << (col & 63))
-        hw = len(self._keys)
+        hw = self._high
         for word, mask in masks.items():
             col = self._bits[:hw, word]
             # count only the rows that held one of these columns, so clearing speculative
@@ -525,9 +520,7 @@ class LocationIndex:
     def compact(self) -> int:
         """Give back the rows of keys no location holds; returns how many."""
         self._removals = 0
-        hw = len(self._keys)
-        if not hw:
-            return 0
+        hw = self._high
         bits = self._bits[:hw]
         only_always = bits[:, 0] == np.uint64(1 << ALWAYS)
         for w in range(1, bits.shape[1]):
@@ -536,10 +529,7 @@ class LocationIndex:
         if not dead.size:
             return 0
         self._bits[dead] = 0
-        keys, rows = self._keys, self._rows
-        for r in dead.tolist():
-            del rows[keys[r]]
-            keys[r] = None
+        self._rows.drop(dead)
         self._free.extend(dead.tolist())
         return int(dead.size)
 
@@ -665,53 +655,45 @@ class LocationIndex:
         See the module docstring (Rows). Exact: a row is only taken when its stored key
         equals the key."""
         n = len(keys)
-        get = self._rows.get
-        stored = self._keys
-        r = get(keys[0]) if n else None
-        if r is not None and stored[r:r + n] == keys:  # one run: the common case
-            out = np.arange(r - 1, r + n + 1, dtype=np.int64)
-            out[0] = out[n + 1] = -1
-            self._run = (out, r)  # speculate() then sets a slice of rows, not a list of them
-            return _rows(Rows, (out, n))
+        table = self._rows
+        joined = b"".join(keys)
         buf = np.empty(n + 2, dtype=np.int64)
         buf[0] = buf[n + 1] = -1
-        out = buf[1:]
-        first_miss = n
+        if not n or len(joined) != WIDTH * n or min(map(len, keys)) != WIDTH or _ZERO_KEY in joined:
+            # keys of other lengths, or of zeros (a row of zeros may be free): key by key
+            buf[1:n + 1] = table.find(keys)
+            return _rows(Rows, (buf, int((buf[1:] < 0).argmax())))
+        packed, high = table.packed, self._high
         i = 0
         while i < n:
-            if i:
-                r = get(keys[i])
+            r = table.get(keys[i])
             if r is None:
-                if first_miss == n:
-                    first_miss = i
-                # after an unknown key the rest usually is unknown too: one probe each
-                out[i:n] = list(map(get, keys[i:], repeat(-1, n - i)))
                 break
-            span = n - i
-            if stored[r + 1:r + 2] != keys[i + 1:i + 2]:  # a run of one (scattered keys): no slices
-                run = 1
-            elif i and stored[r:r + span] == keys[i:]:  # (for i == 0 the test above failed)
+            # the run: how many of keys[i:] are stored at rows r, r + 1, ... (one slice
+            # comparison when all are; else a bisection over prefixes, each compared whole)
+            span = min(n - i, high - r)
+            at = WIDTH * i
+            if packed[r:r + span].tobytes() == joined[at:at + WIDTH * span]:
                 run = span
             else:
-                # the run breaks somewhere: bisect for the first key not stored at its place
-                # (past the break the rows belong to other keys), then confirm that all keys
-                # before it are in place with one slice comparison
-                lo, hi = 1, span  # keys[i] is at row r: the dict said so
-                end = len(stored) - r
+                lo, hi = 1, span - 1  # keys[i] is at row r: the table said so
                 while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if mid < end and stored[r + mid] == keys[i + mid]:
-                        lo = mid + 1
+                    mid = (lo + hi + 1) >> 1
+                    if packed[r:r + mid].tobytes() == joined[at:at + WIDTH * mid]:
+                        lo = mid
                     else:
-                        hi = mid
+                        hi = mid - 1
                 run = lo
-                if run > 1 and stored[r + 1:r + run] != keys[i + 1:i + run]:  # not one break: walk
-                    same = list(map(_eq, stored[r:r + span], keys[i:]))
-                    same.append(False)
-                    run = same.index(False)
-            out[i:i + run] = np.arange(r, r + run, dtype=np.int64)
+            if run == n:  # one run (the common case)
+                out = np.arange(r - 1, r + n + 1, dtype=np.int64)
+                out[0] = out[n + 1] = -1
+                self._run = (out, r)  # speculate() then sets a slice of rows, not a list of them
+                return _rows(Rows, (out, n))
+            buf[1 + i:1 + i + run] = np.arange(r, r + run, dtype=np.int64)
             i += run
-        return _rows(Rows, (buf, first_miss))
+        if i < n:  # after the first unknown key: the rest at once (usually unknown too)
+            buf[1 + i:n + 1] = table.find_packed(joined[WIDTH * i:])
+        return _rows(Rows, (buf, i))
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
@@ -855,29 +837,29 @@ class LocationIndex:
         """{(node, tier, worker, fingerprint): keys}, with ``speculative`` also {("",
         "speculative", worker, b""): keys} (slow; for tests and tools)."""
         out: dict[tuple[str, str, str, bytes], set[bytes]] = {}
-        hw = len(self._keys)
-        keys = self._keys
+        hw = self._high
+        key = self._rows.key
         for loc, col in self._columns.items():
             if node_id is not None and loc[0] != node_id:
                 continue
             hit = np.flatnonzero((self._bits[:hw, col >> 6] >> np.uint64(col & 63)) & np.uint64(1))
             if hit.size:
-                out[loc] = {keys[r] for r in hit.tolist()}  # type: ignore[misc]
+                out[loc] = {key(r) for r in hit.tolist()}
         if speculative:
             for worker, cols in self._spec_cols.items():
                 for col in cols:
                     hit = np.flatnonzero((self._bits[:hw, col >> 6] >> np.uint64(col & 63)) & np.uint64(1))
                     if hit.size:
-                        out.setdefault(("", "speculative", worker, b""), set()).update(keys[r] for r in hit.tolist())
+                        out.setdefault(("", "speculative", worker, b""), set()).update(key(r) for r in hit.tolist())
         return out
 
     # -- persistence ----------------------------------------------------------------------
 
     def state(self) -> dict[str, np.ndarray]:
         """Everything but speculative entries, as arrays (``numpy.savez``-able)."""
-        hw = len(self._keys)
+        hw = self._high
         live = np.flatnonzero(self._bits[:hw, 0] & np.uint64(1 << ALWAYS))
-        keys = [self._keys[r] for r in live.tolist()]
+        keys = self._rows.keys(live.tolist())
         cols = sorted(self._columns.items(), key=lambda kv: kv[1])
         meta = {
             "columns": [[n, t, w, fp.hex(), c] for (n, t, w, fp), c in cols],
@@ -895,7 +877,7 @@ class LocationIndex:
         bits &= ~spec_mask
         return {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
                 "key_lengths": np.fromiter((len(k) for k in keys), dtype=np.uint8, count=len(keys)),
-                "key_bytes": np.frombuffer(b"".join(keys), dtype=np.uint8), "bits": bits}  # type: ignore[arg-type]
+                "key_bytes": np.frombuffer(b"".join(keys), dtype=np.uint8), "bits": bits}
 
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a :meth:`state` (speculative entries start empty)."""
@@ -919,8 +901,9 @@ class LocationIndex:
         n = len(keys)
         self._bits = np.zeros((max(16, n + 2), words), dtype=np.uint64)  # row 0 and the last: empty
         self._bits[1:n + 1, :bits.shape[1]] = bits  # row 0 stays the empty padding row
-        self._keys = [None, *keys]
-        self._rows = dict(zip(keys, range(1, n + 1), strict=True))
+        self._rows = RowTable(len(self._bits))
+        self._rows.insert(keys, np.arange(1, n + 1, dtype=np.int64))
+        self._high = n + 1
         self._plan = None
 
 
