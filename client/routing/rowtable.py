@@ -81,9 +81,8 @@ class RowTable:
         return h.astype(np.int64)
 
     def _pos1(self, key: bytes) -> int:
-        lo = int.from_bytes(key[:8], "little")
-        hi = int.from_bytes(key[8:], "little")
-        return ((((lo * _C1) & _M64) ^ hi) * _C2 & _M64) >> self._shift_i
+        v = int.from_bytes(key, "little")
+        return ((((v & _M64) * _C1 & _M64) ^ (v >> 64)) * _C2 & _M64) >> self._shift_i
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -93,7 +92,7 @@ class RowTable:
         slots, packed, mask = self.slots, self.packed, self._mask
         i = self._pos1(key)
         for _ in range(WINDOW):
-            r = int(slots[i])
+            r = slots.item(i)
             if r < 0:
                 return default
             if packed[r].tobytes() == key:  # (a void scalar's bytes)
