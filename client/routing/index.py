@@ -5,15 +5,17 @@ hold, in which tier" (:meth:`LocationIndex.holdings`), and knows nothing of cost
 (``kvtier.client.routing.scoring`` prices the answer).
 
 Owns
-    * a key table: each distinct key (opaque bytes) gets a *row*; ``dict[bytes, int]`` plus
-      the reverse list (see Rows);
+    * a key table: each distinct key (opaque bytes) gets a *row*
+      (:class:`~kvtier.client.routing.rowtable.RowTable`: 16-byte keys packed at their row,
+      an open-addressing table of row numbers; keys of other lengths in a dict; see Rows);
     * a bit matrix ``rows x columns`` (``uint64`` words): one *column* per location, where a
       location is ``(node, tier, worker, fingerprint)``: ``host``/``disk`` of a node (worker
       empty) or ``gpu`` of one worker, per layout fingerprint; plus two *speculative*
       columns per worker (see below). A stored event sets a column's bit in the rows of its
       keys, a removed event clears it, a cleared event clears the whole column. Memory per
-      key is the dict entry, the key's bytes and one row of the matrix, independent of how
-      many locations hold it (``index_bytes_per_block`` in ``bench/router.py``);
+      key is its packed bytes, its share of the hash table and one row of the matrix (about
+      60 bytes at 1M keys), independent of how many locations hold it
+      (``index_bytes_per_block`` in ``bench/router.py``);
     * nodes (what each daemon published: its workers, layouts, tier bandwidths) with their
       feed position ``(epoch, seq)``, and the *workers* routed to. A worker sees its own
       ``gpu`` blocks and its node's ``host`` and ``disk`` blocks. A worker declared by its
@@ -27,7 +29,9 @@ The fold
     NodeInfo (workers, bandwidths, capacities), a snapshot part (the first forgets the
     node's locations; the last sets its position) or an event batch, whose events must
     follow the position one by one (:class:`FoldError` otherwise: a gap, a duplicate,
-    another epoch). A gpu event that a resume replays from before the NodeInfo that opened
+    another epoch). Consecutive stored events of a message are folded together: one
+    vectorised lookup of all their keys, new rows for the new ones in order, then each
+    event's column set in its slice. A gpu event that a resume replays from before the NodeInfo that opened
     the stream does not declare a worker that NodeInfo no longer lists. Which feed serves
     which node, and reconnecting, are the feed's (``kvtier.client.routing.feed``).
 
@@ -39,30 +43,37 @@ Speculative entries
     confirmed one (the engine's gpu event arrived) stays through the real column.
 
 Rows
-    :meth:`rows` finds a request's rows without a dict probe per key: keys that arrived
-    together got consecutive rows, so a request is a few *runs* of rows (2.3 on average in
-    ``bench/router.py``). One probe finds a run's first row; comparing the request's keys
-    with the keys stored at the following rows (a list comparison in C, no hashing; where
-    the run ends early, a bisection for its end confirmed by one slice comparison) finds how
-    far it goes. Exact: a row is taken only when its stored key equals the request's key.
-    After the first unknown key every key gets its own probe (those keys are usually new,
-    so nobody holds them).
+    :meth:`rows` finds a request's rows without a lookup per key: keys that arrived together
+    got consecutive rows, so a request is a few *runs* of rows (2.3 on average in
+    ``bench/router.py``). One probe finds a run's first row; comparing the request's joined
+    keys with the packed keys stored from that row (one bytes comparison; where the run
+    ends early, a bisection over prefixes, each compared whole) finds how far it goes.
+    Exact: a row is taken only when its stored key equals the request's key (a request
+    with a key of zeros, which a free row also reads as, or a key of another length, takes
+    the exact lookup of every key). After the first unknown key the rest are looked up at
+    once (:meth:`RowTable.find`: a key whose home slot is empty is absent; the others
+    compare their window of slots).
 
 Holdings
     :meth:`holdings` returns, per worker, the leading run of a request's keys held on its
     GPU (or speculatively), in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``).
     Nothing past the first unknown key can count. Consecutive keys whose rows have equal
     bits are held alike, so the walk runs over the *segments* of equal rows (about 7 per
-    request), not over the keys: one row gather, one comparison of neighbours, then, for
-    every worker at once, its five columns (gpu, two speculative, host, disk) of each
-    segment summed into the three tier tests by one small matrix product, and ``argmin``
-    for the first segment that fails each. The last row of the matrix is never given to a
+    request), not over the keys: one row gather, one comparison of neighbours, then each
+    byte of each segment's row picks a column of the plan's *byte table*
+    (:meth:`_Plan.byte_table`: for a byte's position and value, the workers whose gpu /
+    gpu-or-host / own-tiers / remote test one of the byte's set columns passes, as bit
+    masks); their OR answers every worker and tier for the segment; ANDed over the
+    segments so far a worker's bit stays set while its run lasts, and the count of set bits
+    is the first failing segment. (Without a byte table, over 8 MiB for many workers and
+    columns: the same walk with each worker's five columns, gpu, two speculative, host,
+    disk, summed by one small matrix product.) The last row of the matrix is never given to a
     key, so row -1 (the "unknown" mark) ends every walk. Plans with tensor-parallel workers
     (an AND over ranks) or nodes that declared no worker (an OR over fingerprints) take a
     general, slower path over the keys.
 
-Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM): about 10 us for
-the rows, 12 us for the holdings; a fixed number of numpy calls per request, independent of
+Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM, shared): about
+10-20 us for the rows, 12-16 us for the holdings; a fixed number of numpy calls per request, independent of
 the number of keys indexed and nearly so of the number of workers.
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
