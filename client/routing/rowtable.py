@@ -46,8 +46,11 @@ class RowTable:
 
     def _set_slots(self, size: int) -> None:
         self.slots = np.full(size, -1, dtype=np.int32)
-        self._shift = np.uint64(64 - (size.bit_length() - 1))
+        self.tags = np.zeros(size, dtype=np.uint8)  # per slot: 8 more bits of its key's hash, odd (0: empty)
         self._shift_i = 64 - (size.bit_length() - 1)
+        self._shift = np.uint64(self._shift_i)
+        self._tshift_i = self._shift_i - 8
+        self._tshift = np.uint64(self._tshift_i)
         self._mask = size - 1
         self._wide = 0  # packed keys in the hash table
 
@@ -57,7 +60,7 @@ class RowTable:
         return self.count
 
     def nbytes(self) -> int:
-        return int(self.packed.nbytes + self.slots.nbytes + self.live.nbytes)
+        return int(self.packed.nbytes + self.slots.nbytes + self.tags.nbytes + self.live.nbytes)
 
     def reserve_rows(self, capacity: int) -> None:
         """Room for rows ``0 .. capacity - 1`` (the index grows its bit matrix alike)."""
@@ -71,31 +74,35 @@ class RowTable:
 
     # -- hashing --------------------------------------------------------------------------
 
-    def _pos(self, keys: np.ndarray) -> np.ndarray:
-        """Home slots of packed keys: the top bits of a multiplicative mix of their words."""
+    def _pos_tag(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Home slots of packed keys (the top bits of a multiplicative mix of their words)
+        and their tags (the next 8 bits, made odd: a tag is never an empty slot's 0)."""
         words = keys.view(np.uint64).reshape(len(keys), 2)
         h = words[:, 0] * _C1_U
         h ^= words[:, 1]
         h *= _C2_U
+        tag = (h >> self._tshift).astype(np.uint8)
+        tag |= 1
         h >>= self._shift
-        return h.astype(np.int64)
+        return h.astype(np.int64), tag
 
-    def _pos1(self, key: bytes) -> int:
+    def _pos_tag1(self, key: bytes) -> tuple[int, int]:
         v = int.from_bytes(key, "little")
-        return ((((v & _M64) * _C1 & _M64) ^ (v >> 64)) * _C2 & _M64) >> self._shift_i
+        h = (((v & _M64) * _C1 & _M64) ^ (v >> 64)) * _C2 & _M64
+        return h >> self._shift_i, ((h >> self._tshift_i) & 0xFF) | 1
 
     # -- lookups --------------------------------------------------------------------------
 
     def get(self, key: bytes, default: int | None = None) -> int | None:
         if len(key) != WIDTH:
             return self.odd.get(key, default)
-        slots, packed, mask = self.slots, self.packed, self._mask
-        i = self._pos1(key)
+        slots, tags, packed, mask = self.slots, self.tags, self.packed, self._mask
+        i, tag = self._pos_tag1(key)
         for _ in range(WINDOW):
             r = slots.item(i)
             if r < 0:
                 return default
-            if packed[r].tobytes() == key:  # (a void scalar's bytes)
+            if tags.item(i) == tag and packed[r].tobytes() == key:  # (a void scalar's bytes)
                 return r
             i = (i + 1) & mask
         return default
@@ -125,24 +132,26 @@ class RowTable:
 
     def _find(self, packed: np.ndarray) -> np.ndarray:
         """Rows of packed keys (-1: none): a key whose home slot is empty is not indexed
-        (nothing was ever placed past it); for the others, their window of slots, the keys
-        at those rows compared with theirs (a key matches at most one)."""
+        (nothing was ever placed past it); for the others, the slots of their window whose
+        tag is theirs, and the keys at those rows compared with theirs."""
         n = len(packed)
         out = np.full(n, -1, dtype=np.int64)
-        pos = self._pos(packed)
+        pos, tag = self._pos_tag(packed)
         maybe = np.flatnonzero(self.slots.take(pos) >= 0)
         if not maybe.size:
             return out
         if maybe.size < n:
-            pos, packed = pos.take(maybe), packed.take(maybe)
+            pos, tag, packed = pos.take(maybe), tag.take(maybe), packed.take(maybe)
         m = len(packed)
         win = _OFFSETS[:, None] + pos  # (WINDOW, m): numpy's inner loops run over the keys
         win &= self._mask
-        cand = self.slots.take(win)  # rows, -1 where empty
-        same = self.packed.take(cand) == packed
-        same &= cand > 0  # (an empty slot reads row -1, never a key's row; row 0 is no key's)
-        hit = np.flatnonzero(same)
-        out[maybe.take(hit % m)] = cand.ravel().take(hit)
+        hit = np.flatnonzero(self.tags.take(win) == tag)
+        if not hit.size:
+            return out
+        cand = self.slots.take(win.ravel().take(hit))  # a slot with a tag holds a row
+        key_i = hit % m
+        same = self.packed.take(cand) == packed.take(key_i)
+        out[maybe.take(key_i[same])] = cand[same]
         return out
 
     def key(self, row: int) -> bytes:
@@ -183,10 +192,10 @@ class RowTable:
             self._wide += len(wide_rows)
             if 2 * self._wide > len(self.slots):
                 self._rehash(len(self.slots))
-            elif not self._place(wide_rows, self._pos(words)):
+            elif not self._place(wide_rows, *self._pos_tag(words)):
                 self._rehash(2 * len(self.slots))
 
-    def _place(self, rows: np.ndarray, pos: np.ndarray) -> bool:
+    def _place(self, rows: np.ndarray, pos: np.ndarray, tag: np.ndarray) -> bool:
         """Put rows in the table from their home slots, each in the first free slot from
         there; False if some did not find one within ``WINDOW`` slots (the table must grow)."""
         slots, mask = self.slots, self._mask
@@ -196,10 +205,12 @@ class RowTable:
             free = slots.take(pos) < 0
             fr, fp = rows[free], pos[free]
             slots[fp] = fr  # several rows for one slot: one of them wins
+            won_free = slots.take(fp) == fr
+            self.tags[fp[won_free]] = tag[free][won_free]
             won = np.zeros(len(rows), dtype=np.bool_)
-            won[free] = slots.take(fp) == fr
+            won[free] = won_free
             lost = ~won
-            rows, pos = rows[lost], (pos[lost] + 1) & mask
+            rows, pos, tag = rows[lost], (pos[lost] + 1) & mask, tag[lost]
         return not rows.size
 
     def _rehash(self, size: int = 0) -> None:
@@ -215,7 +226,7 @@ class RowTable:
         while True:
             self._set_slots(size)
             self._wide = len(rows)
-            if self._place(rows, self._pos(pos_words)):
+            if self._place(rows, *self._pos_tag(pos_words)):
                 return
             size *= 2
 
