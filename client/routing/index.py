@@ -435,9 +435,18 @@ class LocationIndex:
                 self._set_parts(keys, parts)
 
     def _set_parts(self, keys: list[bytes], parts: list[tuple[int, int, int]]) -> None:
+        """Set each part's column in its keys' rows: one update per column (a batch has a
+        few columns and many events)."""
         rows = self._rows_of(keys, create=True)
+        by_col: dict[int, list[np.ndarray]] = {}
         for col, start, end in parts:
-            self._set(rows[start:end], col)
+            chunks = by_col.get(col)
+            if chunks is None:
+                by_col[col] = [rows[start:end]]
+            else:
+                chunks.append(rows[start:end])
+        for col, chunks in by_col.items():
+            self._set(chunks[0] if len(chunks) == 1 else np.concatenate(chunks), col)
 
     @staticmethod
     def _declares(view: NodeView, tier: str, ev: locations_pb2.LocationEvent, epoch: int) -> bool:
