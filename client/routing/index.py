@@ -91,7 +91,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.client.routing.rowtable import WIDTH, RowTable
+from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable
 from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
@@ -689,21 +689,15 @@ class LocationIndex:
             r = table.get(keys[i])
             if r is None:
                 break
-            # the run: how many of keys[i:] are stored at rows r, r + 1, ... (one slice
-            # comparison when all are; else a bisection over prefixes, each compared whole)
+            # the run: how many of keys[i:] are stored at rows r, r + 1, ... (one bytes
+            # comparison when all are; else the first key that differs, compared as arrays)
             span = min(n - i, high - r)
             at = WIDTH * i
             if packed[r:r + span].tobytes() == joined[at:at + WIDTH * span]:
                 run = span
             else:
-                lo, hi = 1, span - 1  # keys[i] is at row r: the table said so
-                while lo < hi:
-                    mid = (lo + hi + 1) >> 1
-                    if packed[r:r + mid].tobytes() == joined[at:at + WIDTH * mid]:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                run = lo
+                mine = np.frombuffer(joined, dtype=_KEY, count=span, offset=at)
+                run = int((packed[r:r + span] != mine).argmax())  # > 0: keys[i] is at row r
             if run == n:  # one run (the common case)
                 out = np.arange(r - 1, r + n + 1, dtype=np.int64)
                 out[0] = out[n + 1] = -1
