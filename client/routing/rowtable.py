@@ -235,10 +235,11 @@ class RowTable:
         rows = np.asarray(rows, dtype=np.int64)
         if not rows.size:
             return
-        for r in rows.tolist():
-            k = self.odd_key.pop(r, None)
-            if k is not None:
-                del self.odd[k]
+        if self.odd_key:
+            for r in rows.tolist():
+                k = self.odd_key.pop(r, None)
+                if k is not None:
+                    del self.odd[k]
         self.live[rows] = False
         self.packed[rows] = bytes(WIDTH)
         self.count -= len(rows)
