@@ -81,3 +81,13 @@ def test_a_key_of_zeros_never_takes_a_free_row_or_one_of_another_length() -> Non
     assert idx.rows([a, bytes(16)]).rows.tolist() == [-1, idx._rows[a], -1, -1]
     idx.stored("n", "host", "", FP, [bytes(16)])
     assert idx.rows([a, bytes(16)]).rows.tolist() == [-1, idx._rows[a], idx._rows[bytes(16)], -1]
+
+
+def test_state_keeps_keys_of_every_length() -> None:
+    idx = LocationIndex()
+    ks = [b"a" * 16, b"odd", bytes(16), b"x" * 40, b"b" * 16]
+    idx.stored("n", "host", "", FP, ks)
+    copy = LocationIndex()
+    copy.load_state(idx.state())
+    assert copy.locations() == idx.locations() == {("n", "host", "", FP): set(ks)}
+    assert [copy._rows.get(k) is not None for k in ks] == [True] * 5

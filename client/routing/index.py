@@ -873,7 +873,7 @@ class LocationIndex:
         """Everything but speculative entries, as arrays (``numpy.savez``-able)."""
         hw = self._high
         live = np.flatnonzero(self._bits[:hw, 0] & np.uint64(1 << ALWAYS))
-        keys = self._rows.keys(live.tolist())
+        lengths, blob = self._rows.joined(live)
         cols = sorted(self._columns.items(), key=lambda kv: kv[1])
         meta = {
             "columns": [[n, t, w, fp.hex(), c] for (n, t, w, fp), c in cols],
@@ -890,8 +890,7 @@ class LocationIndex:
                 spec_mask[c >> 6] |= np.uint64(1 << (c & 63))
         bits &= ~spec_mask
         return {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                "key_lengths": np.fromiter((len(k) for k in keys), dtype=np.uint8, count=len(keys)),
-                "key_bytes": np.frombuffer(b"".join(keys), dtype=np.uint8), "bits": bits}
+                "key_lengths": lengths, "key_bytes": np.frombuffer(blob, dtype=np.uint8), "bits": bits}
 
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a :meth:`state` (speculative entries start empty)."""

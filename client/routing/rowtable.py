@@ -161,6 +161,14 @@ class RowTable:
     def keys(self, rows: Iterable[int]) -> list[bytes]:
         return [self.key(r) for r in rows]
 
+    def joined(self, rows: np.ndarray) -> tuple[np.ndarray, bytes]:
+        """(uint8 lengths, the keys joined) of these rows' keys, in order (whole arrays when
+        every key is ``WIDTH`` bytes)."""
+        if not self.odd_key:
+            return np.full(len(rows), WIDTH, dtype=np.uint8), self.packed.take(rows).tobytes()
+        keys = self.keys(rows.tolist())
+        return np.fromiter(map(len, keys), dtype=np.uint8, count=len(keys)), b"".join(keys)
+
     def items(self) -> Iterator[tuple[bytes, int]]:
         for r in self.live.nonzero()[0].tolist():
             yield self.key(r), r
