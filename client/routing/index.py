@@ -5,15 +5,17 @@ hold, in which tier" (:meth:`LocationIndex.holdings`), and knows nothing of cost
 (``kvtier.client.routing.scoring`` prices the answer).
 
 Owns
-    * a key table: each distinct key (opaque bytes) gets a *row*; ``dict[bytes, int]`` plus
-      the reverse list (see Rows);
+    * a key table: each distinct key (opaque bytes) gets a *row*
+      (:class:`~kvtier.client.routing.rowtable.RowTable`: 16-byte keys packed at their row,
+      an open-addressing table of row numbers; keys of other lengths in a dict; see Rows);
     * a bit matrix ``rows x columns`` (``uint64`` words): one *column* per location, where a
       location is ``(node, tier, worker, fingerprint)``: ``host``/``disk`` of a node (worker
       empty) or ``gpu`` of one worker, per layout fingerprint; plus two *speculative*
       columns per worker (see below). A stored event sets a column's bit in the rows of its
       keys, a removed event clears it, a cleared event clears the whole column. Memory per
-      key is the dict entry, the key's bytes and one row of the matrix, independent of how
-      many locations hold it (``index_bytes_per_block`` in ``bench/router.py``);
+      key is its packed bytes, its share of the hash table and one row of the matrix (about
+      60 bytes at 1M keys), independent of how many locations hold it
+      (``index_bytes_per_block`` in ``bench/router.py``);
     * nodes (what each daemon published: its workers, layouts, tier bandwidths) with their
       feed position ``(epoch, seq)``, and the *workers* routed to. A worker sees its own
       ``gpu`` blocks and its node's ``host`` and ``disk`` blocks. A worker declared by its
@@ -27,7 +29,9 @@ The fold
     NodeInfo (workers, bandwidths, capacities), a snapshot part (the first forgets the
     node's locations; the last sets its position) or an event batch, whose events must
     follow the position one by one (:class:`FoldError` otherwise: a gap, a duplicate,
-    another epoch). A gpu event that a resume replays from before the NodeInfo that opened
+    another epoch). Consecutive stored events of a message are folded together: one
+    vectorised lookup of all their keys, new rows for the new ones in order, then each
+    event's column set in its slice. A gpu event that a resume replays from before the NodeInfo that opened
     the stream does not declare a worker that NodeInfo no longer lists. Which feed serves
     which node, and reconnecting, are the feed's (``kvtier.client.routing.feed``).
 
@@ -39,30 +43,37 @@ Speculative entries
     confirmed one (the engine's gpu event arrived) stays through the real column.
 
 Rows
-    :meth:`rows` finds a request's rows without a dict probe per key: keys that arrived
-    together got consecutive rows, so a request is a few *runs* of rows (2.3 on average in
-    ``bench/router.py``). One probe finds a run's first row; comparing the request's keys
-    with the keys stored at the following rows (a list comparison in C, no hashing; where
-    the run ends early, a bisection for its end confirmed by one slice comparison) finds how
-    far it goes. Exact: a row is taken only when its stored key equals the request's key.
-    After the first unknown key every key gets its own probe (those keys are usually new,
-    so nobody holds them).
+    :meth:`rows` finds a request's rows without a lookup per key: keys that arrived together
+    got consecutive rows, so a request is a few *runs* of rows (2.3 on average in
+    ``bench/router.py``). One probe finds a run's first row; comparing the request's joined
+    keys with the packed keys stored from that row (one bytes comparison; where the run
+    ends early, a bisection over prefixes, each compared whole) finds how far it goes.
+    Exact: a row is taken only when its stored key equals the request's key (a request
+    with a key of zeros, which a free row also reads as, or a key of another length, takes
+    the exact lookup of every key). After the first unknown key the rest are looked up at
+    once (:meth:`RowTable.find`: a key whose home slot is empty is absent; the others
+    compare their window of slots).
 
 Holdings
     :meth:`holdings` returns, per worker, the leading run of a request's keys held on its
     GPU (or speculatively), in GPU or host, and in any tier (``d_gpu <= d_host <= d_disk``).
     Nothing past the first unknown key can count. Consecutive keys whose rows have equal
     bits are held alike, so the walk runs over the *segments* of equal rows (about 7 per
-    request), not over the keys: one row gather, one comparison of neighbours, then, for
-    every worker at once, its five columns (gpu, two speculative, host, disk) of each
-    segment summed into the three tier tests by one small matrix product, and ``argmin``
-    for the first segment that fails each. The last row of the matrix is never given to a
+    request), not over the keys: one row gather, one comparison of neighbours, then each
+    byte of each segment's row picks a column of the plan's *byte table*
+    (:meth:`_Plan.byte_table`: for a byte's position and value, the workers whose gpu /
+    gpu-or-host / own-tiers / remote test one of the byte's set columns passes, as bit
+    masks); their OR answers every worker and tier for the segment; ANDed over the
+    segments so far a worker's bit stays set while its run lasts, and the count of set bits
+    is the first failing segment. (Without a byte table, over 8 MiB for many workers and
+    columns: the same walk with each worker's five columns, gpu, two speculative, host,
+    disk, summed by one small matrix product.) The last row of the matrix is never given to a
     key, so row -1 (the "unknown" mark) ends every walk. Plans with tensor-parallel workers
     (an AND over ranks) or nodes that declared no worker (an OR over fingerprints) take a
     general, slower path over the keys.
 
-Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM): about 10 us for
-the rows, 12 us for the holdings; a fixed number of numpy calls per request, independent of
+Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM, shared): about
+10-20 us for the rows, 12-16 us for the holdings; a fixed number of numpy calls per request, independent of
 the number of keys indexed and nearly so of the number of workers.
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
@@ -76,12 +87,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import eq as _eq
 from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable
 from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
@@ -93,6 +103,10 @@ ALWAYS = 0  # column set in every live row (the neutral element of an AND over c
 NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
 # rows: the tiers; columns: gpu, speculative 0, speculative 1, host, disk (see _Plan.fast)
+_WORD_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a row of w bools as one integer
+_ZERO_KEY = bytes(WIDTH)
+_PROBE_EACH = 512  # keys: a longer list (a fold's batch) is looked up key by key, not by runs
+_TABLE_LIMIT = 8 << 20  # bytes: the largest per-plan byte table (_Plan.byte_table)
 _TIER_SUMS = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=np.float32)
 
 
@@ -145,10 +159,10 @@ class LocationIndex:
 
     def clear(self, initial_rows: int = 16) -> None:
         """Forget everything: keys, locations, nodes and their positions, speculative entries."""
-        self._rows: dict[bytes, int] = {}
-        self._keys: list[bytes | None] = [None]  # row 0 stays empty: the request padding
-        self._free: list[int] = []
         self._bits = np.zeros((max(16, initial_rows), 1), dtype=np.uint64)
+        self._rows = RowTable(len(self._bits))  # key -> row
+        self._high = 1  # rows below this were given out; row 0 stays empty: the request padding
+        self._free: list[int] = []
         self._ncols = _FIRST_COLUMN
         self._columns: dict[tuple[str, str, str, bytes], int] = {}
         self._free_cols: list[int] = []  # columns given back by nodes that left (all their bits clear)
@@ -161,6 +175,7 @@ class LocationIndex:
         self._worker_by_name: dict[str, Worker] = {}
         self._external: list[str] = []
         self._plan: _Plan | None = None
+        self._run: tuple[np.ndarray | None, int] = (None, 0)  # rows()' last one-run answer, its first row
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -173,8 +188,8 @@ class LocationIndex:
         return self._ncols
 
     def nbytes(self) -> int:
-        """Bytes of the index's own arrays (the bit matrix and the row list; not the dict)."""
-        return int(self._bits.nbytes) + 8 * len(self._keys)
+        """Bytes of the index's own arrays (the bit matrix and the key table's)."""
+        return int(self._bits.nbytes) + self._rows.nbytes()
 
     # -- columns and rows -----------------------------------------------------------------
 
@@ -204,42 +219,46 @@ class LocationIndex:
             grown[:, :self._bits.shape[1]] = self._bits
             self._bits = grown
 
-    def _alloc_rows(self, keys: list[bytes]) -> None:
-        """Give rows to keys not yet indexed (distinct, absent from the table)."""
+    def _alloc_rows(self, keys: list[bytes]) -> np.ndarray:
+        """Give rows to keys not yet indexed (distinct, absent from the table); returns them,
+        in the keys' order (freed rows first, then new ones in order)."""
         n = len(keys)
         take = min(n, len(self._free))
+        rows = np.empty(n, dtype=np.int64)
         if take:
-            reused = self._free[len(self._free) - take:]
+            rows[:take] = self._free[len(self._free) - take:]
             del self._free[len(self._free) - take:]
-            for r, k in zip(reused, keys[:take], strict=True):
-                self._keys[r] = k
-            self._rows.update(zip(keys[:take], reused, strict=True))
-            self._bits[np.asarray(reused, dtype=np.int64), 0] |= np.uint64(1 << ALWAYS)
-        if take == n:
-            return
-        start = len(self._keys)
-        need = start + n - take
-        if need >= self._bits.shape[0]:  # the last row stays empty: row -1 reads as "no key"
-            cap = self._bits.shape[0]
-            while cap <= need:
-                cap *= 2
-            grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
-            grown[:start] = self._bits[:start]
-            self._bits = grown
-        fresh = keys[take:]
-        self._keys.extend(fresh)
-        self._rows.update(zip(fresh, range(start, need), strict=True))
-        self._bits[start:need, 0] |= np.uint64(1 << ALWAYS)
+            self._bits[rows[:take], 0] |= np.uint64(1 << ALWAYS)
+        if take < n:
+            start = self._high
+            need = start + n - take
+            if need >= self._bits.shape[0]:  # the last row stays empty: row -1 reads as "no key"
+                cap = self._bits.shape[0]
+                while cap <= need:
+                    cap *= 2
+                grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
+                grown[:start] = self._bits[:start]
+                self._bits = grown
+            rows[take:] = np.arange(start, need, dtype=np.int64)
+            self._high = need
+            self._bits[start:need, 0] |= np.uint64(1 << ALWAYS)
+        self._rows.reserve_rows(self._bits.shape[0])
+        self._rows.insert(keys, rows)
+        return rows
 
     def _rows_of(self, keys: Sequence[bytes], create: bool) -> np.ndarray:
         """The rows of ``keys``: with ``create``, one for every key (new rows for keys not
         indexed); without, only those of indexed keys."""
         if not isinstance(keys, list):
             keys = list(keys)  # once: a protobuf field makes new bytes objects on every pass
-        found = self.rows(keys)
-        rows = found.rows[1:len(keys) + 1]
+        if len(keys) > _PROBE_EACH:  # a fold's batch: one probe per key (runs pay off for requests)
+            rows = self._rows.find(keys)
+            indexed = 0
+        else:
+            rows, indexed = self.rows(keys)
+            rows = rows[1:len(keys) + 1]
         if create:
-            return self._fill(keys, rows, found.indexed)
+            return self._fill(keys, rows, indexed)
         return rows[rows >= 0]
 
     def _fill(self, keys: list[bytes], rows: np.ndarray, indexed: int) -> np.ndarray:
@@ -249,9 +268,10 @@ class LocationIndex:
         if missing is None or not missing.size:
             return rows
         rows = rows.copy()
-        new = [keys[i] for i in missing.tolist()]
-        self._alloc_rows(list(dict.fromkeys(new)))
-        rows[missing] = list(map(self._rows.__getitem__, new))
+        new = keys if missing.size == len(keys) else [keys[i] for i in missing.tolist()]
+        distinct = list(dict.fromkeys(new))
+        given = self._alloc_rows(distinct)
+        rows[missing] = given if len(distinct) == len(new) else self._rows.find(new)
         return rows
 
     def _set(self, rows: np.ndarray, col: int) -> None:
@@ -267,7 +287,7 @@ class LocationIndex:
         masks: dict[int, int] = {}
         for col in cols:
             masks[col >> 6] = masks.get(col >> 6, 0) | (1 << (col & 63))
-        hw = len(self._keys)
+        hw = self._high
         for word, mask in masks.items():
             col = self._bits[:hw, word]
             # count only the rows that held one of these columns, so clearing speculative
@@ -305,6 +325,11 @@ class LocationIndex:
         """Keys became visible in (node, tier) or on worker's GPU, under layout ``fp``. A gpu
         event declares its worker (and fingerprint) on the node unless ``declare`` is False
         (the event is history: the node's newer NodeInfo no longer lists that worker)."""
+        self._set(self._rows_of(keys, create=True), self._stored_column(node, tier, worker, fp, declare))
+
+    def _stored_column(self, node: str, tier: str, worker: str, fp: bytes, declare: bool) -> int:
+        """The column a stored event sets (made if new); a gpu event with ``declare``
+        declares its worker and fingerprint on the node."""
         col = self._column(node, tier, worker if tier == _GPU else "", fp)
         if tier == _GPU and declare:
             view = self.node(node)
@@ -312,7 +337,7 @@ class LocationIndex:
             if fp not in fps:
                 view.workers[worker] = tuple(sorted((*fps, fp)))
                 self._plan = None
-        self._set(self._rows_of(keys, create=True), col)
+        return col
 
     def removed(self, node: str, tier: str, worker: str, fp: bytes, keys: Sequence[bytes]) -> None:
         col = self._columns.get((node, tier, worker if tier == _GPU else "", fp))
@@ -367,19 +392,70 @@ class LocationIndex:
             if part.first:
                 self.reset_node(node_id)
                 view.epoch = 0  # not a valid position until the last part
-            for ev in part.entries:
-                self._fold_event(view, ev, reply.epoch)
+            self._fold_events(view, part.entries, reply.epoch, False)
             if part.last:
                 view.epoch, view.seq = reply.epoch, part.at_seq
         elif body == "events":
             view = self.node(node_id)
             if view.epoch != reply.epoch:
                 raise FoldError(f"events of epoch {reply.epoch} while at epoch {view.epoch}")
-            for ev in reply.events.events:
-                if ev.seq != view.seq + 1:
-                    raise FoldError(f"event seq {ev.seq} after {view.seq}: a gap or a duplicate")
-                self._fold_event(view, ev, reply.epoch)
-                view.seq = ev.seq
+            self._fold_events(view, reply.events.events, reply.epoch, True)
+
+    def _fold_events(self, view: NodeView, events: Iterable[locations_pb2.LocationEvent], epoch: int,
+                     in_order: bool) -> None:
+        """Fold events in order; ``in_order``: each must follow the node's position (which
+        then moves), else :class:`FoldError` once those before it are folded. Consecutive
+        stored events are folded together: one lookup of all their keys' rows (new rows
+        for new keys), then each event's column set in its slice of them."""
+        keys: list[bytes] = []
+        parts: list[tuple[int, int, int]] = []  # (column, start, end) in keys
+        stored = locations_pb2.STORED
+        try:
+            for ev in events:
+                if in_order:
+                    if ev.seq != view.seq + 1:
+                        raise FoldError(f"event seq {ev.seq} after {view.seq}: a gap or a duplicate")
+                    view.seq = ev.seq
+                tier = _TIER_LABEL.get(ev.tier)
+                if tier is None:
+                    continue
+                if ev.kind == stored:
+                    col = self._stored_column(view.node_id, tier, ev.worker_id, ev.fingerprint,
+                                              self._declares(view, tier, ev, epoch))
+                    start = len(keys)
+                    keys.extend(ev.keys)
+                    parts.append((col, start, len(keys)))
+                    continue
+                if parts:
+                    self._set_parts(keys, parts)
+                    keys, parts = [], []
+                self._fold_event(view, ev, epoch)
+        finally:
+            if parts:
+                self._set_parts(keys, parts)
+
+    def _set_parts(self, keys: list[bytes], parts: list[tuple[int, int, int]]) -> None:
+        """Set each part's column in its keys' rows: one update per column (a batch has a
+        few columns and many events)."""
+        rows = self._rows_of(keys, create=True)
+        by_col: dict[int, list[np.ndarray]] = {}
+        for col, start, end in parts:
+            chunks = by_col.get(col)
+            if chunks is None:
+                by_col[col] = [rows[start:end]]
+            else:
+                chunks.append(rows[start:end])
+        for col, chunks in by_col.items():
+            self._set(chunks[0] if len(chunks) == 1 else np.concatenate(chunks), col)
+
+    @staticmethod
+    def _declares(view: NodeView, tier: str, ev: locations_pb2.LocationEvent, epoch: int) -> bool:
+        """Whether a stored event declares its worker: not a gpu event that a resume replays
+        from before the NodeInfo that no longer lists the worker."""
+        if tier != _GPU or view.info is None:
+            return True
+        info_epoch, info_seq, listed = view.info
+        return info_epoch != epoch or ev.seq > info_seq or ev.worker_id in listed
 
     def _fold_info(self, info: locations_pb2.NodeInfo) -> None:
         view = self.node(info.node_id)
@@ -394,11 +470,8 @@ class LocationIndex:
         if tier is None:
             return
         if ev.kind == locations_pb2.STORED:
-            declare = True
-            if tier == _GPU and view.info is not None:  # a resume replays events older than its NodeInfo
-                info_epoch, info_seq, listed = view.info
-                declare = info_epoch != epoch or ev.seq > info_seq or ev.worker_id in listed
-            self.stored(view.node_id, tier, ev.worker_id, ev.fingerprint, ev.keys, declare=declare)
+            self.stored(view.node_id, tier, ev.worker_id, ev.fingerprint, ev.keys,
+                        declare=self._declares(view, tier, ev, epoch))
         elif ev.kind == locations_pb2.REMOVED:
             self.removed(view.node_id, tier, ev.worker_id, ev.fingerprint, ev.keys)
         elif ev.kind == locations_pb2.CLEARED:
@@ -436,8 +509,13 @@ class LocationIndex:
                 keys = list(keys)
             found = self.rows(keys)
         rows, indexed = found
+        col = cols[self._spec_gen]
+        if rows is self._run[0] and indexed == len(keys):  # one run of rows: rows r, r + 1, ...
+            r = self._run[1]
+            self._bits[r:r + indexed, col >> 6] |= np.uint64(1 << (col & 63))
+            return
         rows = rows[1:len(keys) + 1]
-        self._set(rows if indexed == len(keys) else self._fill(keys, rows, indexed), cols[self._spec_gen])
+        self._set(rows if indexed == len(keys) else self._fill(keys, rows, indexed), col)
 
     def expire(self, now: float) -> None:
         """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
@@ -462,9 +540,7 @@ class LocationIndex:
     def compact(self) -> int:
         """Give back the rows of keys no location holds; returns how many."""
         self._removals = 0
-        hw = len(self._keys)
-        if not hw:
-            return 0
+        hw = self._high
         bits = self._bits[:hw]
         only_always = bits[:, 0] == np.uint64(1 << ALWAYS)
         for w in range(1, bits.shape[1]):
@@ -473,10 +549,7 @@ class LocationIndex:
         if not dead.size:
             return 0
         self._bits[dead] = 0
-        keys, rows = self._keys, self._rows
-        for r in dead.tolist():
-            del rows[keys[r]]
-            keys[r] = None
+        self._rows.drop(dead)
         self._free.extend(dead.tolist())
         return int(dead.size)
 
@@ -602,52 +675,39 @@ class LocationIndex:
         See the module docstring (Rows). Exact: a row is only taken when its stored key
         equals the key."""
         n = len(keys)
-        get = self._rows.get
-        stored = self._keys
-        r = get(keys[0]) if n else None
-        if r is not None and stored[r:r + n] == keys:  # one run: the common case
-            out = np.arange(r - 1, r + n + 1, dtype=np.int64)
-            out[0] = out[n + 1] = -1
-            return _rows(Rows, (out, n))
+        table = self._rows
+        joined = b"".join(keys)
         buf = np.empty(n + 2, dtype=np.int64)
         buf[0] = buf[n + 1] = -1
-        out = buf[1:]
-        first_miss = n
+        if not n or len(joined) != WIDTH * n or min(map(len, keys)) != WIDTH or _ZERO_KEY in joined:
+            # keys of other lengths, or of zeros (a row of zeros may be free): key by key
+            buf[1:n + 1] = table.find(keys)
+            return _rows(Rows, (buf, int((buf[1:] < 0).argmax())))
+        packed, high = table.packed, self._high
         i = 0
         while i < n:
-            if i:
-                r = get(keys[i])
+            r = table.get(keys[i])
             if r is None:
-                if first_miss == n:
-                    first_miss = i
-                # after an unknown key the rest usually is unknown too: one probe each
-                out[i:n] = list(map(get, keys[i:], repeat(-1, n - i)))
                 break
-            span = n - i
-            if stored[r + 1:r + 2] != keys[i + 1:i + 2]:  # a run of one (scattered keys): no slices
-                run = 1
-            elif i and stored[r:r + span] == keys[i:]:  # (for i == 0 the test above failed)
+            # the run: how many of keys[i:] are stored at rows r, r + 1, ... (one bytes
+            # comparison when all are; else the first key that differs, compared as arrays)
+            span = min(n - i, high - r)
+            at = WIDTH * i
+            if packed[r:r + span].tobytes() == joined[at:at + WIDTH * span]:
                 run = span
             else:
-                # the run breaks somewhere: bisect for the first key not stored at its place
-                # (past the break the rows belong to other keys), then confirm that all keys
-                # before it are in place with one slice comparison
-                lo, hi = 1, span  # keys[i] is at row r: the dict said so
-                end = len(stored) - r
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if mid < end and stored[r + mid] == keys[i + mid]:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                run = lo
-                if run > 1 and stored[r + 1:r + run] != keys[i + 1:i + run]:  # not one break: walk
-                    same = list(map(_eq, stored[r:r + span], keys[i:]))
-                    same.append(False)
-                    run = same.index(False)
-            out[i:i + run] = np.arange(r, r + run, dtype=np.int64)
+                mine = np.frombuffer(joined, dtype=_KEY, count=span, offset=at)
+                run = int((packed[r:r + span] != mine).argmax())  # > 0: keys[i] is at row r
+            if run == n:  # one run (the common case)
+                out = np.arange(r - 1, r + n + 1, dtype=np.int64)
+                out[0] = out[n + 1] = -1
+                self._run = (out, r)  # speculate() then sets a slice of rows, not a list of them
+                return _rows(Rows, (out, n))
+            buf[1 + i:1 + i + run] = np.arange(r, r + run, dtype=np.int64)
             i += run
-        return _rows(Rows, (buf, first_miss))
+        if i < n:  # after the first unknown key: the rest at once (usually unknown too)
+            buf[1 + i:n + 1] = table.find_packed(joined[WIDTH * i:])
+        return _rows(Rows, (buf, i))
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
@@ -661,6 +721,26 @@ class LocationIndex:
         n_w = len(plan.workers) if workers is None else len(workers)
         if m == 0 or n_w == 0:
             return np.zeros((4, n_w), dtype=np.int64)
+        tab = plan.byte_table() if plan.fast is not None else None
+        if tab is not None and tab.shape[1] == self._bits.shape[1] * 2048:
+            # segments of equal rows as below; then each byte of a segment's row picks a
+            # column of the plan's byte table (per tier, the workers whose test one of the
+            # byte's set columns passes, as bit masks): their OR answers every worker and
+            # tier for the segment at once. ANDed over the segments so far, a worker's bit
+            # stays set while its run lasts: the count of set bits is the failing segment
+            bits = self._bits.take(rows[:m + 2], axis=0)
+            ne = np.not_equal(bits[1:], bits[:-1])
+            wide = _WORD_VIEW.get(ne.shape[1])
+            starts = (ne.view(wide).ravel() if wide is not None else ne.any(axis=1)).nonzero()[0]
+            seg = bits[1:].take(starts, axis=0).view(np.uint8)
+            got = np.bitwise_or.reduce(tab.take(seg + plan.byte_offsets, axis=1), axis=2)  # (4 x words, segments)
+            alive = np.bitwise_and.accumulate(got, axis=1)
+            runs = np.unpackbits(alive.view(np.uint8), axis=1, bitorder="little")
+            runs = np.add.reduce(runs.reshape(tab.shape[0], starts.size, 64), axis=1, dtype=np.intp).reshape(4, -1)
+            lead = starts.take(runs[:, :len(plan.workers)] if workers is None else runs[:, workers])
+            if not remote:
+                lead[3] = lead[2]
+            return lead
         if plan.fast is not None:
             # consecutive keys with equal rows are held alike, so the walk runs over the
             # segments of equal rows (a few per request), not over the keys. Around the known
@@ -771,29 +851,29 @@ class LocationIndex:
         """{(node, tier, worker, fingerprint): keys}, with ``speculative`` also {("",
         "speculative", worker, b""): keys} (slow; for tests and tools)."""
         out: dict[tuple[str, str, str, bytes], set[bytes]] = {}
-        hw = len(self._keys)
-        keys = self._keys
+        hw = self._high
+        key = self._rows.key
         for loc, col in self._columns.items():
             if node_id is not None and loc[0] != node_id:
                 continue
             hit = np.flatnonzero((self._bits[:hw, col >> 6] >> np.uint64(col & 63)) & np.uint64(1))
             if hit.size:
-                out[loc] = {keys[r] for r in hit.tolist()}  # type: ignore[misc]
+                out[loc] = {key(r) for r in hit.tolist()}
         if speculative:
             for worker, cols in self._spec_cols.items():
                 for col in cols:
                     hit = np.flatnonzero((self._bits[:hw, col >> 6] >> np.uint64(col & 63)) & np.uint64(1))
                     if hit.size:
-                        out.setdefault(("", "speculative", worker, b""), set()).update(keys[r] for r in hit.tolist())
+                        out.setdefault(("", "speculative", worker, b""), set()).update(key(r) for r in hit.tolist())
         return out
 
     # -- persistence ----------------------------------------------------------------------
 
     def state(self) -> dict[str, np.ndarray]:
         """Everything but speculative entries, as arrays (``numpy.savez``-able)."""
-        hw = len(self._keys)
+        hw = self._high
         live = np.flatnonzero(self._bits[:hw, 0] & np.uint64(1 << ALWAYS))
-        keys = [self._keys[r] for r in live.tolist()]
+        lengths, blob = self._rows.joined(live)
         cols = sorted(self._columns.items(), key=lambda kv: kv[1])
         meta = {
             "columns": [[n, t, w, fp.hex(), c] for (n, t, w, fp), c in cols],
@@ -810,8 +890,7 @@ class LocationIndex:
                 spec_mask[c >> 6] |= np.uint64(1 << (c & 63))
         bits &= ~spec_mask
         return {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                "key_lengths": np.fromiter((len(k) for k in keys), dtype=np.uint8, count=len(keys)),
-                "key_bytes": np.frombuffer(b"".join(keys), dtype=np.uint8), "bits": bits}  # type: ignore[arg-type]
+                "key_lengths": lengths, "key_bytes": np.frombuffer(blob, dtype=np.uint8), "bits": bits}
 
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a :meth:`state` (speculative entries start empty)."""
@@ -835,8 +914,9 @@ class LocationIndex:
         n = len(keys)
         self._bits = np.zeros((max(16, n + 2), words), dtype=np.uint64)  # row 0 and the last: empty
         self._bits[1:n + 1, :bits.shape[1]] = bits  # row 0 stays the empty padding row
-        self._keys = [None, *keys]
-        self._rows = dict(zip(keys, range(1, n + 1), strict=True))
+        self._rows = RowTable(len(self._bits))
+        self._rows.insert(keys, np.arange(1, n + 1, dtype=np.int64))
+        self._high = n + 1
         self._plan = None
 
 
@@ -860,6 +940,8 @@ class _Plan:
     fast: np.ndarray | None = None    # (5, workers) columns, or None
     fast_flat: np.ndarray | None = None  # ``fast.ravel()``
     col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
+    _table: np.ndarray | None = None  # byte_table(), once built (empty: none for this plan)
+    byte_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
         simple = all(self.and_cols[t].shape[1] == 1 and self.or_cols[t].shape[1] == 1
@@ -880,6 +962,42 @@ class _Plan:
                 cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
             cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
         self.col_workers = cw
+
+    def byte_table(self) -> np.ndarray | None:
+        """For the fast plan: ``table[256 * b + v]`` is, for byte ``b`` of a row holding the
+        value ``v``, the (4, words) uint64 bit masks of the workers whose tier tests (on
+        GPU, in GPU or host, anywhere of its own, or also in its remote mask) one of the
+        columns set in that byte passes; stored transposed, ``(4 * words, bytes * 256)``,
+        where a worker is bit ``w`` of each tier's words. None when the plan is not fast or the
+        table would exceed ``_TABLE_LIMIT`` bytes (many columns and workers). Built once."""
+        if self._table is not None or self.fast is None:
+            return self._table if self._table is not None and self._table.size else None
+        n_w, ncols = len(self.workers), self.n_columns
+        words = (n_w + 63) // 64
+        if ncols * 256 // 8 * 4 * max(words, 1) * 8 > _TABLE_LIMIT or not n_w:
+            self._table = np.zeros((0, 0), dtype=np.uint64)
+            return None
+        contrib = np.zeros((ncols, 4, words * 64), dtype=np.bool_)  # column -> (tier, worker)
+        ws = np.arange(n_w)
+        for k, tiers in enumerate(((0, 1, 2, 3),) * 3 + ((1, 2, 3), (2, 3))):  # gpu, spec 0, 1, host, disk
+            for t in tiers:
+                contrib[self.fast[k], t, ws] = True
+        # the remote mask each worker needs: its columns count for the worker's remote test
+        rbits = np.unpackbits(self.rmask.view(np.uint8), axis=1, bitorder="little").view(np.bool_)  # (masks, cols)
+        need = np.zeros((n_w, ncols), dtype=np.bool_)
+        have = self.rsel >= 0
+        need[have] = rbits[self.rsel[have], :ncols]
+        contrib[:, 3, :n_w] |= need.T
+        packed = np.packbits(contrib, axis=2, bitorder="little").view(np.uint64)  # (cols, 4, words)
+        nbytes = ncols // 8
+        packed = packed.reshape(nbytes, 8, 4 * words)
+        values = np.arange(256)
+        table = np.zeros((nbytes, 256, 4 * words), dtype=np.uint64)
+        for j in range(8):
+            table[:, (values >> j) & 1 == 1] |= packed[:, j][:, None, :]
+        self._table = np.ascontiguousarray(table.reshape(nbytes * 256, 4 * words).T)
+        self.byte_offsets = np.arange(nbytes, dtype=np.int64) * 256
+        return self._table
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,

@@ -1,0 +1,256 @@
+"""The location index's key table: each distinct key (opaque bytes) has a *row*.
+
+Built for memory and for whole requests at once, not for one key at a time:
+    * keys of ``WIDTH`` (16) bytes, the block keys of kvtier (``client/engine/keys.py``), live
+      packed in a ``(rows, 2)`` uint64 array at their row; an open-addressing hash table of
+      int32 row numbers (linear probing, at most half full, no key more than ``WINDOW``
+      slots past its home: the table doubles rather) finds them, a request's keys at once:
+      one gather of each key's window of slots, one of their rows' keys, one comparison. About 16 bytes per
+      key plus 8 to 16 for the table, and no Python object per key (a ``dict[bytes, int]``
+      costs about 130: the entry, the bytes object, the int object);
+    * keys of any other length in a plain dict (``odd``), sharing the row numbering.
+
+Row numbers are given by the caller (:class:`~kvtier.client.routing.index.LocationIndex`
+allocates them); a row taken by a key is ``live`` until :meth:`RowTable.drop` gives it
+back. Lookups are exact: a row is returned only when its stored key equals the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+WIDTH = 16
+_C1 = 0x9E3779B97F4A7C15
+_C2 = 0xC2B2AE3D27D4EB4F
+_M64 = (1 << 64) - 1
+_C1_U = np.uint64(_C1)
+_C2_U = np.uint64(_C2)
+_MATCH = np.uint16(0x0101)  # two equal words as a pair of bools viewed as one uint16
+_KEY = np.dtype(f"V{WIDTH}")  # compared as bytes
+WINDOW = 16  # a key sits at most this many slots past its home slot (else the table grows)
+_OFFSETS = np.arange(WINDOW, dtype=np.int64)
+
+
+class RowTable:
+    """See the module docstring. Not thread-safe."""
+
+    def __init__(self, row_capacity: int = 16) -> None:
+        self.packed = np.zeros(max(16, row_capacity), dtype=_KEY)  # each row's key, 16 bytes
+        self.odd: dict[bytes, int] = {}
+        self.odd_key: dict[int, bytes] = {}
+        self.live = np.zeros(max(16, row_capacity), dtype=np.bool_)
+        self.count = 0
+        self._set_slots(1 << 4)
+
+    def _set_slots(self, size: int) -> None:
+        self.slots = np.full(size, -1, dtype=np.int32)
+        self.tags = np.zeros(size, dtype=np.uint8)  # per slot: 8 more bits of its key's hash, odd (0: empty)
+        self._shift_i = 64 - (size.bit_length() - 1)
+        self._shift = np.uint64(self._shift_i)
+        self._tshift_i = self._shift_i - 8
+        self._tshift = np.uint64(self._tshift_i)
+        self._mask = size - 1
+        self._wide = 0  # packed keys in the hash table
+
+    # -- sizes ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.count
+
+    def nbytes(self) -> int:
+        return int(self.packed.nbytes + self.slots.nbytes + self.tags.nbytes + self.live.nbytes)
+
+    def reserve_rows(self, capacity: int) -> None:
+        """Room for rows ``0 .. capacity - 1`` (the index grows its bit matrix alike)."""
+        if capacity > len(self.packed):
+            grown = np.zeros(capacity, dtype=_KEY)
+            grown[:len(self.packed)] = self.packed
+            self.packed = grown
+            live = np.zeros(capacity, dtype=np.bool_)
+            live[:len(self.live)] = self.live
+            self.live = live
+
+    # -- hashing --------------------------------------------------------------------------
+
+    def _pos_tag(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Home slots of packed keys (the top bits of a multiplicative mix of their words)
+        and their tags (the next 8 bits, made odd: a tag is never an empty slot's 0)."""
+        words = keys.view(np.uint64).reshape(len(keys), 2)
+        h = words[:, 0] * _C1_U
+        h ^= words[:, 1]
+        h *= _C2_U
+        tag = (h >> self._tshift).astype(np.uint8)
+        tag |= 1
+        h >>= self._shift
+        return h.astype(np.int64), tag
+
+    def _pos_tag1(self, key: bytes) -> tuple[int, int]:
+        v = int.from_bytes(key, "little")
+        h = (((v & _M64) * _C1 & _M64) ^ (v >> 64)) * _C2 & _M64
+        return h >> self._shift_i, ((h >> self._tshift_i) & 0xFF) | 1
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def get(self, key: bytes, default: int | None = None) -> int | None:
+        if len(key) != WIDTH:
+            return self.odd.get(key, default)
+        slots, tags, packed, mask = self.slots, self.tags, self.packed, self._mask
+        i, tag = self._pos_tag1(key)
+        for _ in range(WINDOW):
+            r = slots.item(i)
+            if r < 0:
+                return default
+            if tags.item(i) == tag and packed[r].tobytes() == key:  # (a void scalar's bytes)
+                return r
+            i = (i + 1) & mask
+        return default
+
+    def __getitem__(self, key: bytes) -> int:
+        r = self.get(key)
+        if r is None:
+            raise KeyError(key)
+        return r
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self.get(key) is not None
+
+    def find(self, keys: list[bytes], joined: bytes | None = None) -> np.ndarray:
+        """int64 rows of ``keys``, -1 where not indexed. ``joined``: ``b"".join(keys)`` when
+        the caller has it and every key is ``WIDTH`` bytes."""
+        n = len(keys)
+        if joined is None:
+            joined = b"".join(keys)
+            if len(joined) != WIDTH * n or (n and min(map(len, keys)) != WIDTH):
+                return np.fromiter(map(self.get, keys, [-1] * n), dtype=np.int64, count=n)
+        return self._find(np.frombuffer(joined, dtype=_KEY))
+
+    def find_packed(self, joined: bytes) -> np.ndarray:
+        """:meth:`find` for keys of ``WIDTH`` bytes, joined."""
+        return self._find(np.frombuffer(joined, dtype=_KEY))
+
+    def _find(self, packed: np.ndarray) -> np.ndarray:
+        """Rows of packed keys (-1: none): a key whose home slot is empty is not indexed
+        (nothing was ever placed past it); for the others, the slots of their window whose
+        tag is theirs, and the keys at those rows compared with theirs."""
+        n = len(packed)
+        out = np.full(n, -1, dtype=np.int64)
+        pos, tag = self._pos_tag(packed)
+        maybe = np.flatnonzero(self.slots.take(pos) >= 0)
+        if not maybe.size:
+            return out
+        if maybe.size < n:
+            pos, tag, packed = pos.take(maybe), tag.take(maybe), packed.take(maybe)
+        m = len(packed)
+        win = _OFFSETS[:, None] + pos  # (WINDOW, m): numpy's inner loops run over the keys
+        win &= self._mask
+        hit = np.flatnonzero(self.tags.take(win) == tag)
+        if not hit.size:
+            return out
+        cand = self.slots.take(win.ravel().take(hit))  # a slot with a tag holds a row
+        key_i = hit % m
+        same = self.packed.take(cand) == packed.take(key_i)
+        out[maybe.take(key_i[same])] = cand[same]
+        return out
+
+    def key(self, row: int) -> bytes:
+        k = self.odd_key.get(row)
+        return k if k is not None else self.packed[row].tobytes()
+
+    def keys(self, rows: Iterable[int]) -> list[bytes]:
+        return [self.key(r) for r in rows]
+
+    def joined(self, rows: np.ndarray) -> tuple[np.ndarray, bytes]:
+        """(uint8 lengths, the keys joined) of these rows' keys, in order (whole arrays when
+        every key is ``WIDTH`` bytes)."""
+        if not self.odd_key:
+            return np.full(len(rows), WIDTH, dtype=np.uint8), self.packed.take(rows).tobytes()
+        keys = self.keys(rows.tolist())
+        return np.fromiter(map(len, keys), dtype=np.uint8, count=len(keys)), b"".join(keys)
+
+    def items(self) -> Iterator[tuple[bytes, int]]:
+        for r in self.live.nonzero()[0].tolist():
+            yield self.key(r), r
+
+    # -- changes --------------------------------------------------------------------------
+
+    def insert(self, keys: list[bytes], rows: np.ndarray) -> None:
+        """Give these rows to these keys (distinct, none indexed yet; rows not live)."""
+        n = len(keys)
+        if not n:
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        self.reserve_rows(int(rows.max()) + 1)
+        joined = b"".join(keys)
+        if len(joined) == WIDTH * n and min(map(len, keys)) == WIDTH:
+            wide_rows, words = rows, np.frombuffer(joined, dtype=_KEY)
+        else:
+            wide = [i for i, k in enumerate(keys) if len(k) == WIDTH]
+            for i, k in enumerate(keys):
+                if len(k) != WIDTH:
+                    self.odd[k] = r = int(rows[i])
+                    self.odd_key[r] = k
+            wide_rows = rows[wide]
+            words = np.frombuffer(b"".join(keys[i] for i in wide), dtype=_KEY)
+        self.live[rows] = True
+        self.count += n
+        if len(wide_rows):
+            self.packed[wide_rows] = words
+            self._wide += len(wide_rows)
+            if 2 * self._wide > len(self.slots):
+                self._rehash(len(self.slots))
+            elif not self._place(wide_rows, *self._pos_tag(words)):
+                self._rehash(2 * len(self.slots))
+
+    def _place(self, rows: np.ndarray, pos: np.ndarray, tag: np.ndarray) -> bool:
+        """Put rows in the table from their home slots, each in the first free slot from
+        there; False if some did not find one within ``WINDOW`` slots (the table must grow)."""
+        slots, mask = self.slots, self._mask
+        for _ in range(WINDOW):
+            if not rows.size:
+                return True
+            free = slots.take(pos) < 0
+            fr, fp = rows[free], pos[free]
+            slots[fp] = fr  # several rows for one slot: one of them wins
+            won_free = slots.take(fp) == fr
+            self.tags[fp[won_free]] = tag[free][won_free]
+            won = np.zeros(len(rows), dtype=np.bool_)
+            won[free] = won_free
+            lost = ~won
+            rows, pos, tag = rows[lost], (pos[lost] + 1) & mask, tag[lost]
+        return not rows.size
+
+    def _rehash(self, size: int = 0) -> None:
+        """Rebuild the table from the live rows: at least ``size`` slots (default: the
+        current), doubled until at most half full and every key within its window."""
+        size = max(size, 16)
+        rows = self.live.nonzero()[0]
+        if self.odd_key:
+            rows = rows[~np.isin(rows, np.fromiter(self.odd_key, dtype=np.int64, count=len(self.odd_key)))]
+        while 2 * len(rows) > size:
+            size *= 2
+        pos_words = self.packed[rows]
+        while True:
+            self._set_slots(size)
+            self._wide = len(rows)
+            if self._place(rows, *self._pos_tag(pos_words)):
+                return
+            size *= 2
+
+    def drop(self, rows: np.ndarray) -> None:
+        """These live rows' keys leave the table (the rows are free again)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not rows.size:
+            return
+        if self.odd_key:
+            for r in rows.tolist():
+                k = self.odd_key.pop(r, None)
+                if k is not None:
+                    del self.odd[k]
+        self.live[rows] = False
+        self.packed[rows] = bytes(WIDTH)
+        self.count -= len(rows)
+        # open addressing without tombstones: rebuild the slots from the rows still live
+        # (drops come in batches: compaction)
+        self._rehash(len(self.slots))
