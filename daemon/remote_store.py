@@ -46,6 +46,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 import struct
 import threading
 import time
@@ -135,6 +137,102 @@ def parse_nodes(spec: str) -> list[tuple[str, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class Transport:
+    """How the daemon reaches Redis: TLS when ``ca`` is set (the server's certificate checked
+    against it, ``cert``/``key`` the client's for mutual TLS), ACL ``user`` and ``password``."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = ""
+
+    def redis_kwargs(self) -> dict:
+        kw: dict = {}
+        if self.ca:
+            kw.update(ssl=True, ssl_ca_certs=self.ca, ssl_cert_reqs="required",
+                      ssl_certfile=self.cert or None, ssl_keyfile=self.key or None)
+        if self.user:
+            kw["username"] = self.user
+        if self.password:
+            kw["password"] = self.password
+        return kw
+
+
+def _tls_files(cfg) -> tuple[str, str, str]:  # noqa: ANN001
+    """(ca, cert, key) of the store: its own files, else the daemon's --tls-* (like the peers)."""
+    if cfg.store_plaintext:
+        return "", "", ""
+    return (cfg.store_tls_ca or cfg.tls_ca, cfg.store_tls_cert or cfg.tls_cert, cfg.store_tls_key or cfg.tls_key)
+
+
+def check_settings(cfg) -> None:  # noqa: ANN001
+    """The --store-* transport and backend settings (raises ConfigError, naming the flag)."""
+    from kvtier.daemon.config import ConfigError
+
+    if cfg.store_backend not in ("redis", "mooncake"):
+        raise ConfigError(f"--store-backend: {cfg.store_backend!r} is not redis or mooncake")
+    if cfg.store_plaintext and (cfg.store_tls_ca or cfg.store_tls_cert or cfg.store_tls_key):
+        raise ConfigError("--store-plaintext and --store-tls-* contradict each other: pick one")
+    if bool(cfg.store_tls_cert) != bool(cfg.store_tls_key):
+        raise ConfigError("--store-tls-cert and --store-tls-key go together")
+    if cfg.store_backend == "mooncake":
+        _check_mooncake(cfg, ConfigError)
+        return
+    ca, cert, _ = _tls_files(cfg)
+    if cfg.store_redis and not ca and not cfg.store_plaintext:
+        raise ConfigError("--store-redis needs TLS to the store: --store-tls-ca (the CA of the Redis nodes' "
+                          "certificates; or --tls-ca), with --store-tls-cert and --store-tls-key for Redis's "
+                          "tls-auth-clients (or --tls-cert, --tls-key); only with --store-plaintext true is "
+                          "the store reached in plaintext")
+    if cert and not ca:
+        raise ConfigError("--store-tls-cert needs --store-tls-ca (the CA that signs the Redis nodes' certificates)")
+    if cfg.store_user and not cfg.store_password_file:
+        raise ConfigError("--store-user needs --store-password-file")
+
+
+def _check_mooncake(cfg, ConfigError) -> None:  # noqa: ANN001, N803
+    if cfg.store_redis or cfg.store_user or cfg.store_password_file:
+        raise ConfigError("--store-redis, --store-user and --store-password-file are for --store-backend redis")
+    if not cfg.store_mooncake_master or not cfg.store_mooncake_metadata:
+        raise ConfigError("--store-backend mooncake needs --store-mooncake-master HOST:PORT and "
+                          "--store-mooncake-metadata (http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE)")
+    host, _, port = cfg.store_mooncake_master.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--store-mooncake-master: {cfg.store_mooncake_master!r} is not HOST:PORT")
+    if cfg.store_mooncake_protocol not in ("tcp", "rdma"):
+        raise ConfigError(f"--store-mooncake-protocol: {cfg.store_mooncake_protocol!r} is not tcp or rdma")
+    if not cfg.store_plaintext:
+        raise ConfigError("--store-backend mooncake: the Mooncake transfer engine has no TLS or client "
+                          "authentication; run it on a trusted network and pass --store-plaintext true")
+    if cfg.store_mooncake_segment_bytes <= 0 or cfg.store_mooncake_buffer_bytes < 4 * 1024**2:
+        raise ConfigError("--store-mooncake-segment-bytes must be positive and --store-mooncake-buffer-bytes at "
+                          "least 4MiB")
+
+
+def read_password(path: str) -> str:
+    """The password in ``path`` (first line); a file group or others may read is refused."""
+    from kvtier.daemon.server import StartupError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise StartupError(f"cannot open --store-password-file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
+            raise StartupError(f"--store-password-file {path} is mode {stat.S_IMODE(st.st_mode):04o}: group or "
+                               f"others may read it; make it a regular file of mode 0600 (chmod 600)")
+        data = os.read(fd, 65536)
+    finally:
+        os.close(fd)
+    password = data.decode("utf-8", "replace").splitlines()[0].strip() if data.strip() else ""
+    if not password:
+        raise StartupError(f"--store-password-file {path} is empty")
+    return password
+
+
 class RedisBackend:
     """A Redis Cluster through redis-py's (blocking) cluster client, made on first use so a
     daemon starts while the store is down; thread-safe.
@@ -146,9 +244,10 @@ class RedisBackend:
 
     name = "redis"
 
-    def __init__(self, nodes: Sequence[tuple[str, int]], timeout_s: float) -> None:
+    def __init__(self, nodes: Sequence[tuple[str, int]], timeout_s: float, transport: Transport | None = None) -> None:
         self.nodes = list(nodes)
         self.timeout_s = timeout_s
+        self.transport = transport or Transport()
         self._client = None
         self._lock = threading.Lock()
         self._stale = False
@@ -173,7 +272,7 @@ class RedisBackend:
                 self._client = RedisCluster(
                     startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], require_full_coverage=False,
                     socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                    retry=Retry(NoBackoff(), 0))
+                    retry=Retry(NoBackoff(), 0), **self.transport.redis_kwargs())
             return self._client
 
     def _run(self, names: Sequence[str], fill) -> list:  # noqa: ANN001
@@ -526,10 +625,18 @@ def _copy_values(items: Sequence[tuple[bytes, int, int | None]], views: Sequence
 
 
 def build(cfg, placement, counters: Counters, observers: Observers) -> RemoteStore | None:  # noqa: ANN001
-    """The store kvtierd's settings ask for (``--store-redis``), or None."""
-    nodes = parse_nodes(cfg.store_redis)
-    if not nodes:
-        return None
-    backend = RedisBackend(nodes, cfg.store_timeout_s)
+    """The store kvtierd's settings ask for (``--store-redis`` or ``--store-backend mooncake``), or None."""
+    backend: Backend
+    if cfg.store_backend == "mooncake":
+        from kvtier.daemon.mooncake_store import MooncakeBackend
+
+        backend = MooncakeBackend.from_config(cfg)
+    else:
+        nodes = parse_nodes(cfg.store_redis)
+        if not nodes:
+            return None
+        ca, cert, key = _tls_files(cfg)
+        password = read_password(cfg.store_password_file) if cfg.store_password_file else ""
+        backend = RedisBackend(nodes, cfg.store_timeout_s, Transport(ca, cert, key, cfg.store_user, password))
     return RemoteStore(backend, placement, counters, observers, cfg.store_namespace, cfg.store_ttl_s,
                        cfg.store_write, cfg.store_read_through, cfg.store_timeout_s, cfg.store_queue_bytes)

@@ -18,10 +18,9 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
-from redis.cluster import ClusterNode
-from redis.cluster import RedisCluster as RedisClient
 from redis_cluster import REDIS_CLI, RedisCluster, cluster_fixture
 
 from kvtier.client.engine.sidecar import Sidecar
@@ -29,7 +28,7 @@ from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count
 from kvtier.daemon.layouts import tenant_fingerprint
-from kvtier.daemon.remote_store import RedisBackend, RemoteStore, parse_nodes, redis_key
+from kvtier.daemon.remote_store import RedisBackend, RemoteStore, Transport, parse_nodes, redis_key
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.layout import Layout
@@ -77,7 +76,7 @@ def redis_cluster() -> Iterator[RedisCluster]:
 def daemons(redis_cluster) -> Iterator[tuple[DaemonProcess, DaemonProcess, DaemonProcess]]:
     """A and B: the default tenant; C: this user is tenant "bob". They share only Redis."""
     work = tempfile.mkdtemp(prefix="kvtier-store-")
-    store = ("--store-redis", redis_cluster.nodes, "--store-namespace", NS)
+    store = (*redis_cluster.daemon_args(), "--store-namespace", NS)
     me = os.getuid()
     procs = [DaemonProcess(work, *store, "--metrics-port", str(free_port()), name="a"),
              DaemonProcess(work, *store, name="b"),
@@ -118,7 +117,7 @@ def test_two_daemons_share_blocks_through_the_store(daemons, redis_cluster):
         assert sb.get(lb, keys_of("nobody", 1)) == [None]
         assert counters(sb)["store_misses"] == 1
     # in Redis under the tenant-scoped name, with its TTL
-    client = RedisClient(startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(redis_cluster.nodes)])
+    client = redis_cluster.client()
     try:
         name = redis_key(NS, FP + keys[0])
         assert name == f"kvtier:{NS}:{FP.hex()}:{keys[0].hex()}"
@@ -152,7 +151,7 @@ def test_tenant_b_cannot_read_tenant_a_blocks_through_the_store(daemons):
 def corrupt(cluster: RedisCluster, name: str, value: bytes) -> None:
     """Overwrite a value in Redis with redis-cli (-c follows the slot's redirect)."""
     assert REDIS_CLI is not None
-    out = subprocess.run([REDIS_CLI, "-c", "-p", str(cluster.port_of(name)), "-x", "set", name],
+    out = subprocess.run([*cluster.cli_args(), "-c", "-p", str(cluster.port_of(name)), "-x", "set", name],
                          input=value, capture_output=True, timeout=10)
     assert out.stdout.strip() == b"OK", out
 
@@ -163,7 +162,7 @@ def test_corrupted_value_in_redis_is_a_counted_miss(daemons, redis_cluster):
     with Sidecar(a.socket) as sa, Sidecar(b.socket) as sb:
         la, lb = sa.register_layout(LAYOUT), sb.register_layout(LAYOUT)
         put_written(sa, la, keys)
-        client = RedisClient(startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(redis_cluster.nodes)])
+        client = redis_cluster.client()
         try:
             good = [client.get(redis_key(NS, FP + k)) for k in keys]
         finally:
@@ -182,12 +181,12 @@ def test_corrupted_value_in_redis_is_a_counted_miss(daemons, redis_cluster):
 
 
 def test_redis_node_killed_mid_run_gives_misses_and_counters(tmp_path):
-    """Its own cluster: one master is killed while both daemons serve."""
+    """Its own cluster (plaintext: --store-plaintext): one master is killed while both daemons serve."""
     if not REDIS_CLI:
         pytest.skip("redis-server is not installed")
     cluster = RedisCluster().start()
     work = str(tmp_path)
-    store = ("--store-redis", cluster.nodes, "--store-namespace", NS, "--store-timeout-s", "1")
+    store = (*cluster.daemon_args(), "--store-namespace", NS, "--store-timeout-s", "1")
     a = DaemonProcess(work, *store, name="ka")
     b = DaemonProcess(work, *store, name="kb")
     try:
@@ -249,6 +248,13 @@ class Recorder:
         return {k for e, t, _, ks in self.events if e == kind and t is Tier.REMOTE for k in ks}
 
 
+def backend_of(cluster: RedisCluster) -> RedisBackend:
+    kw = cluster.client_kwargs(admin=False)
+    transport = Transport(kw["ssl_ca_certs"], kw["ssl_certfile"], kw["ssl_keyfile"], kw["username"],
+                          kw["password"]) if kw else Transport()
+    return RedisBackend(parse_nodes(cluster.nodes), 2.0, transport)
+
+
 def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: int = 8,  # noqa: ANN001
                queue_bytes: int = 64 * BLOCK, ttl_s: float = 60.0) -> None:
     shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
@@ -257,7 +263,7 @@ def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: 
         store = BlockStore(HostTier(shm, host_blocks * BLOCK, "rs"), demote_min_seen=1)
         rec = Recorder()
         store.observers.add(rec)
-        remote = RemoteStore(RedisBackend(parse_nodes(cluster.nodes), 2.0), store.tiers, store.counters,
+        remote = RemoteStore(backend_of(cluster), store.tiers, store.counters,
                              store.observers, NS + write, ttl_s, write, True, 2.0, queue_bytes)
         store.remotes.append(remote)
         remote.start()
@@ -327,3 +333,76 @@ def test_full_write_behind_queue_drops_and_counts(redis_cluster):
         assert store.counters[Count.STORE_WRITES_DROPPED] == 4 and store.counters[Count.STORE_WRITES] == 2
 
     in_process(redis_cluster, body, queue_bytes=2 * BLOCK)
+
+
+# -- the authenticated transport: mutual TLS and ACLs ----------------------------------------
+
+
+def test_daemon_without_the_client_certificate_or_password_gets_no_blocks(daemons, redis_cluster, tmp_path):
+    """The cluster asks for a client certificate signed by its CA and an ACL password: a daemon
+    with no certificate reads nothing (clean, counted misses) and keeps serving its own blocks;
+    a store with a certificate of another CA or a wrong password reads nothing either."""
+    a = daemons[0]
+    keys = keys_of("authn", 4)
+    with Sidecar(a.socket) as sa:
+        put_written(sa, sa.register_layout(LAYOUT), keys)
+    d = DaemonProcess(str(tmp_path), *redis_cluster.daemon_args(client=None), "--store-namespace", NS,
+                      "--store-timeout-s", "1", name="nocert")
+    try:
+        d.start()
+        with Sidecar(d.socket) as sd:
+            lid = sd.register_layout(LAYOUT)
+            assert sd.get(lid, keys) == [None] * len(keys)
+            c = counters(sd)
+            assert c["store_reads"] == 0 and c["store_read_errors"] == len(keys), c
+            assert sd.put(lid, keys[:1], [payload(keys[0])]).stored == 1   # its own host still works
+            assert bytes(sd.get(lid, keys[:1])[0]) == payload(keys[0])
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+    kw = redis_cluster.client_kwargs(admin=False)
+    good = Transport(kw["ssl_ca_certs"], kw["ssl_certfile"], kw["ssl_keyfile"], kw["username"], kw["password"])
+    stranger = Transport(good.ca, redis_cluster.file("stranger.pem"), redis_cluster.file("stranger.key"),
+                         good.user, good.password)
+    names = [redis_key(NS, FP + k) for k in keys]
+    for transport, ok in ((good, True), (stranger, False), (replace(good, password="wrong"), False),
+                          (replace(good, user="default"), False)):
+        backend = RedisBackend(parse_nodes(redis_cluster.nodes), 1.0, transport)
+        try:
+            got = backend.get_many(names)
+        finally:
+            backend.close()
+        if ok:
+            assert all(isinstance(g, bytes) for g in got)
+        else:
+            assert all(isinstance(g, Exception) for g in got), (transport, got)
+
+
+def test_password_file_group_or_others_can_read_is_refused(redis_cluster, tmp_path):
+    pw = tmp_path / "pw"
+    pw.write_text("secret\n")
+    pw.chmod(0o640)
+    args = [*redis_cluster.daemon_args(), "--store-password-file", str(pw)]
+    d = DaemonProcess(str(tmp_path), *args, name="pwmode")
+    try:
+        with pytest.raises(RuntimeError, match=r"store-password-file .* mode 0640"):
+            d.start()
+    finally:
+        d.cleanup()
+
+
+def test_store_settings_refuse_plaintext_unless_asked(tmp_path):
+    from kvtier.daemon.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="--store-redis needs TLS"):
+        load_config(["--store-redis", "127.0.0.1:7000"], env={})
+    assert load_config(["--store-redis", "127.0.0.1:7000", "--store-plaintext", "true"], env={}).store_plaintext
+    with pytest.raises(ConfigError, match="contradict"):
+        load_config(["--store-redis", "127.0.0.1:7000", "--store-plaintext", "true", "--store-tls-ca", "x"], env={})
+    with pytest.raises(ConfigError, match="--store-tls-cert and --store-tls-key go together"):
+        load_config(["--store-redis", "127.0.0.1:7000", "--store-tls-ca", "ca", "--store-tls-cert", "c"], env={})
+    with pytest.raises(ConfigError, match="--store-user needs --store-password-file"):
+        load_config(["--store-redis", "127.0.0.1:7000", "--store-tls-ca", "ca", "--store-user", "u"], env={})
+    with pytest.raises(ConfigError, match="no TLS"):
+        load_config(["--store-backend", "mooncake", "--store-mooncake-master", "127.0.0.1:1",
+                     "--store-mooncake-metadata", "P2PHANDSHAKE"], env={})
