@@ -97,7 +97,7 @@ def encode(bkey: bytes, payload: bytes | memoryview, checksum: int) -> bytearray
     return buf
 
 
-def decode(bkey: bytes, value: bytes, block_bytes: int) -> tuple[memoryview, int] | None:
+def decode(bkey: bytes, value: bytes | memoryview, block_bytes: int) -> tuple[memoryview, int] | None:
     """The payload and its checksum, if ``value`` is a sound value of ``bkey`` with a payload of
     ``block_bytes``; None otherwise (a wrong header, length, block id or checksum)."""
     if len(value) != HEADER_BYTES + block_bytes:
@@ -120,8 +120,9 @@ class Backend(Protocol):
         """Write each (name, value) with this TTL; whether each write succeeded."""
         ...
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None | Exception]:
-        """Each name's value, None where absent, the error where its node failed."""
+    def get_many(self, names: Sequence[str], value_bytes: int = 0) -> list[bytes | memoryview | None | Exception]:
+        """Each name's value, None where absent, the error where its node failed;
+        ``value_bytes``: the size each value should have (0: unknown)."""
         ...
 
     def close(self) -> None: ...
@@ -312,7 +313,7 @@ class RedisBackend:
         return [r is True for r in self._run([n for n, _ in items], lambda pipe, i: pipe.set(items[i][0], items[i][1],
                                                                                           px=ms))]
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None | Exception]:
+    def get_many(self, names: Sequence[str], value_bytes: int = 0) -> list[bytes | memoryview | None | Exception]:
         return [r if r is None or isinstance(r, bytes | Exception) else TypeError(type(r).__name__)
                 for r in self._run(names, lambda pipe, i: pipe.get(names[i]))]
 
@@ -592,7 +593,7 @@ class RemoteStore:
         per = max(1, BATCH_BYTES // max(1, block_bytes))
         for i in range(0, len(bkeys), per):
             chunk = bkeys[i:i + per]
-            values = self.backend.get_many([redis_key(self.namespace, b) for b in chunk])
+            values = self.backend.get_many([redis_key(self.namespace, b) for b in chunk], HEADER_BYTES + block_bytes)
             for bkey, value in zip(chunk, values, strict=True):
                 if value is None:
                     tally.misses += 1

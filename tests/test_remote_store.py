@@ -1,4 +1,7 @@
-"""Issue 13, item 2: the shared store (a real Redis Cluster, real daemons).
+"""Issue 13, item 2: the shared store (a real Redis Cluster over mutual TLS with ACLs, and a
+real Mooncake Store; real daemons). The sharing, tenant, corruption and in-process tests run
+over both backends (``shared``, a module fixture per backend); the Mooncake ones skip, saying
+why, where its wheel is not installed (``pip install 'kvtier[mooncake]'``).
 
 Two daemons that share only the Redis Cluster serve each other's blocks byte-exact (A puts,
 A writes them behind, B's get reads them through); another tenant cannot read them; a value
@@ -21,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
+from mooncake_master import MooncakeMaster, mooncake_fixture
 from redis_cluster import REDIS_CLI, RedisCluster, cluster_fixture
 
 from kvtier.client.engine.sidecar import Sidecar
@@ -28,6 +32,7 @@ from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count
 from kvtier.daemon.layouts import tenant_fingerprint
+from kvtier.daemon.mooncake_store import EXPIRY, PREFIX_BYTES, MooncakeBackend
 from kvtier.daemon.remote_store import RedisBackend, RemoteStore, Transport, parse_nodes, redis_key
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.host import HostTier
@@ -67,16 +72,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def redis_cluster() -> Iterator[RedisCluster]:
-    yield from cluster_fixture()
+class Shared:
+    """The store under test: a Redis Cluster (TLS only, ACLs) or a Mooncake master, and a raw
+    client of it (not kvtier's) for the tests' own reads and writes."""
+
+    def __init__(self, kind: str, cluster: RedisCluster | None = None, master: MooncakeMaster | None = None) -> None:
+        self.kind, self.cluster, self.master = kind, cluster, master
+        self._raw = None
+
+    def daemon_args(self) -> tuple[str, ...]:
+        return self.cluster.daemon_args() if self.cluster else self.master.daemon_args()
+
+    def backend(self):  # noqa: ANN201
+        if self.cluster:
+            return backend_of(self.cluster)
+        m = self.master
+        return MooncakeBackend(m.master, m.metadata, segment_bytes=64 * 1024**2, buffer_bytes=32 * 1024**2)
+
+    def raw(self):  # noqa: ANN201
+        if self._raw is None:
+            self._raw = self.cluster.client() if self.cluster else self.master.client()
+        return self._raw
+
+    def raw_get(self, name: str) -> bytes:
+        """The value (header and payload) kvtier stored under ``name``."""
+        v = self.raw().get(name)
+        return v if self.cluster else v[PREFIX_BYTES:]
+
+    def raw_set(self, name: str, value: bytes) -> None:
+        if self.cluster:
+            corrupt(self.cluster, name, value)   # with redis-cli
+        else:
+            assert self.raw().upsert(name, EXPIRY.pack(int(time.time() * 1000) + 60_000) + value) == 0
+
+    def ttl_ms(self, name: str) -> int:
+        if self.cluster:
+            return self.raw().pttl(name)
+        return EXPIRY.unpack_from(self.raw().get(name), 0)[0] - int(time.time() * 1000)
+
+    def close(self) -> None:
+        if self._raw is not None and self.cluster:
+            self._raw.close()
+
+
+@pytest.fixture(scope="module", params=["redis", "mooncake"])
+def shared(request) -> Iterator[Shared]:  # noqa: ANN001
+    if request.param == "redis":
+        for cluster in cluster_fixture():
+            s = Shared("redis", cluster=cluster)
+            yield s
+            s.close()
+    else:
+        for master in mooncake_fixture():
+            yield Shared("mooncake", master=master)
 
 
 @pytest.fixture(scope="module")
-def daemons(redis_cluster) -> Iterator[tuple[DaemonProcess, DaemonProcess, DaemonProcess]]:
-    """A and B: the default tenant; C: this user is tenant "bob". They share only Redis."""
+def daemons(shared) -> Iterator[tuple[DaemonProcess, DaemonProcess, DaemonProcess]]:
+    """A and B: the default tenant; C: this user is tenant "bob". They share only the store."""
     work = tempfile.mkdtemp(prefix="kvtier-store-")
-    store = (*redis_cluster.daemon_args(), "--store-namespace", NS)
+    store = (*shared.daemon_args(), "--store-namespace", NS)
     me = os.getuid()
     procs = [DaemonProcess(work, *store, "--metrics-port", str(free_port()), name="a"),
              DaemonProcess(work, *store, name="b"),
@@ -99,7 +154,7 @@ def put_written(sc: Sidecar, lid: int, keys: list[bytes]) -> None:
     wait_for(lambda: counters(sc)["store_writes"] >= before + len(keys), what="the write-behind")
 
 
-def test_two_daemons_share_blocks_through_the_store(daemons, redis_cluster):
+def test_two_daemons_share_blocks_through_the_store(daemons, shared):
     a, b, _ = daemons
     keys = keys_of("share", 8)
     with Sidecar(a.socket) as sa, Sidecar(b.socket) as sb:
@@ -116,14 +171,11 @@ def test_two_daemons_share_blocks_through_the_store(daemons, redis_cluster):
         # a key nobody put: a miss, asked of the store
         assert sb.get(lb, keys_of("nobody", 1)) == [None]
         assert counters(sb)["store_misses"] == 1
-    # in Redis under the tenant-scoped name, with its TTL
-    client = redis_cluster.client()
-    try:
-        name = redis_key(NS, FP + keys[0])
-        assert name == f"kvtier:{NS}:{FP.hex()}:{keys[0].hex()}"
-        assert 0 < client.pttl(name) <= 3600 * 1000
-    finally:
-        client.close()
+    # in the store under the tenant-scoped name, with its TTL
+    name = redis_key(NS, FP + keys[0])
+    assert name == f"kvtier:{NS}:{FP.hex()}:{keys[0].hex()}"
+    assert shared.raw_get(name)[32:] == payload(keys[0])
+    assert 0 < shared.ttl_ms(name) <= 3600 * 1000
     # every store counter reaches /metrics
     port = int(a.args[a.args.index("--metrics-port") + 1])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -156,21 +208,17 @@ def corrupt(cluster: RedisCluster, name: str, value: bytes) -> None:
     assert out.stdout.strip() == b"OK", out
 
 
-def test_corrupted_value_in_redis_is_a_counted_miss(daemons, redis_cluster):
+def test_corrupted_value_in_the_store_is_a_counted_miss(daemons, shared):
     a, b, _ = daemons
     keys = keys_of("corrupt", 3)
     with Sidecar(a.socket) as sa, Sidecar(b.socket) as sb:
         la, lb = sa.register_layout(LAYOUT), sb.register_layout(LAYOUT)
         put_written(sa, la, keys)
-        client = redis_cluster.client()
-        try:
-            good = [client.get(redis_key(NS, FP + k)) for k in keys]
-        finally:
-            client.close()
+        good = [shared.raw_get(redis_key(NS, FP + k)) for k in keys]
         flipped = bytearray(good[0])
         flipped[-100] ^= 0x40
-        corrupt(redis_cluster, redis_key(NS, FP + keys[0]), bytes(flipped))  # payload changed
-        corrupt(redis_cluster, redis_key(NS, FP + keys[1]), good[2])          # another block's value
+        shared.raw_set(redis_key(NS, FP + keys[0]), bytes(flipped))  # payload changed
+        shared.raw_set(redis_key(NS, FP + keys[1]), good[2])          # another block's value
         before = counters(sb)
         got = sb.get(lb, keys)
         assert got[0] is None and got[1] is None and bytes(got[2]) == payload(keys[2])
@@ -255,7 +303,7 @@ def backend_of(cluster: RedisCluster) -> RedisBackend:
     return RedisBackend(parse_nodes(cluster.nodes), 2.0, transport)
 
 
-def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: int = 8,  # noqa: ANN001
+def in_process(shared: Shared, body, *, write: str = "put", host_blocks: int = 8,  # noqa: ANN001
                queue_bytes: int = 64 * BLOCK, ttl_s: float = 60.0) -> None:
     shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
 
@@ -263,7 +311,7 @@ def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: 
         store = BlockStore(HostTier(shm, host_blocks * BLOCK, "rs"), demote_min_seen=1)
         rec = Recorder()
         store.observers.add(rec)
-        remote = RemoteStore(backend_of(cluster), store.tiers, store.counters,
+        remote = RemoteStore(shared.backend(), store.tiers, store.counters,
                              store.observers, NS + write, ttl_s, write, True, 2.0, queue_bytes)
         store.remotes.append(remote)
         remote.start()
@@ -291,7 +339,7 @@ def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: 
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_feed_shows_written_blocks_in_remote_until_their_ttl_lapses(redis_cluster):
+def test_feed_shows_written_blocks_in_remote_until_their_ttl_lapses(shared):
     async def body(store, remote, rec, put):  # noqa: ANN001
         keys = keys_of("feed", 4)
         await put(keys)
@@ -303,10 +351,10 @@ def test_feed_shows_written_blocks_in_remote_until_their_ttl_lapses(redis_cluste
         assert rec.remote("removed") == set(keys) and store.counters[Count.STORE_EXPIRED] == len(keys)
         assert not [h for h in store.holdings() if h[0] is Tier.REMOTE]
 
-    in_process(redis_cluster, body)
+    in_process(shared, body)
 
 
-def test_demotion_mode_writes_host_victims_only(redis_cluster):
+def test_demotion_mode_writes_host_victims_only(shared):
     async def body(store, remote, rec, put):  # noqa: ANN001
         keys = keys_of("demote", 6)
         await put(keys[:4])
@@ -322,26 +370,29 @@ def test_demotion_mode_writes_host_victims_only(redis_cluster):
         found = await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in sorted(victims)])
         assert [bytes(p) for _, p, _ in found] == [payload(k) for k in sorted(victims)]
 
-    in_process(redis_cluster, body, write="demotion", host_blocks=4)
+    in_process(shared, body, write="demotion", host_blocks=4)
 
 
-def test_full_write_behind_queue_drops_and_counts(redis_cluster):
+def test_full_write_behind_queue_drops_and_counts(shared):
     async def body(store, remote, rec, put):  # noqa: ANN001
         keys = keys_of("full", 6)
         await put(keys)        # one commit: the queue takes two blocks, the rest are dropped
         await remote.flush()
         assert store.counters[Count.STORE_WRITES_DROPPED] == 4 and store.counters[Count.STORE_WRITES] == 2
 
-    in_process(redis_cluster, body, queue_bytes=2 * BLOCK)
+    in_process(shared, body, queue_bytes=2 * BLOCK)
 
 
 # -- the authenticated transport: mutual TLS and ACLs ----------------------------------------
 
 
-def test_daemon_without_the_client_certificate_or_password_gets_no_blocks(daemons, redis_cluster, tmp_path):
+def test_daemon_without_the_client_certificate_or_password_gets_no_blocks(daemons, shared, tmp_path):
     """The cluster asks for a client certificate signed by its CA and an ACL password: a daemon
     with no certificate reads nothing (clean, counted misses) and keeps serving its own blocks;
     a store with a certificate of another CA or a wrong password reads nothing either."""
+    if shared.cluster is None:
+        pytest.skip("Redis's TLS and ACLs (Mooncake has neither: --store-plaintext)")
+    redis_cluster = shared.cluster
     a = daemons[0]
     keys = keys_of("authn", 4)
     with Sidecar(a.socket) as sa:
@@ -378,7 +429,10 @@ def test_daemon_without_the_client_certificate_or_password_gets_no_blocks(daemon
             assert all(isinstance(g, Exception) for g in got), (transport, got)
 
 
-def test_password_file_group_or_others_can_read_is_refused(redis_cluster, tmp_path):
+def test_password_file_group_or_others_can_read_is_refused(shared, tmp_path):
+    if shared.cluster is None:
+        pytest.skip("Redis's ACL password")
+    redis_cluster = shared.cluster
     pw = tmp_path / "pw"
     pw.write_text("secret\n")
     pw.chmod(0o640)
@@ -406,3 +460,30 @@ def test_store_settings_refuse_plaintext_unless_asked(tmp_path):
     with pytest.raises(ConfigError, match="no TLS"):
         load_config(["--store-backend", "mooncake", "--store-mooncake-master", "127.0.0.1:1",
                      "--store-mooncake-metadata", "P2PHANDSHAKE"], env={})
+
+
+def test_mooncake_master_killed_gives_counted_errors_and_no_crash():
+    """Its own master: killed after a write, a fetch answers misses counted as read errors
+    and a write is a counted write error; nothing raises."""
+    fixture = mooncake_fixture()
+    master = next(fixture)  # skips where Mooncake is not installed
+    try:
+        async def body(store, remote, rec, put):  # noqa: ANN001
+            keys = keys_of("mcdead", 4)
+            await put(keys)
+            await remote.flush()
+            assert store.counters[Count.STORE_WRITES] == len(keys)
+            layout = next(iter(store.layouts)).layout
+            found = await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in keys])
+            assert [bytes(p) for _, p, _ in found] == [payload(k) for k in keys]
+            master.kill()
+            assert await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in keys]) == []
+            assert store.counters[Count.STORE_READ_ERRORS] == len(keys) and store.counters[Count.STORE_READS] == 4
+            remote._skip_until = 0.0   # past the back-off: the writer tries, and fails cleanly
+            await put(keys_of("mcdead2", 2))
+            await remote.flush()
+            assert store.counters[Count.STORE_WRITE_ERRORS] == 2
+
+        in_process(Shared("mooncake", master=master), body, ttl_s=60.0)
+    finally:
+        fixture.close()   # stops the master
