@@ -238,9 +238,10 @@ class RedisBackend:
     """A Redis Cluster through redis-py's (blocking) cluster client, made on first use so a
     daemon starts while the store is down; thread-safe.
 
-    A batch is split by the master serving each name's slot (the client's slot map) and sent
-    as one plain pipeline per master, the masters in parallel: a master that is down or slow
-    fails its own names only. A connection error, a redirect (``MOVED``: the slots moved) or
+    A batch is split by the master serving each name's slot (the client's slot map); each
+    master's commands are written on one of its connections, all masters' before any reply is
+    read (the masters work in parallel, without threads contending for the GIL), then the
+    replies are read master by master: a master that is down or slow fails its own names only. A connection error, a redirect (``MOVED``: the slots moved) or
     an uncovered slot makes the next call learn the topology again (at most once a second)."""
 
     name = "redis"
@@ -253,7 +254,6 @@ class RedisBackend:
         self._lock = threading.Lock()
         self._stale = False
         self._refreshed = 0.0
-        self._fanout = ThreadPoolExecutor(8, thread_name_prefix="kvtier-redis")
 
     def client(self):  # noqa: ANN201 (redis.cluster.RedisCluster)
         with self._lock:
@@ -277,7 +277,7 @@ class RedisBackend:
             return self._client
 
     def _run(self, names: Sequence[str], fill) -> list:  # noqa: ANN001
-        """``fill(pipe, i)`` adds the command of ``names[i]``; each name's reply or error."""
+        """``fill(cmds, i)`` adds the command of ``names[i]``; each name's reply or error."""
         out: list = [None] * len(names)
         try:
             client = self.client()
@@ -289,18 +289,8 @@ class RedisBackend:
             self._stale = True
             return [e] * len(names)
 
-        def one(node, idxs: list[int]) -> list:  # noqa: ANN001
-            try:
-                pipe = node.redis_connection.pipeline(transaction=False)
-                for i in idxs:
-                    fill(pipe, i)
-                return pipe.execute(raise_on_error=False)
-            except Exception as e:  # the master is down, refused or timed out
-                return [e] * len(idxs)
-
         jobs = list(groups.values())
-        results = ([one(*jobs[0])] if len(jobs) == 1
-                   else list(self._fanout.map(lambda job: one(*job), jobs)))
+        results = _interleaved(jobs, names, fill)
         for (_, idxs), replies in zip(jobs, results, strict=True):
             for i, r in zip(idxs, replies, strict=True):
                 if isinstance(r, Exception):
@@ -310,7 +300,7 @@ class RedisBackend:
 
     def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], ttl_s: float) -> list[bool]:
         ms = max(1, int(ttl_s * 1000))
-        return [r is True for r in self._run([n for n, _ in items], lambda pipe, i: pipe.set(items[i][0], items[i][1],
+        return [r is True or r == b"OK" for r in self._run([n for n, _ in items], lambda pipe, i: pipe.set(items[i][0], items[i][1],
                                                                                           px=ms))]
 
     def get_many(self, names: Sequence[str], value_bytes: int = 0) -> list[bytes | memoryview | None | Exception]:
@@ -323,7 +313,60 @@ class RedisBackend:
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
-        self._fanout.shutdown(wait=False, cancel_futures=True)
+
+
+class _Cmds:
+    """Collects a pipeline's commands (``fill`` calls ``set``/``get`` on it)."""
+
+    def __init__(self) -> None:
+        self.args: list[tuple] = []
+
+    def set(self, name, value, px: int):  # noqa: ANN001, ANN201
+        self.args.append(("SET", name, value, "PX", px))
+
+    def get(self, name):  # noqa: ANN001, ANN201
+        self.args.append(("GET", name))
+
+
+def _interleaved(jobs, names, fill) -> list[list]:  # noqa: ANN001
+    """Each master's commands sent on one connection of it, all masters' before any reply is
+    read (they work in parallel without threads), then the replies read master by master."""
+    sent = []
+    for node, idxs in jobs:
+        cmds = _Cmds()
+        for i in idxs:
+            fill(cmds, i)
+        pool = node.redis_connection.connection_pool
+        conn, err = None, None
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command(conn.pack_commands(cmds.args))
+        except Exception as e:
+            err = e
+        sent.append((pool, conn, cmds, err))
+    out = []
+    for pool, conn, cmds, err in sent:
+        replies: list = []
+        try:
+            if err is None:
+                for _ in cmds.args:
+                    try:
+                        replies.append(conn.read_response())
+                    except Exception as e:  # noqa: PERF203
+                        from redis.exceptions import ResponseError
+
+                        if not isinstance(e, ResponseError):
+                            raise
+                        replies.append(e)
+        except Exception as e:  # the master is down, refused or timed out
+            err = e
+            if conn is not None:
+                conn.disconnect()
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        out.append(replies if err is None else [err] * len(cmds.args))
+    return out
 
 
 @dataclass
