@@ -52,11 +52,12 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import xxhash
 
 from kvtier.daemon.counters import Count, Counters
@@ -74,6 +75,8 @@ HEADER = struct.Struct("<4sB3xQQQ")  # magic, version, payload length, xxh3 payl
 HEADER_BYTES = HEADER.size  # 32
 BATCH_BYTES = 32 * 1024**2  # most payload bytes in one pipeline
 THREADS = 4
+STREAM_BYTES = 16 * 1024**2  # a get's payload bytes per batch read while the last one enters host
+COPY_THREADS = 2  # a large write-behind batch is copied into values in this many parts
 BACKOFF_S = 1.0
 MAX_PUBLISHED = 1 << 20  # blocks this daemon's feed shows in remote at most
 REMOTE = Tier.REMOTE
@@ -489,12 +492,19 @@ class RemoteStore:
         verified against its commit checksum (None where it differs). The caller keeps the
         slots intact (pinned, or victims before finish_eviction)."""
         views = [self.placement._slot_view(e.cls, e.offset) for e in entries]
+        items = [(e.bkey, e.block_bytes, e.checksum) for e in entries]
+        n = min(COPY_THREADS, len(entries)) if sum(e.block_bytes for e in entries) > 4 * 1024**2 else 1
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.pool, _copy_values, [(e.bkey, e.block_bytes, e.checksum) for e in entries], views)
+            parts = await asyncio.gather(*(loop.run_in_executor(self.pool, _copy_values, items[i::n], views[i::n])
+                                           for i in range(n)))
         finally:
             for v in views:
                 v.release()
+        out: list[bytearray | None] = [None] * len(entries)
+        for i in range(n):
+            out[i::n] = parts[i]
+        return out
 
     # -- the writer --------------------------------------------------------------------------
 
@@ -606,21 +616,44 @@ class RemoteStore:
                     from_node: str | None = None) -> list[Fetched]:
         """The blocks of ``bkeys`` the store holds, verified (see the module docstring).
         ``from_node`` names a peer, never the store: nothing is fetched then."""
+        out: list[Fetched] = []
+        async for batch in self.stream(tenant, layout, bkeys, from_node):
+            out.extend(batch)
+        return out
+
+    async def stream(self, tenant: str, layout: Layout, bkeys: Sequence[bytes],
+                     from_node: str | None = None) -> AsyncIterator[list[Fetched]]:
+        """:meth:`fetch` in batches of ``STREAM_BYTES``: the next batch is read from the store
+        (on a store thread) while the caller puts this one into host. The whole call waits at
+        most ``timeout_s``; what is not read by then is a counted read error."""
         if from_node is not None or not bkeys:
-            return []
+            return
         if time.monotonic() < self._skip_until:
             self.counters.add(Count.STORE_READ_ERRORS, len(bkeys))
-            return []
+            return
         loop = asyncio.get_running_loop()
-        try:
-            tally = await asyncio.wait_for(
-                loop.run_in_executor(self.pool, self._read, list(bkeys), layout.block_bytes), self.timeout_s)
-        except asyncio.TimeoutError:
-            self.counters.add(Count.STORE_READ_ERRORS, len(bkeys))
+        per = max(1, STREAM_BYTES // max(1, layout.block_bytes))
+        chunks = [list(bkeys[i:i + per]) for i in range(0, len(bkeys), per)]
+        deadline = loop.time() + self.timeout_s
+        pending = loop.run_in_executor(self.pool, self._read, chunks[0], layout.block_bytes)
+        errors = 0
+        for i in range(len(chunks)):
+            try:
+                tally = await asyncio.wait_for(asyncio.shield(pending), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                self.counters.add(Count.STORE_READ_ERRORS, sum(len(c) for c in chunks[i:]))
+                self._skip_until = time.monotonic() + BACKOFF_S
+                return
+            if i + 1 < len(chunks):
+                pending = loop.run_in_executor(self.pool, self._read, chunks[i + 1], layout.block_bytes)
+            errors += tally.errors
+            self._count(tally)
+            if tally.found:
+                yield tally.found
+        if errors == len(bkeys):
             self._skip_until = time.monotonic() + BACKOFF_S
-            return []
-        if tally.errors == len(bkeys):
-            self._skip_until = time.monotonic() + BACKOFF_S
+
+    def _count(self, tally: _ReadTally) -> None:
         self.counters.add(Count.STORE_READS, len(tally.found))
         self.counters.add(Count.STORE_READ_BYTES, sum(len(p) for _, p, _ in tally.found))
         self.counters.add(Count.STORE_MISSES, tally.misses)
@@ -628,7 +661,6 @@ class RemoteStore:
         self.counters.add(Count.STORE_READ_ERRORS, tally.errors)
         if tally.corrupt:
             log.warning("store values dropped: bad header or checksum", extra={"blocks": tally.corrupt})
-        return tally.found
 
     def _read(self, bkeys: list[bytes], block_bytes: int) -> _ReadTally:
         """(A store thread.) Get the values in batches of at most BATCH_BYTES and verify them."""
@@ -657,7 +689,7 @@ def _copy_values(items: Sequence[tuple[bytes, int, int | None]], views: Sequence
     for (bkey, nbytes, checksum), view in zip(items, views, strict=True):
         buf = bytearray(HEADER_BYTES + nbytes)
         mv = memoryview(buf)
-        mv[HEADER_BYTES:] = view[:nbytes]
+        np.copyto(np.frombuffer(mv, np.uint8)[HEADER_BYTES:], np.frombuffer(view, np.uint8, nbytes))  # GIL released
         got = xxhash.xxh3_64_intdigest(mv[HEADER_BYTES:])
         mv.release()
         if checksum is not None and got != checksum:
