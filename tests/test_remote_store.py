@@ -487,3 +487,18 @@ def test_mooncake_master_killed_gives_counted_errors_and_no_crash():
         in_process(Shared("mooncake", master=master), body, ttl_s=60.0)
     finally:
         fixture.close()   # stops the master
+
+
+def test_a_value_past_its_ttl_is_a_miss(shared):
+    """Redis expires it (PX); Mooncake's values carry their expiry, checked on every get."""
+    async def body(store, remote, rec, put):  # noqa: ANN001
+        keys = keys_of("ttl", 2)
+        await put(keys)
+        await remote.flush()
+        assert store.counters[Count.STORE_WRITES] == len(keys)
+        await asyncio.sleep(0.4)
+        layout = next(iter(store.layouts)).layout
+        assert await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in keys]) == []
+        assert store.counters[Count.STORE_MISSES] == len(keys) and store.counters[Count.STORE_READ_ERRORS] == 0
+
+    in_process(shared, body, ttl_s=0.3)
