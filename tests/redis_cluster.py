@@ -51,6 +51,10 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+class NodeExited(RuntimeError):
+    """A redis-server exited while starting (its port was taken, most often)."""
+
+
 class RedisCluster:
     """See the module docstring. ``nodes`` is the startup list (``127.0.0.1:PORT,...``)."""
 
@@ -133,10 +137,19 @@ class RedisCluster:
 
     def start(self, timeout: float = 20.0) -> RedisCluster:
         try:
-            for port in self.ports:
-                self._start_node(port)
-            for port in self.ports:
-                self._wait_ping(port, timeout)
+            for attempt in range(3):  # a port taken between free_ports and the bind: new ports
+                for port in self.ports:
+                    self._start_node(port)
+                try:
+                    for port in self.ports:
+                        self._wait_ping(port, timeout)
+                    break
+                except NodeExited:
+                    if attempt == 2:
+                        raise
+                    self._stop_nodes()
+                    self.procs = {}
+                    self.ports = free_ports(len(self.ports))
             out = subprocess.run([*self.cli_args(), "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                                   "--cluster-replicas", "0", "--cluster-yes"],
                                  capture_output=True, text=True, timeout=timeout)
@@ -186,7 +199,9 @@ class RedisCluster:
         while time.monotonic() < deadline:
             proc = self.procs[port]
             if proc.poll() is not None:
-                raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}")
+                log = os.path.join(self.dir, str(port), "redis.log")
+                tail = open(log, errors="replace").read()[-400:] if os.path.exists(log) else ""
+                raise NodeExited(f"redis-server on port {port} exited with {proc.returncode}: {tail}")
             try:
                 if self.cli(port, "ping", timeout=2) == "PONG":
                     return
@@ -229,6 +244,10 @@ class RedisCluster:
                 self.cli(port, "flushall")
 
     def stop(self) -> None:
+        self._stop_nodes()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _stop_nodes(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -238,7 +257,6 @@ class RedisCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def cluster_fixture(secure: bool = True) -> Iterator[RedisCluster]:
