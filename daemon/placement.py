@@ -58,12 +58,14 @@ def _ingest_pool() -> ThreadPoolExecutor:
     return _INGEST_POOL
 
 
-def _copy_hash(work: Sequence[tuple[bytes | memoryview, memoryview]]) -> list[int]:
+def _copy_hash(work: Sequence[tuple[bytes | memoryview, memoryview, int | None]]) -> list[int]:
+    """Each payload copied into its slot view; the copy's checksum, or the given one (a payload
+    its source verified already)."""
     out = []
-    for payload, view in work:
+    for payload, view, known in work:
         dst = view[:len(payload)]
         np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(payload, np.uint8))
-        out.append(payload_checksum(dst))
+        out.append(payload_checksum(dst) if known is None else known)
         dst.release()
     return out
 
@@ -349,7 +351,7 @@ class Placement:
     # -- blocks from elsewhere (a peer, the shared store) ----------------------------------
 
     async def ingest(self, layout: Layout, cls: SizeClass,
-                     blocks: Sequence[tuple[bytes, bytes | memoryview, int]]) -> set[bytes]:
+                     blocks: Sequence[tuple[bytes, bytes | memoryview, int]], verified: bool = False) -> set[bytes]:
         """Put blocks that arrived from outside this node (a peer daemon, the shared store)
         into fresh host slots of ``cls`` (the layout's tenant's pool) and make them visible;
         ``blocks`` are (packed block id, payload, xxh3-64 checksum the sender took).
@@ -369,8 +371,10 @@ class Placement:
             return set()
         hosts = await self.reserve(cls, [b for b, _, _ in todo], layout.block_bytes)
         pairs = [(t, h) for t, h in zip(todo, hosts, strict=True) if h is not None]
-        if len(pairs) * layout.block_bytes > INGEST_INLINE_BYTES:  # (issue 13) copy and hash off the loop
-            sums = await self._copy_in(pairs)
+        # (issue 13) a large batch is copied (and hashed) off the loop; ``verified``: the source
+        # hashed each payload as it arrived (the shared store), so the copy is not hashed again
+        if pairs and (verified or len(pairs) * layout.block_bytes > INGEST_INLINE_BYTES):
+            sums = await self._copy_in(pairs, verified)
         else:
             for (_, payload, _), h in pairs:
                 view = self._slot_view(h.cls, h.offset)
@@ -390,11 +394,18 @@ class Placement:
             done.append(h)
         return {e.bkey for e in self.commit(done, write_behind=False)}
 
-    async def _copy_in(self, pairs: list) -> list[int]:
-        """(ingest, a large batch) each payload copied into its slot and the slot hashed, on
-        ``INGEST_THREADS`` threads (numpy's copy and xxhash release the GIL)."""
+    async def _copy_in(self, pairs: list, verified: bool) -> list[int]:
+        """(ingest, a large batch) each payload copied into its slot and the slot hashed
+        (unless ``verified``), on ``INGEST_THREADS`` threads (numpy's copy and xxhash release
+        the GIL); a small batch inline."""
         views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
-        work = [(p, v) for ((_, p, _), _), v in zip(pairs, views, strict=True)]
+        work = [(p, v, c if verified else None) for ((_, p, c), _), v in zip(pairs, views, strict=True)]
+        if len(pairs) * pairs[0][1].block_bytes <= INGEST_INLINE_BYTES:
+            try:
+                return _copy_hash(work)
+            finally:
+                for v in views:
+                    v.release()
         n = min(INGEST_THREADS, len(work))
         loop = asyncio.get_running_loop()
         try:

@@ -64,3 +64,39 @@ def test_large_ingest_copies_on_threads_and_verifies():
         asyncio.run(main())
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_verified_ingest_copies_without_hashing_again():
+    """A source that verified each payload as it arrived (the shared store) says so: the copies
+    are not hashed again (the given checksum is the slot's), on threads or inline."""
+    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    layout = Layout.flat(BLOCK)
+    fp = layout.fingerprint
+    keys = [i.to_bytes(4, "big") * 4 for i in range(8)]
+    payloads = [bytes([i + 1]) * BLOCK for i in range(8)]
+
+    async def main() -> None:
+        store = BlockStore(HostTier(shm, 10 * BLOCK, "ingv"), demote_min_seen=1)
+        lid = (await store.register_layout(layout)).layout_id
+        hashed = []
+        real = placement.payload_checksum
+        placement.payload_checksum = lambda b: hashed.append(1) or real(b)
+        try:
+            for part in (keys[:2], keys[2:]):   # inline (2 MiB), then on threads (6 MiB)
+                blocks = [(fp + k, payloads[keys.index(k)], payload_checksum(payloads[keys.index(k)])) for k in part]
+                assert await store.tiers.ingest(layout, store.pool(layout), blocks, verified=True) == {
+                    fp + k for k in part}
+            assert hashed == []
+        finally:
+            placement.payload_checksum = real
+        try:
+            assert store.lookup(lid, keys) == [Tier.HOST] * len(keys)
+            out = await store.tiers.payloads([fp + k for k in keys])   # hashed here: the copies are sound
+            assert [out[fp + k][0] for k in keys] == payloads
+        finally:
+            store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
