@@ -6,14 +6,16 @@ the same run, with 2 MiB blocks:
 * ``store_put_gbps``: the daemon's write-behind path end to end, in process: a BlockStore
   (host tier in /dev/shm) with a RemoteStore (``--store-write put``); blocks are committed to
   host, then the clock runs from the commits' return until the writer has written them all
-  (pin, copy into a value and hash it on the store's threads, one pipeline per master per
-  32 MiB batch, publish). The commits themselves are not timed (they do not wait on the store).
+  (pin, copy into a value and hash it on the store's threads, each 32 MiB batch written on
+  one connection per master, all masters before any reply is read, publish). The commits themselves are not timed (they do not wait on the store).
 * ``store_get_gbps``: the read-through path end to end: a second BlockStore (another
   "daemon", an empty host tier) acquires the same keys; each misses locally, is fetched from
-  the store (header and checksum verified), copied into host, hashed there and leased.
+  the store in 16 MiB batches (header and checksum verified; the next batch is read while
+  this one enters host), copied into host, hashed there and leased.
 * ``redis_raw_gbps``: the same bytes through plain redis-py ``RedisCluster`` pipelines (SET,
   then GET) in batches of the same size: the lower of the two (``raw_set_gbps``,
-  ``raw_get_gbps`` are reported too).
+  ``raw_get_gbps`` are reported too). Both parse replies with hiredis (a dependency) and pack
+  commands with redis-py's Python serializer (a large value is sent without a copy).
 * ``store_ratio`` = min(put, get) / raw (goal >= 0.8).
 
     python bench/_store_bench.py [--blocks 48] [--block-mib 2] [--repeat 3]
@@ -46,10 +48,19 @@ from kvtier.tiers.layout import Layout  # noqa: E402
 
 
 def _raw(nodes: str, payloads: list[bytes], per_batch: int) -> tuple[float, float]:
+    import redis.connection
     from redis.cluster import ClusterNode
     from redis.cluster import RedisCluster as Client
 
-    client = Client(startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(nodes)])
+    # the baseline at its best: hiredis parses the replies (where installed), but commands are
+    # packed by redis-py's Python serializer, which sends a large value without copying it
+    # (hiredis's packer copies each into one string: SETs of 2 MiB values ran ~3x slower)
+    had, redis.connection.HIREDIS_AVAILABLE = redis.connection.HIREDIS_AVAILABLE, False
+    try:
+        client = Client(startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(nodes)])
+        client.ping(target_nodes=Client.ALL_NODES)  # every node's first connection made now
+    finally:
+        redis.connection.HIREDIS_AVAILABLE = had
     names = [f"raw:{i}" for i in range(len(payloads))]
     total = sum(map(len, payloads))
     try:

@@ -264,6 +264,40 @@ class Config:
                                                  "many bytes; beyond it only blocks seen --demote-min-seen "
                                                  "times are (0: always only those, as 0.1 did)", parse_size, "SIZE")
     # -- end of disk admission --
+    # -- shared store: transport, second backend (issue 13) --
+    store_tls_cert: str = _opt("", "client certificate (PEM) for mutual TLS to the store (Redis tls-auth-clients); "
+                                   "default --tls-cert", metavar="FILE")
+    store_tls_key: str = _opt("", "PEM private key of --store-tls-cert; default --tls-key", metavar="FILE")
+    store_tls_ca: str = _opt("", "PEM CA certificate(s) that sign the store nodes' server certificates; default "
+                                 "--tls-ca. With a CA the store is reached over TLS only", metavar="FILE")
+    store_plaintext: bool = _opt(False, "reach the store without TLS (a trusted network only); without it a store "
+                                        "needs --store-tls-ca (or --tls-ca). Mooncake has no TLS: "
+                                        "--store-backend mooncake needs this", parse_bool, "BOOL")
+    store_user: str = _opt("", "Redis ACL user the daemon authenticates as (AUTH user password); empty: the "
+                               "default user", metavar="NAME")
+    store_password_file: str = _opt("", "file holding the Redis password (one line; mode 0600, a file group or "
+                                        "others can read is refused at startup); empty: no AUTH",
+                                    metavar="FILE")
+    store_backend: str = _opt("redis", "what the shared store runs on: redis (a Redis Cluster, --store-redis) or "
+                                       "mooncake (a Mooncake Store, --store-mooncake-master)",
+                              metavar="redis|mooncake")
+    store_mooncake_master: str = _opt("", "the Mooncake master's RPC address, HOST:PORT (--store-backend "
+                                          "mooncake)", metavar="HOST:PORT")
+    store_mooncake_metadata: str = _opt("", "the Mooncake metadata server: http://HOST:PORT/metadata (the "
+                                            "master's -enable_http_metadata_server), etcd://HOST:PORT, or "
+                                            "P2PHANDSHAKE", metavar="URL")
+    store_mooncake_protocol: str = _opt("tcp", "the Mooncake transfer engine's protocol: tcp or rdma",
+                                        metavar="tcp|rdma")
+    store_mooncake_local: str = _opt("127.0.0.1", "this node's address as other Mooncake clients reach it "
+                                                  "(its segment is served from here)", metavar="HOST")
+    store_mooncake_device: str = _opt("", "RDMA device names for --store-mooncake-protocol rdma; empty: auto",
+                                      metavar="NAMES")
+    store_mooncake_segment_bytes: int = _opt(512 * 1024**2, "memory this node gives the Mooncake Store's pool "
+                                                            "(its global segment)", parse_size, "SIZE")
+    store_mooncake_buffer_bytes: int = _opt(128 * 1024**2, "this node's Mooncake transfer buffer (the most "
+                                                           "bytes of one batch's puts or gets in flight)",
+                                            parse_size, "SIZE")
+    # -- end of shared store: transport, second backend --
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
@@ -400,3 +434,6 @@ def _check_store(cfg: Config) -> None:
         host, _, port = node.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"--store-redis: {node!r} is not HOST:PORT")
+    from kvtier.daemon.remote_store import check_settings  # (issue 13: store transport, backends)
+
+    check_settings(cfg)

@@ -28,12 +28,15 @@ import logging
 import mmap
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
+
+import numpy as np
 
 from kvtier.daemon.counters import Count, Counters, Flow
 from kvtier.daemon.observers import Observers
 from kvtier.tiers.disk import DiskEntry, DiskTier, ReadOutcome
-from kvtier.tiers.host import HostEntry, HostTier, Reservation, SizeClass
+from kvtier.tiers.host import HostEntry, HostTier, Reservation, SizeClass, payload_checksum
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.policy import TierPolicy
 from kvtier.tiers.vocab import Tier, group_by_fingerprint, key_of
@@ -41,6 +44,30 @@ from kvtier.tiers.vocab import Tier, group_by_fingerprint, key_of
 log = logging.getLogger("kvtier.store")
 
 HOST, DISK = Tier.HOST, Tier.DISK
+
+
+INGEST_INLINE_BYTES = 4 * 1024**2  # (issue 13) ingest batches above this copy on threads
+INGEST_THREADS = 2
+_INGEST_POOL: ThreadPoolExecutor | None = None
+
+
+def _ingest_pool() -> ThreadPoolExecutor:
+    global _INGEST_POOL  # noqa: PLW0603
+    if _INGEST_POOL is None:
+        _INGEST_POOL = ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="kvtier-ingest")
+    return _INGEST_POOL
+
+
+def _copy_hash(work: Sequence[tuple[bytes | memoryview, memoryview, int | None]]) -> list[int]:
+    """Each payload copied into its slot view; the copy's checksum, or the given one (a payload
+    its source verified already)."""
+    out = []
+    for payload, view, known in work:
+        dst = view[:len(payload)]
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(payload, np.uint8))
+        out.append(payload_checksum(dst) if known is None else known)
+        dst.release()
+    return out
 
 
 class WriteBehind(Protocol):
@@ -341,7 +368,7 @@ class Placement:
     # -- blocks from elsewhere (a peer, the shared store) ----------------------------------
 
     async def ingest(self, layout: Layout, cls: SizeClass,
-                     blocks: Sequence[tuple[bytes, bytes | memoryview, int]]) -> set[bytes]:
+                     blocks: Sequence[tuple[bytes, bytes | memoryview, int]], verified: bool = False) -> set[bytes]:
         """Put blocks that arrived from outside this node (a peer daemon, the shared store)
         into fresh host slots of ``cls`` (the layout's tenant's pool) and make them visible;
         ``blocks`` are (packed block id, payload, xxh3-64 checksum the sender took).
@@ -361,13 +388,18 @@ class Placement:
             return set()
         hosts = await self.reserve(cls, [b for b, _, _ in todo], layout.block_bytes)
         pairs = [(t, h) for t, h in zip(todo, hosts, strict=True) if h is not None]
-        for (_, payload, _), h in pairs:
-            view = self._slot_view(h.cls, h.offset)
-            try:
-                view[:len(payload)] = payload
-            finally:
-                view.release()
-        sums = await self.host.checksums([h for _, h in pairs])
+        # (issue 13) a large batch is copied (and hashed) off the loop; ``verified``: the source
+        # hashed each payload as it arrived (the shared store), so the copy is not hashed again
+        if pairs and (verified or len(pairs) * layout.block_bytes > INGEST_INLINE_BYTES):
+            sums = await self._copy_in(pairs, verified)
+        else:
+            for (_, payload, _), h in pairs:
+                view = self._slot_view(h.cls, h.offset)
+                try:
+                    view[:len(payload)] = payload
+                finally:
+                    view.release()
+            sums = await self.host.checksums([h for _, h in pairs])
         done: list[HostEntry] = []
         for ((bkey, _, want), h), got in zip(pairs, sums, strict=True):
             if got != want:
@@ -378,6 +410,31 @@ class Placement:
             h.checksum = got
             done.append(h)
         return {e.bkey for e in self.commit(done, write_behind=False)}
+
+    async def _copy_in(self, pairs: list, verified: bool) -> list[int]:
+        """(ingest, a large batch) each payload copied into its slot and the slot hashed
+        (unless ``verified``), on ``INGEST_THREADS`` threads (numpy's copy and xxhash release
+        the GIL); a small batch inline."""
+        views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
+        work = [(p, v, c if verified else None) for ((_, p, c), _), v in zip(pairs, views, strict=True)]
+        if len(pairs) * pairs[0][1].block_bytes <= INGEST_INLINE_BYTES:
+            try:
+                return _copy_hash(work)
+            finally:
+                for v in views:
+                    v.release()
+        n = min(INGEST_THREADS, len(work))
+        loop = asyncio.get_running_loop()
+        try:
+            parts = await asyncio.gather(*(loop.run_in_executor(_ingest_pool(), _copy_hash, work[i::n])
+                                           for i in range(n)))
+        finally:
+            for v in views:
+                v.release()
+        sums = [0] * len(work)
+        for i in range(n):
+            sums[i::n] = parts[i]
+        return sums
 
     async def payloads(self, bkeys: Sequence[bytes]) -> dict[bytes, tuple[bytes, int]]:
         """Copies of the payloads of these blocks that host or disk holds, with their checksums

@@ -46,15 +46,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import xxhash
 
 from kvtier.daemon.counters import Count, Counters
@@ -72,6 +75,8 @@ HEADER = struct.Struct("<4sB3xQQQ")  # magic, version, payload length, xxh3 payl
 HEADER_BYTES = HEADER.size  # 32
 BATCH_BYTES = 32 * 1024**2  # most payload bytes in one pipeline
 THREADS = 4
+STREAM_BYTES = 16 * 1024**2  # a get's payload bytes per batch read while the last one enters host
+COPY_THREADS = 2  # a large write-behind batch is copied into values in this many parts
 BACKOFF_S = 1.0
 MAX_PUBLISHED = 1 << 20  # blocks this daemon's feed shows in remote at most
 REMOTE = Tier.REMOTE
@@ -95,7 +100,7 @@ def encode(bkey: bytes, payload: bytes | memoryview, checksum: int) -> bytearray
     return buf
 
 
-def decode(bkey: bytes, value: bytes, block_bytes: int) -> tuple[memoryview, int] | None:
+def decode(bkey: bytes, value: bytes | memoryview, block_bytes: int) -> tuple[memoryview, int] | None:
     """The payload and its checksum, if ``value`` is a sound value of ``bkey`` with a payload of
     ``block_bytes``; None otherwise (a wrong header, length, block id or checksum)."""
     if len(value) != HEADER_BYTES + block_bytes:
@@ -118,8 +123,9 @@ class Backend(Protocol):
         """Write each (name, value) with this TTL; whether each write succeeded."""
         ...
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None | Exception]:
-        """Each name's value, None where absent, the error where its node failed."""
+    def get_many(self, names: Sequence[str], value_bytes: int = 0) -> list[bytes | memoryview | None | Exception]:
+        """Each name's value, None where absent, the error where its node failed;
+        ``value_bytes``: the size each value should have (0: unknown)."""
         ...
 
     def close(self) -> None: ...
@@ -135,25 +141,122 @@ def parse_nodes(spec: str) -> list[tuple[str, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class Transport:
+    """How the daemon reaches Redis: TLS when ``ca`` is set (the server's certificate checked
+    against it, ``cert``/``key`` the client's for mutual TLS), ACL ``user`` and ``password``."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = ""
+
+    def redis_kwargs(self) -> dict:
+        kw: dict = {}
+        if self.ca:
+            kw.update(ssl=True, ssl_ca_certs=self.ca, ssl_cert_reqs="required",
+                      ssl_certfile=self.cert or None, ssl_keyfile=self.key or None)
+        if self.user:
+            kw["username"] = self.user
+        if self.password:
+            kw["password"] = self.password
+        return kw
+
+
+def _tls_files(cfg) -> tuple[str, str, str]:  # noqa: ANN001
+    """(ca, cert, key) of the store: its own files, else the daemon's --tls-* (like the peers)."""
+    if cfg.store_plaintext:
+        return "", "", ""
+    return (cfg.store_tls_ca or cfg.tls_ca, cfg.store_tls_cert or cfg.tls_cert, cfg.store_tls_key or cfg.tls_key)
+
+
+def check_settings(cfg) -> None:  # noqa: ANN001
+    """The --store-* transport and backend settings (raises ConfigError, naming the flag)."""
+    from kvtier.daemon.config import ConfigError
+
+    if cfg.store_backend not in ("redis", "mooncake"):
+        raise ConfigError(f"--store-backend: {cfg.store_backend!r} is not redis or mooncake")
+    if cfg.store_plaintext and (cfg.store_tls_ca or cfg.store_tls_cert or cfg.store_tls_key):
+        raise ConfigError("--store-plaintext and --store-tls-* contradict each other: pick one")
+    if bool(cfg.store_tls_cert) != bool(cfg.store_tls_key):
+        raise ConfigError("--store-tls-cert and --store-tls-key go together")
+    if cfg.store_backend == "mooncake":
+        _check_mooncake(cfg, ConfigError)
+        return
+    ca, cert, _ = _tls_files(cfg)
+    if cfg.store_redis and not ca and not cfg.store_plaintext:
+        raise ConfigError("--store-redis needs TLS to the store: --store-tls-ca (the CA of the Redis nodes' "
+                          "certificates; or --tls-ca), with --store-tls-cert and --store-tls-key for Redis's "
+                          "tls-auth-clients (or --tls-cert, --tls-key); only with --store-plaintext true is "
+                          "the store reached in plaintext")
+    if cert and not ca:
+        raise ConfigError("--store-tls-cert needs --store-tls-ca (the CA that signs the Redis nodes' certificates)")
+    if cfg.store_user and not cfg.store_password_file:
+        raise ConfigError("--store-user needs --store-password-file")
+
+
+def _check_mooncake(cfg, ConfigError) -> None:  # noqa: ANN001, N803
+    if cfg.store_redis or cfg.store_user or cfg.store_password_file:
+        raise ConfigError("--store-redis, --store-user and --store-password-file are for --store-backend redis")
+    if not cfg.store_mooncake_master or not cfg.store_mooncake_metadata:
+        raise ConfigError("--store-backend mooncake needs --store-mooncake-master HOST:PORT and "
+                          "--store-mooncake-metadata (http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE)")
+    host, _, port = cfg.store_mooncake_master.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--store-mooncake-master: {cfg.store_mooncake_master!r} is not HOST:PORT")
+    if cfg.store_mooncake_protocol not in ("tcp", "rdma"):
+        raise ConfigError(f"--store-mooncake-protocol: {cfg.store_mooncake_protocol!r} is not tcp or rdma")
+    if not cfg.store_plaintext:
+        raise ConfigError("--store-backend mooncake: the Mooncake transfer engine has no TLS or client "
+                          "authentication; run it on a trusted network and pass --store-plaintext true")
+    if cfg.store_mooncake_segment_bytes <= 0 or cfg.store_mooncake_buffer_bytes < 4 * 1024**2:
+        raise ConfigError("--store-mooncake-segment-bytes must be positive and --store-mooncake-buffer-bytes at "
+                          "least 4MiB")
+
+
+def read_password(path: str) -> str:
+    """The password in ``path`` (first line); a file group or others may read is refused."""
+    from kvtier.daemon.server import StartupError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise StartupError(f"cannot open --store-password-file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
+            raise StartupError(f"--store-password-file {path} is mode {stat.S_IMODE(st.st_mode):04o}: group or "
+                               f"others may read it; make it a regular file of mode 0600 (chmod 600)")
+        data = os.read(fd, 65536)
+    finally:
+        os.close(fd)
+    password = data.decode("utf-8", "replace").splitlines()[0].strip() if data.strip() else ""
+    if not password:
+        raise StartupError(f"--store-password-file {path} is empty")
+    return password
+
+
 class RedisBackend:
     """A Redis Cluster through redis-py's (blocking) cluster client, made on first use so a
     daemon starts while the store is down; thread-safe.
 
-    A batch is split by the master serving each name's slot (the client's slot map) and sent
-    as one plain pipeline per master, the masters in parallel: a master that is down or slow
-    fails its own names only. A connection error, a redirect (``MOVED``: the slots moved) or
+    A batch is split by the master serving each name's slot (the client's slot map); each
+    master's commands are written on one of its connections, all masters' before any reply is
+    read (the masters work in parallel, without threads contending for the GIL), then the
+    replies are read master by master: a master that is down or slow fails its own names only. A connection error, a redirect (``MOVED``: the slots moved) or
     an uncovered slot makes the next call learn the topology again (at most once a second)."""
 
     name = "redis"
 
-    def __init__(self, nodes: Sequence[tuple[str, int]], timeout_s: float) -> None:
+    def __init__(self, nodes: Sequence[tuple[str, int]], timeout_s: float, transport: Transport | None = None) -> None:
         self.nodes = list(nodes)
         self.timeout_s = timeout_s
+        self.transport = transport or Transport()
         self._client = None
         self._lock = threading.Lock()
         self._stale = False
         self._refreshed = 0.0
-        self._fanout = ThreadPoolExecutor(8, thread_name_prefix="kvtier-redis")
 
     def client(self):  # noqa: ANN201 (redis.cluster.RedisCluster)
         with self._lock:
@@ -173,11 +276,11 @@ class RedisBackend:
                 self._client = RedisCluster(
                     startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], require_full_coverage=False,
                     socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                    retry=Retry(NoBackoff(), 0))
+                    retry=Retry(NoBackoff(), 0), **self.transport.redis_kwargs())
             return self._client
 
     def _run(self, names: Sequence[str], fill) -> list:  # noqa: ANN001
-        """``fill(pipe, i)`` adds the command of ``names[i]``; each name's reply or error."""
+        """``fill(cmds, i)`` adds the command of ``names[i]``; each name's reply or error."""
         out: list = [None] * len(names)
         try:
             client = self.client()
@@ -189,18 +292,8 @@ class RedisBackend:
             self._stale = True
             return [e] * len(names)
 
-        def one(node, idxs: list[int]) -> list:  # noqa: ANN001
-            try:
-                pipe = node.redis_connection.pipeline(transaction=False)
-                for i in idxs:
-                    fill(pipe, i)
-                return pipe.execute(raise_on_error=False)
-            except Exception as e:  # the master is down, refused or timed out
-                return [e] * len(idxs)
-
         jobs = list(groups.values())
-        results = ([one(*jobs[0])] if len(jobs) == 1
-                   else list(self._fanout.map(lambda job: one(*job), jobs)))
+        results = _interleaved(jobs, names, fill)
         for (_, idxs), replies in zip(jobs, results, strict=True):
             for i, r in zip(idxs, replies, strict=True):
                 if isinstance(r, Exception):
@@ -210,12 +303,12 @@ class RedisBackend:
 
     def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], ttl_s: float) -> list[bool]:
         ms = max(1, int(ttl_s * 1000))
-        return [r is True for r in self._run([n for n, _ in items], lambda pipe, i: pipe.set(items[i][0], items[i][1],
-                                                                                          px=ms))]
+        replies = self._run([n for n, _ in items], lambda cmds, i: cmds.set(items[i][0], memoryview(items[i][1]), px=ms))
+        return [r is True or r == b"OK" for r in replies]
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | None | Exception]:
+    def get_many(self, names: Sequence[str], value_bytes: int = 0) -> list[bytes | memoryview | None | Exception]:
         return [r if r is None or isinstance(r, bytes | Exception) else TypeError(type(r).__name__)
-                for r in self._run(names, lambda pipe, i: pipe.get(names[i]))]
+                for r in self._run(names, lambda cmds, i: cmds.get(names[i]))]
 
     def close(self) -> None:
         with self._lock:
@@ -223,7 +316,94 @@ class RedisBackend:
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
-        self._fanout.shutdown(wait=False, cancel_futures=True)
+
+
+class _Cmds:
+    """Collects a pipeline's commands (``fill`` calls ``set``/``get`` on it)."""
+
+    def __init__(self) -> None:
+        self.args: list[tuple] = []
+
+    def set(self, name, value, px: int):  # noqa: ANN001, ANN201
+        self.args.append(("SET", name, value, "PX", px))
+
+    def get(self, name):  # noqa: ANN001, ANN201
+        self.args.append(("GET", name))
+
+
+_CUTOFF = 6000
+_packer = None
+
+
+def _pack_commands(commands: Sequence[tuple]) -> list:
+    """redis-py's pack_commands with its Python serializer, whether or not hiredis is there:
+    a large value goes out as its own buffer, never copied (hiredis's packer copies each value
+    into one string: a SET of 2 MiB values ran at a third of the speed), small pieces joined."""
+    global _packer  # noqa: PLW0603
+    if _packer is None:
+        from redis.connection import Encoder, PythonRespSerializer
+
+        _packer = PythonRespSerializer(_CUTOFF, Encoder("utf-8", "strict", False).encode)
+    output: list = []
+    pieces: list = []
+    size = 0
+    for cmd in commands:
+        for chunk in _packer.pack(*cmd):
+            n = len(chunk)
+            big = n > _CUTOFF or isinstance(chunk, memoryview)
+            if size > _CUTOFF or big:
+                if pieces:
+                    output.append(b"".join(pieces))
+                size, pieces = 0, []
+            if big:
+                output.append(chunk)
+            else:
+                pieces.append(chunk)
+                size += n
+    if pieces:
+        output.append(b"".join(pieces))
+    return output
+
+
+def _interleaved(jobs, names, fill) -> list[list]:  # noqa: ANN001
+    """Each master's commands sent on one connection of it, all masters' before any reply is
+    read (they work in parallel without threads), then the replies read master by master."""
+    sent = []
+    for node, idxs in jobs:
+        cmds = _Cmds()
+        for i in idxs:
+            fill(cmds, i)
+        pool = node.redis_connection.connection_pool
+        conn, err = None, None
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command(_pack_commands(cmds.args))
+        except Exception as e:
+            err = e
+        sent.append((pool, conn, cmds, err))
+    out = []
+    for pool, conn, cmds, err in sent:
+        replies: list = []
+        try:
+            if err is None:
+                for _ in cmds.args:
+                    try:
+                        replies.append(conn.read_response())
+                    except Exception as e:  # noqa: PERF203
+                        from redis.exceptions import ResponseError
+
+                        if not isinstance(e, ResponseError):
+                            raise
+                        replies.append(e)
+        except Exception as e:  # the master is down, refused or timed out
+            err = e
+            if conn is not None:
+                conn.disconnect()
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        out.append(replies if err is None else [err] * len(cmds.args))
+    return out
 
 
 @dataclass
@@ -250,6 +430,7 @@ class RemoteStore:
     the event loop and :meth:`close` at the end."""
 
     name = "store"
+    verified = True  # each payload is hashed against its value's header on arrival (decode)
 
     def __init__(self, backend: Backend, placement, counters: Counters, observers: Observers,  # noqa: ANN001
                  namespace: str = "default", ttl_s: float = 3600.0, write: str = "put", read_through: bool = True,
@@ -346,12 +527,19 @@ class RemoteStore:
         verified against its commit checksum (None where it differs). The caller keeps the
         slots intact (pinned, or victims before finish_eviction)."""
         views = [self.placement._slot_view(e.cls, e.offset) for e in entries]
+        items = [(e.bkey, e.block_bytes, e.checksum) for e in entries]
+        n = min(COPY_THREADS, len(entries)) if sum(e.block_bytes for e in entries) > 4 * 1024**2 else 1
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.pool, _copy_values, [(e.bkey, e.block_bytes, e.checksum) for e in entries], views)
+            parts = await asyncio.gather(*(loop.run_in_executor(self.pool, _copy_values, items[i::n], views[i::n])
+                                           for i in range(n)))
         finally:
             for v in views:
                 v.release()
+        out: list[bytearray | None] = [None] * len(entries)
+        for i in range(n):
+            out[i::n] = parts[i]
+        return out
 
     # -- the writer --------------------------------------------------------------------------
 
@@ -463,21 +651,44 @@ class RemoteStore:
                     from_node: str | None = None) -> list[Fetched]:
         """The blocks of ``bkeys`` the store holds, verified (see the module docstring).
         ``from_node`` names a peer, never the store: nothing is fetched then."""
+        out: list[Fetched] = []
+        async for batch in self.stream(tenant, layout, bkeys, from_node):
+            out.extend(batch)
+        return out
+
+    async def stream(self, tenant: str, layout: Layout, bkeys: Sequence[bytes],
+                     from_node: str | None = None) -> AsyncIterator[list[Fetched]]:
+        """:meth:`fetch` in batches of ``STREAM_BYTES``: the next batch is read from the store
+        (on a store thread) while the caller puts this one into host. The whole call waits at
+        most ``timeout_s``; what is not read by then is a counted read error."""
         if from_node is not None or not bkeys:
-            return []
+            return
         if time.monotonic() < self._skip_until:
             self.counters.add(Count.STORE_READ_ERRORS, len(bkeys))
-            return []
+            return
         loop = asyncio.get_running_loop()
-        try:
-            tally = await asyncio.wait_for(
-                loop.run_in_executor(self.pool, self._read, list(bkeys), layout.block_bytes), self.timeout_s)
-        except asyncio.TimeoutError:
-            self.counters.add(Count.STORE_READ_ERRORS, len(bkeys))
+        per = max(1, STREAM_BYTES // max(1, layout.block_bytes))
+        chunks = [list(bkeys[i:i + per]) for i in range(0, len(bkeys), per)]
+        deadline = loop.time() + self.timeout_s
+        pending = loop.run_in_executor(self.pool, self._read, chunks[0], layout.block_bytes)
+        errors = 0
+        for i in range(len(chunks)):
+            try:
+                tally = await asyncio.wait_for(asyncio.shield(pending), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                self.counters.add(Count.STORE_READ_ERRORS, sum(len(c) for c in chunks[i:]))
+                self._skip_until = time.monotonic() + BACKOFF_S
+                return
+            if i + 1 < len(chunks):
+                pending = loop.run_in_executor(self.pool, self._read, chunks[i + 1], layout.block_bytes)
+            errors += tally.errors
+            self._count(tally)
+            if tally.found:
+                yield tally.found
+        if errors == len(bkeys):
             self._skip_until = time.monotonic() + BACKOFF_S
-            return []
-        if tally.errors == len(bkeys):
-            self._skip_until = time.monotonic() + BACKOFF_S
+
+    def _count(self, tally: _ReadTally) -> None:
         self.counters.add(Count.STORE_READS, len(tally.found))
         self.counters.add(Count.STORE_READ_BYTES, sum(len(p) for _, p, _ in tally.found))
         self.counters.add(Count.STORE_MISSES, tally.misses)
@@ -485,7 +696,6 @@ class RemoteStore:
         self.counters.add(Count.STORE_READ_ERRORS, tally.errors)
         if tally.corrupt:
             log.warning("store values dropped: bad header or checksum", extra={"blocks": tally.corrupt})
-        return tally.found
 
     def _read(self, bkeys: list[bytes], block_bytes: int) -> _ReadTally:
         """(A store thread.) Get the values in batches of at most BATCH_BYTES and verify them."""
@@ -493,7 +703,7 @@ class RemoteStore:
         per = max(1, BATCH_BYTES // max(1, block_bytes))
         for i in range(0, len(bkeys), per):
             chunk = bkeys[i:i + per]
-            values = self.backend.get_many([redis_key(self.namespace, b) for b in chunk])
+            values = self.backend.get_many([redis_key(self.namespace, b) for b in chunk], HEADER_BYTES + block_bytes)
             for bkey, value in zip(chunk, values, strict=True):
                 if value is None:
                     tally.misses += 1
@@ -514,7 +724,7 @@ def _copy_values(items: Sequence[tuple[bytes, int, int | None]], views: Sequence
     for (bkey, nbytes, checksum), view in zip(items, views, strict=True):
         buf = bytearray(HEADER_BYTES + nbytes)
         mv = memoryview(buf)
-        mv[HEADER_BYTES:] = view[:nbytes]
+        np.copyto(np.frombuffer(mv, np.uint8)[HEADER_BYTES:], np.frombuffer(view, np.uint8, nbytes))  # GIL released
         got = xxhash.xxh3_64_intdigest(mv[HEADER_BYTES:])
         mv.release()
         if checksum is not None and got != checksum:
@@ -526,10 +736,18 @@ def _copy_values(items: Sequence[tuple[bytes, int, int | None]], views: Sequence
 
 
 def build(cfg, placement, counters: Counters, observers: Observers) -> RemoteStore | None:  # noqa: ANN001
-    """The store kvtierd's settings ask for (``--store-redis``), or None."""
-    nodes = parse_nodes(cfg.store_redis)
-    if not nodes:
-        return None
-    backend = RedisBackend(nodes, cfg.store_timeout_s)
+    """The store kvtierd's settings ask for (``--store-redis`` or ``--store-backend mooncake``), or None."""
+    backend: Backend
+    if cfg.store_backend == "mooncake":
+        from kvtier.daemon.mooncake_store import MooncakeBackend
+
+        backend = MooncakeBackend.from_config(cfg)
+    else:
+        nodes = parse_nodes(cfg.store_redis)
+        if not nodes:
+            return None
+        ca, cert, key = _tls_files(cfg)
+        password = read_password(cfg.store_password_file) if cfg.store_password_file else ""
+        backend = RedisBackend(nodes, cfg.store_timeout_s, Transport(ca, cert, key, cfg.store_user, password))
     return RemoteStore(backend, placement, counters, observers, cfg.store_namespace, cfg.store_ttl_s,
                        cfg.store_write, cfg.store_read_through, cfg.store_timeout_s, cfg.store_queue_bytes)

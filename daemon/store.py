@@ -381,14 +381,14 @@ class BlockStore:
             if not blocks:
                 return set()
             self.tiers.measured_remote(sum(len(p) for _, p, _ in blocks), time.perf_counter() - t0)
-            return await self.tiers.ingest(layout, self.pool(layout), blocks)
+            return await self.tiers.ingest(layout, self.pool(layout), blocks, getattr(src, "verified", False))
         # a source that streams (peers): each batch goes into host before the next is read, so
         # a large fetch holds one batch in memory
         got: set[bytes] = set()
         nbytes = 0
         async for batch in stream(tenant, layout, bkeys, from_node):
             nbytes += sum(len(p) for _, p, _ in batch)
-            got |= await self.tiers.ingest(layout, self.pool(layout), batch)
+            got |= await self.tiers.ingest(layout, self.pool(layout), batch, getattr(src, "verified", False))
         if nbytes:
             self.tiers.measured_remote(nbytes, time.perf_counter() - t0)
         return got

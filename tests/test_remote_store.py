@@ -1,4 +1,7 @@
-"""Issue 13, item 2: the shared store (a real Redis Cluster, real daemons).
+"""Issue 13, item 2: the shared store (a real Redis Cluster over mutual TLS with ACLs, and a
+real Mooncake Store; real daemons). The sharing, tenant, corruption and in-process tests run
+over both backends (``shared``, a module fixture per backend); the Mooncake ones skip, saying
+why, where its wheel is not installed (``pip install 'kvtier[mooncake]'``).
 
 Two daemons that share only the Redis Cluster serve each other's blocks byte-exact (A puts,
 A writes them behind, B's get reads them through); another tenant cannot read them; a value
@@ -18,10 +21,10 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
-from redis.cluster import ClusterNode
-from redis.cluster import RedisCluster as RedisClient
+from mooncake_master import MooncakeMaster, mooncake_fixture
 from redis_cluster import REDIS_CLI, RedisCluster, cluster_fixture
 
 from kvtier.client.engine.sidecar import Sidecar
@@ -29,7 +32,8 @@ from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count
 from kvtier.daemon.layouts import tenant_fingerprint
-from kvtier.daemon.remote_store import RedisBackend, RemoteStore, parse_nodes, redis_key
+from kvtier.daemon.mooncake_store import EXPIRY, PREFIX_BYTES, MooncakeBackend
+from kvtier.daemon.remote_store import RedisBackend, RemoteStore, Transport, parse_nodes, redis_key
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.layout import Layout
@@ -68,16 +72,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def redis_cluster() -> Iterator[RedisCluster]:
-    yield from cluster_fixture()
+class Shared:
+    """The store under test: a Redis Cluster (TLS only, ACLs) or a Mooncake master, and a raw
+    client of it (not kvtier's) for the tests' own reads and writes."""
+
+    def __init__(self, kind: str, cluster: RedisCluster | None = None, master: MooncakeMaster | None = None) -> None:
+        self.kind, self.cluster, self.master = kind, cluster, master
+        self._raw = None
+
+    def daemon_args(self) -> tuple[str, ...]:
+        return self.cluster.daemon_args() if self.cluster else self.master.daemon_args()
+
+    def backend(self):  # noqa: ANN201
+        if self.cluster:
+            return backend_of(self.cluster)
+        m = self.master
+        return MooncakeBackend(m.master, m.metadata, segment_bytes=64 * 1024**2, buffer_bytes=32 * 1024**2)
+
+    def raw(self):  # noqa: ANN201
+        if self._raw is None:
+            self._raw = self.cluster.client() if self.cluster else self.master.client()
+        return self._raw
+
+    def raw_get(self, name: str) -> bytes:
+        """The value (header and payload) kvtier stored under ``name``."""
+        v = self.raw().get(name)
+        return v if self.cluster else v[PREFIX_BYTES:]
+
+    def raw_set(self, name: str, value: bytes) -> None:
+        if self.cluster:
+            corrupt(self.cluster, name, value)   # with redis-cli
+        else:
+            assert self.raw().upsert(name, EXPIRY.pack(int(time.time() * 1000) + 60_000) + value) == 0
+
+    def ttl_ms(self, name: str) -> int:
+        if self.cluster:
+            return self.raw().pttl(name)
+        return EXPIRY.unpack_from(self.raw().get(name), 0)[0] - int(time.time() * 1000)
+
+    def close(self) -> None:
+        if self._raw is not None and self.cluster:
+            self._raw.close()
+
+
+@pytest.fixture(scope="module", params=["redis", "mooncake"])
+def shared(request) -> Iterator[Shared]:  # noqa: ANN001
+    if request.param == "redis":
+        for cluster in cluster_fixture():
+            s = Shared("redis", cluster=cluster)
+            yield s
+            s.close()
+    else:
+        for master in mooncake_fixture():
+            yield Shared("mooncake", master=master)
 
 
 @pytest.fixture(scope="module")
-def daemons(redis_cluster) -> Iterator[tuple[DaemonProcess, DaemonProcess, DaemonProcess]]:
-    """A and B: the default tenant; C: this user is tenant "bob". They share only Redis."""
+def daemons(shared) -> Iterator[tuple[DaemonProcess, DaemonProcess, DaemonProcess]]:
+    """A and B: the default tenant; C: this user is tenant "bob". They share only the store."""
     work = tempfile.mkdtemp(prefix="kvtier-store-")
-    store = ("--store-redis", redis_cluster.nodes, "--store-namespace", NS)
+    store = (*shared.daemon_args(), "--store-namespace", NS)
     me = os.getuid()
     procs = [DaemonProcess(work, *store, "--metrics-port", str(free_port()), name="a"),
              DaemonProcess(work, *store, name="b"),
@@ -100,7 +154,7 @@ def put_written(sc: Sidecar, lid: int, keys: list[bytes]) -> None:
     wait_for(lambda: counters(sc)["store_writes"] >= before + len(keys), what="the write-behind")
 
 
-def test_two_daemons_share_blocks_through_the_store(daemons, redis_cluster):
+def test_two_daemons_share_blocks_through_the_store(daemons, shared):
     a, b, _ = daemons
     keys = keys_of("share", 8)
     with Sidecar(a.socket) as sa, Sidecar(b.socket) as sb:
@@ -117,14 +171,11 @@ def test_two_daemons_share_blocks_through_the_store(daemons, redis_cluster):
         # a key nobody put: a miss, asked of the store
         assert sb.get(lb, keys_of("nobody", 1)) == [None]
         assert counters(sb)["store_misses"] == 1
-    # in Redis under the tenant-scoped name, with its TTL
-    client = RedisClient(startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(redis_cluster.nodes)])
-    try:
-        name = redis_key(NS, FP + keys[0])
-        assert name == f"kvtier:{NS}:{FP.hex()}:{keys[0].hex()}"
-        assert 0 < client.pttl(name) <= 3600 * 1000
-    finally:
-        client.close()
+    # in the store under the tenant-scoped name, with its TTL
+    name = redis_key(NS, FP + keys[0])
+    assert name == f"kvtier:{NS}:{FP.hex()}:{keys[0].hex()}"
+    assert shared.raw_get(name)[32:] == payload(keys[0])
+    assert 0 < shared.ttl_ms(name) <= 3600 * 1000
     # every store counter reaches /metrics
     port = int(a.args[a.args.index("--metrics-port") + 1])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -152,26 +203,22 @@ def test_tenant_b_cannot_read_tenant_a_blocks_through_the_store(daemons):
 def corrupt(cluster: RedisCluster, name: str, value: bytes) -> None:
     """Overwrite a value in Redis with redis-cli (-c follows the slot's redirect)."""
     assert REDIS_CLI is not None
-    out = subprocess.run([REDIS_CLI, "-c", "-p", str(cluster.port_of(name)), "-x", "set", name],
+    out = subprocess.run([*cluster.cli_args(), "-c", "-p", str(cluster.port_of(name)), "-x", "set", name],
                          input=value, capture_output=True, timeout=10)
     assert out.stdout.strip() == b"OK", out
 
 
-def test_corrupted_value_in_redis_is_a_counted_miss(daemons, redis_cluster):
+def test_corrupted_value_in_the_store_is_a_counted_miss(daemons, shared):
     a, b, _ = daemons
     keys = keys_of("corrupt", 3)
     with Sidecar(a.socket) as sa, Sidecar(b.socket) as sb:
         la, lb = sa.register_layout(LAYOUT), sb.register_layout(LAYOUT)
         put_written(sa, la, keys)
-        client = RedisClient(startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(redis_cluster.nodes)])
-        try:
-            good = [client.get(redis_key(NS, FP + k)) for k in keys]
-        finally:
-            client.close()
+        good = [shared.raw_get(redis_key(NS, FP + k)) for k in keys]
         flipped = bytearray(good[0])
         flipped[-100] ^= 0x40
-        corrupt(redis_cluster, redis_key(NS, FP + keys[0]), bytes(flipped))  # payload changed
-        corrupt(redis_cluster, redis_key(NS, FP + keys[1]), good[2])          # another block's value
+        shared.raw_set(redis_key(NS, FP + keys[0]), bytes(flipped))  # payload changed
+        shared.raw_set(redis_key(NS, FP + keys[1]), good[2])          # another block's value
         before = counters(sb)
         got = sb.get(lb, keys)
         assert got[0] is None and got[1] is None and bytes(got[2]) == payload(keys[2])
@@ -182,12 +229,12 @@ def test_corrupted_value_in_redis_is_a_counted_miss(daemons, redis_cluster):
 
 
 def test_redis_node_killed_mid_run_gives_misses_and_counters(tmp_path):
-    """Its own cluster: one master is killed while both daemons serve."""
+    """Its own cluster (plaintext: --store-plaintext): one master is killed while both daemons serve."""
     if not REDIS_CLI:
         pytest.skip("redis-server is not installed")
     cluster = RedisCluster().start()
     work = str(tmp_path)
-    store = ("--store-redis", cluster.nodes, "--store-namespace", NS, "--store-timeout-s", "1")
+    store = (*cluster.daemon_args(), "--store-namespace", NS, "--store-timeout-s", "1")
     a = DaemonProcess(work, *store, name="ka")
     b = DaemonProcess(work, *store, name="kb")
     try:
@@ -249,7 +296,14 @@ class Recorder:
         return {k for e, t, _, ks in self.events if e == kind and t is Tier.REMOTE for k in ks}
 
 
-def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: int = 8,  # noqa: ANN001
+def backend_of(cluster: RedisCluster) -> RedisBackend:
+    kw = cluster.client_kwargs(admin=False)
+    transport = Transport(kw["ssl_ca_certs"], kw["ssl_certfile"], kw["ssl_keyfile"], kw["username"],
+                          kw["password"]) if kw else Transport()
+    return RedisBackend(parse_nodes(cluster.nodes), 2.0, transport)
+
+
+def in_process(shared: Shared, body, *, write: str = "put", host_blocks: int = 8,  # noqa: ANN001
                queue_bytes: int = 64 * BLOCK, ttl_s: float = 60.0) -> None:
     shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
 
@@ -257,7 +311,7 @@ def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: 
         store = BlockStore(HostTier(shm, host_blocks * BLOCK, "rs"), demote_min_seen=1)
         rec = Recorder()
         store.observers.add(rec)
-        remote = RemoteStore(RedisBackend(parse_nodes(cluster.nodes), 2.0), store.tiers, store.counters,
+        remote = RemoteStore(shared.backend(), store.tiers, store.counters,
                              store.observers, NS + write, ttl_s, write, True, 2.0, queue_bytes)
         store.remotes.append(remote)
         remote.start()
@@ -285,7 +339,7 @@ def in_process(cluster: RedisCluster, body, *, write: str = "put", host_blocks: 
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_feed_shows_written_blocks_in_remote_until_their_ttl_lapses(redis_cluster):
+def test_feed_shows_written_blocks_in_remote_until_their_ttl_lapses(shared):
     async def body(store, remote, rec, put):  # noqa: ANN001
         keys = keys_of("feed", 4)
         await put(keys)
@@ -297,10 +351,10 @@ def test_feed_shows_written_blocks_in_remote_until_their_ttl_lapses(redis_cluste
         assert rec.remote("removed") == set(keys) and store.counters[Count.STORE_EXPIRED] == len(keys)
         assert not [h for h in store.holdings() if h[0] is Tier.REMOTE]
 
-    in_process(redis_cluster, body)
+    in_process(shared, body)
 
 
-def test_demotion_mode_writes_host_victims_only(redis_cluster):
+def test_demotion_mode_writes_host_victims_only(shared):
     async def body(store, remote, rec, put):  # noqa: ANN001
         keys = keys_of("demote", 6)
         await put(keys[:4])
@@ -316,14 +370,135 @@ def test_demotion_mode_writes_host_victims_only(redis_cluster):
         found = await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in sorted(victims)])
         assert [bytes(p) for _, p, _ in found] == [payload(k) for k in sorted(victims)]
 
-    in_process(redis_cluster, body, write="demotion", host_blocks=4)
+    in_process(shared, body, write="demotion", host_blocks=4)
 
 
-def test_full_write_behind_queue_drops_and_counts(redis_cluster):
+def test_full_write_behind_queue_drops_and_counts(shared):
     async def body(store, remote, rec, put):  # noqa: ANN001
         keys = keys_of("full", 6)
         await put(keys)        # one commit: the queue takes two blocks, the rest are dropped
         await remote.flush()
         assert store.counters[Count.STORE_WRITES_DROPPED] == 4 and store.counters[Count.STORE_WRITES] == 2
 
-    in_process(redis_cluster, body, queue_bytes=2 * BLOCK)
+    in_process(shared, body, queue_bytes=2 * BLOCK)
+
+
+# -- the authenticated transport: mutual TLS and ACLs ----------------------------------------
+
+
+def test_daemon_without_the_client_certificate_or_password_gets_no_blocks(daemons, shared, tmp_path):
+    """The cluster asks for a client certificate signed by its CA and an ACL password: a daemon
+    with no certificate reads nothing (clean, counted misses) and keeps serving its own blocks;
+    a store with a certificate of another CA or a wrong password reads nothing either."""
+    if shared.cluster is None:
+        pytest.skip("Redis's TLS and ACLs (Mooncake has neither: --store-plaintext)")
+    redis_cluster = shared.cluster
+    a = daemons[0]
+    keys = keys_of("authn", 4)
+    with Sidecar(a.socket) as sa:
+        put_written(sa, sa.register_layout(LAYOUT), keys)
+    d = DaemonProcess(str(tmp_path), *redis_cluster.daemon_args(client=None), "--store-namespace", NS,
+                      "--store-timeout-s", "1", name="nocert")
+    try:
+        d.start()
+        with Sidecar(d.socket) as sd:
+            lid = sd.register_layout(LAYOUT)
+            assert sd.get(lid, keys) == [None] * len(keys)
+            c = counters(sd)
+            assert c["store_reads"] == 0 and c["store_read_errors"] == len(keys), c
+            assert sd.put(lid, keys[:1], [payload(keys[0])]).stored == 1   # its own host still works
+            assert bytes(sd.get(lid, keys[:1])[0]) == payload(keys[0])
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
+    kw = redis_cluster.client_kwargs(admin=False)
+    good = Transport(kw["ssl_ca_certs"], kw["ssl_certfile"], kw["ssl_keyfile"], kw["username"], kw["password"])
+    stranger = Transport(good.ca, redis_cluster.file("stranger.pem"), redis_cluster.file("stranger.key"),
+                         good.user, good.password)
+    names = [redis_key(NS, FP + k) for k in keys]
+    for transport, ok in ((good, True), (stranger, False), (replace(good, password="wrong"), False),
+                          (replace(good, user="default"), False)):
+        backend = RedisBackend(parse_nodes(redis_cluster.nodes), 1.0, transport)
+        try:
+            got = backend.get_many(names)
+        finally:
+            backend.close()
+        if ok:
+            assert all(isinstance(g, bytes) for g in got)
+        else:
+            assert all(isinstance(g, Exception) for g in got), (transport, got)
+
+
+def test_password_file_group_or_others_can_read_is_refused(shared, tmp_path):
+    if shared.cluster is None:
+        pytest.skip("Redis's ACL password")
+    redis_cluster = shared.cluster
+    pw = tmp_path / "pw"
+    pw.write_text("secret\n")
+    pw.chmod(0o640)
+    args = [*redis_cluster.daemon_args(), "--store-password-file", str(pw)]
+    d = DaemonProcess(str(tmp_path), *args, name="pwmode")
+    try:
+        with pytest.raises(RuntimeError, match=r"store-password-file .* mode 0640"):
+            d.start()
+    finally:
+        d.cleanup()
+
+
+def test_store_settings_refuse_plaintext_unless_asked(tmp_path):
+    from kvtier.daemon.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="--store-redis needs TLS"):
+        load_config(["--store-redis", "127.0.0.1:7000"], env={})
+    assert load_config(["--store-redis", "127.0.0.1:7000", "--store-plaintext", "true"], env={}).store_plaintext
+    with pytest.raises(ConfigError, match="contradict"):
+        load_config(["--store-redis", "127.0.0.1:7000", "--store-plaintext", "true", "--store-tls-ca", "x"], env={})
+    with pytest.raises(ConfigError, match="--store-tls-cert and --store-tls-key go together"):
+        load_config(["--store-redis", "127.0.0.1:7000", "--store-tls-ca", "ca", "--store-tls-cert", "c"], env={})
+    with pytest.raises(ConfigError, match="--store-user needs --store-password-file"):
+        load_config(["--store-redis", "127.0.0.1:7000", "--store-tls-ca", "ca", "--store-user", "u"], env={})
+    with pytest.raises(ConfigError, match="no TLS"):
+        load_config(["--store-backend", "mooncake", "--store-mooncake-master", "127.0.0.1:1",
+                     "--store-mooncake-metadata", "P2PHANDSHAKE"], env={})
+
+
+def test_mooncake_master_killed_gives_counted_errors_and_no_crash():
+    """Its own master: killed after a write, a fetch answers misses counted as read errors
+    and a write is a counted write error; nothing raises."""
+    fixture = mooncake_fixture()
+    master = next(fixture)  # skips where Mooncake is not installed
+    try:
+        async def body(store, remote, rec, put):  # noqa: ANN001
+            keys = keys_of("mcdead", 4)
+            await put(keys)
+            await remote.flush()
+            assert store.counters[Count.STORE_WRITES] == len(keys)
+            layout = next(iter(store.layouts)).layout
+            found = await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in keys])
+            assert [bytes(p) for _, p, _ in found] == [payload(k) for k in keys]
+            master.kill()
+            assert await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in keys]) == []
+            assert store.counters[Count.STORE_READ_ERRORS] == len(keys) and store.counters[Count.STORE_READS] == 4
+            remote._skip_until = 0.0   # past the back-off: the writer tries, and fails cleanly
+            await put(keys_of("mcdead2", 2))
+            await remote.flush()
+            assert store.counters[Count.STORE_WRITE_ERRORS] == 2
+
+        in_process(Shared("mooncake", master=master), body, ttl_s=60.0)
+    finally:
+        fixture.close()   # stops the master
+
+
+def test_a_value_past_its_ttl_is_a_miss(shared):
+    """Redis expires it (PX); Mooncake's values carry their expiry, checked on every get."""
+    async def body(store, remote, rec, put):  # noqa: ANN001
+        keys = keys_of("ttl", 2)
+        await put(keys)
+        await remote.flush()
+        assert store.counters[Count.STORE_WRITES] == len(keys)
+        await asyncio.sleep(0.4)
+        layout = next(iter(store.layouts)).layout
+        assert await remote.fetch(DEFAULT_TENANT, layout, [FP + k for k in keys]) == []
+        assert store.counters[Count.STORE_MISSES] == len(keys) and store.counters[Count.STORE_READ_ERRORS] == 0
+
+    in_process(shared, body, ttl_s=0.3)
