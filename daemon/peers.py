@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.daemon.counters import Count, Counters
-from kvtier.daemon.remote import Fetched
+from kvtier.daemon.remote import Fetched, StreamedSource
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.vocab import key_of
 
@@ -176,7 +176,7 @@ def _hostport(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-class Peers:
+class Peers(StreamedSource):
     """See the module docstring."""
 
     name = "peer"
@@ -314,13 +314,6 @@ class Peers:
 
     # -- fetches ----------------------------------------------------------------------------
 
-    async def fetch(self, tenant: str, layout: Layout, bkeys: Sequence[bytes],
-                    from_node: str | None = None) -> list[Fetched]:
-        """Every block :meth:`stream` gets, at once (the :class:`RemoteSource` call)."""
-        out: list[Fetched] = []
-        async for batch in self.stream(tenant, layout, bkeys, from_node):
-            out.extend(batch)
-        return out
 
     async def stream(self, tenant: str, layout: Layout, bkeys: Sequence[bytes],
                      from_node: str | None = None) -> AsyncIterator[list[Fetched]]:

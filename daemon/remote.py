@@ -11,7 +11,7 @@ returns what it got (the rest are misses) and counts the failure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from kvtier.tiers.layout import Layout
@@ -34,3 +34,22 @@ class RemoteSource(Protocol):
         """The blocks of ``bkeys`` (the tenant's, packed under the tenant fingerprint of
         ``layout``) this source could get, complete; ``from_node`` names one peer (None: any)."""
         ...
+
+
+class StreamedSource:
+    """A source whose :meth:`fetch` is its ``stream`` (batches of fetched blocks, each complete,
+    the next read while the caller ingests this one) gathered: the peers and the store both
+    stream, and :meth:`BlockStore.fetch_remote <kvtier.daemon.store.BlockStore.fetch_remote>`
+    ingests batch by batch where a source streams."""
+
+    def stream(self, tenant: str, layout: Layout, bkeys: Sequence[bytes],
+               from_node: str | None = None) -> AsyncIterator[list[Fetched]]:
+        raise NotImplementedError
+
+    async def fetch(self, tenant: str, layout: Layout, bkeys: Sequence[bytes],
+                    from_node: str | None = None) -> list[Fetched]:
+        """Every block :meth:`stream` gets, at once (the :class:`RemoteSource` call)."""
+        out: list[Fetched] = []
+        async for batch in self.stream(tenant, layout, bkeys, from_node):
+            out.extend(batch)
+        return out

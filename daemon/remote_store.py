@@ -62,7 +62,7 @@ import xxhash
 
 from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.observers import Observers
-from kvtier.daemon.remote import Fetched
+from kvtier.daemon.remote import Fetched, StreamedSource
 from kvtier.tiers.host import HostEntry
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.vocab import Tier, fingerprint_of, key_of
@@ -424,7 +424,7 @@ class _ReadTally:
     errors: int = 0
 
 
-class RemoteStore:
+class RemoteStore(StreamedSource):
     """See the module docstring. ``placement`` is the node's
     :class:`~kvtier.daemon.placement.Placement` (host slots, the hooks); call :meth:`start` on
     the event loop and :meth:`close` at the end."""
@@ -647,18 +647,12 @@ class RemoteStore:
 
     # -- read-through (RemoteSource) ---------------------------------------------------------
 
-    async def fetch(self, tenant: str, layout: Layout, bkeys: Sequence[bytes],
-                    from_node: str | None = None) -> list[Fetched]:
-        """The blocks of ``bkeys`` the store holds, verified (see the module docstring).
-        ``from_node`` names a peer, never the store: nothing is fetched then."""
-        out: list[Fetched] = []
-        async for batch in self.stream(tenant, layout, bkeys, from_node):
-            out.extend(batch)
-        return out
 
     async def stream(self, tenant: str, layout: Layout, bkeys: Sequence[bytes],
                      from_node: str | None = None) -> AsyncIterator[list[Fetched]]:
-        """:meth:`fetch` in batches of ``STREAM_BYTES``: the next batch is read from the store
+        """The blocks of ``bkeys`` the store holds, verified (see the module docstring), in
+        batches of ``STREAM_BYTES`` (``fetch`` gathers them); ``from_node`` names a peer, never
+        the store: nothing is fetched then. The next batch is read from the store
         (on a store thread) while the caller puts this one into host. The whole call waits at
         most ``timeout_s``; what is not read by then is a counted read error."""
         if from_node is not None or not bkeys:
