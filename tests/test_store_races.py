@@ -435,12 +435,15 @@ def test_register_kv_cancelled_while_opening_leaves_no_registration_open(tmp_pat
             with pytest.raises(asyncio.CancelledError):
                 await task
             go.set()
+            # the open itself runs on a thread, not a loop task: wait for it to return (bounded)
+            await until(lambda: len(opened) == 1, "the cancelled registration's open to return")
             await settle(store)
             store.close_session(sid)                             # the engine's session ends
             await settle(store)
             c = store.counters
             assert not transfers.registrations
             # every KV memory opened is closed explicitly (CUDA IPC handles are not freed by GC)
+            await until(lambda: all(m in closed for m in opened), "the opened KV memory to be closed")
             assert len(opened) == 1 and [m for m in opened if m not in closed] == [], "opened KV memory never closed"
             assert c[Count.KV_HANDLES_OPENED] == c[Count.KV_HANDLES_CLOSED], c.counts
             assert c[Count.KV_EVENTS_OPENED] == c[Count.KV_EVENTS_CLOSED], c.counts
