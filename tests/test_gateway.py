@@ -638,3 +638,26 @@ def test_gateway_routes_real_replicas_by_their_kvtier_prefixes(fleet) -> None:
         resp = direct.chat.completions.create(model="tiny", messages=r["messages"], max_tokens=MAX_TOKENS,
                                               temperature=0)
         assert resp.choices[0].message.content == r["text"], r
+
+
+def test_prompt_tokens_equal_the_engines_tokenizer(tokenizer_dir) -> None:
+    """The gateway encodes with the fast tokenizer's backend (no transformers wrapping): the ids
+    must be the ones transformers' own encode gives, as the engine tokenizes, for chat and
+    completion prompts, with and without special tokens."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from kvtier.client.gateway.tokenize import PromptTokenizer
+
+    pt = PromptTokenizer(tokenizer_dir)
+    ref = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    assert pt._backend is not None  # the fast path is the one under test
+    rng = random.Random(5)
+    words = ["the", "cache", "prefix", "kv", "block", "α", "日本", "  ", "\n", "{}", "12345", "x" * 40]
+    for _ in range(50):
+        text = " ".join(rng.choice(words) for _ in range(rng.randrange(0, 200)))
+        for special in (False, True):
+            assert pt.encode(text, special) == list(ref.encode(text, add_special_tokens=special))
+        body = {"prompt": text}
+        assert pt.completion(body) == list(ref.encode(text, add_special_tokens=True))
