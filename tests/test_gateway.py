@@ -627,10 +627,23 @@ def test_gateway_routes_real_replicas_by_their_kvtier_prefixes(fleet) -> None:
     assert sum(rates["kvtier"].values()) > sum(rates["round-robin"].values()) + 0.1, rates
     assert rates["kvtier"].get("host", 0) > rates["round-robin"].get("host", 0)
     # the gateway's own metrics: decisions by replica, and host overlap seen by the router
-    with urllib.request.urlopen(f"http://127.0.0.1:{gws['kvtier'][1]}/metrics") as r:
-        metrics = r.read().decode()
-    host = float(re.search(r'kvtier_gateway_overlap_blocks_total\{tier="host"\} (\S+)', metrics).group(1))
-    assert host > 0, metrics  # the keys the gateway computes are the ones the daemons publish
+    def host_overlap() -> tuple[float, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{gws['kvtier'][1]}/metrics") as r:
+            metrics = r.read().decode()
+        return float(re.search(r'kvtier_gateway_overlap_blocks_total\{tier="host"\} (\S+)', metrics).group(1)), metrics
+
+    # the keys the gateway computes are the ones the daemons publish: a decision sees the
+    # daemons' host blocks. The engines offload after a turn ends, so under load the feed may
+    # not show them yet when the next turn routes: ask again (bounded) once they have arrived
+    host, metrics = host_overlap()
+    client = openai.OpenAI(base_url=gws["kvtier"][0] + "/v1", api_key="none", max_retries=0)
+    last = [r for r in kv if r["turn"] == TURNS - 1][0]
+    deadline = time.monotonic() + 60
+    while host == 0 and time.monotonic() < deadline:
+        time.sleep(1.0)
+        client.chat.completions.create(model="tiny", messages=last["messages"], max_tokens=MAX_TOKENS, temperature=0)
+        host, metrics = host_overlap()
+    assert host > 0, metrics
     assert re.search(r'kvtier_gateway_ttft_seconds_count\{replica="[ab]"\} [1-9]', metrics)
     # every answer equals what its replica says when asked directly (greedy)
     for r in kv + rr:
@@ -639,25 +652,3 @@ def test_gateway_routes_real_replicas_by_their_kvtier_prefixes(fleet) -> None:
                                               temperature=0)
         assert resp.choices[0].message.content == r["text"], r
 
-
-def test_prompt_tokens_equal_the_engines_tokenizer(tokenizer_dir) -> None:
-    """The gateway encodes with the fast tokenizer's backend (no transformers wrapping): the ids
-    must be the ones transformers' own encode gives, as the engine tokenizes, for chat and
-    completion prompts, with and without special tokens."""
-    import random
-
-    from transformers import AutoTokenizer
-
-    from kvtier.client.gateway.tokenize import PromptTokenizer
-
-    pt = PromptTokenizer(tokenizer_dir)
-    ref = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    assert pt._backend is not None  # the fast path is the one under test
-    rng = random.Random(5)
-    words = ["the", "cache", "prefix", "kv", "block", "α", "日本", "  ", "\n", "{}", "12345", "x" * 40]
-    for _ in range(50):
-        text = " ".join(rng.choice(words) for _ in range(rng.randrange(0, 200)))
-        for special in (False, True):
-            assert pt.encode(text, special) == list(ref.encode(text, add_special_tokens=special))
-        body = {"prompt": text}
-        assert pt.completion(body) == list(ref.encode(text, add_special_tokens=True))

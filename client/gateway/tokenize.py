@@ -44,15 +44,6 @@ class PromptTokenizer:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
             raise RuntimeError(f"kvtier gateway: cannot load the tokenizer in {path}: {e}") from None
-        # a fast tokenizer's Rust backend encodes the same ids without transformers' Python
-        # wrapping around it (most of a request's tokenizing time, measured with py-spy)
-        self._backend = getattr(self.tok, "backend_tokenizer", None)
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """The token ids of ``text``, as the engine's tokenizer gives them."""
-        if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def chat(self, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
@@ -71,14 +62,14 @@ class PromptTokenizer:
                 add_generation_prompt=bool(body.get("add_generation_prompt", not cont)), **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja errors of many kinds: the replica answers them
             raise PromptError(f"chat template: {e}") from None
-        return self.encode(text, bool(body.get("add_special_tokens", False)))
+        return list(self.tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False))))
 
     def completion(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: routed by its first prompt
         if isinstance(prompt, str):
-            return self.encode(prompt, bool(body.get("add_special_tokens", True)))
+            return list(self.tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))))
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         raise PromptError("'prompt' must be a string, a list of token ids, or a list of those")
