@@ -28,7 +28,10 @@ daemon's RSS) and the table (40 B a slot, about 2.1 slots a key).
 Last line of stdout: one JSON object: shm_1key_p50_us, shm_128keys_p99_us, rpc_1key_p50_us,
 rpc_128keys_p99_us, grpc_echo_p50_us, their other percentiles, ``shm_1key_cpu_us`` and
 ``shm_128keys_cpu_us`` (this process's CPU time per lookup, over a second pass: less disturbed
-by load than the percentiles), ``probe`` (``--probe``: compiled or numpy), the ratio of the RPC lookup to
+by load than the percentiles), ``shm_128keys_p999_us`` and ``shm_128keys_over50`` (lookups over 50
+us), ``control_128reads_*`` (128 random reads of an anonymous buffer the size of the key table,
+timed the same way with no kvtier code: the machine's own memory-stall tail, see
+``memory_control``), ``probe`` (``--probe``: compiled or numpy), the ratio of the RPC lookup to
 the echo, ``daemon_bytes_per_block`` (the daemon's private memory, RssAnon, from its start to
 holding the blocks, per block held: the pool and the key table are tmpfs files and not in it),
 and the parameters.
@@ -37,6 +40,7 @@ and the parameters.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import random
 import shutil
@@ -119,6 +123,22 @@ def interleaved(fns: list[Callable[[int], object]], n: int, warmup: int = 200) -
             fn(i)
             out[j, i] = clock() - t
     return list(out / 1e3)
+
+
+def memory_control(nbytes: int, n: int, rng: random.Random) -> np.ndarray:
+    """Latencies (us) of 128 random 8-byte reads of an anonymous mapping of ``nbytes`` (4 KiB
+    pages, like the key table on tmpfs), timed as the 128-key lookups are: no kvtier code, so
+    its tail is the machine's own. On a VM whose host pages out guest memory, touching a page
+    not touched for a while stalls ~100-200 us (on-CPU for the guest, no guest page fault): a
+    128-key lookup touches 128 random pages of the table, so its p99 carries those stalls too.
+    Compare ``shm_128keys_over50`` with ``control_128reads_over50`` in the same run."""
+    mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    buf = np.frombuffer(mm, dtype=np.uint64)
+    buf[:] = 1  # touched once, as the daemon's writes touch every slot of the table
+    picks = np.random.default_rng(rng.randrange(1 << 32)).integers(0, len(buf) // 8, (n, 128)) * 8
+    return timed(lambda i: buf[picks[i]].sum(), n)  # the mapping goes with the last view of it
 
 
 def start_echo_server(path: str) -> subprocess.Popen:
@@ -209,6 +229,7 @@ def daemon_series(ns: argparse.Namespace, daemon: DaemonProcess, echo_path: str,
         assert rpc.prefix_length(rid, held[starts[0]:starts[0] + 128]) == (128, 128)
         shm1 = timed(lambda i: sc.lookup(lid, one[i]), ns.n1)
         shm128 = timed(lambda i: sc.prefix_length(lid, held[starts[i]:starts[i] + 128]), ns.n128)
+        control = memory_control(table.nslots * keytable.SLOT_BYTES, ns.n128, rng)
         cpu1 = cpu_per_call(lambda i: sc.lookup(lid, one[i]), ns.n1)
         cpu128 = cpu_per_call(lambda i: sc.prefix_length(lid, held[starts[i]:starts[i] + 128]), ns.n128)
         series = rpc_against_echo(rpc, rid, held, one, starts, echo_path, ns.nrpc)
@@ -217,7 +238,7 @@ def daemon_series(ns: argparse.Namespace, daemon: DaemonProcess, echo_path: str,
         daemon_private = rss_bytes(daemon.pid, "RssAnon")  # without the pool pages it has touched
         pool_bytes = tmpfs_bytes([os.path.join(daemon.shm_dir, f) for f in os.listdir(daemon.shm_dir)
                                   if f.endswith(".pool")])
-        return {"shm1": shm1, "shm128": shm128, "cpu1": cpu1, "cpu128": cpu128, **series, "fill_s": fill_s, "daemon_rss": daemon_rss,
+        return {"shm1": shm1, "shm128": shm128, "control": control, "cpu1": cpu1, "cpu128": cpu128, **series, "fill_s": fill_s, "daemon_rss": daemon_rss,
                 "daemon_private": daemon_private, "daemon_private_before": private_before,
                 "pool_bytes": pool_bytes, "table_slots": table.nslots}
 
@@ -228,6 +249,9 @@ def assemble(ns: argparse.Namespace, blocks: int, m: dict, extra: dict) -> dict:
     return {
         "shm_1key_p50_us": pct(shm1, 50), "shm_1key_p99_us": pct(shm1, 99),
         "shm_128keys_p50_us": pct(shm128, 50), "shm_128keys_p99_us": pct(shm128, 99),
+        "shm_128keys_p999_us": pct(shm128, 99.9), "shm_128keys_over50": int((shm128 > 50).sum()),
+        "control_128reads_p50_us": pct(m["control"], 50), "control_128reads_p99_us": pct(m["control"], 99),
+        "control_128reads_over50": int((m["control"] > 50).sum()),
         "shm_1key_cpu_us": m["cpu1"], "shm_128keys_cpu_us": m["cpu128"], "probe": ns.probe,
         "rpc_1key_p50_us": pct(rpc1, 50), "rpc_1key_p99_us": pct(rpc1, 99),
         "rpc_128keys_p50_us": pct(rpc128, 50), "rpc_128keys_p99_us": pct(rpc128, 99),
