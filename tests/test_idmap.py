@@ -1,0 +1,126 @@
+"""The host tier's id map (tiers/idmap.py): the compiled map (tiers/_idmap.c) is built by the
+install and gives the same answers as the pure-Python one on random operations (sets, moves,
+a ref taken over by another id, deletes, pops, growth past many resizes, ids of every length),
+raises the same errors, and keeps no Python object per id (its memory per held 32-byte id)."""
+
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+
+import pytest
+
+from kvtier.tiers import idmap
+from kvtier.tiers.idmap import MAX_ID, PyIdMap, new_idmap
+
+needs_c = pytest.mark.skipif(not idmap.COMPILED, reason="the compiled id map is not built")
+
+
+def test_the_install_built_the_compiled_map() -> None:
+    assert idmap.COMPILED, "kvtier.tiers._idmap is missing: pip install the project with gcc and python3-dev"
+
+
+def state(m) -> tuple:
+    return sorted(m.items()), sorted(m), sorted(m.values()), len(m)
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_and_python_maps_agree_on_random_operations(seed: int) -> None:
+    rng = random.Random(seed)
+    c, p = new_idmap(compiled=True), new_idmap(compiled=False)
+    assert type(p) is PyIdMap and type(c) is not PyIdMap
+    sizes = [rng.randint(1, 3000) for _ in range(3)]
+    for n in sizes:
+        assert c.add_class(n) == p.add_class(n)
+    # a pool of ids: mostly one length, some others (0 to MAX_ID bytes), a few sharing prefixes
+    pool = [rng.randbytes(32) for _ in range(4000)] + [rng.randbytes(rng.randint(0, MAX_ID)) for _ in range(200)]
+    pool += [pool[0][:k] for k in range(0, 32, 5)]
+    for step in range(20000):
+        k = rng.choice(pool)
+        op = rng.random()
+        if op < 0.5:
+            cls = rng.randrange(len(sizes))
+            ref = cls << 32 | rng.randrange(sizes[cls])
+            c[k] = ref
+            p[k] = ref
+        elif op < 0.7:
+            assert (k in c) == (k in p)
+            if k in p:
+                del c[k]
+                del p[k]
+            else:
+                with pytest.raises(KeyError):
+                    del c[k]
+        elif op < 0.8:
+            assert c.pop(k, -7) == p.pop(k, -7)
+        else:
+            assert c.get(k) == p.get(k) and c.get(k, 5) == p.get(k, 5)
+            cls = rng.randrange(len(sizes))
+            ref = cls << 32 | rng.randrange(sizes[cls])
+            assert c.id_of(ref) == p.id_of(ref)
+        if step % 2500 == 0:
+            assert state(c) == state(p)
+    assert state(c) == state(p)
+    for k in pool:
+        assert c.get(k) == p.get(k)
+        if k in p:
+            assert c[k] == p[k] and c.id_of(p[k]) == k
+    for cls, n in enumerate(sizes):
+        for slot in range(n):
+            assert c.id_of(cls << 32 | slot) == p.id_of(cls << 32 | slot)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_errors_and_contract(compiled: bool) -> None:
+    if compiled and not idmap.COMPILED:
+        pytest.skip("the compiled id map is not built")
+    m = new_idmap(compiled=compiled)
+    assert m.add_class(4) == 0 and m.add_class(2) == 1
+    m[b"a"] = 1
+    m[b"b"] = 1 << 32 | 1
+    assert m[b"a"] == 1 and len(m) == 2 and m.id_of(1) == b"a" and m.id_of(2) is None
+    m[b"c"] = 1                      # a ref holds one id: a is dropped
+    assert b"a" not in m and m[b"c"] == 1 and m.id_of(1) == b"c"
+    m[b"c"] = 3                      # an id moves
+    assert m[b"c"] == 3 and len(m) == 2 and m.id_of(1) == b"c"  # the old record keeps the id
+    del m[b"c"]
+    assert m.id_of(3) == b"c" and b"c" not in m  # kept after del
+    with pytest.raises(KeyError):
+        m[b"c"]
+    with pytest.raises(KeyError):
+        m.pop(b"c")
+    for bad in (4, 2 << 32, 1 << 32 | 2, -1):
+        with pytest.raises(ValueError, match="names no slot"):
+            m[b"x"] = bad
+    with pytest.raises(ValueError, match="at most 254 bytes"):
+        m[bytes(MAX_ID + 1)] = 0
+    with pytest.raises(TypeError):
+        m["str"] = 0  # type: ignore[index]
+    with pytest.raises(TypeError):
+        None in m  # noqa: B015
+    assert len(m) == 1 and list(m) == [b"b"]
+    it = iter(m)
+    m[b"d"] = 0
+    with pytest.raises(RuntimeError, match="changed during iteration"):
+        next(it)
+
+
+@needs_c
+def test_the_compiled_map_keeps_no_object_per_id() -> None:
+    n = 200_000
+    m = new_idmap(compiled=True)
+    m.add_class(n)
+    ids = [random.Random(1).randbytes(32) for _ in range(1)] + [i.to_bytes(32, "little") for i in range(1, n)]
+    gc.collect()
+    tracemalloc.start()
+    for i, k in enumerate(ids):
+        m[k] = i
+    traced = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    # the table (8 B an entry, at most half full after growth: <= 16 B an id) and the records
+    # (33 B a slot) are raw memory; no Python object is made per id
+    assert traced < 1 << 20, traced
+    assert m.nbytes() <= n * (33 + 8 * 4), m.nbytes()
+    assert all(m[k] == i for i, k in enumerate(ids[:1000]))
