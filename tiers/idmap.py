@@ -37,6 +37,7 @@ COMPILED = _cidmap is not None
 MAX_ID = 254
 MAX_CLASSES = 0xFFFE
 _SLOT = 0xFFFFFFFF
+_END = object()
 
 
 class PyIdMap:
@@ -114,12 +115,13 @@ class PyIdMap:
 
     def _walk(self, it: Iterator[Any]) -> Iterator[Any]:
         v = self._version
-        for x in it:
+        while True:
             if self._version != v:
                 raise RuntimeError("IdMap changed during iteration")
+            x = next(it, _END)
+            if x is _END:
+                return
             yield x
-        if self._version != v:
-            raise RuntimeError("IdMap changed during iteration")
 
     def __iter__(self) -> Iterator[bytes]:
         return self._walk(iter(self._d))
