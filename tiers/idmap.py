@@ -114,7 +114,9 @@ class PyIdMap:
         return default
 
     def _walk(self, it: Iterator[Any]) -> Iterator[Any]:
-        v = self._version
+        return self._guarded(it, self._version)  # the version now, not at the first next()
+
+    def _guarded(self, it: Iterator[Any], v: int) -> Iterator[Any]:
         while True:
             if self._version != v:
                 raise RuntimeError("IdMap changed during iteration")
