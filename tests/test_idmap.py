@@ -6,6 +6,7 @@ raises the same errors, and keeps no Python object per id (its memory per held 3
 from __future__ import annotations
 
 import gc
+import os
 import random
 import tracemalloc
 
@@ -126,3 +127,40 @@ def test_the_compiled_map_keeps_no_object_per_id() -> None:
     assert traced < 1 << 20, traced
     assert m.nbytes() <= n * (33 + 8 * 4), m.nbytes()
     assert all(m[k] == i for i, k in enumerate(ids[:1000]))
+
+
+def test_the_host_tier_keeps_no_python_object_per_held_block(tmp_path) -> None:
+    """Issue 15 item 5: a held block costs the host tier no bytes object, int or dict slot (a
+    dict of 32-byte ids to ints cost about 150 B a block; the id map's records and table are
+    raw memory, made as the class is or as the map grows)."""
+    from kvtier.tiers.host import HostTier
+
+    n, slot = 20_000, 4096
+    shm = os.path.join("/dev/shm", f"kvtier-idmap-test-{os.getpid()}-{tmp_path.name}")
+    os.makedirs(shm)
+    tier = HostTier(shm, n * slot, "t")
+    try:
+        order = tier.recency()
+        cls = tier.size_class(slot)
+
+        def put(first: int) -> None:  # ids made here, held by nobody but the tier afterwards
+            res = tier.reserve(cls, [bytes(16) + i.to_bytes(16, "little") for i in range(first, first + 1000)], slot)
+            for e in res.entries:
+                assert e is not None and tier.commit(e)
+                order[e.bkey] = 1
+
+        put(0)  # the class's arrays, the first table sizes
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for first in range(1000, n, 1000):
+            put(first)
+        gc.collect()
+        per_block = (tracemalloc.get_traced_memory()[0] - before) / (n - 1000)
+        tracemalloc.stop()
+        assert len(tier.entries) == n and len(order) == n
+        assert list(order)[:2] == [bytes(16) + i.to_bytes(16, "little") for i in range(2)]
+        assert per_block < 16, per_block
+    finally:
+        tier.close()
+        os.rmdir(shm)
