@@ -129,6 +129,7 @@ def test_the_compiled_map_keeps_no_object_per_id() -> None:
     assert all(m[k] == i for i, k in enumerate(ids[:1000]))
 
 
+@needs_c
 def test_the_host_tier_keeps_no_python_object_per_held_block(tmp_path) -> None:
     """Issue 15 item 5: a held block costs the host tier no bytes object, int or dict slot (a
     dict of 32-byte ids to ints cost about 150 B a block; the id map's records and table are
