@@ -20,7 +20,7 @@ reader on it (``table_*`` fields), so the probe cost at the full key count is me
 where the machine cannot hold that many real blocks. Keys are random 16-byte keys; a 128-key
 prefix is a run of keys held (the probe walks all 128).
 
-    python bench/lookup.py [--keys 1000000] [--daemon-blocks 1000000] [--block-bytes 4096] [--out FILE.json]
+    python bench/lookup.py [--keys 1000000] [--daemon-blocks 1000000] [--out FILE.json]
 
 Memory: ``--daemon-blocks`` x 4 KiB of tmpfs plus the daemon's index (the JSON reports the
 daemon's RSS) and the table (40 B a slot, about 2.1 slots a key).
@@ -171,9 +171,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--n128", type=int, default=5000, help="128-key prefix lookups to time (table)")
     ap.add_argument("--nrpc", type=int, default=3000, help="lookups to time per RPC series and echo")
     ap.add_argument("--batch", type=int, default=8192, help="blocks per put while filling")
-    ap.add_argument("--block-bytes", type=int, default=BLOCK,
-                    help="bytes per block (smaller blocks hold more of them in less memory: the daemon's "
-                         "memory per block does not depend on it)")
     ap.add_argument("--probe", choices=("compiled", "numpy"), default="compiled" if keytable.COMPILED else "numpy",
                     help="the key-table probe the readers use (default: the compiled one when it is built)")
     ap.add_argument("--out", help="also write the JSON here")
@@ -236,7 +233,7 @@ def assemble(ns: argparse.Namespace, blocks: int, m: dict, extra: dict) -> dict:
         "rpc_128keys_p50_us": pct(rpc128, 50), "rpc_128keys_p99_us": pct(rpc128, 99),
         "grpc_echo_p50_us": pct(echo, 50), "grpc_echo_p99_us": pct(echo, 99),
         "rpc_1key_over_echo_p50": round(pct(rpc1, 50) / pct(echo, 50), 2),
-        "keys_held": blocks, "keys": ns.keys, "key_bytes": 16, "block_bytes": BLOCK, "layout": f"flat({BLOCK})",
+        "keys_held": blocks, "keys": ns.keys, "key_bytes": 16, "block_bytes": BLOCK, "layout": "flat(4096)",
         "daemon_table_slots": m["table_slots"], "fill_s": round(m["fill_s"], 1),
         "daemon_rss_bytes": m["daemon_rss"], "daemon_private_bytes": m["daemon_private"],
         "pool_tmpfs_bytes": m["pool_bytes"],
@@ -249,9 +246,7 @@ def assemble(ns: argparse.Namespace, blocks: int, m: dict, extra: dict) -> dict:
 
 
 def main() -> None:
-    global BLOCK
     ns = parse_args()
-    BLOCK = ns.block_bytes
     if ns.probe == "compiled" and keytable._cprobe is None:
         raise SystemExit("--probe compiled: the compiled probe is not built (pip install the project)")
     keytable.COMPILED = ns.probe == "compiled"  # the readers the sidecars open take this default
