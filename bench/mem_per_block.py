@@ -4,9 +4,11 @@ Fills a real BlockStore (host tier, key-table publisher, location log) with ``--
 blocks through allocate + commit, in batches, and reports the Python heap growth per block
 (the pool and the key table are tmpfs files, outside the heap). Components: the store alone
 (``store_bytes_per_block``), and with the key table and location log attached. The size
-class's per-slot arrays (36 B a slot: states, sizes, generations, checksums, the host order's
-links, seen counts and key pointers) are made with the class, in the warm-up batch, so they are
-not in these figures: add them. RSS per block at 1M blocks: ``bench/lookup.py``.
+class's per-slot arrays (40 B a slot: states, sizes, generations, checksums, the host order's
+links and seen counts) are made with the class, in the warm-up batch, and the compiled id map
+(``tiers/_idmap.c``: about 33 B of record a slot and 8-16 B of table an id) is raw memory that
+tracemalloc does not see, so neither is in these figures: add them. RSS per block at 1M
+blocks: ``bench/lookup.py``.
 
     python bench/mem_per_block.py [--blocks 100000] [--batch 4096]
 """

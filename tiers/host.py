@@ -75,6 +75,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import xxhash
 
+from kvtier.tiers.idmap import new_idmap
 from kvtier.tiers.vocab import FP_BYTES, fingerprint_of
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -241,12 +242,12 @@ class SizeClass:
     sizes: array.array = field(default=None)   # type: ignore[assignment]
     index: int = 0                             # the class's number in its HostTier (HostTier.entries' values)
     # the policy's host recency order (HostRecency), when the tier keeps it: per slot, the
-    # previous and next entries (class index << 32 | slot; -1: none), the seen count, the key
-    # (None: not in the order); allocated on first use
+    # previous and next entries (class index << 32 | slot; -1: none) and the seen count + 1
+    # (0: the slot is not in the order); the key is the one HostTier.entries keeps for the slot
+    # (id_of); allocated on first use
     lprev: array.array | None = None
     lnext: array.array | None = None
     lseen: array.array | None = None
-    lkeys: list[bytes | None] | None = None
     view: memoryview | None = None          # the daemon's read-only mapping (for checksums)
     _mm: mmap.mmap | None = None
 
@@ -261,11 +262,10 @@ class SizeClass:
             self.sizes = array.array("I", bytes(4 * self.nslots))
 
     def recency_arrays(self) -> None:
-        if self.lkeys is None:
+        if self.lseen is None:
             self.lprev = array.array("q", [-1]) * self.nslots
             self.lnext = array.array("q", [-1]) * self.nslots
             self.lseen = array.array("I", bytes(4 * self.nslots))
-            self.lkeys = [None] * self.nslots
 
     def bump(self, slot: int) -> int:
         """The slot changes hands: its new generation."""
@@ -483,8 +483,9 @@ class HostTier(PinnedTier[HostEntry]):
         self.capacity = capacity
         self.prefix = name_prefix
         self.classes: dict[tuple[str, int], SizeClass] = {}  # (group, slot bytes) -> class
-        # visible entries: packed id -> size class index << 32 | slot (HostEntry: see get)
-        self.entries: dict[bytes, int] = {}
+        # visible entries: packed id -> size class index << 32 | slot (HostEntry: see get), in
+        # an id map that keeps no Python object per entry (tiers/idmap.py; issue 15 item 5)
+        self.entries: Any = new_idmap()
         self._by_index: list[SizeClass] = []
         # with a HostRecency: entries hidden (victims, removed) whose place in the policy's
         # order is not dropped yet (the policy is told in the same loop step): key -> node
@@ -523,7 +524,8 @@ class HostTier(PinnedTier[HostEntry]):
             os.close(fd)
             os.unlink(path)
             raise
-        cls = SizeClass(slot_bytes, path, fd, nslots, group, index=len(self._by_index))
+        cls = SizeClass(slot_bytes, path, fd, nslots, group, index=self.entries.add_class(nslots))
+        assert cls.index == len(self._by_index)
         self._by_index.append(cls)
         if self._recency is not None:
             cls.recency_arrays()
@@ -690,7 +692,10 @@ class HostTier(PinnedTier[HostEntry]):
         cls.states[slot] = entry._st | _VISIBLE  # a grant's own state, into the arrays (_attach)
         cls.sizes[slot] = entry.block_bytes
         entry._st = -1
-        self.entries[bkey] = cls.index << 32 | slot
+        v = cls.index << 32 | slot
+        if self._recency is not None and cls.lseen[slot]:  # type: ignore[index]
+            self._recency.drop_former(v)  # the slot's former holder was never popped (not expected)
+        self.entries[bkey] = v
         self.per_fp[bkey[:FP_BYTES]] += 1
         return True
 
@@ -807,12 +812,12 @@ class HostTier(PinnedTier[HostEntry]):
 class HostRecency:
     """The placement policy's host map (``TierPolicy(host_map=...)``) kept in the host tier's
     per-slot arrays: an intrusive doubly linked list over the slots (least recently used
-    first) and each block's seen count, found through :attr:`HostTier.entries` (no dict of
-    its own, no object per block: issue 15 item 5). It behaves as the ``OrderedDict`` the
-    policy keeps otherwise, for the operations the policy uses, on one condition the daemon
-    meets: a key enters it only while the tier holds it visible, and a key the tier hides
-    (a victim, a removal) is popped from it in the same loop step (until then it stays in
-    the order: :attr:`HostTier._gone`)."""
+    first) and each block's seen count, found through :attr:`HostTier.entries`, which also
+    keeps each slot's key (no dict of its own, no object per block: issue 15 item 5). It
+    behaves as the ``OrderedDict`` the policy keeps otherwise, for the operations the policy
+    uses, on one condition the daemon meets: a key enters it only while the tier holds it
+    visible, and a key the tier hides (a victim, a removal) is popped from it in the same loop
+    step (until then it stays in the order, named by its slot's key: :attr:`HostTier._gone`)."""
 
     def __init__(self, host: HostTier) -> None:
         self._entries = host.entries
@@ -823,12 +828,14 @@ class HostRecency:
         self._len = 0
 
     def _node(self, k: bytes) -> int:
+        """The node (class index << 32 | slot) of ``k`` in the order, or -1."""
         v = self._entries.get(k)
-        if v is None:
-            v = self._gone.get(k)
-            if v is None:
-                return -1
-        return v if self._by_index[v >> 32].lkeys[v & _SLOT] == k else -1  # type: ignore[index]
+        if v is not None:  # held: the slot's key is k; in the order if its count is set
+            return v if self._by_index[v >> 32].lseen[v & _SLOT] else -1  # type: ignore[index]
+        v = self._gone.get(k)
+        if v is None or not self._by_index[v >> 32].lseen[v & _SLOT]:  # type: ignore[index]
+            return -1
+        return v if self._entries.id_of(v) == k else -1
 
     def __len__(self) -> int:
         return self._len
@@ -837,59 +844,41 @@ class HostRecency:
         return self._node(k) >= 0  # type: ignore[arg-type]
 
     def get(self, k: bytes, default: int | None = None) -> int | None:
-        v = self._entries.get(k)
-        if v is None:
-            v = self._gone.get(k)
-            if v is None:
-                return default
-        cls, slot = self._by_index[v >> 32], v & _SLOT
-        return cls.lseen[slot] if cls.lkeys[slot] == k else default  # type: ignore[index]
+        v = self._node(k)
+        return default if v < 0 else self._by_index[v >> 32].lseen[v & _SLOT] - 1  # type: ignore[index]
 
     def __getitem__(self, k: bytes) -> int:
         v = self._node(k)
         if v < 0:
             raise KeyError(k)
-        return self._by_index[v >> 32].lseen[v & _SLOT]  # type: ignore[index]
+        return self._by_index[v >> 32].lseen[v & _SLOT] - 1  # type: ignore[index]
 
     def __setitem__(self, k: bytes, n: int) -> None:
         """Set ``k``'s count (a key in the order keeps its place; a new one goes last)."""
         by_index = self._by_index
         v = self._entries.get(k)
         if v is None:  # only a key hidden but not popped yet is in the order without being held
-            g = self._gone.get(k)
-            if g is not None and by_index[g >> 32].lkeys[g & _SLOT] == k:  # type: ignore[index]
-                by_index[g >> 32].lseen[g & _SLOT] = n  # type: ignore[index]
+            g = self._node(k)
+            if g >= 0:
+                by_index[g >> 32].lseen[g & _SLOT] = n + 1  # type: ignore[index]
                 return
             raise KeyError(f"{k!r} is not held in the host tier")
         cls, slot = by_index[v >> 32], v & _SLOT
-        held = cls.lkeys[slot]  # type: ignore[index]
-        if held == k:
-            cls.lseen[slot] = n  # type: ignore[index]
+        if cls.lseen[slot]:  # type: ignore[index]
+            cls.lseen[slot] = n + 1  # type: ignore[index]
             return
-        if held is not None:  # a former holder of the slot never popped (not expected)
-            self.pop_node(v)
         if self._gone:
             g = self._gone.pop(k, None)
-            if g is not None and by_index[g >> 32].lkeys[g & _SLOT] == k:  # type: ignore[index]
+            if g is not None and g != v and by_index[g >> 32].lseen[g & _SLOT] and self._entries.id_of(g) == k:  # type: ignore[index]
                 self.pop_node(g)  # its former place, never popped (not expected)
-        cls.lkeys[slot] = k  # type: ignore[index]
-        cls.lseen[slot] = n  # type: ignore[index]
-        tail = self._tail
-        cls.lprev[slot] = tail  # type: ignore[index]
-        cls.lnext[slot] = -1  # type: ignore[index]
-        if tail < 0:
-            self._head = v
-        else:
-            by_index[tail >> 32].lnext[tail & _SLOT] = v  # type: ignore[index]
-        self._tail = v
+        cls.lseen[slot] = n + 1  # type: ignore[index]
+        self._append(v)
         self._len += 1
 
     def move_to_end(self, k: bytes) -> None:
-        v = self._entries.get(k)
-        if v is None or self._by_index[v >> 32].lkeys[v & _SLOT] != k:  # type: ignore[index]
-            v = self._node(k)
-            if v < 0:
-                raise KeyError(k)
+        v = self._node(k)
+        if v < 0:
+            raise KeyError(k)
         if v != self._tail:
             self._unlink(v)
             self._append(v)
@@ -904,27 +893,36 @@ class HostRecency:
     def pop_node(self, v: int) -> int:
         cls, slot = self._by_index[v >> 32], v & _SLOT
         self._unlink(v)
-        cls.lkeys[slot] = None  # type: ignore[index]
+        n = cls.lseen[slot] - 1  # type: ignore[index]
+        cls.lseen[slot] = 0  # type: ignore[index]
         self._len -= 1
-        return cls.lseen[slot]  # type: ignore[index]
+        return n
+
+    def drop_former(self, v: int) -> None:
+        """A new entry takes slot ``v`` while the slot's former key is still in the order."""
+        k = self._entries.id_of(v)
+        if k is not None and self._gone.get(k) == v:
+            del self._gone[k]
+        self.pop_node(v)
 
     def __iter__(self) -> Iterator[bytes]:
         """Keys, least recently used first (entries the tier hid meanwhile included)."""
-        by_index, v = self._by_index, self._head
+        by_index, id_of, v = self._by_index, self._entries.id_of, self._head
         while v >= 0:
-            cls, slot = by_index[v >> 32], v & _SLOT
-            nxt = cls.lnext[slot]  # type: ignore[index]
-            yield cls.lkeys[slot]  # type: ignore[index,misc]
+            nxt = by_index[v >> 32].lnext[v & _SLOT]  # type: ignore[index]
+            yield id_of(v)
             v = nxt
 
     def keys(self) -> Iterator[bytes]:
         return iter(self)
 
     def items(self) -> Iterator[tuple[bytes, int]]:
-        by_index = self._by_index
-        for k in self:
-            v = self._node(k)
-            yield k, by_index[v >> 32].lseen[v & _SLOT]  # type: ignore[index]
+        by_index, id_of, v = self._by_index, self._entries.id_of, self._head
+        while v >= 0:
+            cls, slot = by_index[v >> 32], v & _SLOT
+            nxt = cls.lnext[slot]  # type: ignore[index]
+            yield id_of(v), cls.lseen[slot] - 1  # type: ignore[index]
+            v = nxt
 
     def _append(self, v: int) -> None:
         cls, slot = self._by_index[v >> 32], v & _SLOT
