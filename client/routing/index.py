@@ -95,6 +95,11 @@ from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable
 from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
+try:  # the compiled rows, holdings and bit setting (client/routing/_route.c): same answers as numpy's
+    from kvtier.client.routing import _route as _croute
+except ImportError:  # built by `pip install` where a C compiler and Python's headers exist
+    _croute = None
+
 _GPU = Tier.GPU.label
 _TIER_LABEL = {int(t): t.label for t in (*TIERS, Tier.REMOTE)}  # wire value -> the tier's name in columns
 _REMOTE = Tier.REMOTE.label
@@ -275,7 +280,9 @@ class LocationIndex:
         return rows
 
     def _set(self, rows: np.ndarray, col: int) -> None:
-        if rows.size:
+        if _croute is not None and rows.dtype == np.int64:
+            _croute.set_bit(self._bits, self._bits.shape[1], rows, rows.size, col)
+        elif rows.size:
             self._bits[rows, col >> 6] |= np.uint64(1 << (col & 63))
 
     def _clear(self, rows: np.ndarray, col: int) -> None:
@@ -676,6 +683,11 @@ class LocationIndex:
         equals the key."""
         n = len(keys)
         table = self._rows
+        if _croute is not None:  # the same rows, one probe per key in C (-1: a key not of 16 bytes)
+            buf = np.empty(n + 2, dtype=np.int64)
+            m = _croute.rows(keys, table.slots, table.tags, table.packed, self._high, table._shift_i, buf)
+            if m >= 0:
+                return _rows(Rows, (buf, m))
         joined = b"".join(keys)
         buf = np.empty(n + 2, dtype=np.int64)
         buf[0] = buf[n + 1] = -1
@@ -723,6 +735,10 @@ class LocationIndex:
             return np.zeros((4, n_w), dtype=np.int64)
         tab = plan.byte_table() if plan.fast is not None else None
         if tab is not None and tab.shape[1] == self._bits.shape[1] * 2048:
+            if _croute is not None:  # the same walk in C
+                lead = np.empty((4, len(plan.workers)), dtype=np.int64)
+                _croute.lead(rows, m, self._bits, self._bits.shape[1], tab, len(plan.workers), remote, lead)
+                return lead if workers is None else lead[:, workers]
             # segments of equal rows as below; then each byte of a segment's row picks a
             # column of the plan's byte table (per tier, the workers whose test one of the
             # byte's set columns passes, as bit masks): their OR answers every worker and

@@ -254,12 +254,14 @@ class Router:
                 picked = sel.tolist()
                 names = [w.names[i] for i in picked]
                 nodes = [w.nodes[i] for i in picked]
-            cost, saved = self.scorer.costs(n, lead, lc, wts)
             new_session = self._new_session(n, lead)
             if new_session:
+                cost, saved = self.scorer.costs(n, lead, lc, wts)
                 extra = self._session_spread(names, now)  # live sessions beyond the fewest
                 cost += np.minimum(self.config.new_session_spread * n * extra, saved) + 1e-3 * extra
-            order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
+                order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
+            else:  # costs and order in one call (compiled where built)
+                cost, saved, order = self.scorer.rank(n, lead, lc, wts, q, a, dig, keys[-1] if n else b"", k)
             decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
             best = order[0]
             if lead[3, best] > lead[2, best] and wts[3, best] > 0:  # it counted remote blocks: say where

@@ -1,0 +1,442 @@
+/* The router's decision without numpy's per-call overhead (client/routing/index.py and
+ * scoring.py hold the formats and the numpy code this replaces, with the same answers). Built
+ * by `pip install` (setup.py, optional); when it is absent the router runs the numpy path.
+ *
+ *   rows(keys, slots, tags, packed, high, shift, out) -> int
+ *       The rows of a request's keys in the RowTable (rowtable.py): keys a list of bytes;
+ *       slots int32 and tags uint8 (the open-addressing table), packed the (rows, 16 bytes)
+ *       keys; out an int64 buffer of len(keys) + 2, filled with -1, the row of each key (-1:
+ *       not indexed), -1. Returns how many leading keys are indexed, or -1 (nothing written
+ *       that counts) when a key is not 16 bytes: the caller takes the general path. A key is
+ *       first compared with the row after the previous key's (keys that arrived together got
+ *       consecutive rows), and otherwise probed; a row is taken only when its stored key
+ *       equals the key (a key of zeros, which free rows read as, is always probed).
+ *
+ *   lead(rows, m, bits, nwords, table, n_workers, remote, out)
+ *       LocationIndex.holdings over the plan's byte table (index.py, Holdings): rows as rows()
+ *       wrote them, m the indexed keys (> 0), bits the (rows, nwords) uint64 matrix, table the
+ *       plan's (4 * words, nwords * 8 * 256) byte table, out the (4, n_workers) int64 leads.
+ *
+ *   rank(n, lead, weights, load_cost, queued, active, digests, key_digest, top_k, cost, saved,
+ *        pairwise) -> list
+ *       Scorer.costs then Scorer.order: saved = sum over the 4 tiers of lead * weight (in
+ *       the order numpy's einsum adds them: in tier order, or with pairwise as (0 + 2) + (1 +
+ *       3)), cost = (n - saved) + load_cost (written to cost and saved), then the
+ *       indices of the best top_k workers by (cost rounded to 1e-9, queued, active, tie hash,
+ *       index), as numpy's stable lexsort orders them.
+ *
+ *   set_bit(bits, nwords, rows, count, col)
+ *       Set column col in the first count rows of rows (int64; each >= 0).
+ *
+ * Compiled with -ffp-contract=off: no fused multiply-add, so the sums round as numpy's do.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define WIDTH 16
+#define WINDOW 16
+#define C1 0x9E3779B97F4A7C15ULL
+#define C2 0xC2B2AE3D27D4EB4FULL
+#define MIX1 0x9E3779B97F4A7C15ULL
+
+static int get_buf(PyObject *o, Py_buffer *b, int writable) {
+    return PyObject_GetBuffer(o, b, writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS);
+}
+
+static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return 0;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------ rows */
+
+static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const unsigned char *packed,
+                            uint64_t mask, int shift, const unsigned char *key) {
+    uint64_t w0, w1;
+    memcpy(&w0, key, 8);
+    memcpy(&w1, key + 8, 8);
+    uint64_t h = ((w0 * C1) ^ w1) * C2;
+    uint64_t i = h >> shift;
+    uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+    for (int s = 0; s < WINDOW; s++) {
+        int32_t r = slots[i];
+        if (r < 0)
+            return -1;
+        if (tags[i] == tag && memcmp(packed + (size_t)r * WIDTH, key, WIDTH) == 0)
+            return r;
+        i = (i + 1) & mask;
+    }
+    return -1;
+}
+
+static const unsigned char ZERO[WIDTH] = {0};
+
+static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 7, "rows"))
+        return NULL;
+    PyObject *keys = args[0];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "rows(): keys must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != WIDTH)
+            return PyLong_FromLong(-1);
+    }
+    long long high = PyLong_AsLongLong(args[4]);
+    long shift = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer bs, bt, bp, bo;
+    if (get_buf(args[1], &bs, 0) < 0)
+        return NULL;
+    if (get_buf(args[2], &bt, 0) < 0) {
+        PyBuffer_Release(&bs);
+        return NULL;
+    }
+    if (get_buf(args[3], &bp, 0) < 0) {
+        PyBuffer_Release(&bs);
+        PyBuffer_Release(&bt);
+        return NULL;
+    }
+    if (get_buf(args[6], &bo, 1) < 0) {
+        PyBuffer_Release(&bs);
+        PyBuffer_Release(&bt);
+        PyBuffer_Release(&bp);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t nslots = bs.len / 4, nrows = bp.len / WIDTH;
+    if (bo.len < (n + 2) * 8 || bt.len < nslots || nslots < 16 || (nslots & (nslots - 1)) || shift < 9 ||
+        shift > 63 || ((uint64_t)1 << (64 - shift)) != (uint64_t)nslots || high > nrows) {
+        PyErr_SetString(PyExc_ValueError, "rows(): buffers do not match the table");
+        goto done;
+    }
+    {
+        const int32_t *slots = (const int32_t *)bs.buf;
+        const uint8_t *tags = (const uint8_t *)bt.buf;
+        const unsigned char *packed = (const unsigned char *)bp.buf;
+        int64_t *out = (int64_t *)bo.buf;
+        uint64_t mask = (uint64_t)nslots - 1;
+        out[0] = out[n + 1] = -1;
+        Py_ssize_t indexed = -1;
+        int64_t prev = -2;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
+            int64_t r;
+            if (prev >= 0 && prev + 1 < high && memcmp(packed + (size_t)(prev + 1) * WIDTH, key, WIDTH) == 0 &&
+                memcmp(key, ZERO, WIDTH) != 0)
+                r = prev + 1;
+            else {
+                r = probe(slots, tags, packed, mask, (int)shift, key);
+                if (r >= nrows)
+                    r = -1; /* cannot be: the table holds rows of packed */
+            }
+            out[i + 1] = r;
+            if (r < 0 && indexed < 0)
+                indexed = i;
+            prev = r;
+        }
+        res = PyLong_FromSsize_t(indexed < 0 ? n : indexed);
+    }
+done:
+    PyBuffer_Release(&bs);
+    PyBuffer_Release(&bt);
+    PyBuffer_Release(&bp);
+    PyBuffer_Release(&bo);
+    return res;
+}
+
+/* ------------------------------------------------------------------------------------ lead */
+
+#define MAX_TW 64 /* 4 tiers x up to 16 words of 64 workers */
+
+static PyObject *route_lead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 8, "lead"))
+        return NULL;
+    Py_ssize_t m = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t n_workers = PyLong_AsSsize_t(args[5]);
+    int remote = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || remote < 0)
+        return NULL;
+    Py_buffer br, bb, bt, bo;
+    if (get_buf(args[0], &br, 0) < 0)
+        return NULL;
+    if (get_buf(args[2], &bb, 0) < 0) {
+        PyBuffer_Release(&br);
+        return NULL;
+    }
+    if (get_buf(args[4], &bt, 0) < 0) {
+        PyBuffer_Release(&br);
+        PyBuffer_Release(&bb);
+        return NULL;
+    }
+    if (get_buf(args[7], &bo, 1) < 0) {
+        PyBuffer_Release(&br);
+        PyBuffer_Release(&bb);
+        PyBuffer_Release(&bt);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t ww = (n_workers + 63) / 64, tw = 4 * ww;
+    Py_ssize_t stride = nwords * 8 * 256;
+    Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
+    if (m <= 0 || nwords <= 0 || n_workers <= 0 || tw > MAX_TW || br.len < (m + 2) * 8 || nrows < 1 ||
+        bt.len != tw * stride * 8 || bo.len < 4 * n_workers * 8) {
+        PyErr_SetString(PyExc_ValueError, "lead(): buffers do not match the plan");
+        goto done;
+    }
+    {
+        const int64_t *rows = (const int64_t *)br.buf;
+        const uint64_t *bits = (const uint64_t *)bb.buf;
+        const uint64_t *table = (const uint64_t *)bt.buf;
+        int64_t *out = (int64_t *)bo.buf;
+        uint64_t alive[MAX_TW], got[MAX_TW];
+        for (Py_ssize_t k = 0; k < tw; k++)
+            alive[k] = ~(uint64_t)0;
+        const uint64_t *prow = NULL; /* rows[0] is -1: the empty last row */
+        for (Py_ssize_t i = 0; i <= m; i++) {
+            int64_t r = rows[i + 1];
+            if (r < 0)
+                r += nrows;
+            if (r < 0 || r >= nrows) {
+                PyErr_SetString(PyExc_ValueError, "lead(): a row outside the matrix");
+                goto done;
+            }
+            const uint64_t *row = bits + (size_t)r * nwords;
+            if (i == 0)
+                prow = bits + (size_t)(nrows - 1) * nwords;
+            if (memcmp(row, prow, nwords * 8) == 0)
+                continue; /* the same segment */
+            prow = row;
+            /* a new segment starts at key i: the OR of its bytes' table entries */
+            for (Py_ssize_t k = 0; k < tw; k++)
+                got[k] = 0;
+            const unsigned char *bytes = (const unsigned char *)row;
+            for (Py_ssize_t b = 0; b < nwords * 8; b++) {
+                unsigned v = bytes[b];
+                if (!v)
+                    continue; /* no set column: all clear in the table */
+                const uint64_t *col = table + b * 256 + v;
+                for (Py_ssize_t k = 0; k < tw; k++)
+                    got[k] |= col[k * stride];
+            }
+            int any = 0;
+            for (Py_ssize_t k = 0; k < tw; k++) {
+                uint64_t dying = alive[k] & ~got[k];
+                alive[k] &= got[k];
+                any |= alive[k] != 0;
+                while (dying) {
+                    int bit = __builtin_ctzll(dying);
+                    dying &= dying - 1;
+                    Py_ssize_t t = k / ww, w = (k % ww) * 64 + bit;
+                    if (w < n_workers)
+                        out[t * n_workers + w] = i;
+                }
+            }
+            if (!any)
+                break;
+        }
+        if (!remote)
+            memcpy(out + 3 * n_workers, out + 2 * n_workers, n_workers * 8);
+        /* the last key (row -1 after it) ends every run: a worker still alive cannot be */
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+done:
+    PyBuffer_Release(&br);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&bt);
+    PyBuffer_Release(&bo);
+    return res;
+}
+
+/* ------------------------------------------------------------------------------------ rank */
+
+typedef struct {
+    double cost, queued, active;
+    uint64_t tie;
+    Py_ssize_t i;
+} Entry;
+
+static inline int before(const Entry *a, const Entry *b) {
+    if (a->cost != b->cost)
+        return a->cost < b->cost;
+    if (a->queued != b->queued)
+        return a->queued < b->queued;
+    if (a->active != b->active)
+        return a->active < b->active;
+    if (a->tie != b->tie)
+        return a->tie < b->tie;
+    return a->i < b->i;
+}
+
+static int cmp_entry(const void *x, const void *y) {
+    const Entry *a = (const Entry *)x, *b = (const Entry *)y;
+    return before(a, b) ? -1 : before(b, a) ? 1 : 0;
+}
+
+static PyObject *route_rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 12, "rank"))
+        return NULL;
+    int pairwise = PyObject_IsTrue(args[11]);
+    if (pairwise < 0)
+        return NULL;
+    double n = PyFloat_AsDouble(args[0]);
+    unsigned long long kd = PyLong_AsUnsignedLongLongMask(args[7]);
+    Py_ssize_t top_k = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer b[9];
+    int idx[9] = {1, 2, 3, 4, 5, 6, 9, 10, -1};
+    int got = 0;
+    for (; got < 8; got++) {
+        if (get_buf(args[idx[got]], &b[got], got >= 6) < 0)
+            break;
+    }
+    PyObject *res = NULL;
+    Entry *e = NULL;
+    if (got < 8)
+        goto done;
+    Py_ssize_t w = b[3].len / 8;
+    if (b[0].len != 4 * w * 8 || b[1].len != 4 * w * 8 || b[2].len != w * 8 || b[4].len != w * 8 ||
+        b[5].len != w * 8 || b[6].len != w * 8 || b[7].len != w * 8) {
+        PyErr_SetString(PyExc_ValueError, "rank(): arrays of different lengths");
+        goto done;
+    }
+    {
+        const int64_t *lead = (const int64_t *)b[0].buf;
+        const double *wt = (const double *)b[1].buf, *lc = (const double *)b[2].buf;
+        const double *q = (const double *)b[3].buf, *a = (const double *)b[4].buf;
+        const uint64_t *dig = (const uint64_t *)b[5].buf;
+        double *cost = (double *)b[6].buf, *saved = (double *)b[7].buf;
+        Py_ssize_t k = top_k < 0 ? w : (top_k < w ? top_k : w);
+        e = (Entry *)malloc(sizeof(Entry) * (w ? w : 1));
+        if (!e) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < w; j++) {
+            double p0 = (double)lead[j] * wt[j], p1 = (double)lead[w + j] * wt[w + j];
+            double p2 = (double)lead[2 * w + j] * wt[2 * w + j], p3 = (double)lead[3 * w + j] * wt[3 * w + j];
+            /* as numpy's einsum adds them: in tier order, except where the tiers of a worker's
+             * weights were adjacent in memory (one worker, or a selection of workers' columns):
+             * then as one contiguous sum of 4 in two lanes */
+            double s = pairwise ? (p0 + p2) + (p1 + p3) : ((p0 + p1) + p2) + p3;
+            double c = n - s;
+            c = c + lc[j];
+            saved[j] = s;
+            cost[j] = c;
+            e[j].cost = rint(c * 1e9) / 1e9;
+            e[j].queued = q[j];
+            e[j].active = a[j];
+            e[j].tie = (dig[j] ^ (uint64_t)kd) * MIX1;
+            e[j].i = j;
+        }
+        if (k <= 16) { /* the best k by insertion: e[0..k) sorted */
+            Py_ssize_t have = 0;
+            for (Py_ssize_t j = 0; j < w; j++) {
+                Entry x = e[j];
+                if (have == k && !before(&x, &e[k - 1]))
+                    continue;
+                Py_ssize_t p = have < k ? have++ : k - 1;
+                while (p > 0 && before(&x, &e[p - 1])) {
+                    e[p] = e[p - 1];
+                    p--;
+                }
+                e[p] = x;
+            }
+        } else {
+            qsort(e, w, sizeof(Entry), cmp_entry);
+        }
+        res = PyList_New(k);
+        if (!res)
+            goto done;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            PyObject *v = PyLong_FromSsize_t(e[j].i);
+            if (!v) {
+                Py_CLEAR(res);
+                goto done;
+            }
+            PyList_SET_ITEM(res, j, v);
+        }
+    }
+done:
+    free(e);
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
+/* --------------------------------------------------------------------------------- set_bit */
+
+static PyObject *route_set_bit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 5, "set_bit"))
+        return NULL;
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t col = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer bb, br;
+    if (get_buf(args[0], &bb, 1) < 0)
+        return NULL;
+    if (get_buf(args[2], &br, 0) < 0) {
+        PyBuffer_Release(&bb);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
+    if (nwords <= 0 || col < 0 || col >= nwords * 64 || count < 0 || br.len < count * 8) {
+        PyErr_SetString(PyExc_ValueError, "set_bit(): arguments do not match the matrix");
+        goto done;
+    }
+    {
+        uint64_t *bits = (uint64_t *)bb.buf;
+        const int64_t *rows = (const int64_t *)br.buf;
+        uint64_t bit = (uint64_t)1 << (col & 63);
+        Py_ssize_t word = col >> 6;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (rows[i] < 0 || rows[i] >= nrows) {
+                PyErr_SetString(PyExc_ValueError, "set_bit(): a row outside the matrix");
+                goto done;
+            }
+        }
+        for (Py_ssize_t i = 0; i < count; i++)
+            bits[(size_t)rows[i] * nwords + word] |= bit;
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&br);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"rows", (PyCFunction)(void (*)(void))route_rows, METH_FASTCALL, "A request's rows (see the module source)."},
+    {"lead", (PyCFunction)(void (*)(void))route_lead, METH_FASTCALL, "Holdings over the byte table."},
+    {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
+    {"set_bit", (PyCFunction)(void (*)(void))route_set_bit, METH_FASTCALL, "Set a column in rows."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_route",
+                                    "The router's decision, compiled (client/routing/_route.c).", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__route(void) { return PyModule_Create(&module); }
