@@ -134,6 +134,15 @@ static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         for (Py_ssize_t i = 0; i < n; i++) {
             const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
             int64_t r;
+            if (i == indexed + 1) /* after the first unknown key: the rest are mostly unknown too,
+                                   * each a probe of a random slot; fetch their home slots ahead */
+                for (Py_ssize_t j = i; j < n; j++) {
+                    const unsigned char *kj = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, j));
+                    uint64_t w0, w1;
+                    memcpy(&w0, kj, 8);
+                    memcpy(&w1, kj + 8, 8);
+                    __builtin_prefetch(slots + ((((w0 * C1) ^ w1) * C2) >> shift));
+                }
             if (prev >= 0 && prev + 1 < high && memcmp(packed + (size_t)(prev + 1) * WIDTH, key, WIDTH) == 0 &&
                 memcmp(key, ZERO, WIDTH) != 0)
                 r = prev + 1;
