@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvtier.client.routing import index as index_mod
+from kvtier.client.routing import rowtable as rowtable_mod
 from kvtier.client.routing import scoring as scoring_mod
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import Scorer, worker_digests
@@ -25,18 +26,18 @@ FP = bytes(range(16))
 @contextlib.contextmanager
 def numpy_path():
     """Route with numpy (the fallback) inside the block."""
-    saved = index_mod._croute, scoring_mod._croute
-    index_mod._croute = scoring_mod._croute = None
+    saved = index_mod._croute, scoring_mod._croute, rowtable_mod._croute
+    index_mod._croute = scoring_mod._croute = rowtable_mod._croute = None
     try:
         yield
     finally:
-        index_mod._croute, scoring_mod._croute = saved
+        index_mod._croute, scoring_mod._croute, rowtable_mod._croute = saved
 
 
 def test_the_install_built_the_compiled_decision() -> None:
     """pip install (editable too) compiles client/routing/_route.c; routers use it by default."""
     assert index_mod._croute is not None, "kvtier.client.routing._route is missing: the install did not build it"
-    assert scoring_mod._croute is index_mod._croute
+    assert scoring_mod._croute is index_mod._croute is rowtable_mod._croute
 
 
 def _feeds(rng: random.Random, n_nodes: int, n_workers: int, chains: list[list[bytes]]) -> dict[str, list]:

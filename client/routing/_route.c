@@ -25,6 +25,13 @@
  *       indices of the best top_k workers by (cost rounded to 1e-9, queued, active, tie hash,
  *       index), as numpy's stable lexsort orders them.
  *
+ *   insert(keys, rows, packed, live, slots, tags, shift) -> int
+ *       RowTable.insert for keys of 16 bytes (distinct, none indexed; rows not live; the
+ *       table stays at most half full): each key stored at its row, the row live, then placed
+ *       in the first free slot from its home. Returns 1; 0 when one found no free slot within
+ *       WINDOW (the caller rebuilds the table twice as large, from the live rows); -1 when a
+ *       key is not 16 bytes (nothing done).
+ *
  *   set_bit(bits, nwords, rows, count, col)
  *       Set column col in the first count rows of rows (int64; each >= 0).
  *
@@ -390,6 +397,83 @@ done:
     return res;
 }
 
+/* ---------------------------------------------------------------------------------- insert */
+
+static PyObject *route_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 7, "insert"))
+        return NULL;
+    PyObject *keys = args[0];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "insert(): keys must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != WIDTH)
+            return PyLong_FromLong(-1);
+    }
+    long shift = PyLong_AsLong(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer b[5];
+    int got = 0;
+    for (; got < 5; got++)
+        if (get_buf(args[got + 1], &b[got], got >= 1) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got < 5)
+        goto done;
+    Py_ssize_t nrows = b[1].len / WIDTH, nslots = b[3].len / 4;
+    if (b[0].len < n * 8 || b[2].len < nrows || b[4].len < nslots || nslots < 16 || (nslots & (nslots - 1)) ||
+        shift < 9 || shift > 63 || ((uint64_t)1 << (64 - shift)) != (uint64_t)nslots || nslots > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "insert(): buffers do not match the table");
+        goto done;
+    }
+    {
+        const int64_t *rows = (const int64_t *)b[0].buf;
+        unsigned char *packed = (unsigned char *)b[1].buf;
+        uint8_t *live = (uint8_t *)b[2].buf;
+        int32_t *slots = (int32_t *)b[3].buf;
+        uint8_t *tags = (uint8_t *)b[4].buf;
+        uint64_t mask = (uint64_t)nslots - 1;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (rows[i] < 0 || rows[i] >= nrows || rows[i] > INT32_MAX) {
+                PyErr_SetString(PyExc_ValueError, "insert(): a row outside the table");
+                goto done;
+            }
+        int placed = 1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
+            memcpy(packed + (size_t)rows[i] * WIDTH, key, WIDTH);
+            live[rows[i]] = 1;
+        }
+        for (Py_ssize_t i = 0; i < n && placed; i++) { /* each in the first free slot from its home */
+            const unsigned char *key = packed + (size_t)rows[i] * WIDTH;
+            uint64_t w0, w1;
+            memcpy(&w0, key, 8);
+            memcpy(&w1, key + 8, 8);
+            uint64_t h = ((w0 * C1) ^ w1) * C2;
+            uint64_t at = h >> shift;
+            uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+            placed = 0;
+            for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
+                if (slots[at] < 0) {
+                    slots[at] = (int32_t)rows[i];
+                    tags[at] = tag;
+                    placed = 1;
+                    break;
+                }
+        }
+        res = PyLong_FromLong(placed);
+    }
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
 /* --------------------------------------------------------------------------------- set_bit */
 
 static PyObject *route_set_bit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -440,6 +524,7 @@ static PyMethodDef methods[] = {
     {"rows", (PyCFunction)(void (*)(void))route_rows, METH_FASTCALL, "A request's rows (see the module source)."},
     {"lead", (PyCFunction)(void (*)(void))route_lead, METH_FASTCALL, "Holdings over the byte table."},
     {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
+    {"insert", (PyCFunction)(void (*)(void))route_insert, METH_FASTCALL, "Give rows to new 16-byte keys."},
     {"set_bit", (PyCFunction)(void (*)(void))route_set_bit, METH_FASTCALL, "Set a column in rows."},
     {NULL, NULL, 0, NULL},
 };
