@@ -25,6 +25,12 @@
  *       indices of the best top_k workers by (cost rounded to 1e-9, queued, active, tie hash,
  *       index), as numpy's stable lexsort orders them.
  *
+ *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, weights,
+ *          load_cost, queued, active, digests, key_digest, top_k, rows, lead, cs) -> (m, order)
+ *       rows(), then lead() (zeros when no key is indexed), then rank() over every worker
+ *       (cs: the (2, workers) cost and saved) in one call: (indexed keys, order); None when a
+ *       key is not 16 bytes (nothing done).
+ *
  *   insert(keys, rows, packed, live, slots, tags, shift) -> int
  *       RowTable.insert for keys of 16 bytes (distinct, none indexed; rows not live; the
  *       table stays at most half full): each key stored at its row, the row live, then placed
@@ -85,6 +91,56 @@ static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const uns
 
 static const unsigned char ZERO[WIDTH] = {0};
 
+static Py_ssize_t rows_core(PyObject *keys, Py_ssize_t n, const int32_t *slots, const uint8_t *tags,
+                            const unsigned char *packed, Py_ssize_t nslots, Py_ssize_t nrows, long shift,
+                            long long high, int64_t *out) {
+    uint64_t mask = (uint64_t)nslots - 1;
+    out[0] = out[n + 1] = -1;
+    Py_ssize_t indexed = -1;
+    int64_t prev = -2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
+        int64_t r;
+        if (i == indexed + 1) /* after the first unknown key: the rest are mostly unknown too,
+                               * each a probe of a random slot; fetch their home slots ahead */
+            for (Py_ssize_t j = i; j < n; j++) {
+                const unsigned char *kj = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, j));
+                uint64_t w0, w1;
+                memcpy(&w0, kj, 8);
+                memcpy(&w1, kj + 8, 8);
+                __builtin_prefetch(slots + ((((w0 * C1) ^ w1) * C2) >> shift));
+            }
+        if (prev >= 0 && prev + 1 < high && memcmp(packed + (size_t)(prev + 1) * WIDTH, key, WIDTH) == 0 &&
+            memcmp(key, ZERO, WIDTH) != 0)
+            r = prev + 1;
+        else {
+            r = probe(slots, tags, packed, mask, (int)shift, key);
+            if (r >= nrows)
+                r = -1; /* cannot be: the table holds rows of packed */
+        }
+        out[i + 1] = r;
+        if (r < 0 && indexed < 0)
+            indexed = i;
+        prev = r;
+    }
+    return indexed < 0 ? n : indexed;
+}
+
+static int keys16(PyObject *keys) {
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != WIDTH)
+            return 0;
+    }
+    return 1;
+}
+
+static int table_ok(Py_ssize_t nslots, Py_ssize_t ntags, long shift, long long high, Py_ssize_t nrows) {
+    return ntags >= nslots && nslots >= 16 && !(nslots & (nslots - 1)) && shift >= 9 && shift <= 63 &&
+           ((uint64_t)1 << (64 - shift)) == (uint64_t)nslots && high <= nrows;
+}
+
 static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (!nargs_ok(nargs, 7, "rows"))
@@ -95,11 +151,8 @@ static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != WIDTH)
-            return PyLong_FromLong(-1);
-    }
+    if (!keys16(keys))
+        return PyLong_FromLong(-1);
     long long high = PyLong_AsLongLong(args[4]);
     long shift = PyLong_AsLong(args[5]);
     if (PyErr_Occurred())
@@ -124,46 +177,14 @@ static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     PyObject *res = NULL;
     Py_ssize_t nslots = bs.len / 4, nrows = bp.len / WIDTH;
-    if (bo.len < (n + 2) * 8 || bt.len < nslots || nslots < 16 || (nslots & (nslots - 1)) || shift < 9 ||
-        shift > 63 || ((uint64_t)1 << (64 - shift)) != (uint64_t)nslots || high > nrows) {
+    if (bo.len < (n + 2) * 8 || !table_ok(nslots, bt.len, shift, high, nrows)) {
         PyErr_SetString(PyExc_ValueError, "rows(): buffers do not match the table");
         goto done;
     }
     {
-        const int32_t *slots = (const int32_t *)bs.buf;
-        const uint8_t *tags = (const uint8_t *)bt.buf;
-        const unsigned char *packed = (const unsigned char *)bp.buf;
-        int64_t *out = (int64_t *)bo.buf;
-        uint64_t mask = (uint64_t)nslots - 1;
-        out[0] = out[n + 1] = -1;
-        Py_ssize_t indexed = -1;
-        int64_t prev = -2;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
-            int64_t r;
-            if (i == indexed + 1) /* after the first unknown key: the rest are mostly unknown too,
-                                   * each a probe of a random slot; fetch their home slots ahead */
-                for (Py_ssize_t j = i; j < n; j++) {
-                    const unsigned char *kj = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, j));
-                    uint64_t w0, w1;
-                    memcpy(&w0, kj, 8);
-                    memcpy(&w1, kj + 8, 8);
-                    __builtin_prefetch(slots + ((((w0 * C1) ^ w1) * C2) >> shift));
-                }
-            if (prev >= 0 && prev + 1 < high && memcmp(packed + (size_t)(prev + 1) * WIDTH, key, WIDTH) == 0 &&
-                memcmp(key, ZERO, WIDTH) != 0)
-                r = prev + 1;
-            else {
-                r = probe(slots, tags, packed, mask, (int)shift, key);
-                if (r >= nrows)
-                    r = -1; /* cannot be: the table holds rows of packed */
-            }
-            out[i + 1] = r;
-            if (r < 0 && indexed < 0)
-                indexed = i;
-            prev = r;
-        }
-        res = PyLong_FromSsize_t(indexed < 0 ? n : indexed);
+        res = PyLong_FromSsize_t(rows_core(keys, n, (const int32_t *)bs.buf, (const uint8_t *)bt.buf,
+                                           (const unsigned char *)bp.buf, nslots, nrows, shift, high,
+                                           (int64_t *)bo.buf));
     }
 done:
     PyBuffer_Release(&bs);
@@ -176,6 +197,60 @@ done:
 /* ------------------------------------------------------------------------------------ lead */
 
 #define MAX_TW 64 /* 4 tiers x up to 16 words of 64 workers */
+
+/* 0, or -1 with a ValueError set (a row outside the matrix) */
+static int lead_core(const int64_t *rows, Py_ssize_t m, const uint64_t *bits, Py_ssize_t nrows, Py_ssize_t nwords,
+                     const uint64_t *table, Py_ssize_t n_workers, int remote, int64_t *out) {
+    Py_ssize_t ww = (n_workers + 63) / 64, tw = 4 * ww;
+    Py_ssize_t stride = nwords * 8 * 256;
+    uint64_t alive[MAX_TW], got[MAX_TW];
+    for (Py_ssize_t k = 0; k < tw; k++)
+        alive[k] = ~(uint64_t)0;
+    const uint64_t *prow = bits + (size_t)(nrows - 1) * nwords; /* rows[0] is -1: the empty last row */
+    for (Py_ssize_t i = 0; i <= m; i++) {
+        int64_t r = rows[i + 1];
+        if (r < 0)
+            r += nrows;
+        if (r < 0 || r >= nrows) {
+            PyErr_SetString(PyExc_ValueError, "lead(): a row outside the matrix");
+            return -1;
+        }
+        const uint64_t *row = bits + (size_t)r * nwords;
+        if (memcmp(row, prow, nwords * 8) == 0)
+            continue; /* the same segment */
+        prow = row;
+        /* a new segment starts at key i: the OR of its bytes' table entries */
+        for (Py_ssize_t k = 0; k < tw; k++)
+            got[k] = 0;
+        const unsigned char *bytes = (const unsigned char *)row;
+        for (Py_ssize_t b = 0; b < nwords * 8; b++) {
+            unsigned v = bytes[b];
+            if (!v)
+                continue; /* no set column: all clear in the table */
+            const uint64_t *col = table + b * 256 + v;
+            for (Py_ssize_t k = 0; k < tw; k++)
+                got[k] |= col[k * stride];
+        }
+        int any = 0;
+        for (Py_ssize_t k = 0; k < tw; k++) {
+            uint64_t dying = alive[k] & ~got[k];
+            alive[k] &= got[k];
+            any |= alive[k] != 0;
+            while (dying) {
+                int bit = __builtin_ctzll(dying);
+                dying &= dying - 1;
+                Py_ssize_t t = k / ww, w = (k % ww) * 64 + bit;
+                if (w < n_workers)
+                    out[t * n_workers + w] = i;
+            }
+        }
+        if (!any)
+            break; /* the row -1 after the last key ends every run, so every worker is set */
+    }
+    if (!remote)
+        memcpy(out + 3 * n_workers, out + 2 * n_workers, n_workers * 8);
+    return 0;
+}
 
 static PyObject *route_lead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -206,68 +281,15 @@ static PyObject *route_lead(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     PyObject *res = NULL;
-    Py_ssize_t ww = (n_workers + 63) / 64, tw = 4 * ww;
-    Py_ssize_t stride = nwords * 8 * 256;
+    Py_ssize_t tw = 4 * ((n_workers + 63) / 64), stride = nwords * 8 * 256;
     Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
     if (m <= 0 || nwords <= 0 || n_workers <= 0 || tw > MAX_TW || br.len < (m + 2) * 8 || nrows < 1 ||
         bt.len != tw * stride * 8 || bo.len < 4 * n_workers * 8) {
         PyErr_SetString(PyExc_ValueError, "lead(): buffers do not match the plan");
         goto done;
     }
-    {
-        const int64_t *rows = (const int64_t *)br.buf;
-        const uint64_t *bits = (const uint64_t *)bb.buf;
-        const uint64_t *table = (const uint64_t *)bt.buf;
-        int64_t *out = (int64_t *)bo.buf;
-        uint64_t alive[MAX_TW], got[MAX_TW];
-        for (Py_ssize_t k = 0; k < tw; k++)
-            alive[k] = ~(uint64_t)0;
-        const uint64_t *prow = NULL; /* rows[0] is -1: the empty last row */
-        for (Py_ssize_t i = 0; i <= m; i++) {
-            int64_t r = rows[i + 1];
-            if (r < 0)
-                r += nrows;
-            if (r < 0 || r >= nrows) {
-                PyErr_SetString(PyExc_ValueError, "lead(): a row outside the matrix");
-                goto done;
-            }
-            const uint64_t *row = bits + (size_t)r * nwords;
-            if (i == 0)
-                prow = bits + (size_t)(nrows - 1) * nwords;
-            if (memcmp(row, prow, nwords * 8) == 0)
-                continue; /* the same segment */
-            prow = row;
-            /* a new segment starts at key i: the OR of its bytes' table entries */
-            for (Py_ssize_t k = 0; k < tw; k++)
-                got[k] = 0;
-            const unsigned char *bytes = (const unsigned char *)row;
-            for (Py_ssize_t b = 0; b < nwords * 8; b++) {
-                unsigned v = bytes[b];
-                if (!v)
-                    continue; /* no set column: all clear in the table */
-                const uint64_t *col = table + b * 256 + v;
-                for (Py_ssize_t k = 0; k < tw; k++)
-                    got[k] |= col[k * stride];
-            }
-            int any = 0;
-            for (Py_ssize_t k = 0; k < tw; k++) {
-                uint64_t dying = alive[k] & ~got[k];
-                alive[k] &= got[k];
-                any |= alive[k] != 0;
-                while (dying) {
-                    int bit = __builtin_ctzll(dying);
-                    dying &= dying - 1;
-                    Py_ssize_t t = k / ww, w = (k % ww) * 64 + bit;
-                    if (w < n_workers)
-                        out[t * n_workers + w] = i;
-                }
-            }
-            if (!any)
-                break;
-        }
-        if (!remote)
-            memcpy(out + 3 * n_workers, out + 2 * n_workers, n_workers * 8);
-        /* the last key (row -1 after it) ends every run: a worker still alive cannot be */
+    if (lead_core((const int64_t *)br.buf, m, (const uint64_t *)bb.buf, nrows, nwords, (const uint64_t *)bt.buf,
+                  n_workers, remote, (int64_t *)bo.buf) == 0) {
         Py_INCREF(Py_None);
         res = Py_None;
     }
@@ -304,6 +326,61 @@ static int cmp_entry(const void *x, const void *y) {
     return before(a, b) ? -1 : before(b, a) ? 1 : 0;
 }
 
+/* the cost, saved and order (a list of the best top_k; NULL with an exception set) */
+static PyObject *rank_core(double n, const int64_t *lead, const double *wt, const double *lc, const double *q,
+                           const double *a, const uint64_t *dig, uint64_t kd, Py_ssize_t w, Py_ssize_t top_k,
+                           int pairwise, double *cost, double *saved) {
+    Py_ssize_t k = top_k < 0 ? w : (top_k < w ? top_k : w);
+    Entry small[128];
+    Entry *e = w <= 128 ? small : (Entry *)malloc(sizeof(Entry) * w);
+    if (!e)
+        return PyErr_NoMemory();
+    for (Py_ssize_t j = 0; j < w; j++) {
+        double p0 = (double)lead[j] * wt[j], p1 = (double)lead[w + j] * wt[w + j];
+        double p2 = (double)lead[2 * w + j] * wt[2 * w + j], p3 = (double)lead[3 * w + j] * wt[3 * w + j];
+        /* as numpy's einsum adds them: in tier order, except where the tiers of a worker's
+         * weights were adjacent in memory (one worker, or a selection of workers' columns):
+         * then as one contiguous sum of 4 in two lanes */
+        double s = pairwise ? (p0 + p2) + (p1 + p3) : ((p0 + p1) + p2) + p3;
+        double c = n - s;
+        c = c + lc[j];
+        saved[j] = s;
+        cost[j] = c;
+        e[j].cost = rint(c * 1e9) / 1e9; /* numpy's round(cost, 9) */
+        e[j].queued = q[j];
+        e[j].active = a[j];
+        e[j].tie = (dig[j] ^ kd) * MIX1;
+        e[j].i = j;
+    }
+    if (k <= 16) { /* the best k by insertion: e[0..k) sorted (writes stay at or below the read) */
+        Py_ssize_t have = 0;
+        for (Py_ssize_t j = 0; j < w; j++) {
+            Entry x = e[j];
+            if (have == k && !before(&x, &e[k - 1]))
+                continue;
+            Py_ssize_t p = have < k ? have++ : k - 1;
+            while (p > 0 && before(&x, &e[p - 1])) {
+                e[p] = e[p - 1];
+                p--;
+            }
+            e[p] = x;
+        }
+    } else {
+        qsort(e, w, sizeof(Entry), cmp_entry);
+    }
+    PyObject *res = PyList_New(k);
+    for (Py_ssize_t j = 0; res && j < k; j++) {
+        PyObject *v = PyLong_FromSsize_t(e[j].i);
+        if (!v)
+            Py_CLEAR(res);
+        else
+            PyList_SET_ITEM(res, j, v);
+    }
+    if (e != small)
+        free(e);
+    return res;
+}
+
 static PyObject *route_rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (!nargs_ok(nargs, 12, "rank"))
@@ -324,7 +401,6 @@ static PyObject *route_rank(PyObject *self, PyObject *const *args, Py_ssize_t na
             break;
     }
     PyObject *res = NULL;
-    Entry *e = NULL;
     if (got < 8)
         goto done;
     Py_ssize_t w = b[3].len / 8;
@@ -333,65 +409,10 @@ static PyObject *route_rank(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "rank(): arrays of different lengths");
         goto done;
     }
-    {
-        const int64_t *lead = (const int64_t *)b[0].buf;
-        const double *wt = (const double *)b[1].buf, *lc = (const double *)b[2].buf;
-        const double *q = (const double *)b[3].buf, *a = (const double *)b[4].buf;
-        const uint64_t *dig = (const uint64_t *)b[5].buf;
-        double *cost = (double *)b[6].buf, *saved = (double *)b[7].buf;
-        Py_ssize_t k = top_k < 0 ? w : (top_k < w ? top_k : w);
-        e = (Entry *)malloc(sizeof(Entry) * (w ? w : 1));
-        if (!e) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        for (Py_ssize_t j = 0; j < w; j++) {
-            double p0 = (double)lead[j] * wt[j], p1 = (double)lead[w + j] * wt[w + j];
-            double p2 = (double)lead[2 * w + j] * wt[2 * w + j], p3 = (double)lead[3 * w + j] * wt[3 * w + j];
-            /* as numpy's einsum adds them: in tier order, except where the tiers of a worker's
-             * weights were adjacent in memory (one worker, or a selection of workers' columns):
-             * then as one contiguous sum of 4 in two lanes */
-            double s = pairwise ? (p0 + p2) + (p1 + p3) : ((p0 + p1) + p2) + p3;
-            double c = n - s;
-            c = c + lc[j];
-            saved[j] = s;
-            cost[j] = c;
-            e[j].cost = rint(c * 1e9) / 1e9;
-            e[j].queued = q[j];
-            e[j].active = a[j];
-            e[j].tie = (dig[j] ^ (uint64_t)kd) * MIX1;
-            e[j].i = j;
-        }
-        if (k <= 16) { /* the best k by insertion: e[0..k) sorted */
-            Py_ssize_t have = 0;
-            for (Py_ssize_t j = 0; j < w; j++) {
-                Entry x = e[j];
-                if (have == k && !before(&x, &e[k - 1]))
-                    continue;
-                Py_ssize_t p = have < k ? have++ : k - 1;
-                while (p > 0 && before(&x, &e[p - 1])) {
-                    e[p] = e[p - 1];
-                    p--;
-                }
-                e[p] = x;
-            }
-        } else {
-            qsort(e, w, sizeof(Entry), cmp_entry);
-        }
-        res = PyList_New(k);
-        if (!res)
-            goto done;
-        for (Py_ssize_t j = 0; j < k; j++) {
-            PyObject *v = PyLong_FromSsize_t(e[j].i);
-            if (!v) {
-                Py_CLEAR(res);
-                goto done;
-            }
-            PyList_SET_ITEM(res, j, v);
-        }
-    }
+    res = rank_core(n, (const int64_t *)b[0].buf, (const double *)b[1].buf, (const double *)b[2].buf,
+                    (const double *)b[3].buf, (const double *)b[4].buf, (const uint64_t *)b[5].buf, (uint64_t)kd, w,
+                    top_k, pairwise, (double *)b[6].buf, (double *)b[7].buf);
 done:
-    free(e);
     for (int j = 0; j < got; j++)
         PyBuffer_Release(&b[j]);
     return res;
@@ -520,10 +541,76 @@ done:
     return res;
 }
 
+/* ---------------------------------------------------------------------------------- decide */
+
+static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 20, "decide"))
+        return NULL;
+    PyObject *keys = args[0];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "decide(): keys must be a list");
+        return NULL;
+    }
+    if (!keys16(keys))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    long long high = PyLong_AsLongLong(args[4]);
+    long shift = PyLong_AsLong(args[5]);
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[7]);
+    int remote = PyObject_IsTrue(args[9]);
+    unsigned long long kd = PyLong_AsUnsignedLongLongMask(args[15]);
+    Py_ssize_t top_k = PyLong_AsSsize_t(args[16]);
+    if (PyErr_Occurred() || remote < 0)
+        return NULL;
+    /* buffers: slots tags packed bits table weights load_cost queued active digests rows lead cs */
+    static const int at[13] = {1, 2, 3, 6, 8, 10, 11, 12, 13, 14, 17, 18, 19};
+    Py_buffer b[13];
+    int got = 0;
+    for (; got < 13; got++)
+        if (get_buf(args[at[got]], &b[got], got >= 10) < 0)
+            break;
+    PyObject *res = NULL, *order = NULL;
+    if (got < 13)
+        goto done;
+    Py_ssize_t nslots = b[0].len / 4, nrows_keys = b[2].len / WIDTH;
+    Py_ssize_t w = b[7].len / 8, tw = 4 * ((w + 63) / 64), stride = nwords * 8 * 256;
+    Py_ssize_t nrows = nwords > 0 ? b[3].len / 8 / nwords : 0;
+    if (!table_ok(nslots, b[1].len, shift, high, nrows_keys) || nwords <= 0 || nrows < 1 || w <= 0 ||
+        tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 4 * w * 8 || b[6].len != w * 8 ||
+        b[8].len != w * 8 || b[9].len != w * 8 || b[10].len < (n + 2) * 8 || b[11].len != 4 * w * 8 ||
+        b[12].len != 2 * w * 8) {
+        PyErr_SetString(PyExc_ValueError, "decide(): buffers do not match the index or the workers");
+        goto done;
+    }
+    {
+        int64_t *rows = (int64_t *)b[10].buf, *lead = (int64_t *)b[11].buf;
+        double *cs = (double *)b[12].buf;
+        Py_ssize_t m = rows_core(keys, n, (const int32_t *)b[0].buf, (const uint8_t *)b[1].buf,
+                                 (const unsigned char *)b[2].buf, nslots, nrows_keys, shift, high, rows);
+        if (m == 0)
+            memset(lead, 0, 4 * w * 8);
+        else if (lead_core(rows, m, (const uint64_t *)b[3].buf, nrows, nwords, (const uint64_t *)b[4].buf, w, remote,
+                           lead) < 0)
+            goto done;
+        order = rank_core((double)n, lead, (const double *)b[5].buf, (const double *)b[6].buf,
+                          (const double *)b[7].buf, (const double *)b[8].buf, (const uint64_t *)b[9].buf,
+                          (uint64_t)kd, w, top_k, w == 1, cs, cs + w);
+        if (!order)
+            goto done;
+        res = Py_BuildValue("(nN)", m, order);
+    }
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"rows", (PyCFunction)(void (*)(void))route_rows, METH_FASTCALL, "A request's rows (see the module source)."},
     {"lead", (PyCFunction)(void (*)(void))route_lead, METH_FASTCALL, "Holdings over the byte table."},
     {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
+    {"decide", (PyCFunction)(void (*)(void))route_decide, METH_FASTCALL, "rows, lead and rank at once."},
     {"insert", (PyCFunction)(void (*)(void))route_insert, METH_FASTCALL, "Give rows to new 16-byte keys."},
     {"set_bit", (PyCFunction)(void (*)(void))route_set_bit, METH_FASTCALL, "Set a column in rows."},
     {NULL, NULL, 0, NULL},

@@ -721,6 +721,34 @@ class LocationIndex:
             buf[1 + i:n + 1] = table.find_packed(joined[WIDTH * i:])
         return _rows(Rows, (buf, i))
 
+    def decide(self, keys: list[bytes], weights: np.ndarray, load_cost: np.ndarray, queued: np.ndarray,
+               active: np.ndarray, digests: np.ndarray, key_digest: int, top_k: int, remote: bool
+               ) -> tuple[Rows, np.ndarray, np.ndarray, np.ndarray, list[int]] | None:
+        """:meth:`rows`, :meth:`holdings` over every worker and the scorer's
+        :meth:`~kvtier.client.routing.scoring.Scorer.rank` (``weights`` ... ``key_digest``: its
+        arrays for every worker of the plan, in the plan's order) in one compiled call: (rows,
+        lead, cost, saved, order), the same answers. None where that call does not apply (no
+        extension, no byte table for this plan, a key not of 16 bytes): the caller takes the
+        steps one by one."""
+        if _croute is None:
+            return None
+        plan = self.plan()
+        tab = plan.byte_table() if plan.fast is not None else None
+        bits = self._bits
+        if tab is None or tab.shape[1] != bits.shape[1] * 2048:
+            return None
+        t = self._rows
+        n, n_w = len(keys), len(queued)
+        rows = np.empty(n + 2, dtype=np.int64)
+        lead = np.empty((4, n_w), dtype=np.int64)
+        cost, saved = np.empty((2, n_w))
+        got = _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
+                             remote, weights, load_cost, queued, active, digests, key_digest, top_k, rows, lead,
+                             cost.base)
+        if got is None:
+            return None
+        return _rows(Rows, (rows, got[0])), lead, cost, saved, got[1]
+
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
         (``found``: :meth:`rows`' answer for its keys) it holds on its GPU (or speculatively),

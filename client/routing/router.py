@@ -53,9 +53,17 @@ import numpy as np
 from kvtier.client.engine.transport import ClientTls
 from kvtier.client.routing.feed import Feeds, FeedStatus, Resolve
 from kvtier.client.routing.fetch import FetchHint, hint_fingerprints
-from kvtier.client.routing.index import LocationIndex
+from kvtier.client.routing.index import LocationIndex, Rows
 from kvtier.client.routing.loads import Loads
-from kvtier.client.routing.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
+from kvtier.client.routing.scoring import (
+    Load,
+    Overlap,
+    Ranked,
+    Scorer,
+    ScorerConfig,
+    _digest64,
+    worker_digests,
+)
 from kvtier.client.routing.vllm_events import VllmEvents, VllmSource, VllmStreamStatus, parse_vllm_events
 from kvtier.proto import locations_pb2
 from kvtier.settings import group, parse_bool, parse_float, parse_int, parse_list, setting
@@ -243,6 +251,16 @@ class Router:
                 raise RouterError("no workers to route to: no daemon has been heard from yet (wait for the "
                                   "feeds: Router.start(wait_s=...) or wait_synced(); see status())")
             sel = self._select(candidates) if candidates else None
+            fused = None
+            if sel is None and self.config.new_session_spread <= 0:  # the common case: one compiled call
+                fused = idx.decide(keys, w.weights, loads.cost, loads.queued, loads.active, w.digests,
+                                   _digest64(keys[-1] if n else b""), k, self.config.pulls)
+            if fused is not None:
+                found, lead, cost, saved, order = fused
+                q, a, wts, names, nodes = loads.queued, loads.active, w.weights, w.names, w.nodes
+                new_session = False
+                decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
+                return self._dispatch(decision, keys, found, lead, wts, saved, sel, dispatch, new_session, now)
             found = idx.rows(keys)
             lead = idx.holdings(found, sel, self.config.pulls)
             if sel is None:
@@ -263,19 +281,26 @@ class Router:
             else:  # costs and order in one call (compiled where built)
                 cost, saved, order = self.scorer.rank(n, lead, lc, wts, q, a, dig, keys[-1] if n else b"", k)
             decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
-            best = order[0]
-            if lead[3, best] > lead[2, best] and wts[3, best] > 0:  # it counted remote blocks: say where
-                plan_i = best if sel is None else int(sel[best])
-                decision.fetch = [FetchHint(names[best], src, tuple(keys[i:j]), i, j)
-                                  for src, i, j in idx.sources(found, plan_i, int(lead[2, best]),
-                                                               int(lead[3, best]))]
-            if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
-                decision.decision_id = loads.dispatch(names[best], n - float(saved[best]), now)
-                if new_session:
-                    self._sessions[names[best]] = self._sessions.get(names[best], 0.0) + 1.0
-                if n:
-                    idx.speculate(names[best], keys, found)
-            return decision
+            return self._dispatch(decision, keys, found, lead, wts, saved, sel, dispatch, new_session, now)
+
+    def _dispatch(self, decision: Decision, keys: list[bytes], found: Rows, lead: np.ndarray, wts: np.ndarray,
+                  saved: np.ndarray, sel: np.ndarray | None, dispatch: bool, new_session: bool, now: float
+                  ) -> Decision:
+        """A decision's fetch hints and (``dispatch``) its load, session and speculative
+        entries on the best worker. Under the lock."""
+        idx, names, n = self.index, decision._names, decision.n_blocks
+        best = decision._order[0]
+        if lead[3, best] > lead[2, best] and wts[3, best] > 0:  # it counted remote blocks: say where
+            plan_i = best if sel is None else int(sel[best])
+            decision.fetch = [FetchHint(names[best], src, tuple(keys[i:j]), i, j)
+                              for src, i, j in idx.sources(found, plan_i, int(lead[2, best]), int(lead[3, best]))]
+        if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
+            decision.decision_id = self._loads.dispatch(names[best], n - float(saved[best]), now)
+            if new_session:
+                self._sessions[names[best]] = self._sessions.get(names[best], 0.0) + 1.0
+            if n:
+                idx.speculate(names[best], keys, found)
+        return decision
 
     def _new_session(self, n: int, lead: np.ndarray) -> bool:
         """Whether this request starts a session, for the spread term: no worker holds (in any of
