@@ -290,12 +290,12 @@ class Router:
         entries on the best worker. Under the lock."""
         idx, names, n = self.index, decision._names, decision.n_blocks
         best = decision._order[0]
-        if lead[3, best] > lead[2, best] and wts[3, best] > 0:  # it counted remote blocks: say where
+        if wts.item(3, best) > 0 and lead.item(3, best) > lead.item(2, best):  # it counted remote blocks: say where
             plan_i = best if sel is None else int(sel[best])
             decision.fetch = [FetchHint(names[best], src, tuple(keys[i:j]), i, j)
                               for src, i, j in idx.sources(found, plan_i, int(lead[2, best]), int(lead[3, best]))]
         if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
-            decision.decision_id = self._loads.dispatch(names[best], n - float(saved[best]), now)
+            decision.decision_id = self._loads.dispatch(names[best], n - saved.item(best), now)
             if new_session:
                 self._sessions[names[best]] = self._sessions.get(names[best], 0.0) + 1.0
             if n:
