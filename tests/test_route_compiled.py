@@ -40,8 +40,10 @@ def test_the_install_built_the_compiled_decision() -> None:
     assert scoring_mod._croute is index_mod._croute is rowtable_mod._croute
 
 
-def _feeds(rng: random.Random, n_nodes: int, n_workers: int, chains: list[list[bytes]]) -> dict[str, list]:
-    """Feed messages of a random cluster holding random leading parts of the chains."""
+def _feeds(rng: random.Random, n_nodes: int, n_workers: int, chains: list[list[bytes]],
+           one_batch: bool = False) -> dict[str, list]:
+    """Feed messages of a random cluster holding random leading parts of the chains (with
+    ``one_batch``, all of a node's events in one message: the fold's large-batch path)."""
     node_of = {f"w{w}": f"n{w % n_nodes}" for w in range(n_workers)}
     feeds: dict[str, list] = {}
     for n in range(n_nodes):
@@ -78,6 +80,13 @@ def _feeds(rng: random.Random, n_nodes: int, n_workers: int, chains: list[list[b
             if batch.events:
                 batch.head_seq = seqs[node]
                 feeds[node].append(L.WatchLocationsReply(epoch=1, events=batch))
+    if one_batch:
+        for node, msgs in feeds.items():
+            whole = L.EventBatch()
+            for m in msgs[2:]:
+                whole.events.extend(m.events.events)
+                whole.head_seq = m.events.head_seq
+            feeds[node] = msgs[:2] + ([L.WatchLocationsReply(epoch=1, events=whole)] if whole.events else [])
     return feeds
 
 
@@ -103,9 +112,10 @@ def _requests(rng: random.Random, chains: list[list[bytes]], count: int) -> list
     return out
 
 
-def _routers(rng: random.Random, n_nodes: int, n_workers: int, n_chains: int) -> tuple[Router, Router, list]:
+def _routers(rng: random.Random, n_nodes: int, n_workers: int, n_chains: int,
+             one_batch: bool = False) -> tuple[Router, Router, list]:
     chains = [[rng.randbytes(16) for _ in range(rng.randint(1, 40))] for _ in range(n_chains)]
-    feeds = _feeds(rng, n_nodes, n_workers, chains)
+    feeds = _feeds(rng, n_nodes, n_workers, chains, one_batch)
     cfg = RouterConfig(top_k=rng.choice([1, 3, 8, 100]))
     routers = Router(cfg), Router(cfg)
     for node, msgs in feeds.items():
@@ -129,7 +139,7 @@ def _same(dc, dn) -> None:
 def test_compiled_and_numpy_decisions_agree_on_random_clusters(seed: int) -> None:
     rng = random.Random(seed)
     n_workers = rng.choice([1, 3, 8, 64, 70])
-    rc, rn, chains = _routers(rng, rng.randint(1, 5), n_workers, 60)
+    rc, rn, chains = _routers(rng, rng.randint(1, 5), n_workers, 60, one_batch=seed % 2 == 1)
     workers = [w for w, _ in rc.workers()]
     now = 100.0
     for i, req in enumerate(_requests(rng, chains, 300)):
@@ -195,3 +205,23 @@ def test_compiled_rank_matches_costs_and_order_with_ties() -> None:
         on = scorer.order(cn, q, a, dig, key, top_k).tolist()
         assert order == on
         assert cost.tobytes() == cn.tobytes() and saved.tobytes() == sn.tobytes()
+
+
+@needs_c
+def test_compiled_fold_of_large_batches_matches_numpy() -> None:
+    """Batches of thousands of keys (repeated keys, removals, keys of zeros and of other
+    lengths): the same locations, the same rows for every key."""
+    rng = random.Random(11)
+    chains = [[rng.randbytes(16) for _ in range(rng.randint(1, 60))] for _ in range(400)]
+    chains.append([bytes(16), b"short", *chains[0][:3]])
+    feeds = _feeds(rng, 3, 9, chains, one_batch=True)
+    assert max(sum(len(e.keys) for e in m.events.events) for msgs in feeds.values() for m in msgs[2:]) > 2000
+    rc, rn = Router(), Router()
+    for node, msgs in feeds.items():
+        for msg in msgs:
+            rc.apply(node, msg)
+            with numpy_path():
+                rn.apply(node, msg)
+    assert rc.holdings() == rn.holdings()
+    keys = [k for c in chains for k in c]
+    assert rc.index.rows(keys).rows.tolist() == rn.index.rows(keys).rows.tolist()

@@ -15,7 +15,8 @@
  *   lead(rows, m, bits, nwords, table, n_workers, remote, out)
  *       LocationIndex.holdings over the plan's byte table (index.py, Holdings): rows as rows()
  *       wrote them, m the indexed keys (> 0), bits the (rows, nwords) uint64 matrix, table the
- *       plan's (4 * words, nwords * 8 * 256) byte table, out the (4, n_workers) int64 leads.
+ *       plan's byte table transposed, (nwords * 8 * 256, 4 * words): a byte value's masks of
+ *       every tier side by side; out the (4, n_workers) int64 leads.
  *
  *   rank(n, lead, weights, load_cost, queued, active, digests, key_digest, top_k, cost, saved,
  *        pairwise) -> list
@@ -38,6 +39,10 @@
  *       WINDOW (the caller rebuilds the table twice as large, from the live rows); -1 when a
  *       key is not 16 bytes (nothing done).
  *
+ *   place(rows, packed, slots, tags, shift) -> int
+ *       The placement of insert() for rows whose keys are stored already (a rebuild): 1, or 0
+ *       when one found no free slot within WINDOW.
+ *
  *   set_bit(bits, nwords, rows, count, col)
  *       Set column col in the first count rows of rows (int64; each >= 0).
  *
@@ -55,6 +60,7 @@
 #define C1 0x9E3779B97F4A7C15ULL
 #define C2 0xC2B2AE3D27D4EB4FULL
 #define MIX1 0x9E3779B97F4A7C15ULL
+#define AHEAD 16 /* keys whose home slots are fetched ahead of their probes */
 
 static int get_buf(PyObject *o, Py_buffer *b, int writable) {
     return PyObject_GetBuffer(o, b, writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS);
@@ -101,15 +107,17 @@ static Py_ssize_t rows_core(PyObject *keys, Py_ssize_t n, const int32_t *slots, 
     for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
         int64_t r;
-        if (i == indexed + 1) /* after the first unknown key: the rest are mostly unknown too,
-                               * each a probe of a random slot; fetch their home slots ahead */
-            for (Py_ssize_t j = i; j < n; j++) {
+        if (indexed >= 0) { /* after the first unknown key the rest are mostly unknown too, each a
+                             * probe of a random slot: fetch the home slot AHEAD keys on */
+            Py_ssize_t j = i == indexed + 1 ? i : i + AHEAD - 1;
+            for (Py_ssize_t end = i + AHEAD < n ? i + AHEAD : n; j < end; j++) {
                 const unsigned char *kj = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, j));
                 uint64_t w0, w1;
                 memcpy(&w0, kj, 8);
                 memcpy(&w1, kj + 8, 8);
                 __builtin_prefetch(slots + ((((w0 * C1) ^ w1) * C2) >> shift));
             }
+        }
         if (prev >= 0 && prev + 1 < high && memcmp(packed + (size_t)(prev + 1) * WIDTH, key, WIDTH) == 0 &&
             memcmp(key, ZERO, WIDTH) != 0)
             r = prev + 1;
@@ -202,7 +210,6 @@ done:
 static int lead_core(const int64_t *rows, Py_ssize_t m, const uint64_t *bits, Py_ssize_t nrows, Py_ssize_t nwords,
                      const uint64_t *table, Py_ssize_t n_workers, int remote, int64_t *out) {
     Py_ssize_t ww = (n_workers + 63) / 64, tw = 4 * ww;
-    Py_ssize_t stride = nwords * 8 * 256;
     uint64_t alive[MAX_TW], got[MAX_TW];
     for (Py_ssize_t k = 0; k < tw; k++)
         alive[k] = ~(uint64_t)0;
@@ -227,9 +234,9 @@ static int lead_core(const int64_t *rows, Py_ssize_t m, const uint64_t *bits, Py
             unsigned v = bytes[b];
             if (!v)
                 continue; /* no set column: all clear in the table */
-            const uint64_t *col = table + b * 256 + v;
+            const uint64_t *col = table + (b * 256 + v) * tw; /* one cache line for up to 64 workers */
             for (Py_ssize_t k = 0; k < tw; k++)
-                got[k] |= col[k * stride];
+                got[k] |= col[k];
         }
         int any = 0;
         for (Py_ssize_t k = 0; k < tw; k++) {
@@ -495,6 +502,71 @@ done:
     return res;
 }
 
+static PyObject *route_place(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 5, "place"))
+        return NULL;
+    long shift = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer b[4];
+    int got = 0;
+    for (; got < 4; got++)
+        if (get_buf(args[got], &b[got], got >= 2) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got < 4)
+        goto done;
+    Py_ssize_t n = b[0].len / 8, nrows = b[1].len / WIDTH, nslots = b[2].len / 4;
+    if (b[3].len < nslots || nslots < 16 || (nslots & (nslots - 1)) || shift < 9 || shift > 63 ||
+        ((uint64_t)1 << (64 - shift)) != (uint64_t)nslots || nslots > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "place(): buffers do not match the table");
+        goto done;
+    }
+    {
+        const int64_t *rows = (const int64_t *)b[0].buf;
+        const unsigned char *packed = (const unsigned char *)b[1].buf;
+        int32_t *slots = (int32_t *)b[2].buf;
+        uint8_t *tags = (uint8_t *)b[3].buf;
+        uint64_t mask = (uint64_t)nslots - 1;
+        int placed = 1;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (rows[i] < 0 || rows[i] >= nrows || rows[i] > INT32_MAX) {
+                PyErr_SetString(PyExc_ValueError, "place(): a row outside the table");
+                goto done;
+            }
+        for (Py_ssize_t i = 0; i < n && placed; i++) {
+            if (i + AHEAD < n) {
+                const unsigned char *ka = packed + (size_t)rows[i + AHEAD] * WIDTH;
+                uint64_t a0, a1;
+                memcpy(&a0, ka, 8);
+                memcpy(&a1, ka + 8, 8);
+                __builtin_prefetch(slots + ((((a0 * C1) ^ a1) * C2) >> shift), 1);
+            }
+            const unsigned char *key = packed + (size_t)rows[i] * WIDTH;
+            uint64_t w0, w1;
+            memcpy(&w0, key, 8);
+            memcpy(&w1, key + 8, 8);
+            uint64_t h = ((w0 * C1) ^ w1) * C2;
+            uint64_t at = h >> shift;
+            uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+            placed = 0;
+            for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
+                if (slots[at] < 0) {
+                    slots[at] = (int32_t)rows[i];
+                    tags[at] = tag;
+                    placed = 1;
+                    break;
+                }
+        }
+        res = PyLong_FromLong(placed);
+    }
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
 /* --------------------------------------------------------------------------------- set_bit */
 
 static PyObject *route_set_bit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -612,6 +684,7 @@ static PyMethodDef methods[] = {
     {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
     {"decide", (PyCFunction)(void (*)(void))route_decide, METH_FASTCALL, "rows, lead and rank at once."},
     {"insert", (PyCFunction)(void (*)(void))route_insert, METH_FASTCALL, "Give rows to new 16-byte keys."},
+    {"place", (PyCFunction)(void (*)(void))route_place, METH_FASTCALL, "Place rows in the slots."},
     {"set_bit", (PyCFunction)(void (*)(void))route_set_bit, METH_FASTCALL, "Set a column in rows."},
     {NULL, NULL, 0, NULL},
 };

@@ -256,7 +256,7 @@ class LocationIndex:
         indexed); without, only those of indexed keys."""
         if not isinstance(keys, list):
             keys = list(keys)  # once: a protobuf field makes new bytes objects on every pass
-        if len(keys) > _PROBE_EACH:  # a fold's batch: one probe per key (runs pay off for requests)
+        if len(keys) > _PROBE_EACH and _croute is None:  # a fold's batch: a probe per key (C: the same walk)
             rows = self._rows.find(keys)
             indexed = 0
         else:
@@ -276,7 +276,7 @@ class LocationIndex:
         new = keys if missing.size == len(keys) else [keys[i] for i in missing.tolist()]
         distinct = list(dict.fromkeys(new))
         given = self._alloc_rows(distinct)
-        rows[missing] = given if len(distinct) == len(new) else self._rows.find(new)
+        rows[missing] = given if len(distinct) == len(new) else self.rows(new).rows[1:len(new) + 1]
         return rows
 
     def _set(self, rows: np.ndarray, col: int) -> None:
@@ -733,9 +733,9 @@ class LocationIndex:
         if _croute is None:
             return None
         plan = self.plan()
-        tab = plan.byte_table() if plan.fast is not None else None
+        tab = plan.byte_table_rows() if plan.fast is not None else None
         bits = self._bits
-        if tab is None or tab.shape[1] != bits.shape[1] * 2048:
+        if tab is None or tab.shape[0] != bits.shape[1] * 2048:
             return None
         t = self._rows
         n, n_w = len(keys), len(queued)
@@ -765,7 +765,8 @@ class LocationIndex:
         if tab is not None and tab.shape[1] == self._bits.shape[1] * 2048:
             if _croute is not None:  # the same walk in C
                 lead = np.empty((4, len(plan.workers)), dtype=np.int64)
-                _croute.lead(rows, m, self._bits, self._bits.shape[1], tab, len(plan.workers), remote, lead)
+                _croute.lead(rows, m, self._bits, self._bits.shape[1], plan.byte_table_rows(), len(plan.workers),
+                             remote, lead)
                 return lead if workers is None else lead[:, workers]
             # segments of equal rows as below; then each byte of a segment's row picks a
             # column of the plan's byte table (per tier, the workers whose test one of the
@@ -985,6 +986,7 @@ class _Plan:
     fast_flat: np.ndarray | None = None  # ``fast.ravel()``
     col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
     _table: np.ndarray | None = None  # byte_table(), once built (empty: none for this plan)
+    _table_rows: np.ndarray | None = None  # byte_table_rows(), once built (empty: none)
     byte_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
@@ -1042,6 +1044,15 @@ class _Plan:
         self._table = np.ascontiguousarray(table.reshape(nbytes * 256, 4 * words).T)
         self.byte_offsets = np.arange(nbytes, dtype=np.int64) * 256
         return self._table
+
+    def byte_table_rows(self) -> np.ndarray | None:
+        """:meth:`byte_table` transposed, ``(bytes * 256, 4 * words)``: a byte value's masks of
+        every tier side by side, one cache line for up to 64 workers (the compiled walk's
+        layout). Built once."""
+        if self._table_rows is None:
+            tab = self.byte_table()
+            self._table_rows = np.zeros((0, 0), dtype=np.uint64) if tab is None else np.ascontiguousarray(tab.T)
+        return self._table_rows if self._table_rows.size else None
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,

@@ -244,12 +244,17 @@ class RowTable:
             rows = rows[~np.isin(rows, np.fromiter(self.odd_key, dtype=np.int64, count=len(self.odd_key)))]
         while 2 * len(rows) > size:
             size *= 2
-        pos_words = self.packed[rows]
+        pos_words = None
         while True:
             self._set_slots(size)
             self._wide = len(rows)
-            if self._place(rows, *self._pos_tag(pos_words)):
-                return
+            if _croute is not None:  # the same placement rule, one row at a time in C
+                if _croute.place(rows, self.packed, self.slots, self.tags, self._shift_i):
+                    return
+            else:
+                pos_words = self.packed[rows] if pos_words is None else pos_words
+                if self._place(rows, *self._pos_tag(pos_words)):
+                    return
             size *= 2
 
     def drop(self, rows: np.ndarray) -> None:
