@@ -80,14 +80,16 @@ def _feeds(rng: random.Random, n_nodes: int, n_workers: int, chains: list[list[b
             if batch.events:
                 batch.head_seq = seqs[node]
                 feeds[node].append(L.WatchLocationsReply(epoch=1, events=batch))
-    if one_batch:
-        for node, msgs in feeds.items():
-            whole = L.EventBatch()
-            for m in msgs[2:]:
-                whole.events.extend(m.events.events)
-                whole.head_seq = m.events.head_seq
-            feeds[node] = msgs[:2] + ([L.WatchLocationsReply(epoch=1, events=whole)] if whole.events else [])
-    return feeds
+    return {node: _one_batch(msgs) for node, msgs in feeds.items()} if one_batch else feeds
+
+
+def _one_batch(msgs: list) -> list:
+    """A node's NodeInfo and snapshot, then all its event batches as one."""
+    whole = L.EventBatch()
+    for m in msgs[2:]:
+        whole.events.extend(m.events.events)
+        whole.head_seq = m.events.head_seq
+    return msgs[:2] + ([L.WatchLocationsReply(epoch=1, events=whole)] if whole.events else [])
 
 
 def _requests(rng: random.Random, chains: list[list[bytes]], count: int) -> list[list[bytes]]:
