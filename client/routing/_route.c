@@ -28,9 +28,9 @@
  *
  *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, weights,
  *          load_cost, queued, active, digests, key_digest, top_k, rows, lead, cs) -> (m, order)
- *       rows(), then lead() (zeros when no key is indexed), then rank() over every worker
- *       (cs: the (2, workers) cost and saved) in one call: (indexed keys, order); None when a
- *       key is not 16 bytes (nothing done).
+ *       rows(), then lead() (zeros when no key is indexed), then rank() over every worker in
+ *       one call (cs: the (4, workers) cost, saved, and copies of queued and active): (indexed
+ *       keys, order); None when a key is not 16 bytes (nothing done).
  *
  *   insert(keys, rows, packed, live, slots, tags, shift) -> int
  *       RowTable.insert for keys of 16 bytes (distinct, none indexed; rows not live; the
@@ -651,7 +651,7 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!table_ok(nslots, b[1].len, shift, high, nrows_keys) || nwords <= 0 || nrows < 1 || w <= 0 ||
         tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 4 * w * 8 || b[6].len != w * 8 ||
         b[8].len != w * 8 || b[9].len != w * 8 || b[10].len < (n + 2) * 8 || b[11].len != 4 * w * 8 ||
-        b[12].len != 2 * w * 8) {
+        b[12].len != 4 * w * 8) {
         PyErr_SetString(PyExc_ValueError, "decide(): buffers do not match the index or the workers");
         goto done;
     }
@@ -670,6 +670,8 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
                           (uint64_t)kd, w, top_k, w == 1, cs, cs + w);
         if (!order)
             goto done;
+        memcpy(cs + 2 * w, b[7].buf, w * 8); /* the loads the decision saw */
+        memcpy(cs + 3 * w, b[8].buf, w * 8);
         res = Py_BuildValue("(nN)", m, order);
     }
 done:

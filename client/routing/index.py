@@ -723,11 +723,11 @@ class LocationIndex:
 
     def decide(self, keys: list[bytes], weights: np.ndarray, load_cost: np.ndarray, queued: np.ndarray,
                active: np.ndarray, digests: np.ndarray, key_digest: int, top_k: int, remote: bool
-               ) -> tuple[Rows, np.ndarray, np.ndarray, np.ndarray, list[int]] | None:
+               ) -> tuple[Rows, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]] | None:
         """:meth:`rows`, :meth:`holdings` over every worker and the scorer's
         :meth:`~kvtier.client.routing.scoring.Scorer.rank` (``weights`` ... ``key_digest``: its
         arrays for every worker of the plan, in the plan's order) in one compiled call: (rows,
-        lead, cost, saved, order), the same answers. None where that call does not apply (no
+        lead, cost, saved, copies of queued and active, order), the same answers. None where that call does not apply (no
         extension, no byte table for this plan, a key not of 16 bytes): the caller takes the
         steps one by one."""
         if _croute is None:
@@ -741,13 +741,13 @@ class LocationIndex:
         n, n_w = len(keys), len(queued)
         rows = np.empty(n + 2, dtype=np.int64)
         lead = np.empty((4, n_w), dtype=np.int64)
-        cost, saved = np.empty((2, n_w))
+        out = np.empty((4, n_w))
         got = _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
-                             remote, weights, load_cost, queued, active, digests, key_digest, top_k, rows, lead,
-                             cost.base)
+                             remote, weights, load_cost, queued, active, digests, key_digest, top_k, rows, lead, out)
         if got is None:
             return None
-        return _rows(Rows, (rows, got[0])), lead, cost, saved, got[1]
+        cost, saved, q, a = out
+        return _rows(Rows, (rows, got[0])), lead, cost, saved, q, a, got[1]
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request

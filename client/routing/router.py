@@ -256,11 +256,9 @@ class Router:
                 fused = idx.decide(keys, w.weights, loads.cost, loads.queued, loads.active, w.digests,
                                    _digest64(keys[-1] if n else b""), k, self.config.pulls)
             if fused is not None:
-                found, lead, cost, saved, order = fused
-                q, a, wts, names, nodes = loads.queued, loads.active, w.weights, w.names, w.nodes
-                new_session = False
-                decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
-                return self._dispatch(decision, keys, found, lead, wts, saved, sel, dispatch, new_session, now)
+                found, lead, cost, saved, q, a, order = fused
+                decision = Decision(n, w.names, w.nodes, order, (cost, saved, lead, q, a))
+                return self._dispatch(decision, keys, found, lead, w.weights, saved, None, dispatch, False, now)
             found = idx.rows(keys)
             lead = idx.holdings(found, sel, self.config.pulls)
             if sel is None:
