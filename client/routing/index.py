@@ -72,9 +72,11 @@ Holdings
     (an AND over ranks) or nodes that declared no worker (an OR over fingerprints) take a
     general, slower path over the keys.
 
-Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM, shared): about
-10-20 us for the rows, 12-16 us for the holdings; a fixed number of numpy calls per request, independent of
-the number of keys indexed and nearly so of the number of workers.
+Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM, shared): with numpy,
+about 10-20 us for the rows, 12-16 us for the holdings (a fixed number of numpy calls per
+request, independent of the number of keys indexed and nearly so of the number of workers);
+compiled (``client/routing/_route.c``, :meth:`decide`: rows, holdings, cost and order in one
+call, the same answers), about 12-15 us for all of it, most of it reading the keys and rows.
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
 automatically once enough removals accumulate). :meth:`state` and :meth:`load_state` turn
