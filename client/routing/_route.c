@@ -76,6 +76,15 @@ static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
 
 /* ------------------------------------------------------------------------------------ rows */
 
+static inline int eq16(const unsigned char *a, const unsigned char *b) {
+    uint64_t a0, a1, b0, b1;
+    memcpy(&a0, a, 8);
+    memcpy(&a1, a + 8, 8);
+    memcpy(&b0, b, 8);
+    memcpy(&b1, b + 8, 8);
+    return a0 == b0 && a1 == b1;
+}
+
 static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const unsigned char *packed,
                             uint64_t mask, int shift, const unsigned char *key) {
     uint64_t w0, w1;
@@ -88,7 +97,7 @@ static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const uns
         int32_t r = slots[i];
         if (r < 0)
             return -1;
-        if (tags[i] == tag && memcmp(packed + (size_t)r * WIDTH, key, WIDTH) == 0)
+        if (tags[i] == tag && eq16(packed + (size_t)r * WIDTH, key))
             return r;
         i = (i + 1) & mask;
     }
@@ -118,8 +127,7 @@ static Py_ssize_t rows_core(PyObject *keys, Py_ssize_t n, const int32_t *slots, 
                 __builtin_prefetch(slots + ((((w0 * C1) ^ w1) * C2) >> shift));
             }
         }
-        if (prev >= 0 && prev + 1 < high && memcmp(packed + (size_t)(prev + 1) * WIDTH, key, WIDTH) == 0 &&
-            memcmp(key, ZERO, WIDTH) != 0)
+        if (prev >= 0 && prev + 1 < high && eq16(packed + (size_t)(prev + 1) * WIDTH, key) && !eq16(key, ZERO))
             r = prev + 1;
         else {
             r = probe(slots, tags, packed, mask, (int)shift, key);
