@@ -725,11 +725,12 @@ class LocationIndex:
 
     def decide(self, keys: list[bytes], weights: np.ndarray, load_cost: np.ndarray, queued: np.ndarray,
                active: np.ndarray, digests: np.ndarray, key_digest: int, top_k: int, remote: bool
-               ) -> tuple[Rows, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]] | None:
+               ) -> tuple[Rows, np.ndarray, np.ndarray, list[int]] | None:
         """:meth:`rows`, :meth:`holdings` over every worker and the scorer's
         :meth:`~kvtier.client.routing.scoring.Scorer.rank` (``weights`` ... ``key_digest``: its
         arrays for every worker of the plan, in the plan's order) in one compiled call: (rows,
-        lead, cost, saved, copies of queued and active, order), the same answers. None where that call does not apply (no
+        lead, the (4, workers) cost, saved and copies of queued and active, order), the same
+        answers. None where that call does not apply (no
         extension, no byte table for this plan, a key not of 16 bytes): the caller takes the
         steps one by one."""
         if _croute is None:
@@ -748,8 +749,7 @@ class LocationIndex:
                              remote, weights, load_cost, queued, active, digests, key_digest, top_k, rows, lead, out)
         if got is None:
             return None
-        cost, saved, q, a = out
-        return _rows(Rows, (rows, got[0])), lead, cost, saved, q, a, got[1]
+        return _rows(Rows, (rows, got[0])), lead, out, got[1]
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request

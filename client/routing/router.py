@@ -157,7 +157,11 @@ class Decision:
     @property
     def ranked(self) -> list[Ranked]:
         if self._ranked is None:
-            cost, saved, (dg, dh, dd, dr), q, a = self._arrays
+            arrays = self._arrays
+            if len(arrays) == 2:  # the compiled decision's: (cost, saved, queued, active) rows, then the leads
+                (cost, saved, q, a), (dg, dh, dd, dr) = arrays
+            else:
+                cost, saved, (dg, dh, dd, dr), q, a = arrays
             self._ranked = [Ranked(self._names[i], float(cost[i]),
                                    Overlap(int(dg[i]), int(dh[i]), int(dd[i]), int(dr[i])),
                                    Load(float(q[i]), float(a[i])), float(saved[i])) for i in self._order]
@@ -256,9 +260,10 @@ class Router:
                 fused = idx.decide(keys, w.weights, loads.cost, loads.queued, loads.active, w.digests,
                                    _digest64(keys[-1] if n else b""), k, self.config.pulls)
             if fused is not None:
-                found, lead, cost, saved, q, a, order = fused
-                decision = Decision(n, w.names, w.nodes, order, (cost, saved, lead, q, a))
-                return self._dispatch(decision, keys, found, lead, w.weights, saved, None, dispatch, False, now)
+                found, lead, out, order = fused
+                decision = Decision(n, w.names, w.nodes, order, (out, lead))
+                return self._dispatch(decision, keys, found, lead, w.weights, out.item(1, order[0]), None, dispatch,
+                                      False, now)
             found = idx.rows(keys)
             lead = idx.holdings(found, sel, self.config.pulls)
             if sel is None:
@@ -279,13 +284,14 @@ class Router:
             else:  # costs and order in one call (compiled where built)
                 cost, saved, order = self.scorer.rank(n, lead, lc, wts, q, a, dig, keys[-1] if n else b"", k)
             decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
-            return self._dispatch(decision, keys, found, lead, wts, saved, sel, dispatch, new_session, now)
+            return self._dispatch(decision, keys, found, lead, wts, saved.item(order[0]), sel, dispatch, new_session,
+                                  now)
 
     def _dispatch(self, decision: Decision, keys: list[bytes], found: Rows, lead: np.ndarray, wts: np.ndarray,
-                  saved: np.ndarray, sel: np.ndarray | None, dispatch: bool, new_session: bool, now: float
+                  saved_best: float, sel: np.ndarray | None, dispatch: bool, new_session: bool, now: float
                   ) -> Decision:
         """A decision's fetch hints and (``dispatch``) its load, session and speculative
-        entries on the best worker. Under the lock."""
+        entries on the best worker (``saved_best``: the blocks its cache saves). Under the lock."""
         idx, names, n = self.index, decision._names, decision.n_blocks
         best = decision._order[0]
         if wts.item(3, best) > 0 and lead.item(3, best) > lead.item(2, best):  # it counted remote blocks: say where
@@ -293,7 +299,7 @@ class Router:
             decision.fetch = [FetchHint(names[best], src, tuple(keys[i:j]), i, j)
                               for src, i, j in idx.sources(found, plan_i, int(lead[2, best]), int(lead[3, best]))]
         if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
-            decision.decision_id = self._loads.dispatch(names[best], n - saved.item(best), now)
+            decision.decision_id = self._loads.dispatch(names[best], n - saved_best, now)
             if new_session:
                 self._sessions[names[best]] = self._sessions.get(names[best], 0.0) + 1.0
             if n:
