@@ -278,7 +278,10 @@ class LocationIndex:
         new = keys if missing.size == len(keys) else [keys[i] for i in missing.tolist()]
         distinct = list(dict.fromkeys(new))
         given = self._alloc_rows(distinct)
-        rows[missing] = given if len(distinct) == len(new) else self.rows(new).rows[1:len(new) + 1]
+        if len(distinct) == len(new):
+            rows[missing] = given
+        else:  # repeated keys: look them all up (compiled: the same rows)
+            rows[missing] = self._rows.find(new) if _croute is None else self.rows(new).rows[1:len(new) + 1]
         return rows
 
     def _set(self, rows: np.ndarray, col: int) -> None:
