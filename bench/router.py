@@ -20,15 +20,18 @@ Measured:
                               speculative entries are recorded) for requests of ``--blocks``
                               keys: half are a whole indexed chain, half a random leading part
                               of one followed by new keys; each dispatched request is finished
-                              16 decisions later.
+                              16 decisions later;
+    ``first_route_ms``        the first decision after the fold (not dispatched, not in the
+                              figures above): it builds the index's plan (per-worker columns,
+                              the byte table), once per change of the workers.
 
-Where a decision's time goes (2-core development VM shared with other work, 1M keys,
-50-80 us in all): 10-20 us finding the request's rows (a probe of the key table per run of
-consecutive rows, one bytes comparison per run), 12-16 us the index's holdings (a walk over
-segments of equal rows through the plan's byte table), 12-20 us cost and order (scoring.py),
-~8 us dispatch bookkeeping (loads, speculative entries, finishing), the rest the call
-itself.
-Each numpy call costs ~0.5-1 us here, so the count of calls, not the data, sets the time.
+Where a decision's time goes (2-core development VM shared with other work, 1M keys, about
+22 us at the median with the compiled decision, client/routing/_route.c): 12-15 us the one
+compiled call (rows, holdings, cost and order; about 4 us when its data is in cache: the rest
+is reading the request's 128 key objects and the index's rows from memory), 3-4 us the
+Python around it (the lock, expiry checks, the tie hash's digest, the Decision), 3-4 us
+dispatch and finishing (loads, speculative entries). Without the extension (numpy path):
+about 120 us, ~30 numpy calls of ~0.5-1 us each plus the bookkeeping.
 Decisions are not kept by the loop (a caller does not hold them all); checking where each
 went is timed aside and not counted. ``--keys`` and ``--decisions`` shrink a run for
 quick iterations.
@@ -190,12 +193,19 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"ingested in {ingest_s:.2f} s; {n_indexed} keys, {router.index.columns} columns", file=sys.stderr)
 
     n_req = ns.decisions
-    r = time_routing(router, make_requests(chains, n_req, ns.blocks, rng))
+    requests = make_requests(chains, n_req, ns.blocks, rng)
+    # the first decision after the fold builds the index's plan (per-worker columns, the byte
+    # table): once per change of workers, not per decision; timed on its own
+    c0 = time.thread_time()
+    router.route(requests[0], dispatch=False)
+    first_route_ms = (time.thread_time() - c0) * 1e3
+    r = time_routing(router, requests)
     result = {
         "ingest_events_per_s": round(n_events / ingest_cpu_s),
         "decisions_per_s": round(n_req / r["cpu_s"]),
         "route_p99_us": round(float(np.percentile(r["lat_cpu"], 99)) / 1000, 1),
         "route_p50_us": round(float(np.percentile(r["lat_cpu"], 50)) / 1000, 1),
+        "first_route_ms": round(first_route_ms, 1),
         "wall_ingest_events_per_s": round(n_events / ingest_s),
         "wall_decisions_per_s": round(n_req / r["wall_s"]),
         "wall_route_p50_us": round(float(np.percentile(r["lat"], 50)) / 1000, 1),

@@ -72,9 +72,11 @@ Holdings
     (an AND over ranks) or nodes that declared no worker (an OR over fingerprints) take a
     general, slower path over the keys.
 
-Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM, shared): about
-10-20 us for the rows, 12-16 us for the holdings; a fixed number of numpy calls per request, independent of
-the number of keys indexed and nearly so of the number of workers.
+Cost (1M keys, 64 workers, 128-key requests, the 2-core development VM, shared): with numpy,
+about 10-20 us for the rows, 12-16 us for the holdings (a fixed number of numpy calls per
+request, independent of the number of keys indexed and nearly so of the number of workers);
+compiled (``client/routing/_route.c``, :meth:`decide`: rows, holdings, cost and order in one
+call, the same answers), about 12-15 us for all of it, most of it reading the keys and rows.
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
 automatically once enough removals accumulate). :meth:`state` and :meth:`load_state` turn
@@ -94,6 +96,11 @@ import numpy as np
 from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable
 from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
+
+try:  # the compiled rows, holdings and bit setting (client/routing/_route.c): same answers as numpy's
+    from kvtier.client.routing import _route as _croute
+except ImportError:  # built by `pip install` where a C compiler and Python's headers exist
+    _croute = None
 
 _GPU = Tier.GPU.label
 _TIER_LABEL = {int(t): t.label for t in (*TIERS, Tier.REMOTE)}  # wire value -> the tier's name in columns
@@ -251,7 +258,7 @@ class LocationIndex:
         indexed); without, only those of indexed keys."""
         if not isinstance(keys, list):
             keys = list(keys)  # once: a protobuf field makes new bytes objects on every pass
-        if len(keys) > _PROBE_EACH:  # a fold's batch: one probe per key (runs pay off for requests)
+        if len(keys) > _PROBE_EACH and _croute is None:  # a fold's batch: a probe per key (C: the same walk)
             rows = self._rows.find(keys)
             indexed = 0
         else:
@@ -271,11 +278,16 @@ class LocationIndex:
         new = keys if missing.size == len(keys) else [keys[i] for i in missing.tolist()]
         distinct = list(dict.fromkeys(new))
         given = self._alloc_rows(distinct)
-        rows[missing] = given if len(distinct) == len(new) else self._rows.find(new)
+        if len(distinct) == len(new):
+            rows[missing] = given
+        else:  # repeated keys: look them all up (compiled: the same rows)
+            rows[missing] = self._rows.find(new) if _croute is None else self.rows(new).rows[1:len(new) + 1]
         return rows
 
     def _set(self, rows: np.ndarray, col: int) -> None:
-        if rows.size:
+        if _croute is not None and rows.dtype == np.int64:
+            _croute.set_bit(self._bits, self._bits.shape[1], rows, rows.size, col)
+        elif rows.size:
             self._bits[rows, col >> 6] |= np.uint64(1 << (col & 63))
 
     def _clear(self, rows: np.ndarray, col: int) -> None:
@@ -676,6 +688,11 @@ class LocationIndex:
         equals the key."""
         n = len(keys)
         table = self._rows
+        if _croute is not None:  # the same rows, one probe per key in C (-1: a key not of 16 bytes)
+            buf = np.empty(n + 2, dtype=np.int64)
+            m = _croute.rows(keys, table.slots, table.tags, table.packed, self._high, table._shift_i, buf)
+            if m >= 0:
+                return _rows(Rows, (buf, m))
         joined = b"".join(keys)
         buf = np.empty(n + 2, dtype=np.int64)
         buf[0] = buf[n + 1] = -1
@@ -709,6 +726,34 @@ class LocationIndex:
             buf[1 + i:n + 1] = table.find_packed(joined[WIDTH * i:])
         return _rows(Rows, (buf, i))
 
+    def decide(self, keys: list[bytes], weights: np.ndarray, load_cost: np.ndarray, queued: np.ndarray,
+               active: np.ndarray, digests: np.ndarray, key_digest: int, top_k: int, remote: bool
+               ) -> tuple[Rows, np.ndarray, np.ndarray, list[int]] | None:
+        """:meth:`rows`, :meth:`holdings` over every worker and the scorer's
+        :meth:`~kvtier.client.routing.scoring.Scorer.rank` (``weights`` ... ``key_digest``: its
+        arrays for every worker of the plan, in the plan's order) in one compiled call: (rows,
+        lead, the (4, workers) cost, saved and copies of queued and active, order), the same
+        answers. None where that call does not apply (no
+        extension, no byte table for this plan, a key not of 16 bytes): the caller takes the
+        steps one by one."""
+        if _croute is None:
+            return None
+        plan = self.plan()
+        tab = plan.byte_table_rows() if plan.fast is not None else None
+        bits = self._bits
+        if tab is None or tab.shape[0] != bits.shape[1] * 2048:
+            return None
+        t = self._rows
+        n, n_w = len(keys), len(queued)
+        rows = np.empty(n + 2, dtype=np.int64)
+        lead = np.empty((4, n_w), dtype=np.int64)
+        out = np.empty((4, n_w))
+        got = _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
+                             remote, weights, load_cost, queued, active, digests, key_digest, top_k, rows, lead, out)
+        if got is None:
+            return None
+        return _rows(Rows, (rows, got[0])), lead, out, got[1]
+
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
         (``found``: :meth:`rows`' answer for its keys) it holds on its GPU (or speculatively),
@@ -723,6 +768,11 @@ class LocationIndex:
             return np.zeros((4, n_w), dtype=np.int64)
         tab = plan.byte_table() if plan.fast is not None else None
         if tab is not None and tab.shape[1] == self._bits.shape[1] * 2048:
+            if _croute is not None:  # the same walk in C
+                lead = np.empty((4, len(plan.workers)), dtype=np.int64)
+                _croute.lead(rows, m, self._bits, self._bits.shape[1], plan.byte_table_rows(), len(plan.workers),
+                             remote, lead)
+                return lead if workers is None else lead[:, workers]
             # segments of equal rows as below; then each byte of a segment's row picks a
             # column of the plan's byte table (per tier, the workers whose test one of the
             # byte's set columns passes, as bit masks): their OR answers every worker and
@@ -941,6 +991,7 @@ class _Plan:
     fast_flat: np.ndarray | None = None  # ``fast.ravel()``
     col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
     _table: np.ndarray | None = None  # byte_table(), once built (empty: none for this plan)
+    _table_rows: np.ndarray | None = None  # byte_table_rows(), once built (empty: none)
     byte_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
@@ -998,6 +1049,15 @@ class _Plan:
         self._table = np.ascontiguousarray(table.reshape(nbytes * 256, 4 * words).T)
         self.byte_offsets = np.arange(nbytes, dtype=np.int64) * 256
         return self._table
+
+    def byte_table_rows(self) -> np.ndarray | None:
+        """:meth:`byte_table` transposed, ``(bytes * 256, 4 * words)``: a byte value's masks of
+        every tier side by side, one cache line for up to 64 workers (the compiled walk's
+        layout). Built once."""
+        if self._table_rows is None:
+            tab = self.byte_table()
+            self._table_rows = np.zeros((0, 0), dtype=np.uint64) if tab is None else np.ascontiguousarray(tab.T)
+        return self._table_rows if self._table_rows.size else None
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,

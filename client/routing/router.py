@@ -53,9 +53,17 @@ import numpy as np
 from kvtier.client.engine.transport import ClientTls
 from kvtier.client.routing.feed import Feeds, FeedStatus, Resolve
 from kvtier.client.routing.fetch import FetchHint, hint_fingerprints
-from kvtier.client.routing.index import LocationIndex
+from kvtier.client.routing.index import LocationIndex, Rows
 from kvtier.client.routing.loads import Loads
-from kvtier.client.routing.scoring import Load, Overlap, Ranked, Scorer, ScorerConfig, worker_digests
+from kvtier.client.routing.scoring import (
+    Load,
+    Overlap,
+    Ranked,
+    Scorer,
+    ScorerConfig,
+    _digest64,
+    worker_digests,
+)
 from kvtier.client.routing.vllm_events import VllmEvents, VllmSource, VllmStreamStatus, parse_vllm_events
 from kvtier.proto import locations_pb2
 from kvtier.settings import group, parse_bool, parse_float, parse_int, parse_list, setting
@@ -149,7 +157,11 @@ class Decision:
     @property
     def ranked(self) -> list[Ranked]:
         if self._ranked is None:
-            cost, saved, (dg, dh, dd, dr), q, a = self._arrays
+            arrays = self._arrays
+            if len(arrays) == 2:  # the compiled decision's: (cost, saved, queued, active) rows, then the leads
+                (cost, saved, q, a), (dg, dh, dd, dr) = arrays
+            else:
+                cost, saved, (dg, dh, dd, dr), q, a = arrays
             self._ranked = [Ranked(self._names[i], float(cost[i]),
                                    Overlap(int(dg[i]), int(dh[i]), int(dd[i]), int(dr[i])),
                                    Load(float(q[i]), float(a[i])), float(saved[i])) for i in self._order]
@@ -243,6 +255,15 @@ class Router:
                 raise RouterError("no workers to route to: no daemon has been heard from yet (wait for the "
                                   "feeds: Router.start(wait_s=...) or wait_synced(); see status())")
             sel = self._select(candidates) if candidates else None
+            fused = None
+            if sel is None and self.config.new_session_spread <= 0:  # the common case: one compiled call
+                fused = idx.decide(keys, w.weights, loads.cost, loads.queued, loads.active, w.digests,
+                                   _digest64(keys[-1] if n else b""), k, self.config.pulls)
+            if fused is not None:
+                found, lead, out, order = fused
+                decision = Decision(n, w.names, w.nodes, order, (out, lead))
+                return self._dispatch(decision, keys, found, lead, w.weights, out.item(1, order[0]), None, dispatch,
+                                      False, now)
             found = idx.rows(keys)
             lead = idx.holdings(found, sel, self.config.pulls)
             if sel is None:
@@ -254,26 +275,36 @@ class Router:
                 picked = sel.tolist()
                 names = [w.names[i] for i in picked]
                 nodes = [w.nodes[i] for i in picked]
-            cost, saved = self.scorer.costs(n, lead, lc, wts)
             new_session = self._new_session(n, lead)
             if new_session:
+                cost, saved = self.scorer.costs(n, lead, lc, wts)
                 extra = self._session_spread(names, now)  # live sessions beyond the fewest
                 cost += np.minimum(self.config.new_session_spread * n * extra, saved) + 1e-3 * extra
-            order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
+                order = self.scorer.order(cost, q, a, dig, keys[-1] if n else b"", k).tolist()
+            else:  # costs and order in one call (compiled where built)
+                cost, saved, order = self.scorer.rank(n, lead, lc, wts, q, a, dig, keys[-1] if n else b"", k)
             decision = Decision(n, names, nodes, order, (cost, saved, lead, q.copy(), a.copy()))
-            best = order[0]
-            if lead[3, best] > lead[2, best] and wts[3, best] > 0:  # it counted remote blocks: say where
-                plan_i = best if sel is None else int(sel[best])
-                decision.fetch = [FetchHint(names[best], src, tuple(keys[i:j]), i, j)
-                                  for src, i, j in idx.sources(found, plan_i, int(lead[2, best]),
-                                                               int(lead[3, best]))]
-            if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
-                decision.decision_id = loads.dispatch(names[best], n - float(saved[best]), now)
-                if new_session:
-                    self._sessions[names[best]] = self._sessions.get(names[best], 0.0) + 1.0
-                if n:
-                    idx.speculate(names[best], keys, found)
-            return decision
+            return self._dispatch(decision, keys, found, lead, wts, saved.item(order[0]), sel, dispatch, new_session,
+                                  now)
+
+    def _dispatch(self, decision: Decision, keys: list[bytes], found: Rows, lead: np.ndarray, wts: np.ndarray,
+                  saved_best: float, sel: np.ndarray | None, dispatch: bool, new_session: bool, now: float
+                  ) -> Decision:
+        """A decision's fetch hints and (``dispatch``) its load, session and speculative
+        entries on the best worker (``saved_best``: the blocks its cache saves). Under the lock."""
+        idx, names, n = self.index, decision._names, decision.n_blocks
+        best = decision._order[0]
+        if wts.item(3, best) > 0 and lead.item(3, best) > lead.item(2, best):  # it counted remote blocks: say where
+            plan_i = best if sel is None else int(sel[best])
+            decision.fetch = [FetchHint(names[best], src, tuple(keys[i:j]), i, j)
+                              for src, i, j in idx.sources(found, plan_i, int(lead[2, best]), int(lead[3, best]))]
+        if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
+            decision.decision_id = self._loads.dispatch(names[best], n - saved_best, now)
+            if new_session:
+                self._sessions[names[best]] = self._sessions.get(names[best], 0.0) + 1.0
+            if n:
+                idx.speculate(names[best], keys, found)
+        return decision
 
     def _new_session(self, n: int, lead: np.ndarray) -> bool:
         """Whether this request starts a session, for the spread term: no worker holds (in any of

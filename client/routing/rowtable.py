@@ -21,6 +21,11 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+try:  # the compiled insert (client/routing/_route.c): the same rows found afterwards
+    from kvtier.client.routing import _route as _croute
+except ImportError:  # built by `pip install` where a C compiler and Python's headers exist
+    _croute = None
+
 WIDTH = 16
 _C1 = 0x9E3779B97F4A7C15
 _C2 = 0xC2B2AE3D27D4EB4F
@@ -182,6 +187,15 @@ class RowTable:
             return
         rows = np.asarray(rows, dtype=np.int64)
         self.reserve_rows(int(rows.max()) + 1)
+        if _croute is not None and 2 * (self._wide + n) <= len(self.slots) and rows.flags.c_contiguous:
+            # the same in C for keys of WIDTH bytes: stored, live, placed one by one
+            placed = _croute.insert(keys, rows, self.packed, self.live, self.slots, self.tags, self._shift_i)
+            if placed >= 0:
+                self.count += n
+                self._wide += n
+                if not placed:
+                    self._rehash(2 * len(self.slots))
+                return
         joined = b"".join(keys)
         if len(joined) == WIDTH * n and min(map(len, keys)) == WIDTH:
             wide_rows, words = rows, np.frombuffer(joined, dtype=_KEY)
@@ -230,12 +244,17 @@ class RowTable:
             rows = rows[~np.isin(rows, np.fromiter(self.odd_key, dtype=np.int64, count=len(self.odd_key)))]
         while 2 * len(rows) > size:
             size *= 2
-        pos_words = self.packed[rows]
+        pos_words = None
         while True:
             self._set_slots(size)
             self._wide = len(rows)
-            if self._place(rows, *self._pos_tag(pos_words)):
-                return
+            if _croute is not None:  # the same placement rule, one row at a time in C
+                if _croute.place(rows, self.packed, self.slots, self.tags, self._shift_i):
+                    return
+            else:
+                pos_words = self.packed[rows] if pos_words is None else pos_words
+                if self._place(rows, *self._pos_tag(pos_words)):
+                    return
             size *= 2
 
     def drop(self, rows: np.ndarray) -> None:

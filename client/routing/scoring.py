@@ -37,6 +37,11 @@ import numpy as np
 from kvtier.settings import parse_float, setting
 from kvtier.tiers.vocab import Tier
 
+try:  # the compiled costs and order (client/routing/_route.c): same answers as numpy's
+    from kvtier.client.routing import _route as _croute
+except ImportError:  # built by `pip install` where a C compiler and Python's headers exist
+    _croute = None
+
 
 @dataclass(frozen=True)
 class ScorerConfig:
@@ -174,6 +179,27 @@ class Scorer:
         """``a * queued + b * active`` per worker."""
         c = self.config
         return c.queued_weight * queued + c.active_weight * active
+
+    def rank(self, n_blocks: int, lead: np.ndarray, load_cost: np.ndarray, weights: np.ndarray,
+             queued: np.ndarray, active: np.ndarray, digests: np.ndarray, last_key: bytes = b"",
+             top_k: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """:meth:`costs` then :meth:`order` (as a list): (cost, saved, order). One compiled call
+        where the extension is built (``lead`` int64, the rest float64, ``digests`` uint64, all
+        contiguous), else numpy; the same answers."""
+        if _croute is None:
+            cost, saved = self.costs(n_blocks, lead, load_cost, weights)
+            return cost, saved, self.order(cost, queued, active, digests, last_key, top_k).tolist()
+        w = len(queued)
+        cost, saved = np.empty(w), np.empty(w)
+        # numpy's einsum (costs) adds a worker's 4 products in tier order, except where its
+        # weights lie next to each other in memory (one worker; a selection of columns is
+        # Fortran-ordered): then as (0 + 2) + (1 + 3). The compiled sum follows suit
+        pairwise = w == 1 or not weights.flags.c_contiguous
+        if not (lead.flags.c_contiguous and weights.flags.c_contiguous):
+            lead, weights = np.ascontiguousarray(lead), np.ascontiguousarray(weights)
+        order = _croute.rank(n_blocks, lead, weights, load_cost, queued, active, digests, _digest64(last_key),
+                             -1 if top_k is None else top_k, cost, saved, pairwise)
+        return cost, saved, order
 
     @staticmethod
     def order(cost: np.ndarray, queued: np.ndarray, active: np.ndarray, digests: np.ndarray,

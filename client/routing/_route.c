@@ -1,0 +1,706 @@
+/* The router's decision without numpy's per-call overhead (client/routing/index.py and
+ * scoring.py hold the formats and the numpy code this replaces, with the same answers). Built
+ * by `pip install` (setup.py, optional); when it is absent the router runs the numpy path.
+ *
+ *   rows(keys, slots, tags, packed, high, shift, out) -> int
+ *       The rows of a request's keys in the RowTable (rowtable.py): keys a list of bytes;
+ *       slots int32 and tags uint8 (the open-addressing table), packed the (rows, 16 bytes)
+ *       keys; out an int64 buffer of len(keys) + 2, filled with -1, the row of each key (-1:
+ *       not indexed), -1. Returns how many leading keys are indexed, or -1 (nothing written
+ *       that counts) when a key is not 16 bytes: the caller takes the general path. A key is
+ *       first compared with the row after the previous key's (keys that arrived together got
+ *       consecutive rows), and otherwise probed; a row is taken only when its stored key
+ *       equals the key (a key of zeros, which free rows read as, is always probed).
+ *
+ *   lead(rows, m, bits, nwords, table, n_workers, remote, out)
+ *       LocationIndex.holdings over the plan's byte table (index.py, Holdings): rows as rows()
+ *       wrote them, m the indexed keys (> 0), bits the (rows, nwords) uint64 matrix, table the
+ *       plan's byte table transposed, (nwords * 8 * 256, 4 * words): a byte value's masks of
+ *       every tier side by side; out the (4, n_workers) int64 leads.
+ *
+ *   rank(n, lead, weights, load_cost, queued, active, digests, key_digest, top_k, cost, saved,
+ *        pairwise) -> list
+ *       Scorer.costs then Scorer.order: saved = sum over the 4 tiers of lead * weight (in
+ *       the order numpy's einsum adds them: in tier order, or with pairwise as (0 + 2) + (1 +
+ *       3)), cost = (n - saved) + load_cost (written to cost and saved), then the
+ *       indices of the best top_k workers by (cost rounded to 1e-9, queued, active, tie hash,
+ *       index), as numpy's stable lexsort orders them.
+ *
+ *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, weights,
+ *          load_cost, queued, active, digests, key_digest, top_k, rows, lead, cs) -> (m, order)
+ *       rows(), then lead() (zeros when no key is indexed), then rank() over every worker in
+ *       one call (cs: the (4, workers) cost, saved, and copies of queued and active): (indexed
+ *       keys, order); None when a key is not 16 bytes (nothing done).
+ *
+ *   insert(keys, rows, packed, live, slots, tags, shift) -> int
+ *       RowTable.insert for keys of 16 bytes (distinct, none indexed; rows not live; the
+ *       table stays at most half full): each key stored at its row, the row live, then placed
+ *       in the first free slot from its home. Returns 1; 0 when one found no free slot within
+ *       WINDOW (the caller rebuilds the table twice as large, from the live rows); -1 when a
+ *       key is not 16 bytes (nothing done).
+ *
+ *   place(rows, packed, slots, tags, shift) -> int
+ *       The placement of insert() for rows whose keys are stored already (a rebuild): 1, or 0
+ *       when one found no free slot within WINDOW.
+ *
+ *   set_bit(bits, nwords, rows, count, col)
+ *       Set column col in the first count rows of rows (int64; each >= 0).
+ *
+ * Compiled with -ffp-contract=off: no fused multiply-add, so the sums round as numpy's do.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define WIDTH 16
+#define WINDOW 16
+#define C1 0x9E3779B97F4A7C15ULL
+#define C2 0xC2B2AE3D27D4EB4FULL
+#define MIX1 0x9E3779B97F4A7C15ULL
+#define AHEAD 16 /* keys whose home slots are fetched ahead of their probes */
+
+static int get_buf(PyObject *o, Py_buffer *b, int writable) {
+    return PyObject_GetBuffer(o, b, writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS);
+}
+
+static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return 0;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------ rows */
+
+static inline int eq16(const unsigned char *a, const unsigned char *b) {
+    uint64_t a0, a1, b0, b1;
+    memcpy(&a0, a, 8);
+    memcpy(&a1, a + 8, 8);
+    memcpy(&b0, b, 8);
+    memcpy(&b1, b + 8, 8);
+    return a0 == b0 && a1 == b1;
+}
+
+static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const unsigned char *packed,
+                            uint64_t mask, int shift, const unsigned char *key) {
+    uint64_t w0, w1;
+    memcpy(&w0, key, 8);
+    memcpy(&w1, key + 8, 8);
+    uint64_t h = ((w0 * C1) ^ w1) * C2;
+    uint64_t i = h >> shift;
+    uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+    for (int s = 0; s < WINDOW; s++) {
+        int32_t r = slots[i];
+        if (r < 0)
+            return -1;
+        if (tags[i] == tag && eq16(packed + (size_t)r * WIDTH, key))
+            return r;
+        i = (i + 1) & mask;
+    }
+    return -1;
+}
+
+static const unsigned char ZERO[WIDTH] = {0};
+
+static Py_ssize_t rows_core(PyObject *keys, Py_ssize_t n, const int32_t *slots, const uint8_t *tags,
+                            const unsigned char *packed, Py_ssize_t nslots, Py_ssize_t nrows, long shift,
+                            long long high, int64_t *out) {
+    uint64_t mask = (uint64_t)nslots - 1;
+    out[0] = out[n + 1] = -1;
+    Py_ssize_t indexed = -1;
+    int64_t prev = -2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
+        int64_t r;
+        if (indexed >= 0) { /* after the first unknown key the rest are mostly unknown too, each a
+                             * probe of a random slot: fetch the home slot AHEAD keys on */
+            Py_ssize_t j = i == indexed + 1 ? i : i + AHEAD - 1;
+            for (Py_ssize_t end = i + AHEAD < n ? i + AHEAD : n; j < end; j++) {
+                const unsigned char *kj = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, j));
+                uint64_t w0, w1;
+                memcpy(&w0, kj, 8);
+                memcpy(&w1, kj + 8, 8);
+                __builtin_prefetch(slots + ((((w0 * C1) ^ w1) * C2) >> shift));
+            }
+        }
+        if (prev >= 0 && prev + 1 < high && eq16(packed + (size_t)(prev + 1) * WIDTH, key) && !eq16(key, ZERO))
+            r = prev + 1;
+        else {
+            r = probe(slots, tags, packed, mask, (int)shift, key);
+            if (r >= nrows)
+                r = -1; /* cannot be: the table holds rows of packed */
+        }
+        out[i + 1] = r;
+        if (r < 0 && indexed < 0)
+            indexed = i;
+        prev = r;
+    }
+    return indexed < 0 ? n : indexed;
+}
+
+static int keys16(PyObject *keys) {
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != WIDTH)
+            return 0;
+    }
+    return 1;
+}
+
+static int table_ok(Py_ssize_t nslots, Py_ssize_t ntags, long shift, long long high, Py_ssize_t nrows) {
+    return ntags >= nslots && nslots >= 16 && !(nslots & (nslots - 1)) && shift >= 9 && shift <= 63 &&
+           ((uint64_t)1 << (64 - shift)) == (uint64_t)nslots && high <= nrows;
+}
+
+static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 7, "rows"))
+        return NULL;
+    PyObject *keys = args[0];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "rows(): keys must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (!keys16(keys))
+        return PyLong_FromLong(-1);
+    long long high = PyLong_AsLongLong(args[4]);
+    long shift = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer bs, bt, bp, bo;
+    if (get_buf(args[1], &bs, 0) < 0)
+        return NULL;
+    if (get_buf(args[2], &bt, 0) < 0) {
+        PyBuffer_Release(&bs);
+        return NULL;
+    }
+    if (get_buf(args[3], &bp, 0) < 0) {
+        PyBuffer_Release(&bs);
+        PyBuffer_Release(&bt);
+        return NULL;
+    }
+    if (get_buf(args[6], &bo, 1) < 0) {
+        PyBuffer_Release(&bs);
+        PyBuffer_Release(&bt);
+        PyBuffer_Release(&bp);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t nslots = bs.len / 4, nrows = bp.len / WIDTH;
+    if (bo.len < (n + 2) * 8 || !table_ok(nslots, bt.len, shift, high, nrows)) {
+        PyErr_SetString(PyExc_ValueError, "rows(): buffers do not match the table");
+        goto done;
+    }
+    {
+        res = PyLong_FromSsize_t(rows_core(keys, n, (const int32_t *)bs.buf, (const uint8_t *)bt.buf,
+                                           (const unsigned char *)bp.buf, nslots, nrows, shift, high,
+                                           (int64_t *)bo.buf));
+    }
+done:
+    PyBuffer_Release(&bs);
+    PyBuffer_Release(&bt);
+    PyBuffer_Release(&bp);
+    PyBuffer_Release(&bo);
+    return res;
+}
+
+/* ------------------------------------------------------------------------------------ lead */
+
+#define MAX_TW 64 /* 4 tiers x up to 16 words of 64 workers */
+
+/* 0, or -1 with a ValueError set (a row outside the matrix) */
+static int lead_core(const int64_t *rows, Py_ssize_t m, const uint64_t *bits, Py_ssize_t nrows, Py_ssize_t nwords,
+                     const uint64_t *table, Py_ssize_t n_workers, int remote, int64_t *out) {
+    Py_ssize_t ww = (n_workers + 63) / 64, tw = 4 * ww;
+    uint64_t alive[MAX_TW], got[MAX_TW];
+    for (Py_ssize_t k = 0; k < tw; k++)
+        alive[k] = ~(uint64_t)0;
+    const uint64_t *prow = bits + (size_t)(nrows - 1) * nwords; /* rows[0] is -1: the empty last row */
+    for (Py_ssize_t i = 0; i <= m; i++) {
+        int64_t r = rows[i + 1];
+        if (r < 0)
+            r += nrows;
+        if (r < 0 || r >= nrows) {
+            PyErr_SetString(PyExc_ValueError, "lead(): a row outside the matrix");
+            return -1;
+        }
+        const uint64_t *row = bits + (size_t)r * nwords;
+        if (memcmp(row, prow, nwords * 8) == 0)
+            continue; /* the same segment */
+        prow = row;
+        /* a new segment starts at key i: the OR of its bytes' table entries */
+        for (Py_ssize_t k = 0; k < tw; k++)
+            got[k] = 0;
+        const unsigned char *bytes = (const unsigned char *)row;
+        for (Py_ssize_t b = 0; b < nwords * 8; b++) {
+            unsigned v = bytes[b];
+            if (!v)
+                continue; /* no set column: all clear in the table */
+            const uint64_t *col = table + (b * 256 + v) * tw; /* one cache line for up to 64 workers */
+            for (Py_ssize_t k = 0; k < tw; k++)
+                got[k] |= col[k];
+        }
+        int any = 0;
+        for (Py_ssize_t k = 0; k < tw; k++) {
+            uint64_t dying = alive[k] & ~got[k];
+            alive[k] &= got[k];
+            any |= alive[k] != 0;
+            while (dying) {
+                int bit = __builtin_ctzll(dying);
+                dying &= dying - 1;
+                Py_ssize_t t = k / ww, w = (k % ww) * 64 + bit;
+                if (w < n_workers)
+                    out[t * n_workers + w] = i;
+            }
+        }
+        if (!any)
+            break; /* the row -1 after the last key ends every run, so every worker is set */
+    }
+    if (!remote)
+        memcpy(out + 3 * n_workers, out + 2 * n_workers, n_workers * 8);
+    return 0;
+}
+
+static PyObject *route_lead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 8, "lead"))
+        return NULL;
+    Py_ssize_t m = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t n_workers = PyLong_AsSsize_t(args[5]);
+    int remote = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || remote < 0)
+        return NULL;
+    Py_buffer br, bb, bt, bo;
+    if (get_buf(args[0], &br, 0) < 0)
+        return NULL;
+    if (get_buf(args[2], &bb, 0) < 0) {
+        PyBuffer_Release(&br);
+        return NULL;
+    }
+    if (get_buf(args[4], &bt, 0) < 0) {
+        PyBuffer_Release(&br);
+        PyBuffer_Release(&bb);
+        return NULL;
+    }
+    if (get_buf(args[7], &bo, 1) < 0) {
+        PyBuffer_Release(&br);
+        PyBuffer_Release(&bb);
+        PyBuffer_Release(&bt);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t tw = 4 * ((n_workers + 63) / 64), stride = nwords * 8 * 256;
+    Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
+    if (m <= 0 || nwords <= 0 || n_workers <= 0 || tw > MAX_TW || br.len < (m + 2) * 8 || nrows < 1 ||
+        bt.len != tw * stride * 8 || bo.len < 4 * n_workers * 8) {
+        PyErr_SetString(PyExc_ValueError, "lead(): buffers do not match the plan");
+        goto done;
+    }
+    if (lead_core((const int64_t *)br.buf, m, (const uint64_t *)bb.buf, nrows, nwords, (const uint64_t *)bt.buf,
+                  n_workers, remote, (int64_t *)bo.buf) == 0) {
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+done:
+    PyBuffer_Release(&br);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&bt);
+    PyBuffer_Release(&bo);
+    return res;
+}
+
+/* ------------------------------------------------------------------------------------ rank */
+
+typedef struct {
+    double cost, queued, active;
+    uint64_t tie;
+    Py_ssize_t i;
+} Entry;
+
+static inline int before(const Entry *a, const Entry *b) {
+    if (a->cost != b->cost)
+        return a->cost < b->cost;
+    if (a->queued != b->queued)
+        return a->queued < b->queued;
+    if (a->active != b->active)
+        return a->active < b->active;
+    if (a->tie != b->tie)
+        return a->tie < b->tie;
+    return a->i < b->i;
+}
+
+static int cmp_entry(const void *x, const void *y) {
+    const Entry *a = (const Entry *)x, *b = (const Entry *)y;
+    return before(a, b) ? -1 : before(b, a) ? 1 : 0;
+}
+
+/* the cost, saved and order (a list of the best top_k; NULL with an exception set) */
+static PyObject *rank_core(double n, const int64_t *lead, const double *wt, const double *lc, const double *q,
+                           const double *a, const uint64_t *dig, uint64_t kd, Py_ssize_t w, Py_ssize_t top_k,
+                           int pairwise, double *cost, double *saved) {
+    Py_ssize_t k = top_k < 0 ? w : (top_k < w ? top_k : w);
+    Entry small[128];
+    Entry *e = w <= 128 ? small : (Entry *)malloc(sizeof(Entry) * w);
+    if (!e)
+        return PyErr_NoMemory();
+    for (Py_ssize_t j = 0; j < w; j++) {
+        double p0 = (double)lead[j] * wt[j], p1 = (double)lead[w + j] * wt[w + j];
+        double p2 = (double)lead[2 * w + j] * wt[2 * w + j], p3 = (double)lead[3 * w + j] * wt[3 * w + j];
+        /* as numpy's einsum adds them: in tier order, except where the tiers of a worker's
+         * weights were adjacent in memory (one worker, or a selection of workers' columns):
+         * then as one contiguous sum of 4 in two lanes */
+        double s = pairwise ? (p0 + p2) + (p1 + p3) : ((p0 + p1) + p2) + p3;
+        double c = n - s;
+        c = c + lc[j];
+        saved[j] = s;
+        cost[j] = c;
+        e[j].cost = rint(c * 1e9) / 1e9; /* numpy's round(cost, 9) */
+        e[j].queued = q[j];
+        e[j].active = a[j];
+        e[j].tie = (dig[j] ^ kd) * MIX1;
+        e[j].i = j;
+    }
+    if (k <= 16) { /* the best k by insertion: e[0..k) sorted (writes stay at or below the read) */
+        Py_ssize_t have = 0;
+        for (Py_ssize_t j = 0; j < w; j++) {
+            Entry x = e[j];
+            if (have == k && !before(&x, &e[k - 1]))
+                continue;
+            Py_ssize_t p = have < k ? have++ : k - 1;
+            while (p > 0 && before(&x, &e[p - 1])) {
+                e[p] = e[p - 1];
+                p--;
+            }
+            e[p] = x;
+        }
+    } else {
+        qsort(e, w, sizeof(Entry), cmp_entry);
+    }
+    PyObject *res = PyList_New(k);
+    for (Py_ssize_t j = 0; res && j < k; j++) {
+        PyObject *v = PyLong_FromSsize_t(e[j].i);
+        if (!v)
+            Py_CLEAR(res);
+        else
+            PyList_SET_ITEM(res, j, v);
+    }
+    if (e != small)
+        free(e);
+    return res;
+}
+
+static PyObject *route_rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 12, "rank"))
+        return NULL;
+    int pairwise = PyObject_IsTrue(args[11]);
+    if (pairwise < 0)
+        return NULL;
+    double n = PyFloat_AsDouble(args[0]);
+    unsigned long long kd = PyLong_AsUnsignedLongLongMask(args[7]);
+    Py_ssize_t top_k = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer b[9];
+    int idx[9] = {1, 2, 3, 4, 5, 6, 9, 10, -1};
+    int got = 0;
+    for (; got < 8; got++) {
+        if (get_buf(args[idx[got]], &b[got], got >= 6) < 0)
+            break;
+    }
+    PyObject *res = NULL;
+    if (got < 8)
+        goto done;
+    Py_ssize_t w = b[3].len / 8;
+    if (b[0].len != 4 * w * 8 || b[1].len != 4 * w * 8 || b[2].len != w * 8 || b[4].len != w * 8 ||
+        b[5].len != w * 8 || b[6].len != w * 8 || b[7].len != w * 8) {
+        PyErr_SetString(PyExc_ValueError, "rank(): arrays of different lengths");
+        goto done;
+    }
+    res = rank_core(n, (const int64_t *)b[0].buf, (const double *)b[1].buf, (const double *)b[2].buf,
+                    (const double *)b[3].buf, (const double *)b[4].buf, (const uint64_t *)b[5].buf, (uint64_t)kd, w,
+                    top_k, pairwise, (double *)b[6].buf, (double *)b[7].buf);
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
+/* ---------------------------------------------------------------------------------- insert */
+
+static PyObject *route_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 7, "insert"))
+        return NULL;
+    PyObject *keys = args[0];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "insert(): keys must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != WIDTH)
+            return PyLong_FromLong(-1);
+    }
+    long shift = PyLong_AsLong(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer b[5];
+    int got = 0;
+    for (; got < 5; got++)
+        if (get_buf(args[got + 1], &b[got], got >= 1) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got < 5)
+        goto done;
+    Py_ssize_t nrows = b[1].len / WIDTH, nslots = b[3].len / 4;
+    if (b[0].len < n * 8 || b[2].len < nrows || b[4].len < nslots || nslots < 16 || (nslots & (nslots - 1)) ||
+        shift < 9 || shift > 63 || ((uint64_t)1 << (64 - shift)) != (uint64_t)nslots || nslots > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "insert(): buffers do not match the table");
+        goto done;
+    }
+    {
+        const int64_t *rows = (const int64_t *)b[0].buf;
+        unsigned char *packed = (unsigned char *)b[1].buf;
+        uint8_t *live = (uint8_t *)b[2].buf;
+        int32_t *slots = (int32_t *)b[3].buf;
+        uint8_t *tags = (uint8_t *)b[4].buf;
+        uint64_t mask = (uint64_t)nslots - 1;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (rows[i] < 0 || rows[i] >= nrows || rows[i] > INT32_MAX) {
+                PyErr_SetString(PyExc_ValueError, "insert(): a row outside the table");
+                goto done;
+            }
+        int placed = 1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
+            memcpy(packed + (size_t)rows[i] * WIDTH, key, WIDTH);
+            live[rows[i]] = 1;
+        }
+        for (Py_ssize_t i = 0; i < n && placed; i++) { /* each in the first free slot from its home */
+            const unsigned char *key = packed + (size_t)rows[i] * WIDTH;
+            uint64_t w0, w1;
+            memcpy(&w0, key, 8);
+            memcpy(&w1, key + 8, 8);
+            uint64_t h = ((w0 * C1) ^ w1) * C2;
+            uint64_t at = h >> shift;
+            uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+            placed = 0;
+            for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
+                if (slots[at] < 0) {
+                    slots[at] = (int32_t)rows[i];
+                    tags[at] = tag;
+                    placed = 1;
+                    break;
+                }
+        }
+        res = PyLong_FromLong(placed);
+    }
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
+static PyObject *route_place(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 5, "place"))
+        return NULL;
+    long shift = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer b[4];
+    int got = 0;
+    for (; got < 4; got++)
+        if (get_buf(args[got], &b[got], got >= 2) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got < 4)
+        goto done;
+    Py_ssize_t n = b[0].len / 8, nrows = b[1].len / WIDTH, nslots = b[2].len / 4;
+    if (b[3].len < nslots || nslots < 16 || (nslots & (nslots - 1)) || shift < 9 || shift > 63 ||
+        ((uint64_t)1 << (64 - shift)) != (uint64_t)nslots || nslots > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "place(): buffers do not match the table");
+        goto done;
+    }
+    {
+        const int64_t *rows = (const int64_t *)b[0].buf;
+        const unsigned char *packed = (const unsigned char *)b[1].buf;
+        int32_t *slots = (int32_t *)b[2].buf;
+        uint8_t *tags = (uint8_t *)b[3].buf;
+        uint64_t mask = (uint64_t)nslots - 1;
+        int placed = 1;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (rows[i] < 0 || rows[i] >= nrows || rows[i] > INT32_MAX) {
+                PyErr_SetString(PyExc_ValueError, "place(): a row outside the table");
+                goto done;
+            }
+        for (Py_ssize_t i = 0; i < n && placed; i++) {
+            if (i + AHEAD < n) {
+                const unsigned char *ka = packed + (size_t)rows[i + AHEAD] * WIDTH;
+                uint64_t a0, a1;
+                memcpy(&a0, ka, 8);
+                memcpy(&a1, ka + 8, 8);
+                __builtin_prefetch(slots + ((((a0 * C1) ^ a1) * C2) >> shift), 1);
+            }
+            const unsigned char *key = packed + (size_t)rows[i] * WIDTH;
+            uint64_t w0, w1;
+            memcpy(&w0, key, 8);
+            memcpy(&w1, key + 8, 8);
+            uint64_t h = ((w0 * C1) ^ w1) * C2;
+            uint64_t at = h >> shift;
+            uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+            placed = 0;
+            for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
+                if (slots[at] < 0) {
+                    slots[at] = (int32_t)rows[i];
+                    tags[at] = tag;
+                    placed = 1;
+                    break;
+                }
+        }
+        res = PyLong_FromLong(placed);
+    }
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
+/* --------------------------------------------------------------------------------- set_bit */
+
+static PyObject *route_set_bit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 5, "set_bit"))
+        return NULL;
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t col = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer bb, br;
+    if (get_buf(args[0], &bb, 1) < 0)
+        return NULL;
+    if (get_buf(args[2], &br, 0) < 0) {
+        PyBuffer_Release(&bb);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
+    if (nwords <= 0 || col < 0 || col >= nwords * 64 || count < 0 || br.len < count * 8) {
+        PyErr_SetString(PyExc_ValueError, "set_bit(): arguments do not match the matrix");
+        goto done;
+    }
+    {
+        uint64_t *bits = (uint64_t *)bb.buf;
+        const int64_t *rows = (const int64_t *)br.buf;
+        uint64_t bit = (uint64_t)1 << (col & 63);
+        Py_ssize_t word = col >> 6;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (rows[i] < 0 || rows[i] >= nrows) {
+                PyErr_SetString(PyExc_ValueError, "set_bit(): a row outside the matrix");
+                goto done;
+            }
+        }
+        for (Py_ssize_t i = 0; i < count; i++)
+            bits[(size_t)rows[i] * nwords + word] |= bit;
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&br);
+    return res;
+}
+
+/* ---------------------------------------------------------------------------------- decide */
+
+static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 20, "decide"))
+        return NULL;
+    PyObject *keys = args[0];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "decide(): keys must be a list");
+        return NULL;
+    }
+    if (!keys16(keys))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    long long high = PyLong_AsLongLong(args[4]);
+    long shift = PyLong_AsLong(args[5]);
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[7]);
+    int remote = PyObject_IsTrue(args[9]);
+    unsigned long long kd = PyLong_AsUnsignedLongLongMask(args[15]);
+    Py_ssize_t top_k = PyLong_AsSsize_t(args[16]);
+    if (PyErr_Occurred() || remote < 0)
+        return NULL;
+    /* buffers: slots tags packed bits table weights load_cost queued active digests rows lead cs */
+    static const int at[13] = {1, 2, 3, 6, 8, 10, 11, 12, 13, 14, 17, 18, 19};
+    Py_buffer b[13];
+    int got = 0;
+    for (; got < 13; got++)
+        if (get_buf(args[at[got]], &b[got], got >= 10) < 0)
+            break;
+    PyObject *res = NULL, *order = NULL;
+    if (got < 13)
+        goto done;
+    Py_ssize_t nslots = b[0].len / 4, nrows_keys = b[2].len / WIDTH;
+    Py_ssize_t w = b[7].len / 8, tw = 4 * ((w + 63) / 64), stride = nwords * 8 * 256;
+    Py_ssize_t nrows = nwords > 0 ? b[3].len / 8 / nwords : 0;
+    if (!table_ok(nslots, b[1].len, shift, high, nrows_keys) || nwords <= 0 || nrows < 1 || w <= 0 ||
+        tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 4 * w * 8 || b[6].len != w * 8 ||
+        b[8].len != w * 8 || b[9].len != w * 8 || b[10].len < (n + 2) * 8 || b[11].len != 4 * w * 8 ||
+        b[12].len != 4 * w * 8) {
+        PyErr_SetString(PyExc_ValueError, "decide(): buffers do not match the index or the workers");
+        goto done;
+    }
+    {
+        int64_t *rows = (int64_t *)b[10].buf, *lead = (int64_t *)b[11].buf;
+        double *cs = (double *)b[12].buf;
+        Py_ssize_t m = rows_core(keys, n, (const int32_t *)b[0].buf, (const uint8_t *)b[1].buf,
+                                 (const unsigned char *)b[2].buf, nslots, nrows_keys, shift, high, rows);
+        if (m == 0)
+            memset(lead, 0, 4 * w * 8);
+        else if (lead_core(rows, m, (const uint64_t *)b[3].buf, nrows, nwords, (const uint64_t *)b[4].buf, w, remote,
+                           lead) < 0)
+            goto done;
+        order = rank_core((double)n, lead, (const double *)b[5].buf, (const double *)b[6].buf,
+                          (const double *)b[7].buf, (const double *)b[8].buf, (const uint64_t *)b[9].buf,
+                          (uint64_t)kd, w, top_k, w == 1, cs, cs + w);
+        if (!order)
+            goto done;
+        memcpy(cs + 2 * w, b[7].buf, w * 8); /* the loads the decision saw */
+        memcpy(cs + 3 * w, b[8].buf, w * 8);
+        res = Py_BuildValue("(nN)", m, order);
+    }
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"rows", (PyCFunction)(void (*)(void))route_rows, METH_FASTCALL, "A request's rows (see the module source)."},
+    {"lead", (PyCFunction)(void (*)(void))route_lead, METH_FASTCALL, "Holdings over the byte table."},
+    {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
+    {"decide", (PyCFunction)(void (*)(void))route_decide, METH_FASTCALL, "rows, lead and rank at once."},
+    {"insert", (PyCFunction)(void (*)(void))route_insert, METH_FASTCALL, "Give rows to new 16-byte keys."},
+    {"place", (PyCFunction)(void (*)(void))route_place, METH_FASTCALL, "Place rows in the slots."},
+    {"set_bit", (PyCFunction)(void (*)(void))route_set_bit, METH_FASTCALL, "Set a column in rows."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_route",
+                                    "The router's decision, compiled (client/routing/_route.c).", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__route(void) { return PyModule_Create(&module); }
