@@ -7,4 +7,7 @@ headers (.ci/run) and tests/test_probe.py checks the extension was built."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvtier.tiers._probe", ["tiers/_probe.c"], extra_compile_args=["-O2"],
-                             optional=True)])
+                             optional=True),
+                   # the pool copies with their checksums (client/engine/copyin.py; numpy fallback)
+                   Extension("kvtier.tiers._copyhash", ["tiers/_copyhash.c"], extra_compile_args=["-O2"],
+                             depends=["tiers/xxhash/xxhash.h"], optional=True)])
