@@ -9,5 +9,6 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension("kvtier.tiers._probe", ["tiers/_probe.c"], extra_compile_args=["-O2"],
                              optional=True),
                    # the pool copies with their checksums (client/engine/copyin.py; numpy fallback)
-                   Extension("kvtier.tiers._copyhash", ["tiers/_copyhash.c"], extra_compile_args=["-O2"],
-                             depends=["tiers/xxhash/xxhash.h"], optional=True)])
+                   Extension("kvtier.tiers._copyhash", ["tiers/_copyhash.c", "tiers/_copyhash_avx2.c"],
+                             extra_compile_args=["-O2"], optional=True,
+                             depends=["tiers/_copyhash_impl.h", "tiers/xxhash/xxhash.h"])])

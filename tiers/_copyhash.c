@@ -13,54 +13,23 @@ copy(dst, src)
 A copy of at least STREAM_MIN bytes uses non-temporal stores where the CPU has SSE2 (the
 destination bypasses the cache: no read of each destination line before it is written,
 which the pool's 4 KiB shared-memory pages make dear); smaller ones and other CPUs memcpy.
-Both release the GIL. xxhash.h is vendored (tiers/xxhash/, BSD 2-clause, its LICENSE beside it).
+Both release the GIL. Where GCC builds for x86-64, copy_hash runs the same loop compiled for
+AVX2 (tiers/_copyhash_avx2.c) when the CPU has it (the AVX2 constant says so). xxhash.h is vendored (tiers/xxhash/, BSD 2-clause, its LICENSE beside it).
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#define XXH_STATIC_LINKING_ONLY
-#include "xxhash/xxhash.h"
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define KVTIER_HAVE_AVX2 1 /* tiers/_copyhash_avx2.c: the same loop built for AVX2 */
 #endif
 
-#define CHUNK ((size_t)256 * 1024)
-#define STREAM_MIN ((size_t)256 * 1024)
+#include "_copyhash_impl.h"
 
-static void copy_bytes(char *dst, const char *src, size_t n, int stream) {
-#if defined(__SSE2__)
-    if (stream) {
-        size_t i = (16 - ((uintptr_t)dst & 15)) & 15;
-        if (i > n)
-            i = n;
-        memcpy(dst, src, i);
-        for (; i + 64 <= n; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-            _mm_stream_si128((__m128i *)(dst + i), a);
-            _mm_stream_si128((__m128i *)(dst + i + 16), b);
-            _mm_stream_si128((__m128i *)(dst + i + 32), c);
-            _mm_stream_si128((__m128i *)(dst + i + 48), d);
-        }
-        memcpy(dst + i, src + i, n - i);
-        return;
-    }
+#if defined(KVTIER_HAVE_AVX2)
+uint64_t kvtier_copy_hash_avx2(char *d, const char *s, size_t n);
 #endif
-    (void)stream;
-    memcpy(dst, src, n);
-}
-
-static void fence(void) {
-#if defined(__SSE2__)
-    _mm_sfence(); /* the streamed stores are visible before the caller goes on (and commits) */
-#endif
-}
 
 static int get_buffers(PyObject *args, Py_buffer *dst, Py_buffer *src) {
     if (!PyArg_ParseTuple(args, "w*y*", dst, src))
@@ -74,34 +43,21 @@ static int get_buffers(PyObject *args, Py_buffer *dst, Py_buffer *src) {
     return 0;
 }
 
+static int have_avx2;
+
 static PyObject *copy_hash(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
-    XXH64_hash_t h;
+    uint64_t h;
     (void)self;
     if (get_buffers(args, &dst, &src) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    {
-        size_t n = (size_t)src.len;
-        const char *s = (const char *)src.buf;
-        char *d = (char *)dst.buf;
-        int stream = n >= STREAM_MIN;
-        if (n <= CHUNK) {
-            h = XXH3_64bits(s, n);
-            copy_bytes(d, s, n, stream);
-        } else {
-            XXH3_state_t state;
-            XXH3_64bits_reset(&state);
-            for (size_t o = 0; o < n; o += CHUNK) {
-                size_t c = n - o < CHUNK ? n - o : CHUNK;
-                XXH3_64bits_update(&state, s + o, c);
-                copy_bytes(d + o, s + o, c, stream);
-            }
-            h = XXH3_64bits_digest(&state);
-        }
-        if (stream)
-            fence();
-    }
+#if defined(KVTIER_HAVE_AVX2)
+    if (have_avx2)
+        h = kvtier_copy_hash_avx2((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    else
+#endif
+        h = copy_hash_impl((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
@@ -137,7 +93,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_copyhash", NULL, -1
 
 PyMODINIT_FUNC PyInit__copyhash(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "CHUNK_BYTES", (long)CHUNK) < 0) {
+#if defined(KVTIER_HAVE_AVX2)
+    __builtin_cpu_init();
+    have_avx2 = __builtin_cpu_supports("avx2") != 0;
+#endif
+    if (m != NULL && (PyModule_AddIntConstant(m, "CHUNK_BYTES", (long)CHUNK) < 0 ||
+                      PyModule_AddIntConstant(m, "AVX2", have_avx2) < 0)) {
         Py_DECREF(m);
         return NULL;
     }
