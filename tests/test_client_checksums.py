@@ -96,21 +96,29 @@ def failures(sc: Sidecar) -> int:
     return sc.stats()["counters"].get("checksum_failures", 0)
 
 
-@pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 3 * (1 << 20) + 7])
-def test_copy_hash_is_payload_checksum_at_odd_sizes(size, small_chunks) -> None:
+def test_the_compiled_copy_is_built() -> None:
+    """CI builds tiers/_copyhash.c (``pip install``); without it puts fall back to numpy."""
+    assert copyin.COMPILED, "kvtier.tiers._copyhash was not built (gcc and python3-dev at install?)"
+
+
+@pytest.mark.parametrize("size", [1, 64, 4095, 4097, (256 << 10) - 1, 256 << 10, (256 << 10) + 1,
+                                  3 * (1 << 20) + 7])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_copy_hash_is_payload_checksum_at_odd_sizes(size, compiled, small_chunks) -> None:
+    """The compiled copy (chunks of 256 KiB) and numpy's (chunks of 4 KiB here) copy exactly
+    and give exactly payload_checksum, at any size and any alignment."""
     src = np.frombuffer(block(size, size), dtype=np.uint8)
     dst = np.zeros(size + 8, dtype=np.uint8)
-    assert copyin.copy_hash(dst[4:4 + size], src) == payload_checksum(src)
-    assert bytes(dst[4:4 + size]) == src.tobytes() and not dst[:4].any() and not dst[-4:].any()
-    # the default chunk too, and a batch striped over the copy threads
-    copyin.CHUNK_BYTES = 256 << 10
-    pool = np.zeros(3 * size, dtype=np.uint8)
+    assert copyin.copy_hash(dst[3:3 + size], src, compiled) == payload_checksum(src)
+    assert bytes(dst[3:3 + size]) == src.tobytes() and not dst[:3].any() and not dst[-5:].any()
+    # a batch striped over the copy threads, and back out
+    pool = np.zeros(3 * size + 1, dtype=np.uint8)
     arrs = [src, src[::-1].copy(), src]
-    sums = copyin.put_blocks(pool, [0, size, 2 * size], arrs)
-    assert sums == [payload_checksum(a) for a in arrs]
-    assert bytes(pool) == b"".join(a.tobytes() for a in arrs)
+    offsets = [1, 1 + size, 1 + 2 * size]
+    assert copyin.put_blocks(pool, offsets, arrs, compiled) == [payload_checksum(a) for a in arrs]
+    assert bytes(pool[1:]) == b"".join(a.tobytes() for a in arrs)
     out = [np.zeros(size, dtype=np.uint8) for _ in range(3)]
-    copyin.get_blocks(pool, [0, size, 2 * size], out)
+    copyin.get_blocks(pool, offsets, out, compiled)
     assert [bytes(o) for o in out] == [a.tobytes() for a in arrs]
 
 
