@@ -38,7 +38,8 @@ except ImportError:  # built without a C compiler: numpy and the xxhash package 
     _copyhash = None
 
 CHUNK_BYTES = 256 << 10            # hashed while in the cache (well inside L2)
-COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+# threads a large batch is copied on: $KVTIER_COPY_THREADS, else the CPUs up to 4 (read at import)
+COPY_THREADS = max(1, int(os.environ.get("KVTIER_COPY_THREADS") or min(4, os.cpu_count() or 1)))
 PARALLEL_MIN_BYTES = 8 << 20      # smaller batches: one thread (a handoff costs more than it saves)
 
 COMPILED = _copyhash is not None
