@@ -7,6 +7,7 @@ other bytes. Real daemons over real sockets."""
 from __future__ import annotations
 
 import tempfile
+import time
 
 import grpc
 import numpy as np
@@ -204,3 +205,34 @@ def test_client_checksums_carry_through_demotion_to_disk(start_daemon, tmp_path,
             assert failures(sc) == 1
         finally:
             raw.close()
+
+
+def test_a_forked_child_copies_on_threads_of_its_own() -> None:
+    """The copy threads are the parent's: a child forked after a large put (an engine forking
+    its workers) gets its own pool instead of waiting on threads it does not have."""
+    import os
+    pool = np.zeros(4 << 20, dtype=np.uint8)
+    arrs = [np.full(1 << 20, i, dtype=np.uint8) for i in range(4)]
+    big = copyin.PARALLEL_MIN_BYTES
+    copyin.PARALLEL_MIN_BYTES = 0
+    try:
+        copyin.put_blocks(pool, [0, 1 << 20, 2 << 20, 3 << 20], arrs)   # the parent's threads start
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its put finished (a hang is killed below)
+            try:
+                copyin.put_blocks(pool, [0, 1 << 20, 2 << 20, 3 << 20], arrs[::-1])
+                os._exit(0 if pool[0] == 3 else 1)
+            finally:
+                os._exit(2)
+        for _ in range(200):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child's put hung on its parent's copy threads")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        copyin.PARALLEL_MIN_BYTES = big

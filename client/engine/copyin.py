@@ -45,6 +45,7 @@ PARALLEL_MIN_BYTES = 8 << 20      # smaller batches: one thread (a handoff costs
 COMPILED = _copyhash is not None
 
 _pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
 _pool_lock = threading.Lock()
 T = TypeVar("T")
 
@@ -66,10 +67,12 @@ def copy_hash(dst: np.ndarray, src: np.ndarray, compiled: bool = True) -> int:
 
 
 def _executor() -> ThreadPoolExecutor:
-    global _pool
+    """The shared copy threads; a new pool in a forked child (the parent's threads are not there)."""
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is None:
+        if _pool is None or _pool_pid != os.getpid():
             _pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvtier-copy")
+            _pool_pid = os.getpid()
         return _pool
 
 
