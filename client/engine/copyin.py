@@ -14,15 +14,17 @@ line first: the pool's 4 KiB shared-memory pages make that dear); without it (no
 at install) numpy copies and the xxhash package hashes, same answers, slower
 (``COMPILED`` says which; ``compiled=False`` on the functions forces numpy, for tests).
 
-A batch of at least ``PARALLEL_MIN_BYTES`` is split, block by block, over ``COPY_THREADS``
-threads (the caller's and a shared pool's): the pool's pages are 4 KiB shared-memory pages,
-and one thread copying into or out of them reaches about two thirds of a memcpy between two
-huge-page buffers on the machines we measured (bench/host_tier.py); two threads recover it.
+A batch of at least ``PARALLEL_MIN_BYTES`` is copied block by block on ``COPY_THREADS``
+threads (the caller's and a shared pool's, each taking the next block when it is free): the
+pool's pages are 4 KiB shared-memory pages, and one thread copying into or out of them
+reaches about two thirds of a memcpy between two huge-page buffers on the machine we
+measured (bench/host_tier.py); two threads make that up where the second core is free.
 numpy's copies and xxhash's updates release the GIL.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -76,42 +78,53 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
-def _striped(n: int, nbytes: int, run: Callable[[range], list[T]]) -> list[T]:
-    """``run`` over all of ``range(n)``: in one call, or striped over the copy threads (the
-    caller runs the first stripe) when the batch is large; results in index order."""
+def _shared(n: int, nbytes: int, one: Callable[[int], T]) -> list[T]:
+    """``[one(i) for i in range(n)]``; for a large batch on the copy threads, the caller's among
+    them, each taking the next index as it gets to it (a thread the machine's load holds up
+    does less, the others more). Every thread has stopped when this returns or raises."""
     k = min(COPY_THREADS, n)
     if k <= 1 or nbytes < PARALLEL_MIN_BYTES:
-        return run(range(n))
-    futures = [_executor().submit(run, range(i, n, k)) for i in range(1, k)]
-    try:
-        parts = [run(range(0, n, k))]
-    finally:  # every stripe ends before the caller goes on (a failed put gives its slots back)
-        wait(futures)
-    parts += [f.result() for f in futures]
+        return [one(i) for i in range(n)]
     out: list[T] = [None] * n  # type: ignore[list-item]
-    for i, part in enumerate(parts):
-        out[i::k] = part
+    todo = itertools.count()  # next() is atomic (C, under the GIL)
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        for i in todo:
+            if i >= n or failed:
+                return
+            try:
+                out[i] = one(i)
+            except BaseException as e:
+                failed.append(e)
+                raise
+
+    futures = [_executor().submit(work) for _ in range(k - 1)]
+    try:
+        work()
+    finally:  # every thread stops before the caller goes on (a failed put gives its slots back)
+        wait(futures)
+    for f in futures:
+        f.result()
     return out
 
 
 def put_blocks(pool: np.ndarray, offsets: Sequence[int], arrs: Sequence[np.ndarray],
                compiled: bool = True) -> list[int]:
     """Copy ``arrs[i]`` into ``pool`` at ``offsets[i]``; each block's xxh3-64 as copied."""
-    def run(idx: range) -> list[int]:
-        return [copy_hash(pool[offsets[i]:offsets[i] + arrs[i].size], arrs[i], compiled) for i in idx]
-    return _striped(len(arrs), sum(a.size for a in arrs), run)
+    def one(i: int) -> int:
+        return copy_hash(pool[offsets[i]:offsets[i] + arrs[i].size], arrs[i], compiled)
+    return _shared(len(arrs), sum(a.size for a in arrs), one)
 
 
 def get_blocks(pool: np.ndarray, offsets: Sequence[int], dsts: Sequence[np.ndarray], compiled: bool = True) -> None:
     """Copy the block at ``offsets[i]`` of ``pool`` into ``dsts[i]``."""
     fast = _copyhash.copy if compiled and _copyhash is not None else None
 
-    def run(idx: range) -> list[None]:
-        for i in idx:
-            src = pool[offsets[i]:offsets[i] + dsts[i].size]
-            if fast is not None:
-                fast(dsts[i], src)
-            else:
-                dsts[i][:] = src
-        return [None] * len(idx)
-    _striped(len(dsts), sum(d.size for d in dsts), run)
+    def one(i: int) -> None:
+        src = pool[offsets[i]:offsets[i] + dsts[i].size]
+        if fast is not None:
+            fast(dsts[i], src)
+        else:
+            dsts[i][:] = src
+    _shared(len(dsts), sum(d.size for d in dsts), one)
