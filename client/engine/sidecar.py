@@ -175,8 +175,14 @@ def _as_bytes(block: Any, block_bytes: int, index: int) -> np.ndarray:
 
 
 _tally = None if _cprobe is None else _cprobe.tally  # counts[m] += 1 per mask, in C
-PIPELINE_MIN_BYTES = 16 << 20  # a put of at least this much goes as a pipeline of pieces
-PIPELINE_PIECE_BYTES = 8 << 20  # ... of at least this much each
+# A put (get) of at least PIPELINE_MIN_BYTES goes as a pipeline of pieces of at least
+# PIPELINE_PIECE_BYTES each. Each piece costs its own calls (about 0.3-0.6 ms of the client's
+# thread to send one, and daemon CPU beside the copy threads), so a piece must copy for much
+# longer than that: with the copy on several threads and the checksums taken by the client
+# (no daemon hashing left to overlap), pieces of 8 MiB made 32 and 128 MiB puts slower, not
+# faster (docs/DESIGN.md "Client checksums and the pool copy").
+PIPELINE_MIN_BYTES = 256 << 20
+PIPELINE_PIECE_BYTES = 64 << 20
 PIPELINE_MAX_PIECES = 4
 
 
