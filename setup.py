@@ -1,4 +1,4 @@
-"""The compiled key-table probe (tiers/_probe.c); everything else is in pyproject.toml.
+"""The compiled key-table probe (tiers/_probe.c) and pool copy (tiers/_copyhash.c); everything else is in pyproject.toml.
 
 ``optional``: where no C compiler or Python headers exist the install still succeeds and
 kvtier.tiers.keytable probes with numpy instead (same answers, slower); CI installs the
