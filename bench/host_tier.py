@@ -4,8 +4,10 @@ Starts a real kvtierd whose pool holds exactly the blocks moved, fills it once w
 blocks (warm-up, untimed: the state of a cache that has been running; the daemon prefaults
 the pool at registration, the client maps each slot's pages on first use), then puts at least
 1 GiB of distinct 2 MiB blocks in batches of 64 (each batch: Allocate RPC, which evicts the
-warm-up blocks LRU-first, copy into the mapped pool, Commit RPC), gets them all back into
-caller buffers (Acquire RPC, copy out, Release RPC), and times a one-key Lookup over the
+warm-up blocks LRU-first, copy into the mapped pool taking each block's checksum on the way,
+Commit RPC with the checksums), gets them all back into caller buffers (Acquire RPC, copy
+out, Release RPC; the buffers are prefaulted numpy arrays, the same kind of memory as the
+memcpy's destination), and times a one-key Lookup over the
 unix socket (``lookup_*``: the Lookup RPC; ``shm_lookup_*``: the same call answered from the
 shared-memory key table, the sidecar's default).
 The limit, measured in the same run: one thread copying the same total bytes between two
@@ -13,13 +15,15 @@ prefaulted buffers (numpy, i.e. memcpy), timed batch by batch interleaved with t
 the gets (each put or get of a batch is followed by a copy of the same bytes), so that load
 from other processes falls on both alike (``memcpy_gbps``; ``memcpy_after_gbps``: the best of
 three copies of the whole after the run, the 0.1 method). A put is a pipeline of pieces (the
-sidecar's): ``put_pieces`` per batch.
+sidecar's): ``put_pieces`` per batch; a large batch is copied on ``copy_threads`` threads
+(client/engine/copyin.py), the memcpy on one.
 
     python bench/host_tier.py [--gib 1] [--batch 64] [--block-mib 2] [--out FILE.json]
 
 Last line of stdout: one JSON object (put_gbps, get_gbps, memcpy_gbps, ratio, lookup_p50_us,
 lookup_p99_us, memcpy_after_gbps, put_pieces, put_cpu_gbps, put_client_cpu_gbps, memcpy_cpu_gbps,
-cpu_ratio (CPU time: see assemble) and the parameters).
+cpu_ratio, put_client_cpu_s_per_gib, put_daemon_cpu_s_per_gib, memcpy_cpu_s_per_gib (CPU time:
+see assemble), copy_threads and the parameters).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
+from kvtier.client.engine import copyin
 from kvtier.client.engine.sidecar import _pieces
 from kvtier.client.testing.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
@@ -122,7 +127,7 @@ def timed_puts(sc: Sidecar, lid: int, keys: list[bytes], batch: int, src: list[n
     return put_s, mc_s
 
 
-def timed_gets(sc: Sidecar, lid: int, keys: list[bytes], batch: int, out: list[bytearray],
+def timed_gets(sc: Sidecar, lid: int, keys: list[bytes], batch: int, out: list[np.ndarray],
                src: np.ndarray, dst: np.ndarray) -> tuple[float, float]:
     """Gets of every key in batches into ``out``, checking the stamp; seconds inside the get calls,
     and in a memcpy of the same bytes after each."""
@@ -134,7 +139,7 @@ def timed_gets(sc: Sidecar, lid: int, keys: list[bytes], batch: int, out: list[b
         mc_s += memcpy_s(dst, src, [0.0])
         if any(g is None for g in got):
             raise SystemExit("get missed a block that was put")
-        if int.from_bytes(out[-1][:8], "little") != b0 + batch - 1:
+        if int.from_bytes(bytes(out[-1][:8]), "little") != b0 + batch - 1:
             raise SystemExit("get returned the wrong bytes")
     return get_s, mc_s
 
@@ -144,7 +149,8 @@ def run_daemon(ns: argparse.Namespace, block: int, nblocks: int) -> dict:
     rng = np.random.default_rng(1)
     # distinct payloads: a pool of random batches whose first 8 bytes carry the block index
     src = [rng.integers(0, 256, (ns.batch, block), dtype=np.uint8) for _ in range(2)]
-    out = [bytearray(block) for _ in range(ns.batch)]
+    # the gets' destination: the same kind of memory as the memcpy's (a prefaulted numpy array)
+    out = list(np.ones((ns.batch, block), dtype=np.uint8))
     dst = np.ones((ns.batch, block), dtype=np.uint8)  # prefaulted: the memcpy's destination
     keys = [i.to_bytes(8, "little") + b"kvtier-b" for i in range(nblocks)]
     warm_keys = [i.to_bytes(8, "little") + b"warm-up!" for i in range(nblocks)]
@@ -192,6 +198,12 @@ def assemble(ns: argparse.Namespace, block: int, nblocks: int, run: dict,
         "put_client_cpu_gbps": round(total / run["cpu"]["put"] / 1e9, 3),
         "memcpy_cpu_gbps": round(total / run["cpu"]["memcpy"] / 1e9, 3),
         "cpu_ratio": round(run["cpu"]["memcpy"] / (run["cpu"]["put"] + run["cpu"]["daemon"]), 3),
+        # the same CPU seconds per GiB moved (client: this process inside the put calls; daemon:
+        # kvtierd over the puts), and the threads a large put or get copies on
+        "put_client_cpu_s_per_gib": round(run["cpu"]["put"] * (1 << 30) / total, 4),
+        "put_daemon_cpu_s_per_gib": round(run["cpu"]["daemon"] * (1 << 30) / total, 4),
+        "memcpy_cpu_s_per_gib": round(run["cpu"]["memcpy"] * (1 << 30) / total, 4),
+        "copy_threads": copyin.COPY_THREADS,
     }
 
 

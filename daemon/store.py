@@ -265,15 +265,20 @@ class BlockStore:
         return out
 
     async def commit(self, session_id: int, grant_ids: Sequence[int], abort_ids: Sequence[int],
-                     durable: bool) -> CommitResult:
+                     durable: bool, checksums: Sequence[int] = ()) -> CommitResult:
         """Abort ``abort_ids``, make ``grant_ids`` visible. A cancelled caller's durable write
-        still runs to its end."""
-        return await self._run_to_end(self._commit(session_id, grant_ids, abort_ids, durable))
+        still runs to its end. ``checksums``: none, or the xxh3-64 of each granted block's
+        payload as the client wrote it (recorded instead of hashed: docs/DESIGN.md "Client
+        checksums")."""
+        return await self._run_to_end(self._commit(session_id, grant_ids, abort_ids, durable, checksums))
 
     async def _commit(self, session_id: int, grant_ids: Sequence[int], abort_ids: Sequence[int],
-                      durable: bool) -> CommitResult:
+                      durable: bool, checksums: Sequence[int] = ()) -> CommitResult:
         sess = self.session(session_id)
         check_ids(grant_ids, self.max_batch_keys, "grant", more=abort_ids)
+        if checksums and len(checksums) != len(grant_ids):
+            raise StoreError(Code.INVALID_ARGUMENT, f"{len(checksums)} checksums for {len(grant_ids)} grants; "
+                                                    f"send one per grant id, in order, or none")
         self.sessions.check_grants(sess, grant_ids, abort_ids)
         if durable and self.disk is None:
             raise StoreError(Code.FAILED_PRECONDITION, "durable commit needs a disk tier: start kvtierd with --disk-dir")
@@ -284,7 +289,11 @@ class BlockStore:
                                                        f"another block; nothing committed")
         entries = self.sessions.take_grants(sess, grant_ids, abort_ids)
         done = self.tiers.commit(entries)
-        self.host.seal(done)  # the payload checksums (a large batch's right after, on threads)
+        if checksums:  # the client's, taken as it copied: recorded (same loop step as the commit)
+            sent = {id(e): c for e, c in zip(entries, checksums, strict=True)}
+            self.host.seal(done, [sent[id(e)] for e in done])
+        else:
+            self.host.seal(done)  # the payload checksums (a large batch's right after, on threads)
         self.counters.add(Count.COMMITS, len(done))
         self.counters.move(Flow.CLIENT_TO_HOST, sum(e.block_bytes for e in done))
         if not (durable or self.disk_write_through) or self.disk is None:

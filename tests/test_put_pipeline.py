@@ -24,6 +24,14 @@ def blocks(lo: int, hi: int) -> list[bytes]:
     return [bytes([i % 251]) * 64 + bytes(BLOCK - 64) for i in range(lo, hi)]
 
 
+@pytest.fixture(autouse=True)
+def _pieces_of_8mib(monkeypatch) -> None:
+    """The pipeline at the sizes it was built with (by default only batches of 256 MiB or
+    more are pieces now: client/engine/sidecar.py ``PIPELINE_MIN_BYTES``)."""
+    monkeypatch.setattr(sidecar_mod, "PIPELINE_MIN_BYTES", 16 << 20)
+    monkeypatch.setattr(sidecar_mod, "PIPELINE_PIECE_BYTES", 8 << 20)
+
+
 def _record(sc: Sidecar, log: list) -> None:
     """Log each call as it is sent (method, keys or grants) and each piece copied."""
     transport = sc._transport

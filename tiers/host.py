@@ -32,7 +32,8 @@ Integrity
     grant whose slot has changed hands since is *stale*: ``commit`` refuses it (it never
     becomes visible) and ``abort`` of it gives nothing back (the slot is someone else's).
     :meth:`HostTier.seal` takes the xxh3-64 checksum of each granted block's payload at
-    commit; it is kept with the entry (:attr:`HostEntry.checksum`) so a later read can tell
+    commit (or records the ones the client took as it copied the payloads in, sent with its
+    Commit: docs/DESIGN.md "Client checksums and the pool copy"); it is kept with the entry (:attr:`HostEntry.checksum`) so a later read can tell
     whether the bytes changed since (:meth:`HostTier.verify`; demotion to disk compares it
     too). A commit of at most ``INLINE_HASH_BYTES`` is hashed on the event loop before it is
     visible. A larger one is made visible at once and hashed right after, on the tier's
@@ -774,9 +775,15 @@ class HostTier(PinnedTier[HostEntry]):
             out[i::n] = sums[i]
         return out
 
-    def seal(self, entries: Sequence[HostEntry]) -> None:
+    def seal(self, entries: Sequence[HostEntry], sums: Sequence[int] | None = None) -> None:
         """Take the payload checksum of granted entries, as they are committed: now if the
-        batch is small, else on the hashing threads (``entry.sealing`` until it is taken)."""
+        batch is small, else on the hashing threads (``entry.sealing`` until it is taken).
+        ``sums``: the checksums the writer took as it copied the payloads in (one per entry,
+        docs/DESIGN.md "Client checksums"): recorded as they are, nothing hashed."""
+        if sums is not None:
+            for e, c in zip(entries, sums, strict=True):
+                e.checksum = c
+            return
         if sum(e.block_bytes for e in entries) <= INLINE_HASH_BYTES:
             for e, c in zip(entries, self._checksums(entries), strict=True):
                 e.checksum = c

@@ -89,6 +89,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvtier.client.engine.copyin import get_blocks, put_blocks
 from kvtier.client.engine.transport import (
     RESTART_CODES,
     SESSION,
@@ -174,8 +175,14 @@ def _as_bytes(block: Any, block_bytes: int, index: int) -> np.ndarray:
 
 
 _tally = None if _cprobe is None else _cprobe.tally  # counts[m] += 1 per mask, in C
-PIPELINE_MIN_BYTES = 16 << 20  # a put of at least this much goes as a pipeline of pieces
-PIPELINE_PIECE_BYTES = 8 << 20  # ... of at least this much each
+# A put (get) of at least PIPELINE_MIN_BYTES goes as a pipeline of pieces of at least
+# PIPELINE_PIECE_BYTES each. Each piece costs its own calls (about 0.3-0.6 ms of the client's
+# thread to send one, and daemon CPU beside the copy threads), so a piece must copy for much
+# longer than that: with the copy on several threads and the checksums taken by the client
+# (no daemon hashing left to overlap), pieces of 8 MiB made 32 and 128 MiB puts slower, not
+# faster (docs/DESIGN.md "Client checksums and the pool copy").
+PIPELINE_MIN_BYTES = 256 << 20
+PIPELINE_PIECE_BYTES = 64 << 20
 PIPELINE_MAX_PIECES = 4
 
 
@@ -363,11 +370,11 @@ class _SidecarCore:
             for i, (lo, hi) in enumerate(pieces):
                 if i + 1 < len(pieces):
                     nxt = yield Start(allocate(*pieces[i + 1]))
-                gids = self._write(info, reply, keys[lo:hi], arrs[lo:hi], result)
+                gids, sums = self._write(info, reply, keys[lo:hi], arrs[lo:hi], result)
                 reply = None  # written: its grants are the Commit's now
                 if gids:
                     commit = Call("node", "Commit", node_pb2.CommitRequest(session_id=sid, grant_ids=gids,
-                                                                           durable=durable))
+                                                                           durable=durable, checksums=sums))
                     if len(pieces) == 1:  # nothing to overlap it with: a plain call
                         result.durable += (yield commit).durable
                     else:
@@ -822,22 +829,24 @@ class _SidecarCore:
 
     @staticmethod
     def _write(info: _LayoutInfo, reply: node_pb2.AllocateReply, keys: list[bytes], arrs: list[np.ndarray],
-               result: PutResult) -> list[int]:
-        """Write each granted block into its slot; the grant ids to commit."""
+               result: PutResult) -> tuple[list[int], list[int]]:
+        """Write each granted block into its slot; the grant ids to commit and the blocks'
+        checksums as written (:mod:`~kvtier.client.engine.copyin`)."""
         pool, n = info.pool, info.block_bytes
         assert pool is not None
-        gids = []
+        gids, offsets, todo = [], [], []
         for key, arr, g in zip(keys, arrs, reply.grants, strict=True):
             if g.status == node_pb2.GRANTED:
                 pool.prepare_write(g.offset, n)
-                pool.arr[g.offset:g.offset + n] = arr
                 gids.append(g.grant_id)
+                offsets.append(g.offset)
+                todo.append(arr)
             elif g.status == node_pb2.PRESENT:
                 result.present += 1
                 result.durable += g.durable
             else:
                 result.dropped.append(key)
-        return gids
+        return gids, put_blocks(pool.arr, offsets, todo)
 
     @staticmethod
     def _read(info: _LayoutInfo, reply: node_pb2.AcquireReply, out: Sequence[Any] | None) -> list[memoryview | None]:
@@ -847,6 +856,7 @@ class _SidecarCore:
         if out is not None and len(out) != len(reply.leases):
             raise InvalidArgument(f"{len(out)} output buffers for {len(reply.leases)} keys")
         result: list[memoryview | None] = []
+        offsets, dsts = [], []
         for i, lease in enumerate(reply.leases):
             if lease.lease_id == 0:
                 result.append(None)
@@ -855,8 +865,10 @@ class _SidecarCore:
             dst = np.frombuffer(buf, dtype=np.uint8)
             if dst.size != n:
                 raise InvalidArgument(f"output buffer {i} is {dst.size} bytes; blocks are {n} bytes")
-            dst[:] = pool.arr[lease.offset:lease.offset + n]
+            offsets.append(lease.offset)
+            dsts.append(dst)
             result.append(memoryview(buf))
+        get_blocks(pool.arr, offsets, dsts)
         return result
 
 

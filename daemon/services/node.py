@@ -81,7 +81,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
     async def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitReply:
         self.store.session(request.session_id, self.auth.principal(context))
         done = await self.store.commit(request.session_id, list(request.grant_ids), list(request.abort_grant_ids),
-                                       request.durable)
+                                       request.durable, list(request.checksums))
         return node_pb2.CommitReply(committed=done.committed, durable=done.durable)
 
     @handled

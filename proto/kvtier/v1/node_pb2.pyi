@@ -168,16 +168,18 @@ class AllocateReply(_message.Message):
     def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("session_id", "grant_ids", "abort_grant_ids", "durable")
+    __slots__ = ("session_id", "grant_ids", "abort_grant_ids", "durable", "checksums")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
     ABORT_GRANT_IDS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     grant_ids: _containers.RepeatedScalarFieldContainer[int]
     abort_grant_ids: _containers.RepeatedScalarFieldContainer[int]
     durable: bool
-    def __init__(self, session_id: _Optional[int] = ..., grant_ids: _Optional[_Iterable[int]] = ..., abort_grant_ids: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[int] = ..., grant_ids: _Optional[_Iterable[int]] = ..., abort_grant_ids: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("committed", "durable")

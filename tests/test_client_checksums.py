@@ -1,0 +1,238 @@
+"""Issue 15 item 4: the client takes each block's checksum as it copies it into the pool
+(client/engine/copyin.py) and sends them with its Commit; the daemon records them instead of
+hashing (daemon/store.py ``_commit``), and still hashes a commit that brings none. A wrong
+checksum only makes its own block fail a later verification (a counted miss), never serves
+other bytes. Real daemons over real sockets."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvtier.client import Sidecar
+from kvtier.client.engine import copyin
+from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.proto import node_pb2, node_pb2_grpc
+from kvtier.tiers.host import PoolMapping, payload_checksum
+from kvtier.tiers.layout import Layout, layout_to_proto
+
+BLOCK = 64 * 1024
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") + b"checksum"
+
+
+def block(seed: int, size: int = BLOCK) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with tempfile.TemporaryDirectory() as tmp:
+        d = DaemonProcess(tmp, host_capacity="4MiB", name="sums").start()
+        try:
+            yield d
+        finally:
+            d.cleanup()
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunked hashing and the threaded copy for small blocks too (the paths big puts take)."""
+    monkeypatch.setattr(copyin, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(copyin, "PARALLEL_MIN_BYTES", 0)
+
+
+def _commits(sc: Sidecar) -> list:
+    """Every CommitRequest the sidecar sends, as sent."""
+    sent: list = []
+    transport = sc._transport
+    start, unary = transport._start, transport._unary
+
+    def logged_start(call):
+        if call.method == "Commit":
+            sent.append(call.request)
+        return start(call)
+
+    async def logged_unary(call):
+        if call.method == "Commit":
+            sent.append(call.request)
+        return await unary(call)
+
+    transport._start, transport._unary = logged_start, logged_unary
+    return sent
+
+
+class Raw:
+    """A client's own Allocate / write / Commit, to send what a sidecar would not."""
+
+    def __init__(self, sc: Sidecar, block_bytes: int = BLOCK) -> None:
+        self.sc, self.n = sc, block_bytes
+        self.stub = node_pb2_grpc.NodeStub(sc._channel)
+        layout = Layout.flat(block_bytes)
+        self.lid = sc.register_layout(layout)
+        self.reg = self.stub.RegisterLayout(node_pb2.RegisterLayoutRequest(
+            layout=layout_to_proto(layout, node_pb2.LayoutSpec)))
+        self.pool = PoolMapping(self.reg.pool_path, self.reg.pool_bytes)
+
+    def put(self, k: bytes, payload: bytes, checksums: list[int] | None) -> node_pb2.AllocateReply.Grant:
+        sid = self.sc._ensure_session()
+        g = self.stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=self.reg.layout_id,
+                                                        keys=[k])).grants[0]
+        assert g.status == node_pb2.GRANTED
+        self.pool.arr[g.offset:g.offset + self.n] = np.frombuffer(payload, dtype=np.uint8)
+        self.stub.Commit(node_pb2.CommitRequest(session_id=sid, grant_ids=[g.grant_id], checksums=checksums or []))
+        return g
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def failures(sc: Sidecar) -> int:
+    return sc.stats()["counters"].get("checksum_failures", 0)
+
+
+def test_the_compiled_copy_is_built() -> None:
+    """CI builds tiers/_copyhash.c (``pip install``); without it puts fall back to numpy."""
+    assert copyin.COMPILED, "kvtier.tiers._copyhash was not built (gcc and python3-dev at install?)"
+
+
+@pytest.mark.parametrize("size", [1, 64, 4095, 4097, (256 << 10) - 1, 256 << 10, (256 << 10) + 1,
+                                  3 * (1 << 20) + 7])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_copy_hash_is_payload_checksum_at_odd_sizes(size, compiled, small_chunks) -> None:
+    """The compiled copy (chunks of 256 KiB) and numpy's (chunks of 4 KiB here) copy exactly
+    and give exactly payload_checksum, at any size and any alignment."""
+    src = np.frombuffer(block(size, size), dtype=np.uint8)
+    dst = np.zeros(size + 8, dtype=np.uint8)
+    assert copyin.copy_hash(dst[3:3 + size], src, compiled) == payload_checksum(src)
+    assert bytes(dst[3:3 + size]) == src.tobytes() and not dst[:3].any() and not dst[-5:].any()
+    # a batch striped over the copy threads, and back out
+    pool = np.zeros(3 * size + 1, dtype=np.uint8)
+    arrs = [src, src[::-1].copy(), src]
+    offsets = [1, 1 + size, 1 + 2 * size]
+    assert copyin.put_blocks(pool, offsets, arrs, compiled) == [payload_checksum(a) for a in arrs]
+    assert bytes(pool[1:]) == b"".join(a.tobytes() for a in arrs)
+    out = [np.zeros(size, dtype=np.uint8) for _ in range(3)]
+    copyin.get_blocks(pool, offsets, out, compiled)
+    assert [bytes(o) for o in out] == [a.tobytes() for a in arrs]
+
+
+def test_put_sends_the_checksums_and_a_verified_get_passes(daemon, small_chunks) -> None:
+    with Sidecar(daemon.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        sent = _commits(sc)
+        payloads = [block(100 + i) for i in range(6)]
+        before = failures(sc)
+        assert sc.put(lid, [key(100 + i) for i in range(6)], payloads).stored == 6
+        assert [list(c.checksums) for c in sent] == [[payload_checksum(p) for p in payloads]]
+        got = sc.get(lid, [key(100 + i) for i in range(6)], verify=True)
+        assert [bytes(g) for g in got] == payloads
+        assert failures(sc) == before
+
+
+def test_a_wrong_client_checksum_is_a_counted_miss_never_wrong_bytes(daemon) -> None:
+    with Sidecar(daemon.socket) as sc:
+        raw = Raw(sc)
+        try:
+            mine = block(7)
+            before = failures(sc)
+            raw.put(key(7), mine, [payload_checksum(mine) ^ 1])
+            assert sc.get(raw.lid, [key(7)], verify=True) == [None]   # found wrong: a miss
+            assert failures(sc) == before + 1
+            assert sc.lookup(raw.lid, [key(7)]) == [None]              # and dropped
+            # the right one: stored and served
+            raw.put(key(8), mine, [payload_checksum(mine)])
+            assert bytes(sc.get(raw.lid, [key(8)], verify=True)[0]) == mine
+            assert failures(sc) == before + 1
+        finally:
+            raw.close()
+
+
+def test_a_commit_without_checksums_is_hashed_by_the_daemon(daemon) -> None:
+    """An older client (or one that does not send them): the daemon takes the checksum, so a
+    write after the commit is still found by a verified read."""
+    with Sidecar(daemon.socket) as sc:
+        raw = Raw(sc)
+        try:
+            before = failures(sc)
+            g = raw.put(key(9), block(9), None)
+            assert bytes(sc.get(raw.lid, [key(9)], verify=True)[0]) == block(9)
+            raw.pool.arr[g.offset:g.offset + BLOCK] = 0xAB                # a write after the commit
+            assert sc.get(raw.lid, [key(9)], verify=True) == [None]
+            assert failures(sc) == before + 1
+        finally:
+            raw.close()
+
+
+def test_checksums_not_one_per_grant_are_refused_and_change_nothing(daemon) -> None:
+    with Sidecar(daemon.socket) as sc:
+        raw = Raw(sc)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                raw.put(key(10), block(10), [1, 2])
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "2 checksums for 1 grants" in err.value.details()
+            assert sc.lookup(raw.lid, [key(10)]) == [None]
+        finally:
+            raw.close()
+
+
+def test_client_checksums_carry_through_demotion_to_disk(start_daemon, tmp_path, small_chunks) -> None:
+    """Blocks put with client checksums are demoted (the disk compares its copy with the
+    recorded checksum) and read back from disk verified; one with a wrong checksum is not
+    demoted (counted), nor served."""
+    d = start_daemon("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "16MiB", "--demote-min-seen", "1",
+                     host_capacity=str(2 * BLOCK))
+    with Sidecar(d.socket) as sc:
+        raw = Raw(sc)
+        try:
+            payloads = [block(20 + i) for i in range(2)]
+            assert sc.put(raw.lid, [key(20), key(21)], payloads).stored == 2
+            raw.put(key(22), block(22), [payload_checksum(block(22)) ^ 2])
+            # the next puts evict 20, 21 and 22 to disk (22 refused there: its bytes differ)
+            assert sc.put(raw.lid, [key(23), key(24)], [block(23), block(24)]).stored == 2
+            wait = [sc.lookup(raw.lid, [key(20), key(21), key(22)])]
+            assert wait[-1] == ["disk", "disk", None], wait
+            assert failures(sc) == 1
+            got = sc.get(raw.lid, [key(20), key(21), key(22)], verify=True)
+            assert [bytes(g) if g is not None else None for g in got] == [*payloads, None]
+            assert failures(sc) == 1
+        finally:
+            raw.close()
+
+
+def test_a_forked_child_copies_on_threads_of_its_own() -> None:
+    """The copy threads are the parent's: a child forked after a large put (an engine forking
+    its workers) gets its own pool instead of waiting on threads it does not have."""
+    import os
+    pool = np.zeros(4 << 20, dtype=np.uint8)
+    arrs = [np.full(1 << 20, i, dtype=np.uint8) for i in range(4)]
+    big = copyin.PARALLEL_MIN_BYTES
+    copyin.PARALLEL_MIN_BYTES = 0
+    try:
+        copyin.put_blocks(pool, [0, 1 << 20, 2 << 20, 3 << 20], arrs)   # the parent's threads start
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its put finished (a hang is killed below)
+            try:
+                copyin.put_blocks(pool, [0, 1 << 20, 2 << 20, 3 << 20], arrs[::-1])
+                os._exit(0 if pool[0] == 3 else 1)
+            finally:
+                os._exit(2)
+        for _ in range(200):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child's put hung on its parent's copy threads")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        copyin.PARALLEL_MIN_BYTES = big
