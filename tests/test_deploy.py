@@ -381,7 +381,15 @@ def test_the_image_installs_as_the_project_does() -> None:
     text = DOCKERFILE.read_text()
     for src in set(pyproject["tool"]["setuptools"]["package-dir"].values()):
         assert re.search(rf"^COPY {src}/ {src}/$", text, re.M), src
-    assert "COPY pyproject.toml README.md ./" in text
+    assert "COPY pyproject.toml README.md setup.py ./" in text
+    # the compiled parts (setup.py's extensions; optional, so a missing compiler would only
+    # show as the slower numpy paths at run time): every C source setup.py names is under a
+    # copied directory, and each build stage has a compiler
+    setup_text = (ROOT / "setup.py").read_text()
+    for c_src in re.findall(r'"([\w/]+\.c)"', setup_text):
+        assert (ROOT / c_src).exists() and re.search(rf"^COPY {c_src.split('/')[0]}/ ", text, re.M), c_src
+    for runs in (cpu, cuda):
+        assert re.search(r"apt-get install [^\n]*\bgcc\b", runs), runs
     # non-root, the health probe, the entrypoint
     for stage in ("cpu", "cuda"):
         body = re.split(r"^FROM ", text, flags=re.M)
