@@ -165,3 +165,133 @@ def test_the_host_tier_keeps_no_python_object_per_held_block(tmp_path) -> None:
     finally:
         tier.close()
         os.rmdir(shm)
+
+
+# -- hostile inputs (C review, creview) ------------------------------------------------------
+# Each hostile call must raise a clean exception (the fallback's), never crash: the checks run
+# in a child process, so a crash fails the test instead of killing the run.
+
+def _in_child(fn: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_idmap; test_idmap.{fn}()"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+
+
+def _outcome(f, *args):
+    try:
+        return "ok", f(*args)
+    except Exception as e:  # noqa: BLE001 - the type is the answer
+        return type(e).__name__, None
+
+
+def hostile_idmap_calls() -> None:
+    """Both maps answer each hostile call alike: the same value or the same exception type."""
+    maps = [new_idmap(compiled=True), new_idmap(compiled=False)]
+    for m in maps:
+        assert list(m) == [] and list(m.items()) == [] and len(m) == 0 and m.pop(b"a", 3) == 3
+        assert m.add_class(3) == 0 and m.add_class(0) == 1
+    bad_ids = ["str", bytearray(b"ab"), memoryview(b"ab"), 5, None, 1.5, bytes(MAX_ID + 1), bytes(5000)]
+    bad_refs = [1.5, "1", None, b"\0", -1, 3, 1 << 32, 2 << 32, 1 << 63, 1 << 64, -(1 << 64), 1 << 200]
+    calls = [(lambda m, k: m.__setitem__(k, 0), bad_ids), (lambda m, k: m[k], bad_ids),
+             (lambda m, k: k in m, bad_ids), (lambda m, k: m.get(k), bad_ids), (lambda m, k: m.pop(k, 1), bad_ids),
+             (lambda m, k: m.__delitem__(k), bad_ids), (lambda m, r: m.__setitem__(b"k", r), bad_refs),
+             (lambda m, r: m.id_of(r), bad_refs),
+             (lambda m, n: m.add_class(n), [-1, 1 << 32, 1 << 64, -(1 << 70), "3", 1.0, None]),
+             (lambda m, a: m.get(*a), [(), (b"a", 1, 2)]), (lambda m, a: m.pop(*a), [(), (b"a", 1, 2)])]
+    for f, values in calls:
+        for v in values:
+            got = [_outcome(f, m, v) for m in maps]
+            assert got[0] == got[1], (v, got)
+            assert got[0][0] in ("ok", "TypeError", "ValueError", "KeyError"), (v, got)
+    for n in (0, 1, 7, 8, 9, MAX_ID):  # every length up to the limit is held
+        for m in maps:
+            m[bytes([n % 256]) * n] = 0 if n < 8 else 1
+    assert sorted(maps[0].items()) == sorted(maps[1].items())
+    # an iterator keeps its map alive; a change during iteration is refused, not walked over
+    it = iter(maps[0])
+    del maps[0][next(iter(maps[1]))]
+    try:
+        next(it)
+        raise AssertionError("no RuntimeError")
+    except RuntimeError:
+        pass
+    it = maps[0].items()
+    del maps
+    assert isinstance(list(it), list)
+
+
+def reinit_keeps_a_holding_map_whole() -> None:
+    """__init__ again with another seed (a map's hashing is fixed once it holds ids): refused,
+    and every id is still found. (Before the fix the new seed hid every held id.)"""
+    m = new_idmap(compiled=True)
+    m.add_class(100)
+    for i in range(100):
+        m[i.to_bytes(32, "little")] = i
+    try:
+        m.__init__(12345)
+    except RuntimeError:
+        pass
+    assert all(m.get(i.to_bytes(32, "little")) == i for i in range(100))
+    m[b"new"] = 5
+    assert len(m) == 100 and m[b"new"] == 5 and m.id_of(5) == b"new"
+    fresh = type(m).__new__(type(m))  # never initialised: a working, empty map
+    fresh.add_class(2)
+    fresh[b"a"] = 1
+    assert fresh[b"a"] == 1 and list(fresh) == [b"a"]
+
+
+@needs_c
+def test_hostile_calls_raise_the_fallbacks_errors_never_crash() -> None:
+    _in_child("hostile_idmap_calls")
+
+
+@needs_c
+def test_a_second_init_cannot_hide_held_ids() -> None:
+    _in_child("reinit_keeps_a_holding_map_whole")
+
+
+def _colliding_ids(words: int, count: int, rng: random.Random) -> list[bytes]:
+    """Ids that the old step (h = (h ^ w) * K; h ^= h >> 29) hashed alike whatever the seed:
+    flipping a word's top bit and the next word's bits 63 and 34 cancels out."""
+    import struct
+
+    base = [rng.getrandbits(64) for _ in range(words)]
+    out = []
+    for j in range(count):
+        w = list(base)
+        for pair in range(words // 2):
+            if j >> pair & 1:
+                w[2 * pair] ^= 1 << 63
+                w[2 * pair + 1] ^= (1 << 63) | (1 << 34)
+        out.append(struct.pack(f"<{words}Q", *w))
+    return out
+
+
+@needs_c
+def test_the_seeded_hash_has_no_seed_independent_collisions() -> None:
+    """Hash flooding: 8192 ids built to collide under the old hash for every seed (full 64-bit
+    collisions, so each insertion walked all the others: quadratic) insert about as fast as
+    random ids of the same length. Before the fix they were ~100x slower."""
+    import time
+
+    rng = random.Random(7)
+    n = 1 << 13
+    evil, plain = _colliding_ids(26, n, rng), [rng.randbytes(208) for _ in range(n)]
+
+    def fill(ids: list[bytes]) -> float:
+        best = 1e9
+        for _ in range(3):
+            m = new_idmap(compiled=True)
+            m.add_class(n)
+            t0 = time.perf_counter()
+            for i, k in enumerate(ids):
+                m[k] = i
+            best = min(best, time.perf_counter() - t0)
+            assert len(m) == n
+        return best
+
+    t_plain, t_evil = fill(plain), fill(evil)
+    assert t_evil < 8 * t_plain + 0.02, (t_evil, t_plain)

@@ -164,3 +164,82 @@ def test_compiled_probe_refuses_what_the_numpy_probe_refuses(shm) -> None:
         cr.close()
         nr.close()
         w.close()
+
+
+# -- hostile inputs (C review, creview) ------------------------------------------------------
+# Each hostile call must raise a clean exception, never crash: the checks run in a child
+# process, so a crash fails the test instead of killing the run.
+
+def _in_child(fn: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_probe; test_probe.{fn}()"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+
+
+def _raises(f, *args, errors=(TypeError, ValueError, BufferError)) -> None:
+    try:
+        f(*args)
+    except errors:
+        return
+    raise AssertionError(f"no error for {args!r:.200}")
+
+
+def hostile_probe_calls() -> None:
+    from kvtier.tiers import _probe
+
+    hdr, nslots = keytable.HEADER_BYTES, 16
+    table = bytearray(hdr + nslots * keytable.SLOT_BYTES)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    out = np.zeros(3, dtype=np.uint8)
+    good = (table, 60, 1, keys, out, False, 0)
+    assert _probe.probe(*good) == 0 and not out.any()
+
+    def probe(**kw):
+        a = dict(zip(("table", "shift", "tag", "keys", "out", "checked", "spin"), good, strict=True))
+        a.update(kw)
+        return _probe.probe(*a.values())
+
+    # a shift whose slots the buffer does not hold (1 to 5: 2**59 and more slots of 40 bytes,
+    # a size that wrapped to 0 before the fix and let the probe read anywhere)
+    for shift in (-1, 0, 1, 2, 3, 4, 5, 6, 59, 64, 65, 1000):
+        _raises(lambda s=shift: probe(shift=s))
+    for tag in (0, -1, 1 << 16):
+        _raises(lambda t=tag: probe(tag=t))
+    for bad in (5, None, ["k" * 16], [b"k" * 7], [b"k" * 33], [b"k" * 16, 3], [np.zeros(32, np.uint8)[::2]]):
+        _raises(lambda k=bad: probe(keys=k))
+    for bad in (np.zeros(2, np.uint8), b"\0" * 3, np.zeros(6, np.uint8)[::2], None):
+        _raises(lambda o=bad: probe(out=o))
+    for bad in (b"", bytearray(hdr - 1), bytearray(hdr + 40 * 15), "table", None):
+        _raises(lambda t=bad: probe(table=t))
+        if len(bad or "") < hdr:
+            _raises(lambda t=bad: _probe.generation(t))
+    assert probe(keys=[bytearray(b"k" * 8), memoryview(b"k" * 32), np.zeros(12, np.uint8)], out=out) == 0
+    assert probe(keys=[], out=np.zeros(0, np.uint8)) == 0 and probe(keys=()) == 0
+    # a table whose every slot is used by other keys, and one whose every seq stays odd
+    full = bytearray(table)
+    for s in range(nslots):
+        o = hdr + s * 40
+        full[o + 4:o + 8] = bytes([1, 0, 16, 2])
+        full[o + 8:o + 24] = b"z" * 16
+    assert probe(table=full, checked=True, spin=10**6) == 0 and not out.any()
+    odd = bytearray(full)
+    for s in range(nslots):
+        odd[hdr + s * 40] = 1
+    assert probe(table=odd, checked=True, spin=10**6) == 1
+    assert probe(table=odd, checked=True, spin=2**64 - 1) == 1  # a deadline past 2**64 ns wraps: gives up
+    # tally refuses a mask beyond its counters and then counts nothing
+    counts = np.zeros(4, dtype=np.uint64)
+    _raises(lambda: _probe.tally(np.array([1, 2, 9], np.uint8), counts))
+    assert not counts.any(), counts
+    _probe.tally(np.array([1, 1, 3], np.uint8), counts)
+    assert counts.tolist() == [0, 2, 0, 1]
+    _raises(lambda: _probe.tally(b"\1", b"\0" * 16))  # counters not writable
+    assert _probe.prefix(b"", 3) == (0, 0) and _probe.prefix(b"\1\4\0", 3) == (1, 2)
+
+
+@needs_c
+def test_hostile_probe_calls_raise_never_crash() -> None:
+    _in_child("hostile_probe_calls")

@@ -227,3 +227,130 @@ def test_compiled_fold_of_large_batches_matches_numpy() -> None:
     assert rc.holdings() == rn.holdings()
     keys = [k for c in chains for k in c]
     assert rc.index.rows(keys).rows.tolist() == rn.index.rows(keys).rows.tolist()
+
+
+# -- hostile inputs (C review, creview) ------------------------------------------------------
+# Each hostile call must raise a clean exception, never crash or read outside its arrays: the
+# checks run in a child process, so a crash fails the test instead of killing the run.
+
+def _in_child(fn: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_route_compiled as t; "
+            f"t.{fn}()")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+
+
+def _raises(f, errors=(TypeError, ValueError, BufferError)) -> None:
+    try:
+        f()
+    except errors:
+        return
+    raise AssertionError("no error")
+
+
+def hostile_route_calls() -> None:
+    from kvtier.client.routing import _route
+    from kvtier.client.routing.rowtable import RowTable
+
+    t = RowTable(64)
+    keys = [bytes([i + 1]) * 16 for i in range(5)]
+    t.insert(keys, np.arange(1, 6, dtype=np.int64))
+    out = np.empty(len(keys) + 2, dtype=np.int64)
+    assert _route.rows(keys, t.slots, t.tags, t.packed, 6, t._shift_i, out) == 5 and out[1:6].tolist() == [1, 2, 3, 4, 5]
+
+    # wrong dtypes, non-contiguous or short arrays: refused before anything is read
+    for i, bad in ((1, t.slots.astype(np.int64)), (1, t.slots.astype(np.float32)), (2, t.tags.astype(np.int32)),
+                   (6, np.empty(7)), (6, np.empty(7, np.int32)), (6, np.empty(14, np.int64)[::2]),
+                   (6, np.empty(6, np.int64)), (6, b"\0" * 56), (1, t.slots[::2])):
+        args = [keys, t.slots, t.tags, t.packed, 6, t._shift_i, out]
+        args[i] = bad
+        _raises(lambda a=args: _route.rows(*a))
+    for shift, high in ((t._shift_i + 1, 6), (0, 6), (64, 6), (t._shift_i, 10**6), (t._shift_i, 1 << 63)):
+        _raises(lambda s=shift, h=high: _route.rows(keys, t.slots, t.tags, t.packed, h, s, out),
+                (TypeError, ValueError, OverflowError))
+    # a slot naming a row beyond packed (a corrupt table): never read, the key is not indexed
+    slots, tags = t.slots.copy(), t.tags.copy()
+    slots[slots >= 0] = 2**31 - 1
+    assert _route.rows(keys, slots, tags, t.packed, 6, t._shift_i, out) == 0 and (out[1:6] == -1).all()
+
+    class Clears:  # an int whose conversion empties the key list (checked keys must be re-checked)
+        def __init__(self, v: int, victim: list) -> None:
+            self.v, self.victim = v, victim
+
+        def __index__(self) -> int:
+            self.victim.clear()
+            return self.v
+
+    victim = list(keys)
+    got = _route.rows(victim, t.slots, t.tags, t.packed, Clears(6, victim), t._shift_i, out)
+    assert got == 0
+    victim = list(keys)
+    assert _route.insert(victim, np.arange(20, 25, dtype=np.int64), t.packed, t.live, t.slots.copy(),
+                         t.tags.copy(), Clears(t._shift_i, victim)) == 1
+
+    # rank: top_k 0 (the insertion sort read and wrote e[-1] before the fix), no workers, bad arrays
+    w = 3
+    lead, wt = np.zeros((4, w), np.int64), np.ones((4, w))
+    lc, q, a = np.zeros(w), np.zeros(w), np.zeros(w)
+    dig, cost, saved = np.arange(w, dtype=np.uint64), np.empty(w), np.empty(w)
+    base = [10, lead, wt, lc, q, a, dig, 5, 2, cost, saved, False]
+    assert len(_route.rank(*base)) == 2
+    for k in (0, -1, -5, 10**6):
+        args = list(base)
+        args[8] = k
+        assert sorted(_route.rank(*args)) == ([] if k == 0 else list(range(w))), k
+    z = [np.zeros((4, 0), np.int64), np.ones((4, 0)), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0, np.uint64)]
+    assert _route.rank(10, *z, 5, 3, np.empty(0), np.empty(0), False) == []
+    for i, bad in ((1, lead.astype(np.float64)), (2, wt.astype(np.int64)), (6, dig.astype(np.float64)),
+                   (1, np.zeros((4, 2 * w), np.int64)[:, ::2]), (3, np.zeros(w + 1)), (9, b"\0" * 24),
+                   (10, np.empty(w, np.float32)), (0, "10")):
+        args = list(base)
+        args[i] = bad
+        _raises(lambda a=args: _route.rank(*a))
+
+    # lead: m, nwords, n_workers far beyond the buffers (sizes that overflowed before the fix)
+    bits = np.zeros((8, 1), np.uint64)
+    table = np.zeros((2048, 4), np.uint64)
+    rows = np.array([-1, 1, 2, -1], np.int64)
+    lout = np.empty((4, 2), np.int64)
+    _route.lead(rows, 2, bits, 1, table, 2, True, lout)
+    for m_, nw, nwk in ((1 << 62, 1, 2), (3, 1, 2), (0, 1, 2), (2, 1 << 60, 2), (2, 0, 2), (2, 1, (1 << 63) - 1),
+                        (2, 1, 65), (2, 1, 0), (2, 1, 3)):
+        _raises(lambda m_=m_, nw=nw, nwk=nwk: _route.lead(rows, m_, bits, nw, table, nwk, True, lout))
+    _raises(lambda: _route.lead(np.array([-1, 99, -1], np.int64), 1, bits, 1, table, 2, True, lout))
+
+    # set_bit: a count beyond rows, a column beyond the words, rows outside the matrix
+    for nw, cnt, col, rr in ((1, 1 << 61, 0, rows[1:3]), (1, 2, 64, rows[1:3]), (1, 2, -1, rows[1:3]),
+                             (1 << 60, 1, 0, rows[1:3]), (1, 1, 0, np.array([8], np.int64)),
+                             (1, 1, 0, np.array([1], np.int32)), (1, -1, 0, rows[1:3])):
+        _raises(lambda nw=nw, cnt=cnt, col=col, rr=rr: _route.set_bit(bits, nw, rr, cnt, col))
+    assert not bits.any()
+    # insert / place: rows outside the table, a key list that is not one
+    _raises(lambda: _route.insert(keys[:1], np.array([1 << 40], np.int64), t.packed, t.live, t.slots, t.tags,
+                                  t._shift_i))
+    _raises(lambda: _route.insert(tuple(keys), np.arange(5, dtype=np.int64), t.packed, t.live, t.slots, t.tags,
+                                  t._shift_i))
+    _raises(lambda: _route.place(np.array([-1], np.int64), t.packed, t.slots, t.tags, t._shift_i))
+    _raises(lambda: _route.place(np.array([1], np.int64), t.packed, t.slots, t.tags.astype(np.int64), t._shift_i))
+
+
+@needs_c
+def test_hostile_route_calls_raise_never_crash() -> None:
+    _in_child("hostile_route_calls")
+
+
+@needs_c
+def test_scorer_rank_with_top_k_zero_matches_numpy() -> None:
+    """Scorer.rank(top_k=0): no workers, as numpy's order gives (the compiled selection read and
+    wrote the entry before its array)."""
+    sc = Scorer()
+    w = 5
+    args = (10, np.zeros((4, w), np.int64), np.zeros(w), np.ones((4, w)), np.zeros(w), np.zeros(w),
+            worker_digests([f"w{i}" for i in range(w)]), b"k" * 16)
+    with numpy_path():
+        want = sc.rank(*args, top_k=0)[2]
+    assert want == [] and sc.rank(*args, top_k=0)[2] == want

@@ -41,6 +41,7 @@ typedef struct {
     Py_ssize_t used;   /* live entries */
     Py_ssize_t filled; /* live + deleted */
     uint64_t seed;
+    uint64_t secret;   /* odd, from the seed: each word is multiplied by it (see hash_id) */
     uint64_t version;  /* bumped on every insertion or deletion (iterators check it) */
     Class *classes;
     uint32_t ncls;
@@ -54,20 +55,26 @@ static inline uint64_t mix(uint64_t h) {
     return h ^ (h >> 33);
 }
 
-static uint64_t hash_id(uint64_t seed, const unsigned char *p, Py_ssize_t n) {
+/* The full 128-bit product of a and the secret, folded: a step the seed makes non-linear. (A
+ * step of a fixed multiply and xor-shift let a flip of a word's top bit, undone by a fixed flip
+ * of the next word, give the same hash whatever the seed: 2**(words / 2) ids of one hash.) */
+static inline uint64_t fold_mul(uint64_t a, uint64_t secret) {
+    __uint128_t r = (__uint128_t)a * secret;
+    return (uint64_t)r ^ (uint64_t)(r >> 64);
+}
+
+static uint64_t hash_id(uint64_t seed, uint64_t secret, const unsigned char *p, Py_ssize_t n) {
     uint64_t h = seed ^ ((uint64_t)n * 0x9E3779B97F4A7C15ULL);
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
         uint64_t w;
         memcpy(&w, p + i, 8);
-        h = (h ^ w) * 0x9E3779B97F4A7C15ULL;
-        h ^= h >> 29;
+        h = fold_mul(h ^ w, secret);
     }
     if (i < n) {
         uint64_t w = 0;
         memcpy(&w, p + i, (size_t)(n - i));
-        h = (h ^ w) * 0x9E3779B97F4A7C15ULL;
-        h ^= h >> 29;
+        h = fold_mul(h ^ w, secret);
     }
     return mix(h);
 }
@@ -112,7 +119,7 @@ static int resize(IdMap *m, uint64_t size) {
             if (e == EMPTY || e == DELETED)
                 continue;
             const unsigned char *r = record(m, E_CLS(e), E_SLOT(e));
-            uint64_t j = hash_id(m->seed, r + 1, r[0] - 1) & mask;
+            uint64_t j = hash_id(m->seed, m->secret, r + 1, r[0] - 1) & mask;
             while (t[j] != EMPTY)
                 j = (j + 1) & mask;
             t[j] = e;
@@ -137,8 +144,13 @@ static int id_arg(PyObject *key, const unsigned char **p, Py_ssize_t *n) {
 
 static int ref_arg(IdMap *m, PyObject *v, uint32_t *cls, uint32_t *slot) {
     long long ref = PyLong_AsLongLong(v);
-    if (ref == -1 && PyErr_Occurred())
+    if (ref == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* as PyIdMap: a ValueError */
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "ref %R names no slot of a class of this map", v);
+        }
         return -1;
+    }
     if (ref < 0 || (uint64_t)(ref >> 32) >= m->ncls || (uint64_t)(ref & 0xFFFFFFFF) >= m->classes[ref >> 32].nslots) {
         PyErr_Format(PyExc_ValueError, "ref %lld names no slot of a class of this map", ref);
         return -1;
@@ -197,13 +209,13 @@ static int set_item(IdMap *m, const unsigned char *p, Py_ssize_t n, uint32_t cls
         if (resize(m, size) < 0)
             return -1;
     }
-    uint64_t h = hash_id(m->seed, p, n);
+    uint64_t h = hash_id(m->seed, m->secret, p, n);
     Py_ssize_t at = find(m, p, n, h);
     if (at >= 0)
         drop_at(m, at); /* held at another ref (or this one): it moves */
     unsigned char *r = c->rec + (size_t)slot * c->stride;
     if (r[0]) { /* another id set at this ref: dropped if it is still held here */
-        Py_ssize_t old = find(m, r + 1, r[0] - 1, hash_id(m->seed, r + 1, r[0] - 1));
+        Py_ssize_t old = find(m, r + 1, r[0] - 1, hash_id(m->seed, m->secret, r + 1, r[0] - 1));
         if (old >= 0 && E_CLS(m->table[old]) == cls && E_SLOT(m->table[old]) == slot)
             drop_at(m, old);
     }
@@ -228,8 +240,20 @@ static int IdMap_init(IdMap *m, PyObject *args, PyObject *kw) {
     unsigned long long seed = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|K", kwlist, &seed))
         return -1;
+    if (m->table && seed != m->seed) { /* the held ids were placed by the old seed's hashes */
+        PyErr_SetString(PyExc_RuntimeError, "the seed of an IdMap that holds ids cannot change");
+        return -1;
+    }
     m->seed = seed;
+    m->secret = mix(seed ^ 0x243F6A8885A308D3ULL) | 1;
     return 0;
+}
+
+static PyObject *IdMap_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    IdMap *m = (IdMap *)PyType_GenericNew(type, args, kw);
+    if (m)
+        m->secret = mix(0x243F6A8885A308D3ULL) | 1; /* seed 0's, until __init__ */
+    return (PyObject *)m;
 }
 
 static void IdMap_dealloc(IdMap *m) {
@@ -242,8 +266,12 @@ static void IdMap_dealloc(IdMap *m) {
 
 static PyObject *IdMap_add_class(IdMap *m, PyObject *arg) {
     long long n = PyLong_AsLongLong(arg);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
+    if (n == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return NULL;
+        PyErr_Clear(); /* as PyIdMap: a ValueError */
+        n = -1;
+    }
     if (n < 0 || n > 0xFFFFFFFFLL) {
         PyErr_Format(PyExc_ValueError, "nslots %lld: 0 to 2**32 - 1", n);
         return NULL;
@@ -267,7 +295,7 @@ static Py_ssize_t lookup(IdMap *m, PyObject *key) {
     Py_ssize_t n;
     if (id_arg(key, &p, &n) < 0)
         return -2;
-    return find(m, p, n, hash_id(m->seed, p, n));
+    return find(m, p, n, hash_id(m->seed, m->secret, p, n));
 }
 
 static PyObject *IdMap_subscript(IdMap *m, PyObject *key) {
@@ -287,7 +315,7 @@ static int IdMap_ass_subscript(IdMap *m, PyObject *key, PyObject *v) {
     if (id_arg(key, &p, &n) < 0)
         return -1;
     if (v == NULL) {
-        Py_ssize_t i = find(m, p, n, hash_id(m->seed, p, n));
+        Py_ssize_t i = find(m, p, n, hash_id(m->seed, m->secret, p, n));
         if (i < 0) {
             PyErr_SetObject(PyExc_KeyError, key);
             return -1;
@@ -471,7 +499,7 @@ static PyTypeObject IdMapType = {
     .tp_as_mapping = &IdMap_mapping,
     .tp_as_sequence = &IdMap_sequence,
     .tp_init = (initproc)IdMap_init,
-    .tp_new = PyType_GenericNew,
+    .tp_new = IdMap_new,
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_idmap", "The host tier's compact id map.", -1, NULL};

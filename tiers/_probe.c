@@ -113,8 +113,10 @@ static PyObject *probe(PyObject *self, PyObject *args) {
         return NULL;
     }
     uint64_t nslots = shift >= 64 || shift < 1 ? 0 : (1ULL << (64 - shift));
-    if (nslots == 0 || (uint64_t)tb.len < HEADER_BYTES + nslots * SLOT_BYTES || ob.len < n || tag < 1 ||
-        tag > 0xFFFF) {
+    /* nslots is compared with the slots the buffer holds (a division: 2**63 slots of 40 bytes
+     * would wrap to 0 bytes in a product) */
+    if (nslots == 0 || tb.len < HEADER_BYTES || nslots > (uint64_t)(tb.len - HEADER_BYTES) / SLOT_BYTES ||
+        ob.len < n || tag < 1 || tag > 0xFFFF) {
         PyErr_SetString(PyExc_ValueError, "table, shift, tag or out do not fit");
         goto fail;
     }
@@ -142,6 +144,13 @@ static PyObject *probe(PyObject *self, PyObject *args) {
                 p = kb.buf;
                 len = kb.len;
                 view = 1;
+                /* an exporter written in Python (3.12's __buffer__) may have changed the list */
+                if (PySequence_Fast_GET_SIZE(seq) != n) {
+                    PyBuffer_Release(&kb);
+                    PyErr_SetString(PyExc_RuntimeError, "keys changed during the probe");
+                    goto fail;
+                }
+                items = PySequence_Fast_ITEMS(seq);
             }
             if (len < KEY_MIN || len > KEY_MAX) {
                 if (view)
@@ -224,12 +233,11 @@ static PyObject *tally(PyObject *self, PyObject *args) {
     uint64_t *c = (uint64_t *)cb.buf;
     Py_ssize_t nc = cb.len / 8;
     int bad = 0;
-    for (Py_ssize_t i = 0; i < mb.len; i++) {
-        if (m[i] < nc)
+    for (Py_ssize_t i = 0; i < mb.len; i++) /* checked first: a refused call counts nothing */
+        bad |= m[i] >= nc;
+    if (!bad)
+        for (Py_ssize_t i = 0; i < mb.len; i++)
             c[m[i]]++;
-        else
-            bad = 1;
-    }
     PyBuffer_Release(&mb);
     PyBuffer_Release(&cb);
     if (bad) {

@@ -62,8 +62,33 @@
 #define MIX1 0x9E3779B97F4A7C15ULL
 #define AHEAD 16 /* keys whose home slots are fetched ahead of their probes */
 
-static int get_buf(PyObject *o, Py_buffer *b, int writable) {
-    return PyObject_GetBuffer(o, b, writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS);
+/* A C-contiguous buffer of the element type kind names, else TypeError (and nothing held):
+ * 'q' int64, 'Q' uint64, 'd' float64, 'i' int32, 'B' one byte (uint8, bool), 'K' a 16-byte key
+ * (numpy's V16, or bytes). A wrongly typed array must not be read as another type. */
+static int get_buf(PyObject *o, Py_buffer *b, int writable, char kind) {
+    if (PyObject_GetBuffer(o, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    int ok;
+    switch (kind) {
+    case 'q': ok = b->itemsize == 8 && (!strcmp(f, "q") || !strcmp(f, "l")); break;
+    case 'Q': ok = b->itemsize == 8 && (!strcmp(f, "Q") || !strcmp(f, "L")); break;
+    case 'd': ok = b->itemsize == 8 && !strcmp(f, "d"); break;
+    case 'i': ok = b->itemsize == 4 && (!strcmp(f, "i") || !strcmp(f, "l")); break;
+    case 'B': ok = b->itemsize == 1 && (!strcmp(f, "B") || !strcmp(f, "?") || !strcmp(f, "b") || !strcmp(f, "c")); break;
+    default: ok = b->itemsize == WIDTH || (b->itemsize == 1 && !strcmp(f, "B")); break;
+    }
+    if (!ok) {
+        static const char *const names[] = {"int64", "uint64", "float64", "int32", "uint8", "16-byte key"};
+        const char *name = names[kind == 'q' ? 0 : kind == 'Q' ? 1 : kind == 'd' ? 2 : kind == 'i' ? 3 : kind == 'B' ? 4 : 5];
+        PyErr_Format(PyExc_TypeError, "a C-contiguous %s array was expected, not format %.20s of %zd-byte items", name,
+                     b->format ? b->format : "B", b->itemsize);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
 }
 
 static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
@@ -86,7 +111,7 @@ static inline int eq16(const unsigned char *a, const unsigned char *b) {
 }
 
 static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const unsigned char *packed,
-                            uint64_t mask, int shift, const unsigned char *key) {
+                            Py_ssize_t nrows, uint64_t mask, int shift, const unsigned char *key) {
     uint64_t w0, w1;
     memcpy(&w0, key, 8);
     memcpy(&w1, key + 8, 8);
@@ -97,7 +122,8 @@ static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const uns
         int32_t r = slots[i];
         if (r < 0)
             return -1;
-        if (tags[i] == tag && eq16(packed + (size_t)r * WIDTH, key))
+        if (tags[i] == tag && r < nrows && eq16(packed + (size_t)r * WIDTH, key)) /* r < nrows: never read
+                                                                                      * outside packed */
             return r;
         i = (i + 1) & mask;
     }
@@ -130,9 +156,7 @@ static Py_ssize_t rows_core(PyObject *keys, Py_ssize_t n, const int32_t *slots, 
         if (prev >= 0 && prev + 1 < high && eq16(packed + (size_t)(prev + 1) * WIDTH, key) && !eq16(key, ZERO))
             r = prev + 1;
         else {
-            r = probe(slots, tags, packed, mask, (int)shift, key);
-            if (r >= nrows)
-                r = -1; /* cannot be: the table holds rows of packed */
+            r = probe(slots, tags, packed, nrows, mask, (int)shift, key);
         }
         out[i + 1] = r;
         if (r < 0 && indexed < 0)
@@ -166,26 +190,30 @@ static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "rows(): keys must be a list");
         return NULL;
     }
+    long long high = PyLong_AsLongLong(args[4]);
+    if (high == -1 && PyErr_Occurred())
+        return NULL;
+    long shift = PyLong_AsLong(args[5]);
+    if (shift == -1 && PyErr_Occurred())
+        return NULL;
+    /* the keys are checked after the conversions above (an __index__ may change the list) and
+     * no Python code runs between this check and their use */
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (!keys16(keys))
         return PyLong_FromLong(-1);
-    long long high = PyLong_AsLongLong(args[4]);
-    long shift = PyLong_AsLong(args[5]);
-    if (PyErr_Occurred())
-        return NULL;
     Py_buffer bs, bt, bp, bo;
-    if (get_buf(args[1], &bs, 0) < 0)
+    if (get_buf(args[1], &bs, 0, 'i') < 0)
         return NULL;
-    if (get_buf(args[2], &bt, 0) < 0) {
+    if (get_buf(args[2], &bt, 0, 'B') < 0) {
         PyBuffer_Release(&bs);
         return NULL;
     }
-    if (get_buf(args[3], &bp, 0) < 0) {
+    if (get_buf(args[3], &bp, 0, 'K') < 0) {
         PyBuffer_Release(&bs);
         PyBuffer_Release(&bt);
         return NULL;
     }
-    if (get_buf(args[6], &bo, 1) < 0) {
+    if (get_buf(args[6], &bo, 1, 'q') < 0) {
         PyBuffer_Release(&bs);
         PyBuffer_Release(&bt);
         PyBuffer_Release(&bp);
@@ -278,28 +306,32 @@ static PyObject *route_lead(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (PyErr_Occurred() || remote < 0)
         return NULL;
     Py_buffer br, bb, bt, bo;
-    if (get_buf(args[0], &br, 0) < 0)
+    if (get_buf(args[0], &br, 0, 'q') < 0)
         return NULL;
-    if (get_buf(args[2], &bb, 0) < 0) {
+    if (get_buf(args[2], &bb, 0, 'Q') < 0) {
         PyBuffer_Release(&br);
         return NULL;
     }
-    if (get_buf(args[4], &bt, 0) < 0) {
+    if (get_buf(args[4], &bt, 0, 'Q') < 0) {
         PyBuffer_Release(&br);
         PyBuffer_Release(&bb);
         return NULL;
     }
-    if (get_buf(args[7], &bo, 1) < 0) {
+    if (get_buf(args[7], &bo, 1, 'q') < 0) {
         PyBuffer_Release(&br);
         PyBuffer_Release(&bb);
         PyBuffer_Release(&bt);
         return NULL;
     }
     PyObject *res = NULL;
-    Py_ssize_t tw = 4 * ((n_workers + 63) / 64), stride = nwords * 8 * 256;
-    Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
-    if (m <= 0 || nwords <= 0 || n_workers <= 0 || tw > MAX_TW || br.len < (m + 2) * 8 || nrows < 1 ||
-        bt.len != tw * stride * 8 || bo.len < 4 * n_workers * 8) {
+    /* bounds first, so no size below overflows (m, nwords and n_workers are the caller's) */
+    if (m <= 0 || m > br.len / 8 - 2 || nwords <= 0 || nwords > bb.len / 8 || n_workers <= 0 ||
+        n_workers > MAX_TW / 4 * 64 || bo.len / 8 / 4 < n_workers) {
+        PyErr_SetString(PyExc_ValueError, "lead(): buffers do not match the plan");
+        goto done;
+    }
+    Py_ssize_t tw = 4 * ((n_workers + 63) / 64), stride = nwords * 8 * 256, nrows = bb.len / 8 / nwords;
+    if (bt.len / 8 / tw != stride || bt.len % (8 * tw)) {
         PyErr_SetString(PyExc_ValueError, "lead(): buffers do not match the plan");
         goto done;
     }
@@ -367,7 +399,8 @@ static PyObject *rank_core(double n, const int64_t *lead, const double *wt, cons
         e[j].tie = (dig[j] ^ kd) * MIX1;
         e[j].i = j;
     }
-    if (k <= 16) { /* the best k by insertion: e[0..k) sorted (writes stay at or below the read) */
+    if (k == 0) { /* none wanted (top_k 0, or no workers): e[k - 1] below would be e[-1] */
+    } else if (k <= 16) { /* the best k by insertion: e[0..k) sorted (writes stay at or below the read) */
         Py_ssize_t have = 0;
         for (Py_ssize_t j = 0; j < w; j++) {
             Entry x = e[j];
@@ -410,9 +443,10 @@ static PyObject *route_rank(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     Py_buffer b[9];
     int idx[9] = {1, 2, 3, 4, 5, 6, 9, 10, -1};
+    static const char kinds[8] = {'q', 'd', 'd', 'd', 'd', 'Q', 'd', 'd'};
     int got = 0;
     for (; got < 8; got++) {
-        if (get_buf(args[idx[got]], &b[got], got >= 6) < 0)
+        if (get_buf(args[idx[got]], &b[got], got >= 6, kinds[got]) < 0)
             break;
     }
     PyObject *res = NULL;
@@ -444,19 +478,17 @@ static PyObject *route_insert(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "insert(): keys must be a list");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) != WIDTH)
-            return PyLong_FromLong(-1);
-    }
     long shift = PyLong_AsLong(args[6]);
-    if (PyErr_Occurred())
+    if (shift == -1 && PyErr_Occurred())
         return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys); /* checked after the conversion: an __index__ may change it */
+    if (!keys16(keys))
+        return PyLong_FromLong(-1);
     Py_buffer b[5];
+    static const char kinds[5] = {'q', 'K', 'B', 'i', 'B'};
     int got = 0;
     for (; got < 5; got++)
-        if (get_buf(args[got + 1], &b[got], got >= 1) < 0)
+        if (get_buf(args[got + 1], &b[got], got >= 1, kinds[got]) < 0)
             break;
     PyObject *res = NULL;
     if (got < 5)
@@ -519,8 +551,9 @@ static PyObject *route_place(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     Py_buffer b[4];
     int got = 0;
+    static const char kinds[4] = {'q', 'K', 'i', 'B'};
     for (; got < 4; got++)
-        if (get_buf(args[got], &b[got], got >= 2) < 0)
+        if (get_buf(args[got], &b[got], got >= 2, kinds[got]) < 0)
             break;
     PyObject *res = NULL;
     if (got < 4)
@@ -587,15 +620,15 @@ static PyObject *route_set_bit(PyObject *self, PyObject *const *args, Py_ssize_t
     if (PyErr_Occurred())
         return NULL;
     Py_buffer bb, br;
-    if (get_buf(args[0], &bb, 1) < 0)
+    if (get_buf(args[0], &bb, 1, 'Q') < 0)
         return NULL;
-    if (get_buf(args[2], &br, 0) < 0) {
+    if (get_buf(args[2], &br, 0, 'q') < 0) {
         PyBuffer_Release(&bb);
         return NULL;
     }
     PyObject *res = NULL;
     Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
-    if (nwords <= 0 || col < 0 || col >= nwords * 64 || count < 0 || br.len < count * 8) {
+    if (nwords <= 0 || nwords > bb.len / 8 || col < 0 || col / 64 >= nwords || count < 0 || count > br.len / 8) {
         PyErr_SetString(PyExc_ValueError, "set_bit(): arguments do not match the matrix");
         goto done;
     }
@@ -632,30 +665,44 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "decide(): keys must be a list");
         return NULL;
     }
+    long long high = PyLong_AsLongLong(args[4]);
+    if (high == -1 && PyErr_Occurred())
+        return NULL;
+    long shift = PyLong_AsLong(args[5]);
+    if (shift == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[7]);
+    if (nwords == -1 && PyErr_Occurred())
+        return NULL;
+    int remote = PyObject_IsTrue(args[9]);
+    if (remote < 0)
+        return NULL;
+    unsigned long long kd = PyLong_AsUnsignedLongLongMask(args[15]);
+    if (kd == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t top_k = PyLong_AsSsize_t(args[16]);
+    if (top_k == -1 && PyErr_Occurred())
+        return NULL;
+    /* the keys are checked after the conversions above (an __index__ or __bool__ may change the
+     * list) and no Python code runs between this check and their use */
     if (!keys16(keys))
         Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    long long high = PyLong_AsLongLong(args[4]);
-    long shift = PyLong_AsLong(args[5]);
-    Py_ssize_t nwords = PyLong_AsSsize_t(args[7]);
-    int remote = PyObject_IsTrue(args[9]);
-    unsigned long long kd = PyLong_AsUnsignedLongLongMask(args[15]);
-    Py_ssize_t top_k = PyLong_AsSsize_t(args[16]);
-    if (PyErr_Occurred() || remote < 0)
-        return NULL;
     /* buffers: slots tags packed bits table weights load_cost queued active digests rows lead cs */
     static const int at[13] = {1, 2, 3, 6, 8, 10, 11, 12, 13, 14, 17, 18, 19};
     Py_buffer b[13];
     int got = 0;
+    static const char kinds[13] = {'i', 'B', 'K', 'Q', 'Q', 'd', 'd', 'd', 'd', 'Q', 'q', 'q', 'd'};
     for (; got < 13; got++)
-        if (get_buf(args[at[got]], &b[got], got >= 10) < 0)
+        if (get_buf(args[at[got]], &b[got], got >= 10, kinds[got]) < 0)
             break;
     PyObject *res = NULL, *order = NULL;
     if (got < 13)
         goto done;
     Py_ssize_t nslots = b[0].len / 4, nrows_keys = b[2].len / WIDTH;
-    Py_ssize_t w = b[7].len / 8, tw = 4 * ((w + 63) / 64), stride = nwords * 8 * 256;
-    Py_ssize_t nrows = nwords > 0 ? b[3].len / 8 / nwords : 0;
+    Py_ssize_t w = b[7].len / 8, tw = 4 * ((w + 63) / 64);
+    /* nwords is the caller's: bounded by the matrix before any size is made of it */
+    Py_ssize_t nrows = nwords > 0 ? b[3].len / 8 / nwords : 0, stride = nrows > 0 ? nwords * 8 * 256 : 0;
     if (!table_ok(nslots, b[1].len, shift, high, nrows_keys) || nwords <= 0 || nrows < 1 || w <= 0 ||
         tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 4 * w * 8 || b[6].len != w * 8 ||
         b[8].len != w * 8 || b[9].len != w * 8 || b[10].len < (n + 2) * 8 || b[11].len != 4 * w * 8 ||
