@@ -236,3 +236,162 @@ def test_a_forked_child_copies_on_threads_of_its_own() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         copyin.PARALLEL_MIN_BYTES = big
+
+
+# -- C review (cpreview): tiers/_copyhash.c and client/engine/copyin.py under hostile input ------
+# Crash-prone cases run in a child process: a crash (or an ASan report, when built with
+# sanitizers) fails the test instead of killing pytest.
+
+_CHILD_SWEEP = r"""
+import numpy as np, xxhash
+from kvtier.tiers import _copyhash as c
+C = c.CHUNK_BYTES
+sizes = sorted({0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 239, 240, 241,
+                255, 256, 257, 1023, 1024, 1025, 4095, 4096, 4097, (3 << 20) + 7, 5 << 20}
+               | {C + d for d in (-129, -128, -65, -64, -17, -16, -1, 0, 1, 15, 16, 63, 64, 127, 128)}
+               | {2 * C + d for d in (-1, 0, 1)})
+src = np.random.default_rng(1).integers(0, 256, max(sizes) + 64, dtype=np.uint8)
+dst = np.zeros(max(sizes) + 128, dtype=np.uint8)
+for n in sizes:
+    for so, do in ((0, 0), (1, 3), (5, 16), (16, 63)):
+        s, d = src[so:so + n], dst[do:do + n]
+        dst[:do + n + 64] = 0
+        assert c.copy_hash(d, s) == xxhash.xxh3_64_intdigest(s), (n, so, do)
+        assert bytes(d) == s.tobytes() and not dst[:do].any() and not dst[do + n:do + n + 64].any(), (n, so, do)
+        dst[:do + n + 64] = 0
+        c.copy(d, s)
+        assert bytes(d) == s.tobytes() and not dst[:do].any() and not dst[do + n:do + n + 64].any(), (n, so, do)
+print(c.AVX2)
+"""
+
+
+def _child(code: str, **env: str):
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+@pytest.mark.skipif(not copyin.COMPILED, reason="kvtier.tiers._copyhash not built")
+@pytest.mark.parametrize("baseline", ["1", "0"])
+def test_copy_hash_is_xxh3_at_every_size_on_both_loops(baseline) -> None:
+    """Sizes around 16/64/128-byte steps, xxh3's 240-byte step and the 256 KiB chunk, up to 5
+    MiB, at odd source and destination alignments: the checksum is xxhash's and the copy exact,
+    on the AVX2 loop and on the baseline one (KVTIER_COPYHASH_BASELINE=1 forces it)."""
+    r = _child(_CHILD_SWEEP, KVTIER_COPYHASH_BASELINE=baseline)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open("/proc/cpuinfo") as f:
+        cpu_avx2 = " avx2" in f.read()
+    assert r.stdout.split()[-1] == ("0" if baseline == "1" else str(int(cpu_avx2)))
+
+
+_CHILD_HOSTILE = r"""
+import mmap
+import numpy as np, xxhash
+from kvtier.tiers import _copyhash as c
+src = np.arange(1000, dtype=np.uint8)
+
+def refused(exc, f, *args):
+    try:
+        f(*args)
+    except exc:
+        return
+    raise AssertionError(f"{f.__name__}{tuple(type(a).__name__ for a in args)} was not refused with {exc}")
+
+for f in (c.copy_hash, c.copy):
+    refused(TypeError, f, bytes(1000), src)                                   # read-only destination
+    refused(TypeError, f, np.frombuffer(bytes(1000), np.uint8), src)
+    refused(ValueError, f, np.zeros(999, np.uint8), src)                      # lengths differ
+    refused(ValueError, f, np.zeros(1001, np.uint8), src)
+    refused((ValueError, BufferError), f, np.zeros(500, np.uint8), src[::2])  # not contiguous
+    refused((TypeError, BufferError), f, np.zeros(2000, np.uint8)[::2], src)
+    refused((ValueError, BufferError), f, np.zeros(1000, np.uint8), np.asfortranarray(src.reshape(10, 100)))
+    refused(TypeError, f, bytearray(3), "abc")
+    refused(TypeError, f, None, src)
+    refused(TypeError, f, src)
+    big = np.zeros(3 << 20, np.uint8)
+    refused(ValueError, f, big[1:(2 << 20) + 1], big[:2 << 20])               # overlapping
+    refused(ValueError, f, big[:2 << 20], big[4096:(2 << 20) + 4096])
+    m = mmap.mmap(-1, 1 << 20)
+    pool = np.frombuffer(m, np.uint8)
+    refused(ValueError, f, pool[(1 << 20) - 10:], src[:20])                   # a slot past the mapping's end
+    # lengths are bytes whatever the item size: 250 float32 are 1000 bytes
+    f(np.zeros(250, np.float32), src)
+    f(np.zeros(1000, np.uint8), np.ones(250, np.float32))
+    assert f(bytearray(), b"") in (None, xxhash.xxh3_64_intdigest(b""))
+    # unaligned streamed destinations in a shared mapping (the non-temporal stores' alignment)
+    s = np.random.default_rng(0).integers(0, 256, (1 << 19) + 100, dtype=np.uint8)
+    for off in (1, 3, 15, 17, 63):
+        n = (1 << 19) + 5
+        h = f(pool[off:off + n], s[1:1 + n])
+        assert bytes(pool[off:off + n]) == s[1:1 + n].tobytes() and h in (None, xxhash.xxh3_64_intdigest(s[1:1 + n]))
+    del pool
+    m.close()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not copyin.COMPILED, reason="kvtier.tiers._copyhash not built")
+def test_the_compiled_copy_refuses_hostile_buffers_cleanly() -> None:
+    """Read-only or short destinations, non-contiguous or overlapping buffers, a slot past the
+    mapping: a Python exception each, never a crash or a write out of bounds; other item sizes
+    count in bytes, and unaligned destinations stream correctly."""
+    r = _child(_CHILD_HOSTILE)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_put_and_get_blocks_count_bytes_for_any_dtype(compiled, small_chunks) -> None:
+    """Blocks of float16 (a torch/numpy KV dtype) land at their offsets as bytes on both paths:
+    numpy's copy casting element by element, or a slot sliced by element count, would differ."""
+    arrs = [np.random.default_rng(i).standard_normal(3000).astype(np.float16) for i in range(3)]
+    pool = np.zeros(3 * 6000 + 8, dtype=np.uint8)
+    offsets = [8, 8 + 6000, 8 + 12000]
+    assert copyin.put_blocks(pool, offsets, arrs, compiled) == [payload_checksum(a.tobytes()) for a in arrs]
+    assert bytes(pool[8:]) == b"".join(a.tobytes() for a in arrs) and not pool[:8].any()
+    out = [np.zeros(3000, dtype=np.float16) for _ in range(3)]
+    copyin.get_blocks(pool, offsets, out, compiled)
+    assert all(np.array_equal(o, a) for o, a in zip(out, arrs, strict=True))
+    with pytest.raises((TypeError, ValueError)):  # a read-only destination: refused on both paths
+        copyin.get_blocks(pool, offsets[:1], [np.frombuffer(bytes(6000), dtype=np.uint8)], compiled)
+    with pytest.raises(ValueError):               # overlapping: refused on both paths
+        copyin.copy_hash(pool[1:6001], pool[:6000], compiled)
+
+
+def test_a_put_copies_when_the_copy_threads_are_shut_down(small_chunks) -> None:
+    """The copy threads' pool refusing work (shut down, as at interpreter exit): the caller's
+    thread copies every block instead of the put failing (or returning while a thread it did
+    start still writes into slots the failed put gives back)."""
+    arrs = [np.full(1 << 16, i, dtype=np.uint8) for i in range(6)]
+    pool = np.zeros(6 << 16, dtype=np.uint8)
+    copyin._executor().shutdown()
+    try:
+        sums = copyin.put_blocks(pool, [i << 16 for i in range(6)], arrs)
+    finally:
+        copyin._pool = None
+    assert sums == [payload_checksum(a) for a in arrs] and bytes(pool) == b"".join(a.tobytes() for a in arrs)
+
+
+def test_a_child_forked_while_the_pool_lock_is_held_still_copies() -> None:
+    """A fork while another thread holds the copy threads' lock (it is taken for each large
+    batch) must not leave the child waiting on a lock no thread of its own will release."""
+    import os
+    with copyin._pool_lock:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                copyin._executor()
+                os._exit(0)
+            finally:
+                os._exit(2)
+    for _ in range(100):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.03)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child hung on the copy threads' lock")
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -14,11 +14,20 @@ A copy of at least STREAM_MIN bytes uses non-temporal stores where the CPU has S
 destination bypasses the cache: no read of each destination line before it is written,
 which the pool's 4 KiB shared-memory pages make dear); smaller ones and other CPUs memcpy.
 Both release the GIL. Where GCC builds for x86-64, copy_hash runs the same loop compiled for
-AVX2 (tiers/_copyhash_avx2.c) when the CPU has it (the AVX2 constant says so). xxhash.h is vendored (tiers/xxhash/, BSD 2-clause, its LICENSE beside it).
+AVX2 (tiers/_copyhash_avx2.c) when the CPU and the OS have it (__builtin_cpu_supports checks
+both: CPUID and XGETBV's YMM state); the AVX2 constant says which loop runs. Setting
+KVTIER_COPYHASH_BASELINE=1 in the environment before the import forces the baseline loop
+(tests check both; a CPU whose AVX2 path is suspect). xxhash.h is vendored (tiers/xxhash/,
+BSD 2-clause, its LICENSE beside it).
+
+dst and src must not overlap (ValueError: the chunked hash-then-copy would hash bytes it had
+already overwritten); both must be C-contiguous (BufferError/ValueError from the exporter),
+dst writable (TypeError); lengths are in bytes, whatever the item size.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -36,6 +45,13 @@ static int get_buffers(PyObject *args, Py_buffer *dst, Py_buffer *src) {
         return -1;
     if (dst->len != src->len) {
         PyErr_Format(PyExc_ValueError, "dst is %zd bytes but src is %zd", dst->len, src->len);
+        PyBuffer_Release(dst);
+        PyBuffer_Release(src);
+        return -1;
+    }
+    if (dst->len > 0 && (uintptr_t)dst->buf < (uintptr_t)src->buf + (size_t)src->len &&
+        (uintptr_t)src->buf < (uintptr_t)dst->buf + (size_t)dst->len) {
+        PyErr_SetString(PyExc_ValueError, "dst and src overlap");
         PyBuffer_Release(dst);
         PyBuffer_Release(src);
         return -1;
@@ -96,6 +112,11 @@ PyMODINIT_FUNC PyInit__copyhash(void) {
 #if defined(KVTIER_HAVE_AVX2)
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2") != 0;
+    {
+        const char *base = getenv("KVTIER_COPYHASH_BASELINE"); /* forces the baseline loop */
+        if (base != NULL && base[0] != '\0' && strcmp(base, "0") != 0)
+            have_avx2 = 0;
+    }
 #endif
     if (m != NULL && (PyModule_AddIntConstant(m, "CHUNK_BYTES", (long)CHUNK) < 0 ||
                       PyModule_AddIntConstant(m, "AVX2", have_avx2) < 0)) {

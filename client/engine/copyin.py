@@ -13,6 +13,10 @@ and then copying it from the cache with non-temporal stores (no read of each des
 line first: the pool's 4 KiB shared-memory pages make that dear); without it (no compiler
 at install) numpy copies and the xxhash package hashes, same answers, slower
 (``COMPILED`` says which; ``compiled=False`` on the functions forces numpy, for tests).
+Both take any C-contiguous buffers and count bytes, whatever the dtype; ``dst`` and ``src``
+must not overlap. ``KVTIER_COPYHASH_BASELINE=1`` (read when the extension is imported)
+makes the extension use its baseline loop even where the CPU has AVX2 (``_copyhash.AVX2``
+says which loop runs).
 
 A batch of at least ``PARALLEL_MIN_BYTES`` is copied block by block on ``COPY_THREADS``
 threads (the caller's and a shared pool's, each taking the next block when it is free): the
@@ -52,11 +56,23 @@ _pool_lock = threading.Lock()
 T = TypeVar("T")
 
 
+def _bytes_of(a: np.ndarray, writable: bool) -> np.ndarray:
+    """``a``'s bytes as a flat uint8 view (as the compiled copy takes it: any dtype, bytes
+    counted); TypeError for a non-contiguous buffer, or a read-only one where ``writable``."""
+    m = memoryview(a)
+    if writable and m.readonly:
+        raise TypeError(f"the destination ({type(a).__name__}) is read-only")
+    return np.frombuffer(m.cast("B"), dtype=np.uint8)
+
+
 def copy_hash(dst: np.ndarray, src: np.ndarray, compiled: bool = True) -> int:
-    """Copy ``src`` into ``dst`` (flat uint8 arrays of one size); the xxh3-64 of the bytes copied."""
+    """Copy ``src`` into ``dst`` (C-contiguous buffers of as many bytes); the xxh3-64 of the bytes copied."""
     if compiled and _copyhash is not None:
         return _copyhash.copy_hash(dst, src)
+    dst, src = _bytes_of(dst, True), _bytes_of(src, False)
     n = dst.size
+    if n != src.size or (n and np.may_share_memory(dst, src)):
+        raise ValueError(f"dst is {n} bytes but src is {src.size}" if n != src.size else "dst and src overlap")
     if n <= CHUNK_BYTES:
         dst[:] = src
         return xxhash.xxh3_64_intdigest(dst)
@@ -66,6 +82,15 @@ def copy_hash(dst: np.ndarray, src: np.ndarray, compiled: bool = True) -> int:
         d[:] = src[o:o + CHUNK_BYTES]
         h.update(d)
     return h.intdigest()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while a thread held ``_pool_lock`` would wait for it forever: a fresh lock."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -99,7 +124,12 @@ def _shared(n: int, nbytes: int, one: Callable[[int], T]) -> list[T]:
                 failed.append(e)
                 raise
 
-    futures = [_executor().submit(work) for _ in range(k - 1)]
+    futures = []
+    try:
+        for _ in range(k - 1):
+            futures.append(_executor().submit(work))
+    except RuntimeError:  # the pool is shut down (interpreter exit): the threads started, and the caller's
+        pass
     try:
         work()
     finally:  # every thread stops before the caller goes on (a failed put gives its slots back)
@@ -113,8 +143,8 @@ def put_blocks(pool: np.ndarray, offsets: Sequence[int], arrs: Sequence[np.ndarr
                compiled: bool = True) -> list[int]:
     """Copy ``arrs[i]`` into ``pool`` at ``offsets[i]``; each block's xxh3-64 as copied."""
     def one(i: int) -> int:
-        return copy_hash(pool[offsets[i]:offsets[i] + arrs[i].size], arrs[i], compiled)
-    return _shared(len(arrs), sum(a.size for a in arrs), one)
+        return copy_hash(pool[offsets[i]:offsets[i] + arrs[i].nbytes], arrs[i], compiled)
+    return _shared(len(arrs), sum(a.nbytes for a in arrs), one)
 
 
 def get_blocks(pool: np.ndarray, offsets: Sequence[int], dsts: Sequence[np.ndarray], compiled: bool = True) -> None:
@@ -122,9 +152,12 @@ def get_blocks(pool: np.ndarray, offsets: Sequence[int], dsts: Sequence[np.ndarr
     fast = _copyhash.copy if compiled and _copyhash is not None else None
 
     def one(i: int) -> None:
-        src = pool[offsets[i]:offsets[i] + dsts[i].size]
+        src = pool[offsets[i]:offsets[i] + dsts[i].nbytes]
         if fast is not None:
             fast(dsts[i], src)
         else:
-            dsts[i][:] = src
-    _shared(len(dsts), sum(d.size for d in dsts), one)
+            d = _bytes_of(dsts[i], True)
+            if d.size != src.size:
+                raise ValueError(f"dst is {d.size} bytes but src is {src.size}")
+            d[:] = src
+    _shared(len(dsts), sum(d.nbytes for d in dsts), one)
