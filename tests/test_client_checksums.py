@@ -395,3 +395,19 @@ def test_a_child_forked_while_the_pool_lock_is_held_still_copies() -> None:
         os.waitpid(pid, 0)
         raise AssertionError("the forked child hung on the copy threads' lock")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_get_into_a_read_only_buffer_is_invalid_argument_and_copies_nothing(daemon) -> None:
+    """A read-only output buffer (bytes, a read-only array) is the caller's error, named before
+    any block is copied; its leases go back, so the next get of the same keys is served."""
+    from kvtier.client import InvalidArgument
+    with Sidecar(daemon.socket) as sc:
+        lid = sc.register_layout(Layout.flat(BLOCK))
+        payloads = [block(300 + i) for i in range(2)]
+        keys = [key(300 + i) for i in range(2)]
+        assert sc.put(lid, keys, payloads).stored == 2
+        first = bytearray(BLOCK)
+        with pytest.raises(InvalidArgument, match="read-only"):
+            sc.get(lid, keys, out=[first, bytes(BLOCK)])
+        assert not any(first)
+        assert [bytes(g) for g in sc.get(lid, keys)] == payloads

@@ -865,6 +865,8 @@ class _SidecarCore:
             dst = np.frombuffer(buf, dtype=np.uint8)
             if dst.size != n:
                 raise InvalidArgument(f"output buffer {i} is {dst.size} bytes; blocks are {n} bytes")
+            if not dst.flags.writeable:
+                raise InvalidArgument(f"output buffer {i} is read-only ({type(buf).__name__})")
             offsets.append(lease.offset)
             dsts.append(dst)
             result.append(memoryview(buf))
