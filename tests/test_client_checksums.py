@@ -398,7 +398,7 @@ def test_a_child_forked_while_the_pool_lock_is_held_still_copies() -> None:
 
 
 def test_a_get_into_a_read_only_buffer_is_invalid_argument_and_copies_nothing(daemon) -> None:
-    """A read-only output buffer (bytes, a read-only array) is the caller's error, named before
+    """A read-only (bytes) or non-contiguous output buffer is the caller's error, named before
     any block is copied; its leases go back, so the next get of the same keys is served."""
     from kvtier.client import InvalidArgument
     with Sidecar(daemon.socket) as sc:
@@ -409,5 +409,7 @@ def test_a_get_into_a_read_only_buffer_is_invalid_argument_and_copies_nothing(da
         first = bytearray(BLOCK)
         with pytest.raises(InvalidArgument, match="read-only"):
             sc.get(lid, keys, out=[first, bytes(BLOCK)])
+        with pytest.raises(InvalidArgument, match="not a contiguous buffer"):
+            sc.get(lid, keys, out=[first, np.zeros(2 * BLOCK, dtype=np.uint8)[::2]])
         assert not any(first)
         assert [bytes(g) for g in sc.get(lid, keys)] == payloads

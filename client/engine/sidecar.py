@@ -862,7 +862,10 @@ class _SidecarCore:
                 result.append(None)
                 continue
             buf = bytearray(n) if out is None else out[i]
-            dst = np.frombuffer(buf, dtype=np.uint8)
+            try:
+                dst = np.frombuffer(buf, dtype=np.uint8)
+            except (TypeError, ValueError, BufferError) as e:
+                raise InvalidArgument(f"output buffer {i} is not a contiguous buffer ({type(buf).__name__}): {e}") from None
             if dst.size != n:
                 raise InvalidArgument(f"output buffer {i} is {dst.size} bytes; blocks are {n} bytes")
             if not dst.flags.writeable:
