@@ -101,6 +101,25 @@ static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
 
 /* ------------------------------------------------------------------------------------ rows */
 
+/* Put one key's row in the first free slot of its probe window from its home slot (with the
+ * key's tag); 0 when the window is full (the caller rebuilds the table bigger). */
+static inline int place_one(const unsigned char *key, int32_t row, int32_t *slots, uint8_t *tags,
+                            uint64_t mask, long shift) {
+    uint64_t w0, w1;
+    memcpy(&w0, key, 8);
+    memcpy(&w1, key + 8, 8);
+    uint64_t h = ((w0 * C1) ^ w1) * C2;
+    uint64_t at = h >> shift;
+    uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+    for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
+        if (slots[at] < 0) {
+            slots[at] = row;
+            tags[at] = tag;
+            return 1;
+        }
+    return 0;
+}
+
 static inline int eq16(const unsigned char *a, const unsigned char *b) {
     uint64_t a0, a1, b0, b1;
     memcpy(&a0, a, 8);
@@ -517,23 +536,8 @@ static PyObject *route_insert(PyObject *self, PyObject *const *args, Py_ssize_t 
             memcpy(packed + (size_t)rows[i] * WIDTH, key, WIDTH);
             live[rows[i]] = 1;
         }
-        for (Py_ssize_t i = 0; i < n && placed; i++) { /* each in the first free slot from its home */
-            const unsigned char *key = packed + (size_t)rows[i] * WIDTH;
-            uint64_t w0, w1;
-            memcpy(&w0, key, 8);
-            memcpy(&w1, key + 8, 8);
-            uint64_t h = ((w0 * C1) ^ w1) * C2;
-            uint64_t at = h >> shift;
-            uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
-            placed = 0;
-            for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
-                if (slots[at] < 0) {
-                    slots[at] = (int32_t)rows[i];
-                    tags[at] = tag;
-                    placed = 1;
-                    break;
-                }
-        }
+        for (Py_ssize_t i = 0; i < n && placed; i++) /* each in the first free slot from its home */
+            placed = place_one(packed + (size_t)rows[i] * WIDTH, (int32_t)rows[i], slots, tags, mask, shift);
         res = PyLong_FromLong(placed);
     }
 done:
@@ -584,21 +588,7 @@ static PyObject *route_place(PyObject *self, PyObject *const *args, Py_ssize_t n
                 memcpy(&a1, ka + 8, 8);
                 __builtin_prefetch(slots + ((((a0 * C1) ^ a1) * C2) >> shift), 1);
             }
-            const unsigned char *key = packed + (size_t)rows[i] * WIDTH;
-            uint64_t w0, w1;
-            memcpy(&w0, key, 8);
-            memcpy(&w1, key + 8, 8);
-            uint64_t h = ((w0 * C1) ^ w1) * C2;
-            uint64_t at = h >> shift;
-            uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
-            placed = 0;
-            for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
-                if (slots[at] < 0) {
-                    slots[at] = (int32_t)rows[i];
-                    tags[at] = tag;
-                    placed = 1;
-                    break;
-                }
+            placed = place_one(packed + (size_t)rows[i] * WIDTH, (int32_t)rows[i], slots, tags, mask, shift);
         }
         res = PyLong_FromLong(placed);
     }
