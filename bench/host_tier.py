@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -99,6 +100,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--block-mib", type=float, default=2.0, help="block size in MiB")
     ap.add_argument("--lookups", type=int, default=2000, help="one-key lookups to time")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--shm-dir", help="the daemon's pool directory (default: a new one in /dev/shm); e.g. a "
+                                      "tmpfs mounted with huge=within_size, to measure huge-page pools")
     return ap.parse_args()
 
 
@@ -177,7 +180,8 @@ def run_daemon(ns: argparse.Namespace, block: int, nblocks: int) -> dict:
     warm_keys = [i.to_bytes(8, "little") + b"warm-up!" for i in range(nblocks)]
 
     with tempfile.TemporaryDirectory() as tmp:
-        d = DaemonProcess(tmp, host_capacity=str(nblocks * block), name="bench").start()
+        shm = tempfile.mkdtemp(prefix="kvtier-bench-", dir=ns.shm_dir) if ns.shm_dir else None
+        d = DaemonProcess(tmp, host_capacity=str(nblocks * block), name="bench", shm_dir=shm).start()
         try:
             with Sidecar(d.socket) as sc:
                 lid = sc.register_layout(Layout.flat(block))
@@ -191,6 +195,8 @@ def run_daemon(ns: argparse.Namespace, block: int, nblocks: int) -> dict:
                 lat = time_lookups(rpc, rpc.register_layout(Layout.flat(block)), keys, ns.lookups)
         finally:
             d.cleanup()
+            if shm:
+                shutil.rmtree(shm, ignore_errors=True)
     return {"warm_s": warm_s, "put_s": put_s, "get_s": get_s, "lat": lat, "shm_lat": shm_lat,
             "memcpy_s": mc_put_s + mc_get_s, "cpu": cpu}
 

@@ -194,6 +194,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--probe", choices=("compiled", "numpy"), default="compiled" if keytable.COMPILED else "numpy",
                     help="the key-table probe the readers use (default: the compiled one when it is built)")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--shm-dir", help="the daemon's pool and key-table directory (default: a new one in "
+                                      "/dev/shm); e.g. a tmpfs mounted with huge=within_size")
     return ap.parse_args()
 
 
@@ -280,7 +282,9 @@ def main() -> None:
     held = keys[:blocks]
 
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-lookup-")
-    daemon = DaemonProcess(workdir, "--log-level", "warning", host_capacity=str(blocks * BLOCK + (8 << 20)))
+    shm = tempfile.mkdtemp(prefix="kvtier-bench-lookup-", dir=ns.shm_dir) if ns.shm_dir else None
+    daemon = DaemonProcess(workdir, "--log-level", "warning", host_capacity=str(blocks * BLOCK + (8 << 20)),
+                           shm_dir=shm)
     echo_server = None
     try:
         daemon.start()
@@ -294,6 +298,8 @@ def main() -> None:
             echo_server.wait()
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+        if shm:
+            shutil.rmtree(shm, ignore_errors=True)
 
     result = assemble(ns, blocks, m, extra)
     print(f"shm: 1 key p50 {result['shm_1key_p50_us']} us, 128 keys p99 {result['shm_128keys_p99_us']} us; "

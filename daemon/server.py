@@ -243,6 +243,38 @@ def _memory_fs(path: str) -> str:
     return _MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF, "")
 
 
+def shm_huge_pages(path: str, mounts: str | None = None, shmem_enabled: str | None = None) -> str:
+    """Whether the tmpfs at ``path`` gives its files huge pages: the ``huge=`` option of the
+    mount it is on (the longest mount point above it in ``mounts``, /proc/mounts' text), else
+    the kernel's default for tmpfs mounts without one (``shmem_enabled``, the bracketed word of
+    /sys/kernel/mm/transparent_hugepage/shmem_enabled); "" when it cannot be told. "never"
+    means 4 KiB pages: puts and lookups then cost more (docs/operations.md, "Huge pages")."""
+    try:
+        if mounts is None:
+            with open("/proc/mounts") as fh:
+                mounts = fh.read()
+        if shmem_enabled is None:
+            with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as fh:
+                shmem_enabled = fh.read()
+    except OSError:
+        return ""
+    path = os.path.abspath(path)
+    best, opts = "", ""
+    for line in mounts.splitlines():
+        f = line.split()
+        if len(f) >= 4 and f[2] == "tmpfs":
+            mp = f[1].replace("\\040", " ")
+            if (path == mp or path.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
+                best, opts = mp, f[3]
+    if not best:
+        return ""
+    for o in opts.split(","):
+        if o.startswith("huge="):
+            return o[5:]
+    m = re.search(r"\[(\w+)\]", shmem_enabled)
+    return {"force": "always", "deny": "never"}.get(m.group(1), m.group(1)) if m else ""
+
+
 def _check_dirs(cfg: Config) -> None:
     if not os.path.isdir(cfg.shm_dir):
         raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
@@ -406,7 +438,8 @@ class Daemon:
             "metrics_port": self.metrics_port or None, "pid": os.getpid(),
             "tcp_tls": bool(self.cfg.tls_cert) if self.cfg.tcp else None,
             "allowed_uids": sorted(self.policy.allowed_uids), "allowed_gids": sorted(self.policy.allowed_gids),
-            "copy_engines": sorted(e.name for e in self.engines.values())})
+            "copy_engines": sorted(e.name for e in self.engines.values()),
+            "shm_huge_pages": shm_huge_pages(self.cfg.shm_dir) or None})
 
     def _check(self) -> tuple[str, int] | None:
         """Every check that can refuse the start, before anything is made."""
