@@ -188,6 +188,7 @@ def test_a_peer_killed_mid_stream_leaves_misses_and_no_partial_block(cluster, pk
             assert after["peer_blocks_missed"] - before["peer_blocks_missed"] >= n - result[0]
             assert after["checksum_failures"] == 0
             # D comes back on the same address: a new epoch, a new peer (tried again after its backoff)
+            d.cleanup()  # the killed D's pool files (its shm directory) go with it
             d = DaemonProcess(cluster["work"], "--node-id", "peer-d", "--tcp", f"127.0.0.1:{port}",
                               *_tls(pki, "node-d"), "--peer-serve", "true", "--tenants", "cn:node-c=default",
                               name="d").start()
