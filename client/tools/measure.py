@@ -334,17 +334,25 @@ def build_parser(prog: str = "kvtier measure") -> argparse.ArgumentParser:
 def _live(poll: Callable[[], Measurement], interval: float) -> int:
     """Refresh every ``interval`` seconds until interrupted, as ``kvtier report`` does."""
     prev: dict[str, EngineReport] = {}
-    while True:
-        m = poll()
-        recent = _recent(prev, m.engines)
-        prev = {e.url: e for e in m.engines}
-        if sys.stdout.isatty():
-            sys.stdout.write("\x1b[H\x1b[2J")
-        print(f"kvtier measure  {time.strftime('%H:%M:%S')}  every {interval:g}s (recent: over the last "
-              f"interval; Ctrl-C to quit)\n")
-        print(format_measurement(m, recent))
-        sys.stdout.flush()
-        time.sleep(interval)
+    with report.until_interrupted() as stop:
+        while not stop.is_set():
+            _show(poll, interval, prev)
+            stop.wait(interval)
+    return 0
+
+
+def _show(poll: Callable[[], Measurement], interval: float, prev: dict[str, EngineReport]) -> None:
+    """One refresh (``prev``: the last poll's engines, updated here)."""
+    m = poll()
+    recent = _recent(prev, m.engines)
+    prev.clear()
+    prev.update({e.url: e for e in m.engines})
+    if sys.stdout.isatty():
+        sys.stdout.write("\x1b[H\x1b[2J")
+    print(f"kvtier measure  {time.strftime('%H:%M:%S')}  every {interval:g}s (recent: over the last "
+          f"interval; Ctrl-C to quit)\n")
+    print(format_measurement(m, recent))
+    sys.stdout.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

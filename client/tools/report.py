@@ -29,12 +29,15 @@ its other targets are listed in ``also``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -234,6 +237,25 @@ def _source(target: str, timeout: float) -> _GrpcSource | _PrometheusSource:
     return _GrpcSource(target, timeout)
 
 
+@contextlib.contextmanager
+def until_interrupted() -> Iterator[threading.Event]:
+    """An event that Ctrl-C (SIGINT) sets, instead of raising KeyboardInterrupt wherever the
+    main thread is: a KeyboardInterrupt raised inside a blocking gRPC call leaves the call in
+    flight, and closing its channel then can hang (grpc/grpc#19973; seen here as ``kvtier
+    report``/``measure`` not exiting). A live loop checks the event between polls and sleeps
+    on it, so it quits within one poll (at most ``--timeout``). Outside the main thread (no
+    signal handlers there) the event is never set and Ctrl-C works as before."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    old = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 class Fleet:
     """Open channels to every target once; ``poll()`` reads them all."""
 
@@ -352,24 +374,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0 if all(n.reachable for n in nodes) else 1
         prev: dict[str, NodeReport] = {}
         prev_shown = False
-        while True:
-            nodes = fleet.poll()
-            recent = _recent(prev, nodes)
-            prev = {n.target: n for n in nodes}
-            if sys.stdout.isatty():
-                sys.stdout.write("\x1b[H\x1b[2J")  # home, clear screen
-            elif prev_shown:
-                print()
-            prev_shown = True
-            print(f"kvtier report  op={args.op}  {time.strftime('%H:%M:%S')}  every {args.interval:g}s "
-                  f"(recent: over the last interval; Ctrl-C to quit)\n")
-            print(format_table(nodes, recent))
-            sys.stdout.flush()
-            time.sleep(args.interval)
+        with until_interrupted() as stop:
+            while not stop.is_set():
+                _show_live(fleet, args, prev, prev_shown)
+                prev_shown = True
+                stop.wait(args.interval)
+        return 0
     except KeyboardInterrupt:
         return 0
     finally:
         fleet.close()
+
+
+def _show_live(fleet: Fleet, args: argparse.Namespace, prev: dict[str, NodeReport], prev_shown: bool) -> None:
+    """One refresh of the live table (``prev``: the last poll's reports, updated here)."""
+    nodes = fleet.poll()
+    recent = _recent(prev, nodes)
+    prev.clear()
+    prev.update({n.target: n for n in nodes})
+    if sys.stdout.isatty():
+        sys.stdout.write("\x1b[H\x1b[2J")  # home, clear screen
+    elif prev_shown:
+        print()
+    print(f"kvtier report  op={args.op}  {time.strftime('%H:%M:%S')}  every {args.interval:g}s "
+          f"(recent: over the last interval; Ctrl-C to quit)\n")
+    print(format_table(nodes, recent))
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
