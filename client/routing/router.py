@@ -250,20 +250,22 @@ class Router:
         if not isinstance(keys, list):
             keys = list(keys)
         n = len(keys)
-        k = max(1, self.config.top_k if top_k is None else top_k)
+        cfg = self.config
+        k = max(1, cfg.top_k if top_k is None else top_k)
         with self._lock:
-            idx = self.index
+            idx, loads, w = self.index, self._loads, self._w
             idx.expire(now)
-            self._loads.expire(now)
-            w, loads = self._workers(), self._loads
+            loads.expire(now)
+            if w.plan is None or w.plan is not idx._plan:
+                w = self._workers()
             if not w.names:
                 raise RouterError("no workers to route to: no daemon has been heard from yet (wait for the "
                                   "feeds: Router.start(wait_s=...) or wait_synced(); see status())")
             sel = self._select(candidates) if candidates else None
             fused = None
-            if sel is None and self.config.new_session_spread <= 0:  # the common case: one compiled call
+            if sel is None and cfg.new_session_spread <= 0:  # the common case: one compiled call
                 fused = idx.decide(keys, w.weights, loads.cost, loads.queued, loads.active, w.digests, k,
-                                   self.config.pulls, dispatch)
+                                   cfg.pulls, dispatch)
             if fused is not None:  # _dispatch's steps, less what the call did (speculated, fetch known)
                 rows, m, order, saved_best, fetch, speculated, arrays = fused
                 decision = Decision(n, w.names, w.nodes, order, arrays)
