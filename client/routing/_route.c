@@ -26,21 +26,22 @@
  *       indices of the best top_k workers by (cost rounded to 1e-9, queued, active, tie hash,
  *       index), as numpy's stable lexsort orders them.
  *
- *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, weights,
- *          load_cost, queued, active, digests, spec, top_k, rows)
- *          -> (rows, m, order, saved_best, fetch, speculated, arrays)
+ *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, workers, loads,
+ *          spec_gen, top_k, rows) -> (rows, m, order, saved_best, fetch, speculated, arrays)
  *       rows() into rows (a scratch buffer of at least len(keys) + 2), then lead() (zeros when
  *       no key is indexed), then rank() over every worker in one call, the tie hash's key
  *       digest (blake2b-64 of the last key, or of b"" without keys: scoring._digest64) made
- *       here: rows itself, the indexed keys, order, the best worker's saved blocks, whether it
- *       counted remote blocks (its remote weight > 0 and d_remote > d_disk: the caller makes
- *       the fetch hints), whether the request's speculative entries were set here, and arrays:
- *       a new bytes object of the (4, workers) float64 cost, saved, copies of queued and active,
- *       then the (4, workers) int64 leads. spec (None: not dispatched) is each worker's
- *       speculative column of the current generation (int64): when every key is indexed and
- *       no fetch hint is needed, the best worker's column is set in the keys' rows (what
- *       LocationIndex.speculate would do; otherwise the caller speculates). None when a key
- *       is not 16 bytes (nothing done).
+ *       here. workers: the plan's per-worker arrays in one uint64 buffer of 7 x workers: the
+ *       (4, workers) float64 weights, the digests, the speculative columns of generation 0,
+ *       then of 1; loads: the (3, workers) float64 queued, active and load cost. Returns rows
+ *       itself, the indexed keys, order, the best worker's saved blocks, whether it counted
+ *       remote blocks (its remote weight > 0 and d_remote > d_disk: the caller makes the fetch
+ *       hints), whether the request's speculative entries were set here, and arrays: a new
+ *       bytes object of the (4, workers) float64 cost, saved, copies of queued and active,
+ *       then the (4, workers) int64 leads. spec_gen (-1: not dispatched) is the speculative
+ *       generation: when every key is indexed and no fetch hint is needed, the best worker's
+ *       column of it is set in the keys' rows (what LocationIndex.speculate would do;
+ *       otherwise the caller speculates). None when a key is not 16 bytes (nothing done).
  *
  *   digest64(data) -> int
  *       blake2b with an 8-byte digest of data (bytes, at most 128), read little-endian: the
@@ -733,9 +734,9 @@ static PyObject *route_digest64(PyObject *self, PyObject *arg) {
 
 static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (!nargs_ok(nargs, 18, "decide"))
+    if (!nargs_ok(nargs, 15, "decide"))
         return NULL;
-    PyObject *keys = args[0], *spec = args[15];
+    PyObject *keys = args[0];
     if (!PyList_Check(keys)) {
         PyErr_SetString(PyExc_TypeError, "decide(): keys must be a list");
         return NULL;
@@ -752,33 +753,40 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
     int remote = PyObject_IsTrue(args[9]);
     if (remote < 0)
         return NULL;
-    Py_ssize_t top_k = PyLong_AsSsize_t(args[16]);
+    long gen = PyLong_AsLong(args[12]);
+    if (gen == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t top_k = PyLong_AsSsize_t(args[13]);
     if (top_k == -1 && PyErr_Occurred())
         return NULL;
+    if (gen < -1 || gen > 1) {
+        PyErr_SetString(PyExc_ValueError, "decide(): spec_gen must be -1, 0 or 1");
+        return NULL;
+    }
     /* the keys are checked after the conversions above (an __index__ or __bool__ may change the
      * list) and no Python code runs between this check and their use */
     if (!keys16(keys))
         Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    int dispatch = spec != Py_None;
-    /* buffers: slots tags packed bits table weights load_cost queued active digests rows spec */
-    static const int at[12] = {1, 2, 3, 6, 8, 10, 11, 12, 13, 14, 17, 15};
-    Py_buffer b[12];
-    int got = 0, nbuf = dispatch ? 12 : 11;
-    static const char kinds[12] = {'i', 'B', 'K', 'Q', 'Q', 'd', 'd', 'd', 'd', 'Q', 'q', 'q'};
-    for (; got < nbuf; got++)
-        if (get_buf(args[at[got]], &b[got], got == 10 || (got == 3 && dispatch), kinds[got]) < 0)
+    int dispatch = gen >= 0;
+    /* buffers: slots tags packed bits table workers loads rows */
+    static const int at[8] = {1, 2, 3, 6, 8, 10, 11, 14};
+    static const char kinds[8] = {'i', 'B', 'K', 'Q', 'Q', 'Q', 'd', 'q'};
+    Py_buffer b[8];
+    int got = 0;
+    for (; got < 8; got++)
+        if (get_buf(args[at[got]], &b[got], got == 7 || (got == 3 && dispatch), kinds[got]) < 0)
             break;
     PyObject *res = NULL, *order = NULL, *arrays = NULL;
-    if (got < nbuf)
+    if (got < 8)
         goto done;
     Py_ssize_t nslots = b[0].len / 4, nrows_keys = b[2].len / WIDTH;
-    Py_ssize_t w = b[7].len / 8, tw = 4 * ((w + 63) / 64);
+    Py_ssize_t w = b[6].len / 8 / 3, tw = 4 * ((w + 63) / 64);
     /* nwords is the caller's: bounded by the matrix before any size is made of it */
     Py_ssize_t nrows = nwords > 0 ? b[3].len / 8 / nwords : 0, stride = nrows > 0 ? nwords * 8 * 256 : 0;
     if (!table_ok(nslots, b[1].len, shift, high, nrows_keys) || nwords <= 0 || nrows < 1 || w <= 0 ||
-        tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 4 * w * 8 || b[6].len != w * 8 ||
-        b[8].len != w * 8 || b[9].len != w * 8 || b[10].len < (n + 2) * 8 || (dispatch && b[11].len != w * 8)) {
+        tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 7 * w * 8 || b[6].len != 3 * w * 8 ||
+        b[7].len < (n + 2) * 8) {
         PyErr_SetString(PyExc_ValueError, "decide(): buffers do not match the index or the workers");
         goto done;
     }
@@ -786,9 +794,11 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!arrays)
         goto done;
     {
-        int64_t *rows = (int64_t *)b[10].buf;
+        int64_t *rows = (int64_t *)b[7].buf;
         double *cs = (double *)PyBytes_AS_STRING(arrays);
         int64_t *lead = (int64_t *)(cs + 4 * w);
+        const double *wt = (const double *)b[5].buf, *q = (const double *)b[6].buf;
+        const uint64_t *dig = (const uint64_t *)b[5].buf + 4 * w;
         Py_ssize_t m = rows_core(keys, n, (const int32_t *)b[0].buf, (const uint8_t *)b[1].buf,
                                  (const unsigned char *)b[2].buf, nslots, nrows_keys, shift, high, rows);
         if (m == 0)
@@ -798,13 +808,10 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
             goto done;
         const unsigned char *last = n ? (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, n - 1)) : ZERO;
         uint64_t kd = blake2b64(last, n ? WIDTH : 0);
-        const double *wt = (const double *)b[5].buf;
-        order = rank_core((double)n, lead, wt, (const double *)b[6].buf, (const double *)b[7].buf,
-                          (const double *)b[8].buf, (const uint64_t *)b[9].buf, kd, w, top_k, w == 1, cs, cs + w);
+        order = rank_core((double)n, lead, wt, q + 2 * w, q, q + w, dig, kd, w, top_k, w == 1, cs, cs + w);
         if (!order)
             goto done;
-        memcpy(cs + 2 * w, b[7].buf, w * 8); /* the loads the decision saw */
-        memcpy(cs + 3 * w, b[8].buf, w * 8);
+        memcpy(cs + 2 * w, q, 2 * w * 8); /* the loads the decision saw: queued, active */
         double saved_best = 0.0;
         int fetch = 0, speculated = 0;
         if (PyList_GET_SIZE(order)) {
@@ -812,7 +819,7 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
             saved_best = cs[w + best];
             fetch = wt[3 * w + best] > 0 && lead[3 * w + best] > lead[2 * w + best];
             if (dispatch && !fetch && m == n && n > 0) { /* the speculative entries: every key has a row */
-                int64_t col = ((const int64_t *)b[11].buf)[best];
+                int64_t col = ((const int64_t *)b[5].buf)[(5 + gen) * w + best];
                 uint64_t *bits = (uint64_t *)b[3].buf;
                 if (col < 0 || col / 64 >= nwords) {
                     PyErr_SetString(PyExc_ValueError, "decide(): a speculative column outside the matrix");
@@ -831,7 +838,7 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         PyObject *pm = PyLong_FromSsize_t(m), *ps = PyFloat_FromDouble(saved_best);
         if (pm && ps)
-            res = PyTuple_Pack(7, args[17], pm, order, ps, fetch ? Py_True : Py_False,
+            res = PyTuple_Pack(7, args[14], pm, order, ps, fetch ? Py_True : Py_False,
                                speculated ? Py_True : Py_False, arrays);
         Py_XDECREF(pm);
         Py_XDECREF(ps);

@@ -727,22 +727,22 @@ class LocationIndex:
             buf[1 + i:n + 1] = table.find_packed(joined[WIDTH * i:])
         return _rows(Rows, (buf, i))
 
-    def decide(self, keys: list[bytes], weights: np.ndarray, load_cost: np.ndarray, queued: np.ndarray,
-               active: np.ndarray, digests: np.ndarray, top_k: int, remote: bool, dispatch: bool
-               ) -> tuple[np.ndarray, int, list[int], float, bool, bool, bytes] | None:
+    def decide(self, keys: list[bytes], workers: np.ndarray, loads: np.ndarray, top_k: int, remote: bool,
+               dispatch: bool) -> tuple[np.ndarray, int, list[int], float, bool, bool, bytes] | None:
         """:meth:`rows`, :meth:`holdings` over every worker and the scorer's
-        :meth:`~kvtier.client.routing.scoring.Scorer.rank` (``weights`` ... ``digests``: its
-        arrays for every worker of the plan, in the plan's order; the tie hash's key digest
-        of the last key is made in the same call) in one compiled call: (rows, indexed keys,
-        order, the best worker's saved blocks, whether it counted remote blocks (fetch hints
-        to make), whether the speculative entries were set (``dispatch``: when every key is
-        indexed and no fetch hint is needed, the best worker's speculative column is set in
-        the keys' rows, as :meth:`speculate` would), arrays: bytes of the (4, workers) cost,
-        saved and copies of queued and active (float64), then the (4, workers) int64 lead).
-        ``rows`` (``Rows(rows, indexed)`` is :meth:`rows`' answer) is a scratch buffer of
-        the index, valid until the next call. None where that call does not apply (no
-        extension, no byte table for this plan, a key not of 16 bytes): the caller takes the
-        steps one by one."""
+        :meth:`~kvtier.client.routing.scoring.Scorer.rank` in one compiled call. ``workers``:
+        the plan's :meth:`_Plan.decide_workers` (weights, digests, speculative columns);
+        ``loads``: the (3, workers) float64 queued, active and load cost, in the plan's order;
+        the tie hash's key digest of the last key is made in the same call. Returns (rows,
+        indexed keys, order, the best worker's saved blocks, whether it counted remote blocks
+        (fetch hints to make), whether the speculative entries were set (``dispatch``: when
+        every key is indexed and no fetch hint is needed, the best worker's speculative
+        column is set in the keys' rows, as :meth:`speculate` would), arrays: bytes of the (4,
+        workers) cost, saved and copies of queued and active (float64), then the (4, workers)
+        int64 lead). ``rows`` (``Rows(rows, indexed)`` is :meth:`rows`' answer) is a scratch
+        buffer of the index, valid until the next call. None where that call does not apply
+        (no extension, no byte table for this plan, a key not of 16 bytes): the caller takes
+        the steps one by one."""
         if _croute is None:
             return None
         plan = self._plan
@@ -759,8 +759,7 @@ class LocationIndex:
             rows = self._decide_rows = np.empty(2 * len(keys) + 2, dtype=np.int64)
         t = self._rows
         return _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
-                              remote, weights, load_cost, queued, active, digests,
-                              plan.spec_gen(self._spec_gen) if dispatch else None, top_k, rows)
+                              remote, workers, loads, self._spec_gen if dispatch else -1, top_k, rows)
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
@@ -1000,7 +999,6 @@ class _Plan:
     col_workers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.bool_))
     _table: np.ndarray | None = None  # byte_table(), once built (empty: none for this plan)
     _table_rows: np.ndarray | None = None  # byte_table_rows(), once built (empty: none)
-    _spec_gens: tuple[np.ndarray, np.ndarray] | None = None  # spec_gen(), once built
     byte_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
@@ -1059,13 +1057,17 @@ class _Plan:
         self.byte_offsets = np.arange(nbytes, dtype=np.int64) * 256
         return self._table
 
-    def spec_gen(self, gen: int) -> np.ndarray:
-        """Each worker's speculative column of generation ``gen`` (int64, contiguous). Built once."""
-        cols = self._spec_gens
-        if cols is None:
-            cols = self._spec_gens = (np.ascontiguousarray(self.spec[:, 0], dtype=np.int64),
-                                      np.ascontiguousarray(self.spec[:, 1], dtype=np.int64))
-        return cols[gen]
+    def decide_workers(self, weights: np.ndarray, digests: np.ndarray) -> np.ndarray:
+        """The per-worker arrays of :meth:`LocationIndex.decide` in one uint64 buffer of 7 x
+        workers: the scorer's (4, workers) float64 ``weights``, the tie ``digests``, each
+        worker's speculative column of generation 0, then of 1."""
+        n_w = len(self.workers)
+        out = np.empty(7 * n_w, dtype=np.uint64)
+        out[:4 * n_w] = np.ascontiguousarray(weights, dtype=np.float64).reshape(-1).view(np.uint64)
+        out[4 * n_w:5 * n_w] = digests
+        out[5 * n_w:6 * n_w] = self.spec[:, 0]
+        out[6 * n_w:] = self.spec[:, 1]
+        return out
 
     def byte_table_rows(self) -> np.ndarray | None:
         """:meth:`byte_table` transposed, ``(bytes * 256, 4 * words)``: a byte value's masks of

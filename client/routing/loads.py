@@ -49,18 +49,18 @@ class Loads:
         self._active: dict[str, float] = {}
         self._reported: dict[str, tuple[float, float]] = {}
         self._pos: dict[str, int] = {}
-        self.queued = np.zeros(0)
-        self.active = np.zeros(0)
-        self.cost = np.zeros(0)
-        self._views = (memoryview(self.queued), memoryview(self.active), memoryview(self.cost))
+        self.align(())
 
     def align(self, workers: Sequence[str]) -> None:
         """Rebuild the arrays for these workers, in this order."""
         rep = self._reported
         none = (0.0, 0.0)
-        self.queued = np.array([max(self._queued.get(w, 0.0), rep.get(w, none)[0]) for w in workers], dtype=np.float64)
-        self.active = np.array([max(self._active.get(w, 0.0), rep.get(w, none)[1]) for w in workers], dtype=np.float64)
-        self.cost = np.ascontiguousarray(self._load_cost(self.queued, self.active), dtype=np.float64)
+        # one (3, workers) array, queued, active and cost its rows: the compiled decision reads it at once
+        self.qac = qac = np.zeros((3, len(workers)), dtype=np.float64)
+        self.queued, self.active, self.cost = qac
+        qac[0] = [max(self._queued.get(w, 0.0), rep.get(w, none)[0]) for w in workers]
+        qac[1] = [max(self._active.get(w, 0.0), rep.get(w, none)[1]) for w in workers]
+        qac[2] = self._load_cost(self.queued, self.active)
         # _add writes one element through these (a memoryview's item assignment is a fraction
         # of numpy's); the arrays are replaced only here
         self._views = (memoryview(self.queued), memoryview(self.active), memoryview(self.cost))

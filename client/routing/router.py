@@ -202,6 +202,7 @@ class _Workers:
     nodes: list[str] = field(default_factory=list)
     digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     weights: np.ndarray = field(default_factory=lambda: np.zeros((4, 0)))
+    decide: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))  # plan.decide_workers()
 
 
 class Router:
@@ -264,8 +265,7 @@ class Router:
             sel = self._select(candidates) if candidates else None
             fused = None
             if sel is None and cfg.new_session_spread <= 0:  # the common case: one compiled call
-                fused = idx.decide(keys, w.weights, loads.cost, loads.queued, loads.active, w.digests, k,
-                                   cfg.pulls, dispatch)
+                fused = idx.decide(keys, w.decide, loads.qac, k, cfg.pulls, dispatch)
             if fused is not None:  # _dispatch's steps, less what the call did (speculated, fetch known)
                 rows, m, order, saved_best, fetch, speculated, arrays = fused
                 decision = Decision(n, w.names, w.nodes, order, arrays)
@@ -370,8 +370,9 @@ class Router:
         nodes = self.index.nodes
         names = [x.name for x in plan.workers]
         bandwidths = [nodes[x.node_id].load_gbps if x.node_id in nodes else {} for x in plan.workers]
-        self._w = w = _Workers(plan, names, [x.node_id for x in plan.workers], worker_digests(names),
-                               self.scorer.weights(bandwidths))
+        digests, weights = worker_digests(names), self.scorer.weights(bandwidths)
+        self._w = w = _Workers(plan, names, [x.node_id for x in plan.workers], digests, weights,
+                               plan.decide_workers(weights, digests))
         self._loads.align(names)
         return w
 
