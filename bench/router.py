@@ -26,12 +26,14 @@ Measured:
                               the byte table), once per change of the workers.
 
 Where a decision's time goes (2-core development VM shared with other work, 1M keys, about
-22 us at the median with the compiled decision, client/routing/_route.c): 12-15 us the one
-compiled call (rows, holdings, cost and order; about 4 us when its data is in cache: the rest
-is reading the request's 128 key objects and the index's rows from memory), 3-4 us the
-Python around it (the lock, expiry checks, the tie hash's digest, the Decision), 3-4 us
-dispatch and finishing (loads, speculative entries). Without the extension (numpy path):
-about 120 us, ~30 numpy calls of ~0.5-1 us each plus the bookkeeping.
+14-15 us at the median with the compiled decision, client/routing/_route.c): about 10 us the
+one compiled call (rows, holdings, cost and order, the tie digest, the speculative entries;
+about 4-5 us when its data is in cache: the rest is reading the request's 128 key objects and
+the index's rows from memory), 2-3 us the Python around it (the lock, expiry checks, the
+Decision), 2-3 us dispatch and finishing (loads). In windows where other jobs take the
+memory, about a tenth of the decisions take 100-300 us inside the compiled call, half the
+total. Without the extension (numpy path): about 120 us, ~30 numpy calls of ~0.5-1 us each
+plus the bookkeeping.
 Decisions are not kept by the loop (a caller does not hold them all); checking where each
 went is timed aside and not counted. ``--keys`` and ``--decisions`` shrink a run for
 quick iterations.

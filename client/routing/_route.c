@@ -26,11 +26,26 @@
  *       indices of the best top_k workers by (cost rounded to 1e-9, queued, active, tie hash,
  *       index), as numpy's stable lexsort orders them.
  *
- *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, weights,
- *          load_cost, queued, active, digests, key_digest, top_k, rows, lead, cs) -> (m, order)
- *       rows(), then lead() (zeros when no key is indexed), then rank() over every worker in
- *       one call (cs: the (4, workers) cost, saved, and copies of queued and active): (indexed
- *       keys, order); None when a key is not 16 bytes (nothing done).
+ *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, workers, loads,
+ *          spec_gen, top_k, rows) -> (rows, m, order, saved_best, fetch, speculated, arrays)
+ *       rows() into rows (a scratch buffer of at least len(keys) + 2), then lead() (zeros when
+ *       no key is indexed), then rank() over every worker in one call, the tie hash's key
+ *       digest (blake2b-64 of the last key, or of b"" without keys: scoring._digest64) made
+ *       here. workers: the plan's per-worker arrays in one uint64 buffer of 7 x workers: the
+ *       (4, workers) float64 weights, the digests, the speculative columns of generation 0,
+ *       then of 1; loads: the (3, workers) float64 queued, active and load cost. Returns rows
+ *       itself, the indexed keys, order, the best worker's saved blocks, whether it counted
+ *       remote blocks (its remote weight > 0 and d_remote > d_disk: the caller makes the fetch
+ *       hints), whether the request's speculative entries were set here, and arrays: a new
+ *       bytes object of the (4, workers) float64 cost, saved, copies of queued and active,
+ *       then the (4, workers) int64 leads. spec_gen (-1: not dispatched) is the speculative
+ *       generation: when every key is indexed and no fetch hint is needed, the best worker's
+ *       column of it is set in the keys' rows (what LocationIndex.speculate would do;
+ *       otherwise the caller speculates). None when a key is not 16 bytes (nothing done).
+ *
+ *   digest64(data) -> int
+ *       blake2b with an 8-byte digest of data (bytes, at most 128), read little-endian: the
+ *       same number as scoring._digest64.
  *
  *   insert(keys, rows, packed, live, slots, tags, shift) -> int
  *       RowTable.insert for keys of 16 bytes (distinct, none indexed; rows not live; the
@@ -61,6 +76,7 @@
 #define C2 0xC2B2AE3D27D4EB4FULL
 #define MIX1 0x9E3779B97F4A7C15ULL
 #define AHEAD 16 /* keys whose home slots are fetched ahead of their probes */
+#define KEYS_AHEAD 4 /* key objects whose bytes are fetched ahead of their use */
 
 /* A C-contiguous buffer of the element type kind names, else TypeError (and nothing held):
  * 'q' int64, 'Q' uint64, 'd' float64, 'i' int32, 'B' one byte (uint8, bool), 'K' a 16-byte key
@@ -161,6 +177,8 @@ static Py_ssize_t rows_core(PyObject *keys, Py_ssize_t n, const int32_t *slots, 
     for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
         int64_t r;
+        if (i + KEYS_AHEAD < n) /* the key objects lie anywhere in the heap: fetch one ahead */
+            __builtin_prefetch(PyBytes_AS_STRING(PyList_GET_ITEM(keys, i + KEYS_AHEAD)));
         if (indexed >= 0) { /* after the first unknown key the rest are mostly unknown too, each a
                              * probe of a random slot: fetch the home slot AHEAD keys on */
             Py_ssize_t j = i == indexed + 1 ? i : i + AHEAD - 1;
@@ -646,9 +664,77 @@ done:
 
 /* ---------------------------------------------------------------------------------- decide */
 
+/* BLAKE2b (RFC 7693) with an 8-byte digest, no key, of a message of at most 128 bytes (one
+ * block): scoring._digest64, the tie hash's digest of a request's last key. */
+static const uint64_t B2_IV[8] = {0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL,
+                                  0xa54ff53a5f1d36f1ULL, 0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL,
+                                  0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL};
+static const uint8_t B2_SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4}, {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13}, {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11}, {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5}, {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3}};
+
+static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+
+#define B2_G(a, b, c, d, x, y)                                                                                          \
+    do {                                                                                                               \
+        v[a] = v[a] + v[b] + (x);                                                                                      \
+        v[d] = rotr64(v[d] ^ v[a], 32);                                                                                \
+        v[c] = v[c] + v[d];                                                                                            \
+        v[b] = rotr64(v[b] ^ v[c], 24);                                                                                \
+        v[a] = v[a] + v[b] + (y);                                                                                      \
+        v[d] = rotr64(v[d] ^ v[a], 16);                                                                                \
+        v[c] = v[c] + v[d];                                                                                            \
+        v[b] = rotr64(v[b] ^ v[c], 63);                                                                                \
+    } while (0)
+
+static uint64_t blake2b64(const unsigned char *data, size_t len) {
+    unsigned char block[128] = {0};
+    memcpy(block, data, len);
+    uint64_t m[16], v[16];
+    for (int i = 0; i < 16; i++) { /* little-endian words */
+        uint64_t x = 0;
+        for (int j = 7; j >= 0; j--)
+            x = (x << 8) | block[8 * i + j];
+        m[i] = x;
+    }
+    uint64_t h0 = B2_IV[0] ^ 0x01010000ULL ^ 8; /* depth 1, fanout 1, no key, 8-byte digest */
+    for (int i = 0; i < 8; i++) {
+        v[i] = i == 0 ? h0 : B2_IV[i];
+        v[i + 8] = B2_IV[i];
+    }
+    v[12] ^= (uint64_t)len; /* the byte count; the only, so last, block */
+    v[14] = ~v[14];
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *s = B2_SIGMA[r];
+        B2_G(0, 4, 8, 12, m[s[0]], m[s[1]]);
+        B2_G(1, 5, 9, 13, m[s[2]], m[s[3]]);
+        B2_G(2, 6, 10, 14, m[s[4]], m[s[5]]);
+        B2_G(3, 7, 11, 15, m[s[6]], m[s[7]]);
+        B2_G(0, 5, 10, 15, m[s[8]], m[s[9]]);
+        B2_G(1, 6, 11, 12, m[s[10]], m[s[11]]);
+        B2_G(2, 7, 8, 13, m[s[12]], m[s[13]]);
+        B2_G(3, 4, 9, 14, m[s[14]], m[s[15]]);
+    }
+    return h0 ^ v[0] ^ v[8]; /* the digest's 8 bytes, read little-endian */
+}
+
+static PyObject *route_digest64(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyBytes_Check(arg) || PyBytes_GET_SIZE(arg) > 128) {
+        PyErr_SetString(PyExc_TypeError, "digest64(): bytes of at most 128 bytes expected");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(blake2b64((const unsigned char *)PyBytes_AS_STRING(arg),
+                                                 (size_t)PyBytes_GET_SIZE(arg)));
+}
+
 static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (!nargs_ok(nargs, 20, "decide"))
+    if (!nargs_ok(nargs, 15, "decide"))
         return NULL;
     PyObject *keys = args[0];
     if (!PyList_Check(keys)) {
@@ -667,42 +753,52 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
     int remote = PyObject_IsTrue(args[9]);
     if (remote < 0)
         return NULL;
-    unsigned long long kd = PyLong_AsUnsignedLongLongMask(args[15]);
-    if (kd == (unsigned long long)-1 && PyErr_Occurred())
+    long gen = PyLong_AsLong(args[12]);
+    if (gen == -1 && PyErr_Occurred())
         return NULL;
-    Py_ssize_t top_k = PyLong_AsSsize_t(args[16]);
+    Py_ssize_t top_k = PyLong_AsSsize_t(args[13]);
     if (top_k == -1 && PyErr_Occurred())
         return NULL;
+    if (gen < -1 || gen > 1) {
+        PyErr_SetString(PyExc_ValueError, "decide(): spec_gen must be -1, 0 or 1");
+        return NULL;
+    }
     /* the keys are checked after the conversions above (an __index__ or __bool__ may change the
      * list) and no Python code runs between this check and their use */
     if (!keys16(keys))
         Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    /* buffers: slots tags packed bits table weights load_cost queued active digests rows lead cs */
-    static const int at[13] = {1, 2, 3, 6, 8, 10, 11, 12, 13, 14, 17, 18, 19};
-    Py_buffer b[13];
+    int dispatch = gen >= 0;
+    /* buffers: slots tags packed bits table workers loads rows */
+    static const int at[8] = {1, 2, 3, 6, 8, 10, 11, 14};
+    static const char kinds[8] = {'i', 'B', 'K', 'Q', 'Q', 'Q', 'd', 'q'};
+    Py_buffer b[8];
     int got = 0;
-    static const char kinds[13] = {'i', 'B', 'K', 'Q', 'Q', 'd', 'd', 'd', 'd', 'Q', 'q', 'q', 'd'};
-    for (; got < 13; got++)
-        if (get_buf(args[at[got]], &b[got], got >= 10, kinds[got]) < 0)
+    for (; got < 8; got++)
+        if (get_buf(args[at[got]], &b[got], got == 7 || (got == 3 && dispatch), kinds[got]) < 0)
             break;
-    PyObject *res = NULL, *order = NULL;
-    if (got < 13)
+    PyObject *res = NULL, *order = NULL, *arrays = NULL;
+    if (got < 8)
         goto done;
     Py_ssize_t nslots = b[0].len / 4, nrows_keys = b[2].len / WIDTH;
-    Py_ssize_t w = b[7].len / 8, tw = 4 * ((w + 63) / 64);
+    Py_ssize_t w = b[6].len / 8 / 3, tw = 4 * ((w + 63) / 64);
     /* nwords is the caller's: bounded by the matrix before any size is made of it */
     Py_ssize_t nrows = nwords > 0 ? b[3].len / 8 / nwords : 0, stride = nrows > 0 ? nwords * 8 * 256 : 0;
     if (!table_ok(nslots, b[1].len, shift, high, nrows_keys) || nwords <= 0 || nrows < 1 || w <= 0 ||
-        tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 4 * w * 8 || b[6].len != w * 8 ||
-        b[8].len != w * 8 || b[9].len != w * 8 || b[10].len < (n + 2) * 8 || b[11].len != 4 * w * 8 ||
-        b[12].len != 4 * w * 8) {
+        tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 7 * w * 8 || b[6].len != 3 * w * 8 ||
+        b[7].len < (n + 2) * 8) {
         PyErr_SetString(PyExc_ValueError, "decide(): buffers do not match the index or the workers");
         goto done;
     }
+    arrays = PyBytes_FromStringAndSize(NULL, 8 * w * 8);
+    if (!arrays)
+        goto done;
     {
-        int64_t *rows = (int64_t *)b[10].buf, *lead = (int64_t *)b[11].buf;
-        double *cs = (double *)b[12].buf;
+        int64_t *rows = (int64_t *)b[7].buf;
+        double *cs = (double *)PyBytes_AS_STRING(arrays);
+        int64_t *lead = (int64_t *)(cs + 4 * w);
+        const double *wt = (const double *)b[5].buf, *q = (const double *)b[6].buf;
+        const uint64_t *dig = (const uint64_t *)b[5].buf + 4 * w;
         Py_ssize_t m = rows_core(keys, n, (const int32_t *)b[0].buf, (const uint8_t *)b[1].buf,
                                  (const unsigned char *)b[2].buf, nslots, nrows_keys, shift, high, rows);
         if (m == 0)
@@ -710,16 +806,46 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
         else if (lead_core(rows, m, (const uint64_t *)b[3].buf, nrows, nwords, (const uint64_t *)b[4].buf, w, remote,
                            lead) < 0)
             goto done;
-        order = rank_core((double)n, lead, (const double *)b[5].buf, (const double *)b[6].buf,
-                          (const double *)b[7].buf, (const double *)b[8].buf, (const uint64_t *)b[9].buf,
-                          (uint64_t)kd, w, top_k, w == 1, cs, cs + w);
+        const unsigned char *last = n ? (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, n - 1)) : ZERO;
+        uint64_t kd = blake2b64(last, n ? WIDTH : 0);
+        order = rank_core((double)n, lead, wt, q + 2 * w, q, q + w, dig, kd, w, top_k, w == 1, cs, cs + w);
         if (!order)
             goto done;
-        memcpy(cs + 2 * w, b[7].buf, w * 8); /* the loads the decision saw */
-        memcpy(cs + 3 * w, b[8].buf, w * 8);
-        res = Py_BuildValue("(nN)", m, order);
+        memcpy(cs + 2 * w, q, 2 * w * 8); /* the loads the decision saw: queued, active */
+        double saved_best = 0.0;
+        int fetch = 0, speculated = 0;
+        if (PyList_GET_SIZE(order)) {
+            Py_ssize_t best = PyLong_AsSsize_t(PyList_GET_ITEM(order, 0));
+            saved_best = cs[w + best];
+            fetch = wt[3 * w + best] > 0 && lead[3 * w + best] > lead[2 * w + best];
+            if (dispatch && !fetch && m == n && n > 0) { /* the speculative entries: every key has a row */
+                int64_t col = ((const int64_t *)b[5].buf)[(5 + gen) * w + best];
+                uint64_t *bits = (uint64_t *)b[3].buf;
+                if (col < 0 || col / 64 >= nwords) {
+                    PyErr_SetString(PyExc_ValueError, "decide(): a speculative column outside the matrix");
+                    goto done;
+                }
+                for (Py_ssize_t i = 1; i <= n; i++)
+                    if (rows[i] < 0 || rows[i] >= nrows) {
+                        PyErr_SetString(PyExc_ValueError, "decide(): a row outside the matrix");
+                        goto done;
+                    }
+                uint64_t bit = (uint64_t)1 << (col & 63);
+                for (Py_ssize_t i = 1; i <= n; i++)
+                    bits[(size_t)rows[i] * nwords + (col >> 6)] |= bit;
+                speculated = 1;
+            }
+        }
+        PyObject *pm = PyLong_FromSsize_t(m), *ps = PyFloat_FromDouble(saved_best);
+        if (pm && ps)
+            res = PyTuple_Pack(7, args[14], pm, order, ps, fetch ? Py_True : Py_False,
+                               speculated ? Py_True : Py_False, arrays);
+        Py_XDECREF(pm);
+        Py_XDECREF(ps);
     }
 done:
+    Py_XDECREF(order);
+    Py_XDECREF(arrays);
     for (int j = 0; j < got; j++)
         PyBuffer_Release(&b[j]);
     return res;
@@ -730,6 +856,7 @@ static PyMethodDef methods[] = {
     {"lead", (PyCFunction)(void (*)(void))route_lead, METH_FASTCALL, "Holdings over the byte table."},
     {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
     {"decide", (PyCFunction)(void (*)(void))route_decide, METH_FASTCALL, "rows, lead and rank at once."},
+    {"digest64", (PyCFunction)route_digest64, METH_O, "blake2b-64 of bytes (at most 128), read little-endian."},
     {"insert", (PyCFunction)(void (*)(void))route_insert, METH_FASTCALL, "Give rows to new 16-byte keys."},
     {"place", (PyCFunction)(void (*)(void))route_place, METH_FASTCALL, "Place rows in the slots."},
     {"set_bit", (PyCFunction)(void (*)(void))route_set_bit, METH_FASTCALL, "Set a column in rows."},

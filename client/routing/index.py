@@ -183,6 +183,7 @@ class LocationIndex:
         self._external: list[str] = []
         self._plan: _Plan | None = None
         self._run: tuple[np.ndarray | None, int] = (None, 0)  # rows()' last one-run answer, its first row
+        self._decide_rows = np.empty(258, dtype=np.int64)  # decide()'s rows (scratch)
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -726,33 +727,39 @@ class LocationIndex:
             buf[1 + i:n + 1] = table.find_packed(joined[WIDTH * i:])
         return _rows(Rows, (buf, i))
 
-    def decide(self, keys: list[bytes], weights: np.ndarray, load_cost: np.ndarray, queued: np.ndarray,
-               active: np.ndarray, digests: np.ndarray, key_digest: int, top_k: int, remote: bool
-               ) -> tuple[Rows, np.ndarray, np.ndarray, list[int]] | None:
+    def decide(self, keys: list[bytes], workers: np.ndarray, loads: np.ndarray, top_k: int, remote: bool,
+               dispatch: bool) -> tuple[np.ndarray, int, list[int], float, bool, bool, bytes] | None:
         """:meth:`rows`, :meth:`holdings` over every worker and the scorer's
-        :meth:`~kvtier.client.routing.scoring.Scorer.rank` (``weights`` ... ``key_digest``: its
-        arrays for every worker of the plan, in the plan's order) in one compiled call: (rows,
-        lead, the (4, workers) cost, saved and copies of queued and active, order), the same
-        answers. None where that call does not apply (no
-        extension, no byte table for this plan, a key not of 16 bytes): the caller takes the
-        steps one by one."""
+        :meth:`~kvtier.client.routing.scoring.Scorer.rank` in one compiled call. ``workers``:
+        the plan's :meth:`_Plan.decide_workers` (weights, digests, speculative columns);
+        ``loads``: the (3, workers) float64 queued, active and load cost, in the plan's order;
+        the tie hash's key digest of the last key is made in the same call. Returns (rows,
+        indexed keys, order, the best worker's saved blocks, whether it counted remote blocks
+        (fetch hints to make), whether the speculative entries were set (``dispatch``: when
+        every key is indexed and no fetch hint is needed, the best worker's speculative
+        column is set in the keys' rows, as :meth:`speculate` would), arrays: bytes of the (4,
+        workers) cost, saved and copies of queued and active (float64), then the (4, workers)
+        int64 lead). ``rows`` (``Rows(rows, indexed)`` is :meth:`rows`' answer) is a scratch
+        buffer of the index, valid until the next call. None where that call does not apply
+        (no extension, no byte table for this plan, a key not of 16 bytes): the caller takes
+        the steps one by one."""
         if _croute is None:
             return None
-        plan = self.plan()
-        tab = plan.byte_table_rows() if plan.fast is not None else None
+        plan = self._plan
+        if plan is None:
+            plan = self.plan()
+        tab = plan._table_rows
+        if tab is None:
+            tab = plan.byte_table_rows() if plan.fast is not None else None
         bits = self._bits
         if tab is None or tab.shape[0] != bits.shape[1] * 2048:
             return None
+        rows = self._decide_rows
+        if len(rows) < len(keys) + 2:
+            rows = self._decide_rows = np.empty(2 * len(keys) + 2, dtype=np.int64)
         t = self._rows
-        n, n_w = len(keys), len(queued)
-        rows = np.empty(n + 2, dtype=np.int64)
-        lead = np.empty((4, n_w), dtype=np.int64)
-        out = np.empty((4, n_w))
-        got = _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
-                             remote, weights, load_cost, queued, active, digests, key_digest, top_k, rows, lead, out)
-        if got is None:
-            return None
-        return _rows(Rows, (rows, got[0])), lead, out, got[1]
+        return _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
+                              remote, workers, loads, self._spec_gen if dispatch else -1, top_k, rows)
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
@@ -1049,6 +1056,18 @@ class _Plan:
         self._table = np.ascontiguousarray(table.reshape(nbytes * 256, 4 * words).T)
         self.byte_offsets = np.arange(nbytes, dtype=np.int64) * 256
         return self._table
+
+    def decide_workers(self, weights: np.ndarray, digests: np.ndarray) -> np.ndarray:
+        """The per-worker arrays of :meth:`LocationIndex.decide` in one uint64 buffer of 7 x
+        workers: the scorer's (4, workers) float64 ``weights``, the tie ``digests``, each
+        worker's speculative column of generation 0, then of 1."""
+        n_w = len(self.workers)
+        out = np.empty(7 * n_w, dtype=np.uint64)
+        out[:4 * n_w] = np.ascontiguousarray(weights, dtype=np.float64).reshape(-1).view(np.uint64)
+        out[4 * n_w:5 * n_w] = digests
+        out[5 * n_w:6 * n_w] = self.spec[:, 0]
+        out[6 * n_w:] = self.spec[:, 1]
+        return out
 
     def byte_table_rows(self) -> np.ndarray | None:
         """:meth:`byte_table` transposed, ``(bytes * 256, 4 * words)``: a byte value's masks of

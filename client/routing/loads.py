@@ -21,19 +21,13 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvtier.client.routing.scoring import Load, Scorer
 
-
-@dataclass(slots=True)
-class _Dispatched:
-    worker: str
-    queued: float
-    at: float
-    prefilled: bool = False
+# a dispatched request: [worker, queued blocks, prefilled] (a list: made on every decision)
+_WORKER, _QUEUED, _PREFILLED = 0, 1, 2
 
 
 class Loads:
@@ -49,29 +43,33 @@ class Loads:
         # the same term for one worker, inline: it is updated on every dispatch and finish
         self._qw, self._aw = scorer.config.queued_weight, scorer.config.active_weight
         self._ids = itertools.count(1)
-        self._dispatched: dict[int, _Dispatched] = {}
+        self._dispatched: dict[int, list] = {}  # id -> [worker, queued, prefilled]
         self._order: deque[tuple[float, int]] = deque()  # (dispatched at, id), oldest first
         self._queued: dict[str, float] = {}
         self._active: dict[str, float] = {}
         self._reported: dict[str, tuple[float, float]] = {}
         self._pos: dict[str, int] = {}
-        self.queued = np.zeros(0)
-        self.active = np.zeros(0)
-        self.cost = np.zeros(0)
+        self.align(())
 
     def align(self, workers: Sequence[str]) -> None:
         """Rebuild the arrays for these workers, in this order."""
         rep = self._reported
         none = (0.0, 0.0)
-        self.queued = np.array([max(self._queued.get(w, 0.0), rep.get(w, none)[0]) for w in workers], dtype=np.float64)
-        self.active = np.array([max(self._active.get(w, 0.0), rep.get(w, none)[1]) for w in workers], dtype=np.float64)
-        self.cost = self._load_cost(self.queued, self.active)
+        # one (3, workers) array, queued, active and cost its rows: the compiled decision reads it at once
+        self.qac = qac = np.zeros((3, len(workers)), dtype=np.float64)
+        self.queued, self.active, self.cost = qac
+        qac[0] = [max(self._queued.get(w, 0.0), rep.get(w, none)[0]) for w in workers]
+        qac[1] = [max(self._active.get(w, 0.0), rep.get(w, none)[1]) for w in workers]
+        qac[2] = self._load_cost(self.queued, self.active)
+        # _add writes one element through these (a memoryview's item assignment is a fraction
+        # of numpy's); the arrays are replaced only here
+        self._views = (memoryview(self.queued), memoryview(self.active), memoryview(self.cost))
         self._pos = {w: i for i, w in enumerate(workers)}
 
     def dispatch(self, worker: str, queued: float, now: float) -> int:
         """Charge ``worker`` a request of ``queued`` blocks to prefill; returns its id."""
         did = next(self._ids)
-        self._dispatched[did] = _Dispatched(worker, queued, now)
+        self._dispatched[did] = [worker, queued, False]
         self._order.append((now, did))
         self._add(worker, queued, 1.0)
         return did
@@ -79,16 +77,18 @@ class Loads:
     def finish(self, decision_id: int, prefill_only: bool = False) -> bool:
         """The dispatched request's prefill is done (``prefill_only``) or it ended; False for
         an id not dispatched (or already finished)."""
-        d = self._dispatched.get(decision_id)
+        if prefill_only:
+            d = self._dispatched.get(decision_id)
+            if d is None:
+                return False
+            if not d[_PREFILLED]:
+                self._add(d[_WORKER], -d[_QUEUED], 0.0)
+                d[_PREFILLED] = True
+            return True
+        d = self._dispatched.pop(decision_id, None)
         if d is None:
             return False
-        if prefill_only:
-            if not d.prefilled:
-                self._add(d.worker, -d.queued, 0.0)
-                d.prefilled = True
-        else:
-            self._add(d.worker, 0.0 if d.prefilled else -d.queued, -1.0)
-            del self._dispatched[decision_id]
+        self._add(d[_WORKER], 0.0 if d[_PREFILLED] else -d[_QUEUED], -1.0)
         return True
 
     def report(self, worker: str, queued_blocks: float, active_requests: float, now: float = 0.0) -> None:
@@ -132,19 +132,21 @@ class Loads:
             order.popleft()
 
     def _add(self, worker: str, queued: float, active: float) -> None:
-        q = self._queued.get(worker, 0.0) + queued
-        a = self._active.get(worker, 0.0) + active
+        qd, ad = self._queued, self._active
+        q = qd.get(worker, 0.0) + queued
+        a = ad.get(worker, 0.0) + active
         if q < 0.0:
             q = 0.0
         if a < 0.0:
             a = 0.0
-        self._queued[worker] = q
-        self._active[worker] = a
+        qd[worker] = q
+        ad[worker] = a
         i = self._pos.get(worker)
         if i is not None:
             rep = self._reported.get(worker)
             if rep is not None:
                 q, a = max(q, rep[0]), max(a, rep[1])
-            self.queued[i] = q
-            self.active[i] = a
-            self.cost[i] = self._qw * q + self._aw * a
+            vq, va, vc = self._views
+            vq[i] = q
+            va[i] = a
+            vc[i] = self._qw * q + self._aw * a

@@ -53,7 +53,7 @@ import numpy as np
 from kvtier.client.engine.transport import ClientTls
 from kvtier.client.routing.feed import Feeds, FeedStatus, Resolve
 from kvtier.client.routing.fetch import FetchHint, hint_fingerprints
-from kvtier.client.routing.index import LocationIndex, Rows
+from kvtier.client.routing.index import LocationIndex, Rows, _rows
 from kvtier.client.routing.loads import Loads
 from kvtier.client.routing.scoring import (
     Load,
@@ -61,7 +61,6 @@ from kvtier.client.routing.scoring import (
     Ranked,
     Scorer,
     ScorerConfig,
-    _digest64,
     worker_digests,
 )
 from kvtier.client.routing.vllm_events import VllmEvents, VllmSource, VllmStreamStatus, parse_vllm_events
@@ -133,7 +132,7 @@ class Decision:
     __slots__ = ("n_blocks", "decision_id", "fetch", "_names", "_nodes", "_order", "_arrays", "_ranked")
 
     def __init__(self, n_blocks: int, names: list[str], nodes: list[str], order: list[int],
-                 arrays: tuple[np.ndarray, ...]) -> None:
+                 arrays: tuple[np.ndarray, ...] | bytes) -> None:
         self.n_blocks = n_blocks
         self.decision_id = 0  # set when dispatched
         self.fetch: list[FetchHint] = []  # what the chosen worker should pull first (remote blocks)
@@ -154,12 +153,18 @@ class Decision:
         """Node of each ranked worker ("" for a worker no daemon publishes)."""
         return [self._nodes[i] for i in self._order]
 
+    def _lead(self) -> np.ndarray:
+        """The compiled decision's (4, workers) leads (from its bytes)."""
+        w = len(self._names)
+        return np.frombuffer(self._arrays, dtype=np.int64, count=4 * w, offset=32 * w).reshape(4, w)
+
     @property
     def ranked(self) -> list[Ranked]:
         if self._ranked is None:
             arrays = self._arrays
-            if len(arrays) == 2:  # the compiled decision's: (cost, saved, queued, active) rows, then the leads
-                (cost, saved, q, a), (dg, dh, dd, dr) = arrays
+            if isinstance(arrays, bytes):  # the compiled decision's: (cost, saved, queued, active), then the leads
+                cost, saved, q, a = np.frombuffer(arrays, dtype=np.float64, count=4 * len(self._names)).reshape(4, -1)
+                dg, dh, dd, dr = self._lead()
             else:
                 cost, saved, (dg, dh, dd, dr), q, a = arrays
             self._ranked = [Ranked(self._names[i], float(cost[i]),
@@ -197,6 +202,7 @@ class _Workers:
     nodes: list[str] = field(default_factory=list)
     digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     weights: np.ndarray = field(default_factory=lambda: np.zeros((4, 0)))
+    decide: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))  # plan.decide_workers()
 
 
 class Router:
@@ -245,25 +251,35 @@ class Router:
         if not isinstance(keys, list):
             keys = list(keys)
         n = len(keys)
-        k = max(1, self.config.top_k if top_k is None else top_k)
+        cfg = self.config
+        k = max(1, cfg.top_k if top_k is None else top_k)
         with self._lock:
-            idx = self.index
+            idx, loads, w = self.index, self._loads, self._w
             idx.expire(now)
-            self._loads.expire(now)
-            w, loads = self._workers(), self._loads
+            loads.expire(now)
+            if w.plan is None or w.plan is not idx._plan:
+                w = self._workers()
             if not w.names:
                 raise RouterError("no workers to route to: no daemon has been heard from yet (wait for the "
                                   "feeds: Router.start(wait_s=...) or wait_synced(); see status())")
             sel = self._select(candidates) if candidates else None
             fused = None
-            if sel is None and self.config.new_session_spread <= 0:  # the common case: one compiled call
-                fused = idx.decide(keys, w.weights, loads.cost, loads.queued, loads.active, w.digests,
-                                   _digest64(keys[-1] if n else b""), k, self.config.pulls)
-            if fused is not None:
-                found, lead, out, order = fused
-                decision = Decision(n, w.names, w.nodes, order, (out, lead))
-                return self._dispatch(decision, keys, found, lead, w.weights, out.item(1, order[0]), None, dispatch,
-                                      False, now)
+            if sel is None and cfg.new_session_spread <= 0:  # the common case: one compiled call
+                fused = idx.decide(keys, w.decide, loads.qac, k, cfg.pulls, dispatch)
+            if fused is not None:  # _dispatch's steps, less what the call did (speculated, fetch known)
+                rows, m, order, saved_best, fetch, speculated, arrays = fused
+                decision = Decision(n, w.names, w.nodes, order, arrays)
+                best = order[0]
+                if fetch:  # it counted remote blocks: say where
+                    lead = decision._lead()
+                    decision.fetch = [FetchHint(w.names[best], src, tuple(keys[i:j]), i, j)
+                                      for src, i, j in idx.sources(_rows(Rows, (rows, m)), best, int(lead[2, best]),
+                                                                   int(lead[3, best]))]
+                if dispatch:
+                    decision.decision_id = loads.dispatch(w.names[best], n - saved_best, now)
+                    if n and not speculated:
+                        idx.speculate(w.names[best], keys, _rows(Rows, (rows, m)))
+                return decision
             found = idx.rows(keys)
             lead = idx.holdings(found, sel, self.config.pulls)
             if sel is None:
@@ -354,8 +370,9 @@ class Router:
         nodes = self.index.nodes
         names = [x.name for x in plan.workers]
         bandwidths = [nodes[x.node_id].load_gbps if x.node_id in nodes else {} for x in plan.workers]
-        self._w = w = _Workers(plan, names, [x.node_id for x in plan.workers], worker_digests(names),
-                               self.scorer.weights(bandwidths))
+        digests, weights = worker_digests(names), self.scorer.weights(bandwidths)
+        self._w = w = _Workers(plan, names, [x.node_id for x in plan.workers], digests, weights,
+                               plan.decide_workers(weights, digests))
         self._loads.align(names)
         return w
 
