@@ -107,6 +107,19 @@ static int get_buf(PyObject *o, Py_buffer *b, int writable, char kind) {
     return 0;
 }
 
+/* Acquire n buffers, the j-th from args[at[j]] as kinds[j] (writable where writable[j]) into
+ * *out[j]; on a failure the ones already taken are released and -1 returned (exception set). */
+static int get_bufs(PyObject *const *args, int n, const int *at, const char *kinds, const char *writable,
+                    Py_buffer *const *out) {
+    for (int j = 0; j < n; j++)
+        if (get_buf(args[at[j]], out[j], writable[j], kinds[j]) < 0) {
+            while (j--)
+                PyBuffer_Release(out[j]);
+            return -1;
+        }
+    return 0;
+}
+
 static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
@@ -239,23 +252,11 @@ static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (!keys16(keys))
         return PyLong_FromLong(-1);
     Py_buffer bs, bt, bp, bo;
-    if (get_buf(args[1], &bs, 0, 'i') < 0)
+    static const int at[4] = {1, 2, 3, 6};
+    static const char writable[4] = {0, 0, 0, 1};
+    Py_buffer *const bufs[4] = {&bs, &bt, &bp, &bo};
+    if (get_bufs(args, 4, at, "iBKq", writable, bufs) < 0)
         return NULL;
-    if (get_buf(args[2], &bt, 0, 'B') < 0) {
-        PyBuffer_Release(&bs);
-        return NULL;
-    }
-    if (get_buf(args[3], &bp, 0, 'K') < 0) {
-        PyBuffer_Release(&bs);
-        PyBuffer_Release(&bt);
-        return NULL;
-    }
-    if (get_buf(args[6], &bo, 1, 'q') < 0) {
-        PyBuffer_Release(&bs);
-        PyBuffer_Release(&bt);
-        PyBuffer_Release(&bp);
-        return NULL;
-    }
     PyObject *res = NULL;
     Py_ssize_t nslots = bs.len / 4, nrows = bp.len / WIDTH;
     if (bo.len < (n + 2) * 8 || !table_ok(nslots, bt.len, shift, high, nrows)) {
@@ -343,23 +344,11 @@ static PyObject *route_lead(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (PyErr_Occurred() || remote < 0)
         return NULL;
     Py_buffer br, bb, bt, bo;
-    if (get_buf(args[0], &br, 0, 'q') < 0)
+    static const int at[4] = {0, 2, 4, 7};
+    static const char writable[4] = {0, 0, 0, 1};
+    Py_buffer *const bufs[4] = {&br, &bb, &bt, &bo};
+    if (get_bufs(args, 4, at, "qQQq", writable, bufs) < 0)
         return NULL;
-    if (get_buf(args[2], &bb, 0, 'Q') < 0) {
-        PyBuffer_Release(&br);
-        return NULL;
-    }
-    if (get_buf(args[4], &bt, 0, 'Q') < 0) {
-        PyBuffer_Release(&br);
-        PyBuffer_Release(&bb);
-        return NULL;
-    }
-    if (get_buf(args[7], &bo, 1, 'q') < 0) {
-        PyBuffer_Release(&br);
-        PyBuffer_Release(&bb);
-        PyBuffer_Release(&bt);
-        return NULL;
-    }
     PyObject *res = NULL;
     /* bounds first, so no size below overflows (m, nwords and n_workers are the caller's) */
     if (m <= 0 || m > br.len / 8 - 2 || nwords <= 0 || nwords > bb.len / 8 || n_workers <= 0 ||
@@ -628,12 +617,11 @@ static PyObject *route_set_bit(PyObject *self, PyObject *const *args, Py_ssize_t
     if (PyErr_Occurred())
         return NULL;
     Py_buffer bb, br;
-    if (get_buf(args[0], &bb, 1, 'Q') < 0)
+    static const int at[2] = {0, 2};
+    static const char writable[2] = {1, 0};
+    Py_buffer *const bufs[2] = {&bb, &br};
+    if (get_bufs(args, 2, at, "Qq", writable, bufs) < 0)
         return NULL;
-    if (get_buf(args[2], &br, 0, 'q') < 0) {
-        PyBuffer_Release(&bb);
-        return NULL;
-    }
     PyObject *res = NULL;
     Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
     if (nwords <= 0 || nwords > bb.len / 8 || col < 0 || col / 64 >= nwords || count < 0 || count > br.len / 8) {
