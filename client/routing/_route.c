@@ -231,20 +231,32 @@ static int table_ok(Py_ssize_t nslots, Py_ssize_t ntags, long shift, long long h
            ((uint64_t)1 << (64 - shift)) == (uint64_t)nslots && high <= nrows;
 }
 
+/* The keys (args[0], a list) and the row table's high-water mark and shift (args[4], args[5])
+ * that rows() and decide() both take; -1 with an exception set when one is wrong. The keys
+ * themselves are checked by the caller after all its conversions (an __index__ may change the
+ * list). */
+static int table_args(PyObject *const *args, const char *name, long long *high, long *shift) {
+    if (!PyList_Check(args[0])) {
+        PyErr_Format(PyExc_TypeError, "%s(): keys must be a list", name);
+        return -1;
+    }
+    *high = PyLong_AsLongLong(args[4]);
+    if (*high == -1 && PyErr_Occurred())
+        return -1;
+    *shift = PyLong_AsLong(args[5]);
+    if (*shift == -1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
 static PyObject *route_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (!nargs_ok(nargs, 7, "rows"))
         return NULL;
     PyObject *keys = args[0];
-    if (!PyList_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "rows(): keys must be a list");
-        return NULL;
-    }
-    long long high = PyLong_AsLongLong(args[4]);
-    if (high == -1 && PyErr_Occurred())
-        return NULL;
-    long shift = PyLong_AsLong(args[5]);
-    if (shift == -1 && PyErr_Occurred())
+    long long high;
+    long shift;
+    if (table_args(args, "rows", &high, &shift) < 0)
         return NULL;
     /* the keys are checked after the conversions above (an __index__ may change the list) and
      * no Python code runs between this check and their use */
@@ -725,15 +737,9 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!nargs_ok(nargs, 15, "decide"))
         return NULL;
     PyObject *keys = args[0];
-    if (!PyList_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "decide(): keys must be a list");
-        return NULL;
-    }
-    long long high = PyLong_AsLongLong(args[4]);
-    if (high == -1 && PyErr_Occurred())
-        return NULL;
-    long shift = PyLong_AsLong(args[5]);
-    if (shift == -1 && PyErr_Occurred())
+    long long high;
+    long shift;
+    if (table_args(args, "decide", &high, &shift) < 0)
         return NULL;
     Py_ssize_t nwords = PyLong_AsSsize_t(args[7]);
     if (nwords == -1 && PyErr_Occurred())
