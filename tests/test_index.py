@@ -20,6 +20,7 @@ from kvtier.client.routing.scoring import (
     Overlap,
     Scorer,
     ScorerConfig,
+    parse_loads,
     tie_hash,
     tie_hashes,
     worker_digests,
@@ -222,16 +223,24 @@ def test_vectorised_cost_and_order_equal_the_definition() -> None:
 
 
 def test_tier_weights_follow_the_bandwidths() -> None:
-    """w_t = max(0, 1 - bytes_per_token * prefill_tokens_per_s / bandwidth): 131072 B/token at
-    20000 tokens/s recompute at 2.62 GB/s, so a tier loading slower than that saves nothing."""
-    scorer = Scorer(ScorerConfig())
-    assert scorer.tier_weight(Tier.GPU) == 1.0
-    assert scorer.tier_weight(Tier.HOST) == pytest.approx(1 - 2.62144 / 50)      # the configured default
-    assert scorer.tier_weight(Tier.HOST, 10.0) == pytest.approx(1 - 2.62144 / 10)  # a published one
-    assert scorer.tier_weight(Tier.DISK) == 0.0 and scorer.tier_weight(Tier.DISK, 6.0) == pytest.approx(0.5631, abs=1e-4)
-    assert scorer.tier_weight(Tier.REMOTE) == pytest.approx(1 - 2.62144 / 10)  # remote_load_gbps
-    assert scorer.tier_weight(Tier.REMOTE, 25.0) == pytest.approx(1 - 2.62144 / 25)
-    assert Scorer(ScorerConfig(), pulls=False).tier_weight(Tier.REMOTE, 25.0) == 0.0  # pulls off: worth nothing
+    """r = bytes_per_token * prefill_tokens_per_s / bandwidth (131072 B/token at 20000 tokens/s:
+    a tier at 2.62 GB/s loads as fast as the gpu recomputes). Async loads (the default) run
+    beside the prefill, w_t = 1 / (1 + r): a slow tier still saves part of a recompute; serial
+    loads hold it, w_t = max(0, 1 - r): a tier slower than recompute saves nothing."""
+    for loads, w in (("async", lambda r: 1 / (1 + r)), ("serial", lambda r: max(0.0, 1 - r))):
+        scorer = Scorer(ScorerConfig(loads=loads))
+        assert scorer.tier_weight(Tier.GPU) == 1.0
+        assert scorer.tier_weight(Tier.HOST) == pytest.approx(w(2.62144 / 50))      # the configured default
+        assert scorer.tier_weight(Tier.HOST, 10.0) == pytest.approx(w(2.62144 / 10))  # a published one
+        assert scorer.tier_weight(Tier.DISK) == pytest.approx(w(2.62144 / 2))
+        assert scorer.tier_weight(Tier.DISK, 6.0) == pytest.approx(w(2.62144 / 6))
+        assert scorer.tier_weight(Tier.REMOTE) == pytest.approx(w(2.62144 / 10))  # remote_load_gbps
+        assert scorer.tier_weight(Tier.REMOTE, 25.0) == pytest.approx(w(2.62144 / 25))
+        assert Scorer(ScorerConfig(loads=loads), pulls=False).tier_weight(Tier.REMOTE, 25.0) == 0.0  # pulls off
+    assert Scorer(ScorerConfig(loads="serial")).tier_weight(Tier.DISK) == 0.0  # slower than recompute
+    assert Scorer().tier_weight(Tier.DISK) == pytest.approx(0.4328, abs=1e-4)  # the default: async
+    with pytest.raises(ValueError, match="not one of async, serial"):
+        parse_loads("sync")
 
 
 def test_tie_hash_is_stable_and_vectorised_the_same() -> None:

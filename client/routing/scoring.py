@@ -3,15 +3,23 @@
 For a request of ``N`` blocks and one worker, ``d_t`` is the length of the request's leading
 run of blocks that the worker holds in tier ``t`` or any faster tier (``d_gpu <= d_host <=
 d_disk``: the index's holdings). Loading a block from tier ``t`` saves only part of
-recomputing it::
+recomputing it. With ``r_t = load_time(t) / recompute_time = bytes_per_token *
+prefill_tokens_per_s / load_bytes_per_s(t)``::
 
-    w_t  = max(0, 1 - load_time(t) / recompute_time)
-         = max(0, 1 - bytes_per_token * prefill_tokens_per_s / load_bytes_per_s(t))
+    w_t  = 1 / (1 + r_t)         loads="async" (the default)
+         = max(0, 1 - r_t)       loads="serial"
     cost = N - [d_gpu + w_host (d_host - d_gpu) + w_disk (d_disk - d_host)
                 + w_remote (d_remote - d_disk)]
              + queued_weight * queued_blocks + active_weight * active_requests
 
-(all in blocks). ``d_remote`` counts, past the worker's own tiers, the blocks its node could
+(all in blocks). Async loads are how vLLM's offloading connector and SGLang's HiCache load:
+a request's blocks come in over the disk, NIC or PCIe while the GPU prefills other requests,
+so a load costs the worker's prefill nothing and the request only the part of it that its
+queue does not hide. ``1 / (1 + r)`` is the share of a run of blocks that loading saves when
+loading and recomputing split the run between them and run side by side (the split that ends
+both at once); it is 1 for an instant tier, about ``1 - r`` for a fast one, and still 0.43 for
+a 2 GB/s disk under an 8B model (r = 1.31), which serial loads count as worth nothing.
+``d_remote`` counts, past the worker's own tiers, the blocks its node could
 fetch from a peer (another node's host or disk) or the shared store (the ``remote`` tier), at
 the bandwidth the worker's daemon publishes for it (``remote_load_gbps`` when none); with
 pulls off (``Scorer(pulls=False)``) ``w_remote`` is 0. The worker with the lowest cost wins; equal costs go to the least loaded
@@ -43,6 +51,15 @@ except ImportError:  # built by `pip install` where a C compiler and Python's he
     _croute = None
 
 
+LOAD_MODES = ("async", "serial")
+
+
+def parse_loads(text: str) -> str:
+    if text not in LOAD_MODES:
+        raise ValueError(f"{text!r}: not one of {', '.join(LOAD_MODES)}")
+    return text
+
+
 @dataclass(frozen=True)
 class ScorerConfig:
     """Knobs of the cost (each also a ``kvtier route-server`` setting). Bandwidths are 10^9
@@ -66,8 +83,14 @@ class ScorerConfig:
     # a and b: cost per queued prefill block and per running request. Below 1: sending a turn
     # away from its session's cache also costs that session's later turns, so affinity is worth
     # a short queue (docs/replay.md: the sweep on conversation_trace.jsonl, 8 replicas).
-    queued_weight: float = setting(0.25, "cost per queued prefill block (a)", parse_float, "A")
+    queued_weight: float = setting(0.15, "cost per queued prefill block (a)", parse_float, "A")
     active_weight: float = setting(0.1, "cost per running request (b)", parse_float, "B")
+    # how the engine loads: "async" (vLLM's offloading connector, SGLang HiCache: a request's
+    # loads run on the disk, NIC and PCIe while the GPU prefills other requests, w = 1/(1+r));
+    # "serial" (the load holds the worker's prefill: w = 1 - r, 0 once a load is slower than
+    # recomputing)
+    loads: str = setting("async", "how engines load cached blocks: async (beside the prefill) or serial "
+                                  "(holding it)", parse_loads, "MODE")
 
 
 @dataclass(frozen=True)
@@ -149,7 +172,8 @@ class Scorer:
         bw = load_gbps or {Tier.HOST: c.host_load_gbps, Tier.DISK: c.disk_load_gbps}.get(tier, c.remote_load_gbps)
         if bw <= 0:
             return 0.0
-        return max(0.0, 1.0 - c.bytes_per_token * c.prefill_tokens_per_s / (bw * 1e9))
+        r = c.bytes_per_token * c.prefill_tokens_per_s / (bw * 1e9)  # load time / recompute time
+        return 1.0 / (1.0 + r) if c.loads == "async" else max(0.0, 1.0 - r)
 
     def weights(self, load_gbps: Sequence[Mapping[str, float]]) -> np.ndarray:
         """The (4, workers) weights of :meth:`costs`: ``1 - w_host``, ``w_host - w_disk``,

@@ -16,13 +16,17 @@ The model
       leading run of held blocks at once (the cache state moves in arrival order), and every
       block it used is then held there (see ``TierPolicy``); its events reach the router
       before the next request.
-    * Service: a replica prefills one request at a time, first come first served. A request's
-      prefill takes (tokens not served from a tier) / ``--prefill-tps`` plus, for blocks served
-      from host or disk, their bytes (``--kv-bytes-per-token``) over that tier's load bandwidth
-      (never more than recomputing them would take: an engine would recompute instead).
-      TTFT = time queued behind earlier prefills + own prefill. Decoding runs alongside (a
-      continuous batch) at ``--decode-tps`` tokens per second per request; a request is
-      *active* on its replica from dispatch until its last output token.
+    * Service: a replica prefills one request at a time, first come first served, computing
+      the tokens not served from a tier at ``--prefill-tps``. Blocks served from host, disk or
+      a peer load at their bytes (``--kv-bytes-per-token``) over that tier's bandwidth.
+      ``--loads async`` (the default; vLLM's offloading connector): when the request's turn
+      comes its loads start, each source (host, disk, peer) reading one request after another,
+      and the gpu goes on to the next requests meanwhile; the request computes once its loads
+      are in, so its queue holds only compute. ``--loads serial``: the loads hold the gpu, and
+      a block slower to load than to recompute is recomputed. TTFT = time queued + loads +
+      own compute. Decoding runs alongside (a continuous batch) at ``--decode-tps`` tokens
+      per second per request; a request is *active* on its replica from dispatch until its
+      last output token.
     * Hit rate is in blocks: blocks served from any tier / blocks in the trace. For one
       replica with unbounded capacity it equals the trace's ideal prefix hit rate.
 
@@ -85,7 +89,7 @@ import numpy as np
 
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
-from kvtier.client.routing.scoring import ScorerConfig
+from kvtier.client.routing.scoring import LOAD_MODES, ScorerConfig
 from kvtier.proto import locations_pb2 as L
 from kvtier.tiers.policy import TierPolicy
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
@@ -154,7 +158,7 @@ class ReplayConfig:
     host_tokens: int = 1_000_000
     disk_tokens: int = 10_000_000
     demote_min_seen: int = 2
-    disk_write_gbps: float = 0.0          # the disk's write bandwidth (0: not modelled; 0.1's admission)
+    disk_write_gbps: float = 2.0          # the disk's write bandwidth (0: not modelled; 0.1's admission)
     disk_write_burst_s: float = 8.0       # unused write bandwidth kept for later, in seconds of it
     prefill_tps: float = _SCORER.prefill_tokens_per_s        # prefill tokens per second of one replica
     decode_tps: float = 50.0                                  # output tokens per second of one request
@@ -163,6 +167,7 @@ class ReplayConfig:
     disk_load_gbps: float = _SCORER.disk_load_gbps            # disk -> host -> GPU, 10^9 B/s
     queued_weight: float = _SCORER.queued_weight              # the kvtier policy's load weights (a, b)
     active_weight: float = _SCORER.active_weight
+    loads: str = _SCORER.loads                                # async: beside the prefill; serial: holding it
     seed: int = 0
     peer_gbps: float = 0.0      # another replica's host/disk -> this GPU, 10^9 B/s (0: no peers, no remote tier)
     rate_scale: float = 1.0     # arrival times were divided by this (recorded; main applies it)
@@ -178,17 +183,20 @@ class ReplayConfig:
         return ScorerConfig(prefill_tokens_per_s=self.prefill_tps, bytes_per_token=self.kv_bytes_per_token,
                             host_load_gbps=self.host_load_gbps, disk_load_gbps=self.disk_load_gbps,
                             remote_load_gbps=self.peer_gbps or _SCORER.remote_load_gbps,
-                            queued_weight=self.queued_weight, active_weight=self.active_weight)
+                            queued_weight=self.queued_weight, active_weight=self.active_weight,
+                            loads=self.loads)
 
     def block_load_s(self, tier: Tier) -> float:
-        """Seconds to bring one block from ``tier`` into the gpu (capped at recomputing it)."""
+        """Seconds to bring one block from ``tier`` into the gpu (serial loads: capped at
+        recomputing it, since an engine that loads in its prefill would recompute instead)."""
         recompute = self.block_tokens / self.prefill_tps
         if tier == Tier.GPU:
             return 0.0
         gbps = {Tier.HOST: self.host_load_gbps, Tier.DISK: self.disk_load_gbps}.get(tier, self.peer_gbps)
         if gbps <= 0:
             return recompute
-        return min(recompute, self.block_tokens * self.kv_bytes_per_token / (gbps * 1e9))
+        load = self.block_tokens * self.kv_bytes_per_token / (gbps * 1e9)
+        return load if self.loads == "async" else min(recompute, load)
 
 
 @dataclass
@@ -314,15 +322,16 @@ class SimulatedNode:
 class Replica:
     """One simulated worker: its node and its queue."""
 
-    __slots__ = ("node", "free_at", "active", "active_blocks", "computed_tokens", "busy_s")
+    __slots__ = ("node", "free_at", "io_free_at", "active", "active_blocks", "computed_tokens", "busy_s")
 
     def __init__(self, cfg: ReplayConfig, index: int = 0, feed: Feed | None = None) -> None:
         self.node = SimulatedNode(cfg, f"node{index}", f"replica{index}", feed)
         self.free_at = 0.0                        # when its prefill queue drains
+        self.io_free_at = [0.0, 0.0, 0.0]         # async loads: when its host, disk and peer reads drain
         self.active: list[tuple[float, int]] = []  # heap of (finish time, blocks held)
         self.active_blocks = 0
         self.computed_tokens = 0                  # prefill work done: tokens computed
-        self.busy_s = 0.0                         # time spent prefilling (and loading from tiers)
+        self.busy_s = 0.0                         # time its gpu spent prefilling (serial loads: and loading)
 
     def advance(self, now: float) -> None:
         act = self.active
@@ -519,16 +528,31 @@ class Cluster:
         computed = req.input_tokens - min((sum(hits) + remote) * cfg.block_tokens, req.input_tokens)
         rep.computed_tokens += computed
         start = max(now, rep.free_at)
-        prefill_s = computed / cfg.prefill_tps + hits[1] * self._load_s[1] + hits[2] * self._load_s[2] + \
-            remote * self._load_s[3]
-        rep.busy_s += prefill_s
-        rep.free_at = start + prefill_s
-        done = rep.free_at + req.output_tokens / cfg.decode_tps
+        loads = (hits[1] * self._load_s[1], hits[2] * self._load_s[2], remote * self._load_s[3])
+        if cfg.loads == "async":
+            # as vLLM's offloading connector: the loads start at the request's queue turn, each
+            # source (pcie, disk, nic) reading one request after another; the gpu's queue holds
+            # only compute (the engine runs the next requests while this one loads), and the
+            # request computes once its loads are in
+            loaded = start
+            for t, s in enumerate(loads):
+                if s > 0:
+                    rep.io_free_at[t] = max(start, rep.io_free_at[t]) + s
+                    loaded = max(loaded, rep.io_free_at[t])
+            compute_s = computed / cfg.prefill_tps
+            rep.busy_s += compute_s
+            rep.free_at = start + compute_s
+            prefilled = loaded + compute_s
+        else:
+            prefill_s = computed / cfg.prefill_tps + sum(loads)
+            rep.busy_s += prefill_s
+            rep.free_at = prefilled = start + prefill_s
+        done = prefilled + req.output_tokens / cfg.decode_tps
         held = -(-(req.input_tokens + req.output_tokens) // cfg.block_tokens)
         heapq.heappush(rep.active, (done, held))
         rep.active_blocks += held
-        self.policy.served(rep.free_at, done)
-        return i, hits, rep.free_at - now
+        self.policy.served(prefilled, done)
+        return i, hits, prefilled - now
 
 
 def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas: int,
@@ -558,12 +582,13 @@ def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas
 def pooled(requests: Sequence[Request], cfg: ReplayConfig, replicas: Sequence[int],
            progress: Callable[[int], None] | None = None) -> dict[int, Row]:
     """The pooled reference for each replica count ``n``: one replica with ``n`` times the
-    capacity of one in every tier (one cache holding what all ``n`` hold, no routing). Its
-    hit rate is what a router of ``n`` replicas could reach at most."""
+    capacity of one in every tier, and ``n`` times its disk write bandwidth (one cache holding
+    what all ``n`` hold, written by all ``n`` disks; no routing). Its hit rate is what a router
+    of ``n`` replicas could reach at most."""
     out = {}
     for n in sorted(set(replicas)):
         big = replace(cfg, gpu_tokens=n * cfg.gpu_tokens, host_tokens=n * cfg.host_tokens,
-                      disk_tokens=n * cfg.disk_tokens)
+                      disk_tokens=n * cfg.disk_tokens, disk_write_gbps=n * cfg.disk_write_gbps)
         out[n] = replace(replay(requests, big, "round-robin", 1, progress), policy="pooled", replicas=n)
     return out
 
@@ -835,6 +860,10 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                     help="host -> GPU load bandwidth, 10^9 B/s [%(default)s]")
     ap.add_argument("--disk-load-gbps", type=float, default=d.disk_load_gbps,
                     help="disk -> GPU load bandwidth, 10^9 B/s [%(default)s]")
+    ap.add_argument("--loads", choices=LOAD_MODES, default=d.loads,
+                    help="how the engine loads cached blocks: async (vLLM's offloading connector: the gpu "
+                         "prefills other requests while a request's blocks load) or serial (the load holds the "
+                         "gpu; a block slower to load than to recompute is recomputed) [%(default)s]")
     ap.add_argument("--queued-weight", type=float, default=d.queued_weight,
                     help="kvtier policy: cost per queued prefill block [%(default)s]")
     ap.add_argument("--active-weight", type=float, default=d.active_weight,
@@ -874,7 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, kv_bytes_per_token=args.kv_bytes_per_token,
                   host_load_gbps=args.host_load_gbps, disk_load_gbps=args.disk_load_gbps,
                   queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed,
-                  peer_gbps=args.peer_gbps, rate_scale=args.rate_scale, new_session_spread=args.new_session_spread,
+                  peer_gbps=args.peer_gbps, rate_scale=args.rate_scale, loads=args.loads, new_session_spread=args.new_session_spread,
                   new_session_share=args.new_session_share, session_halflife_s=args.session_halflife_s)
     if args.peer_gbps < 0:
         ap.error("--peer-gbps must be >= 0 (0: no peers)")
