@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -27,7 +25,7 @@ from pki import make_ca, make_cert, tls_channel
 
 from kvtier.client import Sidecar
 from kvtier.client.engine.transport import open_channel
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.testing.local_daemon import DaemonProcess, shm_tempdir
 from kvtier.daemon.auth import AccessPolicy, PeerAuthenticator
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.handshake import TOKEN_HEADER, Credentials, auth_socket_path
@@ -43,11 +41,8 @@ def kvtierd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
 
 
 def refused_start(tmp_path, sock: str, *extra: str) -> subprocess.CompletedProcess:
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
-    try:
+    with shm_tempdir() as shm:
         return kvtierd("--socket", sock, "--shm-dir", shm, "--host-capacity", "16MiB", *extra)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def stats(channel: grpc.Channel, metadata: tuple = ()) -> node_pb2.StatsReply:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.testing.local_daemon import DaemonProcess, shm_tempdir
 
 
 @pytest.fixture
@@ -28,6 +28,19 @@ def start_daemon(tmp_path) -> Iterator[Callable[..., DaemonProcess]]:
 @pytest.fixture
 def daemon(start_daemon) -> DaemonProcess:
     return start_daemon()
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A fresh directory in /dev/shm (tmpfs, as a host tier's pool and key table need), removed
+    after the test."""
+    with shm_tempdir() as d:
+        yield d
+
+
+@pytest.fixture
+def shm(shm_dir) -> str:
+    return shm_dir
 
 
 @pytest.fixture

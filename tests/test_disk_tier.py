@@ -457,13 +457,11 @@ def test_store_reports_every_disk_visibility_change(tmp_path):
     """In-process BlockStore on a real HostTier (tmpfs) and DiskTier: demotion, promotion,
     disk LRU eviction and a checksum drop each reach the location observers."""
     import asyncio
-    import shutil
-    import tempfile
 
+    from kvtier.client.testing.local_daemon import shm_tempdir
     from kvtier.daemon.store import BlockStore
     from kvtier.tiers.host import HostTier
 
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
     layout = Layout.flat(BLOCK)
     fp = layout.fingerprint
 
@@ -505,10 +503,8 @@ def test_store_reports_every_disk_visibility_change(tmp_path):
         finally:
             store.close()
 
-    try:
+    with shm_tempdir() as shm:
         asyncio.run(main())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_durable_put_of_blocks_already_in_host_writes_them_to_disk(start_daemon, tmp_path):

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
-import tempfile
 import time
 
 import numpy as np
@@ -54,13 +52,6 @@ def fold(events: list[LocationEvent]) -> dict[tuple[Tier, bytes], set[bytes]]:
 
 def holdings(store: BlockStore) -> dict[tuple[Tier, bytes], set[bytes]]:
     return {(tier, fp): set(keys) for tier, fp, keys in store.holdings() if keys}
-
-
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_grant_committed_while_its_key_is_being_demoted_stays_published(shm, tmp_path) -> None:

@@ -17,12 +17,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -53,13 +51,6 @@ def run_kvtierd(d: DaemonProcess, timeout: float = 60) -> subprocess.CompletedPr
 def kvtier(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvtier.client.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
-
-
-@pytest.fixture
-def shm_dir():
-    d = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _assert_refused_cleanly(res: subprocess.CompletedProcess, *words: str) -> None:

@@ -10,6 +10,7 @@ import os
 import random
 import tracemalloc
 
+import numpy as np
 import pytest
 
 from kvtier.tiers import idmap
@@ -101,6 +102,12 @@ def test_errors_and_contract(compiled: bool) -> None:
         m[bytes(MAX_ID + 1)] = 0
     with pytest.raises(TypeError):
         m["str"] = 0  # type: ignore[index]
+    for bad in (1.0, "1", None):
+        with pytest.raises(TypeError):
+            m[b"x"] = bad  # type: ignore[assignment]
+    m[b"n"] = np.int64(1 << 32)  # numpy's integers are refs in both maps, and read back as ints
+    assert m[b"n"] == 1 << 32 and type(m[b"n"]) is int and m.id_of(np.int64(1 << 32)) == b"n"
+    del m[b"n"]
     with pytest.raises(TypeError):
         None in m  # noqa: B015
     assert len(m) == 1 and list(m) == [b"b"]

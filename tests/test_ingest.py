@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 
 from kvtier.daemon.counters import Count, Op
 from kvtier.daemon.store import BlockStore
@@ -26,8 +24,8 @@ def payload(k: bytes) -> bytes:
     return (k * (BLOCK // len(k) + 1))[:BLOCK]
 
 
-def test_ingest_verifies_and_payloads_round_trip(tmp_path):
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+def test_ingest_verifies_and_payloads_round_trip(tmp_path, shm_dir):
+    shm = shm_dir
     layout = Layout.flat(BLOCK)
     fp = layout.fingerprint
 
@@ -62,7 +60,6 @@ def test_ingest_verifies_and_payloads_round_trip(tmp_path):
     try:
         asyncio.run(main())
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
         os.sync()
 
 
@@ -80,8 +77,8 @@ class _DictSource:
         return [(b, self.blocks[b], payload_checksum(self.blocks[b])) for b in bkeys if b in self.blocks]
 
 
-def test_get_reads_through_remote_sources_for_local_misses():
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+def test_get_reads_through_remote_sources_for_local_misses(shm_dir):
+    shm = shm_dir
     layout = Layout.flat(BLOCK)
     fp = layout.fingerprint
 
@@ -107,7 +104,4 @@ def test_get_reads_through_remote_sources_for_local_misses():
         finally:
             store.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    asyncio.run(main())

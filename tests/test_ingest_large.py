@@ -5,10 +5,9 @@ not match the sender's checksum is still dropped and counted, never visible."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 
 import kvtier.daemon.placement as placement
+from kvtier.client.testing.local_daemon import shm_tempdir
 from kvtier.daemon.counters import Count
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.host import HostTier, payload_checksum
@@ -18,8 +17,8 @@ from kvtier.tiers.vocab import Tier
 BLOCK = 1024 * 1024
 
 
-def test_large_ingest_copies_on_threads_and_verifies():
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+def test_large_ingest_copies_on_threads_and_verifies(shm_dir):
+    shm = shm_dir
     layout = Layout.flat(BLOCK)
     fp = layout.fingerprint
     keys = [i.to_bytes(4, "big") * 4 for i in range(8)]
@@ -60,16 +59,12 @@ def test_large_ingest_copies_on_threads_and_verifies():
         finally:
             store.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    asyncio.run(main())
 
 
 def test_verified_ingest_copies_without_hashing_again():
     """A source that verified each payload as it arrived (the shared store) says so: the copies
     are not hashed again (the given checksum is the slot's), on threads or inline."""
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
     layout = Layout.flat(BLOCK)
     fp = layout.fingerprint
     keys = [i.to_bytes(4, "big") * 4 for i in range(8)]
@@ -96,7 +91,5 @@ def test_verified_ingest_copies_without_hashing_again():
         finally:
             store.close()
 
-    try:
+    with shm_tempdir() as shm:
         asyncio.run(main())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)

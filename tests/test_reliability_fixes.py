@@ -27,13 +27,6 @@ def key(i: int) -> bytes:
     return b"fixes-14" + i.to_bytes(24, "big")   # 32 bytes: the longest key
 
 
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def test_the_event_ring_is_bounded_in_bytes(shm) -> None:
     """One-key events weigh about 290 bytes each in the daemon's heap: a ring bounded only by
     its key count (1,048,576 by default) grew the heap by hundreds of MiB. With

@@ -28,7 +28,7 @@ from mooncake_master import MooncakeMaster, mooncake_fixture
 from redis_cluster import REDIS_CLI, RedisCluster, cluster_fixture
 
 from kvtier.client.engine.sidecar import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.testing.local_daemon import DaemonProcess, shm_tempdir
 from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count
 from kvtier.daemon.layouts import tenant_fingerprint
@@ -305,7 +305,6 @@ def backend_of(cluster: RedisCluster) -> RedisBackend:
 
 def in_process(shared: Shared, body, *, write: str = "put", host_blocks: int = 8,  # noqa: ANN001
                queue_bytes: int = 64 * BLOCK, ttl_s: float = 60.0) -> None:
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
 
     async def main() -> None:
         store = BlockStore(HostTier(shm, host_blocks * BLOCK, "rs"), demote_min_seen=1)
@@ -333,10 +332,8 @@ def in_process(shared: Shared, body, *, write: str = "put", host_blocks: int = 8
             await remote.close()
             store.close()
 
-    try:
+    with shm_tempdir() as shm:
         asyncio.run(main())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_feed_shows_written_blocks_in_remote_until_their_ttl_lapses(shared):

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
+from kvtier.client.testing.local_daemon import shm_tempdir
 from kvtier.daemon.counters import Count
 from kvtier.daemon.errors import Code
 from kvtier.daemon.gpu import KVRegistration, Transfers
@@ -143,7 +142,6 @@ def host_slots_accounted(host: HostTier) -> None:
 
 def run(tmp_path, body: Callable[[BlockStore, DiskTier | None, int, int], Awaitable[None]], *,
         host_blocks: int = 4, disk_blocks: int = 0, prefault: bool = True, demote_min_seen: int = 1) -> None:
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
 
     async def main() -> None:
         disk = DiskTier(str(tmp_path / "disk"), capacity=disk_blocks * BLOCK, queue_depth=1) if disk_blocks else None
@@ -161,10 +159,8 @@ def run(tmp_path, body: Callable[[BlockStore, DiskTier | None, int, int], Awaita
             await asyncio.sleep(0.05)
             store.close()
 
-    try:
+    with shm_tempdir() as shm:
         asyncio.run(main())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 async def parked(coro: Awaitable) -> asyncio.Task:
@@ -316,7 +312,6 @@ def test_failed_pool_prefault_leaves_no_slot_counted_as_backed(tmp_path, failing
     """RegisterLayout whose pool prefault fails answers RESOURCE_EXHAUSTED; a retry must not
     then hand out slots that were never allocated (a client writing one would SIGBUS)."""
     fail, calls = failing_backing
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
 
     async def main() -> None:
         store = BlockStore(HostTier(shm, 4 * BLOCK, "race"), prefault=True)
@@ -335,10 +330,8 @@ def test_failed_pool_prefault_leaves_no_slot_counted_as_backed(tmp_path, failing
         finally:
             store.close()
 
-    try:
+    with shm_tempdir() as shm:
         asyncio.run(main())
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_promotion_into_unbackable_slots_is_a_miss_and_leaks_nothing(tmp_path, failing_backing):

@@ -24,6 +24,7 @@ Hashing is seeded per process (:func:`new_idmap`).
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -59,8 +60,10 @@ class PyIdMap:
         return len(self._ids) - 1
 
     def _ref(self, ref: int) -> tuple[list[bytes | None], int]:
-        if not isinstance(ref, int):
-            raise TypeError(f"refs are ints, not {type(ref).__name__}")
+        try:  # any integer (numpy's too), as the compiled map takes it
+            ref = operator.index(ref)
+        except TypeError:
+            raise TypeError(f"refs are ints, not {type(ref).__name__}") from None
         cls, slot = ref >> 32, ref & _SLOT
         if ref < 0 or cls >= len(self._ids) or slot >= len(self._ids[cls]):
             raise ValueError(f"ref {ref} names no slot of a class of this map")
@@ -83,7 +86,7 @@ class PyIdMap:
         if old is not None and d.get(old) == ref:
             del d[old]  # a ref holds one id
         ids[slot] = k
-        d[k] = ref
+        d[k] = operator.index(ref)
         self._version += 1
 
     def __getitem__(self, k: bytes) -> int:

@@ -133,10 +133,26 @@ def _shared(n: int, nbytes: int, one: Callable[[int], T]) -> list[T]:
     try:
         work()
     finally:  # every thread stops before the caller goes on (a failed put gives its slots back)
-        wait(futures)
+        _wait_all(futures, failed)
     for f in futures:
         f.result()
     return out
+
+
+def _wait_all(futures: list, failed: list[BaseException]) -> None:
+    """Wait for every copy thread, through Ctrl-C too: a thread still copying into a slot that
+    the aborted put then gives back would write into another block. A Ctrl-C during the wait
+    stops the threads at their next block and is raised once they have stopped."""
+    interrupted: KeyboardInterrupt | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except KeyboardInterrupt as e:
+            failed.append(e)
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 def put_blocks(pool: np.ndarray, offsets: Sequence[int], arrs: Sequence[np.ndarray],

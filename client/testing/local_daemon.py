@@ -4,6 +4,7 @@ Used by `kvtier demo`, the benchmarks and the integration tests (a real daemon, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -11,10 +12,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@contextlib.contextmanager
+def shm_tempdir() -> Iterator[str]:
+    """A fresh directory in /dev/shm (tmpfs, as a host tier's pool and key table need), removed
+    on the way out, whatever happens in between."""
+    d = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class DaemonProcess:
