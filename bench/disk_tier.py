@@ -15,7 +15,18 @@ a real filesystem (``--dir``, default /var/tmp; not tmpfs), then measures:
   the syscalls). The raw runs go once before and once after the tier runs; their mean is
   the reference, to damp the drift of a shared disk;
 * ``ratio``: the lower of write/raw_write and read/raw_read (goal >= 0.85);
-* ``promote_1block_p99_ms``: latency of a one-block get of a disk-only block.
+* ``promote_1block_p99_ms``: latency of a one-block get of a disk-only block;
+* demotion under a put stream (issue 15 item 1): ``--gib`` of plain (not durable) puts of
+  blocks each put once, into a host tier of ``--host-mib``, so that from the second quarter on
+  every put evicts host victims, once into a kvtierd with this disk tier (the victims are
+  demoted while the disk's write queue has room, ``--demote-queue-bytes``, the daemon's
+  default, and dropped when it has none: each was seen once) and once into one without a
+  disk tier (victims dropped): ``demote_put_gbps`` and ``nodisk_put_gbps``, their ratio
+  ``demote_put_ratio`` (1: demotion does not slow the puts), the put latencies
+  ``demote_put_p99_ms`` / ``nodisk_put_p99_ms``, and ``demote_write_gbps``: the bytes demoted
+  by the end of the puts over their time, against the raw write rate (``demote_write_ratio``:
+  the share of the disk's write bandwidth the demotions used), with ``demoted_blocks`` and
+  ``demotions_skipped_cold``.
 
 Prints one JSON object as its last line (bandwidths in 10^9 B/s).
 """
@@ -112,7 +123,8 @@ def tier_run(args: argparse.Namespace, work: str, nblocks: int, block: int, host
     disk_dir = os.path.join(work, "disk")
     d = DaemonProcess(work, "--disk-dir", disk_dir, "--disk-capacity", str(int(nblocks * block * 1.25)),
                       "--disk-queue-depth", str(qd), "--log-level", "warning",
-                      host_capacity=f"{host_mib}MiB").start()
+                      # the warm-up blocks (seen once) are not demoted: only the durable puts write
+                      "--demote-queue-bytes", "0", host_capacity=f"{host_mib}MiB").start()
     try:
         res = run_tier(d, nblocks, block, args.batch, args.latency_samples, args.streams, host_mib * MiB)
     finally:
@@ -120,6 +132,51 @@ def tier_run(args: argparse.Namespace, work: str, nblocks: int, block: int, host
         d.cleanup()
     shutil.rmtree(disk_dir, ignore_errors=True)
     return res
+
+
+def put_stream(d: DaemonProcess, nblocks: int, block: int, batch: int) -> tuple[float, list[float], dict]:
+    """Plain puts of ``nblocks`` distinct blocks, ``batch`` a put, each put once; (seconds, the
+    latency of each put, the daemon's counters right after the last put)."""
+    payload = np.random.default_rng(5).bytes(block)
+    lat = []
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(block))
+        t0 = time.perf_counter()
+        for first in range(0, nblocks, batch):
+            idx = range(first, min(first + batch, nblocks))
+            s = time.perf_counter()
+            r = sc.put(lid, [b"benchdem" + i.to_bytes(8, "big") for i in idx], [payload] * len(idx))
+            lat.append(time.perf_counter() - s)
+            if r.stored != len(idx):
+                raise SystemExit(f"put stored {r.stored} of {len(idx)} blocks: {r}")
+        dt = time.perf_counter() - t0
+        return dt, lat, sc.stats()["counters"]
+
+
+def demote_run(args: argparse.Namespace, work: str, nblocks: int, block: int, host_mib: int) -> dict:
+    """The put stream into a kvtierd with a disk tier, then into one without (module doc)."""
+    batch = max(1, args.batch // 4)
+    disk_dir = os.path.join(work, "demote-disk")
+    out = {}
+    for name, extra in (("demote", ["--disk-dir", disk_dir, "--disk-capacity", str(int(nblocks * block * 1.25)),
+                                    "--disk-queue-depth", str(args.queue_depth)]),
+                        ("nodisk", [])):
+        d = DaemonProcess(work, *extra, "--log-level", "warning", host_capacity=f"{host_mib}MiB",
+                          name=f"kvtierd-{name}").start()
+        try:
+            out[name] = put_stream(d, nblocks, block, batch)
+        finally:
+            d.stop()
+            d.cleanup()
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    (dem_s, dem_lat, dem_c), (nod_s, nod_lat, _) = out["demote"], out["nodisk"]
+    return {"demote_put_gbps": nblocks * block / dem_s / 1e9, "nodisk_put_gbps": nblocks * block / nod_s / 1e9,
+            "demote_put_p99_ms": float(np.percentile(dem_lat, 99)) * 1e3,
+            "nodisk_put_p99_ms": float(np.percentile(nod_lat, 99)) * 1e3,
+            "demote_write_gbps": dem_c.get("demotions", 0) * block / dem_s / 1e9,
+            "demoted_blocks": int(dem_c.get("demotions", 0)),
+            "demotions_skipped_cold": int(dem_c.get("demotions_skipped_cold", 0)), "demote_put_blocks": nblocks,
+            "demote_batch_blocks": batch}
 
 
 def assemble(args: argparse.Namespace, res: dict, raw1: tuple[float, float], raw2: tuple[float, float],
@@ -144,6 +201,13 @@ def assemble(args: argparse.Namespace, res: dict, raw1: tuple[float, float], raw
         "bytes_written": res["bytes_written"], "bytes_read": res["bytes_read"],
         "host_capacity_bytes": host_mib * MiB, "disk_dir_parent": args.dir,
         "checksum_failures": res["checksum_failures"], "cpus": os.cpu_count(),
+        "demote_put_gbps": round(res["demote_put_gbps"], 3), "nodisk_put_gbps": round(res["nodisk_put_gbps"], 3),
+        "demote_put_ratio": round(res["demote_put_gbps"] / res["nodisk_put_gbps"], 3),
+        "demote_put_p99_ms": round(res["demote_put_p99_ms"], 2), "nodisk_put_p99_ms": round(res["nodisk_put_p99_ms"], 2),
+        "demote_write_gbps": round(res["demote_write_gbps"], 3),
+        "demote_write_ratio": round(res["demote_write_gbps"] / raw_w, 3),
+        "demoted_blocks": res["demoted_blocks"], "demotions_skipped_cold": res["demotions_skipped_cold"],
+        "demote_put_blocks": res["demote_put_blocks"], "demote_batch_blocks": res["demote_batch_blocks"],
     }
 
 
@@ -162,6 +226,7 @@ def main() -> None:
         raw1 = raw_pair(raw_path, nblocks, block, batch, qd)
         os.unlink(raw_path)
         res = tier_run(args, work, nblocks, block, host_mib)
+        res.update(demote_run(args, work, nblocks, block, host_mib))
         raw2 = raw_pair(raw_path, nblocks, block, batch, qd)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -170,7 +235,8 @@ def main() -> None:
 
 def warm_host(sc: Sidecar, lid: int, host_blocks: int, batch: int, data: Callable[[int], bytes]) -> None:
     """Untimed warm-up: fill the host pool once (its tmpfs pages are allocated on first use) with
-    blocks put once, which leave host without a disk write (below --demote-min-seen)."""
+    blocks put once, which leave host without a disk write (below --demote-min-seen, with
+    --demote-queue-bytes 0)."""
     for first in range(0, host_blocks, batch):
         idx = range(first, min(first + batch, host_blocks))
         sc.put(lid, [b"benchwrm" + i.to_bytes(8, "big") for i in idx], [data(i) for i in idx])
