@@ -22,9 +22,10 @@ from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import Overlap
 from kvtier.proto import router_pb2, router_pb2_grpc
 
-# default scorer (131072 B/token, 20k tokens/s): w_host = 0.948, w_remote = 0.738 (10 GB/s).
-# For 32 blocks: the holder costs 1.7 + 0.25 x queued; a free worker that pulls costs 8.4, one
-# that recomputes 32. At 60 queued blocks (cost 16.7) a pull wins, recomputing does not.
+# default scorer (131072 B/token, 20k tokens/s, async loads: w = 1/(1+r)): w_host = 0.950,
+# w_remote = 0.792 (10 GB/s). For 32 blocks: the holder costs 1.6 + 0.15 x queued; a free worker
+# that pulls costs 6.6, one that recomputes 32. At 60 queued blocks (cost 10.6) a pull wins,
+# recomputing does not.
 HOLDER_QUEUED = 60.0
 
 
@@ -74,8 +75,9 @@ def test_a_loaded_holder_sends_the_request_to_a_free_worker_with_a_fetch_hint(cl
         assert d.worker in ("B", "C"), d
         assert d.ranked[0].overlap == Overlap(0, 0, 0, 32)
         assert d.fetch == [FetchHint(d.worker, "A", tuple(keys), 0, 32)]
-        # the remote blocks count at the remote weight: 32 x (1 - w_remote) to recompute
-        assert d.ranked[0].cost == pytest.approx(32 * (131072 * 20000 / 10e9), rel=1e-6)
+        # the remote blocks count at the remote weight: 32 x (1 - w_remote) = 32 r/(1+r) to recompute
+        r_remote = 131072 * 20000 / 10e9
+        assert d.ranked[0].cost == pytest.approx(32 * r_remote / (1 + r_remote), rel=1e-6)
     with router_for(daemons, pulls=False) as r:
         wait_for(lambda: r.route(keys, dispatch=False).ranked[0].overlap.host == 32, what="A's blocks")
         r.set_load("A", HOLDER_QUEUED, 0)
