@@ -158,7 +158,8 @@ class Placement:
         # demotions within the write queue's room, written in the background (from staging)
         self._staged: dict[bytes, _Staged] = {}
         self._staging = _StagingBuffers()
-        self._demoting: set[asyncio.Task] = set()
+        self._stage_queue: list[_Staged] = []          # copied, not yet handed to the disk
+        self._demoter: asyncio.Future | None = None    # the background writer (while it has work)
         self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         if disk is not None:
             policy.on_write(list(disk.entries))  # restored blocks, oldest write first
@@ -267,61 +268,74 @@ class Placement:
             self.policy.on_demotion_end(ending)
 
     async def _stage(self, victims: list[HostEntry]) -> None:
-        """Copy these victims (slots intact) into staging buffers and write them to disk in the
-        background: their slots may be reused as soon as this returns. Their bytes count as
-        disk writes in flight (the room) from now until the write is over."""
+        """Copy these victims (slots intact) into staging buffers and queue them for the
+        background writer: their slots may be reused as soon as this returns. Their bytes
+        count as disk writes in flight (the room) from now until their write is over."""
         await self.host.sealed(victims)  # the checksums the payloads must still have
         limit = self.demote_queue_bytes
         items = [_Staged(v.bkey, v.block_bytes, v.cls.slot_bytes, v.checksum,
                          self._staging.take(v.cls.slot_bytes, limit)) for v in victims]
-        nbytes = sum(it.slot_bytes for it in items)
-        self._writing_bytes += nbytes
+        self._writing_bytes += sum(it.slot_bytes for it in items)
         for it in items:
             self._staged[it.bkey] = it
         srcs = [self._slot_view(v.cls, v.offset) for v in victims]
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, _copy_slots, [(v, it.buf) for v, it in zip(srcs, items, strict=True)])
+            await self._copy_out([(v, it.buf) for v, it in zip(srcs, items, strict=True)])
         except BaseException:
-            self._staged_over(items, nbytes)
+            self._staged_over(items)
             raise
         finally:
             for v in srcs:
                 v.release()
-        task = asyncio.ensure_future(self._write_staged(items, nbytes))
-        self._demoting.add(task)
-        task.add_done_callback(self._demoting.discard)
+        self._stage_queue.extend(items)
+        if self._demoter is None or self._demoter.done():
+            self._demoter = asyncio.ensure_future(self._write_staged())
 
-    async def _write_staged(self, items: list[_Staged], nbytes: int) -> None:
-        """The background half of :meth:`_stage`: write the staged blocks not dropped meanwhile."""
+    async def _copy_out(self, pairs: list[tuple[memoryview, mmap.mmap]]) -> None:
+        """The host slots copied into their staging buffers: on ``INGEST_THREADS`` threads (a
+        small batch inline)."""
+        if sum(len(b) for _, b in pairs) <= INGEST_INLINE_BYTES:
+            _copy_slots(pairs)
+            return
+        n = min(INGEST_THREADS, len(pairs))
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(_ingest_pool(), _copy_slots, pairs[i::n]) for i in range(n)))
+
+    async def _write_staged(self) -> None:
+        """The background writer of staged demotions: everything queued since its last write
+        goes to disk as one batch (one fdatasync, one index commit), until the queue is empty."""
+        while self._stage_queue:
+            items, self._stage_queue = self._stage_queue, []
+            try:
+                await self._write_staged_batch([it for it in items if not it.dropped])
+            except Exception as e:  # noqa: BLE001 (nobody awaits this writer: say it here)
+                log.error("background demotion failed", extra={"error": repr(e), "blocks": len(items)})
+            finally:
+                self._staged_over(items)
+
+    async def _write_staged_batch(self, live: list[_Staged]) -> None:
         disk = self.disk
         assert disk is not None
+        if live and disk.degraded:
+            self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(live))
+            return
+        if not live:
+            return
+        plan = self._plan_write([(it.bkey, it.block_bytes, it.slot_bytes) for it in live],
+                                [it.checksum for it in live])
+        views = [memoryview(it.buf) for it in live]
         try:
-            live = [it for it in items if not it.dropped]
-            if live and disk.degraded:
-                self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(live))
-                return
-            if not live:
-                return
-            plan = self._plan_write([(it.bkey, it.block_bytes, it.slot_bytes) for it in live],
-                                    [it.checksum for it in live])
-            views = [memoryview(it.buf) for it in live]
-            try:
-                visible = await self._write_planned(plan, views)
-            finally:
-                for v in views:
-                    v.release()
-            self.counters.add(Count.DEMOTIONS, len(visible))
-            if plan.mismatched:  # the host slot changed after its commit: not written (a new
-                self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))  # copy may be in host)
-        except Exception as e:  # noqa: BLE001 (a background task: nobody else would see it)
-            log.error("background demotion failed", extra={"error": repr(e), "blocks": len(items)})
+            visible = await self._write_planned(plan, views)
         finally:
-            self._staged_over(items, nbytes)
+            for v in views:
+                v.release()
+        self.counters.add(Count.DEMOTIONS, len(visible))
+        if plan.mismatched:  # the host slot changed after its commit: not written; the disk side
+            self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))  # only (a new copy may be in host)
 
-    def _staged_over(self, items: list[_Staged], nbytes: int) -> None:
-        """A staged demotion is over (written, dropped or failed): its room and buffers are free."""
-        self._writing_bytes -= nbytes
+    def _staged_over(self, items: list[_Staged]) -> None:
+        """Staged demotions are over (written, dropped or failed): their room and buffers are free."""
+        self._writing_bytes -= sum(it.slot_bytes for it in items)
         for it in items:
             if self._staged.get(it.bkey) is it:
                 del self._staged[it.bkey]
@@ -341,8 +355,8 @@ class Placement:
 
     async def drain(self) -> None:
         """Wait until the demotions written in the background are over."""
-        while self._demoting:
-            await asyncio.gather(*list(self._demoting), return_exceptions=True)
+        while self._demoter is not None and not self._demoter.done():
+            await asyncio.gather(self._demoter, return_exceptions=True)
 
     @property
     def demotions_in_flight(self) -> int:
@@ -687,14 +701,15 @@ class Placement:
     def close(self) -> None:
         """Close the tiers (after :meth:`drain`; background demotions still running are
         cancelled: never acknowledged, they are lost)."""
-        for task in self._demoting:
-            task.cancel()
+        demoter = self._demoter
+        if demoter is not None and not demoter.done():
+            demoter.cancel()
         for mm, view in self._pool_maps.values():
             view.release()
             mm.close()
         self._pool_maps.clear()
         if self.disk is not None:
             self.disk.close()
-        if not self._demoting:  # (else their buffers go with the cancelled tasks)
+        if demoter is None or demoter.done():  # (else its buffers go with the cancelled writer)
             self._staging.close()
         self.host.close()
