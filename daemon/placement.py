@@ -276,6 +276,7 @@ class Placement:
         items = [_Staged(v.bkey, v.block_bytes, v.cls.slot_bytes, v.checksum,
                          self._staging.take(v.cls.slot_bytes, limit)) for v in victims]
         self._writing_bytes += sum(it.slot_bytes for it in items)
+        self.counters.add(Count.DEMOTIONS_STAGED, len(items))
         for it in items:
             self._staged[it.bkey] = it
         srcs = [self._slot_view(v.cls, v.offset) for v in victims]
@@ -336,6 +337,7 @@ class Placement:
     def _staged_over(self, items: list[_Staged]) -> None:
         """Staged demotions are over (written, dropped or failed): their room and buffers are free."""
         self._writing_bytes -= sum(it.slot_bytes for it in items)
+        self.counters.add(Count.DEMOTIONS_STAGED_OVER, len(items))
         for it in items:
             if self._staged.get(it.bkey) is it:
                 del self._staged[it.bkey]
@@ -357,11 +359,6 @@ class Placement:
         """Wait until the demotions written in the background are over."""
         while self._demoter is not None and not self._demoter.done():
             await asyncio.gather(self._demoter, return_exceptions=True)
-
-    @property
-    def demotions_in_flight(self) -> int:
-        """Blocks whose background demotion is not over yet."""
-        return len(self._staged)
 
     def commit(self, entries: Sequence[HostEntry], write_behind: bool = True) -> list[HostEntry]:
         """Make granted entries visible in host (the first commit of a key wins); returns those
