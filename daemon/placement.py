@@ -33,7 +33,7 @@ import logging
 import mmap
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -158,8 +158,9 @@ class Placement:
         # demotions within the write queue's room, written in the background (from staging)
         self._staged: dict[bytes, _Staged] = {}
         self._staging = _StagingBuffers()
-        self._stage_queue: list[_Staged] = []          # copied, not yet handed to the disk
-        self._demoter: asyncio.Future | None = None    # the background writer (while it has work)
+        self._stage_queue: list[_Staged] = []  # copied, not yet submitted (a staged write is in flight)
+        self._staged_writes: set[asyncio.Task] = set()
+        self._closed = False
         self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         if disk is not None:
             policy.on_write(list(disk.entries))  # restored blocks, oldest write first
@@ -192,14 +193,17 @@ class Placement:
 
     # -- host slots ------------------------------------------------------------------------
 
-    async def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int) -> list[HostEntry | None]:
+    async def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int,
+                      background: bool = True) -> list[HostEntry | None]:
         """Grant a host slot per key (None: no room), evicting the policy's victims in order
-        (pinned ones are skipped) and demoting those it picks, before any slot is handed out."""
+        (pinned ones are skipped) and demoting those it picks, before any slot is handed out
+        (within the disk's write queue's room, with ``background``, copied out and written in
+        the background)."""
         async with self._evict_lock:
             res = self.host.reserve(cls, bkeys, block_bytes, self.policy.victims(HOST))
             if res.victims:
                 self._tell_write_room(res.victims)
-                await self._host_evicted(res.victims)
+                await self._host_evicted(res.victims, background)
             self.host.finish_eviction()
         return await self._back(res)
 
@@ -233,7 +237,7 @@ class Placement:
             self.counters.add(Count.HOST_BACKING_FAILURES, len(dropped))
         return entries
 
-    async def _host_evicted(self, victims: list[HostEntry]) -> None:
+    async def _host_evicted(self, victims: list[HostEntry], background: bool = True) -> None:
         """Victims left the host tier (their bytes still intact until finish_eviction): report
         them gone from host at once, then demote those the policy picks.
 
@@ -258,11 +262,12 @@ class Placement:
                 self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(demote))
             elif demote:
                 by_key = {v.bkey: v for v in victims}
-                n = min(room or 0, len(demote))  # within the write queue's room: in the background
+                n = min(room or 0, len(demote)) if background else 0  # within the room: in the background
                 if n:
                     await self._stage([by_key[b] for b in demote[:n]])
                     ending = demote[n:]
                 if ending:  # seen-often victims beyond the room: written before their slots go
+                    self._submit_staged()  # (after those staged: the disk is written in victim order)
                     self.counters.add(Count.DEMOTIONS, await self.write_to_disk([by_key[b] for b in ending]))
         finally:
             self.policy.on_demotion_end(ending)
@@ -283,14 +288,14 @@ class Placement:
         try:
             await self._copy_out([(v, it.buf) for v, it in zip(srcs, items, strict=True)])
         except BaseException:
-            self._staged_over(items)
+            self._staged_over(items, [])
             raise
         finally:
             for v in srcs:
                 v.release()
         self._stage_queue.extend(items)
-        if self._demoter is None or self._demoter.done():
-            self._demoter = asyncio.ensure_future(self._write_staged())
+        if not self._staged_writes:  # (else the write in flight submits the queue when it ends)
+            self._submit_staged()
 
     async def _copy_out(self, pairs: list[tuple[memoryview, mmap.mmap]]) -> None:
         """The host slots copied into their staging buffers: on ``INGEST_THREADS`` threads (a
@@ -302,40 +307,52 @@ class Placement:
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(_ingest_pool(), _copy_slots, pairs[i::n]) for i in range(n)))
 
-    async def _write_staged(self) -> None:
-        """The background writer of staged demotions: everything queued since its last write
-        goes to disk as one batch (one fdatasync, one index commit), until the queue is empty."""
-        while self._stage_queue:
-            items, self._stage_queue = self._stage_queue, []
-            try:
-                await self._write_staged_batch([it for it in items if not it.dropped])
-            except Exception as e:  # noqa: BLE001 (nobody awaits this writer: say it here)
-                log.error("background demotion failed", extra={"error": repr(e), "blocks": len(items)})
-            finally:
-                self._staged_over(items)
-
-    async def _write_staged_batch(self, live: list[_Staged]) -> None:
+    def _submit_staged(self) -> None:
+        """Plan and submit every staged block queued so far as one disk write (one fdatasync,
+        one index commit; blocks dropped meanwhile left out); a task finishes it. Plan and
+        submit are one loop step: the disk writes plans in the order they were made."""
+        items, self._stage_queue = self._stage_queue, []
+        if not items:
+            return
         disk = self.disk
         assert disk is not None
-        if live and disk.degraded:
-            self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(live))
-            return
-        if not live:
-            return
-        plan = self._plan_write([(it.bkey, it.block_bytes, it.slot_bytes) for it in live],
-                                [it.checksum for it in live])
-        views = [memoryview(it.buf) for it in live]
+        live = [it for it in items if not it.dropped]
+        plan, fut, views = None, None, [memoryview(it.buf) for it in live]
         try:
-            visible = await self._write_planned(plan, views)
-        finally:
-            for v in views:
-                v.release()
-        self.counters.add(Count.DEMOTIONS, len(visible))
-        if plan.mismatched:  # the host slot changed after its commit: not written; the disk side
-            self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))  # only (a new copy may be in host)
+            if live and disk.degraded:
+                self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(live))
+            elif live:
+                plan = self._plan_write([(it.bkey, it.block_bytes, it.slot_bytes) for it in live],
+                                        [it.checksum for it in live])
+                fut = self._submit_planned(plan, views)
+        except Exception:
+            self._staged_over(items, views)
+            raise
+        task = asyncio.ensure_future(self._finish_staged(items, views, plan, fut))
+        self._staged_writes.add(task)
 
-    def _staged_over(self, items: list[_Staged]) -> None:
+    async def _finish_staged(self, items: list[_Staged], views: list[memoryview], plan: WritePlan | None,
+                             fut: Future[None] | None) -> None:
+        """The background half of a staged write: await it, index it, free its room and buffers,
+        then submit what was staged meanwhile."""
+        try:
+            if plan is not None:
+                visible = await self._finish_planned(plan, fut)
+                self.counters.add(Count.DEMOTIONS, len(visible))
+                if plan.mismatched:  # the host slot changed after its commit: not written; the disk
+                    self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))  # side only
+        except Exception as e:  # noqa: BLE001 (nobody awaits this task: say it here)
+            log.error("background demotion failed", extra={"error": repr(e), "blocks": len(items)})
+        finally:
+            self._staged_over(items, views)
+            self._staged_writes.discard(asyncio.current_task())  # type: ignore[arg-type]
+        if not self._closed and not self._staged_writes:
+            self._submit_staged()
+
+    def _staged_over(self, items: list[_Staged], views: list[memoryview]) -> None:
         """Staged demotions are over (written, dropped or failed): their room and buffers are free."""
+        for v in views:
+            v.release()
         self._writing_bytes -= sum(it.slot_bytes for it in items)
         self.counters.add(Count.DEMOTIONS_STAGED_OVER, len(items))
         for it in items:
@@ -357,8 +374,8 @@ class Placement:
 
     async def drain(self) -> None:
         """Wait until the demotions written in the background are over."""
-        while self._demoter is not None and not self._demoter.done():
-            await asyncio.gather(self._demoter, return_exceptions=True)
+        while self._staged_writes:
+            await asyncio.gather(*list(self._staged_writes), return_exceptions=True)
 
     def commit(self, entries: Sequence[HostEntry], write_behind: bool = True) -> list[HostEntry]:
         """Make granted entries visible in host (the first commit of a key wins); returns those
@@ -430,17 +447,29 @@ class Placement:
 
     async def _write_planned(self, plan: WritePlan, srcs: list[memoryview]) -> list[bytes]:
         """Write a plan (one page-aligned source per item, kept intact until this returns) and
-        index it; returns the keys that became visible on disk (policy and observers told). A
-        failing write degrades the tier; the daemon keeps serving."""
+        index it; returns the keys that became visible on disk."""
+        return await self._finish_planned(plan, self._submit_planned(plan, srcs))
+
+    def _submit_planned(self, plan: WritePlan, srcs: list[memoryview]) -> Future[None] | None:
+        """Submit a plan's writes (one source per item; those not planned are left out); None:
+        nothing to write."""
         disk = self.disk
         assert disk is not None
         srcs = [v for v, d in zip(srcs, plan.entries, strict=True) if d]
-        if not srcs:
+        return disk.submit_write(plan, srcs) if srcs else None
+
+    async def _finish_planned(self, plan: WritePlan, fut: Future[None] | None) -> list[bytes]:
+        """Await a submitted plan and index it; returns the keys that became visible on disk
+        (policy and observers told). A failing write degrades the tier; the daemon keeps
+        serving."""
+        disk = self.disk
+        assert disk is not None
+        if fut is None:
             disk.finish_write(plan, None)
             return []
         error: BaseException | None = None
         try:
-            await asyncio.wrap_future(disk.submit_write(plan, srcs))
+            await asyncio.wrap_future(fut)
         except Exception as e:  # any failure degrades the tier; the daemon keeps serving
             error = e
         was_degraded = bool(disk.degraded)
@@ -516,7 +545,9 @@ class Placement:
         returns the (disk, host) pairs read, each read's outcome and the seconds it took."""
         disk = self.disk
         assert disk is not None
-        hosts = await self.reserve(cls, [d.bkey for d in dents], layout.block_bytes)
+        # (its victims' demotions end before the promoted blocks are used on disk: the disk's
+        # recency order does not depend on which disk I/O finishes first)
+        hosts = await self.reserve(cls, [d.bkey for d in dents], layout.block_bytes, background=False)
         pairs = [(d, h) for d, h in zip(dents, hosts, strict=True) if h is not None]
         self.counters.add(Count.PROMOTIONS_NO_SPACE, len(dents) - len(pairs))
         views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
@@ -698,15 +729,16 @@ class Placement:
     def close(self) -> None:
         """Close the tiers (after :meth:`drain`; background demotions still running are
         cancelled: never acknowledged, they are lost)."""
-        demoter = self._demoter
-        if demoter is not None and not demoter.done():
-            demoter.cancel()
+        self._closed = True
+        pending = list(self._staged_writes)
+        for task in pending:
+            task.cancel()
         for mm, view in self._pool_maps.values():
             view.release()
             mm.close()
         self._pool_maps.clear()
         if self.disk is not None:
             self.disk.close()
-        if demoter is None or demoter.done():  # (else its buffers go with the cancelled writer)
+        if not pending:  # (else their buffers go with the cancelled tasks)
             self._staging.close()
         self.host.close()

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 import pytest
+from _demotions import demotions_over
 
 from kvtier.client import InvalidArgument, KvtierError, Sidecar
 from kvtier.client.engine.sidecar import AsyncSidecar
@@ -449,6 +450,8 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
                 else:
                     sc.prefetch(lid, batch)
                 ops += 1
+                if disk:  # (victims are written in the background: the table and the RPC would race them)
+                    demotions_over(rpc)
                 query = universe if step % 10 == 0 else rng.sample(universe, 48)
                 table = sc.lookup(lid, query)
                 assert sc._info(lid).table is not None, "the sidecar fell back to RPC: nothing compared"
