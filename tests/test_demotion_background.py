@@ -140,3 +140,20 @@ def test_a_staged_block_whose_bytes_changed_is_dropped_from_disk_only(tmp_path):
         assert store.lookup(lid, [key(0), key(1)]) == [Tier.HOST, Tier.DISK]
         assert await get(store, sid, lid, [key(0)]) == [payload(key(0))]
     run(tmp_path, body, disk_blocks=16, demote_min_seen=2)
+
+
+def test_drain_waits_for_staged_writes(tmp_path):
+    """Daemon shutdown drains the store before closing its files: drain returns only once the
+    staged writes are over, and they are on disk then."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+        drain = asyncio.ensure_future(store.drain())
+        await asyncio.sleep(0.05)
+        assert not drain.done(), "drain returned while a staged write was in flight"
+        gate.open()
+        await asyncio.wait_for(drain, QUICK_S)
+        assert store.on_disk(lid, [key(0), key(1)]) == [True, True] and not disk._writing
+    run(tmp_path, body, disk_blocks=16, demote_min_seen=2)
