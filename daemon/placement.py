@@ -76,7 +76,7 @@ def _copy_hash(work: Sequence[tuple[bytes | memoryview, memoryview, int | None]]
     return out
 
 
-def _copy_slots(pairs: Sequence[tuple[memoryview, mmap.mmap]]) -> None:
+def _copy_slots(pairs: Sequence[tuple[memoryview, mmap.mmap | None]]) -> None:
     """Each host slot copied into its staging buffer (numpy's copy releases the GIL)."""
     for src, dst in pairs:
         np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
@@ -90,9 +90,9 @@ class _Staged:
     bkey: bytes
     block_bytes: int
     slot_bytes: int
-    checksum: int | None
-    buf: mmap.mmap         # page-aligned (O_DIRECT), slot_bytes long
-    dropped: bool = False  # evicted, or put again, before its write was planned
+    checksum: int | None = None
+    buf: mmap.mmap | None = None  # page-aligned (O_DIRECT), slot_bytes long, once copied
+    dropped: bool = False         # evicted, or put again, before its write was planned
 
 
 class _StagingBuffers:
@@ -274,30 +274,33 @@ class Placement:
 
     async def _stage(self, victims: list[HostEntry]) -> None:
         """Copy these victims (slots intact) into staging buffers and queue them for the
-        background writer: their slots may be reused as soon as this returns. Their bytes
-        count as disk writes in flight (the room) from now until their write is over."""
-        await self.host.sealed(victims)  # the checksums the payloads must still have
-        limit = self.demote_queue_bytes
-        items = [_Staged(v.bkey, v.block_bytes, v.cls.slot_bytes, v.checksum,
-                         self._staging.take(v.cls.slot_bytes, limit)) for v in victims]
-        self._writing_bytes += sum(it.slot_bytes for it in items)
-        self.counters.add(Count.DEMOTIONS_STAGED, len(items))
+        background writer: their slots may be reused as soon as this returns. From now until
+        their write is over their bytes count as disk writes in flight (the room), and an
+        Evict or a new put of one of them drops its write."""
+        items = [_Staged(v.bkey, v.block_bytes, v.cls.slot_bytes) for v in victims]
         for it in items:
             self._staged[it.bkey] = it
-        srcs = [self._slot_view(v.cls, v.offset) for v in victims]
+        self._writing_bytes += sum(it.slot_bytes for it in items)
+        self.counters.add(Count.DEMOTIONS_STAGED, len(items))
         try:
-            await self._copy_out([(v, it.buf) for v, it in zip(srcs, items, strict=True)])
+            await self.host.sealed(victims)  # the checksums the payloads must still have
+            for it, v in zip(items, victims, strict=True):
+                it.checksum = v.checksum
+                it.buf = self._staging.take(it.slot_bytes, self.demote_queue_bytes)
+            srcs = [self._slot_view(v.cls, v.offset) for v in victims]
+            try:
+                await self._copy_out([(v, it.buf) for v, it in zip(srcs, items, strict=True)])
+            finally:
+                for v in srcs:
+                    v.release()
         except BaseException:
             self._staged_over(items, [])
             raise
-        finally:
-            for v in srcs:
-                v.release()
         self._stage_queue.extend(items)
         if not self._staged_writes:  # (else the write in flight submits the queue when it ends)
             self._submit_staged()
 
-    async def _copy_out(self, pairs: list[tuple[memoryview, mmap.mmap]]) -> None:
+    async def _copy_out(self, pairs: list[tuple[memoryview, mmap.mmap | None]]) -> None:
         """The host slots copied into their staging buffers: on ``INGEST_THREADS`` threads (a
         small batch inline)."""
         if sum(len(b) for _, b in pairs) <= INGEST_INLINE_BYTES:
@@ -317,7 +320,7 @@ class Placement:
         disk = self.disk
         assert disk is not None
         live = [it for it in items if not it.dropped]
-        plan, fut, views = None, None, [memoryview(it.buf) for it in live]
+        plan, fut, views = None, None, [memoryview(it.buf) for it in live if it.buf is not None]
         try:
             if live and disk.degraded:
                 self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(live))
@@ -358,7 +361,8 @@ class Placement:
         for it in items:
             if self._staged.get(it.bkey) is it:
                 del self._staged[it.bkey]
-            self._staging.give(it.buf)
+            if it.buf is not None:
+                self._staging.give(it.buf)
         self.policy.on_demotion_end([it.bkey for it in items])
 
     def _drop_staged(self, bkeys: Iterable[bytes]) -> None:
