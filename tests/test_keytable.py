@@ -442,6 +442,8 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
                     restarts += 1
                 elif op < 0.45:
                     sc.put(lid, batch, [bytes([step % 251]) * lay.block_bytes] * len(batch))
+                    if disk:  # (its victims are written in the background: table and RPC would race them)
+                        demotions_over(rpc)
                 elif op < 0.65:
                     rpc.evict(rid, batch)
                 elif op < 0.85:
@@ -450,8 +452,6 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
                 else:
                     sc.prefetch(lid, batch)
                 ops += 1
-                if disk:  # (victims are written in the background: the table and the RPC would race them)
-                    demotions_over(rpc)
                 query = universe if step % 10 == 0 else rng.sample(universe, 48)
                 table = sc.lookup(lid, query)
                 assert sc._info(lid).table is not None, "the sidecar fell back to RPC: nothing compared"
