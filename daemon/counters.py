@@ -147,6 +147,11 @@ class Count(enum.Enum):
     GRANTS_WITHHELD = "grants_withheld"  # expired grants whose slots were withheld from reuse
     # -- end of stale grants --
 
+    # -- background demotions (issue 15) --
+    DEMOTIONS_STAGED = "demotions_staged"            # host victims copied out to be written in the background
+    DEMOTIONS_STAGED_OVER = "demotions_staged_over"  # of those, writes over (written, dropped or failed)
+    # -- end of background demotions --
+
 #: the tiers evictions are counted in (the gpu tier is the engines': they evict their own)
 EVICTING_TIERS: tuple[Tier, ...] = (Tier.HOST, Tier.DISK)
 

@@ -11,11 +11,16 @@ the policy (``on_*``), the counters and the location observers of every change.
 Promises
     A block is visible in host only after its commit, a promoted block only after its
     checksum matched. A host victim is reported gone from host (observers, policy) in the
-    loop step that took it, and its slot is not reused before its demotion finished. A disk
+    loop step that took it, and its slot is not reused before its bytes were copied for its
+    demotion (within the disk's write queue's room: into staging memory, written in the
+    background) or its demotion finished (beyond the room: seen-often victims). A disk
     read whose checksum fails drops the disk entry (``checksum_failures``) and is a miss. A
     full or failing disk degrades the tier to host-only (``disk_degraded``), never stops the
     daemon. Host evictions (reserve -> demotion -> ``finish_eviction``) are serialised by one
-    lock, so a demotion never reads a slot another request had punched.
+    lock, so a demotion never reads a slot another request had punched. A block whose
+    background demotion is in flight is in no tier (a get misses); an Evict of it, or a new
+    put of its key, drops that write (it never becomes visible on disk). ``drain`` awaits the
+    background demotions; staging memory never exceeds ``demote_queue_bytes``.
 
 Threading: every method runs on the daemon's event loop; blocking work (fallocate, disk I/O) is
 awaited in an executor or on the disk tier's threads.
@@ -28,14 +33,15 @@ import logging
 import mmap
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from kvtier.daemon.counters import Count, Counters, Flow
 from kvtier.daemon.observers import Observers
-from kvtier.tiers.disk import DiskEntry, DiskTier, ReadOutcome
+from kvtier.tiers.disk import DiskEntry, DiskTier, ReadOutcome, WritePlan
 from kvtier.tiers.host import HostEntry, HostTier, Reservation, SizeClass, payload_checksum
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.policy import TierPolicy
@@ -70,6 +76,54 @@ def _copy_hash(work: Sequence[tuple[bytes | memoryview, memoryview, int | None]]
     return out
 
 
+def _copy_slots(pairs: Sequence[tuple[memoryview, mmap.mmap | None]]) -> None:
+    """Each host slot copied into its staging buffer (numpy's copy releases the GIL)."""
+    for src, dst in pairs:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+@dataclass(eq=False)
+class _Staged:
+    """A host victim copied out for its background demotion: what its write needs, captured
+    while the victim's slot (and its size class's checksum entry) was still its own."""
+
+    bkey: bytes
+    block_bytes: int
+    slot_bytes: int
+    checksum: int | None = None
+    buf: mmap.mmap | None = None  # page-aligned (O_DIRECT), slot_bytes long, once copied
+    dropped: bool = False         # evicted, or put again, before its write was planned
+
+
+class _StagingBuffers:
+    """Anonymous mmaps (one per block, ``slot_bytes`` each), kept for reuse (no page faults per
+    demotion); at most ``limit`` bytes allocated in all, free ones of other sizes let go first."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[mmap.mmap]] = {}
+        self.allocated = 0
+
+    def take(self, slot_bytes: int, limit: int) -> mmap.mmap:
+        free = self.free.get(slot_bytes)
+        if free:
+            return free.pop()
+        for size, bufs in self.free.items():
+            while bufs and self.allocated + slot_bytes > limit:
+                bufs.pop().close()
+                self.allocated -= size
+        self.allocated += slot_bytes
+        return mmap.mmap(-1, slot_bytes)
+
+    def give(self, buf: mmap.mmap) -> None:
+        self.free.setdefault(len(buf), []).append(buf)
+
+    def close(self) -> None:
+        for bufs in self.free.values():
+            for b in bufs:
+                b.close()
+        self.free.clear()
+
+
 class WriteBehind(Protocol):
     """Told of host commits and host victims, to write them elsewhere (the shared store,
     :mod:`kvtier.daemon.remote_store`); ``held`` is what it wrote (the feed's remote tier)."""
@@ -101,6 +155,12 @@ class Placement:
         # hold less than this many bytes (0: only the policy's seen-often ones, as 0.1 did)
         self.demote_queue_bytes = 0
         self._writing_bytes = 0  # bytes of disk writes in flight (demotions, durable writes)
+        # demotions within the write queue's room, written in the background (from staging)
+        self._staged: dict[bytes, _Staged] = {}
+        self._staging = _StagingBuffers()
+        self._stage_queue: list[_Staged] = []  # copied, not yet submitted (a staged write is in flight)
+        self._staged_writes: set[asyncio.Task] = set()
+        self._closed = False
         self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         if disk is not None:
             policy.on_write(list(disk.entries))  # restored blocks, oldest write first
@@ -133,14 +193,17 @@ class Placement:
 
     # -- host slots ------------------------------------------------------------------------
 
-    async def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int) -> list[HostEntry | None]:
+    async def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int,
+                      background: bool = True) -> list[HostEntry | None]:
         """Grant a host slot per key (None: no room), evicting the policy's victims in order
-        (pinned ones are skipped) and demoting those it picks, before any slot is handed out."""
+        (pinned ones are skipped) and demoting those it picks, before any slot is handed out
+        (within the disk's write queue's room, with ``background``, copied out and written in
+        the background)."""
         async with self._evict_lock:
             res = self.host.reserve(cls, bkeys, block_bytes, self.policy.victims(HOST))
             if res.victims:
                 self._tell_write_room(res.victims)
-                await self._host_evicted(res.victims)
+                await self._host_evicted(res.victims, background)
             self.host.finish_eviction()
         return await self._back(res)
 
@@ -150,7 +213,7 @@ class Placement:
         if not limit or self.disk is None:
             self.policy.disk_write_room = None
             return
-        per = max(v.block_bytes for v in victims)
+        per = max(v.cls.slot_bytes for v in victims)
         self.policy.disk_write_room = max(0, limit - self._writing_bytes) // per
 
     async def _back(self, res: Reservation) -> list[HostEntry | None]:
@@ -174,7 +237,7 @@ class Placement:
             self.counters.add(Count.HOST_BACKING_FAILURES, len(dropped))
         return entries
 
-    async def _host_evicted(self, victims: list[HostEntry]) -> None:
+    async def _host_evicted(self, victims: list[HostEntry], background: bool = True) -> None:
         """Victims left the host tier (their bytes still intact until finish_eviction): report
         them gone from host at once, then demote those the policy picks.
 
@@ -185,8 +248,10 @@ class Placement:
         bkeys = [v.bkey for v in victims]
         self.counters.evicted(HOST, len(victims))
         already = sum(1 for b in bkeys if b in self.disk.entries) if self.disk is not None else 0
+        room = self.policy.disk_write_room
         demote = self.policy.on_evict(HOST, bkeys)
         self.observers.removed_blocks(HOST, bkeys)
+        ending = demote  # (those staged end with their background write)
         try:
             if self.write_behind is not None:  # copies what it writes before the slots are reused
                 await self.write_behind.evicted(victims)
@@ -197,15 +262,132 @@ class Placement:
                 self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(demote))
             elif demote:
                 by_key = {v.bkey: v for v in victims}
-                self.counters.add(Count.DEMOTIONS, await self.write_to_disk([by_key[b] for b in demote]))
+                n = min(room or 0, len(demote)) if background else 0  # within the room: in the background
+                if n:
+                    await self._stage([by_key[b] for b in demote[:n]])
+                    ending = demote[n:]
+                if ending:  # seen-often victims beyond the room: written before their slots go
+                    self._submit_staged()  # (after those staged: the disk is written in victim order)
+                    self.counters.add(Count.DEMOTIONS, await self.write_to_disk([by_key[b] for b in ending]))
         finally:
-            self.policy.on_demotion_end(demote)
+            self.policy.on_demotion_end(ending)
+
+    async def _stage(self, victims: list[HostEntry]) -> None:
+        """Copy these victims (slots intact) into staging buffers and queue them for the
+        background writer: their slots may be reused as soon as this returns. From now until
+        their write is over their bytes count as disk writes in flight (the room), and an
+        Evict or a new put of one of them drops its write."""
+        items = [_Staged(v.bkey, v.block_bytes, v.cls.slot_bytes) for v in victims]
+        for it in items:
+            self._staged[it.bkey] = it
+        self._writing_bytes += sum(it.slot_bytes for it in items)
+        self.counters.add(Count.DEMOTIONS_STAGED, len(items))
+        try:
+            await self.host.sealed(victims)  # the checksums the payloads must still have
+            for it, v in zip(items, victims, strict=True):
+                it.checksum = v.checksum
+                it.buf = self._staging.take(it.slot_bytes, self.demote_queue_bytes)
+            srcs = [self._slot_view(v.cls, v.offset) for v in victims]
+            try:
+                await self._copy_out([(v, it.buf) for v, it in zip(srcs, items, strict=True)])
+            finally:
+                for v in srcs:
+                    v.release()
+        except BaseException:
+            self._staged_over(items, [])
+            raise
+        self._stage_queue.extend(items)
+        if not self._staged_writes:  # (else the write in flight submits the queue when it ends)
+            self._submit_staged()
+
+    async def _copy_out(self, pairs: list[tuple[memoryview, mmap.mmap | None]]) -> None:
+        """The host slots copied into their staging buffers: on ``INGEST_THREADS`` threads (a
+        small batch inline)."""
+        if sum(len(b) for _, b in pairs) <= INGEST_INLINE_BYTES:
+            _copy_slots(pairs)
+            return
+        n = min(INGEST_THREADS, len(pairs))
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(_ingest_pool(), _copy_slots, pairs[i::n]) for i in range(n)))
+
+    def _submit_staged(self) -> None:
+        """Plan and submit every staged block queued so far as one disk write (one fdatasync,
+        one index commit; blocks dropped meanwhile left out); a task finishes it. Plan and
+        submit are one loop step: the disk writes plans in the order they were made."""
+        items, self._stage_queue = self._stage_queue, []
+        if not items:
+            return
+        disk = self.disk
+        assert disk is not None
+        live = [it for it in items if not it.dropped]
+        plan, fut, views = None, None, [memoryview(it.buf) for it in live if it.buf is not None]
+        try:
+            if live and disk.degraded:
+                self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(live))
+            elif live:
+                plan = self._plan_write([(it.bkey, it.block_bytes, it.slot_bytes) for it in live],
+                                        [it.checksum for it in live])
+                fut = self._submit_planned(plan, views)
+        except Exception:
+            self._staged_over(items, views)
+            raise
+        task = asyncio.ensure_future(self._finish_staged(items, views, plan, fut))
+        self._staged_writes.add(task)
+
+    async def _finish_staged(self, items: list[_Staged], views: list[memoryview], plan: WritePlan | None,
+                             fut: Future[None] | None) -> None:
+        """The background half of a staged write: await it, index it, free its room and buffers,
+        then submit what was staged meanwhile."""
+        try:
+            if plan is not None:
+                visible = await self._finish_planned(plan, fut)
+                self.counters.add(Count.DEMOTIONS, len(visible))
+                if plan.mismatched:  # the host slot changed after its commit: not written; the disk
+                    self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))  # side only
+        except Exception as e:  # noqa: BLE001 (nobody awaits this task: say it here)
+            log.error("background demotion failed", extra={"error": repr(e), "blocks": len(items)})
+        finally:
+            self._staged_over(items, views)
+            self._staged_writes.discard(asyncio.current_task())  # type: ignore[arg-type]
+        if not self._closed and not self._staged_writes:
+            self._submit_staged()
+
+    def _staged_over(self, items: list[_Staged], views: list[memoryview]) -> None:
+        """Staged demotions are over (written, dropped or failed): their room and buffers are free."""
+        for v in views:
+            v.release()
+        self._writing_bytes -= sum(it.slot_bytes for it in items)
+        self.counters.add(Count.DEMOTIONS_STAGED_OVER, len(items))
+        for it in items:
+            if self._staged.get(it.bkey) is it:
+                del self._staged[it.bkey]
+            if it.buf is not None:
+                self._staging.give(it.buf)
+        self.policy.on_demotion_end([it.bkey for it in items])
+
+    def _drop_staged(self, bkeys: Iterable[bytes]) -> None:
+        """These keys were evicted or put again: their background demotions must not make them
+        visible on disk (not yet planned: skipped; being written: dropped when done)."""
+        disk = self.disk
+        for b in bkeys:
+            it = self._staged.get(b)
+            if it is not None and not it.dropped:
+                it.dropped = True
+                if disk is not None and b not in disk.entries:
+                    disk.remove([b])
+
+    async def drain(self) -> None:
+        """Wait until the demotions written in the background are over."""
+        while self._staged_writes:
+            await asyncio.gather(*list(self._staged_writes), return_exceptions=True)
 
     def commit(self, entries: Sequence[HostEntry], write_behind: bool = True) -> list[HostEntry]:
         """Make granted entries visible in host (the first commit of a key wins); returns those
         that became visible. ``write_behind``: the store may write them (not blocks that came
         from elsewhere)."""
         done = [e for e in entries if self.host.commit(e)]
+        if done and self._staged:  # put again while its background demotion runs: the new copy wins
+            self._drop_staged(e.bkey for e in done)
         if done:
             self.policy.on_commit(e.bkey for e in done)
             self.observers.stored_blocks(HOST, (e.bkey for e in done))
@@ -231,11 +413,32 @@ class Placement:
         """Write these host blocks to disk and index them; returns how many became visible there.
         The disk's victims are the policy's, in order (pinned ones skipped). The caller keeps
         the blocks' slots intact (pinned, or victims before finish_eviction)."""
+        await self.host.sealed(entries)  # the checksums the payloads must still have
+        plan = self._plan_write([(e.bkey, e.block_bytes, e.cls.slot_bytes) for e in entries],
+                                [e.checksum for e in entries])
+        srcs = [self._slot_view(e.cls, e.offset) for e in entries]
+        writing = sum(e.cls.slot_bytes for e, d in zip(entries, plan.entries, strict=True) if d)
+        self._writing_bytes += writing
+        try:
+            visible = await self._write_planned(plan, srcs)
+        finally:
+            self._writing_bytes -= writing
+            for v in srcs:
+                v.release()
+        if plan.mismatched:  # host payloads written after their commit: dropped, in host too
+            self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))
+            gone = [e.bkey for e in self.host.remove([d.bkey for d in plan.mismatched])]
+            self.policy.on_remove(HOST, gone)
+            self.observers.removed_blocks(HOST, gone)
+        return len(visible)
+
+    def _plan_write(self, items: list[tuple[bytes, int, int]], sums: list[int | None]) -> WritePlan:
+        """Reserve disk slots for (bkey, block_bytes, slot_bytes) items whose payloads must have
+        these checksums; the disk's victims (the policy's, in order) are reported gone. The
+        caller submits the plan in the same loop step (plans are written in the order made)."""
         disk = self.disk
         assert disk is not None
-        await self.host.sealed(entries)  # the checksums the payloads must still have
-        plan = disk.plan_write([(e.bkey, e.block_bytes, e.cls.slot_bytes) for e in entries],
-                               self.policy.victims(DISK), [e.checksum for e in entries])
+        plan = disk.plan_write(items, self.policy.victims(DISK), sums)
         if plan.victims:
             gone = [v.bkey for v in plan.victims]
             self.counters.evicted(DISK, len(gone))
@@ -244,21 +447,35 @@ class Placement:
         skipped = sum(1 for d in plan.entries if d is None)
         if skipped and not disk.degraded:
             self.counters.add(Count.DISK_NO_SPACE, skipped)
-        srcs = [self._slot_view(e.cls, e.offset) for e, d in zip(entries, plan.entries, strict=True) if d]
-        if not srcs:
+        return plan
+
+    async def _write_planned(self, plan: WritePlan, srcs: list[memoryview]) -> list[bytes]:
+        """Write a plan (one page-aligned source per item, kept intact until this returns) and
+        index it; returns the keys that became visible on disk."""
+        return await self._finish_planned(plan, self._submit_planned(plan, srcs))
+
+    def _submit_planned(self, plan: WritePlan, srcs: list[memoryview]) -> Future[None] | None:
+        """Submit a plan's writes (one source per item; those not planned are left out); None:
+        nothing to write."""
+        disk = self.disk
+        assert disk is not None
+        srcs = [v for v, d in zip(srcs, plan.entries, strict=True) if d]
+        return disk.submit_write(plan, srcs) if srcs else None
+
+    async def _finish_planned(self, plan: WritePlan, fut: Future[None] | None) -> list[bytes]:
+        """Await a submitted plan and index it; returns the keys that became visible on disk
+        (policy and observers told). A failing write degrades the tier; the daemon keeps
+        serving."""
+        disk = self.disk
+        assert disk is not None
+        if fut is None:
             disk.finish_write(plan, None)
-            return 0
+            return []
         error: BaseException | None = None
-        writing = sum(e.block_bytes for e, d in zip(entries, plan.entries, strict=True) if d)
-        self._writing_bytes += writing
         try:
-            await asyncio.wrap_future(disk.submit_write(plan, srcs))
+            await asyncio.wrap_future(fut)
         except Exception as e:  # any failure degrades the tier; the daemon keeps serving
             error = e
-        finally:
-            self._writing_bytes -= writing
-            for v in srcs:
-                v.release()
         was_degraded = bool(disk.degraded)
         done = disk.finish_write(plan, error)
         if disk.degraded and not was_degraded:
@@ -267,12 +484,7 @@ class Placement:
         visible = [d.bkey for d in done]
         self.policy.on_write(visible)
         self.observers.stored_blocks(DISK, visible)
-        if plan.mismatched:  # host payloads written after their commit: dropped, in host too
-            self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))
-            gone = [e.bkey for e in self.host.remove([d.bkey for d in plan.mismatched])]
-            self.policy.on_remove(HOST, gone)
-            self.observers.removed_blocks(HOST, gone)
-        return len(visible)
+        return visible
 
     async def make_durable(self, bkeys: list[bytes]) -> int:
         """Write the host blocks of ``bkeys`` that are not on disk yet; returns how many of
@@ -337,7 +549,9 @@ class Placement:
         returns the (disk, host) pairs read, each read's outcome and the seconds it took."""
         disk = self.disk
         assert disk is not None
-        hosts = await self.reserve(cls, [d.bkey for d in dents], layout.block_bytes)
+        # (its victims' demotions end before the promoted blocks are used on disk: the disk's
+        # recency order does not depend on which disk I/O finishes first)
+        hosts = await self.reserve(cls, [d.bkey for d in dents], layout.block_bytes, background=False)
         pairs = [(d, h) for d, h in zip(dents, hosts, strict=True) if h is not None]
         self.counters.add(Count.PROMOTIONS_NO_SPACE, len(dents) - len(pairs))
         views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
@@ -501,7 +715,10 @@ class Placement:
     # -- removal ---------------------------------------------------------------------------
 
     def remove(self, bkeys: list[bytes]) -> int:
-        """Remove these blocks from host and disk; returns the entries removed."""
+        """Remove these blocks from host and disk (and from background demotions in flight);
+        returns the entries removed."""
+        if self._staged:
+            self._drop_staged(bkeys)
         gone = [e.bkey for e in self.host.remove(bkeys)]
         self.policy.on_remove(HOST, gone)
         self.observers.removed_blocks(HOST, gone)
@@ -514,10 +731,18 @@ class Placement:
         return n
 
     def close(self) -> None:
+        """Close the tiers (after :meth:`drain`; background demotions still running are
+        cancelled: never acknowledged, they are lost)."""
+        self._closed = True
+        pending = list(self._staged_writes)
+        for task in pending:
+            task.cancel()
         for mm, view in self._pool_maps.values():
             view.release()
             mm.close()
         self._pool_maps.clear()
         if self.disk is not None:
             self.disk.close()
+        if not pending:  # (else their buffers go with the cancelled tasks)
+            self._staging.close()
         self.host.close()

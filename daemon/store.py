@@ -523,9 +523,11 @@ class BlockStore:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def drain(self) -> None:
-        """Wait for requests whose callers were cancelled (they finish their disk and slot work)."""
+        """Wait for requests whose callers were cancelled (they finish their disk and slot work),
+        then for the demotions written in the background."""
         while self._to_end:
             await asyncio.gather(*list(self._to_end), return_exceptions=True)
+        await self.tiers.drain()
 
     def close(self) -> None:
         for sid in self.sessions.ids():

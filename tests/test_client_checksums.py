@@ -12,6 +12,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from _demotions import demotions_over
 
 from kvtier.client import Sidecar
 from kvtier.client.engine import copyin
@@ -197,6 +198,7 @@ def test_client_checksums_carry_through_demotion_to_disk(start_daemon, tmp_path,
             raw.put(key(22), block(22), [payload_checksum(block(22)) ^ 2])
             # the next puts evict 20, 21 and 22 to disk (22 refused there: its bytes differ)
             assert sc.put(raw.lid, [key(23), key(24)], [block(23), block(24)]).stored == 2
+            demotions_over(sc)  # (written in the background)
             wait = [sc.lookup(raw.lid, [key(20), key(21), key(22)])]
             assert wait[-1] == ["disk", "disk", None], wait
             assert failures(sc) == 1

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 import pytest
+from _demotions import demotions_over
 
 from kvtier.client import InvalidArgument, KvtierError, Sidecar
 from kvtier.client.engine.sidecar import AsyncSidecar
@@ -441,6 +442,8 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
                     restarts += 1
                 elif op < 0.45:
                     sc.put(lid, batch, [bytes([step % 251]) * lay.block_bytes] * len(batch))
+                    if disk:  # (its victims are written in the background: table and RPC would race them)
+                        demotions_over(rpc)
                 elif op < 0.65:
                     rpc.evict(rid, batch)
                 elif op < 0.85:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from _demotions import demotions_over
 
 from kvtier.client.engine.keys import as_key
 from kvtier.client.engine.sidecar import Sidecar
@@ -236,6 +237,7 @@ def test_demotions_are_storage_stored_and_cpu_removed(stream_daemon, tmp_path) -
         lid = sc.register_layout(Layout.flat(BLOCK))
         sc.put(lid, keys[:4], [payload(k) for k in keys[:4]])
         sc.put(lid, keys[4:], [payload(k) for k in keys[4:]])       # 0-3 demoted to disk
+        demotions_over(sc)                                           # (in the background)
         assert sc.lookup(lid, keys) == ["disk"] * 4 + ["host"] * 4
         evs = s.wait_for(lambda e: len(of(e, vkv.BlockStored, "STORAGE")) == 4)
         assert of(evs, vkv.BlockRemoved, "CPU") == [h(k) for k in keys[:4]]

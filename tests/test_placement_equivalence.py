@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
+from _demotions import demotions_over
 
 from kvtier.client import Sidecar
 from kvtier.client.testing.local_daemon import DaemonProcess
@@ -145,6 +146,7 @@ def test_daemon_and_policy_hold_the_same_blocks_after_every_step(start_daemon, t
     try:
         for i in range(sc.steps):
             what, settled = _step(rng, d, policy, sc, settled)
+            demotions_over(d.rpc)  # (the policy's demotions are over when its call returns)
             _check(f"step {i} ({what})", d, policy, sc)
     finally:
         d.close()

@@ -1,0 +1,186 @@
+"""Demotions within the disk's write queue's room run in the background (issue 15 item 1): a put
+that evicts host victims copies them out and goes on; their disk write finishes later.
+
+In-process BlockStore on a real HostTier (tmpfs) and a real DiskTier, on one asyncio loop; the
+disk writer thread (and the copy threads) are held with the race tests' gates, so a write is
+provably in flight while the test puts, evicts or puts again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from test_store_races import BLOCK, Gate, get, key, parked, payload, put, read_slot, run, settle, write_slot
+
+from kvtier.daemon.counters import Count
+from kvtier.daemon.placement import _ingest_pool
+from kvtier.tiers.vocab import Tier
+
+QUICK_S = 5.0   # a put that does not wait for the disk returns well within this
+
+
+def other_payload(k: bytes) -> bytes:
+    return bytes(b ^ 0x5A for b in payload(k)[:64]) + payload(k)[64:]
+
+
+async def put_bytes(store, sid, lid, keys, datas):
+    grants = await asyncio.wait_for(store.allocate(sid, lid, keys), QUICK_S)
+    assert all(g.granted for g in grants), grants
+    for g, data in zip(grants, datas, strict=True):
+        write_slot(store, g.offset, data)
+    await store.commit(sid, [g.grant_id for g in grants], [], durable=False)
+
+
+def test_a_put_returns_before_its_victims_are_written(tmp_path):
+    """Host full; a put evicts two victims within the room: it returns while their disk write
+    is parked on the gated writer (they are in neither tier meanwhile), and once the write
+    runs they are on disk with the bytes that were put. Before, the put waited for the disk."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])           # host full
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+        assert gate.queued() == 1, "the victims' write should be parked on the writer"
+        assert store.lookup(lid, [key(0), key(1)]) == [None, None]      # in flight: in no tier
+        assert store.tiers._writing_bytes == 2 * BLOCK                    # the room they take
+        assert store.counters[Count.DEMOTIONS_STAGED] == 2 and store.counters[Count.DEMOTIONS] == 0
+        gate.open()
+        await settle(store, disk)
+        assert store.tiers._writing_bytes == 0 and not disk._writing
+        assert store.counters[Count.DEMOTIONS] == 2 and store.counters[Count.DEMOTIONS_STAGED_OVER] == 2
+        assert store.lookup(lid, [key(0), key(1)]) == [Tier.DISK, Tier.DISK]
+        assert await get(store, sid, lid, [key(0), key(1)]) == [payload(key(0)), payload(key(1))]
+    run(tmp_path, body, disk_blocks=16, demote_min_seen=2)
+
+
+def test_victims_beyond_the_room_seen_once_are_dropped_and_staging_stays_bounded(tmp_path):
+    """The room is two blocks: of four seen-once victims two are staged, two dropped; while they
+    are written the next put's victims find no room and are dropped too (the put does not wait).
+    Staged bytes and staging memory never exceed --demote-queue-bytes."""
+    async def body(store, disk, lid, sid):
+        limit = store.tiers.demote_queue_bytes = 2 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])           # host full, each seen once
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10 + i) for i in range(4)], [payload(key(10 + i)) for i in range(4)])
+        assert store.tiers._writing_bytes == limit and store.tiers._staging.allocated <= limit
+        assert store.counters[Count.DEMOTIONS_STAGED] == 2 and store.counters[Count.DEMOTIONS_SKIPPED_COLD] == 2
+        await put_bytes(store, sid, lid, [key(20), key(21)], [payload(key(20)), payload(key(21))])
+        assert store.tiers._writing_bytes == limit and store.tiers._staging.allocated <= limit
+        assert store.counters[Count.DEMOTIONS_STAGED] == 2 and store.counters[Count.DEMOTIONS_SKIPPED_COLD] == 4
+        gate.open()
+        await settle(store, disk)
+        assert store.lookup(lid, [key(i) for i in range(4)]) == [Tier.DISK, Tier.DISK, None, None]
+        assert store.counters[Count.DEMOTIONS] == 2 and store.tiers._writing_bytes == 0
+        # room again: the next victims are staged, and the buffers are reused (still bounded)
+        await put_bytes(store, sid, lid, [key(30), key(31)], [payload(key(30)), payload(key(31))])
+        await settle(store, disk)
+        assert store.lookup(lid, [key(12), key(13)]) == [Tier.DISK, Tier.DISK]
+        assert store.tiers._staging.allocated <= limit
+    run(tmp_path, body, disk_blocks=16, demote_min_seen=2)
+
+
+def test_evict_or_put_again_during_a_staged_write(tmp_path):
+    """While the victims' write is parked: an Evict of one leaves it nowhere (not on disk after
+    the write ran, its disk slot not lost); a put of another with new bytes serves the new
+    bytes, and the old write of that key never becomes visible on disk."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])  # 0, 1 staged
+        assert store.evict(lid, [key(0)]) == 0                            # in no tier: nothing to count
+        new = other_payload(key(1))
+        await put_bytes(store, sid, lid, [key(1)], [new])                 # 2 staged (and written later)
+        assert store.lookup(lid, [key(0), key(1)]) == [None, Tier.HOST]
+        gate.open()
+        await settle(store, disk)
+        assert store.lookup(lid, [key(0), key(1), key(2)]) == [None, Tier.HOST, Tier.DISK]
+        assert store.on_disk(lid, [key(0), key(1)]) == [False, False], "a dropped write became visible"
+        assert disk.used_bytes == len(disk.entries) * BLOCK and not disk._writing
+        assert store.counters[Count.DEMOTIONS] == 1
+        assert await get(store, sid, lid, [key(1), key(2)]) == [new, payload(key(2))]
+    run(tmp_path, body, disk_blocks=16, demote_min_seen=2)
+
+
+def test_evict_while_staged_blocks_are_copied_out(tmp_path):
+    """A batch large enough to be copied out on the copy threads: an Evict while the copy runs
+    (the write not planned yet) still keeps the block off disk."""
+    n = 72  # 72 blocks of 64 KiB: past the 4 MiB a batch copies inline
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 2 * n * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(n)])
+        gate = Gate(_ingest_pool(), 2)
+        task = await parked(store.allocate(sid, lid, [key(1000 + i) for i in range(n)]))
+        assert store.evict(lid, [key(0)]) == 0
+        gate.open()
+        grants = await task
+        await store.commit(sid, [], [g.grant_id for g in grants], durable=False)   # (aborted)
+        await settle(store, disk)
+        where = store.lookup(lid, [key(i) for i in range(n)])
+        assert where == [None] + [Tier.DISK] * (n - 1)
+        assert disk.used_bytes == len(disk.entries) * BLOCK and not disk._writing
+    run(tmp_path, body, host_blocks=n, disk_blocks=2 * n, demote_min_seen=2)
+
+
+def test_a_staged_block_whose_bytes_changed_is_dropped_from_disk_only(tmp_path):
+    """A victim whose slot was written after its commit fails the disk writer's checksum check:
+    counted and not written; a new copy of the key put meanwhile stays in host."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        slot0 = store.host.get(store.layout(lid).layout.fingerprint + key(0)).offset
+        write_slot(store, slot0, b"\xff" * 64)                            # a write after the commit
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10)], [payload(key(10))])  # 0 staged, with the bad bytes
+        assert read_slot(store, slot0) == payload(key(10))                # its slot went on at once
+        await put_bytes(store, sid, lid, [key(0)], [payload(key(0))])    # a new copy (1 staged)
+        gate.open()
+        await settle(store, disk)
+        assert store.counters[Count.CHECKSUM_FAILURES] == 1
+        assert store.lookup(lid, [key(0), key(1)]) == [Tier.HOST, Tier.DISK]
+        assert await get(store, sid, lid, [key(0)]) == [payload(key(0))]
+    run(tmp_path, body, disk_blocks=16, demote_min_seen=2)
+
+
+def test_drain_waits_for_staged_writes(tmp_path):
+    """Daemon shutdown drains the store before closing its files: drain returns only once the
+    staged writes are over, and they are on disk then."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+        drain = asyncio.ensure_future(store.drain())
+        await asyncio.sleep(0.05)
+        assert not drain.done(), "drain returned while a staged write was in flight"
+        gate.open()
+        await asyncio.wait_for(drain, QUICK_S)
+        assert store.on_disk(lid, [key(0), key(1)]) == [True, True] and not disk._writing
+    run(tmp_path, body, disk_blocks=16, demote_min_seen=2)
+
+
+def test_graceful_stop_finishes_background_demotions(start_daemon, tmp_path):
+    """A real kvtierd stopped (SIGTERM) right after puts that staged demotions: it stops cleanly
+    (no error logged), and the restarted daemon finds every staged block on disk, byte-exact."""
+    from kvtier.client.engine.sidecar import Sidecar
+    from kvtier.tiers.layout import Layout
+
+    block = 256 * 1024
+    args = ("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB")
+    d = start_daemon(*args, host_capacity="1MiB")  # 4 blocks of host
+    keys = [key(300 + i) for i in range(16)]
+    data = {k: payload(k)[:block // 4] * 4 for k in keys}
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(block))
+        for i in range(0, 16, 4):
+            sc.put(lid, keys[i:i + 4], [data[k] for k in keys[i:i + 4]])
+        staged = sc.stats()["counters"]["demotions_staged"]
+    assert staged == 12
+    assert d.stop() == 0
+    logs = d.logs()
+    assert '"level": "error"' not in logs and "Traceback" not in logs, logs[-2000:]
+    d2 = start_daemon(*args, host_capacity="1MiB", name="restarted")
+    with Sidecar(d2.socket) as sc:
+        lid = sc.register_layout(Layout.flat(block))
+        assert sc.lookup(lid, keys[:12]) == ["disk"] * 12
+        assert [bytes(g) for g in sc.get(lid, keys[:4])] == [data[k] for k in keys[:4]]
