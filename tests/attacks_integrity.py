@@ -18,6 +18,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from _demotions import demotions_over
 
 from kvtier.client import Sidecar
 from kvtier.proto import node_pb2, node_pb2_grpc
@@ -101,6 +102,7 @@ def test_host_block_changed_after_commit_is_not_demoted(start_daemon, tmp_path) 
         finally:
             pool.close()
         sc.put(lid, [key(2)], [block(2)])                            # evicts key 1: demotion checks it
+        demotions_over(sc)                                           # (written in the background)
         assert sc.lookup(lid, [key(1), key(2)]) == [None, "host"]
         assert sc.stats()["counters"]["checksum_failures"] == 1
 

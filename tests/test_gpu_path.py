@@ -23,6 +23,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _demotions import demotions_over  # noqa: E402
+
 from kvtier.client.engine import ExportError, KVConnector, KVConnectorError, SharedKVArena  # noqa: E402
 from kvtier.client.engine.sidecar import Sidecar  # noqa: E402
 from kvtier.tiers.copy_engine import CopyError, check_engine_ids, plan_chunks  # noqa: E402
@@ -206,6 +208,7 @@ def test_onboard_of_blocks_demoted_to_disk(start_daemon, shm_dir, tmp_path, back
         for i in range(0, 12, 3):
             assert eng.conn.offload(keys[i:i + 3], list(range(i, i + 3))).wait() == ["copied"] * 3
         with Sidecar(d.socket) as sc:
+            demotions_over(sc)  # the victims are written in the background
             where = sc.lookup(sc.register_layout(layout), keys[:3])
         assert where == ["disk"] * 3
         assert eng.conn.onboard(keys[:3], [20, 21, 22]).wait() == ["copied"] * 3

