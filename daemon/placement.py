@@ -76,10 +76,19 @@ def _copy_hash(work: Sequence[tuple[bytes | memoryview, memoryview, int | None]]
     return out
 
 
-def _copy_slots(pairs: Sequence[tuple[memoryview, mmap.mmap | None]]) -> None:
-    """Each host slot copied into its staging buffer (numpy's copy releases the GIL)."""
-    for src, dst in pairs:
-        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+async def _copy_hash_spread(work: list[tuple[bytes | memoryview, memoryview, int | None]], nbytes: int) -> list[int]:
+    """:func:`_copy_hash` of ``work`` (``nbytes`` in all): inline up to ``INGEST_INLINE_BYTES``,
+    else split over the ``INGEST_THREADS`` ingest threads (numpy's copy and xxhash release the
+    GIL); the checksums in ``work``'s order."""
+    if nbytes <= INGEST_INLINE_BYTES:
+        return _copy_hash(work)
+    n = min(INGEST_THREADS, len(work))
+    loop = asyncio.get_running_loop()
+    parts = await asyncio.gather(*(loop.run_in_executor(_ingest_pool(), _copy_hash, work[i::n]) for i in range(n)))
+    sums = [0] * len(work)
+    for i in range(n):
+        sums[i::n] = parts[i]
+    return sums
 
 
 @dataclass(eq=False)
@@ -301,14 +310,15 @@ class Placement:
             self._submit_staged()
 
     async def _copy_out(self, pairs: list[tuple[memoryview, mmap.mmap | None]]) -> None:
-        """The host slots copied into their staging buffers: on ``INGEST_THREADS`` threads (a
-        small batch inline)."""
-        if sum(len(b) for _, b in pairs) <= INGEST_INLINE_BYTES:
-            _copy_slots(pairs)
-            return
-        n = min(INGEST_THREADS, len(pairs))
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(_ingest_pool(), _copy_slots, pairs[i::n]) for i in range(n)))
+        """The host slots copied into their staging buffers (not hashed: their checksums were
+        taken at commit), on the ingest threads (a small batch inline)."""
+        dsts = [memoryview(b) for _, b in pairs]  # type: ignore[arg-type]
+        try:
+            await _copy_hash_spread([(src, d, 0) for (src, _), d in zip(pairs, dsts, strict=True)],
+                                    sum(len(d) for d in dsts))
+        finally:
+            for d in dsts:
+                d.release()
 
     def _submit_staged(self) -> None:
         """Plan and submit every staged block queued so far as one disk write (one fdatasync,
@@ -631,24 +641,11 @@ class Placement:
         the GIL); a small batch inline."""
         views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
         work = [(p, v, c if verified else None) for ((_, p, c), _), v in zip(pairs, views, strict=True)]
-        if len(pairs) * pairs[0][1].block_bytes <= INGEST_INLINE_BYTES:
-            try:
-                return _copy_hash(work)
-            finally:
-                for v in views:
-                    v.release()
-        n = min(INGEST_THREADS, len(work))
-        loop = asyncio.get_running_loop()
         try:
-            parts = await asyncio.gather(*(loop.run_in_executor(_ingest_pool(), _copy_hash, work[i::n])
-                                           for i in range(n)))
+            return await _copy_hash_spread(work, len(pairs) * pairs[0][1].block_bytes)
         finally:
             for v in views:
                 v.release()
-        sums = [0] * len(work)
-        for i in range(n):
-            sums[i::n] = parts[i]
-        return sums
 
     async def payloads(self, bkeys: Sequence[bytes], verify: bool = True) -> dict[bytes, tuple[bytes, int]]:
         """Copies of the payloads of these blocks that host or disk holds, with their checksums

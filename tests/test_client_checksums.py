@@ -6,6 +6,7 @@ other bytes. Real daemons over real sockets."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
@@ -209,10 +210,22 @@ def test_client_checksums_carry_through_demotion_to_disk(start_daemon, tmp_path,
             raw.close()
 
 
+def _exit_code(pid: int, timeout_s: float, hung: str) -> int:
+    """A forked child's exit code; killed, and ``hung`` raised, if it has not exited in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.03)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError(hung)
+
+
 def test_a_forked_child_copies_on_threads_of_its_own() -> None:
     """The copy threads are the parent's: a child forked after a large put (an engine forking
     its workers) gets its own pool instead of waiting on threads it does not have."""
-    import os
     pool = np.zeros(4 << 20, dtype=np.uint8)
     arrs = [np.full(1 << 20, i, dtype=np.uint8) for i in range(4)]
     big = copyin.PARALLEL_MIN_BYTES
@@ -226,16 +239,7 @@ def test_a_forked_child_copies_on_threads_of_its_own() -> None:
                 os._exit(0 if pool[0] == 3 else 1)
             finally:
                 os._exit(2)
-        for _ in range(200):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            raise AssertionError("the forked child's put hung on its parent's copy threads")
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert _exit_code(pid, 10.0, "the forked child's put hung on its parent's copy threads") == 0
     finally:
         copyin.PARALLEL_MIN_BYTES = big
 
@@ -268,7 +272,6 @@ print(c.AVX2)
 
 
 def _child(code: str, **env: str):
-    import os
     import subprocess
     import sys
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -378,7 +381,6 @@ def test_a_put_copies_when_the_copy_threads_are_shut_down(small_chunks) -> None:
 def test_a_child_forked_while_the_pool_lock_is_held_still_copies() -> None:
     """A fork while another thread holds the copy threads' lock (it is taken for each large
     batch) must not leave the child waiting on a lock no thread of its own will release."""
-    import os
     with copyin._pool_lock:
         pid = os.fork()
         if pid == 0:
@@ -387,16 +389,7 @@ def test_a_child_forked_while_the_pool_lock_is_held_still_copies() -> None:
                 os._exit(0)
             finally:
                 os._exit(2)
-    for _ in range(100):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.03)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        raise AssertionError("the forked child hung on the copy threads' lock")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert _exit_code(pid, 3.0, "the forked child hung on the copy threads' lock") == 0
 
 
 def test_a_get_into_a_read_only_buffer_is_invalid_argument_and_copies_nothing(daemon) -> None:

@@ -130,16 +130,25 @@ static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
 
 /* ------------------------------------------------------------------------------------ rows */
 
+/* A 16-byte key's hash: its home slot is h >> shift, its tag the 8 bits below (never 0). */
+static inline uint64_t key_hash(const unsigned char *key) {
+    uint64_t w0, w1;
+    memcpy(&w0, key, 8);
+    memcpy(&w1, key + 8, 8);
+    return ((w0 * C1) ^ w1) * C2;
+}
+
+static inline uint8_t key_tag(uint64_t h, long shift) {
+    return (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+}
+
 /* Put one key's row in the first free slot of its probe window from its home slot (with the
  * key's tag); 0 when the window is full (the caller rebuilds the table bigger). */
 static inline int place_one(const unsigned char *key, int32_t row, int32_t *slots, uint8_t *tags,
                             uint64_t mask, long shift) {
-    uint64_t w0, w1;
-    memcpy(&w0, key, 8);
-    memcpy(&w1, key + 8, 8);
-    uint64_t h = ((w0 * C1) ^ w1) * C2;
+    uint64_t h = key_hash(key);
     uint64_t at = h >> shift;
-    uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+    uint8_t tag = key_tag(h, shift);
     for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
         if (slots[at] < 0) {
             slots[at] = row;
@@ -160,12 +169,9 @@ static inline int eq16(const unsigned char *a, const unsigned char *b) {
 
 static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const unsigned char *packed,
                             Py_ssize_t nrows, uint64_t mask, int shift, const unsigned char *key) {
-    uint64_t w0, w1;
-    memcpy(&w0, key, 8);
-    memcpy(&w1, key + 8, 8);
-    uint64_t h = ((w0 * C1) ^ w1) * C2;
+    uint64_t h = key_hash(key);
     uint64_t i = h >> shift;
-    uint8_t tag = (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
+    uint8_t tag = key_tag(h, shift);
     for (int s = 0; s < WINDOW; s++) {
         int32_t r = slots[i];
         if (r < 0)
