@@ -137,7 +137,9 @@ def test_evict_kill9_restart_the_key_stays_gone(start_daemon, tmp_path) -> None:
     the key back."""
     disk_dir = str(tmp_path / "disk")
     big = 2 * MiB
-    d = start_daemon(*_disk_args(disk_dir, "512MiB"), host_capacity="256MiB")
+    # The busy writes stop at 1 GiB, well inside the disk's 2 GiB: the disk never has to evict
+    # the victims to make room, so the Evict must find all 8 there (their host copies may be gone).
+    d = start_daemon(*_disk_args(disk_dir, "2GiB"), host_capacity="256MiB")
     layout, busy_layout = Layout.flat(BLOCK), Layout.flat(big)
     with Sidecar(d.socket) as sc, Sidecar(d.socket) as busy:
         lid = sc.register_layout(layout)
@@ -149,7 +151,7 @@ def test_evict_kill9_restart_the_key_stays_gone(start_daemon, tmp_path) -> None:
 
         def keep_disk_busy() -> None:  # durable writes queue on the writer thread ahead of the delete
             i = 1000
-            while not stop.is_set():
+            while not stop.is_set() and i < 1000 + 512:              # 512 x 2 MiB = 1 GiB at most
                 try:
                     busy.put(blid, [key(i + j) for j in range(32)], payload, durable=True)
                 except Exception:
@@ -163,7 +165,7 @@ def test_evict_kill9_restart_the_key_stays_gone(start_daemon, tmp_path) -> None:
         d.kill()
         stop.set()
         t.join(10)
-    d2 = start_daemon(*_disk_args(disk_dir, "512MiB"), host_capacity="256MiB", name="restarted")
+    d2 = start_daemon(*_disk_args(disk_dir, "2GiB"), host_capacity="256MiB", name="restarted")
     with Sidecar(d2.socket) as sc:
         lid = sc.register_layout(layout)
         assert sc.lookup(lid, victims) == [None] * 8
