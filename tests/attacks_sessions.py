@@ -14,6 +14,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from _wait import wait_for
 
 from kvtier.client.engine.sidecar import Sidecar
 from kvtier.daemon.errors import Code, StoreError
@@ -265,7 +266,8 @@ def test_an_expired_lease_is_refused_and_its_slot_is_reusable(start_daemon) -> N
         k = keys(1, b"old")
         a.sc.put(a.lid, k, blocks(1))
         lid = a.acquire(k)[0]
-        time.sleep(1.0)
+        time.sleep(0.5)
+        wait_for(lambda: a.sc.stats()["counters"]["leases_reclaimed"] >= 1, what="the lease's expiry sweep")
         why = refused(grpc.StatusCode.DEADLINE_EXCEEDED, a.release, [lid])
         assert "expired" in why and "--lease-ttl-s" in why
         # no pin left: a pool's worth of new blocks fits, evicting the old one
@@ -285,7 +287,8 @@ def test_an_expired_grant_cannot_be_committed(start_daemon) -> None:
     try:
         k = keys(1, b"late")
         gid = a.allocate(k)[0]
-        time.sleep(1.0)
+        time.sleep(0.5)
+        wait_for(lambda: a.sc.stats()["counters"]["grants_reclaimed"] >= 1, what="the grant's expiry sweep")
         why = refused(grpc.StatusCode.DEADLINE_EXCEEDED, a.commit, [gid])
         assert "expired" in why and "--grant-ttl-s" in why
         assert a.sc.lookup(a.lid, k) == [None]

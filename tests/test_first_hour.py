@@ -27,7 +27,8 @@ from kvtier.tiers.layout import Layout
 
 BLOCK = 4096
 LAYOUT = Layout.flat(BLOCK)
-FAST_S = 1.0    # "at once": a missing or refusing socket needs no timeout
+FAST_S = 3.0    # "at once": a missing or refusing socket needs no timeout (a hang takes the 60 s timeout;
+                # 3 s leaves a loaded CI machine room to start threads and channels)
 BLOCKED_S = 10  # a call still running after this is a hang (the clients' timeout is 60 s)
 REFUSED = "the daemon stopped or was killed"  # what a killed daemon's socket says
 KV_LAYOUT = Layout.vllm(num_layers=1, num_blocks=8, block_tokens=16, kv_heads=1, head_dim=16, dtype="float16")

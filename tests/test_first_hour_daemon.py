@@ -21,7 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -176,9 +176,20 @@ def test_stats_keeps_layout_id_and_fingerprint_apart(daemon) -> None:
 def test_live_report_into_a_pipe_has_no_screen_codes(daemon) -> None:
     p = subprocess.Popen([sys.executable, "-m", "kvtier.client.tools.cli", "report", "--daemons", daemon.socket,
                           "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(3)
+    watchdog = threading.Timer(60, p.kill)  # a report that never prints must not hang the test
+    watchdog.start()
+    first = b""
+    try:
+        while b"(fleet)" not in first:  # Ctrl-C only once a refresh is out (not during the imports)
+            line = p.stdout.readline()
+            if not line:
+                break
+            first += line
+    finally:
+        watchdog.cancel()
     p.send_signal(signal.SIGINT)
     out, _ = p.communicate(timeout=30)
+    out = first + out
     assert b"kvtier report" in out and b"(fleet)" in out
     assert b"\x1b" not in out
 

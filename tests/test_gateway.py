@@ -455,7 +455,7 @@ def test_fetch_hints_are_prefetched_into_the_chosen_replica_before_it_sees_the_r
         assert status == 200 and seen[-1][0] == headers[REPLICA_HEADER] != "A"
         return seen[-1][0], seen[-1][1]
 
-    url, gw = gateway(urls, router=feeds, **tls)
+    url, gw = gateway(urls, router=feeds, prefetch_timeout_s=10, **tls)  # a cold mTLS pull may pass 0.5 s
     name, found = run(url, gw, 3)
     assert found == ["host"] * 32  # in the free replica's own host tier before it saw the request
     metrics = gw.metrics.render().decode()

@@ -403,7 +403,7 @@ def test_a_full_queue_drops_and_counts_without_blocking_then_resyncs() -> None:
         took = [put(Tier.HOST, [key8(0), key8(1)]), put(Tier.HOST, [key8(2), key8(3)]),  # fills the 4 keys
                 put(Tier.HOST, [key8(4)]), put(Tier.DISK, [key8(5)])]                     # dropped
         pub.stored(Tier.GPU, fp, [key8(9)])                                              # not published
-        assert max(took) < 0.05, took
+        assert max(took) < 1.0, took  # blocking on the held publisher would take ~30 s
         assert pub.stats["dropped_events"] == 2 and pub.stats["dropped_keys"] == 2
         gate.set()
         await asyncio.sleep(0.3)

@@ -166,7 +166,7 @@ def test_no_daemon_is_unavailable_or_a_deadline(tmp_path) -> None:
     started = time.monotonic()
     with Sidecar(nothing, timeout=5) as sc, pytest.raises(Unavailable, match="no daemon socket"):  # no wait either
         sc.stats()
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 3  # the timeout is 5 s
     with socket.socket(socket.AF_UNIX) as silent:  # a socket that is there but never answers
         silent.bind(str(tmp_path / "silent.sock"))
         silent.listen()
