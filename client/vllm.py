@@ -18,6 +18,10 @@ How it maps to kvtier
       every tensor-parallel rank's shard of it is held (host or disk); a chunk whose store has
       been prepared but not completed is ``HIT_PENDING``, never loadable before it completes.
       ``prepare_store`` offers back, in the order given, the chunks kvtier does not hold yet.
+      A request's ``kv_transfer_params["kv_load_tiers"]`` (vLLM's per-request tier filter)
+      is honoured: host is the ``CPU`` medium, disk ``STORAGE``, both ``LOCAL``; a chunk held
+      in a tier the request excludes is a miss (recomputed), counted ``filtered_host`` or
+      ``filtered_disk``.
     * The **worker** (each vLLM worker process) moves the pages. If the KV tensors can be
       registered with the daemon (CUDA tensors, or CPU tensors in a sealed memfd) it
       registers them once through :class:`~kvtier.client.engine.KVConnector` and the daemon's
@@ -125,6 +129,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
@@ -205,6 +210,7 @@ M_LOAD_FAILED = "vllm:kvtier_load_failed_blocks"
 _METRICS: dict[str, OffloadingMetricMetadata] = {
     M_LOOKUPS: OffloadingCounterMetadata(
         documentation="kvtier lookups by result (hit_host, hit_disk, miss, pending: store in flight, "
+                      "filtered_host, filtered_disk: held, but the request's kv_load_tiers excludes the tier, "
                       "unavailable: daemon bypassed, retry: already loaded for this request)",
         labelnames=("result",)),
     M_STORE: OffloadingCounterMetadata(
@@ -463,6 +469,9 @@ class _Events:
                 self.out.append(OffloadingEvent(keys=[OffloadKey(k) for k in removed[m]], medium=m, removed=True))
 
 
+_MEDIA = {"host": Medium.CPU, "disk": Medium.STORAGE}  # kvtier's tiers as vLLM's media (kv_load_tiers)
+
+
 class KvtierOffloadingManager(OffloadingManager):
     """Scheduler side: lookups from the key table, stores tracked until they complete."""
 
@@ -516,6 +525,10 @@ class KvtierOffloadingManager(OffloadingManager):
             self.counts.add(M_LOOKUPS, 1, "retry")
             return LookupResult.MISS
         tier = self._tier_or_down(key)
+        if tier in ("host", "disk") and not req_context.load_tier_filter.allows(_MEDIA[tier], Locality.LOCAL):
+            # the request's kv_load_tiers leaves this tier out: a miss, and vLLM recomputes
+            self.counts.add(M_LOOKUPS, 1, f"filtered_{tier}")
+            return LookupResult.MISS
         if tier in ("host", "disk"):
             self.counts.add(M_LOOKUPS, 1, f"hit_{tier}")
             state.tiers[bytes(key)] = tier

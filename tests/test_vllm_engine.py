@@ -61,9 +61,12 @@ def model_dir(tmp_path_factory) -> str:
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def run_engine(model: str, workdir: Path, name: str, kvtier: dict | None) -> dict:
+def run_engine(model: str, workdir: Path, name: str, kvtier: dict | None, kv_transfer_params: dict | None = None) -> dict:
+    prompts = multi_turn(SESSIONS, TURNS, FIRST, PER_TURN, 1024)
+    if kv_transfer_params is not None:  # on every request
+        prompts = [{**p, "kv_transfer_params": kv_transfer_params} for p in prompts]
     cfg = {"model": model, "block_size": BLOCK, "num_gpu_blocks": 16, "max_model_len": 384,
-           "max_tokens": MAX_TOKENS, "prompts": multi_turn(SESSIONS, TURNS, FIRST, PER_TURN, 1024), "kvtier": kvtier}
+           "max_tokens": MAX_TOKENS, "prompts": prompts, "kvtier": kvtier}
     cfg_path, out_path = workdir / f"{name}.json", workdir / f"{name}-out.json"
     cfg_path.write_text(json.dumps(cfg))
     p = subprocess.run([sys.executable, "-m", "kvtier.client.testing.vllm_engine", str(cfg_path), str(out_path)],
@@ -141,6 +144,27 @@ def test_disk_tier_identical_outputs(model_dir, workdir, baseline, tmp_path) -> 
     assert c["demotions"] > 0
     assert c["acquire_hit_blocks:disk"] + c.get("acquire_hit_blocks:host", 0) == loaded
     assert res["metrics"].get("vllm:kvtier_lookup_chunks{result=hit_disk}", 0) > 0
+
+
+def test_kv_load_tiers_without_storage_recomputes_what_is_on_disk(model_dir, workdir, baseline, tmp_path) -> None:
+    """vLLM's per-request tier filter (kv_transfer_params kv_load_tiers, what kvtier's gateway
+    sends with --disk-loads auto): with only the CPU medium allowed, chunks on kvtier's disk
+    are misses (recomputed, counted filtered_disk), host chunks still load, outputs unchanged."""
+    d = DaemonProcess(str(tmp_path), "--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "256MiB",
+                      "--demote-min-seen", "1", host_capacity="1MiB", name="cpu-only").start()
+    try:
+        res = run_engine(model_dir, workdir, "cpu-only", {"kvtier_socket": d.socket},
+                         kv_transfer_params={"kv_load_tiers": [{"medium": "cpu"}]})
+        c = counters(d)
+    finally:
+        d.cleanup()
+    assert outputs(res) == outputs(baseline)
+    m = res["metrics"]
+    assert m.get("vllm:kvtier_lookup_chunks{result=filtered_disk}", 0) > 0   # held on disk, not loaded
+    assert m.get("vllm:kvtier_lookup_chunks{result=hit_disk}", 0) == 0
+    assert c.get("acquire_hit_blocks:disk", 0) == 0                          # the daemon read nothing from disk
+    loaded = sum(r["cached_tokens"] for r in res["requests"]) // BLOCK
+    assert m.get("vllm:kvtier_loaded_blocks", 0) == loaded == c.get("acquire_hit_blocks:host", 0)
 
 
 def test_negative_control_corrupt_loads_changes_outputs(model_dir, workdir, baseline, host_daemon) -> None:

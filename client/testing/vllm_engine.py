@@ -85,7 +85,11 @@ def run(cfg: dict) -> dict:
         prompt = context.get(req["session"], []) + req["new"]
         rid = f"r{i}"
         start = time.perf_counter()
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+        req_params = params
+        if req.get("kv_transfer_params") is not None:  # per request, as an API client's request body sets it
+            req_params = params.clone()
+            req_params.extra_args = {"kv_transfer_params": req["kv_transfer_params"]}
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), req_params)
         ttft, final = None, None
         while engine.has_unfinished_requests():
             for out in engine.step():
