@@ -72,6 +72,37 @@ REPLICA_HEADER = "X-Kvtier-Replica"
 """Response header naming the replica that answered (the body is the replica's, unchanged)."""
 
 
+DISK_LOADS = ("always", "auto")
+
+
+def parse_disk_loads(text: str) -> str:
+    if text not in DISK_LOADS:
+        raise ValueError(f"{text!r}: not one of {', '.join(DISK_LOADS)}")
+    return text
+
+
+CPU_ONLY = [{"medium": "CPU"}]
+"""``kv_load_tiers`` of a request whose disk-held blocks are to be recomputed (vLLM's filter)."""
+
+
+def with_load_tiers(raw: bytes, tiers: list[dict]) -> bytes | None:
+    """The request body with ``kv_transfer_params.kv_load_tiers`` set to ``tiers``; None (leave
+    it as it is) when the client set its own ``kv_load_tiers`` or the body is not an object."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    params = body.get("kv_transfer_params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict) or "kv_load_tiers" in params:
+        return None
+    body["kv_transfer_params"] = {**params, "kv_load_tiers": tiers}
+    return json.dumps(body).encode()
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Every ``kvtier gateway`` setting (flag, ``KVTIER_GATEWAY_<NAME>``, TOML key)."""
@@ -124,6 +155,14 @@ class GatewayConfig:
     prefetch: bool = setting(True, "apply the router's fetch hints (policy kvtier, --pulls): ask the chosen "
                                    "replica's kvtierd to fetch the hinted blocks from the peer that holds them "
                                    "before forwarding the request", parse_bool, "BOOL")
+    disk_loads: str = setting("always", "always: the replicas load every cached block they hold; auto: a request "
+                                        "sent to a replica with no prefill queued, whose disk loads a block "
+                                        "slower than the GPU recomputes it (the router's --disk-load-gbps or "
+                                        "the node's published rate, --prefill-tokens-per-s, --bytes-per-token), "
+                                        "carries kv_transfer_params kv_load_tiers [{\"medium\": \"CPU\"}] "
+                                        "(vLLM's per-request tier filter, which kvtier's connector honours): "
+                                        "what the replica holds only on disk is recomputed",
+                                  parse_disk_loads, "MODE")
     prefetch_timeout_s: float = setting(0.5, "longest wait for a fetch hint's prefetch (seconds); past it the "
                                              "request goes on and the engine recomputes what is missing",
                                         parse_float, "S")
@@ -218,6 +257,9 @@ class _Metrics:
         self.decisions = Counter("kvtier_gateway_decisions", "requests dispatched, by chosen replica and policy",
                                  ["replica", "policy"], registry=r)
         self.retries = Counter("kvtier_gateway_retries", "requests sent on to another replica", registry=r)
+        self.disk_recomputes = Counter("kvtier_gateway_disk_recomputes", "requests sent with kv_load_tiers CPU "
+                                       "(--disk-loads auto: the idle replica recomputes what it holds only on "
+                                       "disk), by replica", ["replica"], registry=r)
         self.ttft = Histogram("kvtier_gateway_ttft_seconds", "request arrival to the first body byte sent back",
                               ["replica"], buckets=buckets, registry=r)
         self.latency = Histogram("kvtier_gateway_latency_seconds", "request arrival to the last byte sent back",
@@ -479,15 +521,21 @@ class Gateway:
         headers = {k: v for k, v in (e.headers or {}).items() if k.lower() not in _HOP}
         return web.Response(status=e.status, body=e.body, headers=headers)
 
-    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list]:
-        """Charge the chosen replica: (the router's decision id, its fetch hints)."""
+    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list, bool]:
+        """Charge the chosen replica: (the router's decision id, its fetch hints, whether what
+        it holds only on disk is better recomputed: ``--disk-loads auto``)."""
         self.policy.dispatched(name, keys, session)
         self.metrics.decisions.labels(name, self.cfg.policy).inc()
         self.metrics.in_flight.labels(name).inc()
         if self.router is None:
-            return 0, []
+            return 0, [], False
         d = self.router.route(keys, [name], dispatch=True, top_k=1)
-        return d.decision_id, d.fetch
+        recompute = False
+        if self.cfg.disk_loads == "auto" and d.ranked:
+            r = d.ranked[0]  # its load as it was before this request
+            recompute = (r.load.queued_blocks <= 0 and r.overlap.disk > r.overlap.host
+                         and self.router.disk_load_ratio(name) > 1.0)
+        return d.decision_id, d.fetch, recompute
 
     def _ended(self, name: str, decision: int) -> None:
         self.policy.ended(name)
@@ -500,9 +548,14 @@ class Gateway:
         import aiohttp  # noqa: PLC0415
 
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        decision, hints = self._dispatch(name, keys, session)
+        decision, hints, recompute_disk = self._dispatch(name, keys, session)
         if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
             await self.prefetcher.apply(hints)
+        if recompute_disk:  # an idle replica recomputes faster than its disk loads: only host loads
+            body = with_load_tiers(raw, CPU_ONLY)
+            if body is not None:
+                raw = body
+                self.metrics.disk_recomputes.labels(name).inc()
         try:
             up = await asyncio.wait_for(self._session.post(base + request.path_qs, data=raw, headers=headers),
                                         self.cfg.first_byte_timeout_s)

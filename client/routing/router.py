@@ -66,6 +66,7 @@ from kvtier.client.routing.scoring import (
 from kvtier.client.routing.vllm_events import VllmEvents, VllmSource, VllmStreamStatus, parse_vllm_events
 from kvtier.proto import locations_pb2
 from kvtier.settings import group, parse_bool, parse_float, parse_int, parse_list, setting
+from kvtier.tiers.vocab import Tier
 
 log = logging.getLogger("kvtier.router")
 
@@ -375,6 +376,16 @@ class Router:
                                plan.decide_workers(weights, digests))
         self._loads.align(names)
         return w
+
+    def disk_load_ratio(self, worker: str) -> float:
+        """Seconds to load a block from ``worker``'s disk tier over seconds to recompute it
+        (:meth:`Scorer.load_ratio`, at the disk bandwidth its node publishes, else the
+        configured default): above 1 an idle GPU recomputes faster than the disk loads."""
+        with self._lock:
+            w = self._workers()
+            node = w.nodes[w.names.index(worker)] if worker in w.names else ""
+            bw = self.index.nodes[node].load_gbps if node in self.index.nodes else {}
+            return self.scorer.load_ratio(Tier.DISK, bw.get(Tier.DISK.label, 0.0))
 
     def add_worker(self, name: str) -> None:
         """A worker no daemon publishes (yet), e.g. a gateway's static replica: it holds nothing

@@ -169,11 +169,19 @@ class Scorer:
         c = self.config
         if tier == Tier.REMOTE and not self.pulls:
             return 0.0
+        r = self.load_ratio(tier, load_gbps)
+        if r == float("inf"):
+            return 0.0
+        return 1.0 / (1.0 + r) if c.loads == "async" else max(0.0, 1.0 - r)
+
+    def load_ratio(self, tier: Tier, load_gbps: float = 0.0) -> float:
+        """``r_t``: seconds to load a block from ``tier`` over seconds to recompute it, at
+        ``load_gbps`` (0: the configured default for the tier); inf where nothing loads."""
+        c = self.config
         bw = load_gbps or {Tier.HOST: c.host_load_gbps, Tier.DISK: c.disk_load_gbps}.get(tier, c.remote_load_gbps)
         if bw <= 0:
-            return 0.0
-        r = c.bytes_per_token * c.prefill_tokens_per_s / (bw * 1e9)  # load time / recompute time
-        return 1.0 / (1.0 + r) if c.loads == "async" else max(0.0, 1.0 - r)
+            return float("inf")
+        return c.bytes_per_token * c.prefill_tokens_per_s / (bw * 1e9)
 
     def weights(self, load_gbps: Sequence[Mapping[str, float]]) -> np.ndarray:
         """The (4, workers) weights of :meth:`costs`: ``1 - w_host``, ``w_host - w_disk``,
