@@ -46,6 +46,7 @@ from kvtier.client.gateway.tokenize import PromptError, PromptTokenizer
 from kvtier.client.gateway.usage import NULL_COUNTER, OutputCounter
 from kvtier.client.routing.recorder import RecordConfig, open_recorder
 from kvtier.client.routing.router import Router, RouterConfig
+from kvtier.client.routing.scoring import parse_disk_loads
 from kvtier.settings import (
     Settings,
     SettingsError,
@@ -70,15 +71,6 @@ core); larger ones in a thread pool."""
 
 REPLICA_HEADER = "X-Kvtier-Replica"
 """Response header naming the replica that answered (the body is the replica's, unchanged)."""
-
-
-DISK_LOADS = ("always", "auto")
-
-
-def parse_disk_loads(text: str) -> str:
-    if text not in DISK_LOADS:
-        raise ValueError(f"{text!r}: not one of {', '.join(DISK_LOADS)}")
-    return text
 
 
 CPU_ONLY = [{"medium": "CPU"}]

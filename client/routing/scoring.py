@@ -60,6 +60,17 @@ def parse_loads(text: str) -> str:
     return text
 
 
+DISK_LOADS = ("always", "auto")
+"""The gateway's ``--disk-loads`` (and the replay's): whether an idle replica whose disk loads
+slower than it recomputes is told to recompute what it holds only on disk (auto)."""
+
+
+def parse_disk_loads(text: str) -> str:
+    if text not in DISK_LOADS:
+        raise ValueError(f"{text!r}: not one of {', '.join(DISK_LOADS)}")
+    return text
+
+
 @dataclass(frozen=True)
 class ScorerConfig:
     """Knobs of the cost (each also a ``kvtier route-server`` setting). Bandwidths are 10^9
