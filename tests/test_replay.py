@@ -214,6 +214,25 @@ def test_a_tier_slower_than_recompute(loads: str, ttft: float) -> None:
     assert row.ttft_mean_s == pytest.approx((1.0 + ttft) / 2)
 
 
+@pytest.mark.parametrize("disk_loads, hits, ttft, recomputes", [("always", (0, 0, 4), 9.0, 0),
+                                                                  ("auto", (0, 0, 0), 5.0, 1)])
+def test_disk_loads_auto_recomputes_on_an_idle_replica(disk_loads: str, hits: tuple, ttft: float,
+                                                        recomputes: int) -> None:
+    """r0 holds [1,2,3,4] on disk only; a block computes in 1 s and loads from disk in 2 s (1e9 B at
+    0.5 GB/s: r = 2). kvtier sends [1,2,3,4,5] to idle r0 (the disk still saves it GPU time);
+    always: 4 disk loads then 1 block of compute (9 s); auto (the gateway's kv_load_tiers CPU):
+    all 5 computed (5 s), no hits, counted."""
+    c = cfg(gpu_tokens=4 * 2, host_tokens=4 * 2, disk_tokens=4 * 8, demote_min_seen=1, prefill_tps=4.0,
+            kv_bytes_per_token=2.5e8, disk_load_gbps=0.5, disk_loads=disk_loads)
+    cluster = Cluster(c, "kvtier", 2)
+    r0 = cluster.replicas[0].node
+    r0.access(bkeys([1, 2, 3, 4]))
+    r0.access(bkeys([9, 10, 11]))
+    assert all(k in r0.tiers()[2] and k not in r0.tiers()[1] for k in bkeys([1, 2, 3, 4]))
+    i, served, took = cluster.step(req(0, [1, 2, 3, 4, 5]))
+    assert (i, served, took, cluster.disk_recomputes) == (0, hits, pytest.approx(ttft), recomputes)
+
+
 # -- command line ------------------------------------------------------------------------------
 
 def test_parse_tokens() -> None:
