@@ -522,11 +522,7 @@ class Gateway:
         if self.router is None:
             return 0, [], False
         d = self.router.route(keys, [name], dispatch=True, top_k=1)
-        recompute = False
-        if self.cfg.disk_loads == "auto" and d.ranked:
-            r = d.ranked[0]  # its load as it was before this request
-            recompute = (r.load.queued_blocks <= 0 and r.overlap.disk > r.overlap.host
-                         and self.router.disk_load_ratio(name) > 1.0)
+        recompute = self.cfg.disk_loads == "auto" and bool(d.ranked) and self.router.recompute_disk(d.ranked[0])
         return d.decision_id, d.fetch, recompute
 
     def _ended(self, name: str, decision: int) -> None:

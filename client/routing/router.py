@@ -387,6 +387,14 @@ class Router:
             bw = self.index.nodes[node].load_gbps if node in self.index.nodes else {}
             return self.scorer.load_ratio(Tier.DISK, bw.get(Tier.DISK.label, 0.0))
 
+    def recompute_disk(self, ranked: Ranked) -> bool:
+        """Whether ``ranked``'s worker (a decision's entry: its load before the request) is
+        better off recomputing what it holds of the prompt only on disk than loading it (the
+        gateway's ``--disk-loads auto``): no prefill queued, part of the prompt only on disk,
+        and a disk slower than its recompute (:meth:`disk_load_ratio` > 1)."""
+        return (ranked.load.queued_blocks <= 0 and ranked.overlap.disk > ranked.overlap.host
+                and self.disk_load_ratio(ranked.worker) > 1.0)
+
     def add_worker(self, name: str) -> None:
         """A worker no daemon publishes (yet), e.g. a gateway's static replica: it holds nothing
         but can be named as a candidate and picked."""

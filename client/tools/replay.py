@@ -460,9 +460,7 @@ class RouterPolicy(Policy):
         self._last = d.decision_id
         self.pulled = (d.fetch[0].start, d.fetch[-1].end) if d.fetch else None
         if self.disk_loads == "auto":  # as the gateway's --disk-loads auto
-            best = d.ranked[0]  # (its load before this request)
-            self.recompute_disk = (best.load.queued_blocks <= 0 and best.overlap.disk > best.overlap.host
-                                   and self.router.disk_load_ratio(best.worker) > 1.0)
+            self.recompute_disk = self.router.recompute_disk(d.ranked[0])
         return self.replica[d.worker]  # type: ignore[index]
 
     def served(self, prefill_done_s: float, done_s: float) -> None:
