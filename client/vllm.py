@@ -515,6 +515,9 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self.pending:
+            if not req_context.load_tier_filter.allows(Medium.CPU, Locality.LOCAL):  # (it is bound for host)
+                self.counts.add(M_LOOKUPS, 1, "filtered_host")
+                return LookupResult.MISS
             self.counts.add(M_LOOKUPS, 1, "pending")
             return LookupResult.HIT_PENDING
         state = _req_state(req_context)

@@ -74,8 +74,8 @@ class Count(enum.Enum):
     NO_SPACE = "no_space"                              # keys Allocate found no slot for
     COMMITS = "commits"                                # blocks made visible by Commit
     DURABLE_COMMITS = "durable_commits"                # blocks of durable puts on disk and indexed
-    GRANTS_RECLAIMED = "grants_reclaimed"              # aborted because their session ended
-    LEASES_RECLAIMED = "leases_reclaimed"              # released because their session ended
+    GRANTS_RECLAIMED = "grants_reclaimed"              # aborted: their session ended or they expired
+    LEASES_RECLAIMED = "leases_reclaimed"              # released: their session ended or they expired
     HOST_BACKING_FAILURES = "host_backing_failures"    # fresh slots the tmpfs could not back
     EVICTED_BY_REQUEST = "evicted_by_request"          # entries removed by Evict
     DEMOTIONS = "demotions"                            # host victims written to disk

@@ -489,7 +489,7 @@ def test_disk_loads_auto_has_an_idle_replica_recompute_what_it_holds_only_on_dis
         urls = {"R": f"http://127.0.0.1:{loop.serve(backend('R', seen))}"}
         feeds = RouterConfig(daemons=(f"unix:{d.socket}",))
         url, gw = gateway(urls, router=feeds, disk_loads="auto")
-        bodies = [chat(32, start=s) for s in (3, 100, 200)]  # a dispatched prompt is in the replica's gpu
+        bodies = [chat(32, start=s) for s in (3, 100, 200, 300)]  # a dispatched prompt is in the replica's gpu
         prompts = [gw.keys.keys(gw.tokenizer.chat(b)) for b in bodies]   # (speculated): one prompt per check
         layout = Layout.flat(4096, 4)
         with Sidecar(d.socket) as sc:
@@ -514,8 +514,9 @@ def test_disk_loads_auto_has_an_idle_replica_recompute_what_it_holds_only_on_dis
 
         assert sent(url, bodies[0])["kv_transfer_params"] == {"kv_load_tiers": [{"medium": "CPU"}]}
         assert 'kvtier_gateway_disk_recomputes_total{replica="R"} 1.0' in gw.metrics.render().decode()
-        own = {**chat(32, start=300), "kv_transfer_params": {"kv_load_tiers": [], "x": 1}}
+        own = {**bodies[3], "kv_transfer_params": {"kv_load_tiers": [], "x": 1}}        # on disk only too
         assert sent(url, own)["kv_transfer_params"] == {"kv_load_tiers": [], "x": 1}   # the client's choice
+        assert 'kvtier_gateway_disk_recomputes_total{replica="R"} 1.0' in gw.metrics.render().decode()
         other = {**bodies[1], "kv_transfer_params": {"x": 1}}
         assert sent(url, other)["kv_transfer_params"] == {"x": 1, "kv_load_tiers": [{"medium": "CPU"}]}
         gw.router.set_load("R", 8.0, 1)                                      # busy: its disk loads overlap

@@ -67,6 +67,21 @@ def test_policy_lru_write_through_demotion_promotion_by_hand() -> None:
     assert p.counts.misses == 5
 
 
+def test_policy_skip_disk_recomputes_and_leaves_disk_only_blocks_on_disk() -> None:
+    """access(skip_disk=True), as vLLM under kv_load_tiers CPU with kvtier's connector: the run
+    ends at the first disk-only block, nothing is promoted, and blocks held only on disk are
+    not stored in host again (the connector offers only what kvtier does not hold)."""
+    p = TierPolicy(1, 2, 4, demote_min_seen=1)
+    p.access([1, 2])
+    p.access([3, 4])                                   # 1 and 2 demoted: disk only
+    assert (list(p.tiers[HOST]), list(p.tiers[DISK])) == ([3, 4], [1, 2])
+    assert p.access([3, 1, 2, 5], skip_disk=True) == [HOST]
+    assert p.counts.promotions == 0
+    assert (list(p.tiers[HOST]), list(p.tiers[DISK])) == ([3, 5], [1, 2, 4])  # 5 stored (4 out), 1, 2 not
+    assert p.access([1, 2], skip_disk=False) == [DISK, DISK]              # as before: promoted
+    assert p.counts.promotions == 2 and set(p.tiers[HOST]) == {1, 2}
+
+
 def test_policy_seen_once_is_not_demoted_unless_threshold_is_one() -> None:
     for min_seen, expect in ((2, []), (1, [DISK])):
         p = TierPolicy(0, 1, 4, demote_min_seen=min_seen)
@@ -231,6 +246,9 @@ def test_disk_loads_auto_recomputes_on_an_idle_replica(disk_loads: str, hits: tu
     assert all(k in r0.tiers()[2] and k not in r0.tiers()[1] for k in bkeys([1, 2, 3, 4]))
     i, served, took = cluster.step(req(0, [1, 2, 3, 4, 5]))
     assert (i, served, took, cluster.disk_recomputes) == (0, hits, pytest.approx(ttft), recomputes)
+    # the router's load for r0 counts the recompute: all 5 blocks (always: 5 - 4 x 1/(1 + 2))
+    queued = {r.worker: r.load.queued_blocks for r in cluster.policy.router.route(bkeys([7]), dispatch=False, now=0.0).ranked}
+    assert queued["replica0"] == pytest.approx(5.0 if recomputes else 5 - 4 / 3)
 
 
 # -- command line ------------------------------------------------------------------------------

@@ -424,7 +424,7 @@ def test_daemon_down_means_misses_then_recovery(tmp_path) -> None:
             assert rd.batch_exists(keys) == 0
             assert rd.batch_get_v1(keys, host_indices([5, 6, 7])) == [False] * 3
             assert be.batch_set_v1(fresh, host_indices([0, 1, 2])) == [False] * 3
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 2.5  # one 1 s timeout would be 60 s here
         assert torch.equal(raw(dst), before)
         assert rd.get(keys[0]) is None and be.set(keys[0], src.get_data_page(0)) is False
         assert be.clear() is False

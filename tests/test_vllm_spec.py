@@ -26,9 +26,12 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
+    Locality,
     LookupResult,
     Medium,
     ReqContext,
+    TierFilter,
+    TierMatcher,
 )
 from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingCacheConfig,
@@ -227,6 +230,31 @@ def test_store_then_load_mid_chunk(start_daemon, mode: str) -> None:
         assert eng.rows([27]) == [bytes(LAYERS * PAGE)]
         # the same request never loads a chunk twice (a retry after a failed load recomputes)
         assert eng.manager.lookup(keys[1], ctx2) == LookupResult.MISS
+    finally:
+        eng.close()
+
+
+def test_a_requests_tier_filter_is_honoured(daemon) -> None:
+    """vLLM's per-request kv_load_tiers (ReqContext.load_tier_filter): kvtier's host is CPU,
+    LOCAL; a request that leaves it out gets misses, counted filtered_host, also for a chunk
+    whose store (bound for host) is still in flight; one that allows it, or no filter, hits."""
+    eng = Engine(daemon.socket)
+    try:
+        keys = offload_keys(2)
+        assert eng.store(keys[:1], [1], 1) == keys[:1]
+        assert eng.manager.prepare_store(keys[1:], eng.ctx).keys_to_store == keys[1:]  # in flight
+
+        def only(*matchers: TierMatcher) -> ReqContext:
+            return ReqContext(req_id="f", load_tier_filter=TierFilter(matchers=matchers))
+        hit, pending, miss = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+        assert [eng.manager.lookup(k, only(TierMatcher(medium=Medium.STORAGE))) for k in keys] == [miss, miss]
+        assert [eng.manager.lookup(k, only(TierMatcher(locality=Locality.REMOTE))) for k in keys] == [miss, miss]
+        assert [eng.manager.lookup(k, only()) for k in keys] == [miss, miss]                  # []: nothing
+        assert [eng.manager.lookup(k, only(TierMatcher(medium=Medium.CPU))) for k in keys] == [hit, pending]
+        assert [eng.manager.lookup(k, ReqContext(req_id="all")) for k in keys] == [hit, pending]
+        total = eng.manager.counts.total
+        assert total[("vllm:kvtier_lookup_chunks", ("filtered_host",))] == 6
+        assert total[("vllm:kvtier_lookup_chunks", ("hit_host",))] == 2
     finally:
         eng.close()
 

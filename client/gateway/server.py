@@ -46,7 +46,7 @@ from kvtier.client.gateway.tokenize import PromptError, PromptTokenizer
 from kvtier.client.gateway.usage import NULL_COUNTER, OutputCounter
 from kvtier.client.routing.recorder import RecordConfig, open_recorder
 from kvtier.client.routing.router import Router, RouterConfig
-from kvtier.client.routing.scoring import parse_disk_loads
+from kvtier.client.routing.scoring import Ranked, parse_disk_loads
 from kvtier.settings import (
     Settings,
     SettingsError,
@@ -78,8 +78,9 @@ CPU_ONLY = [{"medium": "CPU"}]
 
 
 def with_load_tiers(raw: bytes, tiers: list[dict]) -> bytes | None:
-    """The request body with ``kv_transfer_params.kv_load_tiers`` set to ``tiers``; None (leave
-    it as it is) when the client set its own ``kv_load_tiers`` or the body is not an object."""
+    """The request body with ``kv_transfer_params.kv_load_tiers`` set to ``tiers`` (the same
+    JSON value otherwise, written anew); None (leave it as it is) when the client set its own
+    ``kv_load_tiers`` or the body is not an object."""
     try:
         body = json.loads(raw)
     except ValueError:
@@ -89,10 +90,13 @@ def with_load_tiers(raw: bytes, tiers: list[dict]) -> bytes | None:
     params = body.get("kv_transfer_params")
     if params is None:
         params = {}
-    if not isinstance(params, dict) or "kv_load_tiers" in params:
+    if not isinstance(params, dict) or params.get("kv_load_tiers") is not None:  # (null: vLLM's "all")
         return None
     body["kv_transfer_params"] = {**params, "kv_load_tiers": tiers}
-    return json.dumps(body).encode()
+    try:
+        return json.dumps(body, allow_nan=False).encode()
+    except ValueError:  # a number JSON cannot write back (1e400 read as inf): leave the body alone
+        return None
 
 
 @dataclass(frozen=True)
@@ -513,17 +517,23 @@ class Gateway:
         headers = {k: v for k, v in (e.headers or {}).items() if k.lower() not in _HOP}
         return web.Response(status=e.status, body=e.body, headers=headers)
 
-    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list, bool]:
-        """Charge the chosen replica: (the router's decision id, its fetch hints, whether what
-        it holds only on disk is better recomputed: ``--disk-loads auto``)."""
+    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list, Ranked | None]:
+        """Charge the chosen replica: (the router's decision id, its fetch hints, and its
+        ranking when what it holds only on disk is better recomputed: ``--disk-loads auto``)."""
         self.policy.dispatched(name, keys, session)
         self.metrics.decisions.labels(name, self.cfg.policy).inc()
         self.metrics.in_flight.labels(name).inc()
         if self.router is None:
-            return 0, [], False
+            return 0, [], None
         d = self.router.route(keys, [name], dispatch=True, top_k=1)
         recompute = self.cfg.disk_loads == "auto" and bool(d.ranked) and self.router.recompute_disk(d.ranked[0])
-        return d.decision_id, d.fetch, recompute
+        return d.decision_id, d.fetch, d.ranked[0] if recompute else None
+
+    async def _recompute_disk(self, raw: bytes) -> bytes | None:
+        """``raw`` with kv_load_tiers CPU (:func:`with_load_tiers`; a long body off the loop)."""
+        if len(raw) <= INLINE_BODY_BYTES:
+            return with_load_tiers(raw, CPU_ONLY)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, with_load_tiers, raw, CPU_ONLY)
 
     def _ended(self, name: str, decision: int) -> None:
         self.policy.ended(name)
@@ -536,14 +546,16 @@ class Gateway:
         import aiohttp  # noqa: PLC0415
 
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        decision, hints, recompute_disk = self._dispatch(name, keys, session)
-        if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
-            await self.prefetcher.apply(hints)
-        if recompute_disk:  # an idle replica recomputes faster than its disk loads: only host loads
-            body = with_load_tiers(raw, CPU_ONLY)
+        decision, hints, recompute = self._dispatch(name, keys, session)
+        if recompute is not None:  # an idle replica recomputes faster than its disk loads: only host loads
+            body = await self._recompute_disk(raw)
             if body is not None:
                 raw = body
+                hints = []  # (they start past its own disk run, where vLLM now stops loading)
+                self.router.charge_recompute(decision, recompute)  # type: ignore[union-attr]
                 self.metrics.disk_recomputes.labels(name).inc()
+        if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
+            await self.prefetcher.apply(hints)
         try:
             up = await asyncio.wait_for(self._session.post(base + request.path_qs, data=raw, headers=headers),
                                         self.cfg.first_byte_timeout_s)

@@ -265,7 +265,7 @@ class SimulatedNode:
     def access(self, keys: list[bytes], now: float = 0.0, skip_disk: bool = False) -> tuple[int, int, int]:
         """Serve one request: blocks of its leading run found in gpu, host and disk (with
         ``skip_disk``: the run ends at its first block held only on disk, which is recomputed,
-        as vLLM does under ``kv_load_tiers`` CPU). Every block it used is then held
+        as vLLM does under ``kv_load_tiers`` CPU; ``TierPolicy.access``). Every block it used is then held
         (``TierPolicy.access``); the changes go to the feed."""
         policy = self._policy
         write_gbps = self._cfg.disk_write_gbps
@@ -277,15 +277,13 @@ class SimulatedNode:
             policy.disk_write_room = policy.disk_write_cap = int(self._credit // block_bytes)
             before = policy.counts.demotions
         if self._feed is None:
-            ranks = policy.access(keys)
+            ranks = policy.access(keys, skip_disk)
         else:
             fronts = {t: list(islice(policy.victims(t), 2 * len(keys) + 2)) for t in TIERS}
-            ranks = policy.access(keys)
+            ranks = policy.access(keys, skip_disk)
             self._publish(list(dict.fromkeys([*keys, *fronts[Tier.HOST]])), fronts)
         if write_gbps > 0:
             self._credit -= (policy.counts.demotions - before) * block_bytes
-        if skip_disk and Tier.DISK in ranks:
-            ranks = ranks[:ranks.index(Tier.DISK)]
         return ranks.count(Tier.GPU), ranks.count(Tier.HOST), ranks.count(Tier.DISK)
 
     def _publish(self, entering: list[bytes], fronts: dict[Tier, list[bytes]]) -> None:
@@ -459,8 +457,11 @@ class RouterPolicy(Policy):
         d = self.router.route(keys, now=now)
         self._last = d.decision_id
         self.pulled = (d.fetch[0].start, d.fetch[-1].end) if d.fetch else None
-        if self.disk_loads == "auto":  # as the gateway's --disk-loads auto
-            self.recompute_disk = self.router.recompute_disk(d.ranked[0])
+        if self.disk_loads == "auto":  # as the gateway's --disk-loads auto: no pulls (they lie past the
+            self.recompute_disk = self.router.recompute_disk(d.ranked[0])  # disk run), the work charged
+            if self.recompute_disk:
+                self.pulled = None
+                self.router.charge_recompute(d.decision_id, d.ranked[0])
         return self.replica[d.worker]  # type: ignore[index]
 
     def served(self, prefill_done_s: float, done_s: float) -> None:
