@@ -469,66 +469,6 @@ def test_fetch_hints_are_prefetched_into_the_chosen_replica_before_it_sees_the_r
     assert 'kvtier_gateway_prefetches_total{outcome="timeout"} 1.0' in gw.metrics.render().decode()
 
 
-def test_disk_loads_auto_has_an_idle_replica_recompute_what_it_holds_only_on_disk(loop, gateway, tmp_path) -> None:
-    """--disk-loads auto: the replica's kvtierd holds the prompt only on disk, which loads a block
-    slower than the GPU recomputes it (2 GB/s against 20k tokens/s of 128 KiB): sent to it while
-    it has no prefill queued, the request carries kv_load_tiers [CPU] (vLLM's filter: recompute
-    what is on disk); not while it is busy, not under --disk-loads always, and a client's own
-    kv_load_tiers is left as it is."""
-    from _demotions import demotions_over
-    from _wait import wait_for
-
-    from kvtier.client.engine.sidecar import Sidecar
-    from kvtier.client.testing.local_daemon import DaemonProcess
-    from kvtier.tiers.layout import Layout
-
-    d = DaemonProcess(str(tmp_path), "--node-id", "R", "--disk-dir", str(tmp_path / "disk"), "--disk-capacity",
-                      "64MiB", name="R", host_capacity="256KiB").start()
-    try:
-        seen: list = []
-        urls = {"R": f"http://127.0.0.1:{loop.serve(backend('R', seen))}"}
-        feeds = RouterConfig(daemons=(f"unix:{d.socket}",))
-        url, gw = gateway(urls, router=feeds, disk_loads="auto")
-        bodies = [chat(32, start=s) for s in (3, 100, 200, 300)]  # a dispatched prompt is in the replica's gpu
-        prompts = [gw.keys.keys(gw.tokenizer.chat(b)) for b in bodies]   # (speculated): one prompt per check
-        layout = Layout.flat(4096, 4)
-        with Sidecar(d.socket) as sc:
-            lid = sc.register_layout(layout)
-            for keys in prompts:
-                assert sc.put(lid, keys, [k * (4096 // len(k)) for k in keys], durable=True).durable == len(keys)
-            filler = [i.to_bytes(16, "big") for i in range(1, 129)]         # 512 KiB: the prompts leave host
-            sc.put(lid, filler, [f * 256 for f in filler])
-            demotions_over(sc)
-            assert {t for keys in prompts for t in sc.lookup(lid, keys)} == {"disk"}
-
-        def on_disk_only(router: Router, keys: list[bytes]) -> bool:
-            o = router.route(keys, dispatch=False).ranked[0].overlap
-            return (o.gpu, o.host, o.disk) == (0, 0, len(keys))
-        wait_for(lambda: all(on_disk_only(gw.router, k) for k in prompts), what="the prompts on R's disk only")
-        assert gw.router.disk_load_ratio("R") > 1
-
-        def sent(gw_url: str, payload: dict) -> dict:
-            status, _, _ = post(gw_url + "/v1/chat/completions", json.dumps(payload).encode())
-            assert status == 200
-            return json.loads(seen[-1][2])
-
-        assert sent(url, bodies[0])["kv_transfer_params"] == {"kv_load_tiers": [{"medium": "CPU"}]}
-        assert 'kvtier_gateway_disk_recomputes_total{replica="R"} 1.0' in gw.metrics.render().decode()
-        own = {**bodies[3], "kv_transfer_params": {"kv_load_tiers": [], "x": 1}}        # on disk only too
-        assert sent(url, own)["kv_transfer_params"] == {"kv_load_tiers": [], "x": 1}   # the client's choice
-        assert 'kvtier_gateway_disk_recomputes_total{replica="R"} 1.0' in gw.metrics.render().decode()
-        other = {**bodies[1], "kv_transfer_params": {"x": 1}}
-        assert sent(url, other)["kv_transfer_params"] == {"x": 1, "kv_load_tiers": [{"medium": "CPU"}]}
-        gw.router.set_load("R", 8.0, 1)                                      # busy: its disk loads overlap
-        assert sent(url, bodies[2]) == bodies[2] and seen[-1][2] == json.dumps(bodies[2]).encode()
-        url, gw = gateway(urls, router=feeds)                               # --disk-loads always (default)
-        wait_for(lambda: on_disk_only(gw.router, prompts[0]), what="the feed")
-        assert sent(url, bodies[0]) == bodies[0]
-        assert "kvtier_gateway_disk_recomputes_total{" not in gw.metrics.render().decode()
-    finally:
-        d.cleanup()
-
-
 # -- the engine test: two real vLLM replicas, each with its kvtierd, and the gateway ----------
 
 BLOCK, SESSIONS, TURNS, FIRST, PER_TURN, MAX_TOKENS = 32, 3, 3, 352, 40, 8

@@ -67,21 +67,6 @@ def test_policy_lru_write_through_demotion_promotion_by_hand() -> None:
     assert p.counts.misses == 5
 
 
-def test_policy_skip_disk_recomputes_and_leaves_disk_only_blocks_on_disk() -> None:
-    """access(skip_disk=True), as vLLM under kv_load_tiers CPU with kvtier's connector: the run
-    ends at the first disk-only block, nothing is promoted, and blocks held only on disk are
-    not stored in host again (the connector offers only what kvtier does not hold)."""
-    p = TierPolicy(1, 2, 4, demote_min_seen=1)
-    p.access([1, 2])
-    p.access([3, 4])                                   # 1 and 2 demoted: disk only
-    assert (list(p.tiers[HOST]), list(p.tiers[DISK])) == ([3, 4], [1, 2])
-    assert p.access([3, 1, 2, 5], skip_disk=True) == [HOST]
-    assert p.counts.promotions == 0
-    assert (list(p.tiers[HOST]), list(p.tiers[DISK])) == ([3, 5], [1, 2, 4])  # 5 stored (4 out), 1, 2 not
-    assert p.access([1, 2], skip_disk=False) == [DISK, DISK]              # as before: promoted
-    assert p.counts.promotions == 2 and set(p.tiers[HOST]) == {1, 2}
-
-
 def test_policy_seen_once_is_not_demoted_unless_threshold_is_one() -> None:
     for min_seen, expect in ((2, []), (1, [DISK])):
         p = TierPolicy(0, 1, 4, demote_min_seen=min_seen)
@@ -227,28 +212,6 @@ def test_a_tier_slower_than_recompute(loads: str, ttft: float) -> None:
     c = cfg(gpu_tokens=0, host_tokens=BIG, prefill_tps=4.0, kv_bytes_per_token=1e9, host_load_gbps=1.0, loads=loads)
     row = replay([req(0, [1]), req(10, [1])], c, "round-robin", 1)
     assert row.ttft_mean_s == pytest.approx((1.0 + ttft) / 2)
-
-
-@pytest.mark.parametrize("disk_loads, hits, ttft, recomputes", [("always", (0, 0, 4), 9.0, 0),
-                                                                  ("auto", (0, 0, 0), 5.0, 1)])
-def test_disk_loads_auto_recomputes_on_an_idle_replica(disk_loads: str, hits: tuple, ttft: float,
-                                                        recomputes: int) -> None:
-    """r0 holds [1,2,3,4] on disk only; a block computes in 1 s and loads from disk in 2 s (1e9 B at
-    0.5 GB/s: r = 2). kvtier sends [1,2,3,4,5] to idle r0 (the disk still saves it GPU time);
-    always: 4 disk loads then 1 block of compute (9 s); auto (the gateway's kv_load_tiers CPU):
-    all 5 computed (5 s), no hits, counted."""
-    c = cfg(gpu_tokens=4 * 2, host_tokens=4 * 2, disk_tokens=4 * 8, demote_min_seen=1, prefill_tps=4.0,
-            kv_bytes_per_token=2.5e8, disk_load_gbps=0.5, disk_loads=disk_loads)
-    cluster = Cluster(c, "kvtier", 2)
-    r0 = cluster.replicas[0].node
-    r0.access(bkeys([1, 2, 3, 4]))
-    r0.access(bkeys([9, 10, 11]))
-    assert all(k in r0.tiers()[2] and k not in r0.tiers()[1] for k in bkeys([1, 2, 3, 4]))
-    i, served, took = cluster.step(req(0, [1, 2, 3, 4, 5]))
-    assert (i, served, took, cluster.disk_recomputes) == (0, hits, pytest.approx(ttft), recomputes)
-    # the router's load for r0 counts the recompute: all 5 blocks (always: 5 - 4 x 1/(1 + 2))
-    queued = {r.worker: r.load.queued_blocks for r in cluster.policy.router.route(bkeys([7]), dispatch=False, now=0.0).ranked}
-    assert queued["replica0"] == pytest.approx(5.0 if recomputes else 5 - 4 / 3)
 
 
 # -- command line ------------------------------------------------------------------------------

@@ -107,39 +107,6 @@ def test_host_holder_wins_over_disk_holder_until_it_evicts(start_daemon, tmp_pat
             assert d.ranked[0].overlap == Overlap(0, 0, 32)
 
 
-def test_route_server_advises_an_idle_disk_holder_to_recompute(start_daemon, tmp_path) -> None:
-    """B holds the prompt only on disk. At the defaults (128 KiB a token, 20k tokens/s, 2 GB/s)
-    a disk block loads in 1.31x its recompute, so while B has no prefill queued the reply marks
-    it recompute_disk (the gateway's --disk-loads auto); once a dispatch queues work on B, not;
-    A, holding nothing on disk, never."""
-    keys = session_keys(7, 8)
-    a = start_daemon("--node-id", "A", name="A", host_capacity="1MiB")
-    b = start_daemon("--node-id", "B", "--disk-dir", str(tmp_path / "b-disk"), "--disk-capacity", "8MiB",
-                     name="B", host_capacity="64KiB")  # 16 slots of 4 KiB
-    with Sidecar(b.socket) as sb:
-        lb = sb.register_layout(LAYOUT)
-        assert sb.put(lb, keys, [k * (4096 // len(k)) for k in keys], durable=True).durable == 8
-        put(sb, lb, session_keys(8, 16))  # B's copies leave host: they stay on disk
-        assert sb.lookup(lb, keys) == ["disk"] * 8
-    proc, target = _route_server(tmp_path, {"A": a, "B": b}, "--pulls", "false")
-    try:
-        with grpc.insecure_channel(target) as ch:
-            stub = router_pb2_grpc.RouterStub(ch)
-
-            def route(dispatch: bool = False) -> dict:
-                reply = stub.Route(router_pb2.RouteRequest(keys=keys, dispatch=dispatch), timeout=5)
-                return {x.worker_id: x for x in reply.ranked}
-            wait_for(lambda: route()["B"].overlap.disk == 8, what="B's disk blocks in the index")
-            first = route(dispatch=True)
-            assert first["B"].recompute_disk and not first["A"].recompute_disk
-            assert first["B"].queued_blocks == 0
-            busy = route()
-            assert busy["B"].queued_blocks > 0 and not busy["B"].recompute_disk
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 def test_device_blocks_reported_by_a_sidecar_route_to_that_worker(three) -> None:
     keys = session_keys(2, 16)
     a = Sidecar(three["A"].socket)

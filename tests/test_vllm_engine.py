@@ -147,9 +147,9 @@ def test_disk_tier_identical_outputs(model_dir, workdir, baseline, tmp_path) -> 
 
 
 def test_kv_load_tiers_without_storage_recomputes_what_is_on_disk(model_dir, workdir, baseline, tmp_path) -> None:
-    """vLLM's per-request tier filter (kv_transfer_params kv_load_tiers, what kvtier's gateway
-    sends with --disk-loads auto): with only the CPU medium allowed, chunks on kvtier's disk
-    are misses (recomputed, counted filtered_disk), host chunks still load, outputs unchanged."""
+    """vLLM's per-request tier filter (kv_transfer_params kv_load_tiers, as a router may send
+    it): with only the CPU medium allowed, chunks on kvtier's disk are misses (recomputed,
+    counted filtered_disk), host chunks still load, outputs unchanged."""
     d = DaemonProcess(str(tmp_path), "--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "256MiB",
                       "--demote-min-seen", "1", host_capacity="1MiB", name="cpu-only").start()
     try:

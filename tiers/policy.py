@@ -304,21 +304,12 @@ class TierPolicy:
 
     # -- one engine request, as the replay models it ---------------------------------------
 
-    def access(self, keys: Sequence[Hashable], skip_disk: bool = False) -> list[Tier]:
+    def access(self, keys: Sequence[Hashable]) -> list[Tier]:
         """Apply one request that uses ``keys`` (in order); returns the leading run's tiers.
         Its leading run is served (disk hits are promoted); then every block of the request is
         written through into host and gpu (the engine offloads what it computes), each tier
-        evicting its least recently used blocks past its capacity. ``skip_disk``: the engine
-        loads no disk block (vLLM's ``kv_load_tiers`` without STORAGE): the run ends at its
-        first disk-only block, nothing is promoted, and the blocks held only on disk are not
-        written to host again (the connector offers only blocks kvtier does not hold)."""
+        evicting its least recently used blocks past its capacity."""
         ranks = self.leading_ranks(keys)
-        if skip_disk and DISK in ranks:
-            ranks = ranks[:ranks.index(DISK)]
-            host, disk = self.tiers[HOST], self.tiers[DISK]
-            keys_to_host = [k for k in keys if k in host or k not in disk]
-        else:
-            keys_to_host = keys
         c = self.counts
         for r in ranks:
             c.hits[r.rank] += 1
@@ -327,8 +318,8 @@ class TierPolicy:
         if promoted:
             c.promotions += len(promoted)
             self._touch(DISK, promoted)  # a hit is a use on disk too
-        self._write_through(HOST, keys_to_host, see=True)  # every key seen once more; before gpu, so
-        self._write_through(GPU, keys)                     # a block the gpu cannot keep is safe below
+        self._write_through(HOST, keys, see=True)  # every key seen once more; before gpu, so a
+        self._write_through(GPU, keys)             # block the gpu cannot keep is already safe in host
         return ranks
 
     # -- internals -------------------------------------------------------------------------

@@ -46,7 +46,6 @@ from kvtier.client.gateway.tokenize import PromptError, PromptTokenizer
 from kvtier.client.gateway.usage import NULL_COUNTER, OutputCounter
 from kvtier.client.routing.recorder import RecordConfig, open_recorder
 from kvtier.client.routing.router import Router, RouterConfig
-from kvtier.client.routing.scoring import Ranked, parse_disk_loads
 from kvtier.settings import (
     Settings,
     SettingsError,
@@ -71,32 +70,6 @@ core); larger ones in a thread pool."""
 
 REPLICA_HEADER = "X-Kvtier-Replica"
 """Response header naming the replica that answered (the body is the replica's, unchanged)."""
-
-
-CPU_ONLY = [{"medium": "CPU"}]
-"""``kv_load_tiers`` of a request whose disk-held blocks are to be recomputed (vLLM's filter)."""
-
-
-def with_load_tiers(raw: bytes, tiers: list[dict]) -> bytes | None:
-    """The request body with ``kv_transfer_params.kv_load_tiers`` set to ``tiers`` (the same
-    JSON value otherwise, written anew); None (leave it as it is) when the client set its own
-    ``kv_load_tiers`` or the body is not an object."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(body, dict):
-        return None
-    params = body.get("kv_transfer_params")
-    if params is None:
-        params = {}
-    if not isinstance(params, dict) or params.get("kv_load_tiers") is not None:  # (null: vLLM's "all")
-        return None
-    body["kv_transfer_params"] = {**params, "kv_load_tiers": tiers}
-    try:
-        return json.dumps(body, allow_nan=False).encode()
-    except ValueError:  # a number JSON cannot write back (1e400 read as inf): leave the body alone
-        return None
 
 
 @dataclass(frozen=True)
@@ -151,14 +124,6 @@ class GatewayConfig:
     prefetch: bool = setting(True, "apply the router's fetch hints (policy kvtier, --pulls): ask the chosen "
                                    "replica's kvtierd to fetch the hinted blocks from the peer that holds them "
                                    "before forwarding the request", parse_bool, "BOOL")
-    disk_loads: str = setting("always", "always: the replicas load every cached block they hold; auto: a request "
-                                        "sent to a replica with no prefill queued, whose disk loads a block "
-                                        "slower than the GPU recomputes it (the router's --disk-load-gbps or "
-                                        "the node's published rate, --prefill-tokens-per-s, --bytes-per-token), "
-                                        "carries kv_transfer_params kv_load_tiers [{\"medium\": \"CPU\"}] "
-                                        "(vLLM's per-request tier filter, which kvtier's connector honours): "
-                                        "what the replica holds only on disk is recomputed",
-                                  parse_disk_loads, "MODE")
     prefetch_timeout_s: float = setting(0.5, "longest wait for a fetch hint's prefetch (seconds); past it the "
                                              "request goes on and the engine recomputes what is missing",
                                         parse_float, "S")
@@ -253,9 +218,6 @@ class _Metrics:
         self.decisions = Counter("kvtier_gateway_decisions", "requests dispatched, by chosen replica and policy",
                                  ["replica", "policy"], registry=r)
         self.retries = Counter("kvtier_gateway_retries", "requests sent on to another replica", registry=r)
-        self.disk_recomputes = Counter("kvtier_gateway_disk_recomputes", "requests sent with kv_load_tiers CPU "
-                                       "(--disk-loads auto: the idle replica recomputes what it holds only on "
-                                       "disk), by replica", ["replica"], registry=r)
         self.ttft = Histogram("kvtier_gateway_ttft_seconds", "request arrival to the first body byte sent back",
                               ["replica"], buckets=buckets, registry=r)
         self.latency = Histogram("kvtier_gateway_latency_seconds", "request arrival to the last byte sent back",
@@ -517,23 +479,15 @@ class Gateway:
         headers = {k: v for k, v in (e.headers or {}).items() if k.lower() not in _HOP}
         return web.Response(status=e.status, body=e.body, headers=headers)
 
-    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list, Ranked | None]:
-        """Charge the chosen replica: (the router's decision id, its fetch hints, and its
-        ranking when what it holds only on disk is better recomputed: ``--disk-loads auto``)."""
+    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list]:
+        """Charge the chosen replica: (the router's decision id, its fetch hints)."""
         self.policy.dispatched(name, keys, session)
         self.metrics.decisions.labels(name, self.cfg.policy).inc()
         self.metrics.in_flight.labels(name).inc()
         if self.router is None:
-            return 0, [], None
+            return 0, []
         d = self.router.route(keys, [name], dispatch=True, top_k=1)
-        recompute = self.cfg.disk_loads == "auto" and bool(d.ranked) and self.router.recompute_disk(d.ranked[0])
-        return d.decision_id, d.fetch, d.ranked[0] if recompute else None
-
-    async def _recompute_disk(self, raw: bytes) -> bytes | None:
-        """``raw`` with kv_load_tiers CPU (:func:`with_load_tiers`; a long body off the loop)."""
-        if len(raw) <= INLINE_BODY_BYTES:
-            return with_load_tiers(raw, CPU_ONLY)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, with_load_tiers, raw, CPU_ONLY)
+        return d.decision_id, d.fetch
 
     def _ended(self, name: str, decision: int) -> None:
         self.policy.ended(name)
@@ -546,14 +500,7 @@ class Gateway:
         import aiohttp  # noqa: PLC0415
 
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        decision, hints, recompute = self._dispatch(name, keys, session)
-        if recompute is not None:  # an idle replica recomputes faster than its disk loads: only host loads
-            body = await self._recompute_disk(raw)
-            if body is not None:
-                raw = body
-                hints = []  # (they start past its own disk run, where vLLM now stops loading)
-                self.router.charge_recompute(decision, recompute)  # type: ignore[union-attr]
-                self.metrics.disk_recomputes.labels(name).inc()
+        decision, hints = self._dispatch(name, keys, session)
         if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
             await self.prefetcher.apply(hints)
         try:

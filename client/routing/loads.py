@@ -74,16 +74,6 @@ class Loads:
         self._add(worker, queued, 1.0)
         return did
 
-    def charge(self, decision_id: int, queued: float) -> bool:
-        """Add ``queued`` blocks to a dispatched request's prefill (it will compute more than
-        its dispatch counted); False when it is not dispatched or already prefilled."""
-        d = self._dispatched.get(decision_id)
-        if d is None or d[_PREFILLED]:
-            return False
-        d[_QUEUED] += queued
-        self._add(d[_WORKER], queued, 0.0)
-        return True
-
     def finish(self, decision_id: int, prefill_only: bool = False) -> bool:
         """The dispatched request's prefill is done (``prefill_only``) or it ended; False for
         an id not dispatched (or already finished)."""

@@ -257,8 +257,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             reply.ranked.add(worker_id=r.worker, node_id=node, cost=r.cost, saved_blocks=r.saved_blocks,
                              overlap=router_pb2.TierOverlap(gpu=r.overlap.gpu, host=r.overlap.host,
                                                             disk=r.overlap.disk, remote=r.overlap.remote),
-                             queued_blocks=r.load.queued_blocks, active_requests=r.load.active_requests,
-                             recompute_disk=self.router.recompute_disk(r))
+                             queued_blocks=r.load.queued_blocks, active_requests=r.load.active_requests)
         for h in d.fetch:
             reply.fetch.add(worker_id=h.worker, from_node=h.from_node, keys=h.keys, start=h.start, end=h.end)
         return reply

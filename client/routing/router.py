@@ -66,7 +66,6 @@ from kvtier.client.routing.scoring import (
 from kvtier.client.routing.vllm_events import VllmEvents, VllmSource, VllmStreamStatus, parse_vllm_events
 from kvtier.proto import locations_pb2
 from kvtier.settings import group, parse_bool, parse_float, parse_int, parse_list, setting
-from kvtier.tiers.vocab import Tier
 
 log = logging.getLogger("kvtier.router")
 
@@ -376,37 +375,6 @@ class Router:
                                plan.decide_workers(weights, digests))
         self._loads.align(names)
         return w
-
-    def _published_gbps(self, worker: str) -> dict[str, float]:
-        """The load bandwidths ``worker``'s node publishes (empty: none, or unknown worker)."""
-        w = self._workers()
-        node = w.nodes[w.names.index(worker)] if worker in w.names else ""
-        return self.index.nodes[node].load_gbps if node in self.index.nodes else {}
-
-    def disk_load_ratio(self, worker: str) -> float:
-        """Seconds to load a block from ``worker``'s disk tier over seconds to recompute it
-        (:meth:`Scorer.load_ratio`, at the disk bandwidth its node publishes, else the
-        configured default): above 1 an idle GPU recomputes faster than the disk loads."""
-        with self._lock:
-            return self.scorer.load_ratio(Tier.DISK, self._published_gbps(worker).get(Tier.DISK.label, 0.0))
-
-    def charge_recompute(self, decision_id: int, ranked: Ranked) -> bool:
-        """The dispatched request ``decision_id`` (on ``ranked``'s worker) recomputes what that
-        worker holds only on disk (:meth:`recompute_disk`): its queued prefill grows by what
-        the disk and remote blocks were counted to save, so later decisions see the work."""
-        with self._lock:
-            o = ranked.overlap
-            w_host = self.scorer.tier_weight(Tier.HOST, self._published_gbps(ranked.worker).get(Tier.HOST.label, 0.0))
-            extra = ranked.saved_blocks - (o.gpu + w_host * (o.host - o.gpu))
-            return extra > 0 and self._loads.charge(decision_id, extra)
-
-    def recompute_disk(self, ranked: Ranked) -> bool:
-        """Whether ``ranked``'s worker (a decision's entry: its load before the request) is
-        better off recomputing what it holds of the prompt only on disk than loading it (the
-        gateway's ``--disk-loads auto``): no prefill queued, part of the prompt only on disk,
-        and a disk slower than its recompute (:meth:`disk_load_ratio` > 1)."""
-        return (ranked.load.queued_blocks <= 0 and ranked.overlap.disk > ranked.overlap.host
-                and self.disk_load_ratio(ranked.worker) > 1.0)
 
     def add_worker(self, name: str) -> None:
         """A worker no daemon publishes (yet), e.g. a gateway's static replica: it holds nothing

@@ -60,17 +60,6 @@ def parse_loads(text: str) -> str:
     return text
 
 
-DISK_LOADS = ("always", "auto")
-"""The gateway's ``--disk-loads`` (and the replay's): whether an idle replica whose disk loads
-slower than it recomputes is told to recompute what it holds only on disk (auto)."""
-
-
-def parse_disk_loads(text: str) -> str:
-    if text not in DISK_LOADS:
-        raise ValueError(f"{text!r}: not one of {', '.join(DISK_LOADS)}")
-    return text
-
-
 @dataclass(frozen=True)
 class ScorerConfig:
     """Knobs of the cost (each also a ``kvtier route-server`` setting). Bandwidths are 10^9
@@ -180,19 +169,11 @@ class Scorer:
         c = self.config
         if tier == Tier.REMOTE and not self.pulls:
             return 0.0
-        r = self.load_ratio(tier, load_gbps)
-        if r == float("inf"):
-            return 0.0
-        return 1.0 / (1.0 + r) if c.loads == "async" else max(0.0, 1.0 - r)
-
-    def load_ratio(self, tier: Tier, load_gbps: float = 0.0) -> float:
-        """``r_t``: seconds to load a block from ``tier`` over seconds to recompute it, at
-        ``load_gbps`` (0: the configured default for the tier); inf where nothing loads."""
-        c = self.config
         bw = load_gbps or {Tier.HOST: c.host_load_gbps, Tier.DISK: c.disk_load_gbps}.get(tier, c.remote_load_gbps)
         if bw <= 0:
-            return float("inf")
-        return c.bytes_per_token * c.prefill_tokens_per_s / (bw * 1e9)
+            return 0.0
+        r = c.bytes_per_token * c.prefill_tokens_per_s / (bw * 1e9)  # load time / recompute time
+        return 1.0 / (1.0 + r) if c.loads == "async" else max(0.0, 1.0 - r)
 
     def weights(self, load_gbps: Sequence[Mapping[str, float]]) -> np.ndarray:
         """The (4, workers) weights of :meth:`costs`: ``1 - w_host``, ``w_host - w_disk``,

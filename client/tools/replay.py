@@ -89,7 +89,7 @@ import numpy as np
 
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
-from kvtier.client.routing.scoring import DISK_LOADS, LOAD_MODES, ScorerConfig
+from kvtier.client.routing.scoring import LOAD_MODES, ScorerConfig
 from kvtier.proto import locations_pb2 as L
 from kvtier.tiers.policy import TierPolicy
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
@@ -168,7 +168,6 @@ class ReplayConfig:
     queued_weight: float = _SCORER.queued_weight              # the kvtier policy's load weights (a, b)
     active_weight: float = _SCORER.active_weight
     loads: str = _SCORER.loads                                # async: beside the prefill; serial: holding it
-    disk_loads: str = "always"  # kvtier's policies: auto = the gateway's --disk-loads auto (idle: recompute disk)
     seed: int = 0
     peer_gbps: float = 0.0      # another replica's host/disk -> this GPU, 10^9 B/s (0: no peers, no remote tier)
     rate_scale: float = 1.0     # arrival times were divided by this (recorded; main applies it)
@@ -220,7 +219,6 @@ class Row:
     demotions: int = 0
     promotions: int = 0
     remote_hit_rate: float | None = None  # blocks pulled from another replica's host or disk / blocks (in hit_rate)
-    disk_recomputes: int = 0  # requests sent with kv_load_tiers CPU (--disk-loads auto): their disk blocks recomputed
 
 
 # -- the simulated nodes -----------------------------------------------------------------------
@@ -262,11 +260,9 @@ class SimulatedNode:
             feed(L.WatchLocationsReply(epoch=1, node=info))
             feed(L.WatchLocationsReply(epoch=1, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)))
 
-    def access(self, keys: list[bytes], now: float = 0.0, skip_disk: bool = False) -> tuple[int, int, int]:
-        """Serve one request: blocks of its leading run found in gpu, host and disk (with
-        ``skip_disk``: the run ends at its first block held only on disk, which is recomputed,
-        as vLLM does under ``kv_load_tiers`` CPU; ``TierPolicy.access``). Every block it used is then held
-        (``TierPolicy.access``); the changes go to the feed."""
+    def access(self, keys: list[bytes], now: float = 0.0) -> tuple[int, int, int]:
+        """Serve one request: blocks of its leading run found in gpu, host and disk. Every
+        block it used is then held (``TierPolicy.access``); the changes go to the feed."""
         policy = self._policy
         write_gbps = self._cfg.disk_write_gbps
         if write_gbps > 0:  # the disk writes at its bandwidth (a token bucket); demotions beyond it are dropped
@@ -277,10 +273,10 @@ class SimulatedNode:
             policy.disk_write_room = policy.disk_write_cap = int(self._credit // block_bytes)
             before = policy.counts.demotions
         if self._feed is None:
-            ranks = policy.access(keys, skip_disk)
+            ranks = policy.access(keys)
         else:
             fronts = {t: list(islice(policy.victims(t), 2 * len(keys) + 2)) for t in TIERS}
-            ranks = policy.access(keys, skip_disk)
+            ranks = policy.access(keys)
             self._publish(list(dict.fromkeys([*keys, *fronts[Tier.HOST]])), fronts)
         if write_gbps > 0:
             self._credit -= (policy.counts.demotions - before) * block_bytes
@@ -351,7 +347,6 @@ class Policy:
 
     follows_feeds = False
     pulled: tuple[int, int] | None = None  # keys [i, j) of the last choice to fetch from peers first
-    recompute_disk = False  # the last choice's replica recomputes what it holds only on disk
 
     def choose(self, req: Request, keys: list[bytes], now: float, reps: list[Replica]) -> int:
         raise NotImplementedError
@@ -442,7 +437,6 @@ class RouterPolicy(Policy):
                                           new_session_share=cfg.new_session_share,
                                           session_halflife_s=cfg.session_halflife_s))
         self.replica = {f"replica{i}": i for i in range(n)}
-        self.disk_loads = cfg.disk_loads
         self._finishes: list[tuple[float, int, bool]] = []  # heap of (at, decision id, prefill only)
         self._last = 0
 
@@ -457,11 +451,6 @@ class RouterPolicy(Policy):
         d = self.router.route(keys, now=now)
         self._last = d.decision_id
         self.pulled = (d.fetch[0].start, d.fetch[-1].end) if d.fetch else None
-        if self.disk_loads == "auto":  # as the gateway's --disk-loads auto: no pulls (they lie past the
-            self.recompute_disk = self.router.recompute_disk(d.ranked[0])  # disk run), the work charged
-            if self.recompute_disk:
-                self.pulled = None
-                self.router.charge_recompute(d.decision_id, d.ranked[0])
         return self.replica[d.worker]  # type: ignore[index]
 
     def served(self, prefill_done_s: float, done_s: float) -> None:
@@ -509,7 +498,6 @@ class Cluster:
         self.replicas = [Replica(cfg, i, feed_of(i)) for i in range(n)]
         self._load_s = [cfg.block_load_s(t) for t in (*TIERS, Tier.REMOTE)]
         self.remote_hits = 0  # blocks served from peers so far
-        self.disk_recomputes = 0  # requests whose replica recomputed what it held only on disk
 
     def _pulled(self, i: int, keys: list[bytes], own: int) -> int:
         """Blocks the chosen replica ``i`` fetches from peers: the fetch hint's keys [a, b),
@@ -534,10 +522,7 @@ class Cluster:
         keys = [block_key(h) for h in req.keys]
         i = self.policy.choose(req, keys, now, reps) if len(reps) > 1 else 0
         rep = reps[i]
-        skip = self.policy.recompute_disk
-        hits = rep.node.access(keys, now, skip)  # every key is held by rep from now on: pulled ones too
-        if skip:
-            self.disk_recomputes += 1
+        hits = rep.node.access(keys, now)  # every key is held by rep from now on: pulled ones too
         remote = self._pulled(i, keys, sum(hits)) if self.policy.pulled else 0
         self.remote_hits += remote
         computed = req.input_tokens - min((sum(hits) + remote) * cfg.block_tokens, req.input_tokens)
@@ -591,8 +576,7 @@ def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas
             progress(256)
     if progress is not None:
         progress(len(requests) % 256)
-    return replace(_row(policy, cluster.replicas, requests, hits, saved_tokens, ttft, cluster.remote_hits),
-                   disk_recomputes=cluster.disk_recomputes)
+    return _row(policy, cluster.replicas, requests, hits, saved_tokens, ttft, cluster.remote_hits)
 
 
 def pooled(requests: Sequence[Request], cfg: ReplayConfig, replicas: Sequence[int],
@@ -880,11 +864,6 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                     help="how the engine loads cached blocks: async (vLLM's offloading connector: the gpu "
                          "prefills other requests while a request's blocks load) or serial (the load holds the "
                          "gpu; a block slower to load than to recompute is recomputed) [%(default)s]")
-    ap.add_argument("--disk-loads", choices=DISK_LOADS, default=d.disk_loads,
-                    help="kvtier policies: always (every held block loads) or auto (the gateway's --disk-loads "
-                         "auto: a request routed to a replica with no prefill queued, whose disk loads slower "
-                         "than it recomputes, recomputes the blocks from the first one held only on disk; "
-                         "counted disk_recomputes, and not hits) [%(default)s]")
     ap.add_argument("--queued-weight", type=float, default=d.queued_weight,
                     help="kvtier policy: cost per queued prefill block [%(default)s]")
     ap.add_argument("--active-weight", type=float, default=d.active_weight,
@@ -924,8 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, kv_bytes_per_token=args.kv_bytes_per_token,
                   host_load_gbps=args.host_load_gbps, disk_load_gbps=args.disk_load_gbps,
                   queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed,
-                  peer_gbps=args.peer_gbps, rate_scale=args.rate_scale, loads=args.loads, disk_loads=args.disk_loads,
-                  new_session_spread=args.new_session_spread,
+                  peer_gbps=args.peer_gbps, rate_scale=args.rate_scale, loads=args.loads, new_session_spread=args.new_session_spread,
                   new_session_share=args.new_session_share, session_halflife_s=args.session_halflife_s)
     if args.peer_gbps < 0:
         ap.error("--peer-gbps must be >= 0 (0: no peers)")

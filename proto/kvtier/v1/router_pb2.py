@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/router.proto\x12\tkvtier.v1\"3\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0btenant_salt\x18\x02 \x01(\t\"\xa7\x01\n\x0cRouteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\tnamespace\x18\x03 \x01(\x0b\x32\x18.kvtier.v1.NamespaceSpec\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\x05\x12\x12\n\ncandidates\x18\x05 \x03(\t\x12\x10\n\x08\x64ispatch\x18\x06 \x01(\x08\x12\r\n\x05top_k\x18\x07 \x01(\r\"F\n\x0bTierOverlap\x12\x0b\n\x03gpu\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\r\x12\x0c\n\x04\x64isk\x18\x03 \x01(\r\x12\x0e\n\x06remote\x18\x04 \x01(\r\"\xc7\x01\n\x0cRankedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04\x63ost\x18\x03 \x01(\x01\x12\x14\n\x0csaved_blocks\x18\x04 \x01(\x01\x12\'\n\x07overlap\x18\x05 \x01(\x0b\x32\x16.kvtier.v1.TierOverlap\x12\x15\n\rqueued_blocks\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63tive_requests\x18\x07 \x01(\x01\x12\x16\n\x0erecompute_disk\x18\x08 \x01(\x08\"\x81\x01\n\nRouteReply\x12\'\n\x06ranked\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.RankedWorker\x12\x10\n\x08n_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\x04\x12#\n\x05\x66\x65tch\x18\x04 \x03(\x0b\x32\x14.kvtier.v1.FetchHint\"[\n\tFetchHint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tfrom_node\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0b\n\x03\x65nd\x18\x05 \x01(\r\":\n\rFinishRequest\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\x04\x12\x14\n\x0cprefill_only\x18\x02 \x01(\x08\"\x1c\n\x0b\x46inishReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13RouterStatusRequest\"\xbc\x01\n\tFeedState\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x10\n\x08head_seq\x18\x06 \x01(\x04\x12\x11\n\tsnapshots\x18\x07 \x01(\x04\x12\x0f\n\x07resumes\x18\x08 \x01(\x04\x12\x15\n\repoch_changes\x18\t \x01(\x04\x12\x12\n\nlast_error\x18\n \x01(\t\"\x92\x01\n\x11RouterStatusReply\x12#\n\x05\x66\x65\x65\x64s\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.FeedState\x12\x14\n\x0cindexed_keys\x18\x02 \x01(\x04\x12\x0f\n\x07workers\x18\x03 \x03(\t\x12\x19\n\x11recorded_requests\x18\x64 \x01(\x04\x12\x16\n\x0erecord_dropped\x18\x65 \x01(\x04\x32\xc5\x01\n\x06Router\x12\x37\n\x05Route\x12\x17.kvtier.v1.RouteRequest\x1a\x15.kvtier.v1.RouteReply\x12:\n\x06\x46inish\x12\x18.kvtier.v1.FinishRequest\x1a\x16.kvtier.v1.FinishReply\x12\x46\n\x06Status\x12\x1e.kvtier.v1.RouterStatusRequest\x1a\x1c.kvtier.v1.RouterStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/router.proto\x12\tkvtier.v1\"3\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0btenant_salt\x18\x02 \x01(\t\"\xa7\x01\n\x0cRouteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\tnamespace\x18\x03 \x01(\x0b\x32\x18.kvtier.v1.NamespaceSpec\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\x05\x12\x12\n\ncandidates\x18\x05 \x03(\t\x12\x10\n\x08\x64ispatch\x18\x06 \x01(\x08\x12\r\n\x05top_k\x18\x07 \x01(\r\"F\n\x0bTierOverlap\x12\x0b\n\x03gpu\x18\x01 \x01(\r\x12\x0c\n\x04host\x18\x02 \x01(\r\x12\x0c\n\x04\x64isk\x18\x03 \x01(\r\x12\x0e\n\x06remote\x18\x04 \x01(\r\"\xaf\x01\n\x0cRankedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04\x63ost\x18\x03 \x01(\x01\x12\x14\n\x0csaved_blocks\x18\x04 \x01(\x01\x12\'\n\x07overlap\x18\x05 \x01(\x0b\x32\x16.kvtier.v1.TierOverlap\x12\x15\n\rqueued_blocks\x18\x06 \x01(\x01\x12\x17\n\x0f\x61\x63tive_requests\x18\x07 \x01(\x01\"\x81\x01\n\nRouteReply\x12\'\n\x06ranked\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.RankedWorker\x12\x10\n\x08n_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\x04\x12#\n\x05\x66\x65tch\x18\x04 \x03(\x0b\x32\x14.kvtier.v1.FetchHint\"[\n\tFetchHint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tfrom_node\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0b\n\x03\x65nd\x18\x05 \x01(\r\":\n\rFinishRequest\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\x04\x12\x14\n\x0cprefill_only\x18\x02 \x01(\x08\"\x1c\n\x0b\x46inishReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13RouterStatusRequest\"\xbc\x01\n\tFeedState\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x10\n\x08head_seq\x18\x06 \x01(\x04\x12\x11\n\tsnapshots\x18\x07 \x01(\x04\x12\x0f\n\x07resumes\x18\x08 \x01(\x04\x12\x15\n\repoch_changes\x18\t \x01(\x04\x12\x12\n\nlast_error\x18\n \x01(\t\"\x92\x01\n\x11RouterStatusReply\x12#\n\x05\x66\x65\x65\x64s\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.FeedState\x12\x14\n\x0cindexed_keys\x18\x02 \x01(\x04\x12\x0f\n\x07workers\x18\x03 \x03(\t\x12\x19\n\x11recorded_requests\x18\x64 \x01(\x04\x12\x16\n\x0erecord_dropped\x18\x65 \x01(\x04\x32\xc5\x01\n\x06Router\x12\x37\n\x05Route\x12\x17.kvtier.v1.RouteRequest\x1a\x15.kvtier.v1.RouteReply\x12:\n\x06\x46inish\x12\x18.kvtier.v1.FinishRequest\x1a\x16.kvtier.v1.FinishReply\x12\x46\n\x06Status\x12\x1e.kvtier.v1.RouterStatusRequest\x1a\x1c.kvtier.v1.RouterStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIEROVERLAP']._serialized_start=260
   _globals['_TIEROVERLAP']._serialized_end=330
   _globals['_RANKEDWORKER']._serialized_start=333
-  _globals['_RANKEDWORKER']._serialized_end=532
-  _globals['_ROUTEREPLY']._serialized_start=535
-  _globals['_ROUTEREPLY']._serialized_end=664
-  _globals['_FETCHHINT']._serialized_start=666
-  _globals['_FETCHHINT']._serialized_end=757
-  _globals['_FINISHREQUEST']._serialized_start=759
-  _globals['_FINISHREQUEST']._serialized_end=817
-  _globals['_FINISHREPLY']._serialized_start=819
-  _globals['_FINISHREPLY']._serialized_end=847
-  _globals['_ROUTERSTATUSREQUEST']._serialized_start=849
-  _globals['_ROUTERSTATUSREQUEST']._serialized_end=870
-  _globals['_FEEDSTATE']._serialized_start=873
-  _globals['_FEEDSTATE']._serialized_end=1061
-  _globals['_ROUTERSTATUSREPLY']._serialized_start=1064
-  _globals['_ROUTERSTATUSREPLY']._serialized_end=1210
-  _globals['_ROUTER']._serialized_start=1213
-  _globals['_ROUTER']._serialized_end=1410
+  _globals['_RANKEDWORKER']._serialized_end=508
+  _globals['_ROUTEREPLY']._serialized_start=511
+  _globals['_ROUTEREPLY']._serialized_end=640
+  _globals['_FETCHHINT']._serialized_start=642
+  _globals['_FETCHHINT']._serialized_end=733
+  _globals['_FINISHREQUEST']._serialized_start=735
+  _globals['_FINISHREQUEST']._serialized_end=793
+  _globals['_FINISHREPLY']._serialized_start=795
+  _globals['_FINISHREPLY']._serialized_end=823
+  _globals['_ROUTERSTATUSREQUEST']._serialized_start=825
+  _globals['_ROUTERSTATUSREQUEST']._serialized_end=846
+  _globals['_FEEDSTATE']._serialized_start=849
+  _globals['_FEEDSTATE']._serialized_end=1037
+  _globals['_ROUTERSTATUSREPLY']._serialized_start=1040
+  _globals['_ROUTERSTATUSREPLY']._serialized_end=1186
+  _globals['_ROUTER']._serialized_start=1189
+  _globals['_ROUTER']._serialized_end=1386
 # @@protoc_insertion_point(module_scope)

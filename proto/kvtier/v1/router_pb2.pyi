@@ -45,7 +45,7 @@ class TierOverlap(_message.Message):
     def __init__(self, gpu: _Optional[int] = ..., host: _Optional[int] = ..., disk: _Optional[int] = ..., remote: _Optional[int] = ...) -> None: ...
 
 class RankedWorker(_message.Message):
-    __slots__ = ("worker_id", "node_id", "cost", "saved_blocks", "overlap", "queued_blocks", "active_requests", "recompute_disk")
+    __slots__ = ("worker_id", "node_id", "cost", "saved_blocks", "overlap", "queued_blocks", "active_requests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
@@ -53,7 +53,6 @@ class RankedWorker(_message.Message):
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     QUEUED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    RECOMPUTE_DISK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     node_id: str
     cost: float
@@ -61,8 +60,7 @@ class RankedWorker(_message.Message):
     overlap: TierOverlap
     queued_blocks: float
     active_requests: float
-    recompute_disk: bool
-    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., cost: _Optional[float] = ..., saved_blocks: _Optional[float] = ..., overlap: _Optional[_Union[TierOverlap, _Mapping]] = ..., queued_blocks: _Optional[float] = ..., active_requests: _Optional[float] = ..., recompute_disk: _Optional[bool] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., cost: _Optional[float] = ..., saved_blocks: _Optional[float] = ..., overlap: _Optional[_Union[TierOverlap, _Mapping]] = ..., queued_blocks: _Optional[float] = ..., active_requests: _Optional[float] = ...) -> None: ...
 
 class RouteReply(_message.Message):
     __slots__ = ("ranked", "n_blocks", "decision_id", "fetch")
