@@ -513,10 +513,17 @@ class KvtierOffloadingManager(OffloadingManager):
             self.daemon.failed(sc, e)
             return "unavailable"
 
+    def _excluded(self, tier: str, req_context: ReqContext) -> bool:
+        """Whether the request's kv_load_tiers leaves kvtier's ``tier`` (host, disk) out: then
+        the chunk is a miss and vLLM recomputes it (counted ``filtered_<tier>``)."""
+        if req_context.load_tier_filter.allows(_MEDIA[tier], Locality.LOCAL):
+            return False
+        self.counts.add(M_LOOKUPS, 1, f"filtered_{tier}")
+        return True
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self.pending:
-            if not req_context.load_tier_filter.allows(Medium.CPU, Locality.LOCAL):  # (it is bound for host)
-                self.counts.add(M_LOOKUPS, 1, "filtered_host")
+            if self._excluded("host", req_context):  # (its store is bound for host)
                 return LookupResult.MISS
             self.counts.add(M_LOOKUPS, 1, "pending")
             return LookupResult.HIT_PENDING
@@ -528,11 +535,9 @@ class KvtierOffloadingManager(OffloadingManager):
             self.counts.add(M_LOOKUPS, 1, "retry")
             return LookupResult.MISS
         tier = self._tier_or_down(key)
-        if tier in ("host", "disk") and not req_context.load_tier_filter.allows(_MEDIA[tier], Locality.LOCAL):
-            # the request's kv_load_tiers leaves this tier out: a miss, and vLLM recomputes
-            self.counts.add(M_LOOKUPS, 1, f"filtered_{tier}")
-            return LookupResult.MISS
-        if tier in ("host", "disk"):
+        if tier in _MEDIA:
+            if self._excluded(tier, req_context):
+                return LookupResult.MISS
             self.counts.add(M_LOOKUPS, 1, f"hit_{tier}")
             state.tiers[bytes(key)] = tier
             return LookupResult.HIT

@@ -430,7 +430,7 @@ class Placement:
         writing = sum(e.cls.slot_bytes for e, d in zip(entries, plan.entries, strict=True) if d)
         self._writing_bytes += writing
         try:
-            visible = await self._write_planned(plan, srcs)
+            visible = await self._finish_planned(plan, self._submit_planned(plan, srcs))
         finally:
             self._writing_bytes -= writing
             for v in srcs:
@@ -458,11 +458,6 @@ class Placement:
         if skipped and not disk.degraded:
             self.counters.add(Count.DISK_NO_SPACE, skipped)
         return plan
-
-    async def _write_planned(self, plan: WritePlan, srcs: list[memoryview]) -> list[bytes]:
-        """Write a plan (one page-aligned source per item, kept intact until this returns) and
-        index it; returns the keys that became visible on disk."""
-        return await self._finish_planned(plan, self._submit_planned(plan, srcs))
 
     def _submit_planned(self, plan: WritePlan, srcs: list[memoryview]) -> Future[None] | None:
         """Submit a plan's writes (one source per item; those not planned are left out); None:
