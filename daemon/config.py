@@ -263,6 +263,11 @@ class Config:
                                                  "write queue (demotions being written) holds less than this "
                                                  "many bytes; beyond it only blocks seen --demote-min-seen "
                                                  "times are (0: always only those, as 0.1 did)", parse_size, "SIZE")
+    demote_ahead_bytes: int = _opt(128 * 1024**2, "write the host's least recently used blocks within this many "
+                                                  "bytes of eviction to disk before they are evicted, while the "
+                                                  "write queue (--demote-queue-bytes) has room: their eviction then "
+                                                  "frees the slot at once, without a copy or a wait (at most a "
+                                                  "quarter of --host-capacity; 0: off)", parse_size, "SIZE")
     # -- end of disk admission --
     # -- shared store: transport, second backend (issue 13) --
     store_tls_cert: str = _opt("", "client certificate (PEM) for mutual TLS to the store (Redis tls-auth-clients); "

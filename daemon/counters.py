@@ -150,6 +150,7 @@ class Count(enum.Enum):
     # -- background demotions (issue 15) --
     DEMOTIONS_STAGED = "demotions_staged"            # host victims copied out to be written in the background
     DEMOTIONS_STAGED_OVER = "demotions_staged_over"  # of those, writes over (written, dropped or failed)
+    DEMOTIONS_AHEAD = "demotions_ahead"              # host blocks near eviction written to disk ahead of it
     # -- end of background demotions --
 
 #: the tiers evictions are counted in (the gpu tier is the engines': they evict their own)

@@ -54,6 +54,7 @@ HOST, DISK = Tier.HOST, Tier.DISK
 
 INGEST_INLINE_BYTES = 4 * 1024**2  # (issue 13) ingest batches above this copy on threads
 INGEST_THREADS = 2
+AHEAD_SCAN = 1024  # (issue 15) blocks of the host's eviction end a write-ahead batch looks at, at most
 _INGEST_POOL: ThreadPoolExecutor | None = None
 
 
@@ -169,6 +170,12 @@ class Placement:
         self._staging = _StagingBuffers()
         self._stage_queue: list[_Staged] = []  # copied, not yet submitted (a staged write is in flight)
         self._staged_writes: set[asyncio.Task] = set()
+        # write-ahead (issue 15): the host's least recently used blocks within this many bytes of
+        # eviction are written to disk before they are evicted, from their slots (pinned meanwhile,
+        # no copy), while the write queue has room; their eviction then frees the slot at once
+        self.demote_ahead_bytes = 0
+        self._ahead: asyncio.Task | None = None
+        self._stopping = False  # drain or close: no new write-ahead
         self._closed = False
         self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
         if disk is not None:
@@ -214,7 +221,93 @@ class Placement:
                 self._tell_write_room(res.victims)
                 await self._host_evicted(res.victims, background)
             self.host.finish_eviction()
+            if res.victims and background:  # (the window moved; a promotion's: once it is over)
+                self._write_ahead_soon()
         return await self._back(res)
+
+    # -- write-ahead -----------------------------------------------------------------------
+
+    def ahead_window(self) -> int:
+        """The bytes at the host's eviction end kept written to disk ahead of eviction:
+        ``demote_ahead_bytes``, at most a quarter of the host capacity."""
+        return min(self.demote_ahead_bytes, self.host.capacity // 4)
+
+    def _write_ahead_soon(self) -> None:
+        """Start the write-ahead task with its first batch, taken now (unless it runs: it looks
+        again after each batch)."""
+        if self._ahead is not None or not self.demote_ahead_bytes:
+            return
+        disk = self.disk
+        if disk is None or disk.degraded or self._stopping or not self.demote_queue_bytes:
+            return
+        batch = self._next_ahead()
+        if batch:
+            self._ahead = asyncio.ensure_future(self._write_ahead(batch))
+
+    def _next_ahead(self) -> list[HostEntry]:
+        """The next write-ahead batch (see :meth:`_ahead_batch`), pinned and counted as queued
+        for a background disk write (``demotions_staged``), in the loop step that took it."""
+        limit = self.demote_queue_bytes
+        batch = self._ahead_batch(limit - self._writing_bytes, limit // 2)
+        for e in batch:
+            self.host.pin(e)
+        self.counters.add(Count.DEMOTIONS_STAGED, len(batch))
+        return batch
+
+    def _ahead_batch(self, room: int, batch: int) -> list[HostEntry]:
+        """The policy's write-ahead rule (:meth:`TierPolicy.ahead`) in bytes: while host has less
+        free memory than the window, the blocks within the window's bytes of the eviction end
+        (the policy's victim order) that are not on disk and not pinned (in use), in order; up
+        to ``batch`` bytes (at least one block) and never more than ``room``."""
+        disk, host = self.disk, self.host
+        assert disk is not None
+        window = self.ahead_window()
+        if host.capacity - host.used_bytes >= window:
+            return []
+        seen = total = scanned = 0
+        out: list[HostEntry] = []
+        for bkey in self.policy.victims(HOST):
+            e = host.get(bkey)
+            if e is None:
+                continue  # hidden meanwhile (a victim not popped yet)
+            sb = e.cls.slot_bytes
+            seen += sb
+            scanned += 1
+            if seen > window or scanned > AHEAD_SCAN:
+                break
+            if bkey in disk.entries or e.pins:
+                continue
+            if total + sb > room or (out and total + sb > batch):
+                break
+            out.append(e)
+            total += sb
+        return out
+
+    async def _write_ahead(self, batch: list[HostEntry]) -> None:
+        """Write the window's unwritten blocks to disk, a batch of up to half the write queue's
+        room at a time, while the queue has room; the blocks stay in host (pinned while
+        written: an eviction passes over them) and are on disk too afterwards. The next batch
+        is taken in the loop step the last one ends in (no gap a Stats reply could fall in)."""
+        disk = self.disk
+        assert disk is not None
+        try:
+            while batch:
+                try:
+                    n = await self.write_to_disk(batch)
+                    self.counters.add(Count.DEMOTIONS_AHEAD, n)
+                    self.counters.add(Count.DEMOTIONS, n)
+                finally:
+                    for e in batch:
+                        self.host.unpin(e)
+                    self.counters.add(Count.DEMOTIONS_STAGED_OVER, len(batch))
+                    batch = []
+                if self._stopping or disk.degraded:
+                    break  # (the next put that evicts, or promotion, starts it again)
+                batch = self._next_ahead()
+        except Exception as e:  # noqa: BLE001 (nobody awaits this task: say it here)
+            log.error("write-ahead to disk failed", extra={"error": repr(e)})
+        finally:
+            self._ahead = None
 
     def _tell_write_room(self, victims: list[HostEntry]) -> None:
         """Tell the policy how many demotions the disk's write queue takes before it backs up."""
@@ -387,9 +480,12 @@ class Placement:
                     disk.remove([b])
 
     async def drain(self) -> None:
-        """Wait until the demotions written in the background are over."""
-        while self._staged_writes:
-            await asyncio.gather(*list(self._staged_writes), return_exceptions=True)
+        """Wait until the demotions written in the background are over (a write-ahead stops
+        after its batch in flight)."""
+        self._stopping = True
+        while self._staged_writes or self._ahead is not None:
+            await asyncio.gather(*list(self._staged_writes), *([self._ahead] if self._ahead else []),
+                                 return_exceptions=True)
 
     def commit(self, entries: Sequence[HostEntry], write_behind: bool = True) -> list[HostEntry]:
         """Make granted entries visible in host (the first commit of a key wins); returns those
@@ -546,6 +642,7 @@ class Placement:
         self.counters.move(Flow.DISK_TO_HOST, len(promoted) * layout.block_bytes)
         self.policy.on_promote(promoted)
         self.observers.stored_blocks(HOST, promoted)
+        self._write_ahead_soon()  # (after the promotion: the disk's recency order is deterministic)
         return set(promoted)
 
     async def _read_into_host(self, layout: Layout, dents: list[DiskEntry], cls: SizeClass
@@ -725,8 +822,8 @@ class Placement:
     def close(self) -> None:
         """Close the tiers (after :meth:`drain`; background demotions still running are
         cancelled: never acknowledged, they are lost)."""
-        self._closed = True
-        pending = list(self._staged_writes)
+        self._closed = self._stopping = True
+        pending = list(self._staged_writes) + ([self._ahead] if self._ahead is not None else [])
         for task in pending:
             task.cancel()
         for mm, view in self._pool_maps.values():

@@ -556,6 +556,7 @@ class Daemon:
                                         cfg.disk_write_through, prefault=cfg.host_prefault, limits=cfg)
         self.disk = None  # the store owns it now
         store.tiers.demote_queue_bytes = cfg.demote_queue_bytes  # disk admission (issue 15)
+        store.tiers.demote_ahead_bytes = cfg.demote_ahead_bytes
         try:
             self.key_table = KeyTablePublisher(store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
         except OSError as e:

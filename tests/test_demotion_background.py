@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from test_store_races import BLOCK, Gate, get, key, parked, payload, put, read_slot, run, settle, write_slot
+from test_store_races import BLOCK, Gate, get, key, parked, payload, put, read_slot, run, settle, until, write_slot
 
 from kvtier.daemon.counters import Count
 from kvtier.daemon.placement import _ingest_pool
@@ -166,7 +166,8 @@ def test_graceful_stop_finishes_background_demotions(start_daemon, tmp_path):
     from kvtier.tiers.layout import Layout
 
     block = 256 * 1024
-    args = ("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB")
+    args = ("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB",
+            "--demote-ahead-bytes", "0")  # (every victim staged: the write-ahead has its own test)
     d = start_daemon(*args, host_capacity="1MiB")  # 4 blocks of host
     keys = [key(300 + i) for i in range(16)]
     data = {k: payload(k)[:block // 4] * 4 for k in keys}
@@ -184,3 +185,60 @@ def test_graceful_stop_finishes_background_demotions(start_daemon, tmp_path):
         lid = sc.register_layout(Layout.flat(block))
         assert sc.lookup(lid, keys[:12]) == ["disk"] * 12
         assert [bytes(g) for g in sc.get(lid, keys[:4])] == [data[k] for k in keys[:4]]
+
+
+# -- write-ahead (--demote-ahead-bytes): the host's eviction end is on disk before it is evicted --
+
+def test_blocks_near_eviction_are_written_ahead_and_their_eviction_frees_the_slot(tmp_path):
+    """Host full (8 blocks), window 2 blocks: a put that evicts stages its victims and writes the
+    next two of the eviction order ahead; they stay in host and are on disk too. A later put
+    that evicts them copies nothing (none staged for them, none dropped): they are served from
+    disk with the bytes that were put. Without the write-ahead they would be staged victims."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        store.tiers.demote_ahead_bytes = 2 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(8)])           # host full; nothing evicted
+        await settle(store, disk)
+        assert store.counters[Count.DEMOTIONS_STAGED] == 0               # (no eviction: no write-ahead yet)
+        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+        await settle(store, disk)
+        assert store.counters[Count.DEMOTIONS_AHEAD] == 2                 # 2, 3 (0, 1 were staged victims)
+        assert store.lookup(lid, [key(i) for i in range(4)]) == [Tier.DISK, Tier.DISK, Tier.HOST, Tier.HOST]
+        assert store.on_disk(lid, [key(2), key(3)]) == [True, True]      # held in both tiers
+        staged = store.counters[Count.DEMOTIONS_STAGED]
+        await put_bytes(store, sid, lid, [key(20), key(21)], [payload(key(20)), payload(key(21))])
+        await settle(store, disk)
+        # victims 2, 3 were on disk already: not staged; the two queued since are 4, 5 written ahead
+        assert store.counters[Count.DEMOTIONS_STAGED] == staged + 2
+        assert store.counters[Count.DEMOTIONS_AHEAD] == 4
+        assert store.counters[Count.DEMOTIONS_SKIPPED_COLD] == 0
+        assert store.lookup(lid, [key(2), key(3), key(4), key(5)]) == [Tier.DISK, Tier.DISK, Tier.HOST, Tier.HOST]
+        assert await get(store, sid, lid, [key(2), key(3)]) == [payload(key(2)), payload(key(3))]
+        await settle(store, disk)
+        assert store.tiers._writing_bytes == 0 and not disk._writing
+    run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)
+
+
+def test_a_block_being_written_ahead_is_passed_over_and_an_evict_keeps_it_off_disk(tmp_path):
+    """While the write-ahead of 2 and 3 is parked on the gated writer: they are still served from
+    host; a put that must evict passes over them (pinned) and takes 4; an Evict of 2 removes it
+    from host at once and its write never becomes visible on disk. 3's write does."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        store.tiers.demote_ahead_bytes = 2 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(8)])
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+        await until(lambda: store.counters[Count.DEMOTIONS_STAGED] == 4, "the write-ahead of 2 and 3 to be queued")
+        assert store.lookup(lid, [key(2), key(3)]) == [Tier.HOST, Tier.HOST]
+        await put_bytes(store, sid, lid, [key(12)], [payload(key(12))])   # evicts past 2, 3: 4
+        assert store.lookup(lid, [key(2), key(3), key(4)]) == [Tier.HOST, Tier.HOST, None]
+        assert store.evict(lid, [key(2)]) == 1                              # its host copy
+        assert store.lookup(lid, [key(2)]) == [None]
+        gate.open()
+        await settle(store, disk)
+        assert store.on_disk(lid, [key(2), key(3)]) == [False, True], "an evicted block's write-ahead became visible"
+        assert store.lookup(lid, [key(2), key(3)]) == [None, Tier.HOST]
+        assert disk.used_bytes == len(disk.entries) * BLOCK and not disk._writing
+        assert store.host.used_bytes == 7 * BLOCK                           # 2's slot is free (at its unpin)
+    run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)

@@ -231,7 +231,8 @@ def test_puts_and_evicts_are_cpu_events_one_sequence_number_per_batch(stream_dae
 
 def test_demotions_are_storage_stored_and_cpu_removed(stream_daemon, tmp_path) -> None:
     d, s = stream_daemon("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB",
-                         "--demote-min-seen", "1", host_capacity="1MiB")   # 4 blocks of host
+                         "--demote-min-seen", "1", "--demote-ahead-bytes", "0",  # (no block in both tiers)
+                         host_capacity="1MiB")   # 4 blocks of host
     keys = [key16(i) for i in range(8)]
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))

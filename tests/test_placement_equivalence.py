@@ -51,6 +51,7 @@ class Scenario:
     durable_share: float = 0.0   # of puts (needs a disk)
     steps: int = 150
     queue_blocks: int = 0        # --demote-queue-bytes in blocks (0: only seen-often victims are demoted)
+    ahead_blocks: int = 0        # --demote-ahead-bytes in blocks (0: no write-ahead)
 
 
 SCENARIOS = [
@@ -60,6 +61,8 @@ SCENARIOS = [
     Scenario("write-through", disk=True, demote_min_seen=3, write_through=True, steps=100),
     # disk admission (issue 15): every victim while the write queue has room, seen-often ones beyond
     Scenario("disk-queue", disk=True, demote_min_seen=2, queue_blocks=2),
+    # write-ahead (issue 15): the host's eviction end is written to disk before it is evicted
+    Scenario("disk-ahead", disk=True, demote_min_seen=2, queue_blocks=2, ahead_blocks=1),
 ]
 
 
@@ -67,7 +70,8 @@ class Daemon:
     """The real daemon side: a kvtierd, a sidecar using the key table, one asking by RPC."""
 
     def __init__(self, start_daemon, tmp_path, sc: Scenario) -> None:
-        args = ["--demote-min-seen", str(sc.demote_min_seen), "--demote-queue-bytes", str(sc.queue_blocks * BLOCK)]
+        args = ["--demote-min-seen", str(sc.demote_min_seen), "--demote-queue-bytes", str(sc.queue_blocks * BLOCK),
+                "--demote-ahead-bytes", str(sc.ahead_blocks * BLOCK)]
         if sc.disk:
             args += ["--disk-dir", str(tmp_path / "disk"), "--disk-capacity", str(DISK_BLOCKS * BLOCK)]
         if sc.write_through:
@@ -140,16 +144,19 @@ def _step(rng: random.Random, d: Daemon, p: TierPolicy, sc: Scenario, settled: b
 def test_daemon_and_policy_hold_the_same_blocks_after_every_step(start_daemon, tmp_path, sc: Scenario) -> None:
     policy = TierPolicy(0, HOST_BLOCKS, DISK_BLOCKS if sc.disk else 0, sc.demote_min_seen)
     policy.disk_write_room = sc.queue_blocks or None  # the daemon's: nothing else is written meanwhile
+    policy.write_ahead = sc.ahead_blocks
     d = Daemon(start_daemon, tmp_path, sc)
     rng = random.Random(f"equivalence-{sc.name}")
     settled = True
     try:
         for i in range(sc.steps):
             what, settled = _step(rng, d, policy, sc, settled)
-            demotions_over(d.rpc)  # (the policy's demotions are over when its call returns)
+            counters = demotions_over(d.rpc)  # (the policy's demotions are over when its call returns)
             _check(f"step {i} ({what})", d, policy, sc)
     finally:
         d.close()
+    if sc.ahead_blocks:  # (both sides wrote ahead: the daemon's counter, the policy's disk holdings)
+        assert counters["demotions_ahead"] > 0, f"{sc.name}: the daemon never wrote ahead: {counters}"
     c = policy.counts
     assert c.evictions[Tier.HOST.rank] > 0, "the sequence never went past host capacity"
     if sc.disk:  # (with write-through every block is on disk before host evicts it: nothing to demote)

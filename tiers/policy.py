@@ -27,6 +27,15 @@ Rules
       the disk's write bandwidth, so it applies only when writes back up: applied always, it
       drops the blocks of a conversation's latest turn, which the next turn needs (issue 15).
       A victim already on disk stays there, untouched: an eviction is not a use. A block evicted from ``disk`` is dropped.
+    * Write-ahead (:attr:`TierPolicy.write_ahead`, in blocks; 0: none): while host has less
+      free room than that, its first ``write_ahead`` blocks in eviction order are written to
+      disk too, ahead of their eviction (those not on disk yet, in order, but not the blocks a
+      get is using), so that evicting them later frees their room at once. They stay in host;
+      a block that is used again before its eviction is simply held in both tiers. The daemon
+      does this in the background, after a put's reservation that evicted (as far as the
+      write queue has room left after the put's demotions) and after a promotion; :meth:`TierPolicy.put`, :meth:`TierPolicy.get` and
+      :meth:`TierPolicy.prefetch` model it at those points
+      (``tests/test_placement_equivalence.py``).
     * Promotion: a get that finds a block on disk and not in host brings it into host
       (:meth:`TierPolicy.promotions`); it stays on disk too, and the hit is a use there.
     * Only a request's *leading run* of held blocks can be served (keys are chained prefix
@@ -140,6 +149,7 @@ class TierPolicy:
         # the most a host eviction may demote at all (None: no cap); see demotions()
         self.disk_write_room: int | None = None
         self.disk_write_cap: int | None = None
+        self.write_ahead = 0  # host blocks at the eviction end kept written to disk (see Write-ahead)
         # oldest first; host and disk map a key to its seen count, gpu to None (see the class docstring)
         self.tiers: dict[Tier, OrderedDict[Hashable, int | None]] = {t: OrderedDict() for t in TIERS}
         if host_map is not None:  # the daemon's: kept in the host tier's slot arrays (HostRecency)
@@ -204,6 +214,17 @@ class TierPolicy:
             keep = set(hot)
             keep.update(itertools.islice((k for k in cands if k not in keep), left))
         return [k for k in cands if k in keep]
+
+    def ahead(self, granted: int = 0, using: Collection[Hashable] = ()) -> list[Hashable]:
+        """The host blocks to write to disk ahead of their eviction (see Write-ahead): none
+        while host has ``write_ahead`` free blocks or more (``granted``: blocks given room but
+        not stored yet, which take room already); else those of the first ``write_ahead`` in
+        eviction order that are not on disk, in order, without ``using``."""
+        n, host, cap = self.write_ahead, self.tiers[HOST], self.capacity[HOST]
+        if not n or self.capacity[DISK] == 0 or (cap is not None and cap - len(host) - granted >= n):
+            return []
+        disk = self.tiers[DISK]
+        return [k for k in itertools.islice(host, n) if k not in disk and k not in using]
 
     def promotions(self, keys: Iterable[Hashable]) -> list[Hashable]:
         """Which keys of a get to bring from disk into host: those on disk and not in host
@@ -272,7 +293,9 @@ class TierPolicy:
         want = [k for k in keys if k not in host and k not in disk]
         n, victims = self._room(HOST, len(want))
         if victims:
-            self._evict_host(victims)
+            staged = self._evict_host(victims)
+            room = self.disk_write_room
+            self._write_disk(self.ahead(granted=n)[:None if room is None else max(0, room - staged)])
         self.on_commit(want[:n])
         if durable:
             self._write_disk(want[:n])
@@ -416,13 +439,17 @@ class TierPolicy:
         victims = list(itertools.islice(self.victims(tier, keep), n - free))
         return free + len(victims), victims
 
-    def _evict_host(self, victims: Sequence[Hashable], keep_disk: Collection[Hashable] = ()) -> None:
-        """Host victims leave; those worth it are written to disk (as the store's demotion)."""
+    def _evict_host(self, victims: Sequence[Hashable], keep_disk: Collection[Hashable] = ()) -> int:
+        """Host victims leave; those worth it are written to disk (as the store's demotion).
+        Returns how many of those the write queue's room took (the daemon writes them in the
+        background, and a write-ahead gets what room is left)."""
+        room = self.disk_write_room
         demote = self.on_evict(HOST, victims)
         try:
             self._write_disk(demote, keep_disk)
         finally:
             self.on_demotion_end(demote)
+        return min(room or 0, len(demote))
 
     def _write_disk(self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()) -> None:
         """Write blocks not on disk yet, in order, while disk has room (as the store's disk writes)."""
@@ -443,6 +470,7 @@ class TierPolicy:
         if victims:
             self._evict_host(victims, keep_disk=set(below))
         self.on_promote(below[:n])
+        self._write_disk(self.ahead(using=keep_host))
         return set(below[:n])
 
     def _write_through(self, tier: Tier, keys: Sequence[Hashable], see: bool = False) -> None:
