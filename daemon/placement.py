@@ -175,6 +175,8 @@ class Placement:
         # no copy), while the write queue has room; their eviction then frees the slot at once
         self.demote_ahead_bytes = 0
         self._ahead: asyncio.Task | None = None
+        self._ahead_queue: dict[bytes, None] = {}  # keys taken for the write-ahead, in order
+        self._room_freed = asyncio.Event()  # set whenever a disk write in flight ends
         self._stopping = False  # drain or close: no new write-ahead
         self._closed = False
         self._pool_maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
@@ -233,65 +235,89 @@ class Placement:
         return min(self.demote_ahead_bytes, self.host.capacity // 4)
 
     def _write_ahead_soon(self) -> None:
-        """Start the write-ahead task with its first batch, taken now (unless it runs: it looks
-        again after each batch)."""
-        if self._ahead is not None or not self.demote_ahead_bytes:
+        """Queue the write-ahead window's unwritten blocks, taken now (the policy's rule, see
+        :meth:`_ahead_window_blocks`), for the write-ahead task, and start it if it is not
+        running. Each newly queued block counts in ``demotions_staged`` in this loop step."""
+        if not self.demote_ahead_bytes or not self.demote_queue_bytes:
             return
         disk = self.disk
-        if disk is None or disk.degraded or self._stopping or not self.demote_queue_bytes:
+        if disk is None or disk.degraded or self._stopping:
             return
-        batch = self._next_ahead()
-        if batch:
-            self._ahead = asyncio.ensure_future(self._write_ahead(batch))
+        queue, n = self._ahead_queue, 0
+        for e in self._ahead_window_blocks():
+            if e.bkey not in queue:
+                queue[e.bkey] = None
+                n += 1
+        self.counters.add(Count.DEMOTIONS_STAGED, n)
+        if queue and self._ahead is None:
+            self._ahead = asyncio.ensure_future(self._write_ahead())
 
-    def _next_ahead(self) -> list[HostEntry]:
-        """The next write-ahead batch (see :meth:`_ahead_batch`), pinned and counted as queued
-        for a background disk write (``demotions_staged``), in the loop step that took it."""
-        limit = self.demote_queue_bytes
-        batch = self._ahead_batch(limit - self._writing_bytes, limit // 2)
-        for e in batch:
-            self.host.pin(e)
-        self.counters.add(Count.DEMOTIONS_STAGED, len(batch))
-        return batch
-
-    def _ahead_batch(self, room: int, batch: int) -> list[HostEntry]:
+    def _ahead_window_blocks(self) -> list[HostEntry]:
         """The policy's write-ahead rule (:meth:`TierPolicy.ahead`) in bytes: while host has less
         free memory than the window, the blocks within the window's bytes of the eviction end
-        (the policy's victim order) that are not on disk and not pinned (in use), in order; up
-        to ``batch`` bytes (at least one block) and never more than ``room``."""
+        (the policy's victim order) that are not on disk and not pinned (in use), in order."""
         disk, host = self.disk, self.host
         assert disk is not None
         window = self.ahead_window()
         if host.capacity - host.used_bytes >= window:
             return []
-        seen = total = scanned = 0
+        seen = scanned = 0
         out: list[HostEntry] = []
         for bkey in self.policy.victims(HOST):
             e = host.get(bkey)
             if e is None:
                 continue  # hidden meanwhile (a victim not popped yet)
-            sb = e.cls.slot_bytes
-            seen += sb
+            seen += e.cls.slot_bytes
             scanned += 1
             if seen > window or scanned > AHEAD_SCAN:
                 break
-            if bkey in disk.entries or e.pins:
-                continue
-            if total + sb > room or (out and total + sb > batch):
-                break
-            out.append(e)
-            total += sb
+            if bkey not in disk.entries and not e.pins:
+                out.append(e)
         return out
 
-    async def _write_ahead(self, batch: list[HostEntry]) -> None:
-        """Write the window's unwritten blocks to disk, a batch of up to half the write queue's
-        room at a time, while the queue has room; the blocks stay in host (pinned while
-        written: an eviction passes over them) and are on disk too afterwards. The next batch
-        is taken in the loop step the last one ends in (no gap a Stats reply could fall in)."""
+    def _ahead_batch(self) -> list[HostEntry]:
+        """Take the next batch off the write-ahead queue, in order: up to half the write
+        queue's room (at least one block) and never more than the room. Queued blocks gone
+        meanwhile (evicted, removed, on disk already, pinned) leave the queue, counted over."""
+        disk, host, queue = self.disk, self.host, self._ahead_queue
+        assert disk is not None
+        limit = self.demote_queue_bytes
+        room, half = limit - self._writing_bytes, limit // 2
+        out: list[HostEntry] = []
+        total = gone = 0
+        for bkey in list(queue):
+            e = host.get(bkey)
+            if e is None or bkey in disk.entries or e.pins:
+                del queue[bkey]
+                gone += 1
+                continue
+            sb = e.cls.slot_bytes
+            if total + sb > room or (out and total + sb > half):
+                break
+            del queue[bkey]
+            out.append(e)
+            total += sb
+        self.counters.add(Count.DEMOTIONS_STAGED_OVER, gone)
+        return out
+
+    async def _write_ahead(self) -> None:
+        """Write the queued blocks to disk, a batch of up to half the write queue's room at a
+        time, waiting for room; the blocks stay in host (pinned while written: an eviction
+        passes over them) and are on disk too afterwards."""
         disk = self.disk
         assert disk is not None
         try:
-            while batch:
+            while self._ahead_queue and not self._stopping and not disk.degraded:
+                batch = self._ahead_batch()
+                if not batch:
+                    if self._ahead_queue:
+                        if not self._writing_bytes:
+                            break  # (a block larger than the whole write queue: never written ahead)
+                        self._room_freed.clear()  # no room: wait until a disk write in flight ends
+                        await self._room_freed.wait()
+                    continue
+                for e in batch:
+                    self.host.pin(e)
                 try:
                     n = await self.write_to_disk(batch)
                     self.counters.add(Count.DEMOTIONS_AHEAD, n)
@@ -300,13 +326,11 @@ class Placement:
                     for e in batch:
                         self.host.unpin(e)
                     self.counters.add(Count.DEMOTIONS_STAGED_OVER, len(batch))
-                    batch = []
-                if self._stopping or disk.degraded:
-                    break  # (the next put that evicts, or promotion, starts it again)
-                batch = self._next_ahead()
         except Exception as e:  # noqa: BLE001 (nobody awaits this task: say it here)
             log.error("write-ahead to disk failed", extra={"error": repr(e)})
         finally:
+            self.counters.add(Count.DEMOTIONS_STAGED_OVER, len(self._ahead_queue))  # (stopping, degraded)
+            self._ahead_queue.clear()
             self._ahead = None
 
     def _tell_write_room(self, victims: list[HostEntry]) -> None:
@@ -460,6 +484,7 @@ class Placement:
         for v in views:
             v.release()
         self._writing_bytes -= sum(it.slot_bytes for it in items)
+        self._room_freed.set()
         self.counters.add(Count.DEMOTIONS_STAGED_OVER, len(items))
         for it in items:
             if self._staged.get(it.bkey) is it:
@@ -529,6 +554,7 @@ class Placement:
             visible = await self._finish_planned(plan, self._submit_planned(plan, srcs))
         finally:
             self._writing_bytes -= writing
+            self._room_freed.set()
             for v in srcs:
                 v.release()
         if plan.mismatched:  # host payloads written after their commit: dropped, in host too

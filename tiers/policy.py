@@ -32,8 +32,8 @@ Rules
       disk too, ahead of their eviction (those not on disk yet, in order, but not the blocks a
       get is using), so that evicting them later frees their room at once. They stay in host;
       a block that is used again before its eviction is simply held in both tiers. The daemon
-      does this in the background, after a put's reservation that evicted (as far as the
-      write queue has room left after the put's demotions) and after a promotion; :meth:`TierPolicy.put`, :meth:`TierPolicy.get` and
+      takes them after a put's reservation that evicted and after a promotion, and writes
+      them in the background as the write queue has room (after the put's own demotions); :meth:`TierPolicy.put`, :meth:`TierPolicy.get` and
       :meth:`TierPolicy.prefetch` model it at those points
       (``tests/test_placement_equivalence.py``).
     * Promotion: a get that finds a block on disk and not in host brings it into host
@@ -293,9 +293,8 @@ class TierPolicy:
         want = [k for k in keys if k not in host and k not in disk]
         n, victims = self._room(HOST, len(want))
         if victims:
-            staged = self._evict_host(victims)
-            room = self.disk_write_room
-            self._write_disk(self.ahead(granted=n)[:None if room is None else max(0, room - staged)])
+            self._evict_host(victims)
+            self._write_disk(self.ahead(granted=n))
         self.on_commit(want[:n])
         if durable:
             self._write_disk(want[:n])
@@ -439,17 +438,13 @@ class TierPolicy:
         victims = list(itertools.islice(self.victims(tier, keep), n - free))
         return free + len(victims), victims
 
-    def _evict_host(self, victims: Sequence[Hashable], keep_disk: Collection[Hashable] = ()) -> int:
-        """Host victims leave; those worth it are written to disk (as the store's demotion).
-        Returns how many of those the write queue's room took (the daemon writes them in the
-        background, and a write-ahead gets what room is left)."""
-        room = self.disk_write_room
+    def _evict_host(self, victims: Sequence[Hashable], keep_disk: Collection[Hashable] = ()) -> None:
+        """Host victims leave; those worth it are written to disk (as the store's demotion)."""
         demote = self.on_evict(HOST, victims)
         try:
             self._write_disk(demote, keep_disk)
         finally:
             self.on_demotion_end(demote)
-        return min(room or 0, len(demote))
 
     def _write_disk(self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()) -> None:
         """Write blocks not on disk yet, in order, while disk has room (as the store's disk writes)."""
