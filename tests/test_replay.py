@@ -67,6 +67,36 @@ def test_policy_lru_write_through_demotion_promotion_by_hand() -> None:
     assert p.counts.misses == 5
 
 
+def test_policy_write_ahead_by_hand() -> None:
+    """Write-ahead (issue 15): host 4, disk 10, window 1 block. Once an access evicts from host,
+    host's next victim is written to disk too (it stays in host); when it is evicted later it
+    needs no demotion. Within a write cap the request's demotions come first; a put models it
+    after its eviction, with the blocks granted counted as taking room."""
+    p = TierPolicy(0, 4, 10, demote_min_seen=1)
+    p.write_ahead = 1
+    p.access([1, 2, 3, 4])                             # host full, nothing evicted: nothing ahead
+    assert list(p.tiers[DISK]) == [] and p.counts.ahead == 0
+    p.access([5])                                      # evicts 1 (demoted); 2 is written ahead
+    assert (list(p.tiers[HOST]), list(p.tiers[DISK])) == ([2, 3, 4, 5], [1, 2])
+    assert (p.counts.demotions, p.counts.ahead) == (1, 1)
+    p.access([6])                                      # evicts 2 (on disk already); 3 ahead
+    assert (list(p.tiers[HOST]), list(p.tiers[DISK])) == ([3, 4, 5, 6], [1, 2, 3])
+    assert (p.counts.demotions, p.counts.ahead) == (1, 2)
+    p.disk_write_room = p.disk_write_cap = 1           # the bucket holds one block: 4 is not written ahead
+    p.access([7, 8])                                   # evicts 3 (on disk) and 4 (demoted: the cap)
+    assert (list(p.tiers[DISK]), p.counts.ahead) == ([1, 2, 3, 4], 2)
+    q = TierPolicy(0, 4, 10, demote_min_seen=1)
+    q.write_ahead = 1
+    q.put([1, 2, 3, 4])
+    assert q.ahead() == [1] and q.ahead(using={1}) == []
+    r = TierPolicy(0, 5, 10)
+    r.write_ahead = 1
+    r.put([1, 2, 3, 4])                                # one block free: no eviction in sight
+    assert r.ahead() == [] and r.ahead(granted=1) == [1]
+    q.put([5])                                         # 1 demoted, 2 ahead (before 5 is stored)
+    assert (list(q.tiers[HOST]), list(q.tiers[DISK])) == ([2, 3, 4, 5], [1, 2])
+
+
 def test_policy_seen_once_is_not_demoted_unless_threshold_is_one() -> None:
     for min_seen, expect in ((2, []), (1, [DISK])):
         p = TierPolicy(0, 1, 4, demote_min_seen=min_seen)

@@ -90,6 +90,7 @@ class PolicyCounts:
     misses: int = 0                                          # computed (after the leading run; access)
     evictions: list[int] = field(default_factory=_per_tier)  # left each tier for capacity
     demotions: int = 0                                       # host victims chosen for disk
+    ahead: int = 0                                           # host blocks written to disk ahead of eviction
     promotions: int = 0                                      # disk -> host on a hit
     dropped: int = 0                                         # left every tier (their seen counts forgotten)
 
@@ -294,7 +295,7 @@ class TierPolicy:
         n, victims = self._room(HOST, len(want))
         if victims:
             self._evict_host(victims)
-            self._write_disk(self.ahead(granted=n))
+            self._write_ahead(self.ahead(granted=n))
         self.on_commit(want[:n])
         if durable:
             self._write_disk(want[:n])
@@ -340,7 +341,12 @@ class TierPolicy:
         if promoted:
             c.promotions += len(promoted)
             self._touch(DISK, promoted)  # a hit is a use on disk too
+        evicted, demoted = c.evictions[HOST.rank], c.demotions
         self._write_through(HOST, keys, see=True)  # every key seen once more; before gpu, so a
+        if self.write_ahead and c.evictions[HOST.rank] > evicted:  # (the write-ahead's room: what
+            cap = self.disk_write_cap                              # the demotions left of the cap)
+            ahead = self.ahead()
+            self._write_ahead(ahead if cap is None else ahead[:max(0, cap - (c.demotions - demoted))])
         self._write_through(GPU, keys)             # block the gpu cannot keep is already safe in host
         return ranks
 
@@ -446,6 +452,12 @@ class TierPolicy:
         finally:
             self.on_demotion_end(demote)
 
+    def _write_ahead(self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()) -> None:
+        """Write host blocks to disk ahead of their eviction (:meth:`ahead`), counted in ``counts.ahead``."""
+        if keys:
+            self._write_disk(keys, keep)
+            self.counts.ahead += len(keys)
+
     def _write_disk(self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()) -> None:
         """Write blocks not on disk yet, in order, while disk has room (as the store's disk writes)."""
         if self.capacity[DISK] == 0:
@@ -465,7 +477,7 @@ class TierPolicy:
         if victims:
             self._evict_host(victims, keep_disk=set(below))
         self.on_promote(below[:n])
-        self._write_disk(self.ahead(using=keep_host))
+        self._write_ahead(self.ahead(using=keep_host))
         return set(below[:n])
 
     def _write_through(self, tier: Tier, keys: Sequence[Hashable], see: bool = False) -> None:

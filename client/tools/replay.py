@@ -91,6 +91,7 @@ from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import LOAD_MODES, ScorerConfig
 from kvtier.proto import locations_pb2 as L
+from kvtier.settings import parse_size
 from kvtier.tiers.policy import TierPolicy
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
@@ -160,6 +161,7 @@ class ReplayConfig:
     demote_min_seen: int = 2
     disk_write_gbps: float = 2.0          # the disk's write bandwidth (0: not modelled; 0.1's admission)
     disk_write_burst_s: float = 8.0       # unused write bandwidth kept for later, in seconds of it
+    demote_ahead_bytes: int = 128 * 1024**2  # kvtierd's --demote-ahead-bytes (whole blocks of it; 0: none)
     prefill_tps: float = _SCORER.prefill_tokens_per_s        # prefill tokens per second of one replica
     decode_tps: float = 50.0                                  # output tokens per second of one request
     kv_bytes_per_token: float = _SCORER.bytes_per_token       # KV bytes of one token (all layers of the shard)
@@ -244,6 +246,9 @@ class SimulatedNode:
         self.node_id, self.worker_id = node_id, worker_id
         self._policy = TierPolicy(cfg.blocks(cfg.gpu_tokens), cfg.blocks(cfg.host_tokens),
                                   cfg.blocks(cfg.disk_tokens), cfg.demote_min_seen)
+        # the daemon's write-ahead window: at most a quarter of host, in whole blocks
+        self._policy.write_ahead = int(min(cfg.demote_ahead_bytes, cfg.host_tokens * cfg.kv_bytes_per_token / 4)
+                                       // (cfg.block_tokens * cfg.kv_bytes_per_token)) if cfg.disk_write_gbps > 0 else 0
         self._feed = feed
         self._published: dict[Tier, set[bytes]] = {t: set() for t in TIERS}
         self._seq = 0
@@ -271,7 +276,7 @@ class SimulatedNode:
             self._credit = min(rate * self._cfg.disk_write_burst_s, self._credit + (now - self._credit_at) * rate)
             self._credit_at = now
             policy.disk_write_room = policy.disk_write_cap = int(self._credit // block_bytes)
-            before = policy.counts.demotions
+            before = policy.counts.demotions + policy.counts.ahead
         if self._feed is None:
             ranks = policy.access(keys)
         else:
@@ -279,7 +284,7 @@ class SimulatedNode:
             ranks = policy.access(keys)
             self._publish(list(dict.fromkeys([*keys, *fronts[Tier.HOST]])), fronts)
         if write_gbps > 0:
-            self._credit -= (policy.counts.demotions - before) * block_bytes
+            self._credit -= (policy.counts.demotions + policy.counts.ahead - before) * block_bytes
         return ranks.count(Tier.GPU), ranks.count(Tier.HOST), ranks.count(Tier.DISK)
 
     def _publish(self, entering: list[bytes], fronts: dict[Tier, list[bytes]]) -> None:
@@ -588,7 +593,8 @@ def pooled(requests: Sequence[Request], cfg: ReplayConfig, replicas: Sequence[in
     out = {}
     for n in sorted(set(replicas)):
         big = replace(cfg, gpu_tokens=n * cfg.gpu_tokens, host_tokens=n * cfg.host_tokens,
-                      disk_tokens=n * cfg.disk_tokens, disk_write_gbps=n * cfg.disk_write_gbps)
+                      disk_tokens=n * cfg.disk_tokens, disk_write_gbps=n * cfg.disk_write_gbps,
+                      demote_ahead_bytes=n * cfg.demote_ahead_bytes)
         out[n] = replace(replay(requests, big, "round-robin", 1, progress), policy="pooled", replicas=n)
     return out
 
@@ -852,6 +858,10 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                          "times are demoted, as in 0.1 [%(default)s]")
     ap.add_argument("--disk-write-burst-s", type=float, default=d.disk_write_burst_s,
                     help="write bandwidth left unused is kept for later up to this many seconds of it [%(default)s]")
+    ap.add_argument("--demote-ahead-bytes", type=parse_size, default=d.demote_ahead_bytes,
+                    help="kvtierd's write-ahead window: while host is full, its least recently used blocks within "
+                         "this many bytes (whole blocks, at most a quarter of host) are written to disk before they "
+                         "are evicted, as far as the write bandwidth has room; 0: none [128MiB]")
     ap.add_argument("--prefill-tps", type=_positive, default=d.prefill_tps, help="prefill tokens/s per replica [%(default)s]")
     ap.add_argument("--decode-tps", type=_positive, default=d.decode_tps, help="output tokens/s per request [%(default)s]")
     ap.add_argument("--kv-bytes-per-token", type=_positive, default=d.kv_bytes_per_token,
@@ -900,6 +910,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = replace(ReplayConfig(), block_tokens=args.block_tokens, gpu_tokens=args.gpu_tokens,
                   host_tokens=args.host_tokens, disk_tokens=args.disk_tokens, demote_min_seen=args.demote_min_seen,
                   disk_write_gbps=args.disk_write_gbps, disk_write_burst_s=args.disk_write_burst_s,
+                  demote_ahead_bytes=args.demote_ahead_bytes,
                   prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, kv_bytes_per_token=args.kv_bytes_per_token,
                   host_load_gbps=args.host_load_gbps, disk_load_gbps=args.disk_load_gbps,
                   queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed,
