@@ -25,13 +25,14 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import urllib.request
 
 import pytest
 import tomllib
 import yaml
 
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.testing.local_daemon import DaemonProcess, wait_healthy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -92,6 +93,8 @@ VARIANTS = {
                    "disk": {"capacity": "1TiB"}, "allowedUids": [], "tenants": ["1000=alice"],
                    "config": {"demote_min_seen": 1, "tcp_services": "all", "disk_write_through": True}},
         "keySecret": {"secretName": "kvtier-key"}, "routeServer": {"config": {"queued_weight": 0.5}}},
+    "huge pages: the pool's own tmpfs": {"daemon": {"pool": {"hugePages": "within_size"}}},
+    "huge pages: the node's tmpfs": {"daemon": {"pool": {"hugePages": "always", "hostPath": "/mnt/kvtier-pool"}}},
 }
 
 
@@ -140,6 +143,11 @@ def test_the_daemonset_is_what_cuda_ipc_and_the_engines_need() -> None:
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["exec"]["command"] == ["kvtier", "health", "--quiet", "unix:/run/kvtier/kvtierd.sock"]
     assert c["securityContext"]["runAsNonRoot"] is True
+    # no capability, no escalation, the runtime's AppArmor profile: daemon.pool.hugePages (without a
+    # hostPath) is what widens these, and only when set
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False and "appArmorProfile" not in c["securityContext"]
+    assert not {"KVTIER_SHM_HUGE", "KVTIER_SHM_MOUNT", "KVTIER_RUN_AS"} & {e["name"] for e in c["env"]}
     svc = by_kind(manifests, "Service", "-daemon")
     assert svc["spec"]["clusterIP"] == "None"
     assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics"}
@@ -151,6 +159,87 @@ def test_the_daemonset_is_what_cuda_ipc_and_the_engines_need() -> None:
                   "DaemonSet")["spec"]["template"]["spec"]
     assert big["containers"][0]["resources"]["limits"]["memory"] == f"{64 * 1024 + 2048}Mi"
     assert next(v for v in big["volumes"] if v["name"] == "pool")["hostPath"]["path"] == "/dev/shm/kvtier"
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_huge_pages_without_a_hostpath_the_daemons_container_mounts_the_pools_tmpfs() -> None:
+    """daemon.pool.hugePages with the pool in the pod: kvtierd-entrypoint mounts the pool's own tmpfs
+    (capacityGiB + slackMiB, huge=...) over the pool directory, which needs root and CAP_SYS_ADMIN at
+    the container's start; kvtierd and the probes then run as runAsUser (the entrypoint test shows
+    how). The memory accounting is the emptyDir's was: the same request and limit."""
+    base = by_kind(rendered_docs(), "DaemonSet")["spec"]["template"]["spec"]
+    ds = by_kind(rendered_docs({"daemon": {"pool": {"hugePages": "within_size"}}}), "DaemonSet")
+    validate(ds)
+    pod = ds["spec"]["template"]["spec"]
+    [c], [c0] = pod["containers"], base["containers"]
+    env = _env(c)
+    assert env["KVTIER_SHM_DIR"] == "/var/lib/kvtier/pool" and env["KVTIER_SHM_HUGE"] == "within_size"
+    assert env["KVTIER_SHM_MOUNT"] == "8704m" and env["KVTIER_RUN_AS"] == "10001:10001"
+    assert c["resources"] == c0["resources"] and c["resources"]["limits"]["memory"] == "9216Mi"
+    pool = next(v for v in pod["volumes"] if v["name"] == "pool")
+    assert pool["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}  # only the mount point now
+    assert {"name": "pool", "mountPath": "/var/lib/kvtier/pool"} in c["volumeMounts"]
+    sc = c["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["runAsGroup"] == 0 and sc["runAsNonRoot"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN", "SETUID", "SETGID", "SETPCAP"]}
+    assert sc["appArmorProfile"] == {"type": "Unconfined"} and sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is True  # what CAP_SYS_ADMIN means; kvtierd gets no_new_privs
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["exec"]["command"] == ["kvtierd-entrypoint", "kvtier", "health", "--quiet",
+                                               "unix:/run/kvtier/kvtierd.sock"]
+    # nothing else of the pod changes
+    assert pod["initContainers"] == base["initContainers"] and pod["securityContext"] == base["securityContext"]
+    assert pod["hostIPC"] is True and c["image"] == c0["image"]
+    bigger = by_kind(rendered_docs({"daemon": {"pool": {"hugePages": "always", "capacityGiB": 64, "slackMiB": 1024,
+                                                        "overheadMiB": 2048}, "runAsUser": 2000, "runAsGroup": 3000}}),
+                     "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert _env(bigger)["KVTIER_SHM_MOUNT"] == f"{64 * 1024 + 1024}m" and _env(bigger)["KVTIER_RUN_AS"] == "2000:3000"
+    assert bigger["resources"]["limits"]["memory"] == f"{64 * 1024 + 2048}Mi"
+
+
+def test_huge_pages_before_kubernetes_1_30_set_apparmor_by_the_annotation(tmp_path) -> None:
+    """The appArmorProfile field is Kubernetes 1.30's; an older cluster (the chart allows 1.25) gets
+    the annotation instead. Helm's offline rendering is 1.30 or later, so the chart is rendered
+    with its cluster version written in as 1.29."""
+    need_helm()
+    from helm_python.chart import Chart
+
+    chart = tmp_path / "kvtier"
+    shutil.copytree(render.CHART, chart)
+    ds_tpl = chart / "templates" / "daemonset.yaml"
+    assert ".Capabilities.KubeVersion.Version" in ds_tpl.read_text()
+    ds_tpl.write_text(ds_tpl.read_text().replace(".Capabilities.KubeVersion.Version", '"v1.29.0"'))
+    out = Chart.load(str(chart)).render(values={"daemon": {"pool": {"hugePages": "within_size"}}}, name="kvtier",
+                                        namespace="kvtier")
+    ds = by_kind(docs(out["kvtier/templates/daemonset.yaml"]), "DaemonSet")
+    validate(ds)
+    tpl = ds["spec"]["template"]
+    assert tpl["metadata"]["annotations"]["container.apparmor.security.beta.kubernetes.io/kvtierd"] == "unconfined"
+    assert "appArmorProfile" not in tpl["spec"]["containers"][0]["securityContext"]
+
+
+def test_huge_pages_on_the_nodes_tmpfs_add_no_privilege() -> None:
+    """daemon.pool.hugePages with daemon.pool.hostPath: the node's tmpfs gives the huge pages; the
+    pod only asks the entrypoint to refuse a tmpfs that does not."""
+    base = by_kind(rendered_docs(), "DaemonSet")["spec"]["template"]["spec"]
+    pod = by_kind(rendered_docs({"daemon": {"pool": {"hugePages": "always", "hostPath": "/mnt/kvtier-pool"}}}),
+                  "DaemonSet")["spec"]["template"]["spec"]
+    [c], [c0] = pod["containers"], base["containers"]
+    assert _env(c) == {**_env(c0), "KVTIER_SHM_HUGE": "always"}
+    assert c["securityContext"] == c0["securityContext"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe] == c0[probe]
+    assert next(v for v in pod["volumes"] if v["name"] == "pool")["hostPath"]["path"] == "/mnt/kvtier-pool"
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "never", "advise", "Within_size", True, 2])
+def test_a_bad_huge_pages_value_is_refused_naming_it(bad) -> None:
+    need_helm()
+    with pytest.raises(Exception, match=r"daemon\.pool\.hugePages .*want within_size or always"):
+        render.render({"daemon": {"pool": {"hugePages": bad}}})
 
 
 def config_files(values: dict | None = None) -> tuple[str, str]:
@@ -432,3 +521,135 @@ def test_the_entrypoint_removes_a_dead_containers_pool_files_only(tmp_path) -> N
     r = subprocess.run([entry, "kvtier", "health", str(tmp_path / "none.sock")], env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and "kvtier health" in r.stderr
+
+
+def _need_root_mounts() -> None:
+    """The huge-page entrypoint tests mount tmpfs in a private mount namespace (unshare -m): as
+    root that must work (a failure, never a silent skip); otherwise they cannot run here."""
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=1m",
+                        "tmpfs", "/mnt"], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        why = f"cannot mount a tmpfs in a private mount namespace ({r.stderr.strip() or r.returncode})"
+        if os.geteuid() == 0:
+            pytest.fail(f"{why}: running as root, this must work (a container without CAP_SYS_ADMIN?)")
+        pytest.xfail(f"{why}: not root")
+
+
+def _reach_as_another_user() -> str:
+    """Shell lines that, in a private mount namespace, let another user reach this interpreter and the
+    repository when the only directory in the way is /root (0700: pyenv's Python lives there): /root
+    is covered by a tmpfs holding bind mounts of just the entries needed, which keep their own modes.
+    Skips when anything else is in the way."""
+    need = [os.path.realpath(sys.executable), sys.base_prefix, str(ROOT), str(BIN)]
+    blocked = set()
+    for path in need:
+        for parent in pathlib.Path(path).parents:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                blocked.add(str(parent))
+    if not blocked:
+        return ":"
+    if blocked != {"/root"}:
+        pytest.skip(f"another user cannot reach the interpreter or the repository: {sorted(blocked)}")
+    entries = sorted({pathlib.Path(p).relative_to("/root").parts[0] for p in need if p.startswith("/root/")})
+    lines = ["old=$(mktemp -d)", "mount --bind /root \"$old\"", "mount -t tmpfs -o size=1m,mode=0755 tmpfs /root"]
+    for e in entries:
+        lines += [f"mkdir /root/{e}", f"mount --bind \"$old/{e}\" /root/{e}"]
+    return "; ".join(lines)
+
+
+def _status(pid: int) -> dict[str, str]:
+    return dict(line.split(":\t", 1) for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+                if ":\t" in line)
+
+
+def test_the_entrypoint_mounts_a_huge_page_pool_and_runs_kvtierd_without_privileges() -> None:
+    """What the chart's daemon.pool.hugePages (no hostPath) runs: as root, kvtierd-entrypoint mounts the
+    pool's own tmpfs with huge=within_size over KVTIER_SHM_DIR, and a real kvtierd serves on it as
+    uid 10001 with no capabilities and no_new_privs; the mount is the container's alone. The kvtier
+    tool through the entrypoint (the chart's probes) runs as that user too."""
+    _need_root_mounts()
+    reach = _reach_as_another_user()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-entry-", dir="/tmp"))  # /tmp/pytest-of-root is 0700
+    try:
+        work.chmod(0o755)
+        for d in ("run", "state"):
+            (work / d).mkdir(mode=0o700)
+            os.chown(work / d, 10001, 10001)
+        (work / "pool").mkdir()
+        sock = work / "run" / "kvtierd.sock"
+        env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "KVTIER_SHM_DIR": str(work / "pool"),
+               "KVTIER_SHM_MOUNT": "64m", "KVTIER_SHM_HUGE": "within_size", "KVTIER_RUN_AS": "10001:10001",
+               "KVTIER_SWEEP_SHM_DIR": "1"}
+        entry = str(DEPLOY / "docker" / "kvtierd-entrypoint")
+        log_path = work / "kvtierd.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                ["unshare", "-m", "--propagation", "private", "sh", "-ec", f'{reach}; exec "$@"', "sh", entry,
+                 "--socket", str(sock), "--state-dir", str(work / "state"), "--host-capacity", "16MiB",
+                 "--allowed-uids", "0", "--log-format", "json", "--node-id", "entry-node"],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(f"unix:{sock}", 60, proc, str(log_path))
+            st = _status(proc.pid)  # the same process: unshare, sh, the entrypoint and setpriv exec'd it
+            assert "kvtierd" in pathlib.Path(f"/proc/{proc.pid}/cmdline").read_text()
+            assert st["Uid"].split() == ["10001"] * 4 and st["Gid"].split() == ["10001"] * 4
+            assert st["Groups"].strip() == ""
+            for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+                assert int(st[caps], 16) == 0, (caps, st[caps])
+            assert st["NoNewPrivs"].strip() == "1"
+            [mount] = [line.split() for line in pathlib.Path(f"/proc/{proc.pid}/mounts").read_text().splitlines()
+                       if line.split()[1] == str(work / "pool")]
+            opts = mount[3].split(",")
+            assert mount[2] == "tmpfs" and {"size=65536k", "huge=within_size", "mode=700", "uid=10001",
+                                            "gid=10001", "nosuid", "nodev"} <= set(opts), mount
+            serving = [json.loads(line) for line in log_path.read_text().splitlines()
+                       if line.startswith("{") and "kvtierd serving" in line]
+            assert serving and serving[0]["shm_huge_pages"] == "within_size", log_path.read_text()
+            files = list(pathlib.Path(f"/proc/{proc.pid}/root{work}/pool").iterdir())  # the daemon's view
+            assert files and all(f.stat().st_uid == 10001 for f in files), files
+            # not this namespace's: the tmpfs goes with the daemon's (the container's) mount namespace
+            assert not os.path.ismount(work / "pool") and not list((work / "pool").iterdir())
+            # the tool through the entrypoint drops to KVTIER_RUN_AS: the daemon's user reaches the
+            # socket (its 0700 directory), another uid does not
+            for uid, want in ((10001, 0), (10002, 1)):
+                r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-ec", f'{reach}; exec "$@"',
+                                    "sh", entry, "kvtier", "health", "--quiet", f"unix:{sock}"],
+                                   env={**env, "KVTIER_RUN_AS": f"{uid}:{uid}"}, capture_output=True, text=True,
+                                   timeout=60)
+                assert r.returncode == want, (uid, r.stdout, r.stderr)
+        finally:
+            proc.terminate()
+            rc = proc.wait(30)
+        assert rc == 0, log_path.read_text()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_entrypoint_refuses_a_pool_tmpfs_without_the_huge_pages_asked_for(tmp_path) -> None:
+    """With daemon.pool.hostPath the node's tmpfs decides; KVTIER_SHM_HUGE (the chart's hugePages)
+    makes the entrypoint refuse, before kvtierd starts, a tmpfs mounted without that huge= mode."""
+    _need_root_mounts()
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "KVTIER_SHM_DIR": str(pool),
+           "KVTIER_SHM_HUGE": "within_size"}
+    entry = str(DEPLOY / "docker" / "kvtierd-entrypoint")
+
+    def on_tmpfs(opts: str) -> subprocess.CompletedProcess:  # the node's mount, then the entrypoint
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-ec",
+                               f'mount -t tmpfs -o {opts} tmpfs "$KVTIER_SHM_DIR"; exec "$@"', "sh", entry, "--help"],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    r = on_tmpfs("size=16m,huge=never")
+    assert r.returncode == 1 and "kvtierd" not in r.stdout
+    assert "KVTIER_SHM_HUGE=within_size, but the tmpfs at" in r.stderr and "huge pages: never" in r.stderr
+    assert "Mount it with huge=within_size" in r.stderr
+    r = on_tmpfs("size=16m,huge=always")
+    assert r.returncode == 1 and "huge pages: always" in r.stderr
+    r = on_tmpfs("size=16m,huge=within_size")
+    assert r.returncode == 0 and "--host-capacity" in r.stdout, r.stderr
+    from kvtier.daemon.server import shm_huge_pages
+
+    if shm_huge_pages(str(pool)) == "":  # not on a tmpfs (unless this machine's /tmp is one)
+        r = subprocess.run([entry, "--help"], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "huge pages: unknown (not a tmpfs?)" in r.stderr, r.stderr

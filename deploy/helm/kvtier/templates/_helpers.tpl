@@ -54,6 +54,34 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%dMi" (add (mul (int .Values.daemon.pool.capacityGiB) 1024) (int .Values.daemon.pool.overheadMiB)) -}}
 {{- end -}}
 
+{{/* daemon.pool.hugePages, checked: "", within_size or always (the tmpfs huge= modes that give
+     the pool huge pages: advise gives only memory that asks with madvise, which the pool's does
+     not, and never is ""). */}}
+{{- define "kvtier.poolHugePages" -}}
+{{- $h := .Values.daemon.pool.hugePages | default "" -}}
+{{- $want := "want within_size or always (\"\" for the tmpfs as it is)" -}}
+{{- if not (kindIs "string" $h) }}
+{{- fail (printf "daemon.pool.hugePages %v: not a string; %s" $h $want) }}
+{{- else if eq $h "advise" }}
+{{- fail (printf "daemon.pool.hugePages \"advise\" gives the pool no huge pages (only memory that asks with madvise, which kvtier's pool does not); %s" $want) }}
+{{- else if and $h (not (has $h (list "within_size" "always"))) }}
+{{- fail (printf "daemon.pool.hugePages %q: %s" $h $want) }}
+{{- end }}
+{{- $h -}}
+{{- end -}}
+
+{{/* With huge pages and no hostPath the daemon's container mounts the pool's tmpfs itself
+     (kvtierd-entrypoint, KVTIER_SHM_MOUNT): "true" or "". */}}
+{{- define "kvtier.poolOwnMount" -}}
+{{- if and (include "kvtier.poolHugePages" .) (not .Values.daemon.pool.hostPath) }}true{{ end -}}
+{{- end -}}
+
+{{/* The kvtier tool in the daemon's container (probes, kubectl exec): through the entrypoint
+     when the container starts as root to mount the pool, so that it runs as the daemon's user. */}}
+{{- define "kvtier.daemonTool" -}}
+{{- if include "kvtier.poolOwnMount" . }}kvtierd-entrypoint, kvtier{{ else }}kvtier{{ end -}}
+{{- end -}}
+
 {{/* A TOML file from a flat map: every value as JSON, which is TOML for strings, numbers, booleans
      and arrays of them; a nested map is refused. */}}
 {{- define "kvtier.toml" -}}
