@@ -243,6 +243,8 @@ class Placement:
         disk = self.disk
         if disk is None or disk.degraded or self._stopping:
             return
+        if self._ahead_queue:
+            return  # the writer is still behind the last look: no new scan of the window (its cost)
         queue, n = self._ahead_queue, 0
         for e in self._ahead_window_blocks():
             if e.bkey not in queue:
