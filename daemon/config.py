@@ -267,7 +267,7 @@ class Config:
                                                   "bytes of eviction to disk before they are evicted, while the "
                                                   "write queue (--demote-queue-bytes) has room: their eviction then "
                                                   "frees the slot at once, without a copy or a wait (at most a "
-                                                  "quarter of --host-capacity; 0: off)", parse_size, "SIZE")
+                                                  "quarter of --host-capacity and 256 blocks; 0: off)", parse_size, "SIZE")
     # -- end of disk admission --
     # -- shared store: transport, second backend (issue 13) --
     store_tls_cert: str = _opt("", "client certificate (PEM) for mutual TLS to the store (Redis tls-auth-clients); "

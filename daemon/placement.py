@@ -54,7 +54,7 @@ HOST, DISK = Tier.HOST, Tier.DISK
 
 INGEST_INLINE_BYTES = 4 * 1024**2  # (issue 13) ingest batches above this copy on threads
 INGEST_THREADS = 2
-AHEAD_SCAN = 1024  # (issue 15) blocks of the host's eviction end a write-ahead batch looks at, at most
+AHEAD_SCAN = 256  # (issue 15) blocks of the host's eviction end a write-ahead look walks, at most
 _INGEST_POOL: ThreadPoolExecutor | None = None
 
 
