@@ -155,8 +155,9 @@ def test_a_silent_daemon_leaves_the_index_and_comes_back_from_a_snapshot(cluster
             assert all(x.overlap == Overlap() for x in d.ranked)
         finally:
             os.kill(a.pid, signal.SIGCONT)
-        d = wait_for(lambda: (d := r.route(keys, dispatch=False)).worker == "A" and d, timeout=20,
-                     what="A back from a snapshot")
+        # (A's blocks back, not only A chosen: with no overlap anywhere a tie may pick A first)
+        d = wait_for(lambda: (d := r.route(keys, dispatch=False)).worker == "A" and d.ranked[0].overlap.host == 32
+                     and d, timeout=20, what="A back from a snapshot")
         assert d.ranked[0].overlap.host == 32
         assert r.index.columns == cols_before  # its new columns are the reclaimed ones
         st = [f for f in r.status() if f.node_id == "A"][0]
