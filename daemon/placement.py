@@ -29,6 +29,7 @@ awaited in an executor or on the disk tier's threads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import mmap
 import time
@@ -175,7 +176,7 @@ class Placement:
         # no copy), while the write queue has room; their eviction then frees the slot at once
         self.demote_ahead_bytes = 0
         self._ahead: asyncio.Task | None = None
-        self._ahead_queue: dict[bytes, None] = {}  # keys taken for the write-ahead, in order
+        self._ahead_queue: collections.deque[bytes] = collections.deque()  # keys taken for the write-ahead, in order
         self._room_freed = asyncio.Event()  # set whenever a disk write in flight ends
         self._stopping = False  # drain or close: no new write-ahead
         self._closed = False
@@ -245,37 +246,23 @@ class Placement:
             return
         if self._ahead_queue:
             return  # the writer is still behind the last look: no new scan of the window (its cost)
-        queue, n = self._ahead_queue, 0
-        for e in self._ahead_window_blocks():
-            if e.bkey not in queue:
-                queue[e.bkey] = None
-                n += 1
-        self.counters.add(Count.DEMOTIONS_STAGED, n)
+        queue = self._ahead_queue
+        queue.extend(self._ahead_window_blocks())
+        self.counters.add(Count.DEMOTIONS_STAGED, len(queue))
         if queue and self._ahead is None:
             self._ahead = asyncio.ensure_future(self._write_ahead())
 
-    def _ahead_window_blocks(self) -> list[HostEntry]:
+    def _ahead_window_blocks(self) -> list[bytes]:
         """The policy's write-ahead rule (:meth:`TierPolicy.ahead`) in bytes: while host has less
-        free memory than the window, the blocks within the window's bytes of the eviction end
-        (the policy's victim order) that are not on disk and not pinned (in use), in order."""
+        free memory than the window, the keys of the blocks within the window's bytes of the
+        eviction end (the policy's victim order) that are not on disk and not pinned (in use),
+        in order."""
         disk, host = self.disk, self.host
         assert disk is not None
         window = self.ahead_window()
         if host.capacity - host.used_bytes >= window:
             return []
-        seen = scanned = 0
-        out: list[HostEntry] = []
-        for bkey in self.policy.victims(HOST):
-            e = host.get(bkey)
-            if e is None:
-                continue  # hidden meanwhile (a victim not popped yet)
-            seen += e.cls.slot_bytes
-            scanned += 1
-            if seen > window or scanned > AHEAD_SCAN:
-                break
-            if bkey not in disk.entries and not e.pins:
-                out.append(e)
-        return out
+        return host.unpinned_within(self.policy.victims(HOST), window, AHEAD_SCAN, disk.entries)
 
     def _ahead_batch(self) -> list[HostEntry]:
         """Take the next batch off the write-ahead queue, in order: up to half the write
@@ -287,16 +274,17 @@ class Placement:
         room, half = limit - self._writing_bytes, limit // 2
         out: list[HostEntry] = []
         total = gone = 0
-        for bkey in list(queue):
+        while queue:
+            bkey = queue[0]
             e = host.get(bkey)
             if e is None or bkey in disk.entries or e.pins:
-                del queue[bkey]
+                queue.popleft()
                 gone += 1
                 continue
             sb = e.cls.slot_bytes
             if total + sb > room or (out and total + sb > half):
                 break
-            del queue[bkey]
+            queue.popleft()
             out.append(e)
             total += sb
         self.counters.add(Count.DEMOTIONS_STAGED_OVER, gone)

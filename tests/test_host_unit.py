@@ -163,3 +163,17 @@ def test_stale_grant_never_commits_nor_frees_another_blocks_slot(tier: HostTier)
     tier.abort(old)                                   # a late abort: nothing freed
     assert old.slot not in cls.free
     assert tier.commit(new) and tier.get(b"b") == new
+
+
+def test_unpinned_within_reads_the_packed_state(tier: HostTier) -> None:
+    """The write-ahead's look: in the order given, visible entries only, within the bytes and
+    the count given (each visible one counted, pinned or skipped too), not pinned, not skipped."""
+    small = tier.size_class(SLOT // 2)
+    put(tier, small, [b"a", b"b", b"c", b"d", b"e", b"f"], SLOT // 2)
+    tier.pin(tier.get(b"b"))
+    order = [b"nope", b"a", b"b", b"c", b"d", b"e", b"f"]
+    assert tier.unpinned_within(order, 4 * SLOT, 100, ()) == [b"a", b"c", b"d", b"e", b"f"]
+    assert tier.unpinned_within(order, 2 * SLOT, 100, {b"c"}) == [b"a", b"d"]
+    assert tier.unpinned_within(order, 4 * SLOT, 3, ()) == [b"a", b"c"]
+    tier.unpin(tier.get(b"b"))
+    assert tier.unpinned_within(order, SLOT, 100, ()) == [b"a", b"b"]

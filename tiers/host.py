@@ -68,7 +68,7 @@ import errno
 import mmap
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -580,6 +580,27 @@ class HostTier(PinnedTier[HostEntry]):
         """The visible entry of ``bkey`` (a view: see :class:`HostEntry`), or None."""
         v = self.entries.get(bkey)
         return None if v is None else _view(bkey, self._by_index[v >> 32], v & _SLOT)
+
+    def unpinned_within(self, order: Iterable[bytes], window: int, most: int,
+                        skip: Container[bytes]) -> list[bytes]:
+        """The keys, in ``order``, of the visible entries among its first ones (at most ``most``
+        entries and ``window`` bytes of slots, counted over every visible one) that are neither
+        pinned nor in ``skip``. Reads the packed entries and class arrays, no views."""
+        entries, by_index = self.entries, self._by_index
+        out: list[bytes] = []
+        seen = scanned = 0
+        for bkey in order:
+            v = entries.get(bkey)
+            if v is None:
+                continue  # hidden meanwhile (a victim not popped yet)
+            cls = by_index[v >> 32]
+            seen += cls.slot_bytes
+            scanned += 1
+            if seen > window or scanned > most:
+                break
+            if bkey not in skip and cls.states[v & _SLOT] < _PIN:
+                out.append(bkey)
+        return out
 
     def recency(self) -> HostRecency:
         """The placement policy's host order and seen counts, kept in this tier's per-slot

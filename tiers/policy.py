@@ -26,16 +26,17 @@ Rules
       bandwidth cannot take); the others are dropped. The seen-twice filter exists to spare
       the disk's write bandwidth, so it applies only when writes back up: applied always, it
       drops the blocks of a conversation's latest turn, which the next turn needs (issue 15).
-      A victim already on disk stays there, untouched: an eviction is not a use. A block evicted from ``disk`` is dropped.
+      A victim already on disk stays there, untouched: an eviction is not a use. A block
+      evicted from ``disk`` is dropped.
     * Write-ahead (:attr:`TierPolicy.write_ahead`, in blocks; 0: none): while host has less
       free room than that, its first ``write_ahead`` blocks in eviction order are written to
       disk too, ahead of their eviction (those not on disk yet, in order, but not the blocks a
       get is using), so that evicting them later frees their room at once. They stay in host;
       a block that is used again before its eviction is simply held in both tiers. The daemon
       takes them after a put's reservation that evicted and after a promotion, and writes
-      them in the background as the write queue has room (after the put's own demotions); :meth:`TierPolicy.put`, :meth:`TierPolicy.get` and
-      :meth:`TierPolicy.prefetch` model it at those points
-      (``tests/test_placement_equivalence.py``).
+      them in the background as the write queue has room (after the put's own demotions);
+      :meth:`TierPolicy.put`, :meth:`TierPolicy.get` and :meth:`TierPolicy.prefetch` model it
+      at those points (``tests/test_placement_equivalence.py``).
     * Promotion: a get that finds a block on disk and not in host brings it into host
       (:meth:`TierPolicy.promotions`); it stays on disk too, and the hit is a use there.
     * Only a request's *leading run* of held blocks can be served (keys are chained prefix
@@ -455,18 +456,19 @@ class TierPolicy:
     def _write_ahead(self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()) -> None:
         """Write host blocks to disk ahead of their eviction (:meth:`ahead`), counted in ``counts.ahead``."""
         if keys:
-            self._write_disk(keys, keep)
-            self.counts.ahead += len(keys)
+            self.counts.ahead += self._write_disk(keys, keep)
 
-    def _write_disk(self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()) -> None:
-        """Write blocks not on disk yet, in order, while disk has room (as the store's disk writes)."""
+    def _write_disk(self, keys: Sequence[Hashable], keep: Collection[Hashable] = ()) -> int:
+        """Write blocks not on disk yet, in order, while disk has room (as the store's disk
+        writes); returns how many were written."""
         if self.capacity[DISK] == 0:
-            return
+            return 0
         todo = [k for k in dict.fromkeys(keys) if k not in self.tiers[DISK]]
         n, victims = self._room(DISK, len(todo), keep)
         if victims:
             self.on_evict(DISK, victims)
         self.on_write(todo[:n])
+        return n
 
     def _promote(self, below: list[Hashable], keep_host: Collection[Hashable] = ()) -> set[Hashable]:
         """Read ``below`` (on disk, not in host) into host, as far as host has room; the disk
