@@ -281,6 +281,25 @@ def test_main_json_table_and_session_rows(tmp_path, capsys) -> None:
     assert "n/a" in out[-2]
 
 
+def test_main_markdown_table(tmp_path, capsys) -> None:
+    """--markdown prints the rows as docs/replay.md's tables: the same figures as --json's."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": r.arrival_s * 1000, "input_length": r.input_tokens,
+                                        "output_length": 1, "hash_ids": list(r.keys), "session_id": r.session})
+                            + "\n" for r in TRACE))
+    assert main([str(path), "--block-tokens", "4", "--replicas", "2", "--policy", "session,kvtier",
+                 "--markdown", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(out[-1])["rows"]
+    head = out.index("| policy | replicas | hit_rate | gpu | host | disk | remote | tokens_saved | imbalance "
+                     "| ttft_mean_s | ttft_p99_s |")
+    assert out[head + 1] == "|---|" + "---:|" * 10
+    for line, r in zip(out[head + 2:head + 4], rows, strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:3] == [r["policy"], "2", f"{r['hit_rate']:.4f}"]
+        assert cells[-1] == f"{r['ttft_p99_s']:.3f}"
+
+
 def test_main_refuses_bad_input(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 8}\n')

@@ -18,6 +18,13 @@ vLLM's CPU backend reserves one more core for its processes when any KV connecto
 configured, which changes its OpenMP thread count and with it the rounding of attention:
 greedy outputs at near-ties then differ from vLLM alone whatever the connector does. Every
 phase here runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` so they all compute alike.
+
+The engine core runs in the phase's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the
+connector's scheduler and worker sides live in the engine core process either way (one
+worker, in-process), so kvtier sees the same engine; only the front end (tokenizer, output
+processing) shares that process, and each phase starts in 2-3 s instead of about 30 s (the
+engine core process imports vLLM and torch again). The API server phases of
+``test_gateway.py`` and ``test_measure_vllm.py`` keep the separate engine core process.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ pytestmark = pytest.mark.engine
 
 BLOCK = 32
 SESSIONS, TURNS, FIRST, PER_TURN, MAX_TOKENS = 4, 3, 200, 40, 8
-ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto", "TOKENIZERS_PARALLELISM": "false",
+       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _importable() -> str | None:

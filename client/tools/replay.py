@@ -659,7 +659,8 @@ def _fmt(v: float | None, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
-def format_table(rows: Sequence[Row]) -> str:
+def format_table(rows: Sequence[Row], markdown: bool = False) -> str:
+    """The rows as aligned text, or with ``markdown`` as a Markdown table (docs/replay.md's)."""
     head = ("policy", "replicas", "hit_rate", "gpu", "host", "disk", "remote", "tokens_saved", "imbalance",
             "ttft_mean_s", "ttft_p99_s")
     lines = [head]
@@ -669,6 +670,9 @@ def format_table(rows: Sequence[Row]) -> str:
                       _fmt(t.get("host"), ".4f"), _fmt(t.get("disk"), ".4f"), _fmt(r.remote_hit_rate, ".4f"),
                       _fmt(r.prefill_tokens_saved, ",d"), _fmt(r.imbalance, ".3f"), _fmt(r.ttft_mean_s, ".3f"),
                       _fmt(r.ttft_p99_s, ".3f")))
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+                         + ["| " + " | ".join(line) + " |" for line in lines[1:]])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = []
     for n, line in enumerate(lines):
@@ -892,6 +896,8 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
     ap.add_argument("--session-halflife-s", type=_positive, default=d.session_halflife_s,
                     help="live sessions per worker halve every this many seconds [%(default)s]")
     ap.add_argument("--json", action="store_true", help='print {"rows": [...]} as the last line')
+    ap.add_argument("--markdown", action="store_true",
+                    help="print the table as Markdown (as docs/replay.md's tables are)")
     ap.add_argument("--plot", metavar="FILE.png",
                     help="draw hit rate by tier (with the pooled reference: 1 replica with N x the capacity), "
                          "p99 TTFT and imbalance against replicas per policy")
@@ -940,7 +946,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.trace}: {len(requests)} requests, {sum(len(r.keys) for r in requests)} blocks of "
           f"{cfg.block_tokens} tokens; per replica gpu {_human(cfg.gpu_tokens)}, host {_human(cfg.host_tokens)}, "
           f"disk {_human(cfg.disk_tokens)} tokens")
-    print(format_table(rows))
+    print(format_table(rows, markdown=args.markdown))
     if pool is not None:
         print("pooled (1 replica with N x the capacity) hit rate: "
               + ", ".join(f"N={n}: {r.hit_rate:.4f}" for n, r in pool.items()))
