@@ -148,7 +148,7 @@ class Count(enum.Enum):
     # -- end of stale grants --
 
     # -- background demotions (issue 15) --
-    DEMOTIONS_STAGED = "demotions_staged"            # host victims copied out to be written in the background
+    DEMOTIONS_STAGED = "demotions_staged"            # host blocks queued for a background disk write (victims copied out, write-ahead)
     DEMOTIONS_STAGED_OVER = "demotions_staged_over"  # of those, writes over (written, dropped or failed)
     DEMOTIONS_AHEAD = "demotions_ahead"              # host blocks near eviction written to disk ahead of it
     # -- end of background demotions --

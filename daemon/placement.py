@@ -238,17 +238,27 @@ class Placement:
     def _write_ahead_soon(self) -> None:
         """Queue the write-ahead window's unwritten blocks, taken now (the policy's rule, see
         :meth:`_ahead_window_blocks`), for the write-ahead task, and start it if it is not
-        running. Each newly queued block counts in ``demotions_staged`` in this loop step."""
+        running. Each newly queued block counts in ``demotions_staged`` in this loop step.
+        Blocks still queued from earlier looks (the writer is behind) stay ahead of them, as
+        the policy wrote them at their look, unless they left host or are on disk by now
+        (counted over)."""
         if not self.demote_ahead_bytes or not self.demote_queue_bytes:
             return
         disk = self.disk
         if disk is None or disk.degraded or self._stopping:
             return
-        if self._ahead_queue:
-            return  # the writer is still behind the last look: no new scan of the window (its cost)
         queue = self._ahead_queue
-        queue.extend(self._ahead_window_blocks())
-        self.counters.add(Count.DEMOTIONS_STAGED, len(queue))
+        new = self._ahead_window_blocks()
+        if queue:
+            held, on_disk = self.host.entries, disk.entries
+            live = [k for k in queue if k in held and k not in on_disk]
+            self.counters.add(Count.DEMOTIONS_STAGED_OVER, len(queue) - len(live))
+            queued = set(live)
+            new = [k for k in new if k not in queued]
+            queue.clear()
+            queue.extend(live)
+        queue.extend(new)
+        self.counters.add(Count.DEMOTIONS_STAGED, len(new))
         if queue and self._ahead is None:
             self._ahead = asyncio.ensure_future(self._write_ahead())
 
@@ -282,6 +292,10 @@ class Placement:
                 gone += 1
                 continue
             sb = e.cls.slot_bytes
+            if sb > limit:  # larger than the whole write queue: never written ahead
+                queue.popleft()
+                gone += 1
+                continue
             if total + sb > room or (out and total + sb > half):
                 break
             queue.popleft()
@@ -301,8 +315,6 @@ class Placement:
                 batch = self._ahead_batch()
                 if not batch:
                     if self._ahead_queue:
-                        if not self._writing_bytes:
-                            break  # (a block larger than the whole write queue: never written ahead)
                         self._room_freed.clear()  # no room: wait until a disk write in flight ends
                         await self._room_freed.wait()
                     continue
@@ -605,7 +617,9 @@ class Placement:
 
     async def make_durable(self, bkeys: list[bytes]) -> int:
         """Write the host blocks of ``bkeys`` that are not on disk yet; returns how many of
-        ``bkeys`` are on disk and indexed afterwards (their host slots are pinned meanwhile)."""
+        ``bkeys`` are on disk and indexed afterwards (their host slots are pinned meanwhile).
+        Keys another write already has in flight (a write-ahead, a staged demotion) are not
+        written twice: their write is awaited, so that the count says what it made durable."""
         disk = self.disk
         assert disk is not None
         todo = [e for e in (self.host.get(b) for b in bkeys if b not in disk.entries) if e is not None]
@@ -617,6 +631,9 @@ class Placement:
             finally:
                 for e in todo:
                     self.host.unpin(e)
+        while not disk.degraded and any(disk.writing(b) for b in bkeys):
+            self._room_freed.clear()  # set as each disk write in flight ends
+            await self._room_freed.wait()
         return sum(1 for b in bkeys if b in disk.entries)
 
     async def promote(self, layout: Layout, bkeys: list[bytes], cls: SizeClass) -> set[bytes]:
@@ -837,15 +854,20 @@ class Placement:
 
     def close(self) -> None:
         """Close the tiers (after :meth:`drain`; background demotions still running are
-        cancelled: never acknowledged, they are lost)."""
+        cancelled: never acknowledged, they are lost). A second call does nothing."""
+        if self._closed:
+            return
         self._closed = self._stopping = True
         pending = list(self._staged_writes) + ([self._ahead] if self._ahead is not None else [])
         for task in pending:
             task.cancel()
-        for mm, view in self._pool_maps.values():
-            view.release()
-            mm.close()
-        self._pool_maps.clear()
+        if self._ahead is None:
+            for mm, view in self._pool_maps.values():
+                view.release()
+                mm.close()
+            self._pool_maps.clear()
+        # (else a write-ahead batch's slot views may still be read on the disk's writer thread:
+        # the pool maps stay mapped, and go with the process)
         if self.disk is not None:
             self.disk.close()
         if not pending:  # (else their buffers go with the cancelled tasks)

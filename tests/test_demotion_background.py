@@ -10,7 +10,20 @@ from __future__ import annotations
 
 import asyncio
 
-from test_store_races import BLOCK, Gate, get, key, parked, payload, put, read_slot, run, settle, until, write_slot
+from test_store_races import (
+    BLOCK,
+    Gate,
+    get,
+    key,
+    parked,
+    payload,
+    put,
+    read_slot,
+    run,
+    settle,
+    until,
+    write_slot,
+)
 
 from kvtier.daemon.counters import Count
 from kvtier.daemon.placement import _ingest_pool
@@ -241,4 +254,43 @@ def test_a_block_being_written_ahead_is_passed_over_and_an_evict_keeps_it_off_di
         assert store.lookup(lid, [key(2), key(3)]) == [None, Tier.HOST]
         assert disk.used_bytes == len(disk.entries) * BLOCK and not disk._writing
         assert store.host.used_bytes == 7 * BLOCK                           # 2's slot is free (at its unpin)
+    run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)
+
+
+def test_a_durable_put_of_blocks_being_written_ahead_waits_for_that_write(tmp_path):
+    """A durable put of 2 and 3 while their write-ahead is parked on the gated writer does not
+    write them twice (the disk skips keys in flight) and does not answer before that write
+    ends: it answers durable, and they are on disk."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        store.tiers.demote_ahead_bytes = 2 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(8)])
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+        await until(lambda: store.counters[Count.DEMOTIONS_STAGED] == 4, "the write-ahead of 2 and 3 to be queued")
+        await until(lambda: bool(disk._writing), "the write-ahead of 2 and 3 to be in flight")
+        durable = asyncio.ensure_future(store.allocate(sid, lid, [key(2), key(3)], durable=True))
+        await asyncio.sleep(0.1)
+        assert not durable.done(), "a durable put answered while its blocks' write was still in flight"
+        gate.open()
+        grants = await asyncio.wait_for(durable, 10)
+        assert [g.durable for g in grants] == [True, True]
+        assert store.on_disk(lid, [key(2), key(3)]) == [True, True]
+        await settle(store, disk)
+    run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)
+
+
+def test_closing_while_a_write_ahead_is_in_flight_closes_the_tiers(tmp_path):
+    """Closing the tiers without a drain while a write-ahead batch is parked on the gated writer
+    (its slot views still exported) closes the disk and host tiers: nothing raises."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        store.tiers.demote_ahead_bytes = 2 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(8)])
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+        await until(lambda: bool(disk._writing), "the write-ahead of 2 and 3 to be in flight")
+        gate.open()
+        store.tiers.close()
+        assert not store.host.classes, "the host tier was not closed"
     run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)

@@ -456,6 +456,10 @@ class DiskTier(PinnedTier[DiskEntry]):
     def _hide(self, entry: DiskEntry) -> None:
         hide_entry(self.entries, self.per_fp, entry)
 
+    def writing(self, bkey: bytes) -> bool:
+        """A write of ``bkey`` is planned and not finished (``plan_write`` skips the key meanwhile)."""
+        return bkey in self._writing
+
     def submit_write(self, plan: WritePlan, sources: Sequence[memoryview]) -> Future[None]:
         """Run the batch on the writer thread: one source (page-aligned, ``slot_bytes`` long) per
         planned entry, in order. The future raises ``OSError`` or ``lmdb.Error`` on failure.
