@@ -294,3 +294,28 @@ def test_closing_while_a_write_ahead_is_in_flight_closes_the_tiers(tmp_path):
         store.tiers.close()
         assert not store.host.classes, "the host tier was not closed"
     run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)
+
+
+def test_a_look_while_the_writer_is_behind_still_queues_the_new_window(tmp_path):
+    """Write queue of 2 blocks, window of 2, the writer gated. Put 10 evicts 0 (staged) and
+    queues 1, 2 for the write-ahead; 1 goes in flight, 2 waits for room. Put 11 evicts 2 (1 is
+    pinned; no room: 2, seen once, is dropped) and looks again: 3 joins the queue, as the policy
+    writes it at that put. Before, a look was skipped while the queue held blocks, so 3 was
+    never written ahead: which blocks went depended on how far the writer had got."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 2 * BLOCK
+        store.tiers.demote_ahead_bytes = 2 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(8)])
+        gate = Gate(disk._writer, 1)
+        await put_bytes(store, sid, lid, [key(10)], [payload(key(10))])
+        await until(lambda: store.tiers._writing_bytes == 2 * BLOCK, "0 staged and 1 written ahead, in flight")
+        assert len(store.tiers._ahead_queue) == 1                          # 2, waiting for room
+        await put_bytes(store, sid, lid, [key(11)], [payload(key(11))])
+        assert store.lookup(lid, [key(2)]) == [None]                       # evicted while queued
+        gate.open()
+        await settle(store, disk)
+        assert store.on_disk(lid, [key(1), key(3)]) == [True, True], "the second look's block was not written ahead"
+        assert store.lookup(lid, [key(3)]) == [Tier.HOST]                   # held in both tiers
+        assert store.counters[Count.DEMOTIONS_AHEAD] == 2
+        assert store.counters[Count.DEMOTIONS_STAGED] == store.counters[Count.DEMOTIONS_STAGED_OVER]
+    run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)
