@@ -177,3 +177,133 @@ def test_unpinned_within_reads_the_packed_state(tier: HostTier) -> None:
     assert tier.unpinned_within(order, 4 * SLOT, 3, ()) == [b"a", b"c"]
     tier.unpin(tier.get(b"b"))
     assert tier.unpinned_within(order, SLOT, 100, ()) == [b"a", b"b"]
+
+
+# -- checksums of large commits, taken on the hashing threads (HostTier.seal) ---------------------
+
+BIG = 2 << 20  # over INLINE_HASH_BYTES: sealed on the hashing threads
+
+
+def _write(cls, e, byte: int) -> None:
+    with open(cls.path, "r+b") as f:
+        f.seek(e.offset)
+        f.write(bytes([byte]) * e.block_bytes)
+
+
+def _put_big(t: HostTier, cls, key: bytes, byte: int, candidates=()):
+    res = t.reserve(cls, [key], BIG, list(candidates))
+    res.backing.run()
+    t.finish_eviction()
+    e = res.entries[0]
+    _write(cls, e, byte)
+    assert t.commit(e)
+    return res, e
+
+
+def test_a_victim_evicted_while_its_checksum_is_taken_gets_it(tmp_path) -> None:
+    """A large commit's checksum is still being taken when a reserve evicts it: the victim
+    (what a demotion writes, with the checksum its payload must still have) gets the checksum
+    once ``sealed`` returns, not None (the disk would then take whatever bytes are there)."""
+    import asyncio  # noqa: PLC0415
+
+    from kvtier.tiers.host import payload_checksum  # noqa: PLC0415
+
+    async def body() -> None:
+        d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
+        t = HostTier(d, capacity=BIG, name_prefix="s")
+        try:
+            cls = t.size_class(BIG)
+            _, e = _put_big(t, cls, b"a" * 24, 7)
+            t.seal([e])
+            assert e.sealing is not None, "not sealed on the threads: the test needs a pending checksum"
+            want = payload_checksum(cls.payload(e.offset, e.block_bytes))
+            res = t.reserve(cls, [b"b" * 24], BIG, [b"a" * 24])  # a evicted before its checksum came
+            victim = res.victims[0]
+            await t.sealed(res.victims)
+            assert victim.checksum == want
+            t.finish_eviction()
+        finally:
+            t.close()
+            shutil.rmtree(d)
+    asyncio.run(body())
+
+
+def test_a_late_checksum_never_lands_on_the_slots_next_block(tmp_path) -> None:
+    """A large commit's checksum is still being taken when its block is removed and its slot
+    goes to another block, committed with its own checksum: the late one must not replace it
+    (the good block would then fail verification and be dropped)."""
+    import asyncio  # noqa: PLC0415
+
+    from kvtier.tiers.host import payload_checksum  # noqa: PLC0415
+
+    async def body() -> None:
+        d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
+        t = HostTier(d, capacity=BIG, name_prefix="l")
+        try:
+            cls = t.size_class(BIG)
+            _, a = _put_big(t, cls, b"a" * 24, 7)
+            t.seal([a])
+            task = a.sealing
+            assert task is not None
+            t.remove([b"a" * 24])                               # its slot is free at once
+            res = t.reserve(cls, [b"b" * 24], BIG - 4096)
+            b = res.entries[0]
+            assert b.slot == a.slot
+            _write(cls, b, 9)
+            assert t.commit(b)
+            good = payload_checksum(cls.payload(b.offset, b.block_bytes))
+            t.seal([b], [good])                                 # the client's checksum
+            await task                                          # a's late checksum lands
+            held = t.get(b"b" * 24)
+            assert held.checksum == good
+            assert await t.verify([held]) == []
+        finally:
+            t.close()
+            shutil.rmtree(d)
+    asyncio.run(body())
+
+
+def test_a_stale_view_cannot_touch_the_next_blocks_pins_and_a_second_commit_is_refused(tier: HostTier) -> None:
+    """A view of a removed block, kept past the last unpin that freed its slot, must not
+    change the pins of the block that slot holds next; committing a committed grant again
+    must not free its slot (it would be handed out while the block is visible)."""
+    cls = tier.size_class(SLOT)
+    put(tier, cls, [b"a"])
+    old = tier.get(b"a")
+    tier.pin(old)
+    tier.remove([b"a"])
+    tier.unpin(old)                                             # the last pin: the slot is freed
+    res = put(tier, cls, [b"b"])
+    b = tier.get(b"b")
+    assert b.slot == old.slot
+    tier.pin(b)
+    with pytest.raises(HostTierError, match="stale"):
+        tier.unpin(old)
+    with pytest.raises(HostTierError, match="stale"):
+        tier.pin(old)
+    assert b.pins == 1
+    tier.unpin(b)
+    assert tier.commit(res.entries[0]) is False                 # committed already
+    assert b.slot not in cls.free and tier.get(b"b") == b
+
+
+def test_another_class_is_not_evicted_when_its_memory_cannot_make_a_slot(tmp_path) -> None:
+    """Class A (4 KiB) has all the slots the capacity gives it (3): evicting class B's block
+    frees budget A cannot use, so only A's own victim goes."""
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
+    t = HostTier(d, capacity=3 * SLOT + SLOT // 2, name_prefix="c")
+    t.policy = TierPolicy(0, None, 0)
+    try:
+        a, b = t.size_class(SLOT), t.size_class(SLOT // 2)
+        for cls, names in ((a, [b"a1", b"a2", b"a3"]), (b, [b"b1"])):
+            res = t.reserve(cls, names, cls.slot_bytes)
+            res.backing.run()
+            t.finish_eviction()
+            assert all(t.commit(e) for e in res.entries)
+        res = t.reserve(a, [b"a4"], SLOT, [b"b1", b"a1"])
+        t.finish_eviction()
+        assert [v.bkey for v in res.victims] == [b"a1"]
+        assert t.get(b"b1") is not None
+    finally:
+        t.close()
+        shutil.rmtree(d)

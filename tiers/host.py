@@ -497,6 +497,7 @@ class HostTier(PinnedTier[HostEntry]):
         self._registered: set[tuple[str, int]] = set()  # classes whose pool file a GPU has pinned
         self._hasher: ThreadPoolExecutor | None = None
         self._sealing: set[asyncio.Task] = set()
+        self._late_sums: dict[tuple[int, int], int] = {}  # see _seal_later
 
     # -- size classes and budget ---------------------------------------------------------
 
@@ -678,12 +679,13 @@ class HostTier(PinnedTier[HostEntry]):
         Candidates passed over stay passed over for the rest of one ``reserve`` (nothing
         changes their pins or classes meanwhile)."""
         entries, by_index, registered = self.entries, self._by_index, self._registered
+        grows = bool(needy.holes) or needy.hwm < needy.nslots  # (else another class's slot cannot help)
         for bkey in order:
             v = entries.get(bkey)
             if v is None:
                 continue
             cls, slot = by_index[v >> 32], v & _SLOT
-            if cls.states[slot] >= _PIN or (cls is not needy and cls.key in registered):
+            if cls.states[slot] >= _PIN or (cls is not needy and (not grows or cls.key in registered)):
                 continue
             entry = _view(bkey, cls, slot)
             entry._detach()
@@ -698,6 +700,7 @@ class HostTier(PinnedTier[HostEntry]):
         for cls, slot in self._pending_punch:
             punch_hole(cls.fd, slot * cls.slot_bytes, cls.slot_bytes)
         self._pending_punch.clear()
+        self._late_sums.clear()  # (the victims were demoted, or not, by now)
 
     def commit(self, entry: HostEntry) -> bool:
         """Make a granted entry visible. False (and the slot freed) if the key became visible
@@ -706,7 +709,7 @@ class HostTier(PinnedTier[HostEntry]):
         another block's now)."""
         cls, sg, bkey = entry.cls, entry._sg, entry.bkey
         slot = sg >> 32
-        if cls.gens[slot] != sg & 0xFFFFFFFF:  # stale (HostEntry.current)
+        if cls.gens[slot] != sg & 0xFFFFFFFF or entry._st < 0:  # stale (HostEntry.current), or committed
             return False
         if bkey in self.entries:
             self._free_slot(entry)
@@ -723,11 +726,20 @@ class HostTier(PinnedTier[HostEntry]):
 
     def pin(self, entry: HostEntry) -> None:
         if entry._st < 0:
+            self._check_view(entry)
             entry.cls.states[entry._sg >> 32] += _PIN
         else:
             entry._st += _PIN
 
+    def _check_view(self, entry: HostEntry) -> None:
+        """A view of a held entry is only as good as its slot: once the slot changed hands its
+        arrays are another block's (a view kept past its block's end must not touch them)."""
+        if not entry.current:
+            raise self.error(f"stale entry: slot {entry.slot} changed hands (generation {entry.gen})")
+
     def unpin(self, entry: HostEntry) -> None:
+        if entry._st < 0:
+            self._check_view(entry)
         st = entry._state
         if st < _PIN:
             raise self.error(f"unpin of an entry with no pins (slot {entry.slot})")
@@ -747,6 +759,7 @@ class HostTier(PinnedTier[HostEntry]):
             if e.current:
                 e.cls.bump(e.slot)
                 e.cls.holes.append(e.slot)
+                punch_hole(e.cls.fd, e.offset, e.cls.slot_bytes)  # (what of it was allocated)
 
     def remove(self, bkeys: Iterable[bytes]) -> list[HostEntry]:
         """Hide these entries; free their slots now, or on the last unpin if pinned."""
@@ -816,18 +829,35 @@ class HostTier(PinnedTier[HostEntry]):
             e.sealing = task
 
     async def _seal_later(self, entries: list[HostEntry]) -> None:
+        """Record the checksums taken on the hashing threads where the tier still holds each
+        block in its slot. One that left meanwhile (evicted, removed) must not write the
+        slot's arrays (the slot may be another block's by then): its checksum waits in
+        ``_late_sums`` for :meth:`sealed` to give it to the victim being demoted, until the
+        next :meth:`finish_eviction`."""
         try:
             for e, c in zip(entries, await self.checksums(entries), strict=True):
-                e.checksum = c
+                if e._st < 0 and e.current:
+                    e.checksum = c
+                else:
+                    self._late_sums[(e.cls.index, e._sg)] = c
         finally:
             for e in entries:
                 e.sealing = None
 
     async def sealed(self, entries: Iterable[HostEntry]) -> None:
-        """Wait until the checksums of these entries are taken (see :meth:`seal`)."""
+        """Wait until the checksums of these entries are taken (see :meth:`seal`). A victim
+        evicted while its checksum was being taken gets it here."""
+        entries = list(entries)
         pending = {id(t): t for t in (e.sealing for e in entries) if t is not None}
         if pending:
             await asyncio.gather(*pending.values(), return_exceptions=True)
+        late = self._late_sums
+        if late:
+            for e in entries:
+                if e._st >= 0 and not e._st & _SUMMED:  # detached before its checksum came
+                    c = late.get((e.cls.index, e._sg))
+                    if c is not None:
+                        e.checksum = c  # (the slot's sum is the victim's until finish_eviction)
 
     async def verify(self, entries: Sequence[HostEntry]) -> list[HostEntry]:
         """The entries whose payload no longer matches the checksum taken at commit (entries
