@@ -561,7 +561,9 @@ class Placement:
                 v.release()
         if plan.mismatched:  # host payloads written after their commit: dropped, in host too
             self.counters.add(Count.CHECKSUM_FAILURES, len(plan.mismatched))
-            gone = [e.bkey for e in self.host.remove([d.bkey for d in plan.mismatched])]
+            bad = {d.bkey for d in plan.mismatched}  # (not a newer copy of the key, put since)
+            gone = [e.bkey for e in self.host.remove([e.bkey for e in entries
+                                                      if e.bkey in bad and self.host.get(e.bkey) == e])]
             self.policy.on_remove(HOST, gone)
             self.observers.removed_blocks(HOST, gone)
         return len(visible)
@@ -622,18 +624,23 @@ class Placement:
         written twice: their write is awaited, so that the count says what it made durable."""
         disk = self.disk
         assert disk is not None
-        todo = [e for e in (self.host.get(b) for b in bkeys if b not in disk.entries) if e is not None]
-        if todo and not disk.degraded:
-            for e in todo:
-                self.host.pin(e)
-            try:
-                await self.write_to_disk(todo)
-            finally:
+        for _ in range(2):  # (once more: a write awaited may have been dropped, by an Evict or a new put)
+            todo = [e for e in (self.host.get(b) for b in bkeys if b not in disk.entries) if e is not None]
+            if todo and not disk.degraded:
                 for e in todo:
-                    self.host.unpin(e)
-        while not disk.degraded and any(disk.writing(b) for b in bkeys):
-            self._room_freed.clear()  # set as each disk write in flight ends
-            await self._room_freed.wait()
+                    self.host.pin(e)
+                try:
+                    await self.write_to_disk(todo)
+                finally:
+                    for e in todo:
+                        self.host.unpin(e)
+            waited = False
+            while not disk.degraded and any(disk.writing(b) for b in bkeys):
+                self._room_freed.clear()  # set as each disk write in flight ends
+                await self._room_freed.wait()
+                waited = True
+            if not waited:
+                break
         return sum(1 for b in bkeys if b in disk.entries)
 
     async def promote(self, layout: Layout, bkeys: list[bytes], cls: SizeClass) -> set[bytes]:

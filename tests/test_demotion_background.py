@@ -12,6 +12,7 @@ import asyncio
 
 from test_store_races import (
     BLOCK,
+    FP,
     Gate,
     get,
     key,
@@ -319,3 +320,76 @@ def test_a_look_while_the_writer_is_behind_still_queues_the_new_window(tmp_path)
         assert store.counters[Count.DEMOTIONS_AHEAD] == 2
         assert store.counters[Count.DEMOTIONS_STAGED] == store.counters[Count.DEMOTIONS_STAGED_OVER]
     run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)
+
+
+def test_an_evict_during_a_staged_write_is_durable_when_answered(tmp_path):
+    """An Evict (evict_durably: answered once the index deletes committed) of a key whose
+    staged write is parked on the disk writer: when it answers, the index must not hold the
+    key, even though the write, which ran first, committed it (a crash then would bring the
+    evicted key back with its old bytes). Later work on the writer is held by a second gate."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        g1 = Gate(disk._writer, 1)
+        await put(store, sid, lid, [key(10)])                               # 0 staged, its write parked
+        await until(lambda: g1.queued() == 1, "the staged write to be queued")
+        evicted = asyncio.ensure_future(store.evict_durably(lid, [key(0)]))
+        await until(lambda: g1.queued() >= 2, "the Evict's index work to be queued")
+        g2 = Gate(disk._writer, 1)                                          # holds what comes after
+        g1.open()
+        await asyncio.wait_for(evicted, 10)
+        with disk.env.begin(db=disk._blocks) as txn:
+            assert txn.get(FP + key(0)) is None, "an answered Evict's key is still in the disk index"
+        g2.open()
+        await settle(store, disk)
+        assert store.on_disk(lid, [key(0)]) == [False]
+    run(tmp_path, body, host_blocks=4, disk_blocks=16, demote_min_seen=2)
+
+
+def test_a_durable_re_put_during_the_old_copys_staged_write_is_made_durable(tmp_path):
+    """0 is evicted and staged, its write parked; 0 is put again with a durable commit, which
+    drops that write (a new put of the key) and cannot plan its own while the old one is in
+    flight. Once the old write ends (dropped), the commit writes the new copy: durable."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        gate = Gate(disk._writer, 1)
+        await put(store, sid, lid, [key(10)])                               # 0 staged, its write parked
+        await until(lambda: gate.queued() == 1, "the staged write to be queued")
+        grants = await store.allocate(sid, lid, [key(0)])
+        assert grants[0].granted
+        write_slot(store, grants[0].offset, payload(key(0)))
+        commit = asyncio.ensure_future(store.commit(sid, [grants[0].grant_id], [], durable=True))
+        await asyncio.sleep(0.1)
+        assert not commit.done()
+        gate.open()
+        res = await asyncio.wait_for(commit, 10)
+        assert (res.committed, res.durable) == (1, 1)
+        assert store.on_disk(lid, [key(0)]) == [True]
+        assert await get(store, sid, lid, [key(0)]) == [payload(key(0))]
+        await settle(store, disk)
+    run(tmp_path, body, host_blocks=4, disk_blocks=16, demote_min_seen=2)
+
+
+def test_a_slab_that_cannot_be_opened_degrades_the_disk_and_leaks_nothing(tmp_path):
+    """Opening a new slab file fails (ENOSPC) while a demotion is planned: the disk degrades
+    as for a failed write; the put goes on, no key stays marked in flight, and a later durable
+    commit answers (not durable) instead of waiting forever."""
+    import errno  # noqa: PLC0415
+
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+
+        def no_space(slot_bytes):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        disk._open_slab = no_space
+        await put(store, sid, lid, [key(i) for i in range(4)])
+        await put(store, sid, lid, [key(10)])                               # 0 evicted: its demotion fails
+        await settle(store, disk)
+        assert disk.degraded and not disk._writing
+        assert store.counters[Count.DEMOTIONS_STAGED] == store.counters[Count.DEMOTIONS_STAGED_OVER]
+        grants = await store.allocate(sid, lid, [key(20)])
+        write_slot(store, grants[0].offset, payload(key(20)))
+        res = await asyncio.wait_for(store.commit(sid, [grants[0].grant_id], [], durable=True), 10)
+        assert (res.committed, res.durable) == (1, 0)
+    run(tmp_path, body, host_blocks=4, disk_blocks=16, demote_min_seen=2)

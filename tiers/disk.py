@@ -410,7 +410,14 @@ class DiskTier(PinnedTier[DiskEntry]):
             if self.degraded or bkey in self.entries or bkey in self._writing:
                 plan.entries.append(None)
                 continue
-            slab = self.slabs.get(slot_bytes) or self._open_slab(slot_bytes)
+            slab = self.slabs.get(slot_bytes)
+            if slab is None:
+                try:
+                    slab = self._open_slab(slot_bytes)
+                except (OSError, DiskTierError) as e:  # (ENOSPC, EMFILE...): as a failed write, the
+                    self._degrade(e)                    # plan so far stays whole (it is submitted as usual)
+                    plan.entries.append(None)
+                    continue
             slot = self._take_slot(slab, plan, order)
             if slot is None:
                 plan.entries.append(None)
@@ -600,21 +607,25 @@ class DiskTier(PinnedTier[DiskEntry]):
     def remove(self, bkeys: Iterable[bytes]) -> list[DiskEntry]:
         """Hide these entries now; their index entries are deleted on the writer thread (before any
         later batch reuses the slots); slots of pinned entries are freed on the last unpin. A key
-        being written is dropped when its write finishes (it never becomes visible)."""
+        being written is dropped when its write finishes (it never becomes visible), and its
+        index entry, which that write commits, is deleted right after it on the writer thread
+        (so a :meth:`flush` queued after this covers the removal: it survives a crash)."""
         out = []
+        late: list[bytes] = []
         for bkey in bkeys:
             entry = self.entries.get(bkey)
             if entry is None:
                 if bkey in self._writing:  # not visible yet: it must not become visible
                     self._unwanted.add(bkey)
+                    late.append(bkey)
                 continue
             self._hide(entry)
             entry.removed = True
             if entry.pins == 0:
                 entry.slab.free.append(entry.slot)
             out.append(entry)
-        if out:
-            self._writer.submit(self._index_delete_logged, [e.bkey for e in out])
+        if out or late:  # (a key in flight: its write was submitted when planned, so before this)
+            self._writer.submit(self._index_delete_logged, [e.bkey for e in out] + late)
         return out
 
     def flush(self) -> Future[None]:
