@@ -354,3 +354,70 @@ def test_scorer_rank_with_top_k_zero_matches_numpy() -> None:
     with numpy_path():
         want = sc.rank(*args, top_k=0)[2]
     assert want == [] and sc.rank(*args, top_k=0)[2] == want
+
+
+# -- what a buggy or hostile daemon publishes (a review's findings) ------------------------------
+
+_FP = bytes(range(16))
+
+
+def _info(node: str, workers: list[str], host: float = 0.0) -> list:
+    i = L.NodeInfo(node_id=node, epoch=1)
+    for w in workers:
+        i.workers.add(worker_id=w, fingerprints=[_FP])
+    i.tiers.add(tier=N.TIER_HOST, capacity_bytes=1 << 40, load_gbps=host)
+    i.tiers.add(tier=N.TIER_DISK, capacity_bytes=1 << 40, load_gbps=0.0)
+    return [L.WatchLocationsReply(epoch=1, node=i),
+            L.WatchLocationsReply(epoch=1, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True))]
+
+
+def _stored(tier: int, keys: list[bytes], worker: str = "") -> L.WatchLocationsReply:
+    b = L.EventBatch(head_seq=1)
+    b.events.add(seq=1, kind=L.STORED, tier=tier, worker_id=worker, fingerprint=_FP, keys=keys)
+    return L.WatchLocationsReply(epoch=1, events=b)
+
+
+def _both(msgs: dict[str, list]) -> tuple[Router, Router]:
+    rc, rn = Router(RouterConfig()), Router(RouterConfig())
+    for node, ms in msgs.items():
+        for m in ms:
+            rc.apply(node, m)
+            with numpy_path():
+                rn.apply(node, m)
+    return rc, rn
+
+
+def test_a_nan_bandwidth_is_taken_as_unknown_on_both_paths() -> None:
+    """A daemon publishing NaN as a tier's bandwidth: the router uses the default for it (the
+    worker's costs stay numbers, the compiled and numpy paths agree, and a dispatch there
+    leaves a finite load), instead of a NaN cost that the compiled sort kept first."""
+    keys = [bytes([i + 1]) * 16 for i in range(8)]
+    rc, rn = _both({"a": _info("a", ["wa"], host=float("nan")) + [_stored(N.TIER_HOST, keys[:2])],
+                    "b": _info("b", ["wb"]) + [_stored(N.TIER_GPU, keys, "wb")]})
+    dc = rc.route(keys, dispatch=False)
+    with numpy_path():
+        dn = rn.route(keys, dispatch=False)
+    assert all(np.isfinite(r.cost) for r in dc.ranked)
+    assert [r.worker for r in dc.ranked] == [r.worker for r in dn.ranked] == ["wb", "wa"]
+    for _ in range(3):  # dispatched where it goes: every load stays a number
+        rc.route(keys[:2], now=1.0)
+    assert all(np.isfinite(rc.load(w).queued_blocks) for w in ("wa", "wb"))
+
+
+def test_a_worker_name_declared_by_two_nodes_is_routed_as_the_first_nodes() -> None:
+    """Node b declares wb; node a (sorted first) declares a worker also named wb: one worker
+    wb (node a's), not two copies sharing a name (one of which was never charged load)."""
+    rc, _ = _both({"a": _info("a", ["wa", "wb"]), "b": _info("b", ["wb"])})
+    assert sorted(rc.workers()) == [("wa", "a"), ("wb", "a")]
+
+
+def test_a_key_over_255_bytes_does_not_break_saving_the_state(tmp_path) -> None:
+    """The saved state's key lengths were uint8: a 300-byte key from a daemon made saving
+    raise OverflowError (and the periodic save stopped). It saves, and loads back."""
+    long_key = b"k" * 300
+    rc, _ = _both({"a": _info("a", ["wa"]) + [_stored(N.TIER_HOST, [b"s" * 16, long_key])]})
+    path = str(tmp_path / "state.npz")
+    rc.save_state(path)
+    again = Router(RouterConfig())
+    again.load_state(path)
+    assert len(again.index) == len(rc.index) == 2

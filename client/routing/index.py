@@ -87,6 +87,8 @@ thread-safe: the router serialises calls.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -96,6 +98,8 @@ import numpy as np
 from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable
 from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
+
+log = logging.getLogger("kvtier.router")
 
 try:  # the compiled rows, holdings and bit setting (client/routing/_route.c): same answers as numpy's
     from kvtier.client.routing import _route as _croute
@@ -181,6 +185,7 @@ class LocationIndex:
         self.workers: list[Worker] = []
         self._worker_by_name: dict[str, Worker] = {}
         self._external: list[str] = []
+        self._clashes: set[tuple[str, str]] = set()  # (worker, node) names refused, said once
         self._plan: _Plan | None = None
         self._run: tuple[np.ndarray | None, int] = (None, 0)  # rows()' last one-run answer, its first row
         self._decide_rows = np.empty(258, dtype=np.int64)  # decide()'s rows (scratch)
@@ -327,8 +332,10 @@ class LocationIndex:
             if declared != view.workers:
                 view.workers = declared
                 self._plan = None
+        if load_gbps is not None:  # a bandwidth that is not a positive number: unknown (the default)
+            load_gbps = {t: (v if math.isfinite(v) and v > 0 else 0.0) for t, v in load_gbps.items()}
         if load_gbps is not None and load_gbps != view.load_gbps:
-            view.load_gbps = dict(load_gbps)
+            view.load_gbps = load_gbps
             self._plan = None
         if capacity_bytes is not None:
             view.capacity_bytes = dict(capacity_bytes)
@@ -586,12 +593,17 @@ class LocationIndex:
 
     def _build_plan(self) -> _Plan:
         names: list[tuple[str, str]] = []  # (worker, node)
+        owner: dict[str, str] = {}
         for node_id in sorted(self.nodes):
             view = self.nodes[node_id]
-            if view.workers:
-                names.extend((w, node_id) for w in sorted(view.workers))
-            else:
-                names.append((node_id, node_id))
+            for w in sorted(view.workers) if view.workers else [node_id]:
+                first = owner.setdefault(w, node_id)
+                if first == node_id:
+                    names.append((w, node_id))
+                elif (w, node_id) not in self._clashes:  # a worker is one engine: the first node keeps it
+                    self._clashes.add((w, node_id))
+                    log.warning("a worker name is declared by two nodes: routed as the first's only",
+                                extra={"worker": w, "node": first, "also_declared_by": node_id})
         seen = {w for w, _ in names}
         names.extend((w, "") for w in self._external if w not in seen)
         and_cols: dict[str, list[list[int]]] = {t: [] for t in TIER_LABELS}

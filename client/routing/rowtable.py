@@ -167,12 +167,14 @@ class RowTable:
         return [self.key(r) for r in rows]
 
     def joined(self, rows: np.ndarray) -> tuple[np.ndarray, bytes]:
-        """(uint8 lengths, the keys joined) of these rows' keys, in order (whole arrays when
+        """(uint8 lengths, uint32 where a key is longer than 255 bytes; the keys joined) of these rows' keys, in order (whole arrays when
         every key is ``WIDTH`` bytes)."""
         if not self.odd_key:
             return np.full(len(rows), WIDTH, dtype=np.uint8), self.packed.take(rows).tobytes()
         keys = self.keys(rows.tolist())
-        return np.fromiter(map(len, keys), dtype=np.uint8, count=len(keys)), b"".join(keys)
+        lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+        wide = lengths.max(initial=0) > 255  # (a key kvtier never makes; load_state takes either)
+        return lengths.astype(np.uint32 if wide else np.uint8), b"".join(keys)
 
     def items(self) -> Iterator[tuple[bytes, int]]:
         for r in self.live.nonzero()[0].tolist():

@@ -169,8 +169,9 @@ class Scorer:
         c = self.config
         if tier == Tier.REMOTE and not self.pulls:
             return 0.0
-        bw = load_gbps or {Tier.HOST: c.host_load_gbps, Tier.DISK: c.disk_load_gbps}.get(tier, c.remote_load_gbps)
-        if bw <= 0:
+        bw = load_gbps if load_gbps > 0 else {Tier.HOST: c.host_load_gbps, Tier.DISK: c.disk_load_gbps}.get(
+            tier, c.remote_load_gbps)  # (not a positive number, NaN included: the default)
+        if not bw > 0:
             return 0.0
         r = c.bytes_per_token * c.prefill_tokens_per_s / (bw * 1e9)  # load time / recompute time
         return 1.0 / (1.0 + r) if c.loads == "async" else max(0.0, 1.0 - r)
