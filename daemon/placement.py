@@ -176,6 +176,7 @@ class Placement:
         # no copy), while the write queue has room; their eviction then frees the slot at once
         self.demote_ahead_bytes = 0
         self._ahead: asyncio.Task | None = None
+        self._demoting: dict[bytes, bool] = {}  # host victims being demoted, not staged yet: dropped?
         self._ahead_queue: collections.deque[bytes] = collections.deque()  # keys taken for the write-ahead, in order
         self._room_freed = asyncio.Event()  # set whenever a disk write in flight ends
         self._stopping = False  # drain or close: no new write-ahead
@@ -380,6 +381,9 @@ class Placement:
         demote = self.policy.on_evict(HOST, bkeys)
         self.observers.removed_blocks(HOST, bkeys)
         ending = demote  # (those staged end with their background write)
+        demoting = self._demoting  # an Evict or a new put of one of them while this awaits drops it
+        for b in demote:
+            demoting[b] = False
         try:
             if self.write_behind is not None:  # copies what it writes before the slots are reused
                 await self.write_behind.evicted(victims)
@@ -392,12 +396,20 @@ class Placement:
                 by_key = {v.bkey: v for v in victims}
                 n = min(room or 0, len(demote)) if background else 0  # within the room: in the background
                 if n:
-                    await self._stage([by_key[b] for b in demote[:n]])
-                    ending = demote[n:]
-                if ending:  # seen-often victims beyond the room: written before their slots go
+                    staged = [b for b in demote[:n] if not demoting[b]]
+                    ending = [b for b in demote[:n] if demoting[b]] + demote[n:]
+                    if staged:
+                        await self._stage([by_key[b] for b in staged])  # (from here on, _staged says)
+                later = [by_key[b] for b in ending]
+                if later:  # seen-often victims beyond the room: written before their slots go
+                    await self.host.sealed(later)  # (the last await before they are planned)
+                    later = [v for v in later if not demoting[v.bkey]]
+                if later:
                     self._submit_staged()  # (after those staged: the disk is written in victim order)
-                    self.counters.add(Count.DEMOTIONS, await self.write_to_disk([by_key[b] for b in ending]))
+                    self.counters.add(Count.DEMOTIONS, await self.write_to_disk(later))
         finally:
+            for b in demote:
+                demoting.pop(b, None)
             self.policy.on_demotion_end(ending)
 
     async def _stage(self, victims: list[HostEntry]) -> None:
@@ -498,8 +510,10 @@ class Placement:
     def _drop_staged(self, bkeys: Iterable[bytes]) -> None:
         """These keys were evicted or put again: their background demotions must not make them
         visible on disk (not yet planned: skipped; being written: dropped when done)."""
-        disk = self.disk
+        disk, demoting = self.disk, self._demoting
         for b in bkeys:
+            if b in demoting:  # evicted, its demotion not staged or planned yet
+                demoting[b] = True
             it = self._staged.get(b)
             if it is not None and not it.dropped:
                 it.dropped = True
@@ -519,7 +533,7 @@ class Placement:
         that became visible. ``write_behind``: the store may write them (not blocks that came
         from elsewhere)."""
         done = [e for e in entries if self.host.commit(e)]
-        if done and self._staged:  # put again while its background demotion runs: the new copy wins
+        if done and (self._staged or self._demoting):  # put again while its demotion runs: the new copy wins
             self._drop_staged(e.bkey for e in done)
         if done:
             self.policy.on_commit(e.bkey for e in done)
@@ -846,7 +860,7 @@ class Placement:
     def remove(self, bkeys: list[bytes]) -> int:
         """Remove these blocks from host and disk (and from background demotions in flight);
         returns the entries removed."""
-        if self._staged:
+        if self._staged or self._demoting:
             self._drop_staged(bkeys)
         gone = [e.bkey for e in self.host.remove(bkeys)]
         self.policy.on_remove(HOST, gone)

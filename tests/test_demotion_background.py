@@ -393,3 +393,28 @@ def test_a_slab_that_cannot_be_opened_degrades_the_disk_and_leaks_nothing(tmp_pa
         res = await asyncio.wait_for(store.commit(sid, [grants[0].grant_id], [], durable=True), 10)
         assert (res.committed, res.durable) == (1, 0)
     run(tmp_path, body, host_blocks=4, disk_blocks=16, demote_min_seen=2)
+
+
+def test_an_evict_while_a_victims_checksum_is_awaited_keeps_it_off_disk(tmp_path):
+    """Seen-often victims beyond the write queue's room are written before their slots go,
+    once their checksums are taken. A large commit's checksums are taken on the hashing
+    threads (held by a gate here): an Evict of a victim that arrives while its demotion
+    awaits them must keep it off disk (it was written anyway: the Evict found it in no tier)."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 0                                  # no room: written in the put
+        first = [key(i) for i in range(20)]                                 # 20 blocks: over INLINE_HASH_BYTES
+        await put(store, sid, lid, [key(100 + i) for i in range(20)])       # (the hashing threads exist)
+        await settle(store, disk)
+        store.evict(lid, [key(100 + i) for i in range(20)])
+        gate = Gate(store.host._hasher, 2)
+        await put(store, sid, lid, first)                                   # their checksums: held
+        assert await get(store, sid, lid, first) == [payload(k) for k in first]  # seen twice
+        putting = asyncio.ensure_future(put(store, sid, lid, [key(200 + i) for i in range(4)]))  # evicts 0-3
+        await until(lambda: store.lookup(lid, [key(0)]) == [None], "0 to be evicted, its demotion waiting")
+        assert store.evict(lid, [key(0)]) == 0                              # in no tier yet
+        gate.open()
+        await asyncio.wait_for(putting, 10)
+        await settle(store, disk)
+        assert store.on_disk(lid, [key(0), key(1)]) == [False, True]
+        assert store.lookup(lid, [key(0)]) == [None]
+    run(tmp_path, body, host_blocks=20, disk_blocks=64, demote_min_seen=2)
