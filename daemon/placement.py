@@ -223,7 +223,18 @@ class Placement:
             res = self.host.reserve(cls, bkeys, block_bytes, self.policy.victims(HOST))
             if res.victims:
                 self._tell_write_room(res.victims)
-                await self._host_evicted(res.victims, background)
+                try:
+                    await self._host_evicted(res.victims, background)
+                except BaseException:  # (the caller gets the error; the slots granted go back)
+                    self.host.finish_eviction()
+                    fresh = {off for _, off, _ in res.backing.ranges}
+                    for e in res.entries:
+                        if e is not None:
+                            if e.offset in fresh:
+                                self.host.unback([e])  # (never backed: not a free slot)
+                            else:
+                                self.host.abort(e)
+                    raise
             self.host.finish_eviction()
             if res.victims and background:  # (the window moved; a promotion's: once it is over)
                 self._write_ahead_soon()

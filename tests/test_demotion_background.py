@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from test_store_races import (
     BLOCK,
     FP,
@@ -418,3 +419,23 @@ def test_an_evict_while_a_victims_checksum_is_awaited_keeps_it_off_disk(tmp_path
         assert store.on_disk(lid, [key(0), key(1)]) == [False, True]
         assert store.lookup(lid, [key(0)]) == [None]
     run(tmp_path, body, host_blocks=20, disk_blocks=64, demote_min_seen=2)
+
+
+def test_a_demotion_that_fails_gives_the_puts_slots_back(tmp_path):
+    """The copy of a victim into staging fails (injected): the put gets the error, and the slot
+    it was granted goes back (it stayed reserved for good: the host held one block less)."""
+    async def body(store, disk, lid, sid):
+        store.tiers.demote_queue_bytes = 8 * BLOCK
+        await put(store, sid, lid, [key(i) for i in range(4)])
+
+        async def broken(pairs):
+            raise OSError(5, "Input/output error (injected)")
+        store.tiers._copy_out = broken
+        with pytest.raises(OSError, match="injected"):
+            await put(store, sid, lid, [key(10)])
+        del store.tiers._copy_out
+        assert store.host.used_bytes == 3 * BLOCK                            # 0 evicted, no grant held
+        await put(store, sid, lid, [key(20)])                                # the slot is there again
+        assert store.lookup(lid, [key(1), key(20)]) == [Tier.HOST, Tier.HOST]
+        await settle(store, disk)
+    run(tmp_path, body, host_blocks=4, disk_blocks=16, demote_min_seen=1)
