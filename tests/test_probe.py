@@ -243,3 +243,86 @@ def hostile_probe_calls() -> None:
 @needs_c
 def test_hostile_probe_calls_raise_never_crash() -> None:
     _in_child("hostile_probe_calls")
+
+
+# -- a corrupt table (a key table review): both probes answer alike and always end ----------------
+
+def _slot_offset(w: KeyTableWriter, key: bytes) -> int:
+    slot, _ = w._map.probe(w.tag(FP_A, create=False), *keytable.key_words([key]), checked=False)
+    return keytable.HEADER_BYTES + int(slot[0]) * keytable.SLOT_BYTES
+
+
+@needs_c
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_corrupt_table_gives_tier_bits_only_and_every_probe_ends(shm, batch) -> None:
+    """A tiers byte with bits beyond the three tiers is read as its tier bits only (it broke
+    tier_names and the lookup counters); a table whose every slot is taken (never the
+    writer's) answers "not held" from both probes (the numpy probes looped forever); a slot
+    with tag 0 is empty to both probes, whatever its length byte says."""
+    w = KeyTableWriter(os.path.join(shm, "t.keys"), nslots=16)
+    keys = [b"key-%04d" % i for i in range(3)]
+    w.set(FP_A, keys, "host")
+    cr, nr = _readers(w.path)
+    try:
+        fd = os.open(w.path, os.O_RDWR)
+        try:
+            off = _slot_offset(w, keys[0])
+            os.pwrite(fd, bytes([0x80 | TIER_BITS["host"]]), off + 7)
+            for r in (cr, nr):
+                got = r.masks(FP_A, keys[:batch])
+                assert got.tolist() == [TIER_BITS["host"]] * batch
+                assert r.tiers(FP_A, keys[:batch]) == ["host"] * batch
+            junk = b"\x00\x00\x00\x00" + b"\xff\xff" + bytes([8, 1]) + b"j" * 32  # seq 0, tag 0xffff, never a match
+            for i in range(16):
+                os.pwrite(fd, junk, keytable.HEADER_BYTES + i * keytable.SLOT_BYTES)
+            probe = [b"absent-%d" % i for i in range(batch)]
+            for r in (cr, nr):
+                assert r.masks(FP_A, probe).tolist() == [0] * batch
+            empty_ish = b"\x00\x00\x00\x00" + b"\x00\x00" + bytes([8, 1]) + b"j" * 32  # tag 0, a length
+            for i in range(16):
+                os.pwrite(fd, empty_ish, keytable.HEADER_BYTES + i * keytable.SLOT_BYTES)
+            assert cr.masks(FP_A, probe).tolist() == nr.masks(FP_A, probe).tolist() == [0] * batch
+        finally:
+            os.close(fd)
+    finally:
+        cr.close()
+        nr.close()
+        w.close()
+
+
+def test_a_reader_closed_under_a_probe_reports_the_table_unavailable(shm) -> None:
+    """The sidecar drops a table (closes its reader) while another thread may be probing it:
+    that probe must raise TableUnavailable (the sidecar then asks the daemon), not a
+    ValueError (reported as the caller's bad keys) or an AttributeError."""
+    w = KeyTableWriter(os.path.join(shm, "t.keys"), nslots=16)
+    w.set(FP_A, [b"key-0001"], "host")
+    try:
+        for compiled in ([True, False] if keytable._cprobe is not None else [False]):
+            r = KeyTableReader(w.path, compiled=compiled)
+            r.close()
+            for keys in ([b"key-0001"], [b"key-0001", b"key-0002"]):
+                with pytest.raises(TableUnavailable, match="closed"):
+                    r.masks(FP_A, keys)
+    finally:
+        w.close()
+
+
+def test_a_rebuild_that_cannot_publish_leaves_no_trusted_table(shm, monkeypatch) -> None:
+    """The writer grows its table into a new file and renames it into place; when the rename
+    fails, the old file stays at the path, never written again: its readers must be told not
+    to trust it (they ask the daemon), and the new file must not be left behind."""
+    w = KeyTableWriter(os.path.join(shm, "t.keys"), nslots=16)
+    w.set(FP_A, [b"key-%04d" % i for i in range(4)], "host")
+    r = KeyTableReader(w.path, compiled=False)
+    assert r.tiers(FP_A, [b"key-0001"]) == ["host"]
+
+    def no_rename(src, dst):
+        raise OSError(28, "No space left on device (injected)")
+    monkeypatch.setattr(keytable.os, "rename", no_rename)
+    with pytest.raises(OSError, match="injected"):
+        w.set(FP_A, [b"key-%04d" % i for i in range(4, 64)], "host")    # grows: a rebuild
+    monkeypatch.undo()
+    with pytest.raises(TableUnavailable):
+        r.masks(FP_A, [b"key-0001"])
+    assert sorted(os.listdir(shm)) == ["t.keys"]
+    r.close()

@@ -84,7 +84,7 @@ static int probe_key(const unsigned char *slots, uint64_t mask, uint64_t home, u
             return 0;
         if (stag == tag && sklen == klen && key[0] == want[0] && key[1] == want[1] && key[2] == want[2] &&
             key[3] == want[3])
-            return stiers;
+            return stiers & 7; /* the tier bits only, whatever else a corrupt byte holds */
         i++;
     }
     return 0; /* a full table (never: the writer keeps it at most 70 % used) */

@@ -126,6 +126,7 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _SLOT_BODY = struct.Struct("<HBB4Q")
 _ONE, _16, _32, _56 = np.uint64(1), np.uint64(16), np.uint64(32), np.uint64(56)
+_TAG_MASK, _SEVEN = np.uint64(0xFFFF), np.uint64(7)
 _ID_MASK, _USED = np.uint64(0xFFFFFF), np.uint64(0xFFFF << 32)
 _OFFS = np.arange(WINDOW)
 _NO_SLOTS = np.empty(0, dtype=np.int64)
@@ -238,7 +239,7 @@ class _Mapping:
         if version != VERSION or slot_bytes != SLOT_BYTES:
             raise KeyTableError(f"{path}: key table format {version}/{slot_bytes} B slots; this client reads "
                                 f"{VERSION}/{SLOT_BYTES}: client and daemon versions differ")
-        if self.nslots & (self.nslots - 1) or len(mm) < HEADER_BYTES + self.nslots * SLOT_BYTES:
+        if self.nslots < 16 or self.nslots & (self.nslots - 1) or len(mm) < HEADER_BYTES + self.nslots * SLOT_BYTES:
             raise KeyTableError(f"{path}: {self.nslots} slots do not fit the file")
         self.mask = self.nslots - 1
         self.shift = 64 - (self.nslots.bit_length() - 1)
@@ -318,7 +319,8 @@ class _Mapping:
         i = hash_key(tag, key) >> self.shift
         mm, mask = self.mm, self.mask
         deadline = 0.0
-        while True:
+        steps = 0
+        while steps <= mask:  # (a full table, which the writer never makes: not held, as the C probe says)
             off = HEADER_BYTES + (i & mask) * SLOT_BYTES
             s1 = _U32.unpack_from(mm, off)[0]
             body = _SLOT_BODY.unpack_from(mm, off + 4)
@@ -332,8 +334,10 @@ class _Mapping:
             if body[0] == 0:
                 return 0
             if body[0] == tag and body[1] == klen and body[3:] == want:
-                return body[2]
+                return body[2] & 7  # (only the tier bits: whatever else a corrupt byte holds)
             i += 1
+            steps += 1
+        return 0
 
     def probe(self, tag: int, words: np.ndarray, lens: np.ndarray, *, checked: bool, want_slots: bool = True,
               deadline: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
@@ -360,14 +364,15 @@ class _Mapping:
         ident = (lens.astype(np.uint64) << _16) | np.uint64(tag)
         ps = self.home(hash_keys(tag, words, lens))
         w0 = words[:, :1]
+        walked = np.zeros(n, dtype=np.int64)  # slots each key has moved past
         spins = steps = 0
         while True:
             p = (ps[:, None] + _OFFS) & self.mask
             s1 = self.head[p]
             rows = np.take(self.words, p, axis=0)
-            idf = (s1 >> _32) & _ID_MASK  # tag | length << 16: 0 only in a never-used slot
+            idf = (s1 >> _32) & _ID_MASK  # tag | length << 16: tag 0 only in a never-used slot
             # deciding slot: empty, or tag, length and first key word match
-            event = (idf == 0) | ((idf == ident[:, None]) & (rows[:, :, 1] == w0))
+            event = ((idf & _TAG_MASK) == 0) | ((idf == ident[:, None]) & (rows[:, :, 1] == w0))
             if checked:
                 s2 = self.head[p]
                 unstable = ((s1 ^ s2) | (s1 & _ONE)) != 0
@@ -383,7 +388,7 @@ class _Mapping:
                 dst = held if ids is None else ids[held]
                 if want_slots:
                     slot[dst] = p[r, first][held]
-                tiers[dst] = (sf[held] >> _56).astype(np.uint8)
+                tiers[dst] = ((sf[held] >> _56) & _SEVEN).astype(np.uint8)  # (the tier bits only)
             collided = used & ~held
             retry = ~decided | collided
             if not retry.any():
@@ -393,12 +398,18 @@ class _Mapping:
                 if spins % 64 == 0 and time.monotonic() > deadline:
                     raise TableUnavailable("a key table slot stayed mid-update; the daemon may be stopped")
             # no deciding slot in the window: move past it; blocked or collided: from there
-            ps = (ps + np.where(any_event, first + collided, WINDOW))[retry]
+            adv = np.where(any_event, first + collided, WINDOW)
+            ps, walked = (ps + adv)[retry], (walked + adv)[retry]
             ids = np.flatnonzero(retry) if ids is None else ids[retry]
             steps += 1
             if steps == max_steps:
                 return slot, tiers, ids
             words, ident = words[retry], ident[retry]
+            if walked.max() > self.mask:  # past every slot: a full table (never the writer's): not held
+                keep = walked <= self.mask
+                if not keep.any():
+                    return slot, tiers, _NO_SLOTS
+                ps, walked, ids, words, ident = ps[keep], walked[keep], ids[keep], words[keep], ident[keep]
             w0 = words[:, :1]
 
 
@@ -425,6 +436,7 @@ class KeyTableReader:
         self._lock = threading.Lock()
         self._tags: dict[bytes, int] = {}
         self.rechecked = 0  # batched probes a concurrent write sent through the per-slot checks
+        self._closed = False  # (set by close: a probe racing it in another thread reports TableUnavailable)
         self._map = self._open()
 
     def _open(self) -> _Mapping:
@@ -448,6 +460,7 @@ class KeyTableReader:
         return int(_U64.unpack_from(self._map.mm, 32)[0])
 
     def close(self) -> None:
+        self._closed = True
         m = self._map
         del m.slots, m.words, m.head, m.seq, m.tags, m.tiers, m.directory
         try:
@@ -493,6 +506,14 @@ class KeyTableReader:
         the table cannot answer."""
         if not ORDERING_SAFE:
             raise TableUnavailable(f"lock-free key table reads need x86-64 ordering; this is {platform.machine()}")
+        try:
+            return self._masks(fingerprint, keys)
+        except (ValueError, AttributeError, BufferError, TypeError):
+            if self._closed:  # closed by another thread mid-probe (the sidecar dropped the table)
+                raise TableUnavailable(f"key table {self.path} was closed") from None
+            raise
+
+    def _masks(self, fingerprint: bytes, keys: Sequence[bytes]) -> np.ndarray:
         while True:
             m = self._map
             tag = self._tag(m, fingerprint)
@@ -751,7 +772,15 @@ class KeyTableWriter:
         self._map = new
         self.heartbeat()
         self._counts()
-        self._publish(new)
+        try:
+            self._publish(new)
+        except OSError:  # the old file stays at the path, no longer written: its readers must not trust it
+            _U32.pack_into(old.mm, 24, STATE_INVALID)
+            try:
+                os.unlink(new.path)
+            except OSError:
+                pass
+            raise
         _U32.pack_into(old.mm, 24, STATE_RETIRED)
         self._release(old)
         self.rebuilds += 1
