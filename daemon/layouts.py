@@ -44,9 +44,10 @@ def tenant_fingerprint(tenant: str, fingerprint: bytes) -> bytes:
 
     Stable across restarts (the disk tier's index outlives the daemon): a keyed BLAKE2b of the
     layout's fingerprint, keyed by a hash of the tenant's name. It is not secret, and need not
-    be: no request names a stored fingerprint (they name layout ids, which resolve within the
-    caller's tenant), and finding a layout whose tenant fingerprint equals another tenant's
-    is a second-preimage search on 128 bits."""
+    be: client requests name layout ids, which resolve within the caller's tenant; a peer's
+    request names a layout's own fingerprint and is served only for a layout the caller's
+    tenant registered (daemon/services/peer.py); and finding a layout whose tenant fingerprint
+    equals another tenant's is a second-preimage search on 128 bits."""
     if tenant == DEFAULT_TENANT:
         return fingerprint
     key = hashlib.blake2b(b"kvtier tenant fingerprint\x00" + tenant.encode(), digest_size=32).digest()

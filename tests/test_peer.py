@@ -67,7 +67,8 @@ def _tls(pki, name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster(pki, tmp_path_factory):
-    """A (serves), B (another tenant on A), C (fetches; read-through); D's port reserved."""
+    """A (serves), B (another tenant on A; serves C's certificate as the default tenant), C
+    (fetches; read-through); D's port reserved."""
     from kvtier.client.testing.local_daemon import DaemonProcess
 
     work = str(tmp_path_factory.mktemp("peers"))
@@ -76,7 +77,7 @@ def cluster(pki, tmp_path_factory):
     a = DaemonProcess(work, "--node-id", "peer-a", "--tcp", f"127.0.0.1:{ports['a']}", *_tls(pki, "node-a"),
                       "--peer-serve", "true", "--tenants", "cn:node-b=bob,cn:node-c=default", *common, name="a")
     b = DaemonProcess(work, "--node-id", "peer-b", "--tcp", f"127.0.0.1:{ports['b']}", *_tls(pki, "node-b"),
-                      "--peer-serve", "true", "--tenants", f"{os.geteuid()}=bob", "--peers", f"localhost:{ports['a']}",
+                      "--peer-serve", "true", "--tenants", f"{os.geteuid()}=bob,cn:node-c=default", "--peers", f"localhost:{ports['a']}",
                       "--peer-read-through", "true", *common, name="b")
     c = DaemonProcess(work, "--node-id", "peer-c", "--tcp", f"127.0.0.1:{ports['c']}", *_tls(pki, "node-c"),
                       "--peer-serve", "true", "--peers", f"127.0.0.1:{ports['a']},127.0.0.1:{ports['d']}",
@@ -239,3 +240,29 @@ def test_an_engine_prefetches_from_a_peer_then_onboards_byte_exact(cluster, tmp_
         for name in os.listdir(shm):
             os.unlink(os.path.join(shm, name))
         os.rmdir(shm)
+
+
+def test_a_default_peer_cannot_name_another_tenants_stored_fingerprint(cluster, pki) -> None:
+    """B holds bob's blocks (its local clients are bob); node-c's certificate is the default
+    tenant on B. The default tenant's stored fingerprint is the layout's own, and bob's is
+    computable (tenant_fingerprint is not secret), so a default peer naming bob's stored
+    fingerprint was served bob's blocks. Only a layout the caller's tenant registered on B is
+    served: held nowhere and missing, as for keys B does not hold."""
+    from kvtier.daemon.layouts import tenant_fingerprint
+
+    with Sidecar(cluster["b"].socket) as sb:
+        assert sb.tenant == "bob"
+        lid = sb.register_layout(LAYOUT)
+        sb.put(lid, [key(40), key(41)], [payload(40), payload(41)])
+    bobs = tenant_fingerprint("bob", LAYOUT.fingerprint)
+    with tls_channel(pki, cluster["ports"]["b"], "node-c") as ch:
+        stub = peer_pb2_grpc.PeerStub(ch)
+        held = stub.Holds(peer_pb2.HoldsRequest(fingerprint=bobs, keys=[key(40), key(41)], tenant="default"),
+                          timeout=10)
+        assert list(held.tiers) == [0, 0]
+        req = peer_pb2.FetchBlocksRequest(fingerprint=bobs, block_bytes=BLOCK, keys=[key(40), key(41)],
+                                          tenant="default")
+        replies = list(stub.FetchBlocks(req, timeout=10))
+        assert replies[0].hello.tenant == "default"
+        assert [r.WhichOneof("msg") for r in replies[1:]] == ["missing"]
+        assert list(replies[1].missing.index) == [0, 1]

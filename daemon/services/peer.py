@@ -93,12 +93,24 @@ class PeerService(peer_pb2_grpc.PeerServicer):
             raise StoreError(Code.INVALID_ARGUMENT, f"fingerprint is {len(fingerprint)} bytes; a layout's "
                                                     f"fingerprint is {FP_BYTES}")
 
+    def _served(self, tenant: str, fingerprint: bytes) -> bytes | None:
+        """The stored fingerprint of the caller's tenant's layout ``fingerprint`` (its wire
+        fingerprint), or None unless that tenant registered the layout on this daemon. The
+        default tenant's stored fingerprint is the wire one, and any tenant's is computable:
+        without this a ``default`` peer could name another tenant's stored fingerprint and be
+        served that tenant's blocks."""
+        fp = tenant_fingerprint(tenant, fingerprint)
+        reg = self.store.layouts.find(fp)
+        return fp if reg is not None and reg.layout.tenant == tenant else None
+
     @handled
     async def Holds(self, request: peer_pb2.HoldsRequest, context: Any) -> peer_pb2.HoldsReply:
         tenant = self._tenant(request.tenant, context)
         self._fingerprint(request.fingerprint)
         check_keys(request.keys, self.store.max_batch_keys, unique=False)
-        fp = tenant_fingerprint(tenant, request.fingerprint)
+        fp = self._served(tenant, request.fingerprint)
+        if fp is None:  # not this tenant's layout here: held nowhere, as far as the caller may know
+            return peer_pb2.HoldsReply(tiers=[0] * len(request.keys))
         tiers = self.store.tiers
         out = []
         for k in request.keys:
@@ -119,10 +131,13 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         if not MIN_CHUNK_BYTES <= chunk <= MAX_CHUNK_BYTES:
             raise StoreError(Code.INVALID_ARGUMENT, f"chunk_bytes {chunk} is not between {MIN_CHUNK_BYTES} and "
                                                     f"{MAX_CHUNK_BYTES}")
-        fp = tenant_fingerprint(tenant, request.fingerprint)
-        bkeys = [pack_block(fp, k) for k in keys]
+        fp = self._served(tenant, request.fingerprint)
+        bkeys = [pack_block(fp, k) for k in keys] if fp is not None else []
         await context.write(peer_pb2.FetchBlocksReply(hello=peer_pb2.PeerHello(
             node_id=self.node_id, epoch=self.epoch, tenant=tenant)))
+        if fp is None:  # not this tenant's layout here: every key missing, as for keys not held
+            await context.write(peer_pb2.FetchBlocksReply(missing=peer_pb2.Missing(index=range(len(keys)))))
+            return
         # half a window read while the other half is sent: at most a window of payloads in memory
         half = max(1, self.window_bytes // 2 // block_bytes)
         starts = range(0, len(bkeys), half)
