@@ -385,9 +385,11 @@ class Peers(StreamedSource):
         window = max(1, self.window_bytes // 2 // max(1, block_bytes))
         pending: list[Fetched] = []
         done: set[int] = set()
+        order = _StreamOrder(len(bkeys))
         try:
             async for msg in self.wire.fetch(peer, tenant, _wire_fingerprint(layout), block_bytes,
                                              [key_of(b) for b in bkeys]):
+                order.check(msg)
                 if isinstance(msg, Hello):
                     self._hello(peer, msg, tenant)
                 elif isinstance(msg, Block):
@@ -418,6 +420,29 @@ class Peers(StreamedSource):
         if hello.tenant != tenant:  # never ingest another tenant's blocks as this one's
             raise PeerRefused(f"the peer serves tenant {hello.tenant!r}, not {tenant!r}")
         self._seen(peer, hello.node_id, hello.epoch)
+
+
+class _StreamOrder:
+    """What one FetchBlocks stream may send: its hello first (it says whose blocks follow:
+    nothing is taken before it), once; then blocks, and lists of missing keys, at most one a
+    key asked for (a legitimate peer sends at most one a window). A stream that never ends,
+    each reply in time, would otherwise hold the fetch, and the pins it took, for good."""
+
+    def __init__(self, keys: int) -> None:
+        self.greeted = False
+        self.lists = keys
+
+    def check(self, msg: Hello | Block | Missing) -> None:
+        if isinstance(msg, Hello):
+            if self.greeted:
+                raise PeerProtocolError("a second hello in one FetchBlocks stream")
+            self.greeted = True
+        elif not self.greeted:
+            raise PeerProtocolError(f"a FetchBlocks reply before the peer's hello ({type(msg).__name__})")
+        elif isinstance(msg, Missing):
+            self.lists -= 1
+            if self.lists < 0:
+                raise PeerProtocolError("more lists of missing keys than keys asked for")
 
 
 def _wire_fingerprint(layout: Layout) -> bytes:

@@ -266,3 +266,64 @@ def test_a_default_peer_cannot_name_another_tenants_stored_fingerprint(cluster, 
         assert replies[0].hello.tenant == "default"
         assert [r.WhichOneof("msg") for r in replies[1:]] == ["missing"]
         assert list(replies[1].missing.index) == [0, 1]
+
+
+# -- a hostile or broken peer's stream (a review's findings): the fetching side's checks -----------
+# The wire below stands in for the network peer (what a FetchBlocks stream delivers); the
+# fetching daemon's Peers is the real one.
+
+class _HostileWire:
+    def __init__(self, mode: str) -> None:
+        self.mode, self.sent = mode, 0
+
+    async def node_info(self, peer):
+        return ("n1", 1)
+
+    async def holds(self, *args):
+        return []
+
+    async def fetch(self, peer, tenant, fingerprint, block_bytes, keys):
+        import asyncio
+
+        import xxhash
+
+        from kvtier.daemon.peers import Block, Hello, Missing
+        if self.mode == "no-hello":  # another tenant's block, sent with no hello to say whose
+            p = b"x" * block_bytes
+            yield Block(0, p, xxhash.xxh3_64_intdigest(p))
+            return
+        yield Hello("n1", 1, tenant)
+        while True:  # never ends: one small reply well within the per-reply timeout each time
+            await asyncio.sleep(0.005)
+            self.sent += 1
+            yield Missing([0]) if self.mode == "missing" else Hello("n1", 1, tenant)
+
+    async def drop(self, peer):
+        pass
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["no-hello", "missing", "hello"])
+def test_a_peer_stream_out_of_order_or_without_end_is_refused(mode) -> None:
+    """A block before the peer's hello is not taken (the hello says whose blocks follow); a
+    stream that never ends (lists of missing keys, or hellos, each in time) is cut off, not
+    left holding the fetch (and the host pins it took) for good."""
+    import asyncio
+
+    from kvtier.daemon.counters import Count, Counters
+    from kvtier.daemon.peers import Peers, PeerState
+
+    async def body() -> None:
+        wire, counters = _HostileWire(mode), Counters()
+        peers = Peers(["10.0.0.1:1"], wire, counters, timeout_s=0.5)
+        st = PeerState("10.0.0.1:1", "", "10.0.0.1:1")
+        st.node_id, st.epoch = "n1", 1
+        peers.peers[st.address] = st
+        keys = [LAYOUT.fingerprint + key(i) for i in range(2)]
+        got = await asyncio.wait_for(peers.fetch("default", LAYOUT, keys, from_node="n1"), 5)
+        assert got == [] or not any(got), got
+        assert counters[Count.PEER_BLOCKS_MISSED] == 2
+        assert wire.sent <= 3
+    asyncio.run(body())
