@@ -32,7 +32,7 @@ How it maps to kvtier
       gather or scatter per transfer) on a background thread (``kvtier_copy: process``).
     * Keys: vLLM's offload key (a block hash plus a 4-byte KV-cache group index) covers one
       chunk of ``blocks_per_chunk`` blocks. Each block of a chunk gets its own kvtier key,
-      ``blake2b(offload_key || block_index_in_chunk as u32 LE, digest_size=16,
+      ``blake2b(offload_key || blocks from it to the chunk's last as u32 LE, digest_size=16,
       key=Namespace(model, tenant).digest())``, so loads may start mid-chunk and kvtier keys
       stay 16 bytes, separated by model and tenant. The tensor-parallel rank and size are in
       the layout fingerprint (:class:`~kvtier.tiers.layout.Layout`), with the model's layers,
@@ -260,7 +260,11 @@ class KeyMap:
         self._namespace = namespace
         self._digest = namespace.digest() if isinstance(namespace, Namespace) else None
         self.blocks_per_chunk = blocks_per_chunk
-        self._suffix = [i.to_bytes(4, "little") for i in range(blocks_per_chunk)]
+        # block i of a chunk: its distance from the chunk's last block, whose hash the offload
+        # key is, so (hash of block k, d) names block k - d whatever blocks_per_chunk an engine
+        # uses (counted from the chunk's first block, engines with other chunk sizes met on
+        # the same keys for different blocks)
+        self._suffix = [(blocks_per_chunk - 1 - i).to_bytes(4, "little") for i in range(blocks_per_chunk)]
 
     @property
     def digest(self) -> bytes:
@@ -283,7 +287,8 @@ def group_layout(config: Any, rank: int, num_blocks: int = 1) -> Layout:
     tensors against it)."""
     group = config.groups[0]
     layers = group.layer_names
-    dtype = config.model.dtype if config.model.dtype in DTYPE_BYTES else "uint8"
+    raw = str(config.model.dtype)
+    dtype = raw if raw in DTYPE_BYTES else "uint8"
     total = config.worker_kv_bytes_per_block
     if not layers or total <= 0 or total % len(layers):
         raise ValueError(f"kvtier: {total} KV bytes per block do not split over {len(layers)} layers")
@@ -291,7 +296,10 @@ def group_layout(config: Any, rank: int, num_blocks: int = 1) -> Layout:
     if page % DTYPE_BYTES[dtype]:
         dtype = "uint8"
     elems = page // DTYPE_BYTES[dtype]
-    tensors = tuple(TensorSpec(name, dtype, (num_blocks, elems), 0) for name in layers)
+    # a KV dtype carried as bytes (fp8 variants, int8 with scales) names itself in the tensor
+    # names, so two such dtypes of one model never share a layout fingerprint (nor blocks)
+    tag = "" if dtype == raw else f"@{raw}"
+    tensors = tuple(TensorSpec(name + tag, dtype, (num_blocks, elems), 0) for name in layers)
     return Layout(tensors, group.tokens_per_block, tp_rank=rank, tp_size=config.parallel.world_size)
 
 

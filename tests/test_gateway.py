@@ -253,8 +253,10 @@ def test_vllm_keys_follow_the_spec() -> None:
     ks = KeyScheme("vllm", 4, ns, chunk_blocks=2)
     assert ks.vllm_block_hashes(toks)[:2] == [h1, h2]
     chunk = h2 + bytes(4)
-    assert ks.keys(toks)[:2] == [hashlib.blake2b(chunk + i.to_bytes(4, "little"), digest_size=16,
-                                                 key=ns.digest()).digest() for i in range(2)]
+    assert ks.keys(toks)[:2] == [hashlib.blake2b(chunk + d.to_bytes(4, "little"), digest_size=16,
+                                                 key=ns.digest()).digest() for d in (1, 0)]
+    spec = pytest.importorskip("kvtier.client.vllm")  # (imports vLLM)
+    assert ks.keys(toks)[:2] == list(spec.KeyMap(ns, 2).chunk(chunk))  # the vLLM spec's own keys
     assert len(ks.keys(toks)) == 4  # 4 full blocks, 2 whole chunks
 
 

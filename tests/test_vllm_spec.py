@@ -177,6 +177,32 @@ def test_keys_namespaced_per_block() -> None:
     assert a[0] != KeyMap(Namespace("other-model"), 4).chunk(k)[0]
 
 
+def test_engines_with_other_chunk_sizes_never_meet_on_a_key_for_different_blocks() -> None:
+    """The offload key of a chunk is its last block's hash. Engine A (1 block a chunk) keys
+    block 1 by (h1, 0); engine B (2 blocks a chunk) keys its chunk (blocks 0, 1) by h1 too.
+    With each block's suffix counted from the chunk's first block, B's block 0 was (h1, 0):
+    A's block 1, so B loaded block 1's KV into block 0. Counted from the chunk's last block,
+    (h, d) names the block d before h's, in both: B's block 1 is A's, block 0 is its own."""
+    h1 = offload_keys(1)[0]
+    a, b = KeyMap(Namespace("m"), 1).chunk(h1), KeyMap(Namespace("m"), 2).chunk(h1)
+    assert b[1] == a[0]
+    assert b[0] not in a
+
+
+def test_kv_dtypes_carried_as_bytes_keep_their_own_layouts() -> None:
+    """fp8 variants (and int8) have no element type in kvtier: their pages travel as bytes.
+    Two such dtypes of one model must not share a layout fingerprint (each would load the
+    other's bytes as its own format)."""
+    import dataclasses
+
+    def with_dtype(dtype: str) -> OffloadingConfig:
+        cfg = make_config()
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+    fps = {d: group_layout(with_dtype(d), 0).fingerprint for d in ("fp8_e4m3", "fp8_e5m2", "fp8", "bfloat16")}
+    assert len(set(fps.values())) == 4
+    assert group_layout(with_dtype("bfloat16"), 0).fingerprint == group_layout(make_config(), 0).fingerprint
+
+
 def test_block_keys_mid_chunk() -> None:
     km = KeyMap(Namespace("m"), 4)
     chunks = [km.chunk(k) for k in offload_keys(3)]

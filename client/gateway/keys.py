@@ -45,7 +45,8 @@ class KeyScheme:
         self._digest = namespace.digest()
         self._root = hashlib.sha256(pickle.dumps(vllm_seed, protocol=pickle.HIGHEST_PROTOCOL)).digest()
         self._group = group.to_bytes(4, "big", signed=False)
-        self._suffix = [i.to_bytes(4, "little") for i in range(chunk_blocks)]
+        # as the vLLM spec's KeyMap: a block's distance from its chunk's last block
+        self._suffix = [(chunk_blocks - 1 - i).to_bytes(4, "little") for i in range(chunk_blocks)]
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         if self.scheme == "tokens":
