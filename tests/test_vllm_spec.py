@@ -393,3 +393,42 @@ def test_events_report_disk_as_storage(start_daemon, tmp_path) -> None:
         assert ev == {(Medium.CPU, True): sorted(keys), (Medium.STORAGE, False): sorted(keys)}
     finally:
         eng.close()
+
+
+def test_more_transfers_in_one_step_than_completion_slots(start_daemon) -> None:
+    """Daemon copies: vLLM submits a whole step's stores before it polls any. The connector
+    has 64 completion slots, freed only when a transfer was polled: the 65th submit waited
+    for ever, though the daemon had finished the copies. Now a submit that finds no free slot
+    polls the transfers that hold them."""
+    import threading
+
+    d = start_daemon("--copy-engine", "host", host_capacity="64MiB")
+    eng = Engine(d.socket, shared_dir=d.shm_dir)
+    try:
+        assert eng.worker.mode == "daemon"
+        n = 70
+        keys = offload_keys(n)
+        outs = [eng.manager.prepare_store([k], ReqContext(req_id=f"r{j}")) for j, k in enumerate(keys)]
+        submitted = []
+
+        def one_step() -> None:
+            for j, out in enumerate(outs):
+                eng.worker.submit_store(j, spec_at([j % NB], 0), out.store_spec)
+                submitted.append(j)
+        t = threading.Thread(target=one_step, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive() and len(submitted) == n, f"stuck after {len(submitted)} of {n} submits"
+        eng.worker.wait(set(range(n)))
+        finished: dict[int, bool] = {}
+        deadline = time.monotonic() + 10
+        while len(finished) < n:  # (get_finished reports every job that ended since it was last called)
+            finished.update((r.job_id, r.success) for r in eng.worker.get_finished())
+            assert time.monotonic() < deadline, f"{len(finished)} of {n} jobs reported"
+            time.sleep(0.01)
+        assert all(finished.values())
+        for j, k in enumerate(keys):
+            eng.manager.complete_store([k], ReqContext(req_id=f"r{j}"))
+        assert all(eng.manager.lookup(k, eng.ctx) == LookupResult.HIT for k in keys)
+    finally:
+        eng.close()

@@ -52,9 +52,11 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +75,8 @@ from kvtier.client.engine.transport import (
 from kvtier.proto import node_pb2, transfer_pb2
 from kvtier.tiers.copy_engine import sealed_memfd
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, layout_to_proto
+
+log = logging.getLogger("kvtier.connector")
 
 _STATUS = {transfer_pb2.TRANSFER_COPIED: "copied", transfer_pb2.TRANSFER_PRESENT: "present",
            transfer_pb2.TRANSFER_NO_SPACE: "no_space", transfer_pb2.TRANSFER_MISSING: "missing"}
@@ -292,14 +296,17 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> list[str]:
         """Block until the copy is complete; per key ``copied | present | no_space | missing``."""
         reply = self._reply(timeout)
-        self._conn._slot_wait(self.slot, self.seq)
-        self._release()
+        if not self._released:  # (released: its completion was reached, and the slot may be another's now)
+            self._conn._slot_wait(self.slot, self.seq)
+            self._release()
         return [_STATUS[s] for s in reply.status]
 
     def wait_on(self, stream: Any = None) -> list[str]:
         """CUDA: make ``stream`` (default: the current one) wait for the copy; the CPU thread waits
         only for the reply. The stand-in has no streams and waits for the copy."""
         reply = self._reply()
+        if self._released:  # its completion was reached already (a submit polled it)
+            return [_STATUS[s] for s in reply.status]
         if self._conn.backend == "cuda":
             torch = _torch()
             (stream or torch.cuda.current_stream()).wait_event(self._conn._events[self.slot])
@@ -314,9 +321,10 @@ class Transfer:
         return [_STATUS[s] for s in self._reply().status]
 
     def _release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._conn._free_slot(self.slot)
+        with self._conn._lock:  # (another thread's submit may poll this transfer: free the slot once)
+            if not self._released:
+                self._released = True
+                self._conn._free_slot(self.slot)
 
 
 @dataclass
@@ -350,6 +358,9 @@ class KVConnector:
         self._lock = threading.Condition()
         self._free: collections.deque[int] = collections.deque()
         self._deferred: collections.deque[Transfer] = collections.deque()
+        # transfers holding a slot, by slot: a submit that finds no free slot polls them (their
+        # owner may poll only after it has submitted a whole step's transfers)
+        self._live: dict[int, Transfer] = {}
         self._tensors: list[Any] = []
 
     # -- session ---------------------------------------------------------------------------
@@ -419,10 +430,16 @@ class KVConnector:
         """Wait for every transfer in flight, then close the registration in the daemon."""
         if self.reg is None:
             return
+        deadline = time.monotonic() + self.timeout + 5.0  # (each transfer's RPC ends by its own deadline)
         with self._lock:
             while len(self._free) + len(self._deferred) < self.ring_slots:
                 self._lock.wait(0.05)
                 self._reap()
+                self._poll_live()
+                if time.monotonic() > deadline:
+                    log.warning("kvtier: unregistering with %d transfers still unanswered",
+                                self.ring_slots - len(self._free) - len(self._deferred))
+                    break
         for t in list(self._deferred):
             self._slot_wait(t.slot, t.seq)
         try:
@@ -512,18 +529,30 @@ class KVConnector:
                                            keys=[bytes(k) for k in keys], engine_ids=ids.tolist(),
                                            event_slot=slot, seq=seq, wait_written=wait_written)
         future = getattr(self._stub, rpc).future(req, timeout=self.timeout)
-        return Transfer(self, future, slot, seq, len(keys))
+        t = Transfer(self, future, slot, seq, len(keys))
+        with self._lock:
+            self._live[slot] = t
+        return t
 
     def _take_slot(self) -> int:
         with self._lock:
             while not self._free:
                 self._reap()
                 if not self._free:
+                    self._poll_live()
+                if not self._free:
                     self._lock.wait(0.01)
             return self._free.popleft()
 
+    def _poll_live(self) -> None:
+        """Free the slots of transfers that are over (replied and completed, or failed), which
+        nobody polled yet: all slots taken by one step's submits would otherwise wait forever."""
+        for t in list(self._live.values()):
+            t.done()
+
     def _free_slot(self, slot: int) -> None:
         with self._lock:
+            self._live.pop(slot, None)
             self._free.append(slot)
             self._lock.notify()
 
