@@ -697,7 +697,14 @@ class RemoteStore(StreamedSource):
         per = max(1, BATCH_BYTES // max(1, block_bytes))
         for i in range(0, len(bkeys), per):
             chunk = bkeys[i:i + per]
-            values = self.backend.get_many([redis_key(self.namespace, b) for b in chunk], HEADER_BYTES + block_bytes)
+            try:
+                values = self.backend.get_many([redis_key(self.namespace, b) for b in chunk], HEADER_BYTES + block_bytes)
+                if len(values) != len(chunk):
+                    raise ValueError(f"the store answered {len(values)} values for {len(chunk)} names")
+            except Exception as e:  # noqa: BLE001 (whatever a backend raises: these names are read errors)
+                log.warning("store read failed", extra={"error": repr(e), "blocks": len(chunk)})
+                tally.errors += len(chunk)
+                continue
             for bkey, value in zip(chunk, values, strict=True):
                 if value is None:
                     tally.misses += 1

@@ -499,3 +499,50 @@ def test_a_value_past_its_ttl_is_a_miss(shared):
         assert store.counters[Count.STORE_MISSES] == len(keys) and store.counters[Count.STORE_READ_ERRORS] == 0
 
     in_process(shared, body, ttl_s=0.3)
+
+
+class _BrokenBackend:
+    """A store client that fails as a buggy or broken one can: a short answer, or an error
+    of its own (not a connection error)."""
+
+    name = "broken"
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def put_many(self, items, ttl_s):
+        return [False] * len(items)
+
+    def get_many(self, names, value_bytes=0):
+        if self.mode == "short":
+            return [None] * (len(names) - 1)
+        raise RuntimeError("the client library failed (injected)")
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["short", "raises"])
+def test_a_store_read_that_fails_oddly_gives_counted_misses(mode) -> None:
+    """Whatever the store's client does on a read (answers fewer values than names, raises
+    something of its own), a get misses those blocks and counts read errors; it never fails."""
+    from kvtier.daemon.remote_store import RemoteStore
+    from kvtier.daemon.store import BlockStore
+    from kvtier.tiers.host import HostTier
+    from kvtier.tiers.layout import Layout
+
+    async def body(shm: str) -> None:
+        store = BlockStore(HostTier(shm, 4 * 8192, "rs"))
+        rs = RemoteStore(_BrokenBackend(mode), store.tiers, store.counters, store.observers, "ns", 60, "off",
+                         True, 2.0)
+        store.remotes.append(rs)
+        lid = (await store.register_layout(Layout.flat(8192))).layout_id
+        sid = store.open_session("t", os.getpid()).session_id
+        leases = await store.acquire(sid, lid, [bytes(16), b"\1" * 16])
+        assert not any(x.hit for x in leases)
+        assert store.counters[Count.STORE_READ_ERRORS] == 2
+        await rs.close()
+        store.close()
+
+    with shm_tempdir() as shm:
+        asyncio.run(body(shm))
