@@ -144,6 +144,9 @@ class WriteBehind(Protocol):
     def committed(self, entries: Sequence[HostEntry]) -> None:
         """Clients' blocks just became visible in host (not those ingested from elsewhere)."""
 
+    def fetched(self, entries: Sequence[HostEntry]) -> None:
+        """Blocks ingested from a peer or the store just became visible in host."""
+
     async def evicted(self, victims: Sequence[HostEntry]) -> None:
         """Host victims, their slots intact until this returns; must not wait on the network."""
 
@@ -549,8 +552,11 @@ class Placement:
         if done:
             self.policy.on_commit(e.bkey for e in done)
             self.observers.stored_blocks(HOST, (e.bkey for e in done))
-            if write_behind and self.write_behind is not None:
-                self.write_behind.committed(done)
+            if self.write_behind is not None:
+                if write_behind:
+                    self.write_behind.committed(done)
+                else:
+                    self.write_behind.fetched(done)
         return done
 
     def hit(self, entries: Sequence[HostEntry]) -> None:

@@ -447,6 +447,7 @@ class RemoteStore(StreamedSource):
         self.queue_bytes = queue_bytes
         self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kvtier-store")
         self.published: OrderedDict[bytes, float] = OrderedDict()  # written by us: bkey -> expiry (monotonic)
+        self._fetched: OrderedDict[bytes, None] = OrderedDict()  # in host from a peer or the store (see fetched)
         self._queue: deque[_Job] = deque()
         self._queued_bytes = 0
         self._wake = asyncio.Event()
@@ -487,8 +488,25 @@ class RemoteStore(StreamedSource):
 
     def committed(self, entries: Sequence[HostEntry]) -> None:
         """Blocks committed to host by a client: queued for writing (``--store-write put``)."""
+        if self._fetched:
+            for e in entries:
+                self._fetched.pop(e.bkey, None)
         if self.write == "put":
             self._enqueue([_Job(e.bkey, e.block_bytes, entry=e) for e in entries])
+
+    def fetched(self, entries: Sequence[HostEntry]) -> None:
+        """Blocks that came into host from a peer or the store: never written back when host
+        evicts them (``--store-write demotion``; the design's rule: the store holds what its
+        writers put, and a read-through block cycling through host must not renew its TTL nor
+        be published as this node's write)."""
+        if self.write != "demotion":
+            return
+        fetched = self._fetched
+        for e in entries:
+            fetched[e.bkey] = None
+            fetched.move_to_end(e.bkey)
+        while len(fetched) > MAX_PUBLISHED:  # (keys evicted by an Evict never come back here)
+            fetched.popitem(last=False)
 
     async def evicted(self, victims: Sequence[HostEntry]) -> None:
         """Host victims whose slots are intact until this returns: copied and queued
@@ -497,7 +515,7 @@ class RemoteStore(StreamedSource):
             return
         todo, room = [], self.queue_bytes - self._queued_bytes
         for v in victims:
-            if v.bkey in self.published:
+            if v.bkey in self.published or self._fetched.pop(v.bkey, False) is None:
                 continue
             if v.block_bytes > room:
                 self.counters.add(Count.STORE_WRITES_DROPPED)

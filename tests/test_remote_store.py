@@ -546,3 +546,65 @@ def test_a_store_read_that_fails_oddly_gives_counted_misses(mode) -> None:
 
     with shm_tempdir() as shm:
         asyncio.run(body(shm))
+
+
+class _DictBackend:
+    """An in-memory store client (the store's contract: names to values, a TTL ignored)."""
+
+    name = "dict"
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.puts: list[str] = []
+
+    def put_many(self, items, ttl_s):
+        for n, v in items:
+            self.values[n] = bytes(v)
+            self.puts.append(n)
+        return [True] * len(items)
+
+    def get_many(self, names, value_bytes=0):
+        return [self.values.get(n) for n in names]
+
+    def close(self):
+        pass
+
+
+def test_blocks_read_through_from_the_store_are_not_written_back_when_host_evicts_them() -> None:
+    """--store-write demotion writes host victims to the store; a block that came from the
+    store (or a peer) is not this daemon's write: evicting it must not write it back (its
+    TTL renewed for as long as it cycles, published as this node's)."""
+    from kvtier.daemon.remote_store import RemoteStore, encode, redis_key
+    from kvtier.daemon.store import BlockStore
+    from kvtier.tiers.host import HostTier, payload_checksum
+    from kvtier.tiers.layout import Layout
+
+    block, layout = 8192, Layout.flat(8192)
+
+    def k(i: int) -> bytes:
+        return i.to_bytes(4, "big") * 4
+
+    async def body(shm: str) -> None:
+        store = BlockStore(HostTier(shm, 4 * block, "wb"), demote_min_seen=1)
+        be = _DictBackend()
+        rs = RemoteStore(be, store.tiers, store.counters, store.observers, "ns", 60, "demotion", True, 2.0,
+                         64 * block)
+        store.remotes.append(rs)
+        rs.start()
+        lid = (await store.register_layout(layout)).layout_id
+        sid = store.open_session("t", os.getpid()).session_id
+        for i in range(1, 9):  # another daemon wrote these
+            p = bytes([i]) * block
+            be.values[redis_key("ns", layout.fingerprint + k(i))] = bytes(
+                encode(layout.fingerprint + k(i), p, payload_checksum(p)))
+        for first in (1, 5):  # read through 4, then 4 more, which evict the first 4
+            leases = await store.acquire(sid, lid, [k(i) for i in range(first, first + 4)])
+            assert all(x.hit for x in leases)
+            store.release(sid, [x.lease_id for x in leases])
+        await rs.flush()
+        assert be.puts == [] and store.counters[Count.STORE_WRITES] == 0
+        await rs.close()
+        store.close()
+
+    with shm_tempdir() as shm:
+        asyncio.run(body(shm))
