@@ -234,17 +234,24 @@ def test_blocks_near_eviction_are_written_ahead_and_their_eviction_frees_the_slo
     run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)
 
 
+async def ahead_parked(store, disk, lid, sid) -> Gate:
+    """Host full (8 blocks), window 2 blocks, the disk writer gated: a put of 10, 11 evicts 0, 1
+    (staged) and queues the write-ahead of 2 and 3, parked behind the gate (returned)."""
+    store.tiers.demote_queue_bytes = 8 * BLOCK
+    store.tiers.demote_ahead_bytes = 2 * BLOCK
+    await put(store, sid, lid, [key(i) for i in range(8)])
+    gate = Gate(disk._writer, 1)
+    await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+    await until(lambda: store.counters[Count.DEMOTIONS_STAGED] == 4, "the write-ahead of 2 and 3 to be queued")
+    return gate
+
+
 def test_a_block_being_written_ahead_is_passed_over_and_an_evict_keeps_it_off_disk(tmp_path):
     """While the write-ahead of 2 and 3 is parked on the gated writer: they are still served from
     host; a put that must evict passes over them (pinned) and takes 4; an Evict of 2 removes it
     from host at once and its write never becomes visible on disk. 3's write does."""
     async def body(store, disk, lid, sid):
-        store.tiers.demote_queue_bytes = 8 * BLOCK
-        store.tiers.demote_ahead_bytes = 2 * BLOCK
-        await put(store, sid, lid, [key(i) for i in range(8)])
-        gate = Gate(disk._writer, 1)
-        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
-        await until(lambda: store.counters[Count.DEMOTIONS_STAGED] == 4, "the write-ahead of 2 and 3 to be queued")
+        gate = await ahead_parked(store, disk, lid, sid)
         assert store.lookup(lid, [key(2), key(3)]) == [Tier.HOST, Tier.HOST]
         await put_bytes(store, sid, lid, [key(12)], [payload(key(12))])   # evicts past 2, 3: 4
         assert store.lookup(lid, [key(2), key(3), key(4)]) == [Tier.HOST, Tier.HOST, None]
@@ -264,12 +271,7 @@ def test_a_durable_put_of_blocks_being_written_ahead_waits_for_that_write(tmp_pa
     write them twice (the disk skips keys in flight) and does not answer before that write
     ends: it answers durable, and they are on disk."""
     async def body(store, disk, lid, sid):
-        store.tiers.demote_queue_bytes = 8 * BLOCK
-        store.tiers.demote_ahead_bytes = 2 * BLOCK
-        await put(store, sid, lid, [key(i) for i in range(8)])
-        gate = Gate(disk._writer, 1)
-        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
-        await until(lambda: store.counters[Count.DEMOTIONS_STAGED] == 4, "the write-ahead of 2 and 3 to be queued")
+        gate = await ahead_parked(store, disk, lid, sid)
         await until(lambda: bool(disk._writing), "the write-ahead of 2 and 3 to be in flight")
         durable = asyncio.ensure_future(store.allocate(sid, lid, [key(2), key(3)], durable=True))
         await asyncio.sleep(0.1)
@@ -286,11 +288,7 @@ def test_closing_while_a_write_ahead_is_in_flight_closes_the_tiers(tmp_path):
     """Closing the tiers without a drain while a write-ahead batch is parked on the gated writer
     (its slot views still exported) closes the disk and host tiers: nothing raises."""
     async def body(store, disk, lid, sid):
-        store.tiers.demote_queue_bytes = 8 * BLOCK
-        store.tiers.demote_ahead_bytes = 2 * BLOCK
-        await put(store, sid, lid, [key(i) for i in range(8)])
-        gate = Gate(disk._writer, 1)
-        await put_bytes(store, sid, lid, [key(10), key(11)], [payload(key(10)), payload(key(11))])
+        gate = await ahead_parked(store, disk, lid, sid)
         await until(lambda: bool(disk._writing), "the write-ahead of 2 and 3 to be in flight")
         gate.open()
         store.tiers.close()

@@ -3,6 +3,7 @@ order (a real TierPolicy), pins, the byte budget across size classes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -190,6 +191,17 @@ def _write(cls, e, byte: int) -> None:
         f.write(bytes([byte]) * e.block_bytes)
 
 
+@contextlib.contextmanager
+def _big_tier(prefix: str):
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
+    t = HostTier(d, capacity=BIG, name_prefix=prefix)
+    try:
+        yield t
+    finally:
+        t.close()
+        shutil.rmtree(d)
+
+
 def _put_big(t: HostTier, cls, key: bytes, byte: int, candidates=()):
     res = t.reserve(cls, [key], BIG, list(candidates))
     res.backing.run()
@@ -209,9 +221,7 @@ def test_a_victim_evicted_while_its_checksum_is_taken_gets_it(tmp_path) -> None:
     from kvtier.tiers.host import payload_checksum  # noqa: PLC0415
 
     async def body() -> None:
-        d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
-        t = HostTier(d, capacity=BIG, name_prefix="s")
-        try:
+        with _big_tier("s") as t:
             cls = t.size_class(BIG)
             _, e = _put_big(t, cls, b"a" * 24, 7)
             t.seal([e])
@@ -222,9 +232,6 @@ def test_a_victim_evicted_while_its_checksum_is_taken_gets_it(tmp_path) -> None:
             await t.sealed(res.victims)
             assert victim.checksum == want
             t.finish_eviction()
-        finally:
-            t.close()
-            shutil.rmtree(d)
     asyncio.run(body())
 
 
@@ -237,9 +244,7 @@ def test_a_late_checksum_never_lands_on_the_slots_next_block(tmp_path) -> None:
     from kvtier.tiers.host import payload_checksum  # noqa: PLC0415
 
     async def body() -> None:
-        d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
-        t = HostTier(d, capacity=BIG, name_prefix="l")
-        try:
+        with _big_tier("l") as t:
             cls = t.size_class(BIG)
             _, a = _put_big(t, cls, b"a" * 24, 7)
             t.seal([a])
@@ -257,9 +262,6 @@ def test_a_late_checksum_never_lands_on_the_slots_next_block(tmp_path) -> None:
             held = t.get(b"b" * 24)
             assert held.checksum == good
             assert await t.verify([held]) == []
-        finally:
-            t.close()
-            shutil.rmtree(d)
     asyncio.run(body())
 
 
