@@ -321,17 +321,24 @@ def test_a_look_while_the_writer_is_behind_still_queues_the_new_window(tmp_path)
     run(tmp_path, body, host_blocks=8, disk_blocks=32, demote_min_seen=2)
 
 
+async def staged_parked(store, disk, lid, sid) -> Gate:
+    """Host full (4 blocks), the disk writer gated: a put of 10 evicts 0, staged, its write
+    parked behind the gate (returned)."""
+    store.tiers.demote_queue_bytes = 8 * BLOCK
+    await put(store, sid, lid, [key(i) for i in range(4)])
+    gate = Gate(disk._writer, 1)
+    await put(store, sid, lid, [key(10)])
+    await until(lambda: gate.queued() == 1, "the staged write to be queued")
+    return gate
+
+
 def test_an_evict_during_a_staged_write_is_durable_when_answered(tmp_path):
     """An Evict (evict_durably: answered once the index deletes committed) of a key whose
     staged write is parked on the disk writer: when it answers, the index must not hold the
     key, even though the write, which ran first, committed it (a crash then would bring the
     evicted key back with its old bytes). Later work on the writer is held by a second gate."""
     async def body(store, disk, lid, sid):
-        store.tiers.demote_queue_bytes = 8 * BLOCK
-        await put(store, sid, lid, [key(i) for i in range(4)])
-        g1 = Gate(disk._writer, 1)
-        await put(store, sid, lid, [key(10)])                               # 0 staged, its write parked
-        await until(lambda: g1.queued() == 1, "the staged write to be queued")
+        g1 = await staged_parked(store, disk, lid, sid)
         evicted = asyncio.ensure_future(store.evict_durably(lid, [key(0)]))
         await until(lambda: g1.queued() >= 2, "the Evict's index work to be queued")
         g2 = Gate(disk._writer, 1)                                          # holds what comes after
@@ -350,11 +357,7 @@ def test_a_durable_re_put_during_the_old_copys_staged_write_is_made_durable(tmp_
     drops that write (a new put of the key) and cannot plan its own while the old one is in
     flight. Once the old write ends (dropped), the commit writes the new copy: durable."""
     async def body(store, disk, lid, sid):
-        store.tiers.demote_queue_bytes = 8 * BLOCK
-        await put(store, sid, lid, [key(i) for i in range(4)])
-        gate = Gate(disk._writer, 1)
-        await put(store, sid, lid, [key(10)])                               # 0 staged, its write parked
-        await until(lambda: gate.queued() == 1, "the staged write to be queued")
+        gate = await staged_parked(store, disk, lid, sid)
         grants = await store.allocate(sid, lid, [key(0)])
         assert grants[0].granted
         write_slot(store, grants[0].offset, payload(key(0)))
