@@ -578,6 +578,8 @@ class Placement:
         The disk's victims are the policy's, in order (pinned ones skipped). The caller keeps
         the blocks' slots intact (pinned, or victims before finish_eviction)."""
         await self.host.sealed(entries)  # the checksums the payloads must still have
+        # (an Evict while that awaited removed some: not written; the Evict found them in no tier)
+        entries = [e for e in entries if not e.removed]
         plan = self._plan_write([(e.bkey, e.block_bytes, e.cls.slot_bytes) for e in entries],
                                 [e.checksum for e in entries])
         srcs = [self._slot_view(e.cls, e.offset) for e in entries]

@@ -440,3 +440,29 @@ def test_a_demotion_that_fails_gives_the_puts_slots_back(tmp_path):
         assert store.lookup(lid, [key(1), key(20)]) == [Tier.HOST, Tier.HOST]
         await settle(store, disk)
     run(tmp_path, body, host_blocks=4, disk_blocks=16, demote_min_seen=1)
+
+
+def test_an_evict_while_a_write_ahead_batch_awaits_its_checksums_keeps_it_off_disk(tmp_path):
+    """A write-ahead batch is pinned and waits for its blocks' checksums (a large commit's,
+    taken on the hashing threads: held by a gate). An Evict of one of them meanwhile is
+    answered (the key in no tier after it); the batch must not write it to disk after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtier.tiers import host as host_mod
+
+    async def body(store, disk, lid, sid):
+        pl = store.tiers
+        pl.demote_queue_bytes = pl.demote_ahead_bytes = 64 * BLOCK
+        store.host._hasher = ThreadPoolExecutor(host_mod.HASH_THREADS)
+        gate = Gate(store.host._hasher, host_mod.HASH_THREADS)
+        keys = [key(i) for i in range(20)]                                  # 20 blocks: hashed on the threads
+        await put(store, sid, lid, keys)
+        pl._write_ahead_soon()                                              # as a put that evicted does
+        await until(lambda: any(store.host.get(FP + k).pins for k in keys), "the write-ahead batch to be pinned")
+        victim = next(k for k in keys if store.host.get(FP + k).pins)
+        assert await store.evict_durably(lid, [victim]) == 1
+        gate.open()
+        await settle(store, disk)
+        assert store.on_disk(lid, [victim]) == [False], "an evicted block was written ahead after its Evict"
+        assert await get(store, sid, lid, [victim]) == [None]
+    run(tmp_path, body, host_blocks=24, disk_blocks=64, demote_min_seen=2)

@@ -618,3 +618,55 @@ def test_a_full_filesystem_recovers_when_space_returns(tmp_path):
         assert tier.recoveries == 1 and got[0].bkey == k
         assert _read(tier, k) == (ReadOutcome.OK, payload(k, SMALL))
         tier.close()
+
+
+def test_a_plan_that_evicted_but_wrote_nothing_still_deletes_its_victims_index_entries(tmp_path) -> None:
+    """A write of a larger class evicts a block of a smaller one, then finds nothing more to
+    free (the other is pinned): it writes nothing, so the daemon never submits it. Its
+    victim's index delete was only in the plan and was lost: the evicted block came back
+    after a restart (and its slot, handed out again, was still named by the stale entry)."""
+    d = str(tmp_path / "disk")
+    tier = _open(d, capacity=2 * BLOCK)
+    a1, a2, big = (bytes(16) + key(i) for i in range(1, 4))
+    _write(tier, [a1, a2])
+    tier.pin(tier.get(a2))                                           # being read
+    plan = tier.plan_write([(big, 2 * BLOCK, 2 * BLOCK)], [a1, a2])
+    assert plan.entries == [None] and [v.bkey for v in plan.victims] == [a1]
+    tier.finish_write(plan, None)                                    # nothing to write: never submitted
+    tier.flush().result()
+    tier.unpin(tier.get(a2))
+    tier.close()
+    again = _open(d, capacity=2 * BLOCK)
+    try:
+        assert again.get(a1) is None and again.get(a2) is not None
+    finally:
+        again.close()
+
+
+def test_a_failed_index_delete_fails_the_flush_until_it_is_retried(tmp_path) -> None:
+    """An index delete that fails (a full LMDB map, injected) was only logged, so an Evict's
+    flush answered and the evicted block came back after a restart. The flush now fails
+    while the delete does; the delete is retried and, once it succeeds, the flush answers."""
+    import lmdb
+
+    d = str(tmp_path / "disk")
+    tier = _open(d, capacity=4 * BLOCK)
+    a, b = (bytes(16) + key(i) for i in range(2))
+    _write(tier, [a, b])
+    real, calls = tier._index_delete, []
+
+    def full(bkeys):
+        calls.append(list(bkeys))
+        raise lmdb.MapFullError("injected")
+    tier._index_delete = full
+    assert [e.bkey for e in tier.remove([a])] == [a]
+    with pytest.raises(DiskTierError, match="would come back after a restart"):
+        tier.flush().result()
+    tier._index_delete = real
+    tier.flush().result()                                            # retried: done
+    tier.close()
+    again = _open(d, capacity=4 * BLOCK)
+    try:
+        assert again.get(a) is None and again.get(b) is not None
+    finally:
+        again.close()

@@ -89,6 +89,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 
 import lmdb
@@ -195,6 +196,8 @@ class WritePlan:
     def planned(self) -> list[DiskEntry]:
         return [e for e in self.entries if e is not None]
 
+    _submitted: bool = False
+
 
 class DiskTier(PinnedTier[DiskEntry]):
     """Slots, index and pins of the disk tier (see the module docstring)."""
@@ -232,6 +235,7 @@ class DiskTier(PinnedTier[DiskEntry]):
         self.entries: dict[bytes, DiskEntry] = {}              # visible (restored ones in write order)
         self.per_fp: Counter[bytes] = Counter()                 # visible blocks per fingerprint
         self._writing: set[bytes] = set()
+        self._failed_deletes: list[bytes] = []  # index deletes that failed (writer thread): retried
         self._unwanted: set[bytes] = set()   # removed while being written: dropped when the write finishes
         self._seq = 0
         self._degraded = ""                  # why writes stopped; "" while healthy (see ``degraded``)
@@ -477,6 +481,7 @@ class DiskTier(PinnedTier[DiskEntry]):
         for e in planned:
             self._seq += 1
             e.seq = self._seq
+        plan._submitted = True
         return self._writer.submit(self._write_batch, plan, planned, list(sources))
 
     def _write_batch(self, plan: WritePlan, planned: list[DiskEntry], sources: list[memoryview]) -> None:
@@ -487,6 +492,7 @@ class DiskTier(PinnedTier[DiskEntry]):
         for fd, off, length in plan._grow:
             self._preallocate(fd, off, length, planned)
         futs = [self._io.submit(self._write_one, e, s) for e, s in zip(planned, sources, strict=True)]
+        wait_all(futs)  # all ended before any error is raised: the caller frees the sources
         ok = [f.result() for f in futs]
         written = [e for e, good in zip(planned, ok, strict=True) if good]
         plan.mismatched = [e for e, good in zip(planned, ok, strict=True) if not good]
@@ -534,6 +540,10 @@ class DiskTier(PinnedTier[DiskEntry]):
         planned = plan.planned
         for e in planned:
             self._writing.discard(e.bkey)
+        if not plan._submitted and (plan._deletes or plan._punch):
+            # never submitted (nothing to write), yet it evicted: its victims' index deletes and
+            # punches must still happen, before anything reuses their slots (writer thread order)
+            self._writer.submit(self._free_unsubmitted, plan._deletes, plan._punch)
         if error is not None:
             for e in planned:
                 self._unwanted.discard(e.bkey)
@@ -630,18 +640,44 @@ class DiskTier(PinnedTier[DiskEntry]):
 
     def flush(self) -> Future[None]:
         """Resolves once every removal (and write) queued before it has committed: the writer
-        thread runs its work in order."""
-        return self._writer.submit(lambda: None)
+        thread runs its work in order. Raises :class:`DiskTierError` while an index delete
+        that failed still fails (it is retried here first): an Evict must not be answered
+        then, since its key would come back after a restart."""
+        return self._writer.submit(self._flushed)
+
+    def _flushed(self) -> None:
+        """(The writer thread.)"""
+        if self._failed_deletes:
+            try:
+                self._index_delete(self._failed_deletes)
+            except lmdb.Error as e:
+                raise DiskTierError(f"disk index deletes of {len(self._failed_deletes)} keys failed ({e}): "
+                                    f"evicted blocks would come back after a restart") from None
+            self._failed_deletes = []
 
     def _index_delete(self, bkeys: Sequence[bytes]) -> None:
         with self.env.begin(write=True, db=self._blocks) as txn:
             for bkey in bkeys:
                 txn.delete(bkey)
 
+    def _free_unsubmitted(self, deletes: list[bytes], punch: list[tuple[int, int, int]]) -> None:
+        """(The writer thread.) What a plan that wrote nothing freed (see finish_write)."""
+        if deletes:
+            self._index_delete_logged(deletes)
+        for fd, off, length in punch:
+            try:
+                punch_hole(fd, off, length)
+            except OSError as e:
+                log.error("disk slot punch failed", extra={"error": str(e)})
+
     def _index_delete_logged(self, bkeys: list[bytes]) -> None:
+        """(The writer thread.) A delete that fails is kept, retried with the next ones and by
+        :meth:`flush`, which fails meanwhile."""
         try:
-            self._index_delete(bkeys)
+            self._index_delete(self._failed_deletes + bkeys)
+            self._failed_deletes = []
         except lmdb.Error as e:
+            self._failed_deletes = self._failed_deletes + bkeys
             log.error("disk index delete failed", extra={"error": str(e), "keys": len(bkeys)})
 
     # -- lifecycle ------------------------------------------------------------------------
