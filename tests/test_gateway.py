@@ -205,6 +205,45 @@ def test_every_replica_refusing_is_a_clear_error(loop, gateway) -> None:
     assert status == 400 and "invalid JSON" in json.loads(body)["error"]["message"]
 
 
+def test_malformed_and_hostile_requests_are_clear_400s(loop, gateway) -> None:
+    """Fields of the wrong type or range, JSON nested past the parser's depth, and chat
+    template keyword arguments that would run the client's own template on the gateway's event
+    loop (a few nested loops in 200 bytes stalled every request) get a 400 that names the
+    problem, never a 500; nothing reaches a replica."""
+    seen: list = []
+    url, gw = gateway({"a": f"http://127.0.0.1:{loop.serve(backend('a', seen))}"})
+    chat_url, comp_url = url + "/v1/chat/completions", url + "/v1/completions"
+    bad = [
+        (chat_url, {**chat(3), "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}},
+         "chat_template"),
+        (chat_url, {**chat(3), "chat_template_kwargs": ["not", "an", "object"]}, "chat_template_kwargs"),
+        (chat_url, {**chat(3), "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "text"),
+        (comp_url, {"model": "tiny", "prompt": [3, 2 ** 40]}, "prompt"),
+        (comp_url, {"model": "tiny", "prompt": [True, False]}, "prompt"),
+        (comp_url, b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON"),
+    ]
+    for target, body, word in bad:
+        status, raw, _ = post(target, body)
+        assert status == 400, (word, status, raw[:200])
+        assert word in json.loads(raw)["error"]["message"], raw[:300]
+    assert seen == []
+    status, _, _ = post(chat_url, chat(3))
+    assert status == 200 and len(seen) == 1
+
+
+def test_a_long_session_id_is_kept_as_a_digest(gateway, loop) -> None:
+    """Session ids are kept per session (up to 100k of them): a 100 KB one is kept as a
+    32-character digest, so the table's memory is bounded by its entry count."""
+    url, gw = gateway({"a": f"http://127.0.0.1:{loop.serve(backend('a', []))}"})
+    status, _, _ = post(url + "/v1/chat/completions", {**chat(3), "user": "u" * 100_000})
+    assert status == 200
+    import types
+    no_header = types.SimpleNamespace(headers={})
+    sid = gw._session_of(no_header, {"user": "u" * 100_000})
+    assert sid.startswith("blake2b:") and len(sid) == len("blake2b:") + 32
+    assert gw._session_of(no_header, {"user": "short"}) == "short"
+
+
 def test_policies_order_replicas() -> None:
     keys = [bytes([i]) * 16 for i in range(8)]
     rr = Policy("round-robin")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import itertools
 import json
 import logging
@@ -56,6 +57,7 @@ from kvtier.settings import (
     parse_list,
     setting,
 )
+from kvtier.tiers.vocab import MAX_KEYS_PER_CALL
 
 log = logging.getLogger("kvtier.gateway")
 
@@ -65,6 +67,7 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 
 
 INLINE_BODY_BYTES = 16384
+MAX_SESSION_ID = 256  # characters of a session id kept as they are; longer ones are kept as a digest
 """Bodies up to this size are tokenized on the event loop (well under a millisecond on an idle
 core); larger ones in a thread pool."""
 
@@ -385,6 +388,8 @@ class Gateway:
         sid = request.headers.get(h) if h else None
         if not sid and self.cfg.session_user and isinstance(body.get("user"), str):
             sid = body["user"]
+        if sid and len(sid) > MAX_SESSION_ID:  # (kept per session: a long one is kept as its digest)
+            sid = "blake2b:" + hashlib.blake2b(sid.encode(errors="replace"), digest_size=16).hexdigest()
         return sid or None
 
     def _decide(self, endpoint: str, raw: bytes, request: Any) -> tuple[Any, list[bytes], str | None, int]:
@@ -393,7 +398,7 @@ class Gateway:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # (RecursionError: nested too deep)
             return self._fail(endpoint, 400, "bad_request", f"invalid JSON body: {e}", "BadRequestError"), [], None, 0
         model = body.get("model")
         if model != self.cfg.model:
@@ -402,10 +407,10 @@ class Gateway:
                               "NotFoundError", "model"), [], None, 0
         try:
             ids = self.tokenizer.chat(body) if endpoint == "chat" else self.tokenizer.completion(body)
-        except PromptError as e:
-            return self._fail(endpoint, 400, "bad_request", str(e), "BadRequestError"), [], None, 0
-        keys = [] if self.cfg.keys == "vllm" and has_extra_keys(body) else self.keys.keys(ids)
-        return None, keys, self._session_of(request, body), len(ids)
+            keys = [] if self.cfg.keys == "vllm" and has_extra_keys(body) else self.keys.keys(ids)
+        except (PromptError, TypeError, ValueError, OverflowError) as e:  # (a field of the wrong type or range)
+            return self._fail(endpoint, 400, "bad_request", str(e) or type(e).__name__, "BadRequestError"), [], None, 0
+        return None, keys[:MAX_KEYS_PER_CALL], self._session_of(request, body), len(ids)
 
     async def _forward(self, request: Any, endpoint: str) -> Any:
         t0 = time.perf_counter()
@@ -501,23 +506,24 @@ class Gateway:
 
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         decision, hints = self._dispatch(name, keys, session)
-        if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
-            await self.prefetcher.apply(hints)
-        try:
-            up = await asyncio.wait_for(self._session.post(base + request.path_qs, data=raw, headers=headers),
-                                        self.cfg.first_byte_timeout_s)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            self._ended(name, decision)
-            raise _Refused(f"{type(e).__name__}: {e}") from None
-        try:
-            if up.status >= 500:
-                body = await up.read()
-                raise _Refused(f"HTTP {up.status}", up.status, body, up.headers)
-            return await self._stream(request, endpoint, up, name, decision, t0, counter)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise _Refused(f"{type(e).__name__}: {e}") from None
+        try:  # (the replica's load ends whatever way this does: a cancelled handler included)
+            if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
+                await self.prefetcher.apply(hints)
+            try:
+                up = await asyncio.wait_for(self._session.post(base + request.path_qs, data=raw, headers=headers),
+                                            self.cfg.first_byte_timeout_s)
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                raise _Refused(f"{type(e).__name__}: {e}") from None
+            try:
+                if up.status >= 500:
+                    body = await up.read()
+                    raise _Refused(f"HTTP {up.status}", up.status, body, up.headers)
+                return await self._stream(request, endpoint, up, name, decision, t0, counter)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise _Refused(f"{type(e).__name__}: {e}") from None
+            finally:
+                up.release()
         finally:
-            up.release()
             self._ended(name, decision)
 
     async def _stream(self, request: Any, endpoint: str, up: Any, name: str, decision: int, t0: float,

@@ -27,8 +27,18 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if not all(isinstance(t, str) for t in parts):
+            raise PromptError("a text part's 'text' must be a string")
+        return "\n".join(parts)
     raise PromptError("message content must be a string or a list of parts")
+
+
+# chat_template_kwargs the gateway never passes on: a template of the client's own would run
+# on the gateway's event loop (a few loops in 200 bytes stall every request; vLLM refuses
+# request templates by default), and the others are the gateway's to set
+_REFUSED_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "messages", "tools", "documents",
+                             "continue_final_message", "add_generation_prompt", "return_dict"})
 
 
 class PromptTokenizer:
@@ -54,7 +64,13 @@ class PromptTokenizer:
             if not isinstance(m, dict) or "role" not in m:
                 raise PromptError("each message needs a 'role'")
             conv.append({**m, "content": _text(m.get("content"))})
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise PromptError("'chat_template_kwargs' must be an object")
+        refused = sorted(_REFUSED_KWARGS.intersection(kwargs))
+        if refused:
+            raise PromptError(f"chat_template_kwargs may not set {', '.join(refused)}")
+        kwargs = dict(kwargs)
         cont = bool(body.get("continue_final_message", False))
         try:
             text = self.tok.apply_chat_template(
@@ -70,6 +86,6 @@ class PromptTokenizer:
             prompt = prompt[0]  # a batch: routed by its first prompt
         if isinstance(prompt, str):
             return list(self.tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))))
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 1 << 31 for t in prompt):
             return prompt
         raise PromptError("'prompt' must be a string, a list of token ids, or a list of those")
