@@ -305,6 +305,14 @@ class Sessions:
                              f"request needs {nbytes} B more; the limit is {lim.tenant_quota} B per tenant "
                              f"(--tenant-quota): commit or release first")
 
+    def hold_quota(self, sess: Session, nbytes: int) -> None:
+        """Count ``nbytes`` against the session's and tenant's quotas until :meth:`release_quota`
+        (a request's grants while it awaits them)."""
+        self._charge(sess, nbytes)
+
+    def release_quota(self, sess: Session, nbytes: int) -> None:
+        self._refund(sess, nbytes)
+
     def _charge(self, sess: Session, nbytes: int) -> None:
         sess.held_bytes += nbytes
         self.tenant_bytes[sess.tenant] = self.tenant_bytes.get(sess.tenant, 0) + nbytes

@@ -245,8 +245,16 @@ class BlockStore:
         want = [i for i, b in enumerate(bkeys) if not tiers.in_host(b) and not tiers.on_disk(b)]
         cls = self.pool(layout)
         # no more can be granted than the pool has slots (the rest answers NO_SPACE, as always)
-        self.sessions.check_quota(sess, min(len(want), cls.nslots) * cls.slot_bytes)
-        entries = await tiers.reserve(cls, [bkeys[i] for i in want], layout.block_bytes)
+        need = min(len(want), cls.nslots) * cls.slot_bytes
+        self.sessions.check_quota(sess, need)
+        # charged while the reservation is awaited (a demotion, the fallocate), so that the
+        # session's and tenant's other Allocates meanwhile see it; the grants are charged below
+        self.sessions.hold_quota(sess, need)
+        try:
+            entries = await tiers.reserve(cls, [bkeys[i] for i in want], layout.block_bytes)
+        finally:
+            if session_id in self.sessions:  # (else its close refunded everything it held)
+                self.sessions.release_quota(sess, need)
         if session_id not in self.sessions:  # it ended while a demotion or the fallocate was awaited
             for entry in entries:
                 if entry is not None:

@@ -523,3 +523,31 @@ def test_evict_during_demotion_does_not_leave_the_block_on_disk(tmp_path):
         assert disk.used_bytes == len(disk.entries) * BLOCK
         assert await get(store, sid, lid, [key(1)]) == [payload(key(1))]
     run(tmp_path, body, disk_blocks=16)
+
+
+def test_concurrent_allocates_cannot_pass_the_quota_together(tmp_path):
+    """Tenant and session quotas of 8 blocks; 6 Allocates of 8 keys each at once, for a tenant
+    whose pool is not prefaulted (each awaits its slots' fallocate): one is granted, the others
+    are refused RESOURCE_EXHAUSTED. The quota was checked before that await and charged after
+    it, so all 6 passed (48 blocks held)."""
+    from kvtier.daemon.sessions import Limits
+
+    async def main(shm: str) -> None:
+        store = BlockStore(HostTier(shm, 64 * BLOCK, "q"), prefault=True,
+                           limits=Limits(session_quota=8 * BLOCK, tenant_quota=8 * BLOCK))
+        await store.register_layout(LAYOUT)
+        reg = await store.register_layout(LAYOUT, "b")  # the second pool: never prefaulted
+        sess = store.open_session("c", os.getpid(), "b")
+
+        async def alloc(j: int):
+            return await store.allocate(sess.session_id, reg.layout_id, [key(j * 100 + i) for i in range(8)])
+        results = await asyncio.gather(*[alloc(j) for j in range(6)], return_exceptions=True)
+        granted = [r for r in results if not isinstance(r, BaseException)]
+        refused = [r for r in results if isinstance(r, StoreError)]
+        assert len(granted) == 1 and len(refused) == 5, results
+        assert all(e.code == Code.RESOURCE_EXHAUSTED for e in refused)
+        assert sess.held_bytes == 8 * BLOCK == store.sessions.tenant_bytes["b"]
+        store.close()
+
+    with shm_tempdir() as shm:
+        asyncio.run(main(shm))
