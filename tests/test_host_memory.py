@@ -71,7 +71,7 @@ def test_views_share_pins_and_removal(shm) -> None:
         assert t.get(b"a") is None and v2.removed and v1.slot not in cls.free  # pinned: slot kept
         t.unpin(v2)                                   # the last pin, through the other view
         assert v1.slot in cls.free
-        with pytest.raises(Exception, match="no pins"):
+        with pytest.raises(Exception, match="no pins|stale entry"):  # (the slot was freed: its generation moved)
             t.unpin(v1)
     finally:
         t.close()
