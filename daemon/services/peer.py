@@ -243,8 +243,8 @@ class PeerClient:
             raise await self._failed(peer, _error(e, f"Holds of {peer.address}")) from None
         return list(reply.tiers)
 
-    async def fetch(self, peer: PeerState, tenant: str, fingerprint: bytes, block_bytes: int,  # noqa: PLR0912
-                    keys: Sequence[bytes]) -> AsyncIterator[Hello | Block | Missing]:  # (one reply loop)
+    async def fetch(self, peer: PeerState, tenant: str, fingerprint: bytes, block_bytes: int,
+                    keys: Sequence[bytes]) -> AsyncIterator[Hello | Block | Missing]:
         stub = peer_pb2_grpc.PeerStub(self._channel(peer, tenant))
         call = stub.FetchBlocks(peer_pb2.FetchBlocksRequest(fingerprint=fingerprint, block_bytes=block_bytes,
                                                             keys=keys, tenant=tenant, chunk_bytes=self.chunk_bytes))
@@ -252,7 +252,6 @@ class PeerClient:
         index = -1
         filled = 0
         chunk = self.chunk_bytes or DEFAULT_CHUNK_BYTES  # every chunk is this, a block's last the rest
-        others = len(keys) + 1  # replies that carry no bytes: a hello, and lists of missing keys
         try:
             while True:
                 try:
@@ -278,15 +277,12 @@ class PeerClient:
                     if filled == block_bytes:
                         yield Block(index, parts[0] if len(parts) == 1 else b"".join(parts), c.xxh3)
                         parts, filled = [], 0
-                else:
-                    others -= 1
-                    if others < 0:  # a stream that never ends (each reply in time) holds the fetch's pins
-                        raise PeerProtocolError(f"FetchBlocks of {peer.address}: more replies than "
-                                                f"{len(keys)} keys take", partial=bool(parts))
-                    if kind == "hello":
-                        yield Hello(msg.hello.node_id, msg.hello.epoch, msg.hello.tenant)
-                    elif kind == "missing":
-                        yield Missing(list(msg.missing.index))
+                elif kind == "hello":  # (how many, and in what order: Peers' _StreamOrder)
+                    yield Hello(msg.hello.node_id, msg.hello.epoch, msg.hello.tenant)
+                elif kind == "missing":
+                    yield Missing(list(msg.missing.index))
+                else:  # an empty reply (a stream of them would never end)
+                    raise PeerProtocolError(f"FetchBlocks of {peer.address}: an empty reply", partial=bool(parts))
             if parts:
                 raise PeerProtocolError(f"FetchBlocks of {peer.address}: the stream ended inside block {index}",
                                         partial=True)
