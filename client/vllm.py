@@ -728,7 +728,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         again, once the copies in flight have ended."""
         for job in list(self._jobs.values()):
             if job.transfer is not None:
-                self._end_daemon_copy(job, block=True)
+                self._end_daemon_copy(job)
         old, self.conn = self.conn, None
         if old is not None:
             try:
@@ -808,7 +808,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             for jid in job_ids:
                 job = self._jobs.get(jid)
                 if job is not None and job.transfer is not None:
-                    self._end_daemon_copy(job, block=True)
+                    self._end_daemon_copy(job)
             return
         with self._cv:
             while any(jid in self._jobs for jid in job_ids):
@@ -827,7 +827,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._thread = None
         for job in list(self._jobs.values()):  # the connector closes once its copies have ended
             if job.transfer is not None:
-                self._end_daemon_copy(job, block=True)
+                self._end_daemon_copy(job)
         if self.conn is not None:
             try:
                 self.conn.close()
@@ -948,11 +948,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _poll_daemon(self) -> None:
         for job in list(self._jobs.values()):
             if job.transfer is not None and job.transfer.done():
-                self._end_daemon_copy(job, block=False)
+                self._end_daemon_copy(job)
 
-    def _end_daemon_copy(self, job: _Job, block: bool) -> None:
+    def _end_daemon_copy(self, job: _Job) -> None:
         try:
-            statuses = job.transfer.wait(self.settings.timeout_s if block else None)
+            # (no deadline of its own: the call's deadline bounds the reply, and a failed load is
+            # reported only once the daemon has ended it, or else vLLM would recompute into pages
+            # a late copy may still write; KVConnector.settle_s bounds that)
+            statuses = job.transfer.wait(None)
         except (KVConnectorError, TimeoutError) as e:
             self._daemon_copy_failed(job, e)
             return

@@ -238,6 +238,57 @@ def test_bad_requests_are_refused_and_change_nothing(kvd, shm_dir) -> None:
         eng.close()
 
 
+def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_daemon, shm_dir) -> None:
+    """An onboard whose deadline passes may still be in the daemon's hands, and its copy may
+    still come, into engine pages the engine reuses once told the load failed (vLLM recomputes
+    into them). The connector raised DEADLINE_EXCEEDED at once; now it first sends an empty
+    onboard on the same event slot, which the daemon answers only once the failed one has
+    ended there, and raises after that. Here the daemon holds the slot for 3 s (an older
+    offload in it waits for a "KV written" record that never comes): the onboard's 1 s
+    deadline passes, and its failure must not be reported before those 3 s."""
+    from kvtier.proto import transfer_pb2
+
+    d = start_daemon("--copy-engine", "host", "--transfer-wait-s", "3", host_capacity="64MiB")
+    layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
+    arena = SharedKVArena(layout, shm_dir)
+    conn = KVConnector(d.socket, ring_dir=shm_dir, ring_slots=2, timeout=1.0)
+    try:
+        conn.register(layout, arena.tensors)
+        assert conn.reg is not None
+        slot = conn._take_slot()
+        sent = time.monotonic()
+        stuck = conn._stub.Offload.future(transfer_pb2.TransferRequest(
+            session_id=conn.session_id, registration_id=conn.reg.registration_id, keys=keys_for("stuck", 1),
+            engine_ids=[0], event_slot=slot, seq=next(conn._seq), wait_written=True), timeout=30)
+        with Sidecar(d.socket) as sc:  # the daemon has taken it up (granted its slot, now waits)
+            deadline = time.monotonic() + 10
+            while sc.stats()["tiers"]["host"]["used_bytes"] == 0:
+                assert not stuck.done() and time.monotonic() < deadline, "the stuck offload was not taken up"
+                time.sleep(0.01)
+        other = conn._take_slot()  # (busy, so that the onboard is given the stuck offload's slot)
+        conn._free_slot(slot)
+        onboard = conn.onboard(keys_for("late", 2), [4, 5])
+        assert onboard.slot == slot
+        with pytest.raises(KVConnectorError) as e:
+            onboard.wait()
+        failed_after = time.monotonic() - sent
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert failed_after >= 2.5, (f"the onboard's failure was reported {failed_after:.2f} s in, while the daemon "
+                                     f"still held it (until 3 s): its pages could still be written")
+        assert conn.counts_settled == 1
+        with pytest.raises(grpc.RpcError) as stuck_err:
+            stuck.result(10)
+        assert stuck_err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # its "KV written" never came
+        conn._free_slot(other)
+        assert slot in conn._free, "a settled onboard's slot was not given back"
+        keys = keys_for("after", 2)  # the connector works on afterwards, on that slot too
+        assert conn.offload(keys, [1, 2]).wait() == ["copied"] * 2
+        assert conn.onboard(keys, [6, 7]).wait() == ["copied"] * 2
+    finally:
+        conn.close()
+        arena.close()
+
+
 def test_cpu_tensor_without_a_sealed_memfd_is_refused(start_daemon, shm_dir) -> None:
     d = start_daemon("--copy-engine", "host")
     layout = Layout.vllm(num_layers=1, num_blocks=4, block_tokens=16, kv_heads=1, head_dim=16, dtype="float16")

@@ -36,9 +36,11 @@ once; the daemon keeps that safe (:mod:`kvtier.daemon.gpu`: a slot belongs to it
 sequence number): a newer request in the slot supersedes the old transfer, which is then never
 committed nor copied if its copy was not issued yet, an offload whose call was cancelled is
 never committed, and a request older than its slot's newest is refused FAILED_PRECONDITION.
-Still, don't reuse the engine pages of a transfer that failed with DEADLINE_EXCEEDED for
-other KV before the daemon's ``--transfer-wait-s`` has passed: an onboard copy already
-issued cannot be withdrawn.
+An onboard copy already issued cannot be withdrawn, though, so an onboard that fails without
+the daemon's answer (its deadline, a cancel, a broken connection) is settled before its error
+is raised (``wait``) or it counts as done (``done``): an empty onboard on its slot, with a
+newer number, is answered only once the daemon has ended the failed one (``settle_s`` bounds
+the asking; :meth:`Transfer._settled`). Its engine pages may be reused then.
 
 The connector holds a Node session (:mod:`kvtier.client.engine.transport`, as the sidecars do)
 for as long as it is open: if the process dies, the daemon closes the registration, its
@@ -258,17 +260,30 @@ def _check_tensors(layout: Layout, tensors: Sequence[Any]) -> None:
             raise InvalidArgument(f"tensor {spec.name} is not contiguous")
 
 
+# An onboard that failed with one of these was refused before the daemon took it up (nothing of
+# it was, or will be, copied); any other failure (a deadline, a cancel, a broken connection) leaves
+# the daemon's copy possibly still to come, and the transfer is settled first (Transfer._settled).
+_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                      grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
+                      grpc.StatusCode.UNAUTHENTICATED})
+
+
 class Transfer:
     """One offload or onboard in flight (see the module docstring)."""
 
-    def __init__(self, conn: KVConnector, future: Any, slot: int, seq: int, nkeys: int) -> None:
+    def __init__(self, conn: KVConnector, future: Any, slot: int, seq: int, nkeys: int,
+                 onboard: bool = False, registration_id: int = 0) -> None:
         self._conn = conn
         self._future = future
         self.slot = slot
         self.seq = seq
         self.nkeys = nkeys
+        self.onboard = onboard
+        self.registration_id = registration_id
         self._released = False
         self._statuses: list[str] | None = None
+        self._fence: tuple[Any, int] | None = None  # (future, seq) of the settling request in flight
+        self._settle_by = 0.0                        # when settling gives up (0: not begun)
 
     def _reply(self, timeout: float | None = None) -> transfer_pb2.TransferReply:
         try:
@@ -276,25 +291,86 @@ class Transfer:
         except grpc.FutureTimeoutError:
             raise TimeoutError(f"no reply for transfer {self.seq} within {timeout} s") from None
         except grpc.RpcError as e:
-            self._release()
+            while not self._settled():  # bounded: KVConnector.settle_s
+                time.sleep(0.002)
             raise self._conn._transport.error(e) from None
 
     def _complete(self) -> bool:
         return self._conn._slot_complete(self.slot, self.seq)
 
+    def _settled(self) -> bool:
+        """After a failed RPC, whether this transfer's engine pages may be reused; frees its slot
+        once they may. A failed offload or a refused onboard is settled at once. An onboard that
+        failed otherwise (its deadline passed, the call was cancelled or its connection broke)
+        may still have a copy to come at the daemon, into pages the engine would reuse: an
+        empty onboard is sent on the same slot with a newer sequence number, and the daemon
+        answers it only once this transfer has ended there (a newer request on a slot
+        supersedes the one in it, which then copies nothing unless its copy was issued, and
+        waits for it). Its answer settles this one; a failed one is sent again, until the
+        daemon or the registration is gone (its copies went with it) or ``settle_s`` has passed
+        (logged: an engine page may then still be written late). Never blocks."""
+        with self._conn._lock:  # (a submit in another thread may poll this transfer too)
+            return self._settle_step()
+
+    def _settle_step(self) -> bool:
+        if self._released:
+            return True
+        conn = self._conn
+        err = self._future.exception()
+        if not self.onboard or (isinstance(err, grpc.Call) and err.code() in _REFUSED):
+            self._release()
+            return True
+        if self._fence is None:
+            now = time.monotonic()
+            if not self._settle_by:
+                self._settle_by = now + conn.settle_s
+            elif now > self._settle_by:
+                log.error("kvtier: could not confirm that onboard %d (event slot %d) ended at the daemon within "
+                          "%.0f s; its engine pages are given back now and may still be written late",
+                          self.seq, self.slot, conn.settle_s)
+                self._release()
+                return True
+            seq = next(conn._seq)
+            req = transfer_pb2.TransferRequest(session_id=conn.session_id, registration_id=self.registration_id,
+                                               keys=[], engine_ids=[], event_slot=self.slot, seq=seq,
+                                               wait_written=False)
+            self._fence = (conn._stub.Onboard.future(req, timeout=conn.timeout), seq)
+            return False
+        fence, seq = self._fence
+        if not fence.done():
+            return False
+        ferr = fence.exception()
+        if ferr is None:
+            if not conn._slot_complete(self.slot, seq):
+                return False
+        elif isinstance(ferr, grpc.Call) and ferr.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+            # the daemon is gone, or the registration is (closed once its copies ended, or closing)
+            log.warning("kvtier: onboard %d failed and the daemon could not be asked whether it ended (%s); "
+                        "taking its engine pages back", self.seq, ferr.details())
+        else:
+            self._fence = None  # (a deadline: the daemon is slow) ask again, with a newer number
+            return False
+        conn.counts_settled += 1
+        self._release()
+        return True
+
     def done(self) -> bool:
-        """Non-blocking: the reply is in and the completion has been recorded and reached."""
+        """Non-blocking: the reply is in and the completion has been recorded and reached (a
+        failed onboard: and settled, see :meth:`_settled`)."""
         if self._released:
             return True
         if not self._future.done():
             return False
-        if self._future.exception() is not None or self._complete():
+        if self._future.exception() is not None:
+            return self._settled()
+        if self._complete():
             self._release()
             return True
         return False
 
     def wait(self, timeout: float | None = None) -> list[str]:
-        """Block until the copy is complete; per key ``copied | present | no_space | missing``."""
+        """Block until the copy is complete; per key ``copied | present | no_space | missing``.
+        A failed onboard raises only once it is settled (its pages may be reused then)."""
         reply = self._reply(timeout)
         if not self._released:  # (released: its completion was reached, and the slot may be another's now)
             self._conn._slot_wait(self.slot, self.seq)
@@ -340,12 +416,14 @@ class KVConnector:
 
     def __init__(self, socket_path: str | None = None, *, target: str | None = None,
                  client_name: str | None = None, ring_slots: int = 64, timeout: float = 60.0,
-                 ring_dir: str = "/dev/shm") -> None:
+                 ring_dir: str = "/dev/shm", settle_s: float = 60.0) -> None:
         self._transport = Transport(socket_path, target=target,
                                     client_name=client_name or default_client_name("engine"), timeout=timeout)
         self.target = self._transport.target
         self.client_name = self._transport.client_name
         self.timeout = timeout
+        self.settle_s = settle_s  # most seconds a failed onboard is settled for (Transfer._settled)
+        self.counts_settled = 0   # failed onboards settled by asking the daemon (or finding it gone)
         self.ring_slots = ring_slots
         self.ring_dir = ring_dir
         self._stub = self._transport.transfer
@@ -529,7 +607,8 @@ class KVConnector:
                                            keys=[bytes(k) for k in keys], engine_ids=ids.tolist(),
                                            event_slot=slot, seq=seq, wait_written=wait_written)
         future = getattr(self._stub, rpc).future(req, timeout=self.timeout)
-        t = Transfer(self, future, slot, seq, len(keys))
+        t = Transfer(self, future, slot, seq, len(keys), onboard=rpc == "Onboard",
+                     registration_id=reg.registration_id)
         with self._lock:
             self._live[slot] = t
         return t
