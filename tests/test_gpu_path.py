@@ -243,12 +243,12 @@ def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_da
     still come, into engine pages the engine reuses once told the load failed (vLLM recomputes
     into them). The connector raised DEADLINE_EXCEEDED at once; now it first sends an empty
     onboard on the same event slot, which the daemon answers only once the failed one has
-    ended there, and raises after that. Here the daemon holds the slot for 3 s (an older
+    ended there, and raises after that. Here the daemon holds the slot for 5 s (an older
     offload in it waits for a "KV written" record that never comes): the onboard's 1 s
-    deadline passes, and its failure must not be reported before those 3 s."""
+    deadline passes, and its failure must not be reported before those 5 s."""
     from kvtier.proto import transfer_pb2
 
-    d = start_daemon("--copy-engine", "host", "--transfer-wait-s", "3", host_capacity="64MiB")
+    d = start_daemon("--copy-engine", "host", "--transfer-wait-s", "5", host_capacity="64MiB")
     layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
     arena = SharedKVArena(layout, shm_dir)
     conn = KVConnector(d.socket, ring_dir=shm_dir, ring_slots=2, timeout=1.0)
@@ -269,12 +269,13 @@ def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_da
         conn._free_slot(slot)
         onboard = conn.onboard(keys_for("late", 2), [4, 5])
         assert onboard.slot == slot
+        assert time.monotonic() - sent < 3.5, "too slow to set up: the onboard's 1 s deadline would not pass in the hold"
         with pytest.raises(KVConnectorError) as e:
             onboard.wait()
         failed_after = time.monotonic() - sent
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert failed_after >= 2.5, (f"the onboard's failure was reported {failed_after:.2f} s in, while the daemon "
-                                     f"still held it (until 3 s): its pages could still be written")
+        assert failed_after >= 4.5, (f"the onboard's failure was reported {failed_after:.2f} s in, while the daemon "
+                                     f"still held it (until 5 s): its pages could still be written")
         assert conn.counts_settled == 1
         with pytest.raises(grpc.RpcError) as stuck_err:
             stuck.result(10)
