@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -358,6 +359,8 @@ def main() -> None:
     shm = tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.shm_dir)
     try:
         result = engine_alone(args, layout, shm, src, dst)
+        # (the engine's own figures first, on a line of their own: a hang later keeps them)
+        print("# engine alone: " + json.dumps(result, sort_keys=True), flush=True)
         result.update(through_daemon(args, layout, shm, src, dst))
     finally:
         shutil.rmtree(shm, ignore_errors=True)

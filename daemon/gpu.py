@@ -267,9 +267,17 @@ class Transfers:
         """Attach the host pool to the engine (once per engine and pool) and open the KV memory."""
         self._use_pool(engine, cls)
         loop = asyncio.get_running_loop()
-        attached = False
+        attached = orphaned = False
         try:
-            s_per_gib = await loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
+            attaching = loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
+            try:
+                s_per_gib = await asyncio.shield(attaching)
+            except asyncio.CancelledError:
+                # the engine went away mid-attach, but the thread pins on: the pool stays marked
+                # (never punched) until that attach has ended and been undone
+                orphaned = True
+                attaching.add_done_callback(functools.partial(self._attach_orphan, engine, cls.path))
+                raise
             attached = True
             opening = loop.run_in_executor(self._executor, engine.open_kv, allocations, ring)
             try:
@@ -281,7 +289,8 @@ class Transfers:
             self._leave_pool(engine, cls.path, attached)
             raise StoreError(Code.FAILED_PRECONDITION, str(e)) from None
         except BaseException:
-            self._leave_pool(engine, cls.path, attached)
+            if not orphaned:
+                self._leave_pool(engine, cls.path, attached)
             raise
         if (engine.name, cls.path) not in self._attached:
             self._attached.add((engine.name, cls.path))
@@ -324,6 +333,11 @@ class Transfers:
         cls = next((c for c in self.store.host.classes.values() if c.path == path), None)
         if cls is not None:
             self.store.host.unmark_registered(cls)
+
+    def _attach_orphan(self, engine: CopyEngine, path: str, attaching: asyncio.Future) -> None:
+        """Leave the pool of a registration cancelled during its attach, once the attach ended
+        (pinned: unpinned again before the host tier may punch it)."""
+        self._leave_pool(engine, path, attached=not attaching.cancelled() and attaching.exception() is None)
 
     def _close_orphan(self, engine: CopyEngine, opening: asyncio.Future) -> None:
         """Close KV memory opened for a registration whose caller was cancelled meanwhile."""
@@ -506,6 +520,9 @@ class Transfers:
         grants = await self.store.allocate(reg.store_session, reg.layout_id, order.keys)
         granted = [i for i, g in enumerate(grants) if g.granted]
         gids = [grants[i].grant_id for i in granted]
+        if reg.closing or mine.abandoned:  # (during the allocate) never touch a gone engine's memory
+            await self._abort(reg, gids)
+            raise StoreError(Code.CANCELLED, f"offload not run: {mine.abandoned or 'the engine session ended'}")
         offsets = np.array([grants[i].offset for i in granted], dtype=np.int64)
         plan = plan_chunks(reg.layout, reg.tensors, ids[granted], offsets)
         try:
@@ -575,8 +592,9 @@ class Transfers:
                 lids = [leases[i].lease_id for i in hits]
                 offsets = np.array([leases[i].offset for i in hits], dtype=np.int64)
                 plan = plan_chunks(reg.layout, reg.tensors, ids[hits], offsets)
-                if mine.abandoned:
-                    raise StoreError(Code.CANCELLED, f"onboard not run: {mine.abandoned}")
+                if reg.closing or mine.abandoned:  # never touch a gone engine's memory
+                    raise StoreError(Code.CANCELLED,
+                                     f"onboard not run: {mine.abandoned or 'the engine session ended'}")
                 done = await self._copy(reg, plan, ONBOARD, order, wait_done=False)
             except BaseException as e:
                 if not recorded.done():

@@ -6,7 +6,7 @@
 #              as Python 3.12 wheels in .whl/, which that machine lacks)
 # Then:        device run, carry [".whl"], command "bash scripts/gpu-check.sh"
 #
-# Writes $OUT/gpu-tests.log, $OUT/bench.log and $OUT/bench.json when $OUT is set.
+# Writes $OUT/gpu-tests.log, $OUT/daemon-logs.txt, $OUT/bench.log and $OUT/bench.json when $OUT is set.
 # REHEARSE=1 runs the same steps on a CPU machine (stand-in tests, a small host bench) to
 # check the script itself.
 set -uo pipefail
@@ -45,13 +45,24 @@ print(f"torch {torch.__version__} cuda={torch.cuda.is_available()} "
       f"grpc {grpc.__version__} protobuf {google.protobuf.__version__}")
 EOF
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+# the kernel says which sandbox runs this (gVisor reports 4.4.0): CUDA IPC, cudaHostRegister of
+# shared memory and MADV_POPULATE_WRITE depend on it
+echo "kernel $(uname -r)"
 
 echo "== gpu-marked tests"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "$MARK" tests/test_gpu_path.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+# SIGINT (not TERM) so that pytest still prints its summary; each test at most 40 s, so that one
+# hung test leaves time for the others; the daemons' logs under a known directory
+BASE=/tmp/kvtier-gpu-pytest
+rm -rf "$BASE"
+timeout -s INT -k 10 150 "$PY" -m pytest -v -p no:cacheprovider -o timeout=40 --basetemp="$BASE" -m "$MARK" \
+  tests/test_gpu_path.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 tests_rc=${PIPESTATUS[0]}
+find "$BASE" -name '*.log' 2>/dev/null | while read -r f; do echo "== $f"; tail -n 40 "$f"; done \
+  >"$OUT/daemon-logs.txt"
 
 echo "== bench/gpu_copy.py"
-PYTHONPATH="$ROOT/bench:$PYTHONPATH" timeout 150 "$PY" bench/gpu_copy.py --engine "$ENGINE" "${BENCH_ARGS[@]}" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -3
+PYTHONPATH="$ROOT/bench:$PYTHONPATH" timeout -s INT -k 10 150 "$PY" bench/gpu_copy.py --engine "$ENGINE" \
+  "${BENCH_ARGS[@]}" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -4
 bench_rc=${PIPESTATUS[0]}
 
 "$PY" - "$OUT/bench.json" "$tests_rc" "$bench_rc" <<'EOF'

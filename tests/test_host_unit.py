@@ -309,3 +309,28 @@ def test_another_class_is_not_evicted_when_its_memory_cannot_make_a_slot(tmp_pat
     finally:
         t.close()
         shutil.rmtree(d)
+
+
+def test_a_victims_memory_is_not_punched_once_its_class_was_pinned_for_a_gpu(tmp_path) -> None:
+    """Another class's victim is punched after its demotion (``finish_eviction``), seconds
+    later. A KV registration that pinned that class's pool for a GPU meanwhile would keep
+    writing pages the file no longer holds: such a pending punch is now skipped."""
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
+    t = HostTier(d, capacity=2 * SLOT, name_prefix="p")
+    t.policy = TierPolicy(0, None, 0)
+    try:
+        a, b = t.size_class(SLOT // 2), t.size_class(SLOT)
+        for cls, names in ((a, [b"a1", b"a2"]), (b, [b"b1"])):
+            res = t.reserve(cls, names, cls.slot_bytes)
+            res.backing.run()
+            t.finish_eviction()
+            assert all(t.commit(e) for e in res.entries)
+        backed = os.stat(b.path).st_blocks
+        res = t.reserve(a, [b"a3"], SLOT // 2, [b"b1"])  # b1's memory makes a3's slot
+        assert [v.bkey for v in res.victims] == [b"b1"]
+        t.mark_registered(b)                        # (a registration pinned b's pool meanwhile)
+        t.finish_eviction()
+        assert os.stat(b.path).st_blocks == backed, "a pinned pool's memory was punched"
+    finally:
+        t.close()
+        shutil.rmtree(d)

@@ -59,6 +59,7 @@ Backends
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import mmap
@@ -305,7 +306,10 @@ def _pool_for(pools: dict[str, Any], pool_path: str, mem: KVMemory, slot: int) -
 
 def populate_mapping(mm: mmap.mmap, size: int, threads: int) -> None:
     """Fault in every page of a shared mapping from ``threads`` threads (MADV_POPULATE_WRITE,
-    Linux >= 5.14; else touch one byte per page, which keeps the bytes)."""
+    Linux >= 5.14; where the kernel does not know it (EINVAL), read one byte per page: a tmpfs
+    read fault allocates the page too, and nothing is written, so a sidecar or copy writing the
+    live pool meanwhile loses nothing). Any other failure (no memory left for the pool: ENOMEM,
+    EFAULT) is a :class:`CopyError`: touching on would kill the daemon with SIGBUS."""
     step = max(2 << 20, -(-size // threads) // mmap.PAGESIZE * mmap.PAGESIZE)
     arr = np.frombuffer(mm, dtype=np.uint8)
 
@@ -313,9 +317,11 @@ def populate_mapping(mm: mmap.mmap, size: int, threads: int) -> None:
         length = min(step, size - off)
         try:
             mm.madvise(MADV_POPULATE_WRITE, off, length)
-        except OSError:
-            view = arr[off:off + length:mmap.PAGESIZE]
-            view[:] = view
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise CopyError(f"faulting in {length} B of the host pool failed: {e.strerror} (is /dev/shm or "
+                                f"memory too small for --host-capacity?)") from None
+            int(arr[off:off + length:mmap.PAGESIZE].sum())
 
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(touch, range(0, size, step)))

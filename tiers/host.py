@@ -696,8 +696,12 @@ class HostTier(PinnedTier[HostEntry]):
         return None
 
     def finish_eviction(self) -> None:
-        """Release the memory of victims taken from other size classes (after demotion)."""
+        """Release the memory of victims taken from other size classes (after demotion), but
+        not of a class a GPU pinned meanwhile (:meth:`mark_registered`: the slot stays a hole
+        whose memory is still there, reused when the slot is backed again)."""
         for cls, slot in self._pending_punch:
+            if cls.key in self._registered:
+                continue
             punch_hole(cls.fd, slot * cls.slot_bytes, cls.slot_bytes)
         self._pending_punch.clear()
         self._late_sums.clear()  # (the victims were demoted, or not, by now)

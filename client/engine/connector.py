@@ -24,23 +24,25 @@ Completion, per request, through a ring of interprocess events exchanged at regi
 
 * ``offload`` records "KV written" on the engine's stream before asking; the daemon's stream
   waits for it. Don't reuse those pages until ``Transfer.done()`` (or ``wait()``).
-* ``onboard`` returns at once; ``Transfer.wait_on(stream)`` makes the engine's stream wait for
+* ``onboard`` (CUDA: after recording on the engine's stream the point its copy must follow)
+  returns at once; ``Transfer.wait_on(stream)`` makes the engine's stream wait for
   the copy without blocking the CPU thread once the reply is in; ``done()`` polls;
   ``wait()`` blocks. A key the daemon does not hold comes back ``"missing"`` and its engine
   page is not touched.
 
 Ring slots and sequence numbers: every request carries a sequence number newer than any
 before it (one counter per connector), and a slot is handed out again in the order slots were
-freed (the least recently used first). A transfer whose deadline passes frees its slot at
-once; the daemon keeps that safe (:mod:`kvtier.daemon.gpu`: a slot belongs to its newest
-sequence number): a newer request in the slot supersedes the old transfer, which is then never
+freed (the least recently used first). A transfer whose deadline passes frees its slot once
+settled (below); the daemon keeps a reused slot safe too (:mod:`kvtier.daemon.gpu`: a slot
+belongs to its newest sequence number): a newer request in the slot supersedes the old transfer, which is then never
 committed nor copied if its copy was not issued yet, an offload whose call was cancelled is
 never committed, and a request older than its slot's newest is refused FAILED_PRECONDITION.
-An onboard copy already issued cannot be withdrawn, though, so an onboard that fails without
-the daemon's answer (its deadline, a cancel, a broken connection) is settled before its error
-is raised (``wait``) or it counts as done (``done``): an empty onboard on its slot, with a
-newer number, is answered only once the daemon has ended the failed one (``settle_s`` bounds
-the asking; :meth:`Transfer._settled`). Its engine pages may be reused then.
+A copy already issued cannot be withdrawn, though (nor, on CUDA, a completion record already
+queued on the slot's event), so a transfer that fails without the daemon's answer (its
+deadline, a cancel, a broken connection) is settled before its error is raised (``wait``) or
+it counts as done (``done``), and before its slot is handed out again: an empty onboard on its
+slot, with a newer number, is answered only once the daemon has ended the failed one
+(``settle_s`` bounds the asking; :meth:`Transfer._settled`). Its engine pages may be reused then.
 
 The connector holds a Node session (:mod:`kvtier.client.engine.transport`, as the sidecars do)
 for as long as it is open: if the process dies, the daemon closes the registration, its
@@ -260,9 +262,10 @@ def _check_tensors(layout: Layout, tensors: Sequence[Any]) -> None:
             raise InvalidArgument(f"tensor {spec.name} is not contiguous")
 
 
-# An onboard that failed with one of these was refused before the daemon took it up (nothing of
-# it was, or will be, copied); any other failure (a deadline, a cancel, a broken connection) leaves
-# the daemon's copy possibly still to come, and the transfer is settled first (Transfer._settled).
+# A transfer that failed with one of these was refused before the daemon took it up (nothing of
+# it was, or will be, copied or recorded); any other failure (a deadline, a cancel, a broken
+# connection) leaves the daemon's copy possibly still to come, and the transfer is settled first
+# (Transfer._settled).
 _REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                       grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
                       grpc.StatusCode.UNAUTHENTICATED})
@@ -299,16 +302,19 @@ class Transfer:
         return self._conn._slot_complete(self.slot, self.seq)
 
     def _settled(self) -> bool:
-        """After a failed RPC, whether this transfer's engine pages may be reused; frees its slot
-        once they may. A failed offload or a refused onboard is settled at once. An onboard that
+        """After a failed RPC, whether this transfer's engine pages and event slot may be used
+        again; frees its slot once they may. A refused transfer is settled at once. One that
         failed otherwise (its deadline passed, the call was cancelled or its connection broke)
-        may still have a copy to come at the daemon, into pages the engine would reuse: an
-        empty onboard is sent on the same slot with a newer sequence number, and the daemon
-        answers it only once this transfer has ended there (a newer request on a slot
-        supersedes the one in it, which then copies nothing unless its copy was issued, and
-        waits for it). Its answer settles this one; a failed one is sent again, until the
-        daemon or the registration is gone (its copies went with it) or ``settle_s`` has passed
-        (logged: an engine page may then still be written late). Never blocks."""
+        may still be running at the daemon: an onboard's copy may still write pages the engine
+        would reuse, and (CUDA) the daemon's completion record may still land on the slot's
+        event after the engine's next "KV written" record there, which the next transfer in
+        the slot would then take for its own. So an empty onboard is sent on the same slot
+        with a newer sequence number, and the daemon answers it only once this transfer has
+        ended there (a newer request on a slot supersedes the one in it, which then copies
+        nothing unless its copy was issued, and waits for it). Its answer settles this one; a
+        failed one is sent again, until the daemon or the registration is gone (its copies
+        went with it) or ``settle_s`` has passed (logged: a page or the slot's event may then
+        still be written late). Never blocks."""
         with self._conn._lock:  # (a submit in another thread may poll this transfer too)
             return self._settle_step()
 
@@ -317,7 +323,7 @@ class Transfer:
             return True
         conn = self._conn
         err = self._future.exception()
-        if not self.onboard or (isinstance(err, grpc.Call) and err.code() in _REFUSED):
+        if isinstance(err, grpc.Call) and err.code() in _REFUSED:
             self._release()
             return True
         if self._fence is None:
@@ -325,8 +331,8 @@ class Transfer:
             if not self._settle_by:
                 self._settle_by = now + conn.settle_s
             elif now > self._settle_by:
-                log.error("kvtier: could not confirm that onboard %d (event slot %d) ended at the daemon within "
-                          "%.0f s; its engine pages are given back now and may still be written late",
+                log.error("kvtier: could not confirm that transfer %d (event slot %d) ended at the daemon within "
+                          "%.0f s; its engine pages and slot are given back now and may still be written late",
                           self.seq, self.slot, conn.settle_s)
                 self._release()
                 return True
@@ -345,8 +351,8 @@ class Transfer:
                 return False
         elif isinstance(ferr, grpc.Call) and ferr.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
             # the daemon is gone, or the registration is (closed once its copies ended, or closing)
-            log.warning("kvtier: onboard %d failed and the daemon could not be asked whether it ended (%s); "
-                        "taking its engine pages back", self.seq, ferr.details())
+            log.warning("kvtier: transfer %d failed and the daemon could not be asked whether it ended (%s); "
+                        "taking its engine pages and slot back", self.seq, ferr.details())
         else:
             self._fence = None  # (a deadline: the daemon is slow) ask again, with a newer number
             return False
@@ -356,7 +362,7 @@ class Transfer:
 
     def done(self) -> bool:
         """Non-blocking: the reply is in and the completion has been recorded and reached (a
-        failed onboard: and settled, see :meth:`_settled`)."""
+        failed transfer: and settled, see :meth:`_settled`)."""
         if self._released:
             return True
         if not self._future.done():
@@ -370,7 +376,7 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> list[str]:
         """Block until the copy is complete; per key ``copied | present | no_space | missing``.
-        A failed onboard raises only once it is settled (its pages may be reused then)."""
+        A failed transfer raises only once it is settled (its pages may be reused then)."""
         reply = self._reply(timeout)
         if not self._released:  # (released: its completion was reached, and the slot may be another's now)
             self._conn._slot_wait(self.slot, self.seq)
@@ -422,8 +428,8 @@ class KVConnector:
         self.target = self._transport.target
         self.client_name = self._transport.client_name
         self.timeout = timeout
-        self.settle_s = settle_s  # most seconds a failed onboard is settled for (Transfer._settled)
-        self.counts_settled = 0   # failed onboards settled by asking the daemon (or finding it gone)
+        self.settle_s = settle_s  # most seconds a failed transfer is settled for (Transfer._settled)
+        self.counts_settled = 0   # failed transfers settled by asking the daemon (or finding it gone)
         self.ring_slots = ring_slots
         self.ring_dir = ring_dir
         self._stub = self._transport.transfer
@@ -586,9 +592,12 @@ class KVConnector:
         "KV written" on ``stream`` (default: current), which the daemon's copy waits for."""
         return self._request("Offload", keys, engine_ids, stream, wait_written=True)
 
-    def onboard(self, keys: Sequence[bytes], engine_ids: Sequence[int] | np.ndarray) -> Transfer:
-        """Copy the host tier's blocks ``keys`` into these engine pages."""
-        return self._request("Onboard", keys, engine_ids, None, wait_written=False)
+    def onboard(self, keys: Sequence[bytes], engine_ids: Sequence[int] | np.ndarray, stream: Any = None) -> Transfer:
+        """Copy the host tier's blocks ``keys`` into these engine pages. On CUDA, first records
+        on ``stream`` (default: current) the point the copy must come after: work the engine
+        queued before on those pages (a former owner's kernels) is not raced by the copy. The
+        stand-in's engine writes are done when they return: nothing to wait for."""
+        return self._request("Onboard", keys, engine_ids, stream, wait_written=self.backend == "cuda")
 
     def _request(self, rpc: str, keys: Sequence[bytes], engine_ids: Any, stream: Any, wait_written: bool) -> Transfer:
         reg = self.reg

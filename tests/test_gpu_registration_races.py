@@ -1,0 +1,137 @@
+"""Registration and copy races of the daemon's Transfer side that a CUDA copy engine exposes
+(a static review of the CUDA path, stop 27). The CUDA engine cannot run here, so these run the
+real store, host tier and Transfers with the host copy engine made to behave as the CUDA one
+does where it matters: its pool attach pins (the host tier must never punch a pinned pool), and
+a registration's close cannot interrupt its waits (``cancel`` does nothing on CUDA)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+from attacks_sessions import registration
+from kvtier.daemon.errors import Code, StoreError
+from kvtier.daemon.gpu import TransferOrder, Transfers
+from kvtier.daemon.sessions import Limits
+from kvtier.daemon.store import BlockStore
+from kvtier.tiers.copy_engine import HostCopyEngine, sealed_memfd
+from kvtier.tiers.host import HostTier
+from test_reliability_fixes import BLOCK, _until, key
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class PinningEngine(HostCopyEngine):
+    """The host copy engine, pinning its pool as the CUDA one does; the attach waits for ``go``."""
+
+    backend = "cuda"  # (what Transfers reads: mark the pool registered while a registration uses it)
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.started, self.go = threading.Event(), threading.Event()
+        self.pinned: set[str] = set()
+
+    def attach_pool(self, path: str, size: int) -> float:
+        self.started.set()
+        assert self.go.wait(20)
+        self.pinned.add(path)
+        return 0.0
+
+    def detach_pool(self, path: str) -> None:
+        self.pinned.discard(path)
+
+
+class UncancellableEngine(HostCopyEngine):
+    """The host copy engine, with the CUDA engine's ``cancel`` (none), counting copies issued."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.issued: list[int] = []
+
+    def cancel(self, memory) -> None:
+        pass
+
+    def copy(self, memory, pool_path, plan, direction, slot, seq, wait_written):
+        self.issued.append(seq)
+        return super().copy(memory, pool_path, plan, direction, slot, seq, wait_written)
+
+
+def run(engine, body, limits: Limits | None = None) -> None:
+    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    kv_fd, ring_fd = sealed_memfd("kvtier-test-kv", 4 * BLOCK), sealed_memfd("kvtier-test-ring", 64)
+
+    async def main() -> None:
+        store = BlockStore(HostTier(shm, 16 * BLOCK, "races"), limits=limits)
+        transfers = Transfers(store, {"host": engine}, threads=2)
+        try:
+            sid = store.open_session("engine", os.getpid()).session_id
+            await body(store, transfers, sid, kv_fd, ring_fd)
+        finally:
+            engine.__dict__.get("go", threading.Event()).set()
+            await transfers.close()
+            store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        os.close(kv_fd)
+        os.close(ring_fd)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_registration_cancelled_while_its_pool_is_pinned_keeps_the_pool_unpunchable() -> None:
+    """RegisterKV cancelled (the engine gone, its deadline) while the copy engine pins the host
+    pool: the pinning thread goes on. The pool was unmarked at once, so the host tier could
+    punch holes under pages the GPU had pinned (and a later registration would reuse the stale
+    pinning). Now it stays marked until that attach has ended and been undone."""
+    engine = PinningEngine()
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        call = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
+        await _until(engine.started.is_set, "the attach to start")
+        (cls,) = store.host.classes.values()
+        assert cls.key in store.host._registered
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert cls.key in store.host._registered, "a pool still being pinned was left open to punching"
+        engine.go.set()
+        await _until(lambda: cls.key not in store.host._registered, "the pool to be let go once unpinned")
+        assert not engine.pinned, "the cancelled registration's pool stayed pinned"
+        assert not transfers._pool_users
+
+    run(engine, body)
+
+
+def test_no_copy_is_issued_for_a_registration_whose_session_ended() -> None:
+    """An offload waiting behind an older transfer in its event slot when the engine's session
+    ends: on CUDA, a registration's close cannot interrupt waits, so once the older one ended the
+    offload went on to allocate and issue its copy into the gone engine's memory (undefined
+    behaviour, and a sticky CUDA error breaks the daemon's context for every engine). Now it
+    checks, after its allocate, that the registration is not closing, and copies nothing."""
+    engine = UncancellableEngine()
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        reg = await transfers.register(registration(sid, kv_fd, ring_fd))
+        rid = reg.registration_id
+        older = asyncio.ensure_future(transfers.offload(     # its "KV written" never comes (1 s wait)
+            TransferOrder(sid, rid, [key(200)], np.array([0]), 0, 5, wait_written=True)))
+        await _until(lambda: engine.issued == [5], "the older offload to wait for its KV")
+        newer = asyncio.ensure_future(transfers.offload(
+            TransferOrder(sid, rid, [key(201)], np.array([1]), 0, 9, wait_written=True)))
+        await asyncio.sleep(0.05)
+        store.close_session(sid)                              # the engine is gone
+        for call in (older, newer):
+            with pytest.raises(StoreError) as e:
+                await asyncio.wait_for(call, 10)
+            assert e.value.code in (Code.CANCELLED, Code.DEADLINE_EXCEEDED)
+        assert engine.issued == [5], "a copy was issued into the memory of an engine whose session had ended"
+        assert store.lookup(reg.layout_id, [key(200), key(201)]) == [None, None]
+
+    run(engine, body, Limits(transfer_wait_s=1))
