@@ -44,8 +44,9 @@ Promises
       offload whose RPC was cancelled (the engine's deadline, or the engine gone) is never
       committed either: the engine was told it failed. ``kv_transfers_superseded`` counts them.
 
-Threading: requests run on the event loop; copies and their waits run in a dedicated
-executor so the loop never blocks.
+Threading: requests run on the event loop; copies and their waits run in dedicated executors
+(onboards in one of their own, so offloads waiting for "KV written" never hold them up) so the
+loop never blocks.
 """
 
 from __future__ import annotations
@@ -207,6 +208,9 @@ class Transfers:
         for engine in engines.values():  # every wait for "KV written" is bounded (--transfer-wait-s)
             engine.wait_timeout_s = store.limits.transfer_wait_s
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-transfer")
+        # onboards on threads of their own: offloads hold a thread through their wait for "KV
+        # written" (up to a forward pass of the engine), and a request waits on its onboard
+        self._onboard_executor = ThreadPoolExecutor(max(2, threads // 2), thread_name_prefix="kvtier-onboard")
         self._tasks: set[asyncio.Task] = set()
         self._attached: set[tuple[str, str]] = set()
         # (engine name, pool path) -> registrations that attached it, opening ones included; a
@@ -473,7 +477,7 @@ class Transfers:
                 done.wait_done()
             return done
 
-        return await loop.run_in_executor(self._executor, run)
+        return await loop.run_in_executor(self._onboard_executor if direction == ONBOARD else self._executor, run)
 
     def _detached(self, reg: Registration, work: Any, slot: int = -1, mine: _InFlight | None = None) -> asyncio.Task:
         """Run ``work`` as a task of its own that holds one in-flight count on ``reg`` (and
@@ -603,7 +607,7 @@ class Transfers:
                 return
             recorded.set_result((leases, plan.nbytes))
             try:
-                await asyncio.get_running_loop().run_in_executor(self._executor, done.wait_done)
+                await asyncio.get_running_loop().run_in_executor(self._onboard_executor, done.wait_done)
             except Exception:
                 log.exception("onboard copy failed after its reply (registration %d)", reg.reg_id)
                 self.counters.add(Count.KV_ONBOARD_ERRORS)
@@ -622,6 +626,7 @@ class Transfers:
             self._begin_close(reg)
             await reg.closed.wait()
         self._executor.shutdown(wait=True)
+        self._onboard_executor.shutdown(wait=True)
         for engine in self.engines.values():
             engine.close()
 

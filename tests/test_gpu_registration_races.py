@@ -135,3 +135,29 @@ def test_no_copy_is_issued_for_a_registration_whose_session_ended() -> None:
         assert store.lookup(reg.layout_id, [key(200), key(201)]) == [None, None]
 
     run(engine, body, Limits(transfer_wait_s=1))
+
+
+def test_an_onboard_is_not_held_up_by_offloads_waiting_for_their_kv() -> None:
+    """Offloads hold a copy thread while they wait for the engine's "KV written" record (up to
+    a forward pass, or --transfer-wait-s). With as many of them as copy threads, an onboard, on
+    which a request waits, could not even start until one ended. Onboards now have threads of
+    their own."""
+    engine = HostCopyEngine(1)
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        reg = await transfers.register(registration(sid, kv_fd, ring_fd))
+        rid = reg.registration_id
+        waiting = [asyncio.ensure_future(transfers.offload(   # (their records never come: 10 s waits)
+            TransferOrder(sid, rid, [key(300 + i)], np.array([i]), i, 5, wait_written=True))) for i in range(2)]
+        await asyncio.sleep(0.2)
+        assert not any(w.done() for w in waiting)
+        got = await asyncio.wait_for(transfers.onboard(
+            TransferOrder(sid, rid, [key(310)], np.array([3]), 3, 6, wait_written=False)), 5)
+        assert [st.name for st in got.status] == ["MISSING"]
+        assert not any(w.done() for w in waiting), "(the offloads ended first: the check proved nothing)"
+        store.close_session(sid)
+        for w in waiting:
+            with pytest.raises(StoreError):
+                await asyncio.wait_for(w, 10)
+
+    run(engine, body, Limits(transfer_wait_s=10))

@@ -25,12 +25,12 @@ Primitives and their contract
         it wrote (offload) or release pool slots it read (onboard).
     ``cancel(mem)``
         The engine is gone: a copy still waiting for its "KV written" record gives up with
-        :class:`CopyError` (stand-in; a CUDA stream wait cannot be withdrawn, but a wait on an
-        event never recorded passes at once).
-    ``wait_timeout_s`` (an attribute; kvtierd's ``--transfer-wait-s``) bounds the stand-in's
-        wait for a "KV written" record: past it the copy gives up with :class:`WaitTimeout`
-        and copies nothing. (A CUDA stream wait on an event cannot be withdrawn; what it waits
-        for is work the engine had already queued when it asked.)
+        :class:`CopyError`, and a copy not started yet is refused.
+    ``wait_timeout_s`` (an attribute; kvtierd's ``--transfer-wait-s``) bounds the wait for a
+        "KV written" record: past it the copy gives up with :class:`WaitTimeout` and copies
+        nothing. CUDA waits for the record on the CPU (cudaEventQuery) before it queues the
+        stream wait and the copies: a stream wait cannot be withdrawn, so one on a record the
+        engine never reaches would stall the stream for good.
     Offloads are cut into pieces of at most ``piece_bytes`` and onboards are served first
     between pieces, so a small onboard never waits behind a whole large offload (copy
     engines do not honour stream priorities).
@@ -90,6 +90,9 @@ class CopyError(Exception):
 
 class EngineMemoryError(CopyError):
     """Engine memory that cannot be opened from another process (the message names why)."""
+
+
+_CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady
 
 
 class WaitTimeout(CopyError):
@@ -791,7 +794,13 @@ class CudaCopyEngine(CopyEngine):
         stream = self.offload_stream if direction == OFFLOAD else self.onboard_stream
         rt = self.rt
         with self.cp.cuda.Device(self.device):
+            if mem.cancelled:
+                raise CopyError("the engine went away: nothing was copied")
             if wait_written:
+                # on the CPU first, bounded: a stream wait cannot be withdrawn, so one on a record
+                # an engine never reaches (hung, or dead with work queued) would stall every copy
+                # after it on this stream, this registration's close and the daemon's shutdown
+                self._wait_reached(mem, ring_ev, slot, seq)
                 rt.streamWaitEvent(stream.ptr, ring_ev, 0)
             if direction == OFFLOAD:
                 pieces = plan.pieces(self.piece_bytes)
@@ -816,6 +825,31 @@ class CudaCopyEngine(CopyEngine):
                     rt.eventDestroy(ev)
 
         return Completion(wait)
+
+    def _event_reached(self, ev: int) -> bool:
+        """cudaEventQuery: whether the work before the event's latest record is done."""
+        try:
+            return int(self.rt.eventQuery(ev)) == 0
+        except self.rt.CUDARuntimeError as e:  # (a CuPy that raises for "not ready" too)
+            if getattr(e, "status", None) == _CUDA_ERROR_NOT_READY:
+                return False
+            raise
+
+    def _wait_reached(self, mem: CudaKVMemory, ev: int, slot: int, seq: int) -> None:
+        """Wait for the engine's "KV written" record on ``ev`` to be reached, at most
+        ``wait_timeout_s`` (:class:`WaitTimeout`: nothing was queued), giving up as soon as
+        the engine goes away (:meth:`cancel`)."""
+        pause = 20e-6
+        deadline = time.monotonic() + self.wait_timeout_s
+        while not self._event_reached(ev):
+            if mem.cancelled:
+                raise CopyError("the engine went away before its KV was written; nothing was copied")
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"the engine's \"KV written\" record for request {seq} in event slot {slot} was "
+                                  f"not reached within {self.wait_timeout_s:g} s (--transfer-wait-s); nothing was "
+                                  f"copied")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def close(self) -> None:
         with self.cp.cuda.Device(self.device):
