@@ -704,6 +704,10 @@ class CudaCopyEngine(CopyEngine):
                                           f"drives cuda:{self.device}; run one kvtierd per GPU (--cuda-device)")
                     ptrs.append(self._open_handle(a.ipc_handle))
                     mem.handles_open += 1
+                    mapped = self._mapped_bytes(ptrs[-1])
+                    if mapped is not None and a.size > mapped:  # (copies past it: a sticky illegal address)
+                        raise EngineMemoryError(f"an allocation is said to be {a.size} B, but its IPC handle opens "
+                                                f"{mapped} B")
                 if len(ring.handles) != ring.slots:
                     raise EngineMemoryError(f"{len(ring.handles)} event handles for a ring of {ring.slots}")
                 for h in ring.handles:
@@ -728,6 +732,17 @@ class CudaCopyEngine(CopyEngine):
         mem.ptrs = list(ptrs)
         mem.events_open = slots
         return mem
+
+    def _mapped_bytes(self, ptr: int) -> int | None:
+        """The size of the allocation an opened IPC handle maps (cuMemGetAddressRange), or None
+        where the driver API cannot say (then the engine's word stands)."""
+        try:
+            from cuda.bindings import driver  # noqa: PLC0415
+
+            err, _base, size = driver.cuMemGetAddressRange(ptr)
+            return int(size) if err == driver.CUresult.CUDA_SUCCESS else None
+        except Exception:  # noqa: BLE001 - a check that cannot be made is not a failure
+            return None
 
     def _open_handle(self, handle: bytes) -> int:
         with self._lock:
@@ -807,13 +822,23 @@ class CudaCopyEngine(CopyEngine):
             else:  # an onboard is one launch; nothing to launch when every key missed
                 pieces = [slice(0, len(plan))] if len(plan) else []
             marks: list[int] = []
-            for s in pieces:
-                if len(marks) >= 2:  # at most two pieces queued: onboards slip in between
-                    rt.eventSynchronize(marks[-2])
-                self._launch(plan.take(s), mem, pool, direction, stream)
-                ev = rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_BLOCKING_SYNC)
-                rt.eventRecord(ev, stream.ptr)
-                marks.append(ev)
+            try:
+                for s in pieces:
+                    if len(marks) >= 2:  # at most two pieces queued: onboards slip in between
+                        rt.eventSynchronize(marks[-2])
+                    self._launch(plan.take(s), mem, pool, direction, stream)
+                    ev = rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_BLOCKING_SYNC)
+                    rt.eventRecord(ev, stream.ptr)
+                    marks.append(ev)
+            except BaseException as e:
+                # the pieces queued so far still run: let them land before the caller gives the
+                # slots they write (an offload's grants) back
+                stream.synchronize()
+                for ev in marks:
+                    rt.eventDestroy(ev)
+                if isinstance(e, self.rt.CUDARuntimeError):
+                    raise CopyError(f"{direction} copy failed: {e}") from None
+                raise
             rt.eventRecord(ring_ev, stream.ptr)
             end = rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_BLOCKING_SYNC)
             rt.eventRecord(end, stream.ptr)
