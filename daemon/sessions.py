@@ -13,8 +13,10 @@ Ids are capabilities (issue 12)
     the whole protection: every id is bound to the session that created it, and the session to
     its creator (``owner``: the principal's ``caller``, an unguessable id of at least 128
     random bits from the credential handshake, and ``tenant``). A call naming a session some
-    other caller opened, or a grant or lease some other session holds, is refused
-    PERMISSION_DENIED; guessing a live id is useless without the caller's credential.
+    other caller opened is refused PERMISSION_DENIED; a grant or lease id is looked up among
+    the calling session's own only, so one some other session holds is answered exactly as one
+    nobody holds (INVALID_ARGUMENT, "not held by session S": the reply does not tell whether
+    the id is live elsewhere). Guessing a live id is useless without the caller's credential.
 
 Quotas and deadlines (:class:`Limits`)
     The bytes of a session's grants and leases (slot bytes) are capped per session and per
@@ -430,16 +432,18 @@ class Sessions:
                           f"that may not be the block; acquire again, read, and release within the deadline")
 
     def _not_held(self, sess: Session, hid: int, kind: str) -> StoreError:
-        """Why ``hid`` is not among the session's grants (or leases): expired, another session's, or unknown."""
+        """Why ``hid`` is not among the session's grants (or leases): expired (this session's
+        own, so it may be told), else not held. An id another session holds is answered exactly
+        as one nobody holds: ids are looked up among the calling session's own only, so the
+        reply never tells whether someone else holds it."""
         late = self._late(sess, hid)
         if late is not None:
             return late
-        if any(hid in (s.grants if kind == "grant" else s.leases) for s in self._open.values() if s is not sess):
-            verb = "commit or abort" if kind == "grant" else "release"
-            return StoreError(Code.PERMISSION_DENIED,
-                              f"{kind} {hid} is held by another session: a session may {verb} only its own {kind}s")
-        what = "(already committed, aborted, or never granted)" if kind == "grant" else "(already released?)"
-        return StoreError(Code.INVALID_ARGUMENT, f"{kind} {hid} is not held by session {sess.session_id} {what}")
+        what = ("(already committed or aborted, or never granted to it)" if kind == "grant"
+                else "(already released, or never leased to it)")
+        verb = "commit or abort" if kind == "grant" else "release"
+        return StoreError(Code.INVALID_ARGUMENT, f"{kind} {hid} is not held by session {sess.session_id} {what}: "
+                                                 f"a session may {verb} only its own {kind}s")
 
     # -- grants ----------------------------------------------------------------------------
 
@@ -450,7 +454,8 @@ class Sessions:
 
     def check_grants(self, sess: Session, commit_ids: Sequence[int], abort_ids: Sequence[int]) -> None:
         """Refuse a commit naming a grant the session does not hold (expired: DEADLINE_EXCEEDED;
-        another session's: PERMISSION_DENIED), or one grant twice."""
+        else INVALID_ARGUMENT, the same whether or not another session holds it), or one grant
+        twice."""
         for ids in (commit_ids, abort_ids):
             gid = sess.grants.first_missing(ids) if ids else None
             if gid is not None:

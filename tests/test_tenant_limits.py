@@ -6,6 +6,9 @@ checking that it is refused RESOURCE_EXHAUSTED naming its per-tenant limit while
 tenant (bob, a child process running as ``nobody``: :class:`Bob`) is still served. Before
 the shares, alice took the whole limit and bob was refused.
 
+Also here: a grant or lease id another session holds is answered exactly as an id nobody
+holds (the reply does not tell which ids are live elsewhere).
+
 Run as a script (``python test_tenant_limits.py SOCKET UID``), this file is bob's child.
 """
 
@@ -253,6 +256,45 @@ def test_one_tenant_cannot_take_every_feed_subscriber_place(two) -> None:
     finally:
         for call in streams:
             call.cancel()
+
+
+# -- ids held by another session ---------------------------------------------------------------
+
+def test_another_sessions_grant_or_lease_is_answered_as_an_unknown_id(two) -> None:
+    """bob names a grant and a lease alice's session holds: the answer is the one for an id
+    nobody holds (code and words; only the id differs), and alice's grant and lease stay hers."""
+    t = two()
+    alice, bob = t.alice, t.bob
+    reg_a, reg_b = alice.register(LAYOUT), bob.register(LAYOUT)
+    grant = alice.node.Allocate(node_pb2.AllocateRequest(session_id=alice.session_id, layout_id=reg_a.layout_id,
+                                                         keys=[key(1)]), metadata=alice.md).grants[0]
+    assert grant.grant_id
+    alice.put(reg_a, [key(2)], b"x" * BLOCK)
+    lease = alice.node.Acquire(node_pb2.AcquireRequest(session_id=alice.session_id, layout_id=reg_a.layout_id,
+                                                       keys=[key(2)]), metadata=alice.md).leases[0]
+    assert lease.lease_id
+    assert reg_b.layout_id
+    unknown = grant.grant_id ^ 0x5A5A5A5A5A
+
+    def answer(method: str, request) -> tuple[str, str]:
+        with pytest.raises(RemoteRpcError) as e:
+            bob.rpc("node", method, request)
+        return e.value.code().name, e.value.details()
+
+    for make in (lambda gid: node_pb2.CommitRequest(session_id=bob.session_id, grant_ids=[gid]),
+                 lambda gid: node_pb2.CommitRequest(session_id=bob.session_id, abort_grant_ids=[gid])):
+        held, nobodys = answer("Commit", make(grant.grant_id)), answer("Commit", make(unknown))
+        assert held[0] == nobodys[0] == "INVALID_ARGUMENT"
+        assert held[1].replace(str(grant.grant_id), "ID") == nobodys[1].replace(str(unknown), "ID"), (held, nobodys)
+    held = answer("Release", node_pb2.ReleaseRequest(session_id=bob.session_id, lease_ids=[lease.lease_id]))
+    nobodys = answer("Release", node_pb2.ReleaseRequest(session_id=bob.session_id, lease_ids=[lease.lease_id ^ 0xA5A5]))
+    assert held[0] == nobodys[0] == "INVALID_ARGUMENT"
+    assert held[1].replace(str(lease.lease_id), "ID") == nobodys[1].replace(str(lease.lease_id ^ 0xA5A5), "ID")
+    # still alice's: she commits and releases them
+    assert alice.node.Commit(node_pb2.CommitRequest(session_id=alice.session_id, grant_ids=[grant.grant_id]),
+                             metadata=alice.md).committed == 1
+    alice.node.Release(node_pb2.ReleaseRequest(session_id=alice.session_id, lease_ids=[lease.lease_id]),
+                       metadata=alice.md)
 
 
 # -- defaults ----------------------------------------------------------------------------------
