@@ -31,6 +31,10 @@ from kvtier.settings import setting as _opt
 __all__ = ["Config", "ConfigError", "build_parser", "flag_name", "load_config", "parse_bool", "parse_size"]
 
 ConfigError = SettingsError
+
+TENANT_SHARE_DIVISOR = 4
+"""By default, on a daemon with several tenants, one tenant may take a quarter of each
+per-daemon limit (sessions, feed subscribers, layouts, slot sizes, reporting workers)."""
 """A setting that cannot be used; the message names it and where it came from."""
 
 
@@ -188,6 +192,34 @@ class Config:
                                         "past it the request is refused DEADLINE_EXCEEDED and gives back its "
                                         "slots", parse_float, "SECONDS")
     # -- end of sessions --
+    # -- tenant shares: no tenant may take a whole per-daemon limit (docs/SECURITY.md) --
+    max_sessions_per_tenant: int = _opt(0, "most Session streams the callers of one tenant may hold open at once; "
+                                           "more are refused RESOURCE_EXHAUSTED while other tenants still open "
+                                           "theirs; 0: --max-sessions on a single-tenant daemon (see "
+                                           "--max-layouts-per-tenant), else a quarter of it", parse_int, "N")
+    max_feed_subscribers_per_tenant: int = _opt(0, "most WatchLocations subscribers of one tenant at once; one more "
+                                                   "is refused RESOURCE_EXHAUSTED; 0: --max-feed-subscribers when no "
+                                                   "--tenants entry names a tenant other than 'default' and there is "
+                                                   "no TLS listener (any --tcp-services), else a quarter of it",
+                                                parse_int, "N")
+    max_layouts_per_tenant: int = _opt(0, "most layouts one tenant may register (the daemon takes 256 in all); one "
+                                          "more is refused RESOURCE_EXHAUSTED. 0: all 256 on a single-tenant daemon "
+                                          "(no --tenants entry names a tenant other than 'default', and no TLS "
+                                          "listener with --tcp-services all, whose client certificates' common "
+                                          "names are tenants), else 64, a quarter", parse_int, "N")
+    max_slot_sizes_per_tenant: int = _opt(0, "most distinct slot sizes (host pool files) one tenant's layouts may "
+                                             "use (the daemon takes 16 in all); a layout needing one more is refused "
+                                             "RESOURCE_EXHAUSTED; 0: all 16 on a single-tenant daemon, else 4",
+                                          parse_int, "N")
+    max_workers_per_tenant: int = _opt(0, "most engine workers (worker ids) of one tenant reporting device blocks "
+                                          "(ReportDeviceBlocks; the daemon takes 1024 in all); a new one more is "
+                                          "refused RESOURCE_EXHAUSTED; 0: all 1024 on a single-tenant daemon, "
+                                          "else 256", parse_int, "N")
+    max_device_blocks_per_worker: int = _opt(1 << 21, "most device blocks one worker may report held, all its "
+                                                      "ranks' layouts together (each costs the daemon about 250 "
+                                                      "bytes); a report that would hold more is refused "
+                                                      "RESOURCE_EXHAUSTED and changes nothing", parse_int, "N")
+    # -- end of tenant shares --
     # -- peers (issue 13) --
     peer_serve: bool = _opt(False, "serve the Peer service on --tcp: other daemons fetch this node's host and "
                                    "disk blocks, each only of the tenant its client certificate names "
@@ -310,6 +342,26 @@ class Config:
     def resolved_node_id(self) -> str:
         return self.node_id or socket.gethostname()
 
+    def single_tenant(self, service: str = "node") -> bool:
+        """Whether every caller that can use ``service`` is the one tenant ``default``: no
+        ``--tenants`` entry names another tenant, and no TLS listener serves it (its clients
+        are the tenants their certificates' common names are, mapped or not). ``service``:
+        "node" (sessions, layouts and device reports, which need a session: served on TCP only
+        with ``--tcp-services all``) or "locations" (the feed: served on every TCP listener)."""
+        named = {entry.partition("=")[2].strip() for entry in self.tenants}
+        tls = bool(self.tcp and self.tls_cert) and (service == "locations" or self.tcp_services == "all")
+        return named <= {"default"} and not tls
+
+    def tenant_share(self, name: str, limit: int) -> int:
+        """One tenant's share of the per-daemon ``limit``: the ``*_per_tenant`` setting ``name``
+        when set, else (0) the whole of it on a single-tenant daemon, a quarter (at least 1)
+        on any other (see :meth:`single_tenant`); never more than ``limit``."""
+        value = getattr(self, name)
+        if not value:
+            one = self.single_tenant("locations" if name == "max_feed_subscribers_per_tenant" else "node")
+            value = limit if one else max(1, limit // TENANT_SHARE_DIVISOR)
+        return min(value, limit)
+
 
 _SETTINGS = Settings(
     Config, "KVTIER_", "kvtierd",
@@ -355,10 +407,30 @@ def _check(cfg: Config) -> None:
     for name in ("session_quota", "tenant_quota", "grant_ttl_s", "lease_ttl_s", "max_sessions", "transfer_wait_s"):
         if not getattr(cfg, name) >= (0 if name.endswith("quota") else 1e-9):  # (issue 12: sessions)
             raise ConfigError(f"{flag_name(name)} must be {'at least 0' if name.endswith('quota') else 'positive'}")
+    _check_tenant_shares(cfg)
     _check_transport(cfg)
     _check_peers(cfg)
     _check_store(cfg)  # (issue 13: shared store)
     _check_fixes(cfg)
+
+
+def _check_tenant_shares(cfg: Config) -> None:
+    """The per-tenant shares: 0 (the default share) or at most their per-daemon limit."""
+    from kvtier.daemon.device import MAX_WORKERS
+    from kvtier.tiers.layout import MAX_LAYOUTS, MAX_SLOT_SIZES
+
+    whole = {"max_sessions_per_tenant": ("--max-sessions", cfg.max_sessions),
+             "max_feed_subscribers_per_tenant": ("--max-feed-subscribers", cfg.max_feed_subscribers),
+             "max_layouts_per_tenant": ("the daemon's 256 layouts", MAX_LAYOUTS),
+             "max_slot_sizes_per_tenant": ("the daemon's 16 slot sizes", MAX_SLOT_SIZES),
+             "max_workers_per_tenant": ("the daemon's 1024 workers", MAX_WORKERS)}
+    for name, (what, limit) in whole.items():
+        value = getattr(cfg, name)
+        if not 0 <= value <= limit:
+            raise ConfigError(f"{flag_name(name)} must be between 0 (the default share) and {what} ({limit}), "
+                              f"got {value}")
+    if cfg.max_device_blocks_per_worker < 1:
+        raise ConfigError("--max-device-blocks-per-worker must be at least 1")
 
 
 def _check_peers(cfg: Config) -> None:

@@ -19,6 +19,12 @@ that tenant's fingerprint (:mod:`kvtier.daemon.layouts`), and its worker under a
 that tenant (:func:`~kvtier.daemon.layouts.worker_key`): one tenant's reports never touch,
 clear or show another tenant's workers or blocks, even under the same worker id.
 
+Limits: at most ``MAX_WORKERS`` workers report at once on the daemon, at most
+``workers_per_tenant`` of one tenant (``--max-workers-per-tenant``), so no tenant takes every
+worker place; and one worker holds at most ``blocks_per_worker`` blocks, all its layouts
+together (``--max-device-blocks-per-worker``), so reports cannot grow the daemon's memory
+without end. A report over either is refused RESOURCE_EXHAUSTED and changes nothing.
+
 A report is bound to the reporting sidecar's session. When that session ends (the engine
 exited or was killed), what it reported is cleared at once: the whole worker when no other
 open session reports for it, else that rank's fingerprint only (a tensor-parallel worker
@@ -65,6 +71,11 @@ class DeviceTier:
     _per_fp: Counter[bytes] = field(default_factory=Counter)   # fingerprint -> blocks some worker holds
     version: int = 0                                            # bumped when workers or their layouts change
     versions: Counter[str] = field(default_factory=Counter)    # the same, per tenant
+    # no tenant takes every worker, no worker takes unbounded memory (0: no cap of its own)
+    workers_per_tenant: int = 0
+    blocks_per_worker: int = 0
+    tenant_workers: Counter[str] = field(default_factory=Counter)  # tenant -> its workers in ``held``
+    worker_blocks: Counter[str] = field(default_factory=Counter)   # worker -> keys it holds, all fingerprints
 
     def __post_init__(self) -> None:
         # cleared the moment the session closes: a successor engine reporting under the same
@@ -125,22 +136,23 @@ class DeviceTier:
         version = self.version
         worker = worker_key(tenant, worker)
         per_fp = self.held.get(worker)
-        if per_fp is None and len(self.held) >= MAX_WORKERS:
-            raise StoreError(Code.RESOURCE_EXHAUSTED, f"{len(self.held)} workers report device blocks; the limit "
-                                                      f"is {MAX_WORKERS} workers per daemon")
+        held = per_fp.get(fp) if per_fp is not None else None
+        kept = set() if clear or held is None else held   # what stays before this report's keys
+        new = list(dict.fromkeys(k for k in stored if k not in kept))
+        self._check_room(worker, tenant, per_fp is None, new, removed, kept, len(held) if clear and held else 0)
         if per_fp is None:
             per_fp = self.held[worker] = {}
+            self.tenant_workers[tenant] += 1
             self._changed(tenant)
-        held = per_fp.get(fp)
         if held is None:
             held = per_fp[fp] = set()
             self._changed(tenant)
         self.bound.setdefault(worker, {})[fp] = session_id
         if clear and held:
             self._drop(worker, fp, list(held))
-        new = list(dict.fromkeys(k for k in stored if k not in held))
         if new:
             held.update(new)
+            self.worker_blocks[worker] += len(new)
             self._hold(fp, new)
             self.observers.stored(GPU, fp, new, worker)
         gone = list(dict.fromkeys(k for k in removed if k in held))
@@ -150,9 +162,35 @@ class DeviceTier:
         if self.version != version:
             self.observers.workers_changed()
 
+    def _check_room(self, worker: str, tenant: str, new_worker: bool, new: list[bytes], removed: Sequence[bytes],
+                    kept: set[bytes], cleared: int) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) a report that would add a worker beyond the daemon's
+        limit or its tenant's share, or leave the worker holding more than
+        ``blocks_per_worker`` blocks (``new`` keys come, ``cleared`` go first, then the
+        ``removed`` ones among ``kept`` and ``new``)."""
+        if new_worker and len(self.held) >= MAX_WORKERS:
+            raise StoreError(Code.RESOURCE_EXHAUSTED, f"{len(self.held)} workers report device blocks; the limit "
+                                                      f"is {MAX_WORKERS} workers per daemon")
+        share = self.workers_per_tenant
+        if new_worker and share and self.tenant_workers[tenant] >= share:
+            raise StoreError(Code.RESOURCE_EXHAUSTED,
+                             f"{self.tenant_workers[tenant]} workers of this tenant report device blocks; the "
+                             f"limit is {share} workers per tenant (--max-workers-per-tenant)")
+        cap = self.blocks_per_worker
+        if not cap or not new:
+            return
+        gone = len(set(removed).intersection(new)) + len(kept.intersection(removed)) if removed else 0
+        after = self.worker_blocks[worker] - cleared + len(new) - gone
+        if after > cap:
+            raise StoreError(Code.RESOURCE_EXHAUSTED,
+                             f"worker {split_worker(worker)[1]!r} would hold {after} device blocks; the limit is "
+                             f"{cap} per worker, all its layouts together (--max-device-blocks-per-worker): "
+                             f"report removed blocks")
+
     def _drop(self, worker: str, fp: bytes, keys: list[bytes]) -> None:
         """These keys left the worker's device (reported as removed)."""
         self.held[worker][fp].difference_update(keys)
+        self._uncount(worker, len(keys))
         self._unhold(fp, keys)
         self.observers.removed(GPU, fp, keys, worker)
 
@@ -208,9 +246,24 @@ class DeviceTier:
                      extra={"worker_id": worker, "fingerprints": [fp.hex() for fp in gone]})
         return hit
 
+    def _uncount(self, worker: str, n: int) -> None:
+        left = self.worker_blocks[worker] - n
+        if left > 0:
+            self.worker_blocks[worker] = left
+        else:
+            self.worker_blocks.pop(worker, None)
+
     def _clear_worker(self, worker: str) -> None:
         del self.bound[worker]
-        per_fp = self.held.pop(worker, {})
+        per_fp = self.held.pop(worker, None)
+        if per_fp is None:
+            per_fp = {}
+        else:
+            tenant = split_worker(worker)[0]
+            self.tenant_workers[tenant] -= 1
+            if self.tenant_workers[tenant] <= 0:
+                del self.tenant_workers[tenant]
+        self.worker_blocks.pop(worker, None)
         gone = {fp: list(keys) for fp, keys in per_fp.items() if keys}
         for fp, keys in gone.items():
             self._unhold(fp, keys)

@@ -76,14 +76,26 @@ def check_name(value: str, what: str, limit: int = MAX_NAME_CHARS) -> None:
                          f"{what} is {len(value)} characters; the limit is {limit}")
 
 
-def check_layout_room(layouts: int, slot_sizes: int, new_slot_size: bool) -> None:
+def check_layout_room(layouts: int, slot_sizes: int, new_slot_size: bool, tenant_layouts: int = 0,
+                      tenant_slot_sizes: int = 0, layouts_share: int = 0, slot_sizes_share: int = 0) -> None:
     """Refuse (RESOURCE_EXHAUSTED) a new layout beyond :data:`~kvtier.tiers.layout.MAX_LAYOUTS`,
     or one that needs a new slot size (a new pool file and fd) beyond
-    :data:`~kvtier.tiers.layout.MAX_SLOT_SIZES`."""
+    :data:`~kvtier.tiers.layout.MAX_SLOT_SIZES`; and, so that no tenant takes them all, one
+    beyond its tenant's share of either (``tenant_layouts`` and ``tenant_slot_sizes`` are the
+    registering tenant's; a share of 0: none of its own)."""
     if layouts >= MAX_LAYOUTS:
         raise StoreError(Code.RESOURCE_EXHAUSTED,
                          f"{layouts} layouts are registered; the limit is {MAX_LAYOUTS} layouts per daemon")
+    if layouts_share and tenant_layouts >= layouts_share:
+        raise StoreError(Code.RESOURCE_EXHAUSTED,
+                         f"this tenant has registered {tenant_layouts} layouts; the limit is {layouts_share} layouts "
+                         f"per tenant (--max-layouts-per-tenant)")
     if new_slot_size and slot_sizes >= MAX_SLOT_SIZES:
         raise StoreError(Code.RESOURCE_EXHAUSTED,
                          f"{slot_sizes} slot sizes are in use; the limit is {MAX_SLOT_SIZES} slot sizes (pool "
                          f"files) per daemon: this layout's block size needs a new one")
+    if new_slot_size and slot_sizes_share and tenant_slot_sizes >= slot_sizes_share:
+        raise StoreError(Code.RESOURCE_EXHAUSTED,
+                         f"this tenant's layouts use {tenant_slot_sizes} slot sizes; the limit is {slot_sizes_share} "
+                         f"slot sizes (pool files) per tenant (--max-slot-sizes-per-tenant): this layout's block "
+                         f"size needs a new one")

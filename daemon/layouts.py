@@ -114,6 +114,7 @@ class Layouts:
         self._by_id: dict[tuple[str, int], RegisteredLayout] = {}
         self._by_fp: dict[bytes, RegisteredLayout] = {}   # tenant fingerprint -> registration
         self._groups: dict[str, str] = {DEFAULT_TENANT: ""}
+        self._per_tenant: dict[str, int] = {}   # tenant -> layouts it registered
 
     def __iter__(self) -> Iterator[RegisteredLayout]:
         return iter(list(self._by_id.values()))
@@ -123,6 +124,10 @@ class Layouts:
 
     def of_tenant(self, tenant: str) -> list[RegisteredLayout]:
         return [reg for (t, _), reg in self._by_id.items() if t == tenant]
+
+    def count_of(self, tenant: str) -> int:
+        """How many layouts ``tenant`` registered."""
+        return self._per_tenant.get(tenant, 0)
 
     def tenants(self) -> list[str]:
         return list(self._groups)
@@ -165,6 +170,7 @@ class Layouts:
                                                              layout.tp_size)
         reg = self._by_id[(tenant, lid)] = RegisteredLayout(lid, tl, wire)
         self._by_fp[tl.fingerprint] = reg
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         self.group(tenant)
         return reg
 

@@ -591,7 +591,8 @@ class Daemon:
         auth = self.auth
         servicers = (NodeService(self.store, self.stats, self.latency, key_table_path=self.key_table.path, auth=auth),
                      LocationsService(self.locations, self.latency, max_subscribers=self.cfg.max_feed_subscribers,
-                                      auth=auth),
+                                      auth=auth, max_tenant_subscribers=self.cfg.tenant_share(
+                                          "max_feed_subscribers_per_tenant", self.cfg.max_feed_subscribers)),
                      TransferService(self.transfers, self.latency, auth=auth))
         self.latency.expect(_timed_ops(*servicers))
         health_servicer = add_services(server, *servicers)

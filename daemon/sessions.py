@@ -13,8 +13,10 @@ Ids are capabilities (issue 12)
     the whole protection: every id is bound to the session that created it, and the session to
     its creator (``owner``: the principal's ``caller``, an unguessable id of at least 128
     random bits from the credential handshake, and ``tenant``). A call naming a session some
-    other caller opened, or a grant or lease some other session holds, is refused
-    PERMISSION_DENIED; guessing a live id is useless without the caller's credential.
+    other caller opened is refused PERMISSION_DENIED; a grant or lease id is looked up among
+    the calling session's own only, so one some other session holds is answered exactly as one
+    nobody holds (INVALID_ARGUMENT, "not held by session S": the reply does not tell whether
+    the id is live elsewhere). Guessing a live id is useless without the caller's credential.
 
 Quotas and deadlines (:class:`Limits`)
     The bytes of a session's grants and leases (slot bytes) are capped per session and per
@@ -29,7 +31,8 @@ Quotas and deadlines (:class:`Limits`)
     deadline wide (one sweep per bucket on the event loop, no per-id timer): an id expires
     between ``ttl`` and ``1.25 * ttl`` after it was handed out. Internal sessions (the Transfer
     service's, whose copies the daemon itself bounds) never expire. The number of open
-    Session streams is capped (``max_sessions``).
+    Session streams is capped (``max_sessions``), and so is each tenant's share of them
+    (``sessions_per_tenant``: one tenant holding its share leaves the rest to the others).
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ class Limits:
     lease_ttl_s: float = math.inf   # a lease not released by then is unpinned
     max_sessions: int = 0           # open Session streams at most; 0: no cap
     transfer_wait_s: float = math.inf  # a Transfer's wait for the engine's "KV written" record
+    # one tenant's shares of per-daemon limits (no tenant may take them all; docs/SECURITY.md)
+    sessions_per_tenant: int = 0    # open Session streams of one tenant; 0: no cap of its own
+    layouts_per_tenant: int = 0     # layouts one tenant registers; 0: MAX_LAYOUTS
+    slot_sizes_per_tenant: int = 0  # slot sizes (pool files) of one tenant's layouts; 0: MAX_SLOT_SIZES
+    workers_per_tenant: int = 0     # workers of one tenant reporting device blocks; 0: MAX_WORKERS
+    device_blocks_per_worker: int = 0  # device blocks one worker holds (all its layouts); 0: no cap
 
     @classmethod
     def from_config(cls, cfg: Config) -> Limits:
@@ -91,8 +100,16 @@ class Limits:
         tenant = cfg.tenant_quota or cfg.host_capacity
         # a tenant cap of the whole pool is the pool's own: a full pool answers NO_SPACE, as before
         session = cfg.session_quota or max(cfg.host_capacity // 2, min(cfg.host_capacity, MIN_DEFAULT_SESSION_QUOTA))
+        from kvtier.daemon.device import MAX_WORKERS
+        from kvtier.tiers.layout import MAX_LAYOUTS, MAX_SLOT_SIZES
+
         return cls(session, 0 if tenant >= cfg.host_capacity else tenant,
-                   cfg.grant_ttl_s, cfg.lease_ttl_s, cfg.max_sessions, cfg.transfer_wait_s)
+                   cfg.grant_ttl_s, cfg.lease_ttl_s, cfg.max_sessions, cfg.transfer_wait_s,
+                   cfg.tenant_share("max_sessions_per_tenant", cfg.max_sessions),
+                   cfg.tenant_share("max_layouts_per_tenant", MAX_LAYOUTS),
+                   cfg.tenant_share("max_slot_sizes_per_tenant", MAX_SLOT_SIZES),
+                   cfg.tenant_share("max_workers_per_tenant", MAX_WORKERS),
+                   cfg.max_device_blocks_per_worker)
 
 
 class Held:
@@ -210,6 +227,7 @@ class Sessions:
         self.limits = limits or Limits()
         self._open: dict[int, Session] = {}
         self.streams = 0                            # open sessions that are not internal
+        self.tenant_streams: dict[str, int] = {}    # tenant -> its open sessions that are not internal
         self.tenant_bytes: dict[str, int] = {}      # tenant -> slot bytes of its grants and leases
         self.end_hooks: list[Callable[[int], None]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -235,16 +253,23 @@ class Sessions:
         """A new session owned by ``principal`` (None: in-process, owned by the local caller; a
         str: the local caller in that tenant). A client session over ``max_sessions`` is
         refused RESOURCE_EXHAUSTED."""
+        p = Principal(tenant=principal) if isinstance(principal, str) else principal or Principal()
         cap = self.limits.max_sessions
         if not internal and cap and self.streams >= cap:
             raise StoreError(Code.RESOURCE_EXHAUSTED,
                              f"{self.streams} Session streams are open; the limit is {cap} (--max-sessions): "
                              f"close idle clients, or raise the limit")
-        p = Principal(tenant=principal) if isinstance(principal, str) else principal or Principal()
+        share = self.limits.sessions_per_tenant
+        mine = self.tenant_streams.get(p.tenant, 0)
+        if not internal and share and mine >= share:
+            raise StoreError(Code.RESOURCE_EXHAUSTED,
+                             f"this tenant's callers hold {mine} Session streams open; the limit is {share} per "
+                             f"tenant (--max-sessions-per-tenant): close idle clients, or raise the limit")
         sess = Session(self.new_id(), client_name, pid, p.caller, p.tenant, internal)
         self._open[sess.session_id] = sess
         if not internal:
             self.streams += 1
+            self.tenant_streams[p.tenant] = mine + 1
         self.counters.add(Count.SESSIONS_OPENED)
         return sess
 
@@ -268,6 +293,11 @@ class Sessions:
             return 0, 0
         if not sess.internal:
             self.streams -= 1
+            left = self.tenant_streams.get(sess.tenant, 0) - 1
+            if left > 0:
+                self.tenant_streams[sess.tenant] = left
+            else:
+                self.tenant_streams.pop(sess.tenant, None)
         for entry in itertools.chain(sess.grants.values(), sess.withheld.values()):
             self.host.abort(entry)
         for entry in sess.leases.values():
@@ -402,16 +432,18 @@ class Sessions:
                           f"that may not be the block; acquire again, read, and release within the deadline")
 
     def _not_held(self, sess: Session, hid: int, kind: str) -> StoreError:
-        """Why ``hid`` is not among the session's grants (or leases): expired, another session's, or unknown."""
+        """Why ``hid`` is not among the session's grants (or leases): expired (this session's
+        own, so it may be told), else not held. An id another session holds is answered exactly
+        as one nobody holds: ids are looked up among the calling session's own only, so the
+        reply never tells whether someone else holds it."""
         late = self._late(sess, hid)
         if late is not None:
             return late
-        if any(hid in (s.grants if kind == "grant" else s.leases) for s in self._open.values() if s is not sess):
-            verb = "commit or abort" if kind == "grant" else "release"
-            return StoreError(Code.PERMISSION_DENIED,
-                              f"{kind} {hid} is held by another session: a session may {verb} only its own {kind}s")
-        what = "(already committed, aborted, or never granted)" if kind == "grant" else "(already released?)"
-        return StoreError(Code.INVALID_ARGUMENT, f"{kind} {hid} is not held by session {sess.session_id} {what}")
+        what = ("(already committed or aborted, or never granted to it)" if kind == "grant"
+                else "(already released, or never leased to it)")
+        verb = "commit or abort" if kind == "grant" else "release"
+        return StoreError(Code.INVALID_ARGUMENT, f"{kind} {hid} is not held by session {sess.session_id} {what}: "
+                                                 f"a session may {verb} only its own {kind}s")
 
     # -- grants ----------------------------------------------------------------------------
 
@@ -422,7 +454,8 @@ class Sessions:
 
     def check_grants(self, sess: Session, commit_ids: Sequence[int], abort_ids: Sequence[int]) -> None:
         """Refuse a commit naming a grant the session does not hold (expired: DEADLINE_EXCEEDED;
-        another session's: PERMISSION_DENIED), or one grant twice."""
+        else INVALID_ARGUMENT, the same whether or not another session holds it), or one grant
+        twice."""
         for ids in (commit_ids, abort_ids):
             gid = sess.grants.first_missing(ids) if ids else None
             if gid is not None:

@@ -81,7 +81,9 @@ class BlockStore:
         # gpu tier is the engines' (``device``), not placed here
         self.policy = TierPolicy(0, None, None if disk is not None else 0, demote_min_seen, host_map=host.recency())
         self.tiers = Placement(host, disk, self.policy, self.counters, self.observers)
-        self.device = DeviceTier(self.layouts, self.sessions, self.observers, self.counters, max_batch_keys)
+        self.device = DeviceTier(self.layouts, self.sessions, self.observers, self.counters, max_batch_keys,
+                                 workers_per_tenant=self.limits.workers_per_tenant,
+                                 blocks_per_worker=self.limits.device_blocks_per_worker)
         self._to_end: set[asyncio.Task] = set()  # requests whose caller was cancelled, still running
         # told of each layout a tenant registers for the first time (the per-tenant feed and
         # key table publish what the disk tier restored under it)
@@ -132,7 +134,10 @@ class BlockStore:
             return reg
         group = self.layouts.group(tenant)
         new_class = (group, layout.slot_bytes) not in self.host.classes
-        check_layout_room(len(self.layouts), len(self.host.classes), new_class)
+        lim = self.limits
+        check_layout_room(len(self.layouts), len(self.host.classes), new_class, self.layouts.count_of(tenant),
+                          sum(1 for g, _ in self.host.classes if g == group), lim.layouts_per_tenant,
+                          lim.slot_sizes_per_tenant)
         try:
             cls = self.host.size_class(layout.slot_bytes, prefault=self.prefault, group=group)
         except CapacityError as e:

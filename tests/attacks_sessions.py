@@ -104,16 +104,18 @@ def test_ids_are_random_not_sequential(daemon) -> None:
 
 
 def test_another_sessions_grant_is_refused(daemon) -> None:
-    """Session B commits (or aborts) a grant session A holds: refused PERMISSION_DENIED, and A's
-    grant is untouched (A still commits it)."""
+    """Session B commits (or aborts) a grant session A holds: refused as an id nobody holds
+    (INVALID_ARGUMENT, the same words: B does not learn the id is live), and A's grant is
+    untouched (A still commits it)."""
     a, b = Raw(daemon.socket), Raw(daemon.socket)
     try:
         k = keys(1, b"grant")
         gid = a.allocate(k)[0]
-        why = refused(grpc.StatusCode.PERMISSION_DENIED, b.commit, [gid])
-        assert "another session" in why
+        why = refused(grpc.StatusCode.INVALID_ARGUMENT, b.commit, [gid])
+        unknown = refused(grpc.StatusCode.INVALID_ARGUMENT, b.commit, [gid ^ 0x5A5A5A])
+        assert why.replace(str(gid), "ID") == unknown.replace(str(gid ^ 0x5A5A5A), "ID")
         abort = node_pb2.CommitRequest(session_id=b.sid, abort_grant_ids=[gid])
-        refused(grpc.StatusCode.PERMISSION_DENIED, b.stub.Commit, abort)
+        refused(grpc.StatusCode.INVALID_ARGUMENT, b.stub.Commit, abort)
         assert a.commit([gid]) == 1
     finally:
         a.close()
@@ -122,14 +124,15 @@ def test_another_sessions_grant_is_refused(daemon) -> None:
 
 def test_another_sessions_lease_is_refused(daemon) -> None:
     """Session B releases a lease session A holds (which would let A's slot be reused mid-copy):
-    refused PERMISSION_DENIED, and the lease stays A's."""
+    refused as an id nobody holds (INVALID_ARGUMENT, the same words), and the lease stays A's."""
     a, b = Raw(daemon.socket), Raw(daemon.socket)
     try:
         k = keys(1, b"lease")
         a.sc.put(a.lid, k, blocks(1))
         lid = a.acquire(k)[0]
-        why = refused(grpc.StatusCode.PERMISSION_DENIED, b.release, [lid])
-        assert "another session" in why
+        why = refused(grpc.StatusCode.INVALID_ARGUMENT, b.release, [lid])
+        unknown = refused(grpc.StatusCode.INVALID_ARGUMENT, b.release, [lid ^ 0x5A5A5A])
+        assert why.replace(str(lid), "ID") == unknown.replace(str(lid ^ 0x5A5A5A), "ID")
         a.release([lid])  # still A's to release
     finally:
         a.close()

@@ -7,7 +7,8 @@ live events in batches of at most ``BATCH_KEYS`` keys, and an empty batch (``hea
 heartbeat when idle. NodeInfo is sent again whenever the workers change, and once after the
 events a resume replays (they are older than the NodeInfo that opened the stream), so the
 subscriber ends with the node's current workers. At most ``max_subscribers`` streams are served
-at once (one more is refused RESOURCE_EXHAUSTED); a subscriber further behind than the event
+at once, at most ``max_tenant_subscribers`` of one tenant (one more is refused
+RESOURCE_EXHAUSTED, naming the limit); a subscriber further behind than the event
 ring reaches (``--event-log-keys``) is dropped, RESOURCE_EXHAUSTED "fell behind ...;
 resubscribe", even while a write to it is blocked on its flow control, so what a subscriber
 that never reads holds stays bounded (:meth:`LocationsService._send`). ``ReportDeviceBlocks``
@@ -93,7 +94,7 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
 
     def __init__(self, log_: LocationLog, latency: OpLatency, heartbeat_s: float = HEARTBEAT_S,
                  auth: Authenticator | None = None, max_subscribers: int = MAX_SUBSCRIBERS,
-                 check_s: float = CHECK_S) -> None:
+                 check_s: float = CHECK_S, max_tenant_subscribers: int = 0) -> None:
         self.auth = auth or Authenticator()  # who is calling (kvtier.daemon.auth)
         self.log = log_
         self.store = log_.store
@@ -103,6 +104,8 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
         self.max_subscribers = max_subscribers  # --max-feed-subscribers
         self.check_s = check_s
         self.subscribers = 0                    # WatchLocations streams open now
+        self.max_tenant_subscribers = max_tenant_subscribers or max_subscribers  # --max-feed-subscribers-per-tenant
+        self.tenant_subscribers: dict[str, int] = {}  # tenant -> its streams open now
         self._building: dict[str, asyncio.Future] = {}  # tenant -> its snapshot being built (_snapshot)
 
     @handled_writer
@@ -115,14 +118,27 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
             raise StoreError(Code.RESOURCE_EXHAUSTED,
                              f"{self.subscribers} location subscribers are connected; the limit is "
                              f"{self.max_subscribers} (--max-feed-subscribers): retry later")
-        loc = self.log.for_tenant(self.auth.principal(context).tenant)   # the caller's tenant's feed only
+        tenant = self.auth.principal(context).tenant
+        mine = self.tenant_subscribers.get(tenant, 0)
+        if mine >= self.max_tenant_subscribers:  # no tenant takes every place (docs/SECURITY.md)
+            raise StoreError(Code.RESOURCE_EXHAUSTED,
+                             f"{mine} location subscribers of this tenant are connected; the limit is "
+                             f"{self.max_tenant_subscribers} per tenant (--max-feed-subscribers-per-tenant): "
+                             f"retry later")
+        loc = self.log.for_tenant(tenant)   # the caller's tenant's feed only
         self.subscribers += 1
+        self.tenant_subscribers[tenant] = mine + 1
         try:
             sub = _Subscriber(loc.head)
             async for reply in self._replies(request, context, sub, loc):
                 await self._send(context, reply, sub, loc)
         finally:
             self.subscribers -= 1
+            left = self.tenant_subscribers.get(tenant, 0) - 1
+            if left > 0:
+                self.tenant_subscribers[tenant] = left
+            else:
+                self.tenant_subscribers.pop(tenant, None)
 
     async def _send(self, context: grpc.aio.ServicerContext, reply: Reply, sub: _Subscriber, loc: TenantLog) -> None:
         """Write one reply. gRPC takes a write only while the subscriber's flow-control window
