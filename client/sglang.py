@@ -20,8 +20,9 @@ A page's bytes are the host pool's own flat page (``get_data_page(index, flat=Tr
 ``layer_first`` layout the page's rows of every layer's K and V, for ``page_first`` the page's
 K rows then its V rows (MLA: one contiguous run), for ``page_first_direct`` the page's block.
 The copy goes through the page's view (``get_data_page(index, flat=False)``): a contiguous page
-is read by the sidecar straight out of, or written straight into, SGLang's pool (one copy);
-a strided one goes through a reusable staging buffer. A get writes only the pages the daemon
+(MLA's ``page_first`` and ``page_first_direct``) is read by the sidecar straight out of, or
+written straight into, SGLang's pool (one copy); a strided one (every MHA page: its K and V
+halves lie apart) goes through a reusable staging buffer. A get writes only the pages the daemon
 holds: a miss leaves its page untouched.
 
 Keys. SGLang's page keys are strings (chained page hashes) that name tokens, not a model or a
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -196,9 +198,22 @@ def page_layout(host_pool: Any, storage_config: Any) -> Layout:
         raise ValueError(f"{type(host_pool).__name__} has no single kv_buffer tensor; kvtier stores the plain "
                          f"MHA/MLA KV pool (layouts {', '.join(PAGE_LAYOUTS)})")
     page = host_pool.get_data_page(0, flat=False)
+    if not isinstance(page, torch.Tensor) or page.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+        # (a pool whose page is decoded into a temporary, say: a get would fill the temporary
+        # and leave the host pool as it was, reporting a hit)
+        raise ValueError(f"{type(host_pool).__name__}'s pages are not views of its kv_buffer; kvtier copies "
+                         f"pages in place and cannot store this pool")
     d, token_indexed = _block_dim(buffer, page, int(host_pool.page_size), int(host_pool.size))
     name = ".".join(filter(None, ["sglang", "mla" if storage_config.is_mla_model else "mha", host_pool.layout,
                                   getattr(host_pool, "storage_format_tag", None)]))
+    # the KV's own dtype where the buffer stores it as bytes (SGLang keeps both fp8 formats as
+    # uint8): e4m3 and e5m2 pages must never meet on one key
+    logical = getattr(getattr(host_pool, "device_pool", None), "dtype", None)
+    if isinstance(logical, torch.dtype) and logical != buffer.dtype:
+        name = f"{name}@{_dtype_name(logical)}"
+    elif buffer.dtype in (torch.uint8, torch.int8) and logical is None:
+        raise ValueError(f"{type(host_pool).__name__} stores its KV as {_dtype_name(buffer.dtype)} and names no "
+                         f"device pool dtype: kvtier cannot tell which KV format its bytes are")
     dtype, shape = _dtype_name(buffer.dtype), tuple(int(x) for x in buffer.shape)
     if dtype not in DTYPE_BYTES:  # described as bytes; the dtype stays in the name
         name, shape = f"{name}.{dtype}", (*shape[:-1], shape[-1] * buffer.element_size())
@@ -234,6 +249,16 @@ class _Staging(threading.local):
         return [self.buf[i * size:(i + 1) * size] for i in range(n)]
 
 
+def _storage_metrics_class() -> Any:
+    """SGLang's ``StorageMetrics`` class (its module moved between SGLang versions), or None."""
+    for module in ("sglang.srt.observability.metrics_collector", "sglang.srt.metrics.collector"):
+        try:
+            return importlib.import_module(module).StorageMetrics
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
 # -- the backend ----------------------------------------------------------------------------------
 
 _COUNTERS = ("exists_calls", "exists_pages", "exists_hit_pages", "get_pages", "get_hit_pages", "set_pages",
@@ -252,9 +277,15 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         if getattr(storage_config, "should_split_heads", False):
             raise ValueError("kvtier does not store split-head pages (tp_lcm_size): drop tp_lcm_size from the "
                              "extra config")
+        if int(getattr(storage_config, "dcp_size", 1) or 1) > 1:
+            raise ValueError("kvtier does not store decode-context-parallel pages (dcp_size > 1); SGLang's storage "
+                             "paths do not support them either")
         self.storage_config = storage_config
         self.config = BackendConfig.from_extra_config(getattr(storage_config, "extra_config", None),
                                                       getattr(storage_config, "model_name", None))
+        if self.config.target and not self.config.tenant:  # a configuration error: said at attach, not retried
+            raise ValueError("kvtier_target (TCP) needs kvtier_tenant: the daemon hands out its secret key salt "
+                             "only over its unix socket")
         if not self.config.model:
             logger.warning("kvtier: no model name from SGLang and no kvtier_model: pages are shared by every "
                            "model of this tenant with the same KV geometry; set kvtier_model")
@@ -270,6 +301,9 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                                           "backup_bandwidth": []}
+        # SGLang's StorageMetrics (where this SGLang has it): without it nothing is recorded
+        self._storage_metrics = _storage_metrics_class() if getattr(storage_config, "enable_storage_metrics",
+                                                                    False) else None
         self._lid = self._marker_lid = 0
         self._epoch: bytes | None = None
         self._epoch_digest = b""
@@ -292,7 +326,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         layout = page_layout(mem_pool_host, self.storage_config)
         super().register_mem_pool_host(mem_pool_host)
         self.mem_pool_host, self.layout = mem_pool_host, layout
-        self._page_len = int(getattr(mem_pool_host, "logical_page_size", mem_pool_host.page_size))
+        self._page_len = int(mem_pool_host.page_size)  # (SGLang reads page i at host_indices[i * page_size])
         self._chunk = max(1, self.config.staging_bytes // layout.block_bytes)
         self._ready()  # registers now if the daemon is up; otherwise on a later call
 
@@ -430,13 +464,9 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (pages and GB/s per prefetch and backup since the last call)
         when storage metrics are on; else None. kvtier's counters: :meth:`kvtier_stats`."""
-        if not getattr(self.storage_config, "enable_storage_metrics", False):
+        if self._storage_metrics is None:
             return None
-        try:
-            from sglang.srt.observability.metrics_collector import StorageMetrics
-        except ImportError:
-            return None
-        m = StorageMetrics()
+        m = self._storage_metrics()
         with self._stats_lock:
             for name, values in self._metrics.items():
                 getattr(m, name).extend(values)
@@ -593,7 +623,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
                 self._counts[k] += v
 
     def _metric(self, kind: str, pages: int, seconds: float) -> None:
-        if not getattr(self.storage_config, "enable_storage_metrics", False) or self.layout is None:
+        if self._storage_metrics is None or self.layout is None:
             return
         gb = pages * self.layout.block_bytes / (1 << 30)
         with self._stats_lock:

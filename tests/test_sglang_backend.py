@@ -601,3 +601,62 @@ def test_sglang_cache_controller_paths(shared_daemon) -> None:
     finally:
         writer.close()
         reader.close()
+
+
+class _DevicePool:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def test_fp8_formats_stored_as_bytes_never_share_a_layout() -> None:
+    """SGLang keeps both fp8 KV formats (e4m3, e5m2) as uint8 in its pools: the layout (and so
+    the keys) came out the same for both, so one engine loaded the other's pages as the wrong
+    float format. The device pool's own dtype now names the layout; a byte pool that names none
+    is refused."""
+    cfg = make_config("unused")
+    fps = set()
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        pool = StandInPool("mha", "page_first", dtype=torch.uint8)
+        pool.device_pool = _DevicePool(fmt)
+        lay = page_layout(pool, cfg)
+        assert lay.tensors[0].name.endswith("@" + str(fmt).removeprefix("torch."))
+        fps.add(lay.fingerprint)
+    assert len(fps) == 2, "e4m3 and e5m2 pages share one key space"
+    with pytest.raises(ValueError, match="cannot tell which KV format"):
+        page_layout(StandInPool("mha", "page_first", dtype=torch.uint8), cfg)
+    plain = StandInPool("mha", "page_first")
+    plain.device_pool = _DevicePool(torch.bfloat16)  # (the KV's own dtype: nothing added)
+    assert page_layout(plain, cfg).tensors[0].name == "sglang.mha.page_first"
+
+
+def test_a_pool_whose_pages_are_copies_is_refused() -> None:
+    """kvtier fills pages in place (zero copy): a pool whose page accessor returns a fresh
+    tensor (a decoded page, say) would take a hit into that temporary and keep its own bytes."""
+
+    class Decoding(StandInPool):
+        def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+            return super().get_data_page(index, flat).clone()
+
+    with pytest.raises(ValueError, match="not views of its kv_buffer"):
+        page_layout(Decoding("mha", "page_first"), make_config("unused"))
+
+
+def test_configuration_errors_are_refused_at_attach(tmp_path) -> None:
+    """A TCP target without a tenant salt was taken for a daemon outage: one warning, then
+    misses for good. It is a configuration error, said when SGLang attaches."""
+    with pytest.raises(ValueError, match="kvtier_tenant"):
+        KvtierHiCacheStorage(make_config(str(tmp_path / "x.sock"), kvtier_target="127.0.0.1:1"), {})
+
+
+def test_storage_metrics_are_not_kept_where_sglang_cannot_take_them(shared_daemon) -> None:
+    """With storage metrics on but no StorageMetrics class to hand them to, every prefetch and
+    backup was appended to lists nobody emptied."""
+    be = backend(shared_daemon.socket, metrics=True)
+    try:
+        if be._storage_metrics is not None:
+            pytest.skip("this SGLang has StorageMetrics")
+        be.batch_set_v1(page_keys(3, "metrics"), host_indices([0, 1, 2]))
+        assert be.get_stats() is None
+        assert not any(be._metrics.values()), "metrics kept with nobody to take them"
+    finally:
+        be.close()
