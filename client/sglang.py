@@ -309,6 +309,8 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         self._epoch_digest = b""
         self._epoch_at = 0.0
         self._marker_durable = True
+        self._attaching = False  # a background _attach is running (under _bg_lock)
+        self._bg_lock = threading.Lock()
         self._down_until = 0.0
         self._down = False
         self.last_error = ""
@@ -328,7 +330,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         self.mem_pool_host, self.layout = mem_pool_host, layout
         self._page_len = int(mem_pool_host.page_size)  # (SGLang reads page i at host_indices[i * page_size])
         self._chunk = max(1, self.config.staging_bytes // layout.block_bytes)
-        self._ready()  # registers now if the daemon is up; otherwise on a later call
+        self._attach()  # registers now if the daemon is up; otherwise in the background, later
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Hybrid models' extra pools (Mamba, SWA, indexer) are not stored: refused at attach."""
@@ -490,13 +492,43 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
     # -- readiness, epochs, failures ----------------------------------------------------------
 
     def _ready(self) -> bool:
-        """Registered with the daemon and holding the shard's key epoch (doing both when the
-        daemon is reachable); False while down (misses are answered without calling)."""
+        """Registered with the daemon and holding the shard's key epoch; False while down
+        (misses are answered without calling). Reconnecting and refreshing the epoch run on a
+        thread of their own, never on SGLang's: a daemon that is stopped but still accepts
+        connections would hold each of SGLang's storage threads for ``timeout_s`` (and with it
+        every TP rank, whose answers SGLang all-reduces)."""
         if self.layout is None:
             return False
         now = time.monotonic()
-        if self._epoch is not None and not self._down and now < self._epoch_at:
+        if self._epoch is not None and not self._down:
+            if now >= self._epoch_at:
+                self._in_background()  # (the epoch in hand serves meanwhile)
             return True
+        if not (self._down and now < self._down_until):
+            self._in_background()
+        return False
+
+    def _in_background(self) -> None:
+        """Start :meth:`_attach` on a thread of its own unless one is running (never waits: the
+        running one holds ``_lock`` through its calls)."""
+        with self._bg_lock:
+            if self._attaching:
+                return
+            self._attaching = True
+
+        def run() -> None:
+            try:
+                self._attach()
+            finally:
+                with self._bg_lock:
+                    self._attaching = False
+
+        threading.Thread(target=run, name="kvtier-sglang-attach", daemon=True).start()
+
+    def _attach(self) -> bool:
+        """Register with the daemon and take the shard's key epoch when the daemon is reachable
+        (at most ``timeout_s`` a call); False when it is not."""
+        now = time.monotonic()
         with self._lock:
             if self._down and now < self._down_until:
                 return False
