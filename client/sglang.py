@@ -309,6 +309,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         self._epoch_digest = b""
         self._epoch_at = 0.0
         self._marker_durable = True
+        self._awaited: tuple[bytes | None, float] | None = None  # (epoch cleared, until when) on MLA ranks > 0
         self._attaching = False  # a background _attach is running (under _bg_lock)
         self._bg_lock = threading.Lock()
         self._down_until = 0.0
@@ -453,6 +454,14 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         """Make every page stored so far invisible (a new key epoch for this shard; module docstring)."""
         if not self._ready():
             return False
+        if "tp" not in self.shard and int(self.storage_config.tp_rank) != 0:
+            # MLA: the TP ranks share one shard, and SGLang clears every rank: rank 0 (the one
+            # that writes MLA pages) makes the new epoch; the others re-read it (each making its
+            # own, they raced, and rank 0 then wrote under an epoch the others did not read)
+            with self._lock:
+                self._awaited = (self._epoch, time.monotonic() + self.config.epoch_refresh_s)
+                self._epoch_at = 0.0
+            return True
         try:
             with self._lock:
                 self._sc.evict(self._marker_lid, [self._marker_key])
@@ -612,7 +621,14 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
             self._count(epoch_changes=1)
         self._epoch = epoch
         self._epoch_digest = hashlib.blake2b(epoch, digest_size=32, key=self._shard_digest).digest()
-        self._epoch_at = time.monotonic() + self.config.epoch_refresh_s
+        now = time.monotonic()
+        self._epoch_at = now + self.config.epoch_refresh_s
+        if self._awaited is not None:  # an MLA rank's clear: re-read soon until rank 0's new epoch is in
+            old, until = self._awaited
+            if epoch != old or now >= until:
+                self._awaited = None
+            else:
+                self._epoch_at = now + min(0.1, self.config.epoch_refresh_s)
 
     def _reachable(self) -> bool:
         """Whether something accepts connections on the daemon's unix socket (True for other targets)."""

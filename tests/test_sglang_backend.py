@@ -695,3 +695,26 @@ def test_a_stopped_daemon_never_holds_sglangs_threads(tmp_path) -> None:
     finally:
         be.close()
         d.cleanup()
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["rank0-first", "rank1-first"])
+def test_mla_ranks_agree_on_the_epoch_after_clear(shared_daemon, first: int) -> None:
+    """MLA: the TP ranks share one shard (one key epoch), SGLang clears every rank, and only
+    rank 0 writes pages. Each rank made its own new epoch, so rank 0 could write under one the
+    others never read (misses for everyone until the next re-read, 10 s). Now rank 0 makes it
+    and the other ranks re-read until they have it, whichever clears first."""
+    ranks = [backend(shared_daemon.socket, "mla", "page_first", tp=(r, 2)) for r in (0, 1)]
+    try:
+        src = ranks[0].mem_pool_host
+        fill_random(src, 31)
+        before = ranks[0].kvtier_stats()["epoch"]
+        assert ranks[1].kvtier_stats()["epoch"] == before
+        for r in (first, 1 - first):
+            assert ranks[r].clear() is True
+        keys = page_keys(2, f"mla-clear-{first}")
+        assert ranks[0].batch_set_v1(keys, host_indices([1, 2])) == [True, True]
+        eventually(lambda: ranks[1].batch_exists(keys) == 2, timeout=3.0)
+        assert ranks[0].kvtier_stats()["epoch"] == ranks[1].kvtier_stats()["epoch"] != before
+    finally:
+        for be in ranks:
+            be.close()
