@@ -299,3 +299,33 @@ def test_a_stuck_kvtierd_handshake_does_not_stall_the_gateway(loop, gateway, pee
     assert status == 200 and headers["X-Kvtier-Replica"] != "A"
     assert metric(gw, r'kvtier_gateway_prefetches_total\{outcome="done"\}') == 1
     assert metric(gw, r"kvtier_gateway_prefetched_blocks_total") == 32
+
+
+def test_body_budget_grants_in_order_and_gives_back_what_a_cancelled_wait_held() -> None:
+    """The budget behind --max-body-bytes-in-flight: first come first served (a large body is
+    not starved by small ones behind it), a body over the whole budget waits to be alone, and a
+    wait that is given up (its client left, or --queue-timeout-s) takes nothing with it."""
+    from kvtier.client.gateway.server import _BodyBudget
+
+    async def run() -> None:
+        b = _BodyBudget(100)
+        assert await b.acquire(60) == 60
+        big = asyncio.ensure_future(b.acquire(500))  # over the budget: waits until it is alone
+        small = asyncio.ensure_future(b.acquire(10))  # fits, but queues behind the big one
+        await asyncio.sleep(0)
+        assert not big.done() and not small.done()
+        b.release(60)
+        assert await big == 100 and not small.done() and b.used == 100
+        b.release(100)
+        assert await small == 10
+        late = asyncio.ensure_future(b.acquire(95))
+        after = asyncio.ensure_future(b.acquire(5))
+        await asyncio.sleep(0)
+        late.cancel()  # the head gives up: the one behind it goes on
+        assert await asyncio.wait_for(after, 1) == 5 and b.used == 15
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(b.acquire(90), 0.01)
+        b.release(15)
+        assert b.used == 0 and not b._waiters
+
+    asyncio.run(run())
