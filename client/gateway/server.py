@@ -12,7 +12,10 @@ body unchanged and stream the answer back byte for byte, then tell the router th
 ended (first byte) and the request ended (last byte). A replica that refuses before any byte
 was sent to the client (connection refused or reset, a timeout before the status line, a 5xx
 status) is skipped for ``--down-s`` seconds and the next replica is tried, up to
-``--retries`` more. Replicas are ``--replica NAME=URL``; NAME is the worker id the router
+``--retries`` more. A client that disconnects ends its replica's request at once; one that
+takes nothing for ``--write-timeout-s`` is dropped; a body is read only once
+``--max-body-bytes-in-flight`` has room for it; a replica's 5xx body is relayed up to
+MAX_ERROR_BODY bytes. Replicas are ``--replica NAME=URL``; NAME is the worker id the router
 knows the replica by: the ``--node-id`` of the replica's kvtierd when its engine declares no
 worker (vLLM's offloading spec does not), else the engine's worker id. With
 ``--replica-url-template`` every worker the feeds report and no ``--replica`` names is a
