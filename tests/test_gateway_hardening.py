@@ -209,6 +209,34 @@ def test_large_bodies_wait_for_room_before_they_are_read(loop, gateway) -> None:
     wait_for(lambda: released(gw, "a"), timeout=5, what="the budget given back")
 
 
+def test_a_client_cannot_sit_on_the_room_for_its_body(loop, gateway) -> None:
+    """A client that declares a large body and sends almost nothing holds its room in
+    --max-body-bytes-in-flight at most --body-timeout-s: then 408 (counted ``body_timeout``,
+    no keep-alive), the room given back for the next request."""
+    seen: list = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(len(await request.read()))
+        return web.Response(body=PLAIN, content_type="application/json")
+
+    url, gw = gateway({"a": serve_replica(loop, answer)}, max_body_bytes_in_flight=1 << 20, body_timeout_s=0.5,
+                      queue_timeout_s=30)
+    s = raw_post(url, b"x" * (1 << 20), send=False)
+    try:
+        s.sendall(b'{"model": "tiny", ')
+        wait_for(lambda: gw._bodies.used == 1 << 20, what="the room taken")
+        s.settimeout(10)
+        reply = s.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 408") and b"--body-timeout-s" in reply, reply[:300]
+        assert b"Connection: close" in reply  # (aiohttp reads and drops the rest a while, then closes)
+    finally:
+        s.close()
+    assert gw._bodies.used == 0
+    assert metric(gw, r'kvtier_gateway_errors_total\{reason="body_timeout"\}') == 1
+    status, _, _ = post(url + "/v1/chat/completions", {**chat(5), "x_pad": "p" * 900_000})
+    assert status == 200 and seen and seen[0] > 900_000
+
+
 def test_a_huge_replica_error_body_is_not_relayed(loop, gateway) -> None:
     """A replica answering 500 with a 32 MiB body: the gateway reads at most MAX_ERROR_BODY
     bytes of it and answers the status with its own short error; a short 5xx body still

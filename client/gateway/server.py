@@ -129,6 +129,9 @@ class GatewayConfig:
     max_body_bytes_in_flight: int = setting(256 << 20, "request body bytes held at once: a request waits (up to "
                                                        "--queue-timeout-s, then 503) for room for its body before "
                                                        "reading it (bytes)", parse_int, "BYTES")
+    body_timeout_s: float = setting(30.0, "longest time a client may take to send its request body once there is "
+                                          "room for it in --max-body-bytes-in-flight (seconds); past it 408 and the "
+                                          "room is given back", parse_float, "S")
     write_timeout_s: float = setting(60.0, "longest wait for a client to take more of an answer (seconds); past "
                                            "it the client is dropped and the replica's request ended",
                                      parse_float, "S")
@@ -210,8 +213,9 @@ def check_settings(cfg: GatewayConfig) -> None:
 def _check_prefetch_and_record(cfg: GatewayConfig) -> None:
     if cfg.prefetch_timeout_s <= 0:
         raise SettingsError("--prefetch-timeout-s must be positive")
-    if cfg.write_timeout_s <= 0:
-        raise SettingsError("--write-timeout-s must be positive")
+    for name in ("write_timeout_s", "body_timeout_s"):
+        if getattr(cfg, name) <= 0:
+            raise SettingsError(f"--{name.replace('_', '-')} must be positive")
     if cfg.record.check():
         raise SettingsError(str(cfg.record.check()))
 
@@ -236,7 +240,8 @@ class _Metrics:
                               "upstream_broken (the replica broke off mid-answer), client_gone (the client "
                               "left before its answer ended; the replica's request is ended with it), "
                               "client_stalled (the client took no more of its answer for --write-timeout-s: "
-                              "dropped)", ["reason"], registry=r)
+                              "dropped), body_timeout (the client took over --body-timeout-s to send its "
+                              "body: 408)", ["reason"], registry=r)
         self.decisions = Counter("kvtier_gateway_decisions", "requests dispatched, by chosen replica and policy",
                                  ["replica", "policy"], registry=r)
         self.retries = Counter("kvtier_gateway_retries", "requests sent on to another replica", registry=r)
@@ -516,7 +521,13 @@ class Gateway:
                                       f"{self.cfg.max_body_bytes_in_flight} bytes of request bodies and no room "
                                       f"for this one freed within {self.cfg.queue_timeout_s:g} s",
                                       "ServiceUnavailableError")
-            raw = await request.read()
+            try:  # (a client may not sit on the room it was given)
+                raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+            except asyncio.TimeoutError:
+                resp = self._fail(endpoint, 408, "body_timeout", f"the request body did not arrive within "
+                                  f"--body-timeout-s {self.cfg.body_timeout_s:g} s", "RequestTimeoutError")
+                resp.force_close()
+                return resp
             if held > len(raw):
                 self._bodies.release(held - len(raw))
                 held = len(raw)
