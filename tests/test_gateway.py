@@ -55,9 +55,10 @@ class Loop:
     def run(self, coro, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def serve(self, app: web.Application) -> int:
+    def serve(self, app: web.Application | web.AppRunner, **runner_options) -> int:
+        """Serve an app (or a runner made for it) on a free loopback port; the port."""
         async def start() -> int:
-            runner = web.AppRunner(app, access_log=None)
+            runner = app if isinstance(app, web.AppRunner) else web.AppRunner(app, access_log=None, **runner_options)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
@@ -129,7 +130,7 @@ def gateway(loop, tokenizer_dir) -> Callable[..., tuple[str, Gateway]]:
         cfg = GatewayConfig(replicas=tuple(f"{k}={v}" for k, v in replicas.items()), model="tiny",
                             tokenizer=tokenizer_dir, block_tokens=4, **kw)
         gw = Gateway(cfg)
-        return f"http://127.0.0.1:{loop.serve(gw.app())}", gw
+        return f"http://127.0.0.1:{loop.serve(gw.runner())}", gw  # (the runner `kvtier gateway` serves)
     return start
 
 

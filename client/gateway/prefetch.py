@@ -11,7 +11,13 @@ so the engine's connector finds them there at prefill.
   over the daemon address the gateway's feed for that node uses (a unix socket locally; TCP
   with ``--daemon-tls-*`` mutual TLS to a daemon started with ``--tcp-services all``, which
   serves Node over TCP; the daemon maps the gateway's certificate CN to the tenant it acts
-  for, ``--tenants cn:GATEWAY=TENANT``). One channel per address, kept.
+  for, ``--tenants cn:GATEWAY=TENANT``). One channel per address, kept. A channel is opened
+  off the event loop: over a unix socket :func:`~kvtier.client.engine.transport.open_channel`
+  hand-shakes on the daemon's credential socket with blocking calls (up to 2 s each against a
+  daemon that is stopped or stuck), and so does the re-handshake after a daemon restart, which
+  is done here in a thread before the channel is used again; requests that need the same
+  address meanwhile wait for that one handshake, and every wait is within the request's
+  ``--prefetch-timeout-s``.
 * **Which layout**: ``Node.Prefetch`` names a layout id; a layout's id is its fingerprint's
   first 31 bits on every daemon (:func:`~kvtier.client.routing.fetch.layout_id_of`), and the
   fingerprints come from the feeds (:func:`~kvtier.client.routing.fetch.hint_fingerprints`).
@@ -41,14 +47,31 @@ from typing import Any
 
 import grpc
 
-from kvtier.client.engine.transport import ClientTls, KvtierError, open_channel
+from kvtier.client.engine.transport import (
+    ClientTls,
+    KvtierError,
+    async_token_interceptors,
+    handshake_error,
+    open_channel,
+    unix_socket,
+)
 from kvtier.client.routing.feed import channel_options
 from kvtier.client.routing.fetch import STORE, FetchHint, layout_id_of
+from kvtier.handshake import Credentials, HandshakeError
 from kvtier.proto import node_pb2, node_pb2_grpc
 
 log = logging.getLogger("kvtier.gateway")
 
 CLIENT_NAME = "kvtier-gateway"
+
+
+def _handshake(creds: Credentials) -> Credentials:
+    """In a thread: ``creds`` connected to its daemon (re-connected if the daemon closed it)."""
+    try:
+        creds.ensure()
+    except HandshakeError as e:
+        raise handshake_error(e) from None
+    return creds
 
 
 class Prefetcher:
@@ -57,6 +80,7 @@ class Prefetcher:
     def __init__(self, router: Any, tls: ClientTls | None, timeout_s: float, metrics: Any) -> None:
         self.router, self.tls, self.timeout_s, self.metrics = router, tls, timeout_s, metrics
         self._channels: dict[str, Any] = {}
+        self._opening: dict[str, asyncio.Future] = {}  # target -> the handshake in a thread
         self._warned: dict[str, float] = {}
 
     async def apply(self, hints: Sequence[FetchHint]) -> None:
@@ -84,12 +108,39 @@ class Prefetcher:
                 return st.target, st.name
         return None
 
-    def _channel(self, target: str, name: str) -> Any:
+    async def _channel(self, target: str, name: str) -> Any:
+        """The channel to ``target``. Over a unix socket, hand-shaken (and hand-shaken again
+        once the daemon closed its credential connection) in a thread, never on the event loop;
+        callers meanwhile share that one handshake."""
+        path = unix_socket(target)
+        if path is None:  # TCP: nothing blocking (TLS is gRPC's own, on its loop)
+            ch = self._channels.get(target)
+            if ch is None:
+                ch = self._channels[target] = open_channel(target, aio=True, tls=self.tls, client_name=CLIENT_NAME,
+                                                           options=channel_options(self.tls, name), timeout=2.0)
+            return ch
+        opening = self._opening.get(target)
+        if opening is None:
+            ch = self._channels.get(target)
+            if ch is not None and ch.kvtier_credentials.alive:  # (one non-blocking peek; no handshake runs)
+                return ch
+            creds = ch.kvtier_credentials if ch is not None else Credentials(path, CLIENT_NAME, 2.0)
+            opening = self._opening[target] = asyncio.get_running_loop().run_in_executor(None, _handshake, creds)
+            opening.add_done_callback(lambda f: self._handshaken(target, f))
+        creds = await asyncio.shield(opening)  # (a caller that gives up leaves the handshake to the others)
         ch = self._channels.get(target)
-        if ch is None:
-            ch = self._channels[target] = open_channel(target, aio=True, tls=self.tls, client_name=CLIENT_NAME,
-                                                       options=channel_options(self.tls, name), timeout=2.0)
+        if ch is None or ch.kvtier_credentials is not creds:
+            # the token as the handshake left it: the calls never hand-shake on the loop themselves
+            ch = grpc.aio.insecure_channel(target, options=channel_options(self.tls, name),
+                                           interceptors=async_token_interceptors(lambda: creds.metadata))
+            ch.kvtier_credentials = creds
+            self._channels[target] = ch
         return ch
+
+    def _handshaken(self, target: str, f: asyncio.Future) -> None:
+        self._opening.pop(target, None)
+        if not f.cancelled():
+            f.exception()  # (its waiters may all have given up: retrieved here, reported by them)
 
     async def _one(self, hint: FetchHint) -> None:
         m = self.metrics
@@ -105,7 +156,7 @@ class Prefetcher:
             m.prefetches.labels("no_layout").inc()
             return
         try:
-            stub = node_pb2_grpc.NodeStub(self._channel(*addr))
+            stub = node_pb2_grpc.NodeStub(await self._channel(*addr))
             replies = await asyncio.gather(*(stub.Prefetch(node_pb2.PrefetchRequest(
                 layout_id=layout_id_of(fp), keys=list(hint.keys), from_node=hint.from_node)) for fp in fps))
         except (grpc.RpcError, KvtierError, OSError) as e:

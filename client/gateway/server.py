@@ -12,7 +12,10 @@ body unchanged and stream the answer back byte for byte, then tell the router th
 ended (first byte) and the request ended (last byte). A replica that refuses before any byte
 was sent to the client (connection refused or reset, a timeout before the status line, a 5xx
 status) is skipped for ``--down-s`` seconds and the next replica is tried, up to
-``--retries`` more. Replicas are ``--replica NAME=URL``; NAME is the worker id the router
+``--retries`` more. A client that disconnects ends its replica's request at once; one that
+takes nothing for ``--write-timeout-s`` is dropped; a body is read only once
+``--max-body-bytes-in-flight`` has room for it; a replica's 5xx body is relayed up to
+MAX_ERROR_BODY bytes. Replicas are ``--replica NAME=URL``; NAME is the worker id the router
 knows the replica by: the ``--node-id`` of the replica's kvtierd when its engine declares no
 worker (vLLM's offloading spec does not), else the engine's worker id. With
 ``--replica-url-template`` every worker the feeds report and no ``--replica`` names is a
@@ -26,6 +29,7 @@ prometheus_client for the metrics, transformers for the tokenizer and chat templ
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import hashlib
 import itertools
@@ -67,9 +71,13 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 
 
 INLINE_BODY_BYTES = 16384
-MAX_SESSION_ID = 256  # characters of a session id kept as they are; longer ones are kept as a digest
 """Bodies up to this size are tokenized on the event loop (well under a millisecond on an idle
 core); larger ones in a thread pool."""
+MAX_SESSION_ID = 256  # characters of a session id kept as they are; longer ones are kept as a digest
+
+MAX_ERROR_BODY = 64 << 10
+"""A replica's 5xx answer body is relayed up to this many bytes; a longer one is not read on
+(the connection is dropped) and the client gets the status with the gateway's own error body."""
 
 REPLICA_HEADER = "X-Kvtier-Replica"
 """Response header naming the replica that answered (the body is the replica's, unchanged)."""
@@ -118,6 +126,15 @@ class GatewayConfig:
     retries: int = setting(2, "other replicas tried when one refuses before answering", parse_int, "N")
     down_s: float = setting(5.0, "a replica that refused is skipped this long (seconds)", parse_float, "S")
     max_body_bytes: int = setting(64 << 20, "largest request body (bytes)", parse_int, "BYTES")
+    max_body_bytes_in_flight: int = setting(256 << 20, "request body bytes held at once: a request waits (up to "
+                                                       "--queue-timeout-s, then 503) for room for its body before "
+                                                       "reading it (bytes)", parse_int, "BYTES")
+    body_timeout_s: float = setting(30.0, "longest time a client may take to send its request body once there is "
+                                          "room for it in --max-body-bytes-in-flight (seconds); past it 408 and the "
+                                          "room is given back", parse_float, "S")
+    write_timeout_s: float = setting(60.0, "longest wait for a client to take more of an answer (seconds); past "
+                                           "it the client is dropped and the replica's request ended",
+                                     parse_float, "S")
     metrics_port: int = setting(-1, "also serve /metrics on this port (0: any free port; -1: only on --listen)",
                                 parse_int, "PORT")
     daemon_tls_cert: str = setting("", "client certificate for kvtierds over TCP (their --tls-ca signs it)",
@@ -182,7 +199,7 @@ def check_settings(cfg: GatewayConfig) -> None:
         raise SettingsError(f"--policy {cfg.policy!r}: one of {', '.join(POLICIES)}")
     if cfg.keys not in SCHEMES:
         raise SettingsError(f"--keys {cfg.keys!r}: one of {', '.join(SCHEMES)}")
-    for name in ("block_tokens", "chunk_blocks", "max_concurrency"):
+    for name in ("block_tokens", "chunk_blocks", "max_concurrency", "max_body_bytes_in_flight"):
         if getattr(cfg, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
     tls = [n for n in ("daemon_tls_cert", "daemon_tls_key", "daemon_tls_ca") if getattr(cfg, n)]
@@ -196,6 +213,9 @@ def check_settings(cfg: GatewayConfig) -> None:
 def _check_prefetch_and_record(cfg: GatewayConfig) -> None:
     if cfg.prefetch_timeout_s <= 0:
         raise SettingsError("--prefetch-timeout-s must be positive")
+    for name in ("write_timeout_s", "body_timeout_s"):
+        if getattr(cfg, name) <= 0:
+            raise SettingsError(f"--{name.replace('_', '-')} must be positive")
     if cfg.record.check():
         raise SettingsError(str(cfg.record.check()))
 
@@ -217,7 +237,11 @@ class _Metrics:
                                 "gateway), endpoint and HTTP status", ["replica", "endpoint", "status"], registry=r)
         self.errors = Counter("kvtier_gateway_errors", "failures by reason: bad_request, unknown_model, overloaded, "
                               "replica_refused (then retried), unreachable (every replica refused), "
-                              "upstream_broken (mid-stream), client_gone", ["reason"], registry=r)
+                              "upstream_broken (the replica broke off mid-answer), client_gone (the client "
+                              "left before its answer ended; the replica's request is ended with it), "
+                              "client_stalled (the client took no more of its answer for --write-timeout-s: "
+                              "dropped), body_timeout (the client took over --body-timeout-s to send its "
+                              "body: 408)", ["reason"], registry=r)
         self.decisions = Counter("kvtier_gateway_decisions", "requests dispatched, by chosen replica and policy",
                                  ["replica", "policy"], registry=r)
         self.retries = Counter("kvtier_gateway_retries", "requests sent on to another replica", registry=r)
@@ -258,6 +282,63 @@ class _Metrics:
         return generate_latest(self.registry)
 
 
+_deadline = getattr(asyncio, "timeout", None)  # (Python 3.11: no task per write, as wait_for makes)
+
+
+class _ClientGone(Exception):
+    """The client left (``client_gone``) or took nothing for ``--write-timeout-s`` (``client_stalled``)."""
+
+    def __init__(self, reason: str, why: str) -> None:
+        super().__init__(why)
+        self.reason = reason
+
+
+class _BodyBudget:
+    """Request-body bytes held at once (``--max-body-bytes-in-flight``), granted in arrival order.
+
+    A request takes room for its body before reading it and gives it back when it ends, so the
+    bodies the gateway holds (read, waiting for a slot, being tokenized or forwarded) never add
+    up past the budget however many clients send at once; one body larger than the whole budget
+    waits until it is alone."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.used = cap, 0
+        self._waiters: collections.deque = collections.deque()
+
+    async def acquire(self, n: int) -> int:
+        """Room for ``n`` bytes (at most the whole budget), waiting for its turn; what it took."""
+        n = min(n, self.cap)
+        if not self._waiters and self.used + n <= self.cap:
+            self.used += n
+            return n
+        entry = (n, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry[1].done() and not entry[1].cancelled():  # granted as it was cancelled: give it back
+                self.release(n)
+            else:
+                self._waiters.remove(entry)
+                self._wake()  # (it may have held back smaller ones behind it)
+            raise
+        return n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            n, fut = self._waiters[0]
+            if not fut.done() and self.used + n > self.cap:
+                return
+            self._waiters.popleft()
+            if not fut.done():
+                self.used += n
+                fut.set_result(None)
+
+
 class _Refused(Exception):
     """A replica refused before any byte reached the client; ``body``/``status`` if it answered."""
 
@@ -285,6 +366,8 @@ class Gateway:
         self._discovered: dict[str, str] = {}
         self._discovered_at = -1.0
         self._slots = asyncio.Semaphore(cfg.max_concurrency)
+        self._bodies = _BodyBudget(cfg.max_body_bytes_in_flight)
+        self._counted: set[int] = set()  # id() of the requests in flight whose outcome is counted already
         self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="kvtier-gw-tok")
         self._session: Any = None
         self.started = time.time()
@@ -297,6 +380,15 @@ class Gateway:
                            if self.router is not None and cfg.prefetch and cfg.policy == "kvtier" else None)
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    def runner(self) -> Any:
+        """The aiohttp runner :func:`serve` starts. A handler is cancelled when its client
+        disconnects (aiohttp's ``handler_cancellation``; off by default): the replica's request
+        is then closed and its slot, load and body budget given back at once, not when the
+        replica finally answers."""
+        from aiohttp import web  # noqa: PLC0415
+
+        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
 
     def app(self) -> Any:
         from aiohttp import web  # noqa: PLC0415
@@ -414,7 +506,41 @@ class Gateway:
 
     async def _forward(self, request: Any, endpoint: str) -> Any:
         t0 = time.perf_counter()
-        raw = await request.read()
+        held = 0
+        try:
+            # room for the body before reading it: bodies read at once stay within the budget
+            want = request.content_length
+            if want is None:  # (chunked: room for the largest, given back once its size is known)
+                want = self.cfg.max_body_bytes if request.body_exists else 0
+            if want > 0:
+                try:
+                    held = await asyncio.wait_for(self._bodies.acquire(min(want, self.cfg.max_body_bytes)),
+                                                  self.cfg.queue_timeout_s)
+                except asyncio.TimeoutError:
+                    return self._fail(endpoint, 503, "overloaded", f"the gateway holds --max-body-bytes-in-flight "
+                                      f"{self.cfg.max_body_bytes_in_flight} bytes of request bodies and no room "
+                                      f"for this one freed within {self.cfg.queue_timeout_s:g} s",
+                                      "ServiceUnavailableError")
+            try:  # (a client may not sit on the room it was given)
+                raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+            except asyncio.TimeoutError:
+                resp = self._fail(endpoint, 408, "body_timeout", f"the request body did not arrive within "
+                                  f"--body-timeout-s {self.cfg.body_timeout_s:g} s", "RequestTimeoutError")
+                resp.force_close()
+                return resp
+            if held > len(raw):
+                self._bodies.release(held - len(raw))
+                held = len(raw)
+            return await self._forward_body(request, endpoint, raw, t0)
+        except asyncio.CancelledError:  # the client disconnected (the runner's handler_cancellation)
+            self._left(request, endpoint, "none")
+            raise
+        finally:
+            self._counted.discard(id(request))
+            if held:
+                self._bodies.release(held)
+
+    async def _forward_body(self, request: Any, endpoint: str, raw: bytes, t0: float) -> Any:
         if len(raw) > INLINE_BODY_BYTES:  # tokenizing a long prompt would hold the event loop (tokenizers
             # releases the GIL while it encodes, so these threads use every core)
             err, keys, session, n_tokens = await asyncio.get_running_loop().run_in_executor(
@@ -437,6 +563,15 @@ class Gateway:
             self._slots.release()
             if rec:
                 self.recorder.finish(rec, counter.tokens())  # type: ignore[union-attr]
+
+    def _left(self, request: Any, endpoint: str, replica: str) -> None:
+        """Count a client that disconnected before its answer ended (once a request)."""
+        if id(request) in self._counted:
+            return
+        self._counted.add(id(request))
+        self.metrics.errors.labels("client_gone").inc()
+        self.metrics.requests.labels(replica, endpoint, "client_gone").inc()
+        log.info("client went away before %s answered", replica)
 
     def _record(self, keys: list[bytes], n_tokens: int, session: str | None) -> int:
         """Hand the request to --record-trace (never waits); its record id, 0 when not recording."""
@@ -516,24 +651,91 @@ class Gateway:
                 raise _Refused(f"{type(e).__name__}: {e}") from None
             try:
                 if up.status >= 500:
-                    body = await up.read()
-                    raise _Refused(f"HTTP {up.status}", up.status, body, up.headers)
+                    body, up_headers = await self._error_body(up, name)
+                    raise _Refused(f"HTTP {up.status}", up.status, body, up_headers)
                 return await self._stream(request, endpoint, up, name, decision, t0, counter)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 raise _Refused(f"{type(e).__name__}: {e}") from None
             finally:
-                up.release()
+                up.release()  # (closes the connection when the answer was not read to its end)
+        except asyncio.CancelledError:  # the client disconnected: the replica's request is closed with it
+            self._left(request, endpoint, name)
+            raise
         finally:
             self._ended(name, decision)
 
+    async def _error_body(self, up: Any, name: str) -> tuple[bytes, Any]:
+        """A 5xx answer's body and headers, read up to MAX_ERROR_BODY bytes; past that, the
+        connection is dropped and the body is the gateway's own error."""
+        body = bytearray()
+        while len(body) <= MAX_ERROR_BODY:
+            chunk = await up.content.read(MAX_ERROR_BODY + 1 - len(body))
+            if not chunk:
+                return bytes(body), up.headers
+            body += chunk
+        up.close()
+        log.warning("replica %s answered HTTP %d with an error body over %d bytes", name, up.status, MAX_ERROR_BODY)
+        return (error_body(up.status, f"replica {name} answered HTTP {up.status} with an error body over "
+                           f"{MAX_ERROR_BODY} bytes (not relayed)", "InternalServerError"),
+                {"Content-Type": "application/json"})
+
+    async def _to_client(self, aw: Any) -> None:
+        """Await a write to the client, bounded by --write-timeout-s; a client that left or
+        stalled raises :class:`_ClientGone`."""
+        try:
+            if _deadline is not None:
+                async with _deadline(self.cfg.write_timeout_s):
+                    await aw
+            else:  # pragma: no cover (Python 3.10)
+                await asyncio.wait_for(aw, self.cfg.write_timeout_s)
+        except asyncio.TimeoutError:
+            raise _ClientGone("client_stalled", f"took nothing for {self.cfg.write_timeout_s:g} s") from None
+        except ConnectionError as e:  # (aiohttp's ClientConnectionResetError included)
+            raise _ClientGone("client_gone", str(e) or type(e).__name__) from None
+
     async def _stream(self, request: Any, endpoint: str, up: Any, name: str, decision: int, t0: float,
                       counter: OutputCounter | None = None) -> Any:
-        import aiohttp  # noqa: PLC0415
-        from aiohttp import web  # noqa: PLC0415
-
         m = self.metrics
         # the first chunk before the client's response starts: a replica that fails here is retried
         first = await up.content.readany()
+        resp = self._response_of(up, name)
+        status = str(up.status)
+        counter = counter or NULL_COUNTER
+        counter.start(up.headers.get("Content-Type", ""), up.status)
+        counter.feed(first)
+        try:
+            await self._to_client(resp.prepare(request))
+            if first:
+                await self._to_client(resp.write(first))
+                m.ttft.labels(name).observe(time.perf_counter() - t0)
+                if decision:
+                    self.router.finish(decision, prefill_only=True)
+            status = await self._relay(request, resp, up, name, counter) or status
+        except _ClientGone as e:
+            m.errors.labels(e.reason).inc()
+            log.info("client %s while %s answered: %s", "went away" if e.reason == "client_gone" else "stalled",
+                     name, e)
+            status = e.reason
+            up.close()  # the replica sees its client go (vLLM aborts the request)
+            if request.transport is not None:  # (abort: a stalled client's unsent bytes are dropped, not flushed)
+                request.transport.abort()
+        except asyncio.CancelledError:  # the client disconnected (the runner's handler_cancellation)
+            m.errors.labels("client_gone").inc()
+            log.info("client went away while %s answered", name)
+            status = "client_gone"
+            up.close()
+            raise
+        finally:
+            self._counted.add(id(request))
+            m.requests.labels(name, endpoint, status).inc()
+            m.latency.labels(name).observe(time.perf_counter() - t0)
+        return resp
+
+    @staticmethod
+    def _response_of(up: Any, name: str) -> Any:
+        """The client's response to the replica's answer: its status and headers, and ours."""
+        from aiohttp import web  # noqa: PLC0415
+
         resp = web.StreamResponse(status=up.status, reason=up.reason)
         for k, v in up.headers.items():
             if k.lower() not in _HOP:
@@ -541,48 +743,34 @@ class Gateway:
         resp.headers[REPLICA_HEADER] = name
         if up.content_length is not None:
             resp.content_length = up.content_length
-        status = str(up.status)
-        counter = counter or NULL_COUNTER
-        counter.start(up.headers.get("Content-Type", ""), up.status)
-        counter.feed(first)
-        try:
-            await resp.prepare(request)
-            if first:
-                await resp.write(first)
-                m.ttft.labels(name).observe(time.perf_counter() - t0)
-                if decision:
-                    self.router.finish(decision, prefill_only=True)
+        return resp
+
+    async def _relay(self, request: Any, resp: Any, up: Any, name: str, counter: Any) -> str | None:
+        """The rest of the answer, chunk by chunk, to its end; "broken" when the replica broke off."""
+        import aiohttp  # noqa: PLC0415
+
+        while True:
             try:
-                while True:
-                    chunk = await up.content.readany()
-                    if not chunk:
-                        break
-                    counter.feed(chunk)
-                    await resp.write(chunk)
+                chunk = await up.content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                m.errors.labels("upstream_broken").inc()
+                self.metrics.errors.labels("upstream_broken").inc()
                 log.warning("replica %s broke off mid-answer: %s", name, e)
-                status = "broken"
                 if request.transport is not None:  # the client sees the answer cut off, not complete
                     request.transport.close()
-                return resp
-            await resp.write_eof()
-        except (ConnectionResetError, ConnectionError) as e:
-            m.errors.labels("client_gone").inc()
-            log.info("client went away while %s answered: %s", name, e)
-            status = "client_gone"
-            return resp
-        finally:
-            m.requests.labels(name, endpoint, status).inc()
-            m.latency.labels(name).observe(time.perf_counter() - t0)
-        return resp
+                return "broken"
+            if not chunk:
+                break
+            counter.feed(chunk)
+            await self._to_client(resp.write(chunk))
+        await self._to_client(resp.write_eof())
+        return None
 
 
 async def serve(cfg: GatewayConfig, ready: asyncio.Future | None = None) -> None:
     from aiohttp import web  # noqa: PLC0415
 
     gw = Gateway(cfg)
-    runner = web.AppRunner(gw.app(), access_log=None)
+    runner = gw.runner()
     await runner.setup()
     host, _, port = cfg.listen.rpartition(":")
     site = web.TCPSite(runner, host or "127.0.0.1", int(port), backlog=1024)
