@@ -258,7 +258,8 @@ def test_the_rendered_settings_are_what_kvtierd_and_the_route_server_accept(tmp_
     cfg = load_config([], {"KVTIER_CONFIG": str(tmp_path / "d.toml")})
     assert cfg.host_capacity == 64 << 30 and cfg.disk_capacity == 1 << 40
     assert cfg.demote_min_seen == 1 and cfg.tcp_services == "all" and cfg.disk_write_through is True  # config: wins
-    assert cfg.tcp == "0.0.0.0:7070" and cfg.tls_cert and cfg.tenants == ("1000=alice",)
+    assert cfg.tcp == "0.0.0.0:7070" and cfg.tls_cert
+    assert cfg.tenants == ("cn:kvtier-route-server=default", "cn:kvtier-daemon=default", "1000=alice")
     assert cfg.key_secret_file == "/var/lib/kvtier/state/key.secret"
     rs = load_settings([], {"KVTIER_ROUTER_CONFIG": str(tmp_path / "r.toml")})
     assert rs.router.scorer.queued_weight == 0.5
@@ -270,6 +271,80 @@ def test_a_nested_config_value_is_refused_naming_it() -> None:
     need_helm()
     with pytest.raises(Exception, match="config.peers"):
         render.render({"daemon": {"config": {"peers": {"a": 1}}}})
+
+
+def _image_env(stage: str) -> dict[str, str]:
+    """The ENV of one image (deploy/Dockerfile's stage), PATH left out."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    [body] = [s for s in re.split(r"^FROM ", text, flags=re.M) if re.match(rf"\S+ AS {stage}\n", s)]
+    env = dict(item.split("=", 1) for line in body.splitlines() if line.startswith("ENV ") for item in line[4:].split())
+    env.pop("PATH")
+    return env
+
+
+@pytest.mark.parametrize("variant", ["cuda", "cpu"])
+def test_kvtierd_in_the_pod_runs_with_what_the_values_say(variant, tmp_path) -> None:
+    """kvtierd in the chart's pod reads the image's variables, the pod's over them, then the mounted
+    kvtierd.toml, which a variable beats: daemon.socketDir, the state volume and daemon.config must
+    still be what it runs with (the image's KVTIER_* variables once won over all three, so a moved
+    socket or a daemon without a disk tier wrote to the read-only root filesystem)."""
+    from kvtier.daemon.config import load_config
+
+    values = {"image": {"variant": variant},
+              "daemon": {"socketDir": "/var/run/kvt", "disk": {"enabled": False},
+                         "config": {"log_format": "text", "copy_engine": "auto"}}}
+    for vals, engine, log_format in ((values, "auto", "text"), ({"image": {"variant": variant}},
+                                                                  "host" if variant == "cpu" else "cuda", "json")):
+        manifests = rendered_docs(vals)
+        (tmp_path / "kvtierd.toml").write_text(by_kind(manifests, "ConfigMap")["data"]["kvtierd.toml"])
+        [c] = by_kind(manifests, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+        pod_env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        assert pod_env["KVTIER_CONFIG"] == "/etc/kvtier/kvtierd.toml"
+        env = {**_image_env(variant), **pod_env, "KVTIER_CONFIG": str(tmp_path / "kvtierd.toml")}
+        cfg = load_config([], env)
+        assert cfg.copy_engine == engine and cfg.log_format == log_format  # daemon.config wins over the chart
+        socket_dir = vals["daemon"]["socketDir"] if "daemon" in vals else "/run/kvtier"
+        assert cfg.socket == f"{socket_dir}/kvtierd.sock"
+        # the root filesystem is read-only: every directory kvtierd writes is one of the pod's volumes
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {socket_dir, cfg.state_dir, cfg.shm_dir} <= mounts, (cfg.socket, cfg.state_dir, cfg.shm_dir)
+        assert cfg.state_dir == "/var/lib/kvtier/state" and cfg.shm_dir == "/var/lib/kvtier/pool"
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["exec"]["command"][-1] == f"unix:{cfg.socket}"
+
+
+@pytest.mark.parametrize("key", ["socket", "shm_dir", "state_dir", "node_id"])
+def test_a_setting_the_daemonset_sets_as_a_variable_is_refused_in_daemon_config(key) -> None:
+    need_helm()
+    with pytest.raises(Exception, match=f"daemon.config.{key}: the chart sets it as a KVTIER_"):
+        render.render({"daemon": {"config": {key: "/x"}}})
+
+
+def test_the_route_server_and_peers_certificates_are_the_engines_tenant(tmp_path) -> None:
+    """The daemons map a TCP client's certificate common name to a tenant (unmapped: the name itself,
+    a tenant with no blocks). The route server's client certificate and the daemons' own (which
+    peers call with) must be the tenant the engines on the unix socket are, or the route server
+    follows an empty feed and peers find nothing."""
+    from kvtier.daemon.auth import AccessPolicy
+    from kvtier.daemon.config import load_config
+
+    def policy(values: dict) -> AccessPolicy:
+        (tmp_path / "d.toml").write_text(config_files(values)[0])
+        cfg = load_config([], {"KVTIER_CONFIG": str(tmp_path / "d.toml")})
+        return AccessPolicy.of(cfg.allowed_uids, cfg.allowed_gids, cfg.tenants)
+
+    p = policy({})
+    [engine_uid] = p.allowed_uids  # the chart's allowedUids: [0]
+    assert p.tenant_of_cn("kvtier-route-server") == p.tenant_of_cn("kvtier-daemon") == p.tenant_of_uid(engine_uid)
+    # other names and tenants, and an entry of daemon.tenants for the same name wins
+    p = policy({"daemon": {"tenants": ["0=team-a", "cn:kvtier-daemon=team-b"]},
+                "tls": {"routeServerClient": {"commonName": "router.example", "tenant": "team-a"},
+                        "daemon": {"tenant": "team-a"}}})
+    assert p.tenant_of_cn("router.example") == p.tenant_of_uid(0) == "team-a"
+    assert p.tenant_of_cn("kvtier-daemon") == "team-b"
+    assert p.tenant_of_cn("kvtier-route-server") == "kvtier-route-server"  # the default name is no longer mapped
+    p = policy({"tls": {"routeServerClient": {"commonName": ""}, "daemon": {"commonName": ""}}})
+    assert p.cn_tenants == {}
 
 
 # -- the engine examples ------------------------------------------------------------------------
@@ -324,6 +399,7 @@ def chart_daemon(tmp_path_factory):
     d = DaemonProcess(str(work), "--tcp", "", "--metrics-port", str(port), "--metrics-host", "127.0.0.1",
                       "--disk-dir", str(work / "disk"), "--disk-capacity", "64MiB", "--state-dir",
                       str(work / "state"), "--node-id", "chart-node", "--allowed-uids", str(os.geteuid()),
+                      "--copy-engine", "auto",  # the chart's cuda image says cuda: no GPU here
                       env={"KVTIER_CONFIG": str(work / "kvtierd.toml")}, host_capacity="16MiB")
     try:
         yield d.start(), port

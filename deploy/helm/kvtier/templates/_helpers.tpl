@@ -93,20 +93,54 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end -}}
 
-{{/* kvtierd's settings: what the chart derives, then daemon.config over it. */}}
+{{/* The kvtierd settings the DaemonSet sets as KVTIER_* variables, because its volumes and
+     probes depend on them (a variable beats kvtierd.toml, so daemon.config could not change
+     them): daemon.config naming one fails rendering, naming the value to set instead. */}}
+{{- define "kvtier.daemonEnvSettings" -}}
+{{- $instead := dict
+  "socket" "daemon.socketDir and daemon.socketName"
+  "shm_dir" "daemon.pool.hostPath"
+  "state_dir" "nothing: it is the pod's own state volume"
+  "node_id" "nothing: it is the Kubernetes node's name (or KVTIER_NODE_ID in daemon.env)"
+-}}
+{{- range $key, $use := $instead }}
+{{- if hasKey $.Values.daemon.config $key }}
+{{- fail (printf "daemon.config.%s: the chart sets it as a KVTIER_* variable of the DaemonSet (a variable beats kvtierd.toml); set %s" $key $use) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The tenants of the certificates the chart's own clients present on TCP: the route server's
+     client certificate (tls.routeServerClient) and the daemons' certificate, which peers call
+     each other with (tls.daemon). A common name no entry maps is a tenant of its own, holding
+     no blocks: the route server would follow empty feeds. daemon.tenants come after, so an
+     entry of its own for the same name wins. */}}
+{{- define "kvtier.daemonTenants" -}}
+{{- $t := list -}}
+{{- with .Values.tls.routeServerClient }}
+{{- if .commonName }}{{ $t = append $t (printf "cn:%s=%s" .commonName (.tenant | default "default")) }}{{ end }}
+{{- end }}
+{{- with .Values.tls.daemon }}
+{{- if .commonName }}{{ $t = append $t (printf "cn:%s=%s" .commonName (.tenant | default "default")) }}{{ end }}
+{{- end }}
+{{- $all := concat $t (.Values.daemon.tenants | default list) -}}
+{{- if $all }}{{ toJson $all }}{{ else }}[]{{ end -}}
+{{- end -}}
+
+{{/* kvtierd's settings: what the chart derives, then daemon.config over it. The socket, the
+     pool and state directories and the node id are the DaemonSet's variables instead
+     (kvtier.daemonEnvSettings). */}}
 {{- define "kvtier.daemonConfig" -}}
+{{- include "kvtier.daemonEnvSettings" . -}}
 {{- $d := .Values.daemon -}}
 {{- $cfg := dict
-  "socket" (printf "%s/%s" $d.socketDir $d.socketName)
-  "shm_dir" "/var/lib/kvtier/pool"
   "host_capacity" (printf "%dGiB" (int $d.pool.capacityGiB))
-  "state_dir" "/var/lib/kvtier/state"
   "metrics_port" (int $d.metrics.port)
   "metrics_host" "0.0.0.0"
   "log_format" "json"
   "allowed_uids" $d.allowedUids
   "allowed_gids" $d.allowedGids
-  "tenants" $d.tenants
+  "tenants" (include "kvtier.daemonTenants" . | fromJsonArray)
 -}}
 {{- if $d.disk.enabled }}
 {{- $_ := set $cfg "disk_dir" "/var/lib/kvtier/disk" }}
@@ -122,9 +156,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.keySecret.secretName }}
 {{- $_ := set $cfg "key_secret_file" "/var/lib/kvtier/state/key.secret" }}
 {{- end }}
-{{- if eq .Values.image.variant "cpu" }}
-{{- $_ := set $cfg "copy_engine" "host" }}
-{{- end }}
+{{- /* the image's copy engine: the cpu image has no cupy; the cuda image refuses to start
+       without a GPU rather than serve GPU engines with the host stand-in */}}
+{{- $_ := set $cfg "copy_engine" (ternary "host" "cuda" (eq .Values.image.variant "cpu")) }}
 {{- include "kvtier.toml" (merge (deepCopy $d.config) $cfg) }}
 {{- end -}}
 
