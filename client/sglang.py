@@ -77,7 +77,7 @@ try:
     import torch
 except ImportError as _torch_missing:  # pragma: no cover - the torch extra is what this module needs
     raise ImportError("kvtier.client.sglang copies SGLang's torch host pools and needs torch: "
-                      "pip install 'kvtier[torch]' (SGLang brings torch with it)") from _torch_missing
+                      "pip install -e '.[torch]' in a kvtier checkout (SGLang brings torch with it)") from _torch_missing
 
 from kvtier.client.engine.keys import Namespace
 from kvtier.client.engine.sidecar import Sidecar

@@ -112,13 +112,13 @@ def check_vllm_version(version: str) -> None:
     raise ImportError(
         f"kvtier.client.vllm supports vLLM >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]} (its KV offloading API is "
         f"experimental and changes between minor versions); this is vLLM {version}. Install a supported "
-        f"vLLM (pip install 'kvtier[vllm]'), or set {_VERSION_OVERRIDE_ENV}=1 to try anyway.")
+        f"vLLM (pip install -e '.[vllm]' in a kvtier checkout), or set {_VERSION_OVERRIDE_ENV}=1 to try anyway.")
 
 
 try:
     import vllm
 except ImportError as e:  # pragma: no cover - exercised only without vLLM
-    raise ImportError("kvtier.client.vllm needs vLLM (pip install 'kvtier[vllm]'); the rest of kvtier "
+    raise ImportError("kvtier.client.vllm needs vLLM (pip install -e '.[vllm]' in a kvtier checkout); the rest of kvtier "
                       "does not") from e
 
 check_vllm_version(getattr(vllm, "__version__", "0.0"))

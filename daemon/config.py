@@ -129,7 +129,7 @@ class Config:
                                        "stream (ZMQ PUB) for Dynamo's KV router and llm-d's KV indexer; as "
                                        "vLLM's endpoint: tcp://*:PORT or ipc://PATH is bound (refuses to "
                                        "start if taken), tcp://HOST:PORT is connected to a reader that binds; "
-                                       "needs pip install 'kvtier[events]'; empty: off", metavar="ENDPOINT")
+                                       "needs pip install -e '.[events]' in a kvtier checkout; empty: off", metavar="ENDPOINT")
     kv_events_replay_endpoint: str = _opt("", "also answer vLLM's replay requests for recent batches on this "
                                               "ZMQ ROUTER endpoint (bound); empty: no replay",
                                           metavar="ENDPOINT")

@@ -3,7 +3,7 @@
 The same :class:`~kvtier.daemon.remote_store.Backend` as Redis: the names, the ``KVTB`` values
 (header, checksum, block id) and everything above the backend are :mod:`remote_store`'s. The
 bytes go through Mooncake's Python client (``mooncake.store.MooncakeDistributedStore``, from the
-``mooncake-transfer-engine-non-cuda`` wheel: ``pip install 'kvtier[mooncake]'``; it needs
+``mooncake-transfer-engine-non-cuda`` wheel: ``pip install -e '.[mooncake]' in a kvtier checkout``; it needs
 ``libibverbs1`` and ``libnuma1`` from apt even for TCP). Every daemon is a Mooncake client that
 mounts ``--store-mooncake-segment-bytes`` of its own memory into the store's pool (Mooncake's
 model: the pool is the clients' memory; the ``mooncake_master`` places each object in some
@@ -44,7 +44,7 @@ log = logging.getLogger("kvtier.store")
 EXPIRY = struct.Struct("<Q")  # expiry, Unix milliseconds
 PREFIX_BYTES = EXPIRY.size
 MISSING = ("the Mooncake Store backend needs the mooncake-transfer-engine-non-cuda wheel "
-           "(pip install 'kvtier[mooncake]') and libibverbs1 and libnuma1 (apt)")
+           "(pip install -e '.[mooncake]' in a kvtier checkout) and libibverbs1 and libnuma1 (apt)")
 
 
 def load_client():  # noqa: ANN201 (mooncake.store.MooncakeDistributedStore)

@@ -692,7 +692,7 @@ def plot(rows: Sequence[Row], path: str, title: str = "", pooled: dict[int, Row]
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
+        raise SystemExit("--plot needs matplotlib: pip install -e '.[plot]' in a kvtier checkout") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
