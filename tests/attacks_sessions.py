@@ -346,15 +346,15 @@ def registration(sid: int, kv_fd: int, ring_fd: int) -> KVRegistration:
                           event_ring_fd=ring_fd)
 
 
-def in_process(tmp_path, body, limits: Limits | None = None) -> None:
+def in_process(tmp_path, body, limits: Limits | None = None, engine: HostCopyEngine | None = None) -> None:
     """Run ``body(store, transfers, session id, kv memfd, ring memfd)`` on a real store and host
-    copy engine."""
+    copy engine (``engine``: one made to behave as another engine does where a test needs it)."""
     shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
     kv_fd, ring_fd = sealed_memfd("kvtier-test-kv", 4 * BLOCK), sealed_memfd("kvtier-test-ring", 64)
 
     async def main() -> None:
         store = BlockStore(HostTier(shm, 16 * BLOCK, "sec"), limits=limits)
-        transfers = Transfers(store, {"host": HostCopyEngine(1)}, threads=2)
+        transfers = Transfers(store, {"host": engine or HostCopyEngine(1)}, threads=2)
         try:
             sid = store.open_session("engine", os.getpid()).session_id
             await body(store, transfers, sid, kv_fd, ring_fd)

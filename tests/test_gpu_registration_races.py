@@ -7,22 +7,17 @@ a registration's close cannot interrupt its waits (``cancel`` does nothing on CU
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import tempfile
 import threading
 
 import numpy as np
 import pytest
+from attacks_sessions import in_process, registration
+from test_reliability_fixes import _until, key
 
-from attacks_sessions import registration
 from kvtier.daemon.errors import Code, StoreError
-from kvtier.daemon.gpu import TransferOrder, Transfers
+from kvtier.daemon.gpu import TransferOrder
 from kvtier.daemon.sessions import Limits
-from kvtier.daemon.store import BlockStore
-from kvtier.tiers.copy_engine import HostCopyEngine, sealed_memfd
-from kvtier.tiers.host import HostTier
-from test_reliability_fixes import BLOCK, _until, key
+from kvtier.tiers.copy_engine import HostCopyEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,26 +58,7 @@ class UncancellableEngine(HostCopyEngine):
 
 
 def run(engine, body, limits: Limits | None = None) -> None:
-    shm = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
-    kv_fd, ring_fd = sealed_memfd("kvtier-test-kv", 4 * BLOCK), sealed_memfd("kvtier-test-ring", 64)
-
-    async def main() -> None:
-        store = BlockStore(HostTier(shm, 16 * BLOCK, "races"), limits=limits)
-        transfers = Transfers(store, {"host": engine}, threads=2)
-        try:
-            sid = store.open_session("engine", os.getpid()).session_id
-            await body(store, transfers, sid, kv_fd, ring_fd)
-        finally:
-            engine.__dict__.get("go", threading.Event()).set()
-            await transfers.close()
-            store.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        os.close(kv_fd)
-        os.close(ring_fd)
-        shutil.rmtree(shm, ignore_errors=True)
+    in_process(None, body, limits, engine)
 
 
 def test_a_registration_cancelled_while_its_pool_is_pinned_keeps_the_pool_unpunchable() -> None:

@@ -300,6 +300,24 @@ class CopyEngine(ABC):
     def close(self) -> None: ...
 
 
+def wait_written(reached: Any, mem: KVMemory, slot: int, seq: int, timeout_s: float) -> None:
+    """Poll ``reached()`` (the engine's "KV written" record for request ``seq`` in event slot
+    ``slot``) with a growing pause, at most ``timeout_s`` (:class:`WaitTimeout`), giving up as
+    soon as the engine goes away (``mem.cancelled``: :class:`CopyError`). Nothing was copied
+    when either is raised."""
+    pause = 20e-6
+    deadline = time.monotonic() + timeout_s
+    while not reached():
+        if mem.cancelled:
+            raise CopyError("the engine went away before its KV was written; nothing was copied")
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"the engine's \"KV written\" record for request {seq} did not come in event slot "
+                              f"{slot} within {timeout_s:g} s (--transfer-wait-s); nothing was copied: record it "
+                              f"before asking for the copy")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 def _pool_for(pools: dict[str, Any], pool_path: str, mem: KVMemory, slot: int) -> Any:
     """The attached pool a copy goes to, after checking its event slot lies in the ring."""
     if not 0 <= slot < mem.ring.slots:
@@ -451,17 +469,7 @@ class HostCopyEngine(CopyEngine):
         """Wait for the engine's "KV written" record (the stand-in of cudaStreamWaitEvent), at
         most ``timeout_s`` (:class:`WaitTimeout`)."""
         ring = mem.ring_arr
-        pause = 20e-6
-        deadline = time.monotonic() + timeout_s
-        while int(ring[slot]) < mark:
-            if mem.cancelled:
-                raise CopyError("the engine went away before its KV was written")
-            if time.monotonic() > deadline:
-                raise WaitTimeout(f"the engine's \"KV written\" record for request {mark // 2} did not come in "
-                                  f"event slot {slot} within {timeout_s:g} s (--transfer-wait-s); nothing was "
-                                  f"copied: record it before asking for the offload")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        wait_written(lambda: int(ring[slot]) >= mark, mem, slot, mark // 2, timeout_s)
         if int(ring[slot]) > mark:  # a newer request's record: the engine gave up on this one
             raise CopyError(f"request {mark // 2} in event slot {slot} was superseded by a newer request "
                             f"before its KV was written; nothing was copied")
@@ -864,17 +872,7 @@ class CudaCopyEngine(CopyEngine):
         """Wait for the engine's "KV written" record on ``ev`` to be reached, at most
         ``wait_timeout_s`` (:class:`WaitTimeout`: nothing was queued), giving up as soon as
         the engine goes away (:meth:`cancel`)."""
-        pause = 20e-6
-        deadline = time.monotonic() + self.wait_timeout_s
-        while not self._event_reached(ev):
-            if mem.cancelled:
-                raise CopyError("the engine went away before its KV was written; nothing was copied")
-            if time.monotonic() > deadline:
-                raise WaitTimeout(f"the engine's \"KV written\" record for request {seq} in event slot {slot} was "
-                                  f"not reached within {self.wait_timeout_s:g} s (--transfer-wait-s); nothing was "
-                                  f"copied")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        wait_written(lambda: self._event_reached(ev), mem, slot, seq, self.wait_timeout_s)
 
     def close(self) -> None:
         with self.cp.cuda.Device(self.device):
