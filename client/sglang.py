@@ -646,14 +646,19 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
 
     def _failed(self, op: str, e: BaseException) -> None:
         """A call that failed: the daemon being gone or stuck marks it down for ``retry_s``; other
-        failures (no room, a bad argument, a bug) fail the call alone and are logged."""
+        failures (no room, a bad argument, a bug) fail the call alone and are logged, but for a
+        failed connect (a refused registration, say), which is tried again only after
+        ``retry_s`` too. Never waits on ``_lock`` (held by a background attach through its
+        calls): the down state has a lock of its own."""
         self.last_error = f"{op}: {e}"
         if not isinstance(e, KvtierError) or e.code not in _DOWN_CODES:
             self._count(errors=1)
             logger.warning("kvtier %s failed: %s", op, e, exc_info=not isinstance(e, KvtierError))
-            return
-        self._count(daemon_failures=1)
-        with self._lock:
+            if op != "connect":
+                return
+        else:
+            self._count(daemon_failures=1)
+        with self._bg_lock:
             if not self._down:
                 logger.warning("kvtier %s failed (%s); answering misses, retrying in %.1fs", op, e, self.config.retry_s)
             self._down = True

@@ -59,6 +59,10 @@ Configuration: ``kv_connector_extra_config`` keys (all optional)
       (default: the daemon's secret salt for this process's tenant, from its credential socket).
     * ``kvtier_timeout_s``: deadline of each call to the daemon (default 2.0).
     * ``kvtier_retry_s``: after a failed call, how long kvtier is bypassed (default 5.0).
+    * ``kvtier_settle_s``: daemon copies: how long a transfer whose call failed without the
+      daemon's answer is waited for (until the daemon says it ended) before its blocks are
+      reported failed anyway (default 60; see :meth:`Transfer._settled
+      <kvtier.client.engine.connector.Transfer._settled>`).
     * ``kvtier_copy``: ``auto`` (default: ``daemon`` when the KV tensors can be registered,
       else ``process``), ``daemon`` or ``process`` (see above).
     * ``kvtier_events_max_keys``: how many stored chunks ``take_events`` follows (default
@@ -167,6 +171,7 @@ class KvtierSettings:
     tenant: str = ""
     timeout_s: float = 2.0
     retry_s: float = 5.0
+    settle_s: float = 60.0
     copy: str = "auto"
     events_max_keys: int = 65536
     events_scan: int = 1024
@@ -195,8 +200,8 @@ class KvtierSettings:
         s = cls(**kw)
         if s.copy not in _COPY_MODES:
             raise ValueError(f"kvtier_copy is {s.copy!r}; one of {', '.join(_COPY_MODES)}")
-        if s.timeout_s <= 0 or s.retry_s < 0:
-            raise ValueError("kvtier_timeout_s must be positive and kvtier_retry_s not negative")
+        if s.timeout_s <= 0 or s.retry_s < 0 or s.settle_s < 0:
+            raise ValueError("kvtier_timeout_s must be positive, kvtier_retry_s and kvtier_settle_s not negative")
         return s
 
 
@@ -713,7 +718,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         layout = Layout(tuple(TensorSpec(t.name, t.dtype, (num_blocks, t.shape[1]), 0) for t in self.layout.tensors),
                         self.layout.block_tokens, self.layout.tp_rank, self.layout.tp_size)
         views = [t.view(getattr(torch, spec.dtype)) for t, spec in zip(self.tensors, layout.tensors, strict=True)]
-        conn = KVConnector(self.settings.socket, client_name=self.client_name, timeout=self.settings.timeout_s)
+        conn = KVConnector(self.settings.socket, client_name=self.client_name, timeout=self.settings.timeout_s,
+                           settle_s=self.settings.settle_s)
         try:
             conn.register(layout, views)
         except BaseException:

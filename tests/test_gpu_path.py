@@ -243,12 +243,12 @@ def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_da
     still come, into engine pages the engine reuses once told the load failed (vLLM recomputes
     into them). The connector raised DEADLINE_EXCEEDED at once; now it first sends an empty
     onboard on the same event slot, which the daemon answers only once the failed one has
-    ended there, and raises after that. Here the daemon holds the slot for 5 s (an older
+    ended there, and raises after that. Here the daemon holds the slot for 7 s (an older
     offload in it waits for a "KV written" record that never comes): the onboard's 1 s
-    deadline passes, and its failure must not be reported before those 5 s."""
+    deadline passes, and its failure must not be reported before those 7 s."""
     from kvtier.proto import transfer_pb2
 
-    d = start_daemon("--copy-engine", "host", "--transfer-wait-s", "5", host_capacity="64MiB")
+    d = start_daemon("--copy-engine", "host", "--transfer-wait-s", "7", host_capacity="64MiB")
     layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
     arena = SharedKVArena(layout, shm_dir)
     conn = KVConnector(d.socket, ring_dir=shm_dir, ring_slots=2, timeout=1.0)
@@ -269,13 +269,13 @@ def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_da
         conn._free_slot(slot)
         onboard = conn.onboard(keys_for("late", 2), [4, 5])
         assert onboard.slot == slot
-        assert time.monotonic() - sent < 3.5, "too slow to set up: the onboard's 1 s deadline would not pass in the hold"
+        assert time.monotonic() - sent < 5, "too slow to set up: the onboard's 1 s deadline would not pass in the hold"
         with pytest.raises(KVConnectorError) as e:
             onboard.wait()
         failed_after = time.monotonic() - sent
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert failed_after >= 4.5, (f"the onboard's failure was reported {failed_after:.2f} s in, while the daemon "
-                                     f"still held it (until 5 s): its pages could still be written")
+        assert failed_after >= 6.5, (f"the onboard's failure was reported {failed_after:.2f} s in, while the daemon "
+                                     f"still held it (until 7 s): its pages could still be written")
         assert conn.counts_settled == 1
         with pytest.raises(grpc.RpcError) as stuck_err:
             stuck.result(10)
@@ -287,6 +287,47 @@ def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_da
         assert conn.onboard(keys, [6, 7]).wait() == ["copied"] * 2
     finally:
         conn.close()
+        arena.close()
+
+
+def test_a_failed_onboard_whose_session_ended_is_settled_at_once(start_daemon, shm_dir) -> None:
+    """A failed onboard is settled by asking the daemon (an empty onboard on its slot). When the
+    engine's session has ended meanwhile (the daemon restarted, say), the daemon refuses that
+    question (FAILED_PRECONDITION: session not open); it was asked again every 2 ms until
+    ``settle_s`` had passed, the engine's load unreported all the while. A refusal now settles it:
+    the registration went with the session, once its copies had ended."""
+    from kvtier.proto import transfer_pb2
+
+    d = start_daemon("--copy-engine", "host", "--transfer-wait-s", "5", host_capacity="64MiB")
+    layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
+    arena = SharedKVArena(layout, shm_dir)
+    conn = KVConnector(d.socket, ring_dir=shm_dir, ring_slots=2, timeout=1.0, settle_s=20.0)
+    try:
+        conn.register(layout, arena.tensors)
+        assert conn.reg is not None
+        with Sidecar(d.socket) as sc:
+            before = sc.stats()["tiers"]["host"]["used_bytes"]
+        slot = conn._take_slot()
+        stuck = conn._stub.Offload.future(transfer_pb2.TransferRequest(
+            session_id=conn.session_id, registration_id=conn.reg.registration_id, keys=keys_for("stuck2", 1),
+            engine_ids=[0], event_slot=slot, seq=next(conn._seq), wait_written=True), timeout=30)
+        with Sidecar(d.socket) as sc:
+            deadline = time.monotonic() + 10
+            while sc.stats()["tiers"]["host"]["used_bytes"] == before:
+                assert not stuck.done() and time.monotonic() < deadline, "the stuck offload was not taken up"
+                time.sleep(0.01)
+        conn._take_slot()
+        conn._free_slot(slot)
+        onboard = conn.onboard(keys_for("gone", 2), [4, 5])
+        while not onboard._future.done():  # (its deadline passes)
+            time.sleep(0.01)
+        conn._transport.session.close()   # the engine's session ends: the daemon closes its registration
+        t0 = time.monotonic()
+        with pytest.raises(KVConnectorError):
+            onboard.wait()
+        took = time.monotonic() - t0
+        assert took < 10, f"settling a refused question took {took:.1f} s (asked again until settle_s)"
+    finally:
         arena.close()
 
 

@@ -87,10 +87,11 @@ def test_a_registration_cancelled_while_its_pool_is_pinned_keeps_the_pool_unpunc
 
 def test_no_copy_is_issued_for_a_registration_whose_session_ended() -> None:
     """An offload waiting behind an older transfer in its event slot when the engine's session
-    ends: on CUDA, a registration's close cannot interrupt waits, so once the older one ended the
-    offload went on to allocate and issue its copy into the gone engine's memory (undefined
-    behaviour, and a sticky CUDA error breaks the daemon's context for every engine). Now it
-    checks, after its allocate, that the registration is not closing, and copies nothing."""
+    ends: once the older one ended, the offload went on to allocate and issue its copy into the
+    gone engine's memory (on CUDA undefined behaviour, and a sticky CUDA error breaks the
+    daemon's context for every engine). Now it checks, after its allocate, that the
+    registration is not closing, and copies nothing. (The engine here does nothing on
+    ``cancel``, so only that re-check can stop the copy.)"""
     engine = UncancellableEngine()
 
     async def body(store, transfers, sid, kv_fd, ring_fd) -> None:

@@ -59,6 +59,7 @@ Backends
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import math
@@ -431,6 +432,8 @@ class HostCopyEngine(CopyEngine):
              wait_written: bool) -> Completion:
         assert isinstance(mem, HostKVMemory)
         pool = _pool_for(self._pools, pool_path, mem, slot)
+        if mem.cancelled:
+            raise CopyError("the engine went away: nothing was copied")
         if wait_written:
             self._wait_written(mem, slot, 2 * seq, self.wait_timeout_s)
         jobs = plan.pieces(self.piece_bytes)
@@ -840,12 +843,15 @@ class CudaCopyEngine(CopyEngine):
                     marks.append(ev)
             except BaseException as e:
                 # the pieces queued so far still run: let them land before the caller gives the
-                # slots they write (an offload's grants) back
-                stream.synchronize()
+                # slots they write (an offload's grants) back (after a sticky error this raises
+                # too: the original error is the one reported)
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
                 for ev in marks:
-                    rt.eventDestroy(ev)
-                if isinstance(e, self.rt.CUDARuntimeError):
-                    raise CopyError(f"{direction} copy failed: {e}") from None
+                    with contextlib.suppress(Exception):
+                        rt.eventDestroy(ev)
+                if isinstance(e, Exception) and not isinstance(e, CopyError):  # (CUDA runtime, kernel launch)
+                    raise CopyError(f"{direction} copy failed: {e}") from e
                 raise
             rt.eventRecord(ring_ev, stream.ptr)
             end = rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING | CUDA_EVENT_BLOCKING_SYNC)

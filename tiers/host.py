@@ -697,10 +697,13 @@ class HostTier(PinnedTier[HostEntry]):
 
     def finish_eviction(self) -> None:
         """Release the memory of victims taken from other size classes (after demotion), but
-        not of a class a GPU pinned meanwhile (:meth:`mark_registered`: the slot stays a hole
-        whose memory is still there, reused when the slot is backed again)."""
+        not of a class a GPU pinned meanwhile (:meth:`mark_registered`): its memory stays, so
+        the slot is a free (backed) slot of its class again, and the tier may be over its
+        capacity by it until that class's own use takes it back."""
         for cls, slot in self._pending_punch:
             if cls.key in self._registered:
+                cls.holes.remove(slot)
+                cls.free.append(slot)
                 continue
             punch_hole(cls.fd, slot * cls.slot_bytes, cls.slot_bytes)
         self._pending_punch.clear()

@@ -287,6 +287,9 @@ class Transfer:
         self._statuses: list[str] | None = None
         self._fence: tuple[Any, int] | None = None  # (future, seq) of the settling request in flight
         self._settle_by = 0.0                        # when settling gives up (0: not begun)
+        self._fence_after = 0.0                      # no new settling request before this (after a failed one)
+        self._fence_pause = 0.02
+        self._gen = conn._gen                        # the registration its slot belongs to
 
     def _reply(self, timeout: float | None = None) -> transfer_pb2.TransferReply:
         try:
@@ -323,19 +326,21 @@ class Transfer:
             return True
         conn = self._conn
         err = self._future.exception()
-        if isinstance(err, grpc.Call) and err.code() in _REFUSED:
+        if isinstance(err, grpc.Call) and err.code() in _REFUSED or self._gen != conn._gen:
+            self._release()  # (refused; or the registration it belonged to is gone, closed after its copies)
+            return True
+        now = time.monotonic()
+        if not self._settle_by:
+            self._settle_by = now + conn.settle_s
+        elif now > self._settle_by:
+            log.error("kvtier: could not confirm that transfer %d (event slot %d) ended at the daemon within "
+                      "%.0f s; its engine pages and slot are given back now and may still be written late",
+                      self.seq, self.slot, conn.settle_s)
             self._release()
             return True
         if self._fence is None:
-            now = time.monotonic()
-            if not self._settle_by:
-                self._settle_by = now + conn.settle_s
-            elif now > self._settle_by:
-                log.error("kvtier: could not confirm that transfer %d (event slot %d) ended at the daemon within "
-                          "%.0f s; its engine pages and slot are given back now and may still be written late",
-                          self.seq, self.slot, conn.settle_s)
-                self._release()
-                return True
+            if now < self._fence_after:
+                return False
             seq = next(conn._seq)
             req = transfer_pb2.TransferRequest(session_id=conn.session_id, registration_id=self.registration_id,
                                                keys=[], engine_ids=[], event_slot=self.slot, seq=seq,
@@ -349,12 +354,16 @@ class Transfer:
         if ferr is None:
             if not conn._slot_complete(self.slot, seq):
                 return False
-        elif isinstance(ferr, grpc.Call) and ferr.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
-            # the daemon is gone, or the registration is (closed once its copies ended, or closing)
+        elif isinstance(ferr, grpc.Call) and ferr.code() in (grpc.StatusCode.UNAVAILABLE, *_REFUSED):
+            # the daemon is gone, or the session or registration is (closed once its copies
+            # ended, or closing): asking again cannot be answered otherwise
             log.warning("kvtier: transfer %d failed and the daemon could not be asked whether it ended (%s); "
                         "taking its engine pages and slot back", self.seq, ferr.details())
         else:
-            self._fence = None  # (a deadline: the daemon is slow) ask again, with a newer number
+            # (a deadline: the daemon is slow) ask again, with a newer number, after a pause
+            self._fence = None
+            self._fence_after = time.monotonic() + self._fence_pause
+            self._fence_pause = min(2 * self._fence_pause, 1.0)
             return False
         conn.counts_settled += 1
         self._release()
@@ -376,7 +385,8 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> list[str]:
         """Block until the copy is complete; per key ``copied | present | no_space | missing``.
-        A failed transfer raises only once it is settled (its pages may be reused then)."""
+        ``timeout`` bounds the wait for the reply (TimeoutError); a failed transfer raises only
+        once it is settled (its pages may be reused then), which ``settle_s`` bounds."""
         reply = self._reply(timeout)
         if not self._released:  # (released: its completion was reached, and the slot may be another's now)
             self._conn._slot_wait(self.slot, self.seq)
@@ -406,7 +416,8 @@ class Transfer:
         with self._conn._lock:  # (another thread's submit may poll this transfer: free the slot once)
             if not self._released:
                 self._released = True
-                self._conn._free_slot(self.slot)
+                if self._gen == self._conn._gen:  # (else the slot is a later registration's)
+                    self._conn._free_slot(self.slot)
 
 
 @dataclass
@@ -439,6 +450,7 @@ class KVConnector:
         self._ring: np.ndarray | None = None
         self._ring_map: mmap.mmap | None = None
         self._seq = itertools.count(1)
+        self._gen = 0  # registrations made so far: a transfer's slot is its registration's
         self._lock = threading.Condition()
         self._free: collections.deque[int] = collections.deque()
         self._deferred: collections.deque[Transfer] = collections.deque()
@@ -502,7 +514,11 @@ class KVConnector:
             if self.backend == "host":
                 os.close(fds[-1])  # the ring's: the daemon holds its own, the mapping keeps it here
         self.reg = _Registration(reply.registration_id, reply.layout_id, reply.copy_engine, layout)
-        self._free = collections.deque(range(self.ring_slots))
+        with self._lock:  # a new registration's slots: transfers of an earlier one never free them
+            self._gen += 1
+            self._free = collections.deque(range(self.ring_slots))
+            self._live.clear()
+            self._deferred.clear()
         self._tensors = list(tensors)  # keep the memory alive while the daemon has it open
         return reply.layout_id
 
@@ -655,6 +671,8 @@ class KVConnector:
             self._free.append(self._deferred.popleft().slot)
 
     def _slot_complete(self, slot: int, seq: int) -> bool:
+        if self.reg is None:  # unregistered: the daemon closed the registration once its copies ended
+            return True
         if self.backend == "cuda":
             return bool(self._events[slot].query())
         assert self._ring is not None
