@@ -391,6 +391,38 @@ def test_a_router_that_joins_late_replays_the_history(engines) -> None:
     assert overlap(r, "pod-a", 1, 6) == (5, 5, 5) and r.vllm_status()[0].gaps_lost == 0
 
 
+@pytest.mark.parametrize("bad", [-1, 1 << 32])
+def test_a_batch_with_impossible_token_ids_clears_the_worker_once_and_the_stream_goes_on(engines, bad) -> None:
+    """Token ids outside uint32 make the batch undecodable: the worker is cleared once and later
+    batches apply in sequence (they used to raise, and each asked the replay socket again)."""
+    e = engines("pod-a")
+    r = offline_router(e.source())
+    r.vllm.feed(e.publish(stored(1, 0, 2)))
+    r.vllm.feed(e.publish(stored(2, 0, 1, token_ids=[bad] * BS)))
+    for got in (e.publish(stored(3, 0, 1)), e.publish(stored(3, 1, 1)), e.publish(removed(3, [1]))):
+        r.vllm.feed(got)
+    st = r.vllm_status()[0]
+    assert st.seq == e.published - 1 and st.gaps_lost == 1 and st.gaps_recovered == 0
+    assert "token_ids" in st.last_error
+    assert overlap(r, "pod-a", 1, 2) == (0, 0, 0) and overlap(r, "pod-a", 3, 2) == (1, 1, 1)
+
+
+def test_a_batch_that_fails_to_fold_resets_the_worker_and_the_stream_moves_past_it(monkeypatch) -> None:
+    r = offline_router()
+    topic = f"kv@pod-a@{MODEL}"
+    r.vllm.feed(frames(topic, 0, payload(stored(1, 0, 2))))
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected")
+    with monkeypatch.context() as m:
+        m.setattr(ve, "block_keys", broken)         # a fault while folding batch 1
+        r.vllm.feed(frames(topic, 1, payload(stored(2, 0, 2))))
+    r.vllm.feed(frames(topic, 2, payload(stored(3, 0, 2))))
+    st = r.vllm_status()[0]
+    assert st.seq == 2 and st.gaps_lost == 1 and "batch 1: RuntimeError" in st.last_error
+    assert overlap(r, "pod-a", 1, 2) == (0, 0, 0) and overlap(r, "pod-a", 3, 2) == (2, 2, 2)
+
+
 def test_a_publisher_restart_clears_its_worker() -> None:
     r = offline_router()
     topic = f"kv@pod-a@{MODEL}"

@@ -92,6 +92,7 @@ mamba..., are not indexed)."""
 NODE_PREFIX = "vllm:"
 END_SEQ = -1
 _RECV_HWM = 100_000  # as vLLM's publisher: a slow router must not drop batches at 1000
+_TOKEN_LIMIT = 1 << 32  # block_keys hashes token ids as uint32
 
 # field order of vLLM's structs (0.32); older vLLM sends a prefix of these as arrays
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
@@ -260,8 +261,8 @@ def _opt(v: Any, kind: type, what: str) -> Any:
 
 def _stored(f: dict[str, Any]) -> BlockStored:
     tokens = f.get("token_ids") or []
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise EventError("BlockStored.token_ids: not a list of ints")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < _TOKEN_LIMIT for t in tokens):
+        raise EventError("BlockStored.token_ids: not a list of token ids (ints in 0 .. 2**32-1)")
     parent = f.get("parent_block_hash")
     if parent is not None and (not isinstance(parent, bytes | int) or isinstance(parent, bool)):
         raise EventError("BlockStored.parent_block_hash: not a block hash")
@@ -341,7 +342,7 @@ class VllmStreamStatus:
     blocks: int = 0            # engine hashes mapped now
     skipped_blocks: int = 0    # stored blocks whose key could not be known (see the module doc)
     gaps_recovered: int = 0    # gaps filled from the replay socket
-    gaps_lost: int = 0         # gaps (or undecodable batches) that cleared the worker
+    gaps_lost: int = 0         # gaps (or undecodable or unfoldable batches) that cleared the worker
     restarts: int = 0          # publisher restarts and disconnects (each cleared the worker)
     unknown_events: int = 0
     last_error: str = ""
@@ -641,12 +642,23 @@ class VllmEvents:
             self._apply(s, k, frames[k])
 
     def _apply(self, s: _Stream, seq: int, batch: Batch | None) -> None:
+        """Fold batch ``seq`` into ``s``; the stream moves past it whatever happens (a batch
+        that cannot be folded resets the worker, as an undecodable one does), so one bad
+        batch never makes every later message a gap that replays it again."""
         with self._lock:
-            if batch is None:  # undecodable: what it changed is unknown
-                s.reset()
+            try:
+                if batch is None:  # undecodable: what it changed is unknown
+                    s.reset()
+                    s.st.gaps_lost += 1
+                else:
+                    s.apply(batch)
+            except Exception as e:  # half applied: what the worker holds is unknown
+                log.exception("folding a vLLM KV event batch failed; the worker's holdings are cleared",
+                              extra={"worker": s.worker, "seq": seq})
+                s.st.last_error = f"batch {seq}: {type(e).__name__}: {e}"
                 s.st.gaps_lost += 1
-            else:
-                s.apply(batch)
+                with contextlib.suppress(Exception):
+                    s.reset()
             s.last = s.st.seq = seq
             s.st.connected = True
 
