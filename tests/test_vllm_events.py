@@ -391,6 +391,61 @@ def test_a_router_that_joins_late_replays_the_history(engines) -> None:
     assert overlap(r, "pod-a", 1, 6) == (5, 5, 5) and r.vllm_status()[0].gaps_lost == 0
 
 
+class OldReplay:
+    """A replay socket that answers as vLLM before the topic frame was added (and SGLang) do:
+    ``[id, "", seq, payload]`` per batch, then ``[id, "", -1, ""]``; a real ROUTER on a thread."""
+
+    def __init__(self, d: str, batches: dict[int, bytes]) -> None:
+        import threading
+        self.ep, self.batches = f"ipc://{d}/old.rep", batches
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.ep)
+        self.requests: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            cid, _, start = self.sock.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.requests.append(first)
+            for seq, body in sorted(self.batches.items()):
+                if seq >= first:
+                    self.sock.send_multipart([cid, b"", seq.to_bytes(8, "big"), body])
+            self.sock.send_multipart([cid, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_a_replay_socket_that_answers_without_the_topic_frame_is_understood(d) -> None:
+    topic = f"kv@pod-a@{MODEL}"
+    sent = {0: payload(stored(1, 0, 2)), 1: payload(stored(1, 2, 2)), 2: payload(removed(1, [3])),
+            3: payload(stored(2, 0, 2))}
+    rep = OldReplay(d, sent)
+    try:
+        r = offline_router(f"ipc://{d}/none.pub,replay={rep.ep},replay_timeout=3")
+        t0 = time.monotonic()
+        r.vllm.feed(frames(topic, 3, sent[3]))         # the first batch heard: 0..2 are asked for
+        sent[4] = payload(stored(2, 2, 1))
+        r.vllm.feed(frames(topic, 5, payload(stored(3, 0, 1))))  # seq 4 lost: the replay has it
+        assert time.monotonic() - t0 < 3               # END was understood: no wait for the timeout
+        assert rep.requests == [0, 4]
+        st = r.vllm_status()[0]
+        assert st.gaps_lost == 0 and st.gaps_recovered == 1 and st.seq == 5
+        assert overlap(r, "pod-a", 1, 4) == (3, 3, 3) and overlap(r, "pod-a", 2, 3) == (3, 3, 3)
+    finally:
+        rep.close()
+
+
 @pytest.mark.parametrize("bad", [-1, 1 << 32])
 def test_a_batch_with_impossible_token_ids_clears_the_worker_once_and_the_stream_goes_on(engines, bad) -> None:
     """Token ids outside uint32 make the batch undecodable: the worker is cleared once and later

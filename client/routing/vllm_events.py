@@ -21,7 +21,9 @@ The wire (as vLLM 0.32 sends it)
     are bytes (sha256) or 64-bit ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); both are
     used as given. The replay socket (ROUTER) answers ``["", start_seq (8 bytes)]`` with
     ``["", topic, seq, payload]`` for every buffered batch from ``start_seq`` on, then
-    ``["", "", -1 (8 bytes, signed), ""]``.
+    ``["", "", -1 (8 bytes, signed), ""]``; older vLLM versions (and SGLang) answer without
+    the topic frame, ``["", seq, payload]`` then ``["", -1, ""]``, which is accepted too (the
+    batches are then the requested stream's).
 
 From engine hashes to kvtier keys
     Per stream (one publisher: a source and a topic) a map *engine hash -> [kvtier key,
@@ -693,13 +695,17 @@ class VllmEvents:
             sock.send_multipart([b"", from_seq.to_bytes(8, "big")], zmq.NOBLOCK)
             while sock.poll(int(src.replay_timeout * 1000)):
                 frames = sock.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8:
+                if len(frames) == 4 and len(frames[2]) == 8:    # ["", topic, seq, payload] (vLLM 0.32)
+                    topic, seq_b, body = frames[1:]
+                elif len(frames) == 3 and len(frames[1]) == 8:  # ["", seq, payload] (older vLLM, SGLang)
+                    topic, seq_b, body = s.topic, frames[1], frames[2]
+                else:
                     continue
-                seq = int.from_bytes(frames[2], "big", signed=True)
+                seq = int.from_bytes(seq_b, "big", signed=True)
                 if seq == END_SEQ:
                     return out
-                if frames[1] == s.topic:
-                    out[seq] = self._decode(i, frames[1], frames[3])
+                if topic == s.topic:
+                    out[seq] = self._decode(i, topic, body)
         except zmq.ZMQError as e:
             log.warning("vLLM replay request failed", extra={"replay": src.replay, "error": str(e)})
         # no answer in time: a late one must not be taken for the next request's
