@@ -27,7 +27,8 @@ Wire format (as vLLM 0.32's ``vllm/distributed/kv_events.py``)
     ``[b"", start]``, the starting sequence number as 8 big-endian bytes; the ROUTER answers
     with every buffered batch from there as ``[b"", topic, seq, payload]`` and ends with
     ``[b"", b"", -1 (8 bytes, signed), b""]``. The last :data:`REPLAY_BATCHES` batches (at
-    most :data:`REPLAY_BYTES`) are kept.
+    most :data:`REPLAY_BYTES`) are kept. The ROUTER has no send high-water mark, so an answer
+    of more than ZMQ's default 1000 messages is not cut short (vLLM's own replay socket is).
 
 Events
     * ``BlockStored(block_hashes, parent_block_hash=None, token_ids=[], block_size=<the
@@ -368,6 +369,7 @@ class KvEventsPublisher:
         if not endpoint:
             raise KvEventsError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         zmq, _ = _import_extra()
+        self._zmq = zmq
         self.store = store
         self.topic = resolve_topic(topic, node_id)
         self._topic_bytes = self.topic.encode()
@@ -381,6 +383,12 @@ class KvEventsPublisher:
             self.replay_endpoint = ""
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                # a replay is up to REPLAY_BATCHES messages in one burst: at the default SNDHWM
+                # (1000) a ROUTER drops the rest silently, END marker included. No HWM (the
+                # answer is bounded by the buffer, REPLAY_BYTES), and a reader that went away
+                # is an error (EHOSTUNREACH) instead of a silent drop.
+                self._replay.setsockopt(zmq.SNDHWM, 0)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self.replay_endpoint = _attach(zmq, self._replay, replay_endpoint, "--kv-events-replay-endpoint",
                                                True)
         except BaseException:
@@ -580,7 +588,7 @@ class KvEventsPublisher:
             self._buffer_bytes -= len(buf.popleft()[1])
 
     def _serve_replays(self) -> None:
-        sock = self._replay
+        zmq, sock = self._zmq, self._replay
         while sock.poll(0):
             try:
                 frames = sock.recv_multipart()
@@ -594,5 +602,10 @@ class KvEventsPublisher:
                         sock.send_multipart((client, b"", self._topic_bytes, seq.to_bytes(8, "big"), payload))
                 sock.send_multipart((client, b"", b"", END_SEQ, b""))
                 self.stats["replays"] += 1
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    log.exception("kv events: serving a replay request failed")
+                else:
+                    log.info("kv events: a replay reader went away before its answer was sent")
             except Exception:
                 log.exception("kv events: serving a replay request failed")

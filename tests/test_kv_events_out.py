@@ -424,3 +424,42 @@ def test_a_full_queue_drops_and_counts_without_blocking_then_resyncs() -> None:
     assert sum(isinstance(ev, vkv.AllBlocksCleared) for ev in evs) == 2
     assert of(evs, vkv.BlockStored, "CPU")[:4] == [h(key8(i)) for i in range(4)]   # what fit went out
     assert state(evs) == {"CPU": {h(key8(i)) for i in range(5)}, "STORAGE": {h(key8(5))}}
+
+
+def test_a_replay_of_more_batches_than_zmqs_default_high_water_mark_arrives_whole() -> None:
+    """3000 buffered batches of 4096 hashes: the replay ROUTER used to drop everything past its
+    default SNDHWM (1000, plus what the reader's pipe held), END marker included."""
+    layout = Layout.flat(4096)
+    store = SimpleNamespace(layouts=SimpleNamespace(find=lambda f: SimpleNamespace(layout=layout)),
+                            holdings=lambda: [])
+    pub = kv_events.KvEventsPublisher(store, "n", f"tcp://127.0.0.1:{free_port()}",
+                                      f"tcp://127.0.0.1:{free_port()}")
+    w, n = kv_events.wire(), 3000
+    enc = w.encoder()
+    for seq in range(n):
+        ev = w.BlockStored(list(range(seq * 4096, seq * 4096 + 4096)), None, [], 16, None, "CPU", None,
+                           locality="LOCAL")
+        pub._remember(seq, enc.encode(w.KVEventBatch(time.time(), [ev], 0)))
+    assert len(pub._buffer) == n
+    pub._thread.start()
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    decode = msgspec.msgpack.decode
+    try:
+        d.connect(pub.replay_endpoint)
+        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(1.0)                    # a reader busy elsewhere: the whole answer is sent meanwhile
+        seqs, end = [], False
+        while d.poll(3000):
+            fr = d.recv_multipart()
+            if fr[2] == END:
+                end = True
+                break
+            decode(fr[3])
+            seqs.append(int.from_bytes(fr[2], "big"))
+    finally:
+        d.close(0)
+        ctx.term()
+        pub.close()
+    assert seqs == list(range(n)) and end
