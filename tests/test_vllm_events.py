@@ -395,9 +395,9 @@ class OldReplay:
     """A replay socket that answers as vLLM before the topic frame was added (and SGLang) do:
     ``[id, "", seq, payload]`` per batch, then ``[id, "", -1, ""]``; a real ROUTER on a thread."""
 
-    def __init__(self, d: str, batches: dict[int, bytes]) -> None:
+    def __init__(self, d: str, batches: dict[int, bytes], end: bool = True) -> None:
         import threading
-        self.ep, self.batches = f"ipc://{d}/old.rep", batches
+        self.ep, self.batches, self.end = f"ipc://{d}/old.rep", batches, end
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -417,7 +417,8 @@ class OldReplay:
             for seq, body in sorted(self.batches.items()):
                 if seq >= first:
                     self.sock.send_multipart([cid, b"", seq.to_bytes(8, "big"), body])
-            self.sock.send_multipart([cid, b"", (-1).to_bytes(8, "big", signed=True), b""])
+            if self.end:
+                self.sock.send_multipart([cid, b"", (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
         self.stop.set()
@@ -442,6 +443,22 @@ def test_a_replay_socket_that_answers_without_the_topic_frame_is_understood(d) -
         st = r.vllm_status()[0]
         assert st.gaps_lost == 0 and st.gaps_recovered == 1 and st.seq == 5
         assert overlap(r, "pod-a", 1, 4) == (3, 3, 3) and overlap(r, "pod-a", 2, 3) == (3, 3, 3)
+    finally:
+        rep.close()
+
+
+def test_what_a_replay_answer_without_its_end_marker_brought_is_kept(d) -> None:
+    """A replay answer cut short (a publisher ROUTER at ZMQ's default high-water mark drops the
+    end of a long answer, END marker included) still fills what it can."""
+    topic = f"kv@pod-a@{MODEL}"
+    sent = {0: payload(stored(1, 0, 2)), 1: payload(stored(1, 2, 2)), 2: payload(removed(1, [3]))}
+    rep = OldReplay(d, sent, end=False)
+    try:
+        r = offline_router(f"ipc://{d}/none.pub,replay={rep.ep},replay_timeout=0.5")
+        r.vllm.feed(frames(topic, 3, payload(stored(2, 0, 2))))   # the first heard: 0..2 arrive, END never
+        st = r.vllm_status()[0]
+        assert st.seq == 3 and st.gaps_lost == 0
+        assert overlap(r, "pod-a", 1, 4) == (3, 3, 3) and overlap(r, "pod-a", 2, 2) == (2, 2, 2)
     finally:
         rep.close()
 

@@ -679,7 +679,7 @@ class VllmEvents:
 
     def _replay(self, s: _Stream, from_seq: int) -> dict[int, Batch | None]:
         """Every batch of ``s``'s topic the replay socket has from ``from_seq`` on ({} when
-        there is no replay socket or it does not answer in time)."""
+        there is no replay socket; what arrived when the answer does not end in time)."""
         i, src = s.i, s.source
         if not src.replay:
             return {}
@@ -689,6 +689,7 @@ class VllmEvents:
         if sock is None:
             sock = self._replay_socks[i] = self._context().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)  # an answer is up to buffer_steps (10k) batches in one burst
             sock.connect(src.replay)
         out: dict[int, Batch | None] = {}
         try:
@@ -708,12 +709,15 @@ class VllmEvents:
                     out[seq] = self._decode(i, topic, body)
         except zmq.ZMQError as e:
             log.warning("vLLM replay request failed", extra={"replay": src.replay, "error": str(e)})
-        # no answer in time: a late one must not be taken for the next request's
+        # no (complete) answer in time: a late rest must not be taken for the next request's.
+        # What did arrive is kept: the callers use only unbroken runs of it (a publisher's
+        # ROUTER at ZMQ's default high-water mark drops the end of a long answer, END included)
         sock.close(0)
         del self._replay_socks[i]
         log.warning("vLLM replay socket did not answer in time", extra={"replay": src.replay,
-                                                                         "timeout_s": src.replay_timeout})
-        return {}
+                                                                         "timeout_s": src.replay_timeout,
+                                                                         "batches": len(out)})
+        return out
 
     def _context(self) -> Any:
         if self._ctx is None:
