@@ -395,9 +395,9 @@ class OldReplay:
     """A replay socket that answers as vLLM before the topic frame was added (and SGLang) do:
     ``[id, "", seq, payload]`` per batch, then ``[id, "", -1, ""]``; a real ROUTER on a thread."""
 
-    def __init__(self, d: str, batches: dict[int, bytes], end: bool = True) -> None:
+    def __init__(self, d: str, batches: dict[int, bytes], end: bool = True, trickle_s: float = 0) -> None:
         import threading
-        self.ep, self.batches, self.end = f"ipc://{d}/old.rep", batches, end
+        self.ep, self.batches, self.end, self.trickle_s = f"ipc://{d}/old.rep", batches, end, trickle_s
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -417,6 +417,10 @@ class OldReplay:
             for seq, body in sorted(self.batches.items()):
                 if seq >= first:
                     self.sock.send_multipart([cid, b"", seq.to_bytes(8, "big"), body])
+            until = time.monotonic() + self.trickle_s   # a peer that never ends: old batches again
+            while time.monotonic() < until and not self.stop.is_set():
+                self.sock.send_multipart([cid, b"", (0).to_bytes(8, "big"), self.batches[0]])
+                time.sleep(0.05)
             if self.end:
                 self.sock.send_multipart([cid, b"", (-1).to_bytes(8, "big", signed=True), b""])
 
@@ -440,6 +444,7 @@ def test_a_replay_socket_that_answers_without_the_topic_frame_is_understood(d) -
         r.vllm.feed(frames(topic, 5, payload(stored(3, 0, 1))))  # seq 4 lost: the replay has it
         assert time.monotonic() - t0 < 3               # END was understood: no wait for the timeout
         assert rep.requests == [0, 4]
+        assert r.vllm._replay_socks[0].getsockopt(zmq.MAXMSGSIZE) == ve.MAX_MESSAGE_BYTES
         st = r.vllm_status()[0]
         assert st.gaps_lost == 0 and st.gaps_recovered == 1 and st.seq == 5
         assert overlap(r, "pod-a", 1, 4) == (3, 3, 3) and overlap(r, "pod-a", 2, 3) == (3, 3, 3)
@@ -461,6 +466,33 @@ def test_what_a_replay_answer_without_its_end_marker_brought_is_kept(d) -> None:
         assert overlap(r, "pod-a", 1, 4) == (3, 3, 3) and overlap(r, "pod-a", 2, 2) == (2, 2, 2)
     finally:
         rep.close()
+
+
+def test_a_replay_answer_that_never_ends_is_cut_short(d, monkeypatch) -> None:
+    monkeypatch.setattr(ve, "REPLAY_MAX_S", 1.0, raising=False)
+    topic = f"kv@pod-a@{MODEL}"
+    sent = {0: payload(stored(1, 0, 2)), 1: payload(stored(1, 2, 2))}
+    rep = OldReplay(d, sent, end=False, trickle_s=8)
+    try:
+        r = offline_router(f"ipc://{d}/none.pub,replay={rep.ep},replay_timeout=1")
+        t0 = time.monotonic()
+        r.vllm.feed(frames(topic, 2, payload(stored(2, 0, 2))))
+        assert time.monotonic() - t0 < 4
+        assert r.vllm_status()[0].seq == 2 and overlap(r, "pod-a", 1, 4) == (4, 4, 4)
+    finally:
+        rep.close()
+
+
+def test_hostile_payloads_are_undecodable_batches() -> None:
+    with pytest.raises(ve.EventError):
+        ve.decode_batch(b"\x91" * 200_000 + b"\xc0")   # nested deeper than Python's stack
+    r = offline_router()
+    topic = f"kv@pod-a@{MODEL}"
+    r.vllm.feed(frames(topic, 0, payload(stored(1, 0, 2))))
+    r.vllm.feed(frames(topic, 1, b"\x91" * 200_000 + b"\xc0"))
+    st = r.vllm_status()[0]
+    assert st.seq == 1 and st.gaps_lost == 1 and "nested" in st.last_error
+    assert overlap(r, "pod-a", 1, 2) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("bad", [-1, 1 << 32])

@@ -60,6 +60,11 @@ Sequence numbers
     missed removal would otherwise stay forever, and the stream goes on from what it has.
     When the connection to a publisher drops (a connected endpoint), its streams are
     cleared the same way and start again, with a replay, when it comes back.
+    A replay answer is read for at most :data:`REPLAY_MAX_S` seconds and
+    :data:`REPLAY_MAX_BYTES` bytes; one that ends without its END marker keeps what arrived.
+    A batch that cannot be folded (it should have been refused as undecodable) resets the
+    worker like an undecodable one, and the stream moves past it. Frames over
+    :data:`MAX_MESSAGE_BYTES` disconnect the peer.
 
 Threading: one thread polls every source's SUB socket (:meth:`VllmEvents.start`); each batch
 is folded under the lock given, which the router also routes under. Needs ``pyzmq`` and
@@ -72,6 +77,7 @@ import contextlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -95,6 +101,13 @@ NODE_PREFIX = "vllm:"
 END_SEQ = -1
 _RECV_HWM = 100_000  # as vLLM's publisher: a slow router must not drop batches at 1000
 _TOKEN_LIMIT = 1 << 32  # block_keys hashes token ids as uint32
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest frame taken from a publisher or replay socket (ZMQ_MAXMSGSIZE; a peer that sends a
+bigger one is disconnected). vLLM's batches are far smaller (a 128k-token prefill is < 1 MiB)."""
+REPLAY_MAX_S = 30.0
+"""Longest one replay answer may take in all (``replay_timeout`` bounds each wait between frames)."""
+REPLAY_MAX_BYTES = 512 << 20
+"""Most payload bytes one replay answer may bring (vLLM buffers 10k batches)."""
 
 # field order of vLLM's structs (0.32); older vLLM sends a prefix of these as arrays
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
@@ -313,6 +326,8 @@ def decode_batch(payload: bytes) -> Batch:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
         raise EventError(f"not msgpack: {e}") from None
+    except RecursionError:  # nested deeper than Python's stack: no batch is
+        raise EventError("not a batch: msgpack nested too deeply") from None
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list) and len(raw) >= 2:
@@ -690,12 +705,19 @@ class VllmEvents:
             sock = self._replay_socks[i] = self._context().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)  # an answer is up to buffer_steps (10k) batches in one burst
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.connect(src.replay)
         out: dict[int, Batch | None] = {}
+        deadline, size = time.monotonic() + REPLAY_MAX_S, 0
         try:
             sock.send_multipart([b"", from_seq.to_bytes(8, "big")], zmq.NOBLOCK)
             while sock.poll(int(src.replay_timeout * 1000)):
+                if time.monotonic() > deadline or size > REPLAY_MAX_BYTES:
+                    log.warning("vLLM replay answer too long or too big; cut short",
+                                extra={"replay": src.replay, "batches": len(out), "bytes": size})
+                    break
                 frames = sock.recv_multipart()
+                size += sum(len(f) for f in frames)
                 if len(frames) == 4 and len(frames[2]) == 8:    # ["", topic, seq, payload] (vLLM 0.32)
                     topic, seq_b, body = frames[1:]
                 elif len(frames) == 3 and len(frames[1]) == 8:  # ["", seq, payload] (older vLLM, SGLang)
@@ -780,6 +802,7 @@ class VllmEvents:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)      # a publisher that vanished is noticed
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         sock.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
