@@ -54,11 +54,16 @@ Block hashes
     A key is the engine's block hash when the engine keys blocks with its own hashes
     (:func:`kvtier.client.engine.keys.as_key`): an 8-byte key is an int (little-endian,
     unsigned, the inverse of ``as_key``), which is what vLLM emits by default
-    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the hash's low 64 bits as an int); any other
-    key is sent as its bytes, as vLLM does with that variable off (msgpack has no integers
-    wider than 64 bits, so a 16-byte key cannot be an int). Keys kvtier derives itself (the
-    16-byte keys of ``kvtier.client.vllm`` and ``kvtier.client.sglang``) are not an engine's
-    hashes: a router can count them only if it hashes requests the same way.
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the hash's low 64 bits as an int). Only those
+    are published by default: keys kvtier derives itself (the 16-byte keys of
+    ``kvtier.client.vllm`` and ``kvtier.client.sglang``) are not an engine's hashes, no
+    router can match them, and Dynamo's decoder (block hashes are ``i64``/``u64``) rejects
+    a whole batch that holds one bytes hash, its int hashes and ``AllBlocksCleared`` with it
+    (and llm-d-router clears the pod on a batch it cannot decode). Skipped keys are counted
+    (``skipped_keys`` in :attr:`KvEventsPublisher.stats`, logged once). With
+    ``all_keys=True`` every other key is sent as its bytes, as vLLM does with that variable
+    off (msgpack has no integers wider than 64 bits, so a 16-byte key cannot be an int), for
+    a reader that hashes requests the same way and decodes bytes hashes.
 
 Tensor parallelism
     Each TP rank's shard of a block is its own kvtier block (its own layout fingerprint). A
@@ -114,6 +119,7 @@ LOCALITY = "LOCAL"
 DATA_PARALLEL_RANK = 0
 DEFAULT_TOPIC = "kv@{node_id}@kvtier"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ENGINE_KEY_BYTES = 8          # as_key of an engine's int block hash; other keys are skipped by default
 
 MAX_QUEUED_KEYS = 1 << 20     # keys waiting for the publisher thread before changes are dropped
 MAX_BATCH_HASHES = 4096       # block hashes in one batch message
@@ -303,11 +309,15 @@ class _Outbox:
 # -- the publisher thread's half: items -> events -> batches --------------------------------------
 
 class _Translator:
-    """Turns outbox items into vLLM events; keeps the tensor-parallel rank bitmasks."""
+    """Turns outbox items into vLLM events; keeps the tensor-parallel rank bitmasks. Keys
+    that are not 8 bytes are left out unless ``all_keys`` (module docstring, "Block hashes");
+    ``skipped`` counts them."""
 
-    def __init__(self) -> None:
+    def __init__(self, all_keys: bool = False) -> None:
         self.w = wire()
         self.masks: dict[tuple[str, bytes, bytes], int] = {}
+        self.all_keys = all_keys
+        self.skipped = 0
 
     def events(self, items: Iterable[tuple]) -> list[Any]:
         out: list[Any] = []
@@ -317,6 +327,11 @@ class _Translator:
                 out.append(self.w.AllBlocksCleared())
                 continue
             op, medium, shard, keys = item
+            if not self.all_keys:
+                engine = [k for k in keys if len(k) == ENGINE_KEY_BYTES]
+                if len(engine) != len(keys):
+                    self._skip(len(keys) - len(engine))
+                    keys = engine
             keys = self._complete(op, medium, shard, keys) if shard.group is not None else keys
             for i in range(0, len(keys), MAX_BATCH_HASHES):
                 hashes = [block_hash(k) for k in keys[i:i + MAX_BATCH_HASHES]]
@@ -326,6 +341,13 @@ class _Translator:
                 else:
                     out.append(self.w.BlockRemoved(hashes, medium, locality=LOCALITY))
         return out
+
+    def _skip(self, n: int) -> None:
+        if not self.skipped:
+            log.warning("kv events: keys that are not 8 bytes are not published (no engine hash: a router "
+                        "cannot match them, and Dynamo cannot decode a batch holding one)",
+                        extra={"kv_events_skipped_keys": n})
+        self.skipped += n
 
     def _complete(self, op: str, medium: str, shard: Shard, keys: Sequence[bytes]) -> list[bytes]:
         """The keys whose block this change makes complete (stored) or incomplete (removed)."""
@@ -365,12 +387,13 @@ class KvEventsPublisher:
     why it could not); :meth:`start` on the event loop starts publishing."""
 
     def __init__(self, store: _Store, node_id: str, endpoint: str, replay_endpoint: str = "",
-                 topic: str = DEFAULT_TOPIC, max_queued_keys: int = MAX_QUEUED_KEYS) -> None:
+                 topic: str = DEFAULT_TOPIC, max_queued_keys: int = MAX_QUEUED_KEYS, all_keys: bool = False) -> None:
         if not endpoint:
             raise KvEventsError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         zmq, _ = _import_extra()
         self._zmq = zmq
         self.store = store
+        self.all_keys = all_keys
         self.topic = resolve_topic(topic, node_id)
         self._topic_bytes = self.topic.encode()
         self._ctx = zmq.Context()
@@ -404,7 +427,7 @@ class KvEventsPublisher:
         self._buffer_bytes = 0
         self._seq = 0
         self.stats = dict.fromkeys(("batches", "events", "hashes", "dropped_events", "dropped_keys", "resyncs",
-                                    "replays", "send_errors"), 0)
+                                    "replays", "send_errors", "skipped_keys"), 0)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._tick: asyncio.Task | None = None
 
@@ -553,7 +576,7 @@ class KvEventsPublisher:
     # -- the publisher thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        translator = _Translator()
+        translator = _Translator(self.all_keys)
         encoder = translator.w.encoder()
         while True:
             items = self._outbox.take(POLL_S)
@@ -570,6 +593,7 @@ class KvEventsPublisher:
 
     def _publish(self, translator: _Translator, encoder: Any, items: list[tuple]) -> None:
         events = translator.events(items)
+        self.stats["skipped_keys"] = translator.skipped
         for evs in batches(events):
             payload = encoder.encode(translator.w.KVEventBatch(time.time(), evs, DATA_PARALLEL_RANK))
             seq = self._seq
