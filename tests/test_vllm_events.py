@@ -240,6 +240,17 @@ def test_all_event_kinds_and_mediums_map_to_tiers() -> None:
     assert r.vllm_status()[0].blocks == 0       # every entry of the map is gone with its last holder
 
 
+def test_mediums_match_in_any_case_and_unknown_ones_are_counted() -> None:
+    r = offline_router()
+    topic = f"kv@pod-a@{MODEL}"
+    r.vllm.feed(frames(topic, 0, payload(stored(1, 0, 4, medium="gpu"), stored(1, 0, 6, medium="cpu"),
+                                         stored(1, 0, 8, medium="Storage"), stored(2, 0, 2, medium="CPU_PINNED"))))
+    assert overlap(r, "pod-a", 1, 8) == (4, 6, 8) and overlap(r, "pod-a", 2, 2) == (0, 0, 0)
+    r.vllm.feed(frames(topic, 1, payload(removed(1, [7], medium="storage"), removed(1, [0], medium="OBJ"))))
+    assert overlap(r, "pod-a", 1, 8) == (4, 6, 7)
+    assert r.vllm_status()[0].unknown_mediums == 2
+
+
 def test_several_full_attention_groups_must_all_hold_a_block_and_others_are_ignored() -> None:
     r = offline_router()
     topic = f"kv@pod-a@{MODEL}"

@@ -41,7 +41,9 @@ From engine hashes to kvtier keys
     engine's removals bound the map; ``max_blocks`` caps it (blocks past the cap are skipped).
 
 Tiers, groups, workers and nodes
-    Mediums map to tiers: ``GPU`` (and none) -> gpu, ``CPU`` -> host, ``STORAGE`` -> disk.
+    Mediums map to tiers, in any case: ``GPU`` (and none) -> gpu, ``CPU`` -> host,
+    ``STORAGE`` -> disk; events of any other medium are ignored and counted
+    (``unknown_mediums``, logged once per stream).
     A stream is one worker, named by the source's ``worker=``, else the topic's pod (with
     ``/dp<rank>`` for a data-parallel rank above 0), else the endpoint; its node is
     ``vllm:<worker>``, a node of its own with this one worker, whose host and disk tiers are
@@ -91,7 +93,12 @@ __all__ = ["Batch", "BlockRemoved", "BlockStored", "AllBlocksCleared", "EventErr
            "VllmStreamStatus", "decode_batch", "parse_topic", "parse_vllm_events"]
 
 MEDIUM_TIERS: dict[str | None, str] = {None: "gpu", "GPU": "gpu", "CPU": "host", "STORAGE": "disk"}
-"""vLLM's mediums (``vllm.distributed.kv_events.MEDIUM_*``) -> kvtier tiers."""
+"""vLLM's mediums (``vllm.distributed.kv_events.MEDIUM_*``) -> kvtier tiers (matched without
+regard to case, as llm-d does; any other medium is counted in ``unknown_mediums``)."""
+
+
+def _tier(medium: str | None) -> str | None:
+    return MEDIUM_TIERS.get(medium.upper() if medium is not None else None)
 
 PREFIX_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention", "unknown"})
 """KV cache group kinds whose blocks make a reusable prefix (the others, sliding window,
@@ -362,6 +369,7 @@ class VllmStreamStatus:
     gaps_lost: int = 0         # gaps (or undecodable or unfoldable batches) that cleared the worker
     restarts: int = 0          # publisher restarts and disconnects (each cleared the worker)
     unknown_events: int = 0
+    unknown_mediums: int = 0   # events of a medium other than GPU, CPU, STORAGE (any case): ignored
     last_error: str = ""
 
 
@@ -416,9 +424,18 @@ class _Stream:
             self.index.set_node_info(self.node, {self.worker: [_fp(g) for g in sorted(self.groups)]})
         return bit
 
+    def _unknown_medium(self, medium: str | None) -> None:
+        if not self.st.unknown_mediums:
+            log.warning("vLLM KV events of an unknown medium are ignored (known: GPU, CPU, STORAGE)",
+                        extra={"worker": self.worker, "medium": medium})
+        self.st.unknown_mediums += 1
+
     def _stored(self, ev: BlockStored) -> None:
-        tier = MEDIUM_TIERS.get(ev.medium)
-        if tier is None or ev.kind not in PREFIX_KINDS or not ev.hashes:
+        tier = _tier(ev.medium)
+        if tier is None:
+            self._unknown_medium(ev.medium)
+            return
+        if ev.kind not in PREFIX_KINDS or not ev.hashes:
             return
         bit = self._bit(tier, ev.group, ev.ownership)
         keys = self._keys(ev)
@@ -460,8 +477,11 @@ class _Stream:
         return out
 
     def _removed(self, ev: BlockRemoved) -> None:
-        tier = MEDIUM_TIERS.get(ev.medium)
-        bit = self.bits.get((tier, ev.group, ev.ownership)) if tier else None
+        tier = _tier(ev.medium)
+        if tier is None:
+            self._unknown_medium(ev.medium)
+            return
+        bit = self.bits.get((tier, ev.group, ev.ownership))
         if bit is None:
             return  # nothing was ever stored there
         column = self.column_bits[tier, ev.group]
