@@ -443,7 +443,9 @@ class KvEventsPublisher:
                                                 "kv_events_replay_endpoint": self.replay_endpoint or None})
 
     def close(self) -> None:
-        """Send what is queued (for up to a second or two), then close the sockets."""
+        """Send what is queued (for up to a second or two), then close the sockets. The
+        publisher thread closes its own sockets as it ends (ZMQ sockets are not thread-safe);
+        if it does not end in time they are left to it, and the context is not terminated."""
         if self._closed:
             return
         self._closed = True
@@ -451,18 +453,25 @@ class KvEventsPublisher:
             self._tick.cancel()
             self._tick = None
         self._outbox.close()
-        if self._thread.is_alive():
+        if self._thread.ident is None:        # never started: the sockets are still this thread's
+            self._close_sockets(LINGER_MS)
+        else:
             self._thread.join(timeout=2.0)
-        self._close_sockets(LINGER_MS)
+            if self._thread.is_alive():
+                log.warning("kv events: the publisher thread did not stop in time; its sockets are left to it")
+            else:
+                with contextlib.suppress(Exception):
+                    self._ctx.term()
         log.info("kv events stopped", extra={f"kv_events_{k}": v for k, v in self.stats.items()})
 
-    def _close_sockets(self, linger_ms: int) -> None:
+    def _close_sockets(self, linger_ms: int, term: bool = True) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 with contextlib.suppress(Exception):
                     sock.close(linger=linger_ms)
-        with contextlib.suppress(Exception):
-            self._ctx.term()
+        if term:
+            with contextlib.suppress(Exception):
+                self._ctx.term()
 
     async def _ticker(self) -> None:
         while True:
@@ -576,6 +585,12 @@ class KvEventsPublisher:
     # -- the publisher thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # the sockets are this thread's: it closes them (close() terminates the context)
+            self._close_sockets(LINGER_MS, term=False)
+
+    def _loop(self) -> None:
         translator = _Translator(self.all_keys)
         encoder = translator.w.encoder()
         while True:

@@ -476,3 +476,38 @@ def test_a_replay_of_more_batches_than_zmqs_default_high_water_mark_arrives_whol
         ctx.term()
         pub.close()
     assert seqs == list(range(n)) and end
+
+
+def test_close_leaves_the_sockets_to_a_publisher_thread_that_is_still_sending() -> None:
+    """ZMQ sockets are not thread-safe: close() must not close them under the publisher
+    thread (here held in a send for longer than close() waits); the thread closes them."""
+    layout = Layout.flat(4096)
+    fp = layout.fingerprint
+    store = SimpleNamespace(layouts=SimpleNamespace(find=lambda f: SimpleNamespace(layout=layout)),
+                            holdings=lambda: [(Tier.HOST, fp, [key8(1)])])
+    pub = kv_events.KvEventsPublisher(store, "n", f"tcp://127.0.0.1:{free_port()}",
+                                      f"tcp://127.0.0.1:{free_port()}")
+    gate, entered, publish = threading.Event(), threading.Event(), pub._publish
+
+    def held(*a):
+        entered.set()
+        gate.wait(30)
+        publish(*a)
+    pub._publish = held
+
+    async def main() -> None:
+        pub.start()
+        assert await asyncio.to_thread(entered.wait, 5)
+
+    asyncio.run(main())
+    t = threading.Timer(3.0, gate.set)     # released after close() gave up waiting (2 s)
+    t.start()
+    try:
+        pub.close()
+        assert not pub._pub.closed and not pub._replay.closed
+    finally:
+        gate.set()
+        t.cancel()
+    pub._thread.join(5)
+    assert not pub._thread.is_alive() and pub._pub.closed and pub._replay.closed
+    assert pub.stats["send_errors"] == 0 and pub.stats["batches"] >= 1
