@@ -2,10 +2,13 @@
 
 ``kvtierd --kv-events-endpoint tcp://*:5557`` publishes every change of what the host and disk
 tiers hold exactly as vLLM's ``ZmqEventPublisher`` publishes an engine's KV cache events, so
-the routers that already read vLLM's stream (Dynamo's KV router, llm-d's KV indexer) count
+a router that already reads vLLM's stream and places tokenless stores by hash (llm-d's KV
+indexer, llm-d-kv-cache v0.9.0 or later: older ones decode only array-encoded events) counts
 kvtier's tiers too: ``BlockStored`` / ``BlockRemoved`` with medium ``CPU`` (host) or
-``STORAGE`` (disk). docs/integrations.md ("kvtier's tiers in Dynamo and llm-d") says how to
-set them up.
+``STORAGE`` (disk). Dynamo's KV router cannot use it: it drops stores without token ids and
+applies ``AllBlocksCleared`` to the worker's GPU tier. One stream has one topic: every block
+is credited to the pod and model it names (one engine per kvtierd). docs/integrations.md
+("kvtier's tiers in Dynamo and llm-d") says how to set it up.
 
 Owns
     :class:`KvEventsPublisher`, a :class:`~kvtier.daemon.observers.LocationObserver` of the
@@ -45,7 +48,9 @@ Events
       before a resync (below). Readers clear everything they hold for the sender's identity:
       llm-d clears the pod across every medium, the engine's own GPU entries included when
       kvtierd publishes under the engine's pod (which it must, to be counted for it); vLLM
-      re-announces GPU blocks as requests reuse them.
+      re-announces GPU blocks as requests reuse them. (kvtierd means "forget my CPU/STORAGE";
+      Dynamo clears the worker's device tier, and kvtier's own vLLM-events ingest its gpu
+      tier, so neither should read this stream.)
     A demotion is ``BlockRemoved`` CPU then ``BlockStored`` STORAGE; a promotion is
     ``BlockStored`` CPU (the disk copy stays). gpu-tier changes are not published: engines
     publish their own device blocks.

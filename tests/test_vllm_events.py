@@ -3,7 +3,7 @@
 Every frame is made by vLLM's own code: ``vllm.distributed.kv_events`` (``KVEventBatch``,
 ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) encoded with msgspec as vLLM does, and,
 where a socket matters, a real ``ZmqEventPublisher`` (PUB and replay ROUTER on ipc sockets).
-Positional arrays (older vLLM, what llm-d decodes) are vLLM's structs re-declared
+Positional arrays (older vLLM; llm-d-kv-cache before v0.9.0 decodes only these) are vLLM's structs re-declared
 ``array_like`` (same fields, same order), and one hand-written pre-``medium`` layout.
 """
 

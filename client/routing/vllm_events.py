@@ -16,8 +16,8 @@ The wire (as vLLM 0.32 sends it)
     publisher) and a msgpack ``KVEventBatch``: an array ``[ts, events, data_parallel_rank]``.
     Events are msgspec *tagged* structs: in vLLM 0.32 maps with ``"type"`` naming the kind
     (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) and fields by name, defaulted
-    fields omitted; in older vLLM (and what llm-d's indexer decodes) arrays, the tag first and
-    the fields in declaration order, later fields missing. Both are accepted. Block hashes
+    fields omitted; in older vLLM arrays, the tag first and the fields in declaration order,
+    later fields missing (llm-d-kv-cache before v0.9.0 decodes only this form). Both are accepted. Block hashes
     are bytes (sha256) or 64-bit ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); both are
     used as given. The replay socket (ROUTER) answers ``["", start_seq (8 bytes)]`` with
     ``["", topic, seq, payload]`` for every buffered batch from ``start_seq`` on, then
