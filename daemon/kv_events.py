@@ -2,10 +2,13 @@
 
 ``kvtierd --kv-events-endpoint tcp://*:5557`` publishes every change of what the host and disk
 tiers hold exactly as vLLM's ``ZmqEventPublisher`` publishes an engine's KV cache events, so
-the routers that already read vLLM's stream (Dynamo's KV router, llm-d's KV indexer) count
+a router that already reads vLLM's stream and places tokenless stores by hash (llm-d's KV
+indexer, llm-d-kv-cache v0.9.0 or later: older ones decode only array-encoded events) counts
 kvtier's tiers too: ``BlockStored`` / ``BlockRemoved`` with medium ``CPU`` (host) or
-``STORAGE`` (disk). docs/integrations.md ("kvtier's tiers in Dynamo and llm-d") says how to
-set them up.
+``STORAGE`` (disk). Dynamo's KV router cannot use it: it drops stores without token ids and
+applies ``AllBlocksCleared`` to the worker's GPU tier. One stream has one topic: every block
+is credited to the pod and model it names (one engine per kvtierd). docs/integrations.md
+("kvtier's tiers in Dynamo and llm-d") says how to set it up.
 
 Owns
     :class:`KvEventsPublisher`, a :class:`~kvtier.daemon.observers.LocationObserver` of the
@@ -27,7 +30,8 @@ Wire format (as vLLM 0.32's ``vllm/distributed/kv_events.py``)
     ``[b"", start]``, the starting sequence number as 8 big-endian bytes; the ROUTER answers
     with every buffered batch from there as ``[b"", topic, seq, payload]`` and ends with
     ``[b"", b"", -1 (8 bytes, signed), b""]``. The last :data:`REPLAY_BATCHES` batches (at
-    most :data:`REPLAY_BYTES`) are kept.
+    most :data:`REPLAY_BYTES`) are kept. The ROUTER has no send high-water mark, so an answer
+    of more than ZMQ's default 1000 messages is not cut short (vLLM's own replay socket is).
 
 Events
     * ``BlockStored(block_hashes, parent_block_hash=None, token_ids=[], block_size=<the
@@ -44,7 +48,9 @@ Events
       before a resync (below). Readers clear everything they hold for the sender's identity:
       llm-d clears the pod across every medium, the engine's own GPU entries included when
       kvtierd publishes under the engine's pod (which it must, to be counted for it); vLLM
-      re-announces GPU blocks as requests reuse them.
+      re-announces GPU blocks as requests reuse them. (kvtierd means "forget my CPU/STORAGE";
+      Dynamo clears the worker's device tier, and kvtier's own vLLM-events ingest its gpu
+      tier, so neither should read this stream.)
     A demotion is ``BlockRemoved`` CPU then ``BlockStored`` STORAGE; a promotion is
     ``BlockStored`` CPU (the disk copy stays). gpu-tier changes are not published: engines
     publish their own device blocks.
@@ -53,11 +59,16 @@ Block hashes
     A key is the engine's block hash when the engine keys blocks with its own hashes
     (:func:`kvtier.client.engine.keys.as_key`): an 8-byte key is an int (little-endian,
     unsigned, the inverse of ``as_key``), which is what vLLM emits by default
-    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the hash's low 64 bits as an int); any other
-    key is sent as its bytes, as vLLM does with that variable off (msgpack has no integers
-    wider than 64 bits, so a 16-byte key cannot be an int). Keys kvtier derives itself (the
-    16-byte keys of ``kvtier.client.vllm`` and ``kvtier.client.sglang``) are not an engine's
-    hashes: a router can count them only if it hashes requests the same way.
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the hash's low 64 bits as an int). Only those
+    are published by default: keys kvtier derives itself (the 16-byte keys of
+    ``kvtier.client.vllm`` and ``kvtier.client.sglang``) are not an engine's hashes, no
+    router can match them, and Dynamo's decoder (block hashes are ``i64``/``u64``) rejects
+    a whole batch that holds one bytes hash, its int hashes and ``AllBlocksCleared`` with it
+    (and llm-d-router clears the pod on a batch it cannot decode). Skipped keys are counted
+    (``skipped_keys`` in :attr:`KvEventsPublisher.stats`, logged once). With
+    ``all_keys=True`` every other key is sent as its bytes, as vLLM does with that variable
+    off (msgpack has no integers wider than 64 bits, so a 16-byte key cannot be an int), for
+    a reader that hashes requests the same way and decodes bytes hashes.
 
 Tensor parallelism
     Each TP rank's shard of a block is its own kvtier block (its own layout fingerprint). A
@@ -113,6 +124,7 @@ LOCALITY = "LOCAL"
 DATA_PARALLEL_RANK = 0
 DEFAULT_TOPIC = "kv@{node_id}@kvtier"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ENGINE_KEY_BYTES = 8          # as_key of an engine's int block hash; other keys are skipped by default
 
 MAX_QUEUED_KEYS = 1 << 20     # keys waiting for the publisher thread before changes are dropped
 MAX_BATCH_HASHES = 4096       # block hashes in one batch message
@@ -302,11 +314,15 @@ class _Outbox:
 # -- the publisher thread's half: items -> events -> batches --------------------------------------
 
 class _Translator:
-    """Turns outbox items into vLLM events; keeps the tensor-parallel rank bitmasks."""
+    """Turns outbox items into vLLM events; keeps the tensor-parallel rank bitmasks. Keys
+    that are not 8 bytes are left out unless ``all_keys`` (module docstring, "Block hashes");
+    ``skipped`` counts them."""
 
-    def __init__(self) -> None:
+    def __init__(self, all_keys: bool = False) -> None:
         self.w = wire()
         self.masks: dict[tuple[str, bytes, bytes], int] = {}
+        self.all_keys = all_keys
+        self.skipped = 0
 
     def events(self, items: Iterable[tuple]) -> list[Any]:
         out: list[Any] = []
@@ -316,6 +332,11 @@ class _Translator:
                 out.append(self.w.AllBlocksCleared())
                 continue
             op, medium, shard, keys = item
+            if not self.all_keys:
+                engine = [k for k in keys if len(k) == ENGINE_KEY_BYTES]
+                if len(engine) != len(keys):
+                    self._skip(len(keys) - len(engine))
+                    keys = engine
             keys = self._complete(op, medium, shard, keys) if shard.group is not None else keys
             for i in range(0, len(keys), MAX_BATCH_HASHES):
                 hashes = [block_hash(k) for k in keys[i:i + MAX_BATCH_HASHES]]
@@ -325,6 +346,13 @@ class _Translator:
                 else:
                     out.append(self.w.BlockRemoved(hashes, medium, locality=LOCALITY))
         return out
+
+    def _skip(self, n: int) -> None:
+        if not self.skipped:
+            log.warning("kv events: keys that are not 8 bytes are not published (no engine hash: a router "
+                        "cannot match them, and Dynamo cannot decode a batch holding one)",
+                        extra={"kv_events_skipped_keys": n})
+        self.skipped += n
 
     def _complete(self, op: str, medium: str, shard: Shard, keys: Sequence[bytes]) -> list[bytes]:
         """The keys whose block this change makes complete (stored) or incomplete (removed)."""
@@ -364,11 +392,13 @@ class KvEventsPublisher:
     why it could not); :meth:`start` on the event loop starts publishing."""
 
     def __init__(self, store: _Store, node_id: str, endpoint: str, replay_endpoint: str = "",
-                 topic: str = DEFAULT_TOPIC, max_queued_keys: int = MAX_QUEUED_KEYS) -> None:
+                 topic: str = DEFAULT_TOPIC, max_queued_keys: int = MAX_QUEUED_KEYS, all_keys: bool = False) -> None:
         if not endpoint:
             raise KvEventsError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         zmq, _ = _import_extra()
+        self._zmq = zmq
         self.store = store
+        self.all_keys = all_keys
         self.topic = resolve_topic(topic, node_id)
         self._topic_bytes = self.topic.encode()
         self._ctx = zmq.Context()
@@ -381,6 +411,12 @@ class KvEventsPublisher:
             self.replay_endpoint = ""
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                # a replay is up to REPLAY_BATCHES messages in one burst: at the default SNDHWM
+                # (1000) a ROUTER drops the rest silently, END marker included. No HWM (the
+                # answer is bounded by the buffer, REPLAY_BYTES), and a reader that went away
+                # is an error (EHOSTUNREACH) instead of a silent drop.
+                self._replay.setsockopt(zmq.SNDHWM, 0)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self.replay_endpoint = _attach(zmq, self._replay, replay_endpoint, "--kv-events-replay-endpoint",
                                                True)
         except BaseException:
@@ -396,7 +432,7 @@ class KvEventsPublisher:
         self._buffer_bytes = 0
         self._seq = 0
         self.stats = dict.fromkeys(("batches", "events", "hashes", "dropped_events", "dropped_keys", "resyncs",
-                                    "replays", "send_errors"), 0)
+                                    "replays", "send_errors", "skipped_keys"), 0)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._tick: asyncio.Task | None = None
 
@@ -412,7 +448,9 @@ class KvEventsPublisher:
                                                 "kv_events_replay_endpoint": self.replay_endpoint or None})
 
     def close(self) -> None:
-        """Send what is queued (for up to a second or two), then close the sockets."""
+        """Send what is queued (for up to a second or two), then close the sockets. The
+        publisher thread closes its own sockets as it ends (ZMQ sockets are not thread-safe);
+        if it does not end in time they are left to it, and the context is not terminated."""
         if self._closed:
             return
         self._closed = True
@@ -420,18 +458,25 @@ class KvEventsPublisher:
             self._tick.cancel()
             self._tick = None
         self._outbox.close()
-        if self._thread.is_alive():
+        if self._thread.ident is None:        # never started: the sockets are still this thread's
+            self._close_sockets(LINGER_MS)
+        else:
             self._thread.join(timeout=2.0)
-        self._close_sockets(LINGER_MS)
+            if self._thread.is_alive():
+                log.warning("kv events: the publisher thread did not stop in time; its sockets are left to it")
+            else:
+                with contextlib.suppress(Exception):
+                    self._ctx.term()
         log.info("kv events stopped", extra={f"kv_events_{k}": v for k, v in self.stats.items()})
 
-    def _close_sockets(self, linger_ms: int) -> None:
+    def _close_sockets(self, linger_ms: int, term: bool = True) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 with contextlib.suppress(Exception):
                     sock.close(linger=linger_ms)
-        with contextlib.suppress(Exception):
-            self._ctx.term()
+        if term:
+            with contextlib.suppress(Exception):
+                self._ctx.term()
 
     async def _ticker(self) -> None:
         while True:
@@ -545,7 +590,13 @@ class KvEventsPublisher:
     # -- the publisher thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        translator = _Translator()
+        try:
+            self._loop()
+        finally:  # the sockets are this thread's: it closes them (close() terminates the context)
+            self._close_sockets(LINGER_MS, term=False)
+
+    def _loop(self) -> None:
+        translator = _Translator(self.all_keys)
         encoder = translator.w.encoder()
         while True:
             items = self._outbox.take(POLL_S)
@@ -562,6 +613,7 @@ class KvEventsPublisher:
 
     def _publish(self, translator: _Translator, encoder: Any, items: list[tuple]) -> None:
         events = translator.events(items)
+        self.stats["skipped_keys"] = translator.skipped
         for evs in batches(events):
             payload = encoder.encode(translator.w.KVEventBatch(time.time(), evs, DATA_PARALLEL_RANK))
             seq = self._seq
@@ -580,7 +632,7 @@ class KvEventsPublisher:
             self._buffer_bytes -= len(buf.popleft()[1])
 
     def _serve_replays(self) -> None:
-        sock = self._replay
+        zmq, sock = self._zmq, self._replay
         while sock.poll(0):
             try:
                 frames = sock.recv_multipart()
@@ -594,5 +646,10 @@ class KvEventsPublisher:
                         sock.send_multipart((client, b"", self._topic_bytes, seq.to_bytes(8, "big"), payload))
                 sock.send_multipart((client, b"", b"", END_SEQ, b""))
                 self.stats["replays"] += 1
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    log.exception("kv events: serving a replay request failed")
+                else:
+                    log.info("kv events: a replay reader went away before its answer was sent")
             except Exception:
                 log.exception("kv events: serving a replay request failed")

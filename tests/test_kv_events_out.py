@@ -199,6 +199,17 @@ def test_keys_map_back_to_the_engines_hashes() -> None:
     assert kv_events.block_hash(bytes(32)) == bytes(32)
 
 
+def test_keys_that_are_not_8_bytes_are_skipped_and_counted_unless_all_keys() -> None:
+    shard = kv_events.Shard(16)
+    items = [(kv_events.STORED, "CPU", shard, [key8(1), key16(2), key8(3)]),
+             (kv_events.REMOVED, "CPU", shard, [key16(2)])]
+    t = kv_events._Translator()
+    assert [ev.block_hashes for ev in t.events(items)] == [[h(key8(1)), h(key8(3))]] and t.skipped == 2
+    t = kv_events._Translator(all_keys=True)
+    assert [ev.block_hashes for ev in t.events(items)] == [[h(key8(1)), key16(2), h(key8(3))], [key16(2)]]
+    assert t.skipped == 0
+
+
 # -- a real kvtierd ----------------------------------------------------------------------------------
 
 
@@ -212,16 +223,18 @@ def test_puts_and_evicts_are_cpu_events_one_sequence_number_per_batch(stream_dae
         sc.put(lid, k8[2:] + k16, [payload(k, 4096) for k in k8[2:] + k16])
         sc.report_device_blocks(lid, stored=[key8(100)])   # the gpu tier is the engines' to publish
         assert sc.evict(lid, [k8[0], k16[0]]) == 2
-        evs = s.wait_for(lambda e: len(of(e, vkv.BlockRemoved, "CPU")) == 2)
+        evs = s.wait_for(lambda e: len(of(e, vkv.BlockRemoved, "CPU")) == 1)
     stored = [ev for ev in evs if isinstance(ev, vkv.BlockStored)]
-    assert [ev.block_hashes for ev in stored] == [[h(k) for k in k8[:2]], [h(k) for k in k8[2:] + k16]]
+    # 16-byte keys are no engine's hashes: not published (one bytes hash makes Dynamo drop a batch)
+    assert [ev.block_hashes for ev in stored] == [[h(k) for k in k8[:2]], [h(k) for k in k8[2:]]]
     assert all(isinstance(x, int) for x in stored[0].block_hashes)
     assert all(ev.medium == "CPU" and ev.block_size == 32 and ev.token_ids == [] and ev.parent_block_hash is None
                and ev.locality == "LOCAL" and ev.group_idx is None and ev.lora_id is None for ev in stored)
-    assert of(evs, vkv.BlockRemoved, "CPU") == [h(k8[0]), h(k16[0])]
+    assert of(evs, vkv.BlockRemoved, "CPU") == [h(k8[0])]
+    assert all(isinstance(x, int) for ev in evs for x in getattr(ev, "block_hashes", ()))
     assert h(key8(100)) not in {x for ev in stored for x in ev.block_hashes}
     assert isinstance(evs[0], vkv.AllBlocksCleared)            # the stream starts clean (seq 0, by replay)
-    assert state(evs) == {"CPU": {h(k) for k in k8[1:] + k16[1:]}, "STORAGE": set()}
+    assert state(evs) == {"CPU": {h(k) for k in k8[1:]}, "STORAGE": set()}
     # batches are numbered 0, 1, 2, ... (changes queued together share one: at most one per RPC here)
     assert sorted(s.batches) == list(range(len(s.batches))) and 2 <= len(s.batches) <= 4
     assert len(s.live) >= 2 and s.live == list(range(s.live[0], s.live[0] + len(s.live)))
@@ -233,7 +246,7 @@ def test_demotions_are_storage_stored_and_cpu_removed(stream_daemon, tmp_path) -
     d, s = stream_daemon("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "64MiB",
                          "--demote-min-seen", "1", "--demote-ahead-bytes", "0",  # (no block in both tiers)
                          host_capacity="1MiB")   # 4 blocks of host
-    keys = [key16(i) for i in range(8)]
+    keys = [key8(i) for i in range(8)]
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))
         sc.put(lid, keys[:4], [payload(k) for k in keys[:4]])
@@ -424,3 +437,77 @@ def test_a_full_queue_drops_and_counts_without_blocking_then_resyncs() -> None:
     assert sum(isinstance(ev, vkv.AllBlocksCleared) for ev in evs) == 2
     assert of(evs, vkv.BlockStored, "CPU")[:4] == [h(key8(i)) for i in range(4)]   # what fit went out
     assert state(evs) == {"CPU": {h(key8(i)) for i in range(5)}, "STORAGE": {h(key8(5))}}
+
+
+def test_a_replay_of_more_batches_than_zmqs_default_high_water_mark_arrives_whole() -> None:
+    """3000 buffered batches of 4096 hashes: the replay ROUTER used to drop everything past its
+    default SNDHWM (1000, plus what the reader's pipe held), END marker included."""
+    layout = Layout.flat(4096)
+    store = SimpleNamespace(layouts=SimpleNamespace(find=lambda f: SimpleNamespace(layout=layout)),
+                            holdings=lambda: [])
+    pub = kv_events.KvEventsPublisher(store, "n", f"tcp://127.0.0.1:{free_port()}",
+                                      f"tcp://127.0.0.1:{free_port()}")
+    w, n = kv_events.wire(), 3000
+    enc = w.encoder()
+    for seq in range(n):
+        ev = w.BlockStored(list(range(seq * 4096, seq * 4096 + 4096)), None, [], 16, None, "CPU", None,
+                           locality="LOCAL")
+        pub._remember(seq, enc.encode(w.KVEventBatch(time.time(), [ev], 0)))
+    assert len(pub._buffer) == n
+    pub._thread.start()
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    decode = msgspec.msgpack.decode
+    try:
+        d.connect(pub.replay_endpoint)
+        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(1.0)                    # a reader busy elsewhere: the whole answer is sent meanwhile
+        seqs, end = [], False
+        while d.poll(3000):
+            fr = d.recv_multipart()
+            if fr[2] == END:
+                end = True
+                break
+            decode(fr[3])
+            seqs.append(int.from_bytes(fr[2], "big"))
+    finally:
+        d.close(0)
+        ctx.term()
+        pub.close()
+    assert seqs == list(range(n)) and end
+
+
+def test_close_leaves_the_sockets_to_a_publisher_thread_that_is_still_sending() -> None:
+    """ZMQ sockets are not thread-safe: close() must not close them under the publisher
+    thread (here held in a send for longer than close() waits); the thread closes them."""
+    layout = Layout.flat(4096)
+    fp = layout.fingerprint
+    store = SimpleNamespace(layouts=SimpleNamespace(find=lambda f: SimpleNamespace(layout=layout)),
+                            holdings=lambda: [(Tier.HOST, fp, [key8(1)])])
+    pub = kv_events.KvEventsPublisher(store, "n", f"tcp://127.0.0.1:{free_port()}",
+                                      f"tcp://127.0.0.1:{free_port()}")
+    gate, entered, publish = threading.Event(), threading.Event(), pub._publish
+
+    def held(*a):
+        entered.set()
+        gate.wait(30)
+        publish(*a)
+    pub._publish = held
+
+    async def main() -> None:
+        pub.start()
+        assert await asyncio.to_thread(entered.wait, 5)
+
+    asyncio.run(main())
+    t = threading.Timer(3.0, gate.set)     # released after close() gave up waiting (2 s)
+    t.start()
+    try:
+        pub.close()
+        assert not pub._pub.closed and not pub._replay.closed
+    finally:
+        gate.set()
+        t.cancel()
+    pub._thread.join(5)
+    assert not pub._thread.is_alive() and pub._pub.closed and pub._replay.closed
+    assert pub.stats["send_errors"] == 0 and pub.stats["batches"] >= 1

@@ -3,7 +3,7 @@
 Every frame is made by vLLM's own code: ``vllm.distributed.kv_events`` (``KVEventBatch``,
 ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) encoded with msgspec as vLLM does, and,
 where a socket matters, a real ``ZmqEventPublisher`` (PUB and replay ROUTER on ipc sockets).
-Positional arrays (older vLLM, what llm-d decodes) are vLLM's structs re-declared
+Positional arrays (older vLLM; llm-d-kv-cache before v0.9.0 decodes only these) are vLLM's structs re-declared
 ``array_like`` (same fields, same order), and one hand-written pre-``medium`` layout.
 """
 
@@ -240,6 +240,17 @@ def test_all_event_kinds_and_mediums_map_to_tiers() -> None:
     assert r.vllm_status()[0].blocks == 0       # every entry of the map is gone with its last holder
 
 
+def test_mediums_match_in_any_case_and_unknown_ones_are_counted() -> None:
+    r = offline_router()
+    topic = f"kv@pod-a@{MODEL}"
+    r.vllm.feed(frames(topic, 0, payload(stored(1, 0, 4, medium="gpu"), stored(1, 0, 6, medium="cpu"),
+                                         stored(1, 0, 8, medium="Storage"), stored(2, 0, 2, medium="CPU_PINNED"))))
+    assert overlap(r, "pod-a", 1, 8) == (4, 6, 8) and overlap(r, "pod-a", 2, 2) == (0, 0, 0)
+    r.vllm.feed(frames(topic, 1, payload(removed(1, [7], medium="storage"), removed(1, [0], medium="OBJ"))))
+    assert overlap(r, "pod-a", 1, 8) == (4, 6, 7)
+    assert r.vllm_status()[0].unknown_mediums == 2
+
+
 def test_several_full_attention_groups_must_all_hold_a_block_and_others_are_ignored() -> None:
     r = offline_router()
     topic = f"kv@pod-a@{MODEL}"
@@ -389,6 +400,142 @@ def test_a_router_that_joins_late_replays_the_history(engines) -> None:
     r = offline_router(e.source())
     r.vllm.feed(got[2])                                # the first batch heard: the rest is asked for
     assert overlap(r, "pod-a", 1, 6) == (5, 5, 5) and r.vllm_status()[0].gaps_lost == 0
+
+
+class OldReplay:
+    """A replay socket that answers as vLLM before the topic frame was added (and SGLang) do:
+    ``[id, "", seq, payload]`` per batch, then ``[id, "", -1, ""]``; a real ROUTER on a thread."""
+
+    def __init__(self, d: str, batches: dict[int, bytes], end: bool = True, trickle_s: float = 0) -> None:
+        import threading
+        self.ep, self.batches, self.end, self.trickle_s = f"ipc://{d}/old.rep", batches, end, trickle_s
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.ep)
+        self.requests: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            cid, _, start = self.sock.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.requests.append(first)
+            for seq, body in sorted(self.batches.items()):
+                if seq >= first:
+                    self.sock.send_multipart([cid, b"", seq.to_bytes(8, "big"), body])
+            until = time.monotonic() + self.trickle_s   # a peer that never ends: old batches again
+            while time.monotonic() < until and not self.stop.is_set():
+                self.sock.send_multipart([cid, b"", (0).to_bytes(8, "big"), self.batches[0]])
+                time.sleep(0.05)
+            if self.end:
+                self.sock.send_multipart([cid, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_a_replay_socket_that_answers_without_the_topic_frame_is_understood(d) -> None:
+    topic = f"kv@pod-a@{MODEL}"
+    sent = {0: payload(stored(1, 0, 2)), 1: payload(stored(1, 2, 2)), 2: payload(removed(1, [3])),
+            3: payload(stored(2, 0, 2))}
+    rep = OldReplay(d, sent)
+    try:
+        r = offline_router(f"ipc://{d}/none.pub,replay={rep.ep},replay_timeout=3")
+        t0 = time.monotonic()
+        r.vllm.feed(frames(topic, 3, sent[3]))         # the first batch heard: 0..2 are asked for
+        sent[4] = payload(stored(2, 2, 1))
+        r.vllm.feed(frames(topic, 5, payload(stored(3, 0, 1))))  # seq 4 lost: the replay has it
+        assert time.monotonic() - t0 < 3               # END was understood: no wait for the timeout
+        assert rep.requests == [0, 4]
+        assert r.vllm._replay_socks[0].getsockopt(zmq.MAXMSGSIZE) == ve.MAX_MESSAGE_BYTES
+        st = r.vllm_status()[0]
+        assert st.gaps_lost == 0 and st.gaps_recovered == 1 and st.seq == 5
+        assert overlap(r, "pod-a", 1, 4) == (3, 3, 3) and overlap(r, "pod-a", 2, 3) == (3, 3, 3)
+    finally:
+        rep.close()
+
+
+def test_what_a_replay_answer_without_its_end_marker_brought_is_kept(d) -> None:
+    """A replay answer cut short (a publisher ROUTER at ZMQ's default high-water mark drops the
+    end of a long answer, END marker included) still fills what it can."""
+    topic = f"kv@pod-a@{MODEL}"
+    sent = {0: payload(stored(1, 0, 2)), 1: payload(stored(1, 2, 2)), 2: payload(removed(1, [3]))}
+    rep = OldReplay(d, sent, end=False)
+    try:
+        r = offline_router(f"ipc://{d}/none.pub,replay={rep.ep},replay_timeout=0.5")
+        r.vllm.feed(frames(topic, 3, payload(stored(2, 0, 2))))   # the first heard: 0..2 arrive, END never
+        st = r.vllm_status()[0]
+        assert st.seq == 3 and st.gaps_lost == 0
+        assert overlap(r, "pod-a", 1, 4) == (3, 3, 3) and overlap(r, "pod-a", 2, 2) == (2, 2, 2)
+    finally:
+        rep.close()
+
+
+def test_a_replay_answer_that_never_ends_is_cut_short(d, monkeypatch) -> None:
+    monkeypatch.setattr(ve, "REPLAY_MAX_S", 1.0, raising=False)
+    topic = f"kv@pod-a@{MODEL}"
+    sent = {0: payload(stored(1, 0, 2)), 1: payload(stored(1, 2, 2))}
+    rep = OldReplay(d, sent, end=False, trickle_s=8)
+    try:
+        r = offline_router(f"ipc://{d}/none.pub,replay={rep.ep},replay_timeout=1")
+        t0 = time.monotonic()
+        r.vllm.feed(frames(topic, 2, payload(stored(2, 0, 2))))
+        assert time.monotonic() - t0 < 4
+        assert r.vllm_status()[0].seq == 2 and overlap(r, "pod-a", 1, 4) == (4, 4, 4)
+    finally:
+        rep.close()
+
+
+def test_hostile_payloads_are_undecodable_batches() -> None:
+    with pytest.raises(ve.EventError):
+        ve.decode_batch(b"\x91" * 200_000 + b"\xc0")   # nested deeper than Python's stack
+    r = offline_router()
+    topic = f"kv@pod-a@{MODEL}"
+    r.vllm.feed(frames(topic, 0, payload(stored(1, 0, 2))))
+    r.vllm.feed(frames(topic, 1, b"\x91" * 200_000 + b"\xc0"))
+    st = r.vllm_status()[0]
+    assert st.seq == 1 and st.gaps_lost == 1 and "nested" in st.last_error
+    assert overlap(r, "pod-a", 1, 2) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 32])
+def test_a_batch_with_impossible_token_ids_clears_the_worker_once_and_the_stream_goes_on(engines, bad) -> None:
+    """Token ids outside uint32 make the batch undecodable: the worker is cleared once and later
+    batches apply in sequence (they used to raise, and each asked the replay socket again)."""
+    e = engines("pod-a")
+    r = offline_router(e.source())
+    r.vllm.feed(e.publish(stored(1, 0, 2)))
+    r.vllm.feed(e.publish(stored(2, 0, 1, token_ids=[bad] * BS)))
+    for got in (e.publish(stored(3, 0, 1)), e.publish(stored(3, 1, 1)), e.publish(removed(3, [1]))):
+        r.vllm.feed(got)
+    st = r.vllm_status()[0]
+    assert st.seq == e.published - 1 and st.gaps_lost == 1 and st.gaps_recovered == 0
+    assert "token_ids" in st.last_error
+    assert overlap(r, "pod-a", 1, 2) == (0, 0, 0) and overlap(r, "pod-a", 3, 2) == (1, 1, 1)
+
+
+def test_a_batch_that_fails_to_fold_resets_the_worker_and_the_stream_moves_past_it(monkeypatch) -> None:
+    r = offline_router()
+    topic = f"kv@pod-a@{MODEL}"
+    r.vllm.feed(frames(topic, 0, payload(stored(1, 0, 2))))
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected")
+    with monkeypatch.context() as m:
+        m.setattr(ve, "block_keys", broken)         # a fault while folding batch 1
+        r.vllm.feed(frames(topic, 1, payload(stored(2, 0, 2))))
+    r.vllm.feed(frames(topic, 2, payload(stored(3, 0, 2))))
+    st = r.vllm_status()[0]
+    assert st.seq == 2 and st.gaps_lost == 1 and "batch 1: RuntimeError" in st.last_error
+    assert overlap(r, "pod-a", 1, 2) == (0, 0, 0) and overlap(r, "pod-a", 3, 2) == (2, 2, 2)
 
 
 def test_a_publisher_restart_clears_its_worker() -> None:

@@ -16,12 +16,14 @@ The wire (as vLLM 0.32 sends it)
     publisher) and a msgpack ``KVEventBatch``: an array ``[ts, events, data_parallel_rank]``.
     Events are msgspec *tagged* structs: in vLLM 0.32 maps with ``"type"`` naming the kind
     (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) and fields by name, defaulted
-    fields omitted; in older vLLM (and what llm-d's indexer decodes) arrays, the tag first and
-    the fields in declaration order, later fields missing. Both are accepted. Block hashes
+    fields omitted; in older vLLM arrays, the tag first and the fields in declaration order,
+    later fields missing (llm-d-kv-cache before v0.9.0 decodes only this form). Both are accepted. Block hashes
     are bytes (sha256) or 64-bit ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); both are
     used as given. The replay socket (ROUTER) answers ``["", start_seq (8 bytes)]`` with
     ``["", topic, seq, payload]`` for every buffered batch from ``start_seq`` on, then
-    ``["", "", -1 (8 bytes, signed), ""]``.
+    ``["", "", -1 (8 bytes, signed), ""]``; older vLLM versions (and SGLang) answer without
+    the topic frame, ``["", seq, payload]`` then ``["", -1, ""]``, which is accepted too (the
+    batches are then the requested stream's).
 
 From engine hashes to kvtier keys
     Per stream (one publisher: a source and a topic) a map *engine hash -> [kvtier key,
@@ -39,7 +41,9 @@ From engine hashes to kvtier keys
     engine's removals bound the map; ``max_blocks`` caps it (blocks past the cap are skipped).
 
 Tiers, groups, workers and nodes
-    Mediums map to tiers: ``GPU`` (and none) -> gpu, ``CPU`` -> host, ``STORAGE`` -> disk.
+    Mediums map to tiers, in any case: ``GPU`` (and none) -> gpu, ``CPU`` -> host,
+    ``STORAGE`` -> disk; events of any other medium are ignored and counted
+    (``unknown_mediums``, logged once per stream).
     A stream is one worker, named by the source's ``worker=``, else the topic's pod (with
     ``/dp<rank>`` for a data-parallel rank above 0), else the endpoint; its node is
     ``vllm:<worker>``, a node of its own with this one worker, whose host and disk tiers are
@@ -58,6 +62,11 @@ Sequence numbers
     missed removal would otherwise stay forever, and the stream goes on from what it has.
     When the connection to a publisher drops (a connected endpoint), its streams are
     cleared the same way and start again, with a replay, when it comes back.
+    A replay answer is read for at most :data:`REPLAY_MAX_S` seconds and
+    :data:`REPLAY_MAX_BYTES` bytes; one that ends without its END marker keeps what arrived.
+    A batch that cannot be folded (it should have been refused as undecodable) resets the
+    worker like an undecodable one, and the stream moves past it. Frames over
+    :data:`MAX_MESSAGE_BYTES` disconnect the peer.
 
 Threading: one thread polls every source's SUB socket (:meth:`VllmEvents.start`); each batch
 is folded under the lock given, which the router also routes under. Needs ``pyzmq`` and
@@ -70,6 +79,7 @@ import contextlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -83,7 +93,12 @@ __all__ = ["Batch", "BlockRemoved", "BlockStored", "AllBlocksCleared", "EventErr
            "VllmStreamStatus", "decode_batch", "parse_topic", "parse_vllm_events"]
 
 MEDIUM_TIERS: dict[str | None, str] = {None: "gpu", "GPU": "gpu", "CPU": "host", "STORAGE": "disk"}
-"""vLLM's mediums (``vllm.distributed.kv_events.MEDIUM_*``) -> kvtier tiers."""
+"""vLLM's mediums (``vllm.distributed.kv_events.MEDIUM_*``) -> kvtier tiers (matched without
+regard to case, as llm-d does; any other medium is counted in ``unknown_mediums``)."""
+
+
+def _tier(medium: str | None) -> str | None:
+    return MEDIUM_TIERS.get(medium.upper() if medium is not None else None)
 
 PREFIX_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention", "unknown"})
 """KV cache group kinds whose blocks make a reusable prefix (the others, sliding window,
@@ -92,6 +107,14 @@ mamba..., are not indexed)."""
 NODE_PREFIX = "vllm:"
 END_SEQ = -1
 _RECV_HWM = 100_000  # as vLLM's publisher: a slow router must not drop batches at 1000
+_TOKEN_LIMIT = 1 << 32  # block_keys hashes token ids as uint32
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest frame taken from a publisher or replay socket (ZMQ_MAXMSGSIZE; a peer that sends a
+bigger one is disconnected). vLLM's batches are far smaller (a 128k-token prefill is < 1 MiB)."""
+REPLAY_MAX_S = 30.0
+"""Longest one replay answer may take in all (``replay_timeout`` bounds each wait between frames)."""
+REPLAY_MAX_BYTES = 512 << 20
+"""Most payload bytes one replay answer may bring (vLLM buffers 10k batches)."""
 
 # field order of vLLM's structs (0.32); older vLLM sends a prefix of these as arrays
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
@@ -260,8 +283,8 @@ def _opt(v: Any, kind: type, what: str) -> Any:
 
 def _stored(f: dict[str, Any]) -> BlockStored:
     tokens = f.get("token_ids") or []
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise EventError("BlockStored.token_ids: not a list of ints")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < _TOKEN_LIMIT for t in tokens):
+        raise EventError("BlockStored.token_ids: not a list of token ids (ints in 0 .. 2**32-1)")
     parent = f.get("parent_block_hash")
     if parent is not None and (not isinstance(parent, bytes | int) or isinstance(parent, bool)):
         raise EventError("BlockStored.parent_block_hash: not a block hash")
@@ -310,6 +333,8 @@ def decode_batch(payload: bytes) -> Batch:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
         raise EventError(f"not msgpack: {e}") from None
+    except RecursionError:  # nested deeper than Python's stack: no batch is
+        raise EventError("not a batch: msgpack nested too deeply") from None
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list) and len(raw) >= 2:
@@ -341,9 +366,10 @@ class VllmStreamStatus:
     blocks: int = 0            # engine hashes mapped now
     skipped_blocks: int = 0    # stored blocks whose key could not be known (see the module doc)
     gaps_recovered: int = 0    # gaps filled from the replay socket
-    gaps_lost: int = 0         # gaps (or undecodable batches) that cleared the worker
+    gaps_lost: int = 0         # gaps (or undecodable or unfoldable batches) that cleared the worker
     restarts: int = 0          # publisher restarts and disconnects (each cleared the worker)
     unknown_events: int = 0
+    unknown_mediums: int = 0   # events of a medium other than GPU, CPU, STORAGE (any case): ignored
     last_error: str = ""
 
 
@@ -398,9 +424,18 @@ class _Stream:
             self.index.set_node_info(self.node, {self.worker: [_fp(g) for g in sorted(self.groups)]})
         return bit
 
+    def _unknown_medium(self, medium: str | None) -> None:
+        if not self.st.unknown_mediums:
+            log.warning("vLLM KV events of an unknown medium are ignored (known: GPU, CPU, STORAGE)",
+                        extra={"worker": self.worker, "medium": medium})
+        self.st.unknown_mediums += 1
+
     def _stored(self, ev: BlockStored) -> None:
-        tier = MEDIUM_TIERS.get(ev.medium)
-        if tier is None or ev.kind not in PREFIX_KINDS or not ev.hashes:
+        tier = _tier(ev.medium)
+        if tier is None:
+            self._unknown_medium(ev.medium)
+            return
+        if ev.kind not in PREFIX_KINDS or not ev.hashes:
             return
         bit = self._bit(tier, ev.group, ev.ownership)
         keys = self._keys(ev)
@@ -442,8 +477,11 @@ class _Stream:
         return out
 
     def _removed(self, ev: BlockRemoved) -> None:
-        tier = MEDIUM_TIERS.get(ev.medium)
-        bit = self.bits.get((tier, ev.group, ev.ownership)) if tier else None
+        tier = _tier(ev.medium)
+        if tier is None:
+            self._unknown_medium(ev.medium)
+            return
+        bit = self.bits.get((tier, ev.group, ev.ownership))
         if bit is None:
             return  # nothing was ever stored there
         column = self.column_bits[tier, ev.group]
@@ -641,12 +679,23 @@ class VllmEvents:
             self._apply(s, k, frames[k])
 
     def _apply(self, s: _Stream, seq: int, batch: Batch | None) -> None:
+        """Fold batch ``seq`` into ``s``; the stream moves past it whatever happens (a batch
+        that cannot be folded resets the worker, as an undecodable one does), so one bad
+        batch never makes every later message a gap that replays it again."""
         with self._lock:
-            if batch is None:  # undecodable: what it changed is unknown
-                s.reset()
+            try:
+                if batch is None:  # undecodable: what it changed is unknown
+                    s.reset()
+                    s.st.gaps_lost += 1
+                else:
+                    s.apply(batch)
+            except Exception as e:  # half applied: what the worker holds is unknown
+                log.exception("folding a vLLM KV event batch failed; the worker's holdings are cleared",
+                              extra={"worker": s.worker, "seq": seq})
+                s.st.last_error = f"batch {seq}: {type(e).__name__}: {e}"
                 s.st.gaps_lost += 1
-            else:
-                s.apply(batch)
+                with contextlib.suppress(Exception):
+                    s.reset()
             s.last = s.st.seq = seq
             s.st.connected = True
 
@@ -665,7 +714,7 @@ class VllmEvents:
 
     def _replay(self, s: _Stream, from_seq: int) -> dict[int, Batch | None]:
         """Every batch of ``s``'s topic the replay socket has from ``from_seq`` on ({} when
-        there is no replay socket or it does not answer in time)."""
+        there is no replay socket; what arrived when the answer does not end in time)."""
         i, src = s.i, s.source
         if not src.replay:
             return {}
@@ -675,27 +724,42 @@ class VllmEvents:
         if sock is None:
             sock = self._replay_socks[i] = self._context().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)  # an answer is up to buffer_steps (10k) batches in one burst
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.connect(src.replay)
         out: dict[int, Batch | None] = {}
+        deadline, size = time.monotonic() + REPLAY_MAX_S, 0
         try:
             sock.send_multipart([b"", from_seq.to_bytes(8, "big")], zmq.NOBLOCK)
             while sock.poll(int(src.replay_timeout * 1000)):
+                if time.monotonic() > deadline or size > REPLAY_MAX_BYTES:
+                    log.warning("vLLM replay answer too long or too big; cut short",
+                                extra={"replay": src.replay, "batches": len(out), "bytes": size})
+                    break
                 frames = sock.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8:
+                size += sum(len(f) for f in frames)
+                if len(frames) == 4 and len(frames[2]) == 8:    # ["", topic, seq, payload] (vLLM 0.32)
+                    topic, seq_b, body = frames[1:]
+                elif len(frames) == 3 and len(frames[1]) == 8:  # ["", seq, payload] (older vLLM, SGLang)
+                    topic, seq_b, body = s.topic, frames[1], frames[2]
+                else:
                     continue
-                seq = int.from_bytes(frames[2], "big", signed=True)
+                seq = int.from_bytes(seq_b, "big", signed=True)
                 if seq == END_SEQ:
                     return out
-                if frames[1] == s.topic:
-                    out[seq] = self._decode(i, frames[1], frames[3])
+                if topic == s.topic:
+                    out[seq] = self._decode(i, topic, body)
         except zmq.ZMQError as e:
             log.warning("vLLM replay request failed", extra={"replay": src.replay, "error": str(e)})
-        # no answer in time: a late one must not be taken for the next request's
+        # no (complete) answer in time: a late rest must not be taken for the next request's.
+        # What did arrive is kept: the callers use only unbroken runs of it (a publisher's
+        # ROUTER at ZMQ's default high-water mark drops the end of a long answer, END included)
         sock.close(0)
         del self._replay_socks[i]
         log.warning("vLLM replay socket did not answer in time", extra={"replay": src.replay,
-                                                                         "timeout_s": src.replay_timeout})
-        return {}
+                                                                         "timeout_s": src.replay_timeout,
+                                                                         "batches": len(out)})
+        return out
 
     def _context(self) -> Any:
         if self._ctx is None:
@@ -758,6 +822,7 @@ class VllmEvents:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, _RECV_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)      # a publisher that vanished is noticed
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
         sock.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
