@@ -126,7 +126,8 @@ class Config:
                                         "router further behind gets a snapshot instead", parse_int, "N")
     # -- KV events out (kvtier.daemon.kv_events): host and disk holdings as a vLLM-format stream --
     kv_events_endpoint: str = _opt("", "publish the host and disk tiers' holdings as a vLLM-format KV event "
-                                       "stream (ZMQ PUB) for Dynamo's KV router and llm-d's KV indexer; as "
+                                       "stream (ZMQ PUB) for llm-d's KV indexer and other readers of vLLM's events (not "
+                                       "Dynamo's KV router: docs/integrations.md); as "
                                        "vLLM's endpoint: tcp://*:PORT or ipc://PATH is bound (refuses to "
                                        "start if taken), tcp://HOST:PORT is connected to a reader that binds; "
                                        "needs pip install -e '.[events]' in a kvtier checkout; empty: off", metavar="ENDPOINT")
