@@ -278,6 +278,7 @@ def test_topics_sources_and_worker_names() -> None:
         ("ipc:///x,salt=t1", "tcp://b:1,replay_timeout=0.5")
     src = ve.VllmSource.parse("tcp://*:6000,worker=w,block_tokens=16,max_blocks=10")
     assert src.bind and (src.worker, src.block_tokens, src.max_blocks) == ("w", 16, 10)
+    assert (src.idle_timeout, src.max_streams, src.max_refused) == (300.0, 1024, 1024)
     for bad in ("replay=tcp://a:1", "http://a:1", "tcp://a:1,nope=1", "tcp://a:1,max_blocks=x",
                 "tcp://a:1,replay=a:1"):
         with pytest.raises(ValueError):
@@ -563,6 +564,68 @@ def test_subscribed_over_zmq_and_cleared_when_the_engine_goes_away(engines) -> N
         wait_for(lambda: r.vllm_status()[0].restarts == 1, what="the disconnect")
         assert overlap(r, "pod-a", 1, 4) == (0, 0, 0) and not r.vllm_status()[0].connected
     finally:
+        r.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_bound_endpoint_caps_its_topics_and_drops_streams_that_go_silent() -> None:
+    """Engines connecting to a bound endpoint (llm-d's central mode) under many topics: past
+    max_streams a topic is refused, past max_refused it is not even remembered (counted); a
+    stream silent for idle_timeout is dropped, its worker forgotten, and its slot freed."""
+    port = free_port()
+    r = Router(RouterConfig()).start()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        r.add_vllm_events(f"tcp://*:{port},idle_timeout=1.5,max_streams=3,max_refused=2")
+        pub.connect(f"tcp://127.0.0.1:{port}")
+        seqs = [0] * 10
+
+        def send(pods: range) -> None:
+            for p in pods:
+                pub.send_multipart(frames(f"kv@pod-{p}@{MODEL}", seqs[p], payload(stored(p + 1, 0, 2))))
+                seqs[p] += 1
+
+        def heard() -> bool:  # the PUB joins late: send under every topic until the caps are reached
+            send(range(10))
+            return len(r.vllm_status()) == 5 and r.vllm.refused_unlisted > 0
+        wait_for(heard, what="the router to hear the topics")
+        st = r.vllm_status()
+        live = {s.worker for s in st if s.connected}
+        refused = [s for s in st if not s.connected]
+        assert len(live) == 3 and len(refused) == 2
+        assert all("max_streams=3" in s.last_error for s in refused)
+        for w in live:
+            p = int(w.split("-")[1])
+            assert overlap(r, w, p + 1, 2)[0] == 2 and f"vllm:{w}" in r.vllm.protect
+        # the live topics go silent, but one: after idle_timeout they are dropped, worker and all
+        keep = min(int(w.split("-")[1]) for w in live)
+        gone = live - {f"pod-{keep}"}
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            send(range(keep, keep + 1))
+            time.sleep(0.1)
+        assert r.vllm.expired_streams == 2
+        workers = {w for w, _ in r.workers()}
+        assert f"pod-{keep}" in workers and not gone & workers
+        assert not {f"vllm:{w}" for w in gone} & (set(r.index.nodes) | r.vllm.protect)
+        assert {s.worker for s in r.vllm_status()} == {f"pod-{keep}"}  # the refused topics expired too
+        # the freed slots take new topics
+        new = [p for p in range(10) if f"pod-{p}" not in live][:2]
+        wait_for(lambda: send(range(new[0], new[0] + 1)) or send(range(new[1], new[1] + 1)) or
+                 {s.worker for s in r.vllm_status() if s.connected} == {f"pod-{keep}", *(f"pod-{p}" for p in new)},
+                 what="new topics to take the freed slots")
+    finally:
+        pub.close(0)
+        ctx.term()
         r.close()
 
 

@@ -62,6 +62,18 @@ Sequence numbers
     missed removal would otherwise stay forever, and the stream goes on from what it has.
     When the connection to a publisher drops (a connected endpoint), its streams are
     cleared the same way and start again, with a replay, when it comes back.
+    A bound endpoint hears no disconnects, so there a stream with no message for
+    ``idle_timeout`` seconds (default 300; 0: never) is dropped: its worker's holdings, its
+    node and its map are forgotten (``VllmEvents.expired_streams``), and the topic, if heard
+    again, is a new stream. (An engine that is idle longer than that loses its entries too:
+    vLLM publishes nothing while nothing is cached or evicted.)
+
+Caps
+    Per source at most ``max_streams`` streams (default 1024) and ``max_refused`` refused
+    topics remembered (default 1024; a refused topic's status says why). A topic heard when
+    the streams are full is refused; one refused when the refused list is full is not
+    remembered and each of its messages is counted (``VllmEvents.refused_unlisted``).
+    Refused topics of a bound endpoint are forgotten after ``idle_timeout`` of silence too.
     A replay answer is read for at most :data:`REPLAY_MAX_S` seconds and
     :data:`REPLAY_MAX_BYTES` bytes; one that ends without its END marker keeps what arrived.
     A batch that cannot be folded (it should have been refused as undecodable) resets the
@@ -137,7 +149,10 @@ class VllmSource:
     the topic's pod, else the endpoint); ``model=`` the model for keys when the topic names
     none; ``salt=`` the tenant salt of the keys; ``block_tokens=`` accept only events of this
     block size (0: any); ``max_blocks=`` most blocks mapped per stream; ``topic=`` subscribe
-    to topics with this prefix only; ``replay_timeout=`` seconds to wait for a replay.
+    to topics with this prefix only; ``replay_timeout=`` seconds to wait for a replay;
+    ``idle_timeout=`` seconds of silence after which a stream of a bound endpoint is dropped
+    (0: never); ``max_streams=`` most streams (topics) of this source; ``max_refused=`` most
+    refused topics of this source remembered (see the module doc).
     """
 
     endpoint: str
@@ -149,6 +164,9 @@ class VllmSource:
     max_blocks: int = 1 << 21
     topic: str = ""
     replay_timeout: float = 2.0
+    idle_timeout: float = 300.0
+    max_streams: int = 1024
+    max_refused: int = 1024
 
     @classmethod
     def parse(cls, entry: str) -> VllmSource:
@@ -390,6 +408,7 @@ class _Stream:
         self.column_bits: dict[tuple[str, int], int] = {}  # (tier, group) -> its locations' bits
         self.groups: set[int] = set()
         self.last: int | None = None   # last seq applied
+        self.heard = time.monotonic()  # when its last message came
         self.sub_last = -1             # last seq received on the SUB socket
 
     # -- the fold -------------------------------------------------------------------------
@@ -520,6 +539,9 @@ class VllmEvents:
 
     ``lock`` serialises every change of ``index`` (the router's lock); ``protect``, if given,
     gets the node id of every stream (the router's feeds then never forget those nodes).
+    ``expired_streams`` counts streams of bound endpoints dropped after ``idle_timeout``;
+    ``refused_unlisted`` the messages of topics refused while the source's refused list was
+    full (so not remembered).
     """
 
     def __init__(self, index: LocationIndex, lock: threading.RLock, sources: Iterable[VllmSource | str] = (), *,
@@ -530,6 +552,12 @@ class VllmEvents:
         self._streams: dict[tuple[int, bytes], _Stream] = {}
         self._refused: dict[tuple[int, bytes], VllmStreamStatus] = {}
         self._owner: dict[str, tuple[int, bytes]] = {}   # worker -> its stream
+        self._refused_heard: dict[tuple[int, bytes], float] = {}  # refused topic -> its last message
+        self._counts: dict[tuple[int, bool], int] = {}   # (source, refused?) -> streams or refused topics
+        self._capped: set[int] = set()                    # sources whose refused list was full (logged)
+        self.expired_streams = 0
+        self.refused_unlisted = 0
+        self._next_expiry = 0.0
         self._handling = threading.Lock()                 # one message at a time (thread or feed())
         self._ctx: Any = None
         self._replay_socks: dict[int, Any] = {}
@@ -571,15 +599,37 @@ class VllmEvents:
                         extra={"source": self.sources[i].endpoint, "frames": len(frames)})
             return
         topic, seq = frames[0], int.from_bytes(frames[1], "big", signed=True)
+        key = (i, topic)
+        if key in self._refused:
+            self._refused_heard[key] = time.monotonic()
+            return
         batch = self._decode(i, topic, frames[2])
-        st = self._streams.get((i, topic))
+        st = self._streams.get(key)
         if st is None:
-            if batch is None or (i, topic) in self._refused:
+            if batch is None:
                 return
             st = self._claim(i, topic, batch)
             if st is None:
                 return
+        st.heard = time.monotonic()
         self._sequence(st, seq, batch)
+
+    def _refuse(self, i: int, topic_b: bytes, st: VllmStreamStatus, why: str) -> None:
+        """Remember ``topic_b`` of source ``i`` as refused (``why``), if its list has room."""
+        src = self.sources[i]
+        st.last_error, st.connected = why, False
+        if self._counts.get((i, True), 0) >= src.max_refused:
+            self.refused_unlisted += 1
+            if i not in self._capped:
+                self._capped.add(i)
+                log.error("too many refused vLLM topics; more are refused without being remembered",
+                          extra={"source": src.endpoint, "max_refused": src.max_refused, "topic": st.topic,
+                                 "error": why})
+            return
+        self._refused[i, topic_b] = st
+        self._refused_heard[i, topic_b] = time.monotonic()
+        self._counts[i, True] = self._counts.get((i, True), 0) + 1
+        log.error("vLLM publisher ignored", extra={"source": src.endpoint, "topic": st.topic, "error": why})
 
     def _decode(self, i: int, topic: bytes, payload: bytes) -> Batch | None:
         try:
@@ -612,13 +662,14 @@ class VllmEvents:
             why = "no model: the topic names none (kv@<pod>@<model>) and the entry has no model="
         elif worker in self._owner:
             why = f"worker {worker!r} is already fed by another vLLM publisher (give worker= per entry)"
+        elif self._counts.get((i, False), 0) >= src.max_streams:
+            why = f"too many streams on this source (max_streams={src.max_streams})"
         with self._lock:
             if why:
-                st.last_error, st.connected = why, False
-                self._refused[i, topic_b] = st
-                log.error("vLLM publisher ignored", extra={"source": src.endpoint, "topic": topic, "error": why})
+                self._refuse(i, topic_b, st, why)
                 return None
             stream = self._streams[i, topic_b] = _Stream(self.index, i, src, topic_b, st)
+            self._counts[i, False] = self._counts.get((i, False), 0) + 1
             self._owner[worker] = (i, topic_b)
             self.protect.add(st.node_id)
             if st.node_id in self.index.nodes:  # saved by an earlier run: its map is gone
@@ -709,6 +760,38 @@ class VllmEvents:
                 s.st.connected = False
             else:
                 s.st.gaps_lost += 1
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop the streams (and forget the refused topics) of bound endpoints silent for their
+        source's ``idle_timeout``: a stream's worker, node and map go, as if it disconnected
+        for good. The polling thread calls this about once a second; the number dropped."""
+        now = time.monotonic() if now is None else now
+        dropped = 0
+        with self._handling:
+            for key, s in list(self._streams.items()):
+                src = self.sources[key[0]]
+                if src.bind and src.idle_timeout > 0 and now - s.heard > src.idle_timeout:
+                    log.info("vLLM publisher silent; its stream is dropped and its worker forgotten",
+                             extra={"worker": s.worker, "source": src.endpoint, "idle_s": round(now - s.heard, 1)})
+                    with self._lock:
+                        del self._streams[key]
+                        self._counts[key[0], False] -= 1
+                        if self._owner.get(s.worker) == key:
+                            del self._owner[s.worker]
+                        s.reset()
+                        self.index.drop_node(s.node)
+                        self.protect.discard(s.node)
+                        self.expired_streams += 1
+                    dropped += 1
+            for key, heard in list(self._refused_heard.items()):
+                src = self.sources[key[0]]
+                if src.bind and src.idle_timeout > 0 and now - heard > src.idle_timeout:
+                    with self._lock:
+                        del self._refused_heard[key]
+                        self._refused.pop(key, None)
+                        self._counts[key[0], True] -= 1
+                        self._capped.discard(key[0])
+        return dropped
 
     # -- the replay socket ------------------------------------------------------------------
 
@@ -810,6 +893,12 @@ class VllmEvents:
                         self._monitor_event(monitors[sock], sock)
                     else:
                         self._drain(subs[sock], sock)
+                if time.monotonic() >= self._next_expiry:
+                    self._next_expiry = time.monotonic() + 1.0
+                    try:
+                        self.expire()
+                    except Exception:  # a bug must not stop every stream
+                        log.exception("expiring silent vLLM streams failed")
         finally:
             for sock in [*subs, *monitors]:
                 sock.close(0)
