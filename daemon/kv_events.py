@@ -12,7 +12,7 @@ is credited to the pod and model it names (one engine per kvtierd). docs/integra
 
 Owns
     :class:`KvEventsPublisher`, a :class:`~kvtier.daemon.observers.LocationObserver` of the
-    store; its ZMQ sockets: a PUB socket, bound or connected by vLLM's rule (a wildcard host,
+    store; its ZMQ sockets: a PUB socket (an XPUB, which also hears subscriptions), bound or connected by vLLM's rule (a wildcard host,
     ``tcp://*:5557``, or ``ipc://``: bind, so readers connect to kvtierd, as Dynamo's relay
     does; any other host: connect, to a reader that binds, as llm-d's central indexer does),
     and a ROUTER for replay, always bound, when ``--kv-events-replay-endpoint`` is set; and the
@@ -26,7 +26,11 @@ Wire format (as vLLM 0.32's ``vllm/distributed/kv_events.py``)
     with a ``"type"`` key (``{"type": "BlockStored", "block_hashes": [...], ...}``), fields
     with their default value omitted, exactly as vLLM's classes encode (a test compares the
     bytes). The first batch (seq 0) is ``AllBlocksCleared``; blocks a disk tier restored
-    follow once their layout is registered (below). Replay (vLLM's protocol): a DEALER sends
+    follow once their layout is registered (below). ZMQ loses what is published before a
+    reader's subscription takes effect, so each subscription to the topic is answered with a
+    snapshot (``subscriptions`` in :attr:`KvEventsPublisher.stats`): the first one, and in
+    connect mode every one, gets ``AllBlocksCleared`` and every held block; later ones on a
+    bound endpoint every held block only (``BlockStored``), so attached readers are not cleared. Replay (vLLM's protocol): a DEALER sends
     ``[b"", start]``, the starting sequence number as 8 big-endian bytes; the ROUTER answers
     with every buffered batch from there as ``[b"", topic, seq, payload]`` and ends with
     ``[b"", b"", -1 (8 bytes, signed), b""]``. The last :data:`REPLAY_BATCHES` batches (at
@@ -136,6 +140,7 @@ LINGER_MS = 500               # how long close() lets the last batches go out
 DROP_LOG_S = 10.0
 
 STORED, REMOVED, RESET = "stored", "removed", "reset"
+ANNOUNCE = "announce"         # a held block re-announced to a new subscriber (BlockStored; TP: complete blocks)
 
 
 class KvEventsError(Exception):
@@ -335,9 +340,17 @@ class _Translator:
             if not self.all_keys:
                 engine = [k for k in keys if len(k) == ENGINE_KEY_BYTES]
                 if len(engine) != len(keys):
-                    self._skip(len(keys) - len(engine))
+                    if op != ANNOUNCE:  # counted when first published
+                        self._skip(len(keys) - len(engine))
                     keys = engine
-            keys = self._complete(op, medium, shard, keys) if shard.group is not None else keys
+            if op == ANNOUNCE:  # blocks published as stored already: once (rank 0), complete ones only
+                if shard.group is not None:
+                    full = (1 << shard.size) - 1
+                    keys = [] if shard.rank else [k for k in keys
+                                                  if self.masks.get((medium, shard.group, bytes(k))) == full]
+                op = STORED
+            elif shard.group is not None:
+                keys = self._complete(op, medium, shard, keys)
             for i in range(0, len(keys), MAX_BATCH_HASHES):
                 hashes = [block_hash(k) for k in keys[i:i + MAX_BATCH_HASHES]]
                 if op == STORED:
@@ -404,7 +417,10 @@ class KvEventsPublisher:
         self._ctx = zmq.Context()
         self._pub = self._replay = None
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
+            # XPUB: a PUB that also hears each subscription arrive (XPUB_VERBOSE: every one, not
+            # only the first of a topic), so a reader that joins late is sent the holdings
+            self._pub = self._ctx.socket(zmq.XPUB)
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             self._pub.set_hwm(100_000)
             self.connects = not binds(endpoint)
             self.endpoint = _attach(zmq, self._pub, endpoint, "--kv-events-endpoint", not self.connects)
@@ -431,8 +447,10 @@ class KvEventsPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffer_bytes = 0
         self._seq = 0
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+        self._subscribed = False      # a reader's subscription was answered with a snapshot
         self.stats = dict.fromkeys(("batches", "events", "hashes", "dropped_events", "dropped_keys", "resyncs",
-                                    "replays", "send_errors", "skipped_keys"), 0)
+                                    "replays", "send_errors", "skipped_keys", "subscriptions"), 0)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._tick: asyncio.Task | None = None
 
@@ -440,6 +458,7 @@ class KvEventsPublisher:
 
     def start(self) -> None:
         """Publish ``AllBlocksCleared`` and the current holdings, then follow the changes."""
+        self._loop_ref = asyncio.get_running_loop()
         self._thread.start()
         self._resync(initial=True)
         self._tick = asyncio.get_running_loop().create_task(self._ticker())
@@ -492,6 +511,22 @@ class KvEventsPublisher:
         for fp in list(self._deferred):
             if self._shard(fp) is not None:
                 self._undefer(fp)
+
+    def _on_subscription(self) -> None:
+        """A reader subscribed to the topic (event loop): it missed what went before, so it is
+        sent the holdings. The first reader, and in connect mode every one (one reader, which
+        may have missed changes while the connection was down), gets ``AllBlocksCleared``
+        first, so what a previous kvtierd announced goes; later readers of a bound endpoint
+        get ``BlockStored`` of every held block only, so the readers already there are not
+        cleared (they recover missed batches by replay)."""
+        if self._closed:
+            return
+        self.stats["subscriptions"] += 1
+        if not self._subscribed or self.connects or self._resync_wanted:
+            self._subscribed = True
+            self._resync(initial=True)
+        else:
+            self._outbox.force([(ANNOUNCE, *item[1:]) for item in self._holdings_items()])
 
     # -- LocationObserver ------------------------------------------------------------------------
 
@@ -602,6 +637,7 @@ class KvEventsPublisher:
             items = self._outbox.take(POLL_S)
             if self._replay is not None:
                 self._serve_replays()
+            self._subscriptions()
             if items is None:
                 return
             if items:
@@ -623,6 +659,24 @@ class KvEventsPublisher:
             self.stats["batches"] += 1
             self.stats["events"] += len(evs)
             self.stats["hashes"] += sum(len(getattr(e, "block_hashes", ())) for e in evs)
+
+    def _subscriptions(self) -> None:
+        """Read the XPUB's subscription messages; one for this topic asks the loop for a snapshot."""
+        zmq, sock = self._zmq, self._pub
+        wanted = False
+        while True:
+            try:
+                msg = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError:
+                log.exception("kv events: reading a subscription failed")
+                break
+            if msg[:1] == b"\x01" and self._topic_bytes.startswith(msg[1:]):
+                wanted = True
+        if wanted and self._loop_ref is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: kvtierd is stopping
+                self._loop_ref.call_soon_threadsafe(self._on_subscription)
 
     def _remember(self, seq: int, payload: bytes) -> None:
         buf = self._buffer

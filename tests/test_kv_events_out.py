@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -235,8 +236,9 @@ def test_puts_and_evicts_are_cpu_events_one_sequence_number_per_batch(stream_dae
     assert h(key8(100)) not in {x for ev in stored for x in ev.block_hashes}
     assert isinstance(evs[0], vkv.AllBlocksCleared)            # the stream starts clean (seq 0, by replay)
     assert state(evs) == {"CPU": {h(k) for k in k8[1:]}, "STORAGE": set()}
-    # batches are numbered 0, 1, 2, ... (changes queued together share one: at most one per RPC here)
-    assert sorted(s.batches) == list(range(len(s.batches))) and 2 <= len(s.batches) <= 4
+    # batches are numbered 0, 1, 2, ... (changes queued together share one: at most one per RPC here,
+    # plus the snapshot that answered the subscription)
+    assert sorted(s.batches) == list(range(len(s.batches))) and 2 <= len(s.batches) <= 5
     assert len(s.live) >= 2 and s.live == list(range(s.live[0], s.live[0] + len(s.live)))
     assert s.topics == {b"kv@node-a@kvtier"}
     assert all(b.data_parallel_rank == 0 and b.ts > 0 for b in s.batches.values())
@@ -511,3 +513,53 @@ def test_close_leaves_the_sockets_to_a_publisher_thread_that_is_still_sending() 
     pub._thread.join(5)
     assert not pub._thread.is_alive() and pub._pub.closed and pub._replay.closed
     assert pub.stats["send_errors"] == 0 and pub.stats["batches"] >= 1
+
+
+def _listen(endpoint: str, bind: bool = False) -> tuple[Any, Any]:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    (sub.bind if bind else sub.connect)(endpoint)
+    return ctx, sub
+
+
+def _heard(sub: Any, until: Callable[[list], bool], timeout: float = 10.0) -> list:
+    dec = msgspec.msgpack.Decoder(type=vkv.KVEventBatch)
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while not until(got):
+        assert time.monotonic() < deadline, f"the late reader never heard the holdings; got {got}"
+        if sub.poll(100):
+            got += dec.decode(sub.recv_multipart()[2]).events
+    return got
+
+
+@pytest.mark.parametrize("mode", ["bind", "connect"])
+def test_a_reader_that_subscribes_after_the_start_is_sent_the_holdings(start_daemon, mode) -> None:
+    """ZMQ's slow joiner: what was published before a reader subscribed never reaches it (and
+    without replay it cannot ask). A subscription arriving is answered with the holdings."""
+    port = free_port()
+    ep = f"tcp://*:{port}" if mode == "bind" else f"tcp://127.0.0.1:{port}"
+    d = start_daemon("--kv-events-endpoint", ep, "--node-id", "node-a")
+    keys = [key8(i) for i in range(5)]
+    with Sidecar(d.socket) as sc:
+        lid = sc.register_layout(Layout.flat(4096))
+        sc.put(lid, keys, [payload(k, 4096) for k in keys])
+        time.sleep(0.5)  # published, to nobody
+        want = {h(k) for k in keys}
+        ctx, sub = _listen(f"tcp://127.0.0.1:{port}", bind=mode == "connect")
+        ctx2 = None
+        try:
+            got = _heard(sub, lambda evs: state(evs)["CPU"] == want)
+            assert isinstance(got[0], vkv.AllBlocksCleared)   # what an earlier kvtierd said is void
+            if mode == "bind":  # a second reader: the holdings again, and the first is not cleared
+                ctx2, sub2 = _listen(f"tcp://127.0.0.1:{port}")
+                got2 = _heard(sub2, lambda evs: state(evs)["CPU"] == want)
+                assert not any(isinstance(e, vkv.AllBlocksCleared) for e in got2)
+                again = _heard(sub, lambda evs: set(of(evs, vkv.BlockStored, "CPU")) == want)
+                assert not any(isinstance(e, vkv.AllBlocksCleared) for e in again)
+        finally:
+            ctx.destroy(linger=0)
+            if ctx2 is not None:
+                ctx2.destroy(linger=0)
