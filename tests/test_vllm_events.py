@@ -278,7 +278,7 @@ def test_topics_sources_and_worker_names() -> None:
         ("ipc:///x,salt=t1", "tcp://b:1,replay_timeout=0.5")
     src = ve.VllmSource.parse("tcp://*:6000,worker=w,block_tokens=16,max_blocks=10")
     assert src.bind and (src.worker, src.block_tokens, src.max_blocks) == ("w", 16, 10)
-    assert (src.idle_timeout, src.max_streams, src.max_refused) == (300.0, 1024, 1024)
+    assert (src.idle_timeout, src.max_streams, src.max_refused) == (0.0, 1024, 1024)
     for bad in ("replay=tcp://a:1", "http://a:1", "tcp://a:1,nope=1", "tcp://a:1,max_blocks=x",
                 "tcp://a:1,replay=a:1"):
         with pytest.raises(ValueError):

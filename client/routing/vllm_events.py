@@ -63,10 +63,11 @@ Sequence numbers
     When the connection to a publisher drops (a connected endpoint), its streams are
     cleared the same way and start again, with a replay, when it comes back.
     A bound endpoint hears no disconnects, so there a stream with no message for
-    ``idle_timeout`` seconds (default 300; 0: never) is dropped: its worker's holdings, its
-    node and its map are forgotten (``VllmEvents.expired_streams``), and the topic, if heard
-    again, is a new stream. (An engine that is idle longer than that loses its entries too:
-    vLLM publishes nothing while nothing is cached or evicted.)
+    ``idle_timeout`` seconds (default 0: never) is dropped: its worker's holdings, its node
+    and its map are forgotten (``VllmEvents.expired_streams``), and the topic, if heard again,
+    is a new stream. It is off by default because an engine that is merely idle longer than
+    that would lose its entries too (vLLM publishes nothing while nothing is cached or
+    evicted); set it where pods come and go behind one bound endpoint.
 
 Caps
     Per source at most ``max_streams`` streams (default 1024) and ``max_refused`` refused
@@ -164,7 +165,7 @@ class VllmSource:
     max_blocks: int = 1 << 21
     topic: str = ""
     replay_timeout: float = 2.0
-    idle_timeout: float = 300.0
+    idle_timeout: float = 0.0
     max_streams: int = 1024
     max_refused: int = 1024
 
