@@ -238,6 +238,31 @@ def test_bad_requests_are_refused_and_change_nothing(kvd, shm_dir) -> None:
         eng.close()
 
 
+def hold_a_slot(conn: KVConnector, socket: str, tag: str):
+    """Have the daemon hold one of ``conn``'s two event slots: an offload in it waits for a "KV
+    written" record that never comes (until ``--transfer-wait-s``). The other slot is taken, so
+    the connector's next transfer is given the held one. Returns (the offload's call, the held
+    slot, the other slot, when the offload was sent)."""
+    from kvtier.proto import transfer_pb2
+
+    assert conn.reg is not None
+    with Sidecar(socket) as sc:
+        before = sc.stats()["tiers"]["host"]["used_bytes"]
+    slot = conn._take_slot()
+    sent = time.monotonic()
+    stuck = conn._stub.Offload.future(transfer_pb2.TransferRequest(
+        session_id=conn.session_id, registration_id=conn.reg.registration_id, keys=keys_for(tag, 1),
+        engine_ids=[0], event_slot=slot, seq=next(conn._seq), wait_written=True), timeout=30)
+    with Sidecar(socket) as sc:  # the daemon has taken it up (granted its slot, now waits)
+        deadline = time.monotonic() + 10
+        while sc.stats()["tiers"]["host"]["used_bytes"] == before:
+            assert not stuck.done() and time.monotonic() < deadline, "the stuck offload was not taken up"
+            time.sleep(0.01)
+    other = conn._take_slot()
+    conn._free_slot(slot)
+    return stuck, slot, other, sent
+
+
 def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_daemon, shm_dir) -> None:
     """An onboard whose deadline passes may still be in the daemon's hands, and its copy may
     still come, into engine pages the engine reuses once told the load failed (vLLM recomputes
@@ -246,7 +271,6 @@ def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_da
     ended there, and raises after that. Here the daemon holds the slot for 7 s (an older
     offload in it waits for a "KV written" record that never comes): the onboard's 1 s
     deadline passes, and its failure must not be reported before those 7 s."""
-    from kvtier.proto import transfer_pb2
 
     d = start_daemon("--copy-engine", "host", "--transfer-wait-s", "7", host_capacity="64MiB")
     layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
@@ -255,18 +279,7 @@ def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_da
     try:
         conn.register(layout, arena.tensors)
         assert conn.reg is not None
-        slot = conn._take_slot()
-        sent = time.monotonic()
-        stuck = conn._stub.Offload.future(transfer_pb2.TransferRequest(
-            session_id=conn.session_id, registration_id=conn.reg.registration_id, keys=keys_for("stuck", 1),
-            engine_ids=[0], event_slot=slot, seq=next(conn._seq), wait_written=True), timeout=30)
-        with Sidecar(d.socket) as sc:  # the daemon has taken it up (granted its slot, now waits)
-            deadline = time.monotonic() + 10
-            while sc.stats()["tiers"]["host"]["used_bytes"] == 0:
-                assert not stuck.done() and time.monotonic() < deadline, "the stuck offload was not taken up"
-                time.sleep(0.01)
-        other = conn._take_slot()  # (busy, so that the onboard is given the stuck offload's slot)
-        conn._free_slot(slot)
+        stuck, slot, other, sent = hold_a_slot(conn, d.socket, "stuck")
         onboard = conn.onboard(keys_for("late", 2), [4, 5])
         assert onboard.slot == slot
         assert time.monotonic() - sent < 5, "too slow to set up: the onboard's 1 s deadline would not pass in the hold"
@@ -296,7 +309,6 @@ def test_a_failed_onboard_whose_session_ended_is_settled_at_once(start_daemon, s
     question (FAILED_PRECONDITION: session not open); it was asked again every 2 ms until
     ``settle_s`` had passed, the engine's load unreported all the while. A refusal now settles it:
     the registration went with the session, once its copies had ended."""
-    from kvtier.proto import transfer_pb2
 
     d = start_daemon("--copy-engine", "host", "--transfer-wait-s", "5", host_capacity="64MiB")
     layout = Layout.vllm(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2, head_dim=64, dtype="float16")
@@ -305,19 +317,7 @@ def test_a_failed_onboard_whose_session_ended_is_settled_at_once(start_daemon, s
     try:
         conn.register(layout, arena.tensors)
         assert conn.reg is not None
-        with Sidecar(d.socket) as sc:
-            before = sc.stats()["tiers"]["host"]["used_bytes"]
-        slot = conn._take_slot()
-        stuck = conn._stub.Offload.future(transfer_pb2.TransferRequest(
-            session_id=conn.session_id, registration_id=conn.reg.registration_id, keys=keys_for("stuck2", 1),
-            engine_ids=[0], event_slot=slot, seq=next(conn._seq), wait_written=True), timeout=30)
-        with Sidecar(d.socket) as sc:
-            deadline = time.monotonic() + 10
-            while sc.stats()["tiers"]["host"]["used_bytes"] == before:
-                assert not stuck.done() and time.monotonic() < deadline, "the stuck offload was not taken up"
-                time.sleep(0.01)
-        conn._take_slot()
-        conn._free_slot(slot)
+        hold_a_slot(conn, d.socket, "stuck2")
         onboard = conn.onboard(keys_for("gone", 2), [4, 5])
         while not onboard._future.done():  # (its deadline passes)
             time.sleep(0.01)

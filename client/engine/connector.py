@@ -275,13 +275,12 @@ class Transfer:
     """One offload or onboard in flight (see the module docstring)."""
 
     def __init__(self, conn: KVConnector, future: Any, slot: int, seq: int, nkeys: int,
-                 onboard: bool = False, registration_id: int = 0) -> None:
+                 registration_id: int = 0) -> None:
         self._conn = conn
         self._future = future
         self.slot = slot
         self.seq = seq
         self.nkeys = nkeys
-        self.onboard = onboard
         self.registration_id = registration_id
         self._released = False
         self._statuses: list[str] | None = None
@@ -632,8 +631,7 @@ class KVConnector:
                                            keys=[bytes(k) for k in keys], engine_ids=ids.tolist(),
                                            event_slot=slot, seq=seq, wait_written=wait_written)
         future = getattr(self._stub, rpc).future(req, timeout=self.timeout)
-        t = Transfer(self, future, slot, seq, len(keys), onboard=rpc == "Onboard",
-                     registration_id=reg.registration_id)
+        t = Transfer(self, future, slot, seq, len(keys), registration_id=reg.registration_id)
         with self._lock:
             self._live[slot] = t
         return t
