@@ -114,7 +114,9 @@ class Config:
                                     "refuse to start without), host (CPU stand-in only), or auto (cuda "
                                     "when cupy is installed and a GPU is visible); host-memory engines "
                                     "are always served")
-    cuda_device: int = _opt(0, "CUDA device ordinal the copy engine drives (one kvtierd per GPU)", parse_int, "N")
+    cuda_device: int = _opt(0, "CUDA device ordinal the copy engine starts on; each engine's copies run on "
+                               "the GPU its KV memory is on (matched by UUID: one kvtierd serves every GPU it "
+                               "sees); clients that send no UUID must be on this one", parse_int, "N")
     cuda_backend: str = _opt("auto", "GPU copy method: kernel (gather/scatter kernel over the pinned "
                                      "pool), batch (cudaMemcpyBatchAsync), or auto (chosen per batch)")
     copy_threads: int = _opt(4, "memcpy threads of the host copy engine; also the threads touching the "

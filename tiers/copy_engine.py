@@ -107,8 +107,9 @@ class AllocationRef:
     size: int
     ipc_handle: bytes = b""
     path: str = ""   # refused by the host copy engine (a path names any file): pass ``fd``
-    device: int = 0
+    device: int = 0  # CUDA: the device ordinal in the engine's process
     fd: int = -1     # stand-in: a memfd sealed against shrinking (the caller keeps and closes it)
+    device_uuid: bytes = b""  # CUDA: the 16-byte UUID of the allocation's GPU (empty: older clients)
 
 
 @dataclass(frozen=True)
@@ -247,13 +248,16 @@ class HostKVMemory(KVMemory):
 
 
 class CudaKVMemory(KVMemory):
-    """CUDA: the device address of each opened allocation and the opened ring events."""
+    """CUDA: the device address of each opened allocation and the opened ring events, on the
+    GPU (this process's ordinal) the engine's memory lives on."""
 
-    def __init__(self, allocations: Sequence[AllocationRef], ring: EventRing, local: bool = False) -> None:
+    def __init__(self, allocations: Sequence[AllocationRef], ring: EventRing, local: bool = False,
+                 device: int = 0) -> None:
         super().__init__(allocations, ring)
         self.ptrs: list[int] = []
         self.events: list[int] = []
         self.local = local  # this process's own memory: no IPC handle to close
+        self.device = device
 
 
 class Completion:
@@ -588,6 +592,46 @@ CUDA_EVENT_DISABLE_TIMING, CUDA_EVENT_BLOCKING_SYNC = 2, 1
 KERNEL_MAX_CHUNK = 1 << 20
 
 
+def uuid_text(uuid: bytes) -> str:
+    """A GPU UUID as nvidia-smi writes it (``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``)."""
+    h = uuid.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}" if len(uuid) == 16 else f"<{h or 'none'}>"
+
+
+def match_device(visible: Sequence[bytes], allocations: Sequence[AllocationRef], default: int) -> int:
+    """The ordinal, in this process, of the GPU that ``allocations`` live on.
+
+    By UUID when the engine sent one: device ordinals differ between processes that see
+    different GPUs (an engine pod given one GPU sees it as device 0; a node's kvtierd sees every
+    GPU of the node, ``NVIDIA_VISIBLE_DEVICES=all``), so an ordinal would name another GPU (and
+    the engine's ring events cannot be recorded on another device's stream). ``visible``: the
+    UUIDs of this process's devices, by ordinal. Without UUIDs (older clients) the engine's
+    ordinal must be ``default`` (kvtierd's ``--cuda-device``), as before."""
+    if not allocations:
+        return default
+    uuids = {a.device_uuid for a in allocations}
+    if len(uuids) > 1 or (not next(iter(uuids)) and len({a.device for a in allocations}) > 1):
+        raise EngineMemoryError("one registration's allocations are on more than one GPU: register each "
+                                "GPU's KV memory with its own connector")
+    uuid = next(iter(uuids))
+    if not uuid:
+        a = allocations[0]
+        if a.device != default:
+            raise EngineMemoryError(f"allocation on cuda:{a.device} (without a device UUID: an older client), "
+                                    f"this daemon copies on cuda:{default}; update the client or start "
+                                    f"kvtierd with --cuda-device {a.device}")
+        return default
+    if len(uuid) != 16:
+        raise EngineMemoryError(f"a device UUID is 16 bytes, not {len(uuid)}")
+    for ordinal, seen in enumerate(visible):
+        if seen == uuid:
+            return ordinal
+    seen_text = ", ".join(uuid_text(u) for u in visible) or "none"
+    raise EngineMemoryError(f"the engine's GPU {uuid_text(uuid)} is not visible to this kvtierd (it sees: "
+                            f"{seen_text}); give the daemon every GPU of the node (NVIDIA_VISIBLE_DEVICES=all, "
+                            f"no CUDA_VISIBLE_DEVICES)")
+
+
 @dataclass
 class _OpenedAllocation:
     ptr: int
@@ -604,13 +648,23 @@ class _CudaPool:
 
 @dataclass
 class _CudaState:
-    opened: dict[bytes, _OpenedAllocation] = field(default_factory=dict)
+    opened: dict[tuple[int, bytes], _OpenedAllocation] = field(default_factory=dict)  # by (device, handle)
+
+
+@dataclass
+class _DeviceStreams:
+    offload: Any
+    onboard: Any
 
 
 class CudaCopyEngine(CopyEngine):
     """Copies between CUDA IPC-opened engine memory and the registered pool (module docstring).
 
-    Each pool file is mapped, touched in parallel and ``cudaHostRegister``ed whole, once, and
+    One engine serves every GPU of the process: each registration's copies run on the GPU its
+    memory lives on (:func:`match_device`, by UUID), on that GPU's two streams (made on first
+    use); ``device`` (kvtierd's ``--cuda-device``) is where the engine starts and the GPU an
+    older client without UUIDs must be on. Each pool file is mapped, touched in parallel and
+    ``cudaHostRegister``ed whole (portable: usable on every GPU), once, and
     stays registered until ``close``. The Transfer service marks such a pool registered in the
     host tier, which then never punches holes in it (a punched range would leave the GPU
     writing pinned pages the file no longer holds): its memory stays with its size class.
@@ -637,11 +691,41 @@ class CudaCopyEngine(CopyEngine):
         self._lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._batch: Any = None
-        with cupy.cuda.Device(device):
-            lo, hi = self._stream_priority_range()
-            self.offload_stream = cupy.cuda.Stream(non_blocking=True, priority=lo)
-            self.onboard_stream = cupy.cuda.Stream(non_blocking=True, priority=hi)
-            self._kernel = cupy.RawKernel(_KERNEL, "kv_copy")
+        self._streams: dict[int, _DeviceStreams] = {}
+        self._kernel = cupy.RawKernel(_KERNEL, "kv_copy")  # (cupy loads it on each device it runs on)
+        self.visible_uuids = self._visible_uuids()
+        first = self._device_streams(device)
+        self.offload_stream, self.onboard_stream = first.offload, first.onboard
+
+    def _device_streams(self, device: int) -> _DeviceStreams:
+        """The offload and onboard streams of ``device``, made on its first registration."""
+        with self._lock:
+            streams = self._streams.get(device)
+            if streams is None:
+                with self.cp.cuda.Device(device):
+                    lo, hi = self._stream_priority_range()
+                    streams = _DeviceStreams(self.cp.cuda.Stream(non_blocking=True, priority=lo),
+                                             self.cp.cuda.Stream(non_blocking=True, priority=hi))
+                self._streams[device] = streams
+            return streams
+
+    def _visible_uuids(self) -> list[bytes]:
+        """The 16-byte UUID of each GPU this process sees, by ordinal (cupy's device properties,
+        or cuda.bindings' cuDeviceGetUuid where cupy gives none)."""
+        out = []
+        for ordinal in range(int(self.rt.getDeviceCount())):
+            raw = self.rt.getDeviceProperties(ordinal).get("uuid")
+            if not isinstance(raw, (bytes, bytearray)) or len(raw) != 16:
+                from cuda.bindings import driver  # noqa: PLC0415
+
+                err, dev = driver.cuDeviceGet(ordinal)
+                if err == driver.CUresult.CUDA_SUCCESS:
+                    err, uuid = driver.cuDeviceGetUuid(dev)
+                if err != driver.CUresult.CUDA_SUCCESS:
+                    raise CopyError(f"cannot read the UUID of cuda:{ordinal}: {err}")
+                raw = bytes(uuid.bytes)[:16]
+            out.append(bytes(raw))
+        return out
 
     def _stream_priority_range(self) -> tuple[int, int]:
         """(least, greatest) stream priority of the current device. CuPy 14 dropped
@@ -702,18 +786,17 @@ class CudaCopyEngine(CopyEngine):
             p.pool.close()
 
     def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> CudaKVMemory:
-        mem = CudaKVMemory(allocations, ring)
+        device = match_device(self.visible_uuids, allocations, self.device)
+        self._device_streams(device)
+        mem = CudaKVMemory(allocations, ring, device=device)
         ptrs: list[int] = []
         events: list[int] = []
         try:
-            with self.cp.cuda.Device(self.device):
+            with self.cp.cuda.Device(device):
                 for a in allocations:
                     if len(a.ipc_handle) != 64:
                         raise EngineMemoryError("a CUDA allocation needs its 64-byte cudaIpcMemHandle_t")
-                    if a.device != self.device:
-                        raise EngineMemoryError(f"allocation on cuda:{a.device}, this daemon's copy engine "
-                                          f"drives cuda:{self.device}; run one kvtierd per GPU (--cuda-device)")
-                    ptrs.append(self._open_handle(a.ipc_handle))
+                    ptrs.append(self._open_handle(device, a.ipc_handle))
                     mem.handles_open += 1
                     mapped = self._mapped_bytes(ptrs[-1])
                     if mapped is not None and a.size > mapped:  # (copies past it: a sticky illegal address)
@@ -737,7 +820,7 @@ class CudaCopyEngine(CopyEngine):
     def wrap_local(self, ptrs: Sequence[int], sizes: Sequence[int], slots: int) -> CudaKVMemory:
         """KV memory of this same process (CUDA IPC cannot open a handle in its exporter): for
         benchmarks and tests of the engine alone. Its events are created here."""
-        mem = CudaKVMemory([AllocationRef(size) for size in sizes], EventRing(slots), local=True)
+        mem = CudaKVMemory([AllocationRef(size) for size in sizes], EventRing(slots), local=True, device=self.device)
         with self.cp.cuda.Device(self.device):
             mem.events = [self.rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING) for _ in range(slots)]
         mem.ptrs = list(ptrs)
@@ -755,23 +838,25 @@ class CudaCopyEngine(CopyEngine):
         except Exception:  # noqa: BLE001 - a check that cannot be made is not a failure
             return None
 
-    def _open_handle(self, handle: bytes) -> int:
+    def _open_handle(self, device: int, handle: bytes) -> int:
+        """Open an IPC handle on ``device`` (the current device), once per device and handle."""
         with self._lock:
-            opened = self._state.opened.get(handle)
+            opened = self._state.opened.get((device, handle))
             if opened is not None:
                 opened.refs += 1
                 return opened.ptr
             ptr = self.rt.ipcOpenMemHandle(handle, CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-            self._state.opened[handle] = _OpenedAllocation(ptr)
+            self._state.opened[device, handle] = _OpenedAllocation(ptr)
             return ptr
 
     def _release(self, mem: KVMemory, allocations: Sequence[AllocationRef], events: Sequence[int]) -> None:
-        with self.cp.cuda.Device(self.device), self._lock:
+        assert isinstance(mem, CudaKVMemory)
+        with self.cp.cuda.Device(mem.device), self._lock:
             for a in allocations:
-                opened = self._state.opened[a.ipc_handle]
+                opened = self._state.opened[mem.device, a.ipc_handle]
                 opened.refs -= 1
                 if opened.refs == 0:
-                    del self._state.opened[a.ipc_handle]
+                    del self._state.opened[mem.device, a.ipc_handle]
                     self.rt.ipcCloseMemHandle(opened.ptr)
             for ev in events:
                 self.rt.eventDestroy(ev)
@@ -804,7 +889,7 @@ class CudaCopyEngine(CopyEngine):
         attr = rt.cudaMemcpyAttributes()
         attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         dev, host_loc = rt.cudaMemLocation(), rt.cudaMemLocation()
-        dev.type, dev.id = rt.cudaMemLocationType.cudaMemLocationTypeDevice, self.device
+        dev.type, dev.id = rt.cudaMemLocationType.cudaMemLocationTypeDevice, mem.device
         host_loc.type = rt.cudaMemLocationType.cudaMemLocationTypeHost
         attr.srcLocHint, attr.dstLocHint = (dev, host_loc) if direction == OFFLOAD else (host_loc, dev)
         err = rt.cudaMemcpyBatchAsync([int(x) for x in dst], [int(x) for x in src], [int(x) for x in plan.size],
@@ -817,9 +902,11 @@ class CudaCopyEngine(CopyEngine):
         assert isinstance(mem, CudaKVMemory)
         pool = _pool_for(self._pools, pool_path, mem, slot)
         ring_ev = mem.events[slot]
-        stream = self.offload_stream if direction == OFFLOAD else self.onboard_stream
+        streams = self._streams[mem.device]
+        stream = streams.offload if direction == OFFLOAD else streams.onboard
         rt = self.rt
-        with self.cp.cuda.Device(self.device):
+        device = mem.device
+        with self.cp.cuda.Device(device):
             if mem.cancelled:
                 raise CopyError("the engine went away: nothing was copied")
             if wait_written:
@@ -858,7 +945,7 @@ class CudaCopyEngine(CopyEngine):
             rt.eventRecord(end, stream.ptr)
 
         def wait() -> None:
-            with self.cp.cuda.Device(self.device):
+            with self.cp.cuda.Device(device):
                 rt.eventSynchronize(end)
                 for ev in [*marks, end]:
                     rt.eventDestroy(ev)
@@ -881,13 +968,16 @@ class CudaCopyEngine(CopyEngine):
         wait_written(lambda: self._event_reached(ev), mem, slot, seq, self.wait_timeout_s)
 
     def close(self) -> None:
+        for device, streams in self._streams.items():
+            with self.cp.cuda.Device(device):
+                streams.offload.synchronize()
+                streams.onboard.synchronize()
+        for (device, _handle), opened in self._state.opened.items():
+            with self.cp.cuda.Device(device):
+                self.rt.ipcCloseMemHandle(opened.ptr)
         with self.cp.cuda.Device(self.device):
-            self.offload_stream.synchronize()
-            self.onboard_stream.synchronize()
             for p in self._pools.values():
                 self.rt.hostUnregister(p.ptr)
                 p.pool.close()
-            for opened in self._state.opened.values():
-                self.rt.ipcCloseMemHandle(opened.ptr)
         self._pools.clear()
         self._state.opened.clear()

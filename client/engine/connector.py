@@ -226,9 +226,28 @@ def raw_ipc_handle(handle: object, name: str) -> bytes:
                       f"kvtier does not know (version byte {handle[:1].hex() or 'none'})")
 
 
+def uuid_bytes(uuid: Any) -> bytes:
+    """The 16 bytes of a GPU UUID as torch gives it (``get_device_properties(d).uuid``: a
+    ``_CUuuid`` with ``bytes``, or its text, ``[GPU-]xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``)."""
+    raw = getattr(uuid, "bytes", None)
+    if raw is not None and len(raw) == 16:
+        return bytes(bytearray(raw))
+    text = str(uuid).strip().lower().removeprefix("gpu-").replace("-", "")
+    try:
+        out = bytes.fromhex(text)
+    except ValueError:
+        out = b""
+    if len(out) != 16:
+        raise ExportError(f"torch gave the GPU UUID {str(uuid)!r}, not 16 bytes kvtier can read")
+    return out
+
+
 def _cuda_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[list[transfer_pb2.KVAllocation],
                                                                                list[transfer_pb2.KVTensorRef]]:
-    """Export each CUDA tensor's allocation once (CUDA IPC handle of its caching-allocator block)."""
+    """Export each CUDA tensor's allocation once (CUDA IPC handle of its caching-allocator block),
+    with its GPU's UUID: the daemon may see the node's GPUs under other ordinals."""
+    torch = _torch()
+    uuids: dict[int, bytes] = {}
     allocs: dict[bytes, int] = {}
     out_allocs: list[transfer_pb2.KVAllocation] = []
     refs = []
@@ -242,7 +261,11 @@ def _cuda_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[lis
         handle = raw_ipc_handle(handle, name)
         if handle not in allocs:
             allocs[handle] = len(out_allocs)
-            out_allocs.append(transfer_pb2.KVAllocation(ipc_handle=handle, size=0, device=int(device)))
+            device = int(device)
+            if device not in uuids:
+                uuids[device] = uuid_bytes(torch.cuda.get_device_properties(device).uuid)
+            out_allocs.append(transfer_pb2.KVAllocation(ipc_handle=handle, size=0, device=device,
+                                                        device_uuid=uuids[device]))
         a = out_allocs[allocs[handle]]
         a.size = max(a.size, base_off + size)
         refs.append(transfer_pb2.KVTensorRef(allocation=allocs[handle],

@@ -169,7 +169,8 @@ def kv_registration(request: transfer_pb2.RegisterKVRequest) -> KVRegistration:
     """Raises :class:`~kvtier.tiers.layout.LayoutError` for a bad layout."""
     return KVRegistration(
         session_id=request.session_id, layout=layout_from_wire(request.layout), backend=request.backend,
-        allocations=[AllocationRef(a.size, a.ipc_handle, a.path, a.device) for a in request.allocations],
+        allocations=[AllocationRef(a.size, a.ipc_handle, a.path, a.device, device_uuid=a.device_uuid)
+                     for a in request.allocations],
         tensors=[TensorRef(t.allocation, t.offset) for t in request.tensors], ring_slots=request.ring_slots,
         event_handles=tuple(request.event_handles), event_ring_path=request.event_ring_path)
 

@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from kvtier.proto.kvtier.v1 import node_pb2 as kvtier_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvtier/v1/transfer.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/node.proto\"a\n\x0cKVAllocation\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x05\x12\x11\n\tfd_handle\x18\x05 \x01(\t\"1\n\x0bKVTensorRef\x12\x12\n\nallocation\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x98\x02\n\x11RegisterKVRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12%\n\x06layout\x18\x02 \x01(\x0b\x32\x15.kvtier.v1.LayoutSpec\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12,\n\x0b\x61llocations\x18\x04 \x03(\x0b\x32\x17.kvtier.v1.KVAllocation\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.kvtier.v1.KVTensorRef\x12\x15\n\revent_handles\x18\x06 \x03(\x0c\x12\x17\n\x0f\x65vent_ring_path\x18\x07 \x01(\t\x12\x12\n\nring_slots\x18\x08 \x01(\r\x12\x1c\n\x14\x65vent_ring_fd_handle\x18\t \x01(\t\"g\n\x0fRegisterKVReply\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\r\x12\x13\n\x0b\x63opy_engine\x18\x03 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"B\n\x13UnregisterKVRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x17\n\x0fregistration_id\x18\x02 \x01(\x04\"\x13\n\x11UnregisterKVReply\"\x97\x01\n\x0fTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x17\n\x0fregistration_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x12\n\nengine_ids\x18\x04 \x03(\x03\x12\x12\n\nevent_slot\x18\x05 \x01(\r\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x14\n\x0cwait_written\x18\x07 \x01(\x08\"I\n\rTransferReply\x12)\n\x06status\x18\x01 \x03(\x0e\x32\x19.kvtier.v1.TransferStatus\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04*\x89\x01\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fTRANSFER_COPIED\x10\x01\x12\x14\n\x10TRANSFER_PRESENT\x10\x02\x12\x15\n\x11TRANSFER_NO_SPACE\x10\x03\x12\x14\n\x10TRANSFER_MISSING\x10\x04\x32\xa2\x02\n\x08Transfer\x12\x46\n\nRegisterKV\x12\x1c.kvtier.v1.RegisterKVRequest\x1a\x1a.kvtier.v1.RegisterKVReply\x12L\n\x0cUnregisterKV\x12\x1e.kvtier.v1.UnregisterKVRequest\x1a\x1c.kvtier.v1.UnregisterKVReply\x12?\n\x07Offload\x12\x1a.kvtier.v1.TransferRequest\x1a\x18.kvtier.v1.TransferReply\x12?\n\x07Onboard\x12\x1a.kvtier.v1.TransferRequest\x1a\x18.kvtier.v1.TransferReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvtier/v1/transfer.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/node.proto\"v\n\x0cKVAllocation\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\x0c\x12\x11\n\tfd_handle\x18\x05 \x01(\t\"1\n\x0bKVTensorRef\x12\x12\n\nallocation\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x98\x02\n\x11RegisterKVRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12%\n\x06layout\x18\x02 \x01(\x0b\x32\x15.kvtier.v1.LayoutSpec\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12,\n\x0b\x61llocations\x18\x04 \x03(\x0b\x32\x17.kvtier.v1.KVAllocation\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.kvtier.v1.KVTensorRef\x12\x15\n\revent_handles\x18\x06 \x03(\x0c\x12\x17\n\x0f\x65vent_ring_path\x18\x07 \x01(\t\x12\x12\n\nring_slots\x18\x08 \x01(\r\x12\x1c\n\x14\x65vent_ring_fd_handle\x18\t \x01(\t\"g\n\x0fRegisterKVReply\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\r\x12\x13\n\x0b\x63opy_engine\x18\x03 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"B\n\x13UnregisterKVRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x17\n\x0fregistration_id\x18\x02 \x01(\x04\"\x13\n\x11UnregisterKVReply\"\x97\x01\n\x0fTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x17\n\x0fregistration_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x12\n\nengine_ids\x18\x04 \x03(\x03\x12\x12\n\nevent_slot\x18\x05 \x01(\r\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x14\n\x0cwait_written\x18\x07 \x01(\x08\"I\n\rTransferReply\x12)\n\x06status\x18\x01 \x03(\x0e\x32\x19.kvtier.v1.TransferStatus\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04*\x89\x01\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fTRANSFER_COPIED\x10\x01\x12\x14\n\x10TRANSFER_PRESENT\x10\x02\x12\x15\n\x11TRANSFER_NO_SPACE\x10\x03\x12\x14\n\x10TRANSFER_MISSING\x10\x04\x32\xa2\x02\n\x08Transfer\x12\x46\n\nRegisterKV\x12\x1c.kvtier.v1.RegisterKVRequest\x1a\x1a.kvtier.v1.RegisterKVReply\x12L\n\x0cUnregisterKV\x12\x1e.kvtier.v1.UnregisterKVRequest\x1a\x1c.kvtier.v1.UnregisterKVReply\x12?\n\x07Offload\x12\x1a.kvtier.v1.TransferRequest\x1a\x18.kvtier.v1.TransferReply\x12?\n\x07Onboard\x12\x1a.kvtier.v1.TransferRequest\x1a\x18.kvtier.v1.TransferReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATUS']._serialized_start=918
-  _globals['_TRANSFERSTATUS']._serialized_end=1055
+  _globals['_TRANSFERSTATUS']._serialized_start=939
+  _globals['_TRANSFERSTATUS']._serialized_end=1076
   _globals['_KVALLOCATION']._serialized_start=61
-  _globals['_KVALLOCATION']._serialized_end=158
-  _globals['_KVTENSORREF']._serialized_start=160
-  _globals['_KVTENSORREF']._serialized_end=209
-  _globals['_REGISTERKVREQUEST']._serialized_start=212
-  _globals['_REGISTERKVREQUEST']._serialized_end=492
-  _globals['_REGISTERKVREPLY']._serialized_start=494
-  _globals['_REGISTERKVREPLY']._serialized_end=597
-  _globals['_UNREGISTERKVREQUEST']._serialized_start=599
-  _globals['_UNREGISTERKVREQUEST']._serialized_end=665
-  _globals['_UNREGISTERKVREPLY']._serialized_start=667
-  _globals['_UNREGISTERKVREPLY']._serialized_end=686
-  _globals['_TRANSFERREQUEST']._serialized_start=689
-  _globals['_TRANSFERREQUEST']._serialized_end=840
-  _globals['_TRANSFERREPLY']._serialized_start=842
-  _globals['_TRANSFERREPLY']._serialized_end=915
-  _globals['_TRANSFER']._serialized_start=1058
-  _globals['_TRANSFER']._serialized_end=1348
+  _globals['_KVALLOCATION']._serialized_end=179
+  _globals['_KVTENSORREF']._serialized_start=181
+  _globals['_KVTENSORREF']._serialized_end=230
+  _globals['_REGISTERKVREQUEST']._serialized_start=233
+  _globals['_REGISTERKVREQUEST']._serialized_end=513
+  _globals['_REGISTERKVREPLY']._serialized_start=515
+  _globals['_REGISTERKVREPLY']._serialized_end=618
+  _globals['_UNREGISTERKVREQUEST']._serialized_start=620
+  _globals['_UNREGISTERKVREQUEST']._serialized_end=686
+  _globals['_UNREGISTERKVREPLY']._serialized_start=688
+  _globals['_UNREGISTERKVREPLY']._serialized_end=707
+  _globals['_TRANSFERREQUEST']._serialized_start=710
+  _globals['_TRANSFERREQUEST']._serialized_end=861
+  _globals['_TRANSFERREPLY']._serialized_start=863
+  _globals['_TRANSFERREPLY']._serialized_end=936
+  _globals['_TRANSFER']._serialized_start=1079
+  _globals['_TRANSFER']._serialized_end=1369
 # @@protoc_insertion_point(module_scope)

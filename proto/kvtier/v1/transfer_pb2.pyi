@@ -22,18 +22,20 @@ TRANSFER_NO_SPACE: TransferStatus
 TRANSFER_MISSING: TransferStatus
 
 class KVAllocation(_message.Message):
-    __slots__ = ("ipc_handle", "path", "size", "device", "fd_handle")
+    __slots__ = ("ipc_handle", "path", "size", "device", "device_uuid", "fd_handle")
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     FD_HANDLE_FIELD_NUMBER: _ClassVar[int]
     ipc_handle: bytes
     path: str
     size: int
     device: int
+    device_uuid: bytes
     fd_handle: str
-    def __init__(self, ipc_handle: _Optional[bytes] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., fd_handle: _Optional[str] = ...) -> None: ...
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., device_uuid: _Optional[bytes] = ..., fd_handle: _Optional[str] = ...) -> None: ...
 
 class KVTensorRef(_message.Message):
     __slots__ = ("allocation", "offset")
