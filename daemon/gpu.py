@@ -70,6 +70,7 @@ from kvtier.daemon.results import GrantStatus, LeaseResult
 from kvtier.daemon.sessions import random_ids
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.copy_engine import (
+    GIB,
     OFFLOAD,
     ONBOARD,
     AllocationRef,
@@ -269,6 +270,18 @@ class Transfers:
 
     async def _open(self, engine: CopyEngine, cls: Any, allocations: list[AllocationRef], ring: EventRing) -> KVMemory:
         """Attach the host pool to the engine (once per engine and pool) and open the KV memory."""
+        if engine.backend == "cuda":
+            host = self.store.host
+            short = host.pin_shortfall(cls)
+            if short:
+                others = host.backed_bytes - cls.backed_slots * cls.slot_bytes
+                raise StoreError(Code.FAILED_PRECONDITION,
+                                 f"the GPU needs this layout's whole host pool pinned ({cls.pool_bytes / GIB:.2f} GiB "
+                                 f"of {cls.slot_bytes} B slots: pinning makes all of it resident), but other block "
+                                 f"sizes or tenants hold {others / GIB:.2f} GiB of the host tier: that would be "
+                                 f"{short / GIB:.2f} GiB over --host-capacity. A CUDA kvtierd pins one pool in full; "
+                                 f"serve the other block sizes from another kvtierd, or let their blocks go "
+                                 f"(Evict) first")
         self._use_pool(engine, cls)
         loop = asyncio.get_running_loop()
         attached = orphaned = False

@@ -7,17 +7,21 @@ a registration's close cannot interrupt its waits (``cancel`` does nothing on CU
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import numpy as np
 import pytest
-from attacks_sessions import in_process, registration
+from attacks_sessions import BLOCK, in_process, registration
 from test_reliability_fixes import _until, key
 
+from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.daemon.gpu import TransferOrder
 from kvtier.daemon.sessions import Limits
-from kvtier.tiers.copy_engine import HostCopyEngine
+from kvtier.tiers.copy_engine import HostCopyEngine, populate_mapping
+from kvtier.tiers.host import PoolMapping
+from kvtier.tiers.layout import Layout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,3 +142,88 @@ def test_an_onboard_is_not_held_up_by_offloads_waiting_for_their_kv() -> None:
                 await asyncio.wait_for(w, 10)
 
     run(engine, body, Limits(transfer_wait_s=10))
+
+
+# -- a pinned pool is resident whole (review finding 9) ------------------------------------------
+
+class PopulatingEngine(PinningEngine):
+    """The pinning engine that, as the CUDA one does, makes the whole pool file resident."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go.set()
+        self.maps: dict[str, PoolMapping] = {}
+
+    def attach_pool(self, path: str, size: int) -> float:
+        pool = PoolMapping(path, size)
+        populate_mapping(pool.mm, size, 2)
+        self.maps[path] = pool
+        return super().attach_pool(path, size)
+
+    def detach_pool(self, path: str) -> None:
+        self.maps.pop(path).close()
+        super().detach_pool(path)
+
+
+def resident(host) -> int:
+    """Bytes the host tier's pool files really hold (tmpfs blocks allocated)."""
+    return sum(os.fstat(c.fd).st_blocks * 512 for c in host.classes.values())
+
+
+def test_a_pinned_pool_counts_whole_so_two_block_sizes_never_take_the_node_past_capacity() -> None:
+    """The daemon's first layout (here a block size a host-memory client uses) gets its pool
+    file allocated whole (--host-prefault). A GPU engine of another block size then had its
+    pool pinned whole too: the node held twice --host-capacity. Now the first pool's unused
+    memory is given back before the pin, the pinned file counts whole, and the first block size
+    gets only what is left of the budget (here: nothing)."""
+    engine = PopulatingEngine()
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        host = store.host
+        await store.register_layout(Layout.flat(2 * BLOCK), DEFAULT_TENANT)  # (prefaulted whole)
+        (first,) = host.classes.values()
+        assert resident(host) == first.pool_bytes == host.capacity
+        await transfers.register(registration(sid, kv_fd, ring_fd))
+        pinned = next(c for c in host.classes.values() if c is not first)
+        assert engine.maps, "the pool was not pinned"
+        assert resident(host) <= host.capacity, f"the node holds {resident(host)} B of pools, over the capacity"
+        assert host.backed_bytes == resident(host) == pinned.pool_bytes
+        got = host.reserve(first, [key(i) for i in range(4)], 2 * BLOCK)
+        got.backing.run()
+        assert got.entries == [None] * 4, "another block size was given memory the pinned pool holds"
+        assert resident(host) <= host.capacity
+        # the pinned class's own slots are all usable, with no memory added
+        mine = host.reserve(pinned, [key(100 + i) for i in range(16)], BLOCK)
+        mine.backing.run()
+        assert None not in mine.entries and resident(host) == host.capacity
+
+    run(engine, body)
+
+
+def test_a_pool_that_cannot_be_pinned_whole_within_capacity_is_refused_and_nothing_is_pinned() -> None:
+    """Another block size holds blocks: pinning this layout's pool whole would go past
+    --host-capacity, so RegisterKV is refused with the reason, before anything is pinned (the
+    other class's free slots were given back first)."""
+    engine = PopulatingEngine()
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        host = store.host
+        other = host.size_class(2 * BLOCK)
+        held = host.reserve(other, [key(i) for i in range(3)], 2 * BLOCK)
+        held.backing.run()
+        for e in held.entries:
+            assert e is not None and host.commit(e)
+        spare = host.reserve(other, [key(50)], 2 * BLOCK)  # a slot handed out and given back: free
+        spare.backing.run()
+        host.abort(spare.entries[0])
+        assert len(other.free) == 1
+        with pytest.raises(StoreError) as e:
+            await transfers.register(registration(sid, kv_fd, ring_fd))
+        assert e.value.code == Code.FAILED_PRECONDITION and "--host-capacity" in str(e.value)
+        assert not engine.maps and not host._registered and not transfers._pool_users
+        assert not other.free and resident(host) == 3 * 2 * BLOCK, "the other class's free slot was kept"
+        host.remove([e.bkey for e in held.entries])
+        await transfers.register(registration(sid, kv_fd, ring_fd))  # room again: pinned
+        assert engine.pinned and resident(host) <= host.capacity
+
+    run(engine, body)

@@ -537,11 +537,41 @@ class HostTier(PinnedTier[HostEntry]):
         self.classes[cls.key] = cls
         return cls
 
+    def pin_shortfall(self, cls: SizeClass) -> int:
+        """Bytes by which pinning ``cls``'s whole file (``cudaHostRegister`` makes every page of
+        it resident) would take the tier's memory over ``capacity``, after first releasing the
+        free slots of other classes that are not pinned; 0 when it fits (or it is pinned already)."""
+        if cls.key in self._registered:
+            return 0
+        unbacked = (cls.nslots - cls.backed_slots) * cls.slot_bytes
+        if self.backed_bytes + unbacked > self.capacity:
+            pending = {(c.key, slot) for c, slot in self._pending_punch}
+            for other in self.classes.values():
+                if other is cls or other.key in self._registered:
+                    continue
+                while other.free and self.backed_bytes + unbacked > self.capacity:
+                    slot = other.free.pop()
+                    other.holes.append(slot)
+                    if (other.key, slot) not in pending:
+                        punch_hole(other.fd, slot * other.slot_bytes, other.slot_bytes)
+        return max(0, self.backed_bytes + unbacked - self.capacity)
+
     def mark_registered(self, cls: SizeClass) -> None:
         """The class's file is pinned for a GPU (``cudaHostRegister``): its memory must never be
         punched (the GPU would keep writing pages the file no longer holds), so it is never
-        handed to another size class; its own slots are reused as usual."""
+        handed to another size class; its own slots are reused as usual. Pinning makes the
+        whole file resident, so from now on all of it counts as backed (its unbacked slots
+        become free ones): the other classes get only what is left of ``capacity``
+        (:meth:`pin_shortfall` says beforehand whether it fits)."""
+        if cls.key in self._registered:
+            return
         self._registered.add(cls.key)
+        pending = {slot for c, slot in self._pending_punch if c is cls}  # (finish_eviction frees those)
+        kept = [slot for slot in cls.holes if slot in pending]
+        cls.free.extend(slot for slot in cls.holes if slot not in pending)
+        cls.holes = kept
+        cls.free.extend(range(cls.nslots - 1, cls.hwm - 1, -1))
+        cls.hwm = cls.nslots
 
     def unmark_registered(self, cls: SizeClass) -> None:
         """The GPU no longer pins the class's file (its last KV registration closed): its free
