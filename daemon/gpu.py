@@ -52,6 +52,7 @@ loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import importlib.util
@@ -217,6 +218,13 @@ class Transfers:
         # (engine name, pool path) -> registrations that attached it, opening ones included; a
         # CUDA pool is pinned (never punched) while this is above zero
         self._pool_users: dict[tuple[str, str], int] = {}
+        # CUDA pools still pinned with no registration using them: pinning a large pool takes
+        # minutes (0.085 s/GiB measured), so the pin outlives its last registration (an engine
+        # restarting, or retrying a RegisterKV whose deadline the pin outlasted, finds it done);
+        # unpinned when another pool needs the memory (_make_room_to_pin) or at close
+        self._idle_pins: dict[tuple[str, str], CopyEngine] = {}
+        self._attaching: dict[tuple[str, str], asyncio.Future] = {}  # pins in progress
+        self._closing = False
         store.sessions.end_hooks.append(self._session_ended)
 
     # -- registration ----------------------------------------------------------------------
@@ -273,6 +281,8 @@ class Transfers:
         if engine.backend == "cuda":
             host = self.store.host
             short = host.pin_shortfall(cls)
+            if short and await self._unpin_idle(exclude=cls.path):
+                short = host.pin_shortfall(cls)
             if short:
                 others = host.backed_bytes - cls.backed_slots * cls.slot_bytes
                 raise StoreError(Code.FAILED_PRECONDITION,
@@ -282,11 +292,23 @@ class Transfers:
                                  f"{short / GIB:.2f} GiB over --host-capacity. A CUDA kvtierd pins one pool in full; "
                                  f"serve the other block sizes from another kvtierd, or let their blocks go "
                                  f"(Evict) first")
+        key = (engine.name, cls.path)
         self._use_pool(engine, cls)
         loop = asyncio.get_running_loop()
         attached = orphaned = False
         try:
-            attaching = loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
+            earlier = self._attaching.get(key)
+            if earlier is not None:  # (a retry while an earlier try still pins: no second thread waiting on it)
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(earlier)
+            if self._idle_pins.pop(key, None) is not None:  # pinned already: this registration takes that pin over
+                attaching = loop.create_future()
+                attaching.set_result(engine.pin_s_per_gib)
+            else:
+                attaching = loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
+                self._attaching[key] = attaching
+                attaching.add_done_callback(lambda f, key=key: self._attaching.pop(key, None) if
+                                            self._attaching.get(key) is f else None)
             try:
                 s_per_gib = await asyncio.shield(attaching)
             except asyncio.CancelledError:
@@ -324,10 +346,10 @@ class Transfers:
 
     def _leave_pool(self, engine: CopyEngine, path: str, attached: bool) -> None:
         """A registration of the pool closed (or failed to open). When it was the last, a CUDA
-        engine unpins the pool (on an executor thread: unpinning a large pool takes a while) and
-        then the host tier may release its free slots to other classes: without this, a second
-        layout on the same daemon found no memory once the first had taken the budget (seen on
-        the H200)."""
+        pool stays pinned, idle (pinning again would take minutes for a large pool), until
+        another pool needs its memory (:meth:`_unpin_idle`: without that, a second layout on the
+        same daemon found no memory once the first had taken the budget, seen on the H200) or
+        the daemon closes; other engines detach at once (on an executor thread)."""
         key = (engine.name, path)
         self._pool_users[key] -= 1
         if self._pool_users[key] == 0:
@@ -336,8 +358,31 @@ class Transfers:
         if not attached:
             self._unpinned(engine, path, None)
             return
+        if engine.backend == "cuda" and key not in self._idle_pins and not self._closing:
+            # kept pinned (and marked) until its memory is wanted; a registration that is still
+            # to attach (a retry) takes this pin over rather than pinning anew
+            self._idle_pins[key] = engine
+            return
         detach = asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, path)
         detach.add_done_callback(functools.partial(self._unpinned, engine, path))
+
+    async def _unpin_idle(self, exclude: str) -> bool:
+        """Unpin every idle CUDA pool but ``exclude`` (another pool needs the memory): True if
+        any was unpinned (their free slots may then go to other classes)."""
+        done = False
+        for key, engine in list(self._idle_pins.items()):
+            if key[1] == exclude or self._idle_pins.get(key) is not engine:
+                continue
+            del self._idle_pins[key]
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, key[1])
+            except Exception as e:  # noqa: BLE001 - still pinned for all we know: stays marked
+                log.error("unpinning the idle host pool %s failed: %s", key[1], e)
+                self.counters.add(Count.KV_CLOSE_ERRORS)
+                continue
+            self._unpinned(engine, key[1], None)
+            done = True
+        return done
 
     def _unpinned(self, engine: CopyEngine, path: str, detach: asyncio.Future | None) -> None:
         if detach is not None and (detach.cancelled() or detach.exception() is not None):
@@ -345,7 +390,7 @@ class Transfers:
                       "cancelled" if detach.cancelled() else detach.exception())
             self.counters.add(Count.KV_CLOSE_ERRORS)
             return  # still pinned for all we know: keep it out of other classes' reach
-        if engine.backend != "cuda" or any(k[1] == path for k in self._pool_users):
+        if engine.backend != "cuda" or any(k[1] == path for k in (*self._pool_users, *self._idle_pins)):
             return  # a registration (re)attached meanwhile, or the pool was never pinned
         cls = next((c for c in self.store.host.classes.values() if c.path == path), None)
         if cls is not None:
@@ -634,7 +679,9 @@ class Transfers:
     # -- shutdown --------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Close every registration (after its copies in flight) and the copy engines."""
+        """Close every registration (after its copies in flight) and the copy engines (which
+        unpin every pool, idle ones too)."""
+        self._closing = True
         for reg in list(self.registrations.values()):
             self._begin_close(reg)
             await reg.closed.wait()

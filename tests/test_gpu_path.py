@@ -455,6 +455,22 @@ def test_engine_killed_mid_transfer_leaves_nothing_open(start_daemon, shm_dir, b
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_the_daemon_and_torch_read_the_same_gpu_uuids() -> None:
+    """The daemon matches an engine's GPU by the UUID torch gives the connector: cupy (or
+    cuda.bindings) must read each GPU's the same, byte for byte, or every registration is refused."""
+    from kvtier.client.engine.connector import uuid_bytes
+    from kvtier.tiers.copy_engine import CudaCopyEngine
+
+    eng = CudaCopyEngine(0)
+    try:
+        assert eng.visible_uuids == [uuid_bytes(torch.cuda.get_device_properties(i).uuid)
+                                     for i in range(torch.cuda.device_count())]
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("how", ["kernel", "batch"])
 def test_cuda_backends_move_the_same_bytes(start_daemon, shm_dir, how: str) -> None:
     d = start_daemon("--copy-engine", "cuda", "--cuda-backend", how, host_capacity="128MiB")

@@ -82,9 +82,46 @@ def test_a_registration_cancelled_while_its_pool_is_pinned_keeps_the_pool_unpunc
             await call
         assert cls.key in store.host._registered, "a pool still being pinned was left open to punching"
         engine.go.set()
-        await _until(lambda: cls.key not in store.host._registered, "the pool to be let go once unpinned")
-        assert not engine.pinned, "the cancelled registration's pool stayed pinned"
-        assert not transfers._pool_users
+        await _until(lambda: not transfers._pool_users and transfers._idle_pins, "the attach to end")
+        # pinned, idle: still marked (never punched) until another pool needs its memory
+        assert engine.pinned and cls.key in store.host._registered
+        assert await transfers._unpin_idle(exclude="")
+        assert not engine.pinned and cls.key not in store.host._registered
+
+    run(engine, body)
+
+
+def test_a_pin_outlives_a_registerkv_whose_deadline_it_outlasted_and_the_retry_takes_it_over() -> None:
+    """Pinning a large pool takes minutes (0.085 s/GiB measured on the H200), longer than a
+    RegisterKV's deadline (the vLLM worker's kvtier_timeout_s, 2 s). The cancelled call's pin
+    went on and was then undone, so every retry pinned anew and was cancelled again: the engine
+    never registered (auto fell back to copying in its own process). Now the pin stays, and a
+    retry while it still runs waits for it on no thread of its own; the retry takes it over, with
+    no second pin."""
+    engine = PinningEngine()
+    attaches = []
+    real_attach = engine.attach_pool
+
+    def attach(path, size):
+        attaches.append(path)
+        return real_attach(path, size)
+
+    engine.attach_pool = attach
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        first = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
+        await _until(engine.started.is_set, "the pin to start")
+        first.cancel()                                  # its deadline passed
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        retry = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
+        await asyncio.sleep(0.2)
+        assert not retry.done() and len(attaches) == 1, "the retry started a second pin"
+        engine.go.set()                                 # the pin ends
+        reg = await asyncio.wait_for(retry, 10)
+        assert reg.registration_id and len(attaches) == 1 and engine.pinned
+        (cls,) = store.host.classes.values()
+        assert cls.key in store.host._registered and not transfers._idle_pins
 
     run(engine, body)
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import math
 import mmap
 import os
@@ -79,6 +80,8 @@ import numpy as np
 
 from kvtier.tiers.host import PoolMapping
 from kvtier.tiers.layout import DTYPE_BYTES, Layout
+
+log = logging.getLogger("kvtier.copy")
 
 OFFLOAD, ONBOARD = "offload", "onboard"
 MADV_POPULATE_WRITE = 23
@@ -587,6 +590,7 @@ extern "C" __global__ void kv_copy(const unsigned long long* src, const unsigned
 """
 
 CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+_CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
 CUDA_EVENT_DISABLE_TIMING, CUDA_EVENT_BLOCKING_SYNC = 2, 1
 KERNEL_MAX_CHUNK = 1 << 20
@@ -714,16 +718,21 @@ class CudaCopyEngine(CopyEngine):
         or cuda.bindings' cuDeviceGetUuid where cupy gives none)."""
         out = []
         for ordinal in range(int(self.rt.getDeviceCount())):
-            raw = self.rt.getDeviceProperties(ordinal).get("uuid")
-            if not isinstance(raw, (bytes, bytearray)) or len(raw) != 16:
-                from cuda.bindings import driver  # noqa: PLC0415
+            try:
+                # (cupy makes it with PyBytes_FromString: exactly 16 bytes only when it is whole)
+                raw = self.rt.getDeviceProperties(ordinal).get("uuid")
+                if not isinstance(raw, (bytes, bytearray)) or len(raw) != 16:
+                    from cuda.bindings import driver  # noqa: PLC0415
 
-                err, dev = driver.cuDeviceGet(ordinal)
-                if err == driver.CUresult.CUDA_SUCCESS:
-                    err, uuid = driver.cuDeviceGetUuid(dev)
-                if err != driver.CUresult.CUDA_SUCCESS:
-                    raise CopyError(f"cannot read the UUID of cuda:{ordinal}: {err}")
-                raw = bytes(uuid.bytes)[:16]
+                    err, dev = driver.cuDeviceGet(ordinal)
+                    if err == driver.CUresult.CUDA_SUCCESS:
+                        err, uuid = driver.cuDeviceGetUuid(dev)
+                    if err != driver.CUresult.CUDA_SUCCESS:
+                        raise CopyError(f"cuDeviceGetUuid: {err}")
+                    raw = bytes(uuid.bytes)[:16]
+            except Exception as e:  # noqa: BLE001 - one GPU that cannot say is not served; the others are
+                log.warning("cannot read the UUID of cuda:%d (%s): engines on it are refused", ordinal, e)
+                raw = b""
             out.append(bytes(raw))
         return out
 
@@ -787,7 +796,14 @@ class CudaCopyEngine(CopyEngine):
 
     def open_kv(self, allocations: Sequence[AllocationRef], ring: EventRing) -> CudaKVMemory:
         device = match_device(self.visible_uuids, allocations, self.device)
-        self._device_streams(device)
+        try:
+            if device != self.device and not int(self.rt.deviceGetAttribute(_CAN_USE_HOST_POINTER, device)):
+                raise EngineMemoryError(f"cuda:{device} cannot use the pinned pool's host address as its own "
+                                        f"(cudaDevAttrCanUseHostPointerForRegisteredMem is 0): run a kvtierd "
+                                        f"for that GPU (--cuda-device {device})")
+            self._device_streams(device)
+        except self.rt.CUDARuntimeError as e:
+            raise EngineMemoryError(f"cannot use cuda:{device} for the engine's copies: {e}") from None
         mem = CudaKVMemory(allocations, ring, device=device)
         ptrs: list[int] = []
         events: list[int] = []
@@ -968,11 +984,13 @@ class CudaCopyEngine(CopyEngine):
         wait_written(lambda: self._event_reached(ev), mem, slot, seq, self.wait_timeout_s)
 
     def close(self) -> None:
-        for device, streams in self._streams.items():
+        with self._lock:
+            streams_of, opened_of = list(self._streams.items()), list(self._state.opened.items())
+        for device, streams in streams_of:
             with self.cp.cuda.Device(device):
                 streams.offload.synchronize()
                 streams.onboard.synchronize()
-        for (device, _handle), opened in self._state.opened.items():
+        for (device, _handle), opened in opened_of:
             with self.cp.cuda.Device(device):
                 self.rt.ipcCloseMemHandle(opened.ptr)
         with self.cp.cuda.Device(self.device):

@@ -262,8 +262,9 @@ def _cuda_allocations(names: Sequence[str], tensors: Sequence[Any]) -> tuple[lis
         if handle not in allocs:
             allocs[handle] = len(out_allocs)
             device = int(device)
-            if device not in uuids:
-                uuids[device] = uuid_bytes(torch.cuda.get_device_properties(device).uuid)
+            if device not in uuids:  # (a torch without it: none sent, the daemon compares ordinals)
+                uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+                uuids[device] = b"" if uuid is None else uuid_bytes(uuid)
             out_allocs.append(transfer_pb2.KVAllocation(ipc_handle=handle, size=0, device=device,
                                                         device_uuid=uuids[device]))
         a = out_allocs[allocs[handle]]
