@@ -58,6 +58,11 @@ Configuration: ``kv_connector_extra_config`` keys (all optional)
     * ``kvtier_tenant``: a tenant salt; engines with different salts never share blocks
       (default: the daemon's secret salt for this process's tenant, from its credential socket).
     * ``kvtier_timeout_s``: deadline of each call to the daemon (default 2.0).
+    * ``kvtier_register_timeout_s``: deadline of the KV tensors' registration at startup
+      (default 600): on a GPU the daemon pins its host pool then, about 0.085 s per GiB (two
+      minutes for 1.5 TiB), and a registration that timed out would leave ``auto`` copying in
+      this process. Registrations again later (the daemon restarted) use ``kvtier_timeout_s``
+      and are retried: the daemon keeps the pin it was making.
     * ``kvtier_retry_s``: after a failed call, how long kvtier is bypassed (default 5.0).
     * ``kvtier_settle_s``: daemon copies: how long a transfer whose call failed without the
       daemon's answer is waited for (until the daemon says it ended) before its blocks are
@@ -170,6 +175,7 @@ class KvtierSettings:
     model: str | None = None
     tenant: str = ""
     timeout_s: float = 2.0
+    register_timeout_s: float = 600.0
     retry_s: float = 5.0
     settle_s: float = 60.0
     copy: str = "auto"
@@ -200,8 +206,9 @@ class KvtierSettings:
         s = cls(**kw)
         if s.copy not in _COPY_MODES:
             raise ValueError(f"kvtier_copy is {s.copy!r}; one of {', '.join(_COPY_MODES)}")
-        if s.timeout_s <= 0 or s.retry_s < 0 or s.settle_s < 0:
-            raise ValueError("kvtier_timeout_s must be positive, kvtier_retry_s and kvtier_settle_s not negative")
+        if s.timeout_s <= 0 or s.register_timeout_s <= 0 or s.retry_s < 0 or s.settle_s < 0:
+            raise ValueError("kvtier_timeout_s and kvtier_register_timeout_s must be positive, kvtier_retry_s and "
+                             "kvtier_settle_s not negative")
         return s
 
 
@@ -686,7 +693,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     return "daemon"
             else:
                 try:
-                    self._open_daemon()
+                    self._open_daemon(self.settings.register_timeout_s)
                     return "daemon"
                 except KVConnectorError as e:
                     if mode == "daemon":
@@ -712,7 +719,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         except KvtierError:
             return False
 
-    def _open_daemon(self) -> None:
+    def _open_daemon(self, timeout: float | None = None) -> None:
+        """Register the KV tensors with the daemon (``timeout``: the registration's deadline,
+        else ``kvtier_timeout_s``)."""
         torch = _torch()
         num_blocks = self.tensors[0].shape[0]
         layout = Layout(tuple(TensorSpec(t.name, t.dtype, (num_blocks, t.shape[1]), 0) for t in self.layout.tensors),
@@ -721,7 +730,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         conn = KVConnector(self.settings.socket, client_name=self.client_name, timeout=self.settings.timeout_s,
                            settle_s=self.settings.settle_s)
         try:
-            conn.register(layout, views)
+            conn.register(layout, views, timeout=timeout)
         except BaseException:
             conn.close()
             raise

@@ -166,6 +166,11 @@ def test_settings() -> None:
         KvtierSettings.from_extra({"kvtier_sockett": "/s"})
     with pytest.raises(ValueError, match="kvtier_copy"):
         KvtierSettings.from_extra({"kvtier_copy": "dma"})
+    # the startup registration has its own, long deadline: the daemon pins its host pool then
+    assert s.register_timeout_s == 600.0
+    assert KvtierSettings.from_extra({"kvtier_register_timeout_s": "90"}).register_timeout_s == 90.0
+    with pytest.raises(ValueError, match="kvtier_register_timeout_s must be positive"):
+        KvtierSettings.from_extra({"kvtier_register_timeout_s": 0})
 
 
 def test_keys_namespaced_per_block() -> None:

@@ -494,9 +494,11 @@ class KVConnector:
 
     # -- registration ----------------------------------------------------------------------
 
-    def register(self, layout: Layout, tensors: Sequence[Any]) -> int:
+    def register(self, layout: Layout, tensors: Sequence[Any], timeout: float | None = None) -> int:
         """Register ``tensors`` (one per layout tensor, in order; all CUDA or all CPU) and the
-        event ring. Returns the layout's Node id (for Lookup and Evict through a Sidecar)."""
+        event ring. Returns the layout's Node id (for Lookup and Evict through a Sidecar).
+        ``timeout``: this call's deadline (default: the connector's); on a GPU the daemon pins
+        its host pool during the first registration, about 0.085 s per GiB."""
         if self.reg is not None:
             raise FailedPrecondition("this connector already holds a registration: unregister() first")
         _check_tensors(layout, tensors)
@@ -526,7 +528,7 @@ class KVConnector:
                                                  layout=layout_to_proto(layout, node_pb2.LayoutSpec),
                                                  backend=self.backend, allocations=allocations, tensors=refs,
                                                  ring_slots=self.ring_slots, **ring)
-            reply = self._stub.RegisterKV(req, timeout=self.timeout, wait_for_ready=True)
+            reply = self._stub.RegisterKV(req, timeout=timeout or self.timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             self._drop_ring()
             raise self._transport.error(e) from None
