@@ -90,6 +90,12 @@ from kvtier.tiers.layout import Layout
 
 log = logging.getLogger("kvtier.transfer")
 
+IDLE_PIN_S = 600.0
+"""How long a CUDA-pinned host pool stays pinned with no registration using it (pinning again
+takes about 0.085 s/GiB: an engine restarting, or retrying a registration whose deadline the pin
+outlasted, takes the pin over; after this, or at once when another pool's pin needs the memory,
+it is undone)."""
+
 MAX_RING_SLOTS = 4096
 
 
@@ -202,7 +208,8 @@ class _InFlight:
 class Transfers:
     """See the module docstring."""
 
-    def __init__(self, store: BlockStore, engines: dict[str, CopyEngine], threads: int = 8) -> None:
+    def __init__(self, store: BlockStore, engines: dict[str, CopyEngine], threads: int = 8,
+                 idle_pin_s: float = IDLE_PIN_S) -> None:
         self.store = store
         self.counters = store.counters
         self.engines = engines
@@ -223,6 +230,8 @@ class Transfers:
         # restarting, or retrying a RegisterKV whose deadline the pin outlasted, finds it done);
         # unpinned when another pool needs the memory (_make_room_to_pin) or at close
         self._idle_pins: dict[tuple[str, str], CopyEngine] = {}
+        self._idle_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self.idle_pin_s = idle_pin_s  # an idle pin is undone after this long unused (host clients may want the memory)
         self._attaching: dict[tuple[str, str], asyncio.Future] = {}  # pins in progress
         self._closing = False
         store.sessions.end_hooks.append(self._session_ended)
@@ -301,7 +310,7 @@ class Transfers:
             if earlier is not None:  # (a retry while an earlier try still pins: no second thread waiting on it)
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(earlier)
-            if self._idle_pins.pop(key, None) is not None:  # pinned already: this registration takes that pin over
+            if self._take_idle(key) is not None:  # pinned already: this registration takes that pin over
                 attaching = loop.create_future()
                 attaching.set_result(engine.pin_s_per_gib)
             else:
@@ -362,9 +371,27 @@ class Transfers:
             # kept pinned (and marked) until its memory is wanted; a registration that is still
             # to attach (a retry) takes this pin over rather than pinning anew
             self._idle_pins[key] = engine
+            self._idle_timers[key] = asyncio.get_running_loop().call_later(self.idle_pin_s, self._idle_expired, key)
             return
         detach = asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, path)
         detach.add_done_callback(functools.partial(self._unpinned, engine, path))
+
+    def _take_idle(self, key: tuple[str, str]) -> CopyEngine | None:
+        """Take ``key``'s idle pin out of the idle set (its timer stopped): its engine, or None."""
+        timer = self._idle_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        return self._idle_pins.pop(key, None)
+
+    def _idle_expired(self, key: tuple[str, str]) -> None:
+        """An idle pin unused for ``idle_pin_s``: undone, so that its free memory may go to other
+        size classes again (host-memory clients of another block size get none while it stays)."""
+        self._idle_timers.pop(key, None)
+        engine = self._idle_pins.pop(key, None)
+        if engine is None:
+            return
+        detach = asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, key[1])
+        detach.add_done_callback(functools.partial(self._unpinned, engine, key[1]))
 
     async def _unpin_idle(self, exclude: str) -> bool:
         """Unpin every idle CUDA pool but ``exclude`` (another pool needs the memory): True if
@@ -373,7 +400,7 @@ class Transfers:
         for key, engine in list(self._idle_pins.items()):
             if key[1] == exclude or self._idle_pins.get(key) is not engine:
                 continue
-            del self._idle_pins[key]
+            self._take_idle(key)
             try:
                 await asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, key[1])
             except Exception as e:  # noqa: BLE001 - still pinned for all we know: stays marked
@@ -682,6 +709,8 @@ class Transfers:
         """Close every registration (after its copies in flight) and the copy engines (which
         unpin every pool, idle ones too)."""
         self._closing = True
+        for timer in self._idle_timers.values():
+            timer.cancel()
         for reg in list(self.registrations.values()):
             self._begin_close(reg)
             await reg.closed.wait()

@@ -264,3 +264,29 @@ def test_a_pool_that_cannot_be_pinned_whole_within_capacity_is_refused_and_nothi
         assert engine.pinned and resident(host) <= host.capacity
 
     run(engine, body)
+
+
+def test_an_idle_pin_is_undone_after_idle_pin_s_so_other_block_sizes_get_memory_again() -> None:
+    """A pin kept after its last registration (for a retry or a restarting engine) holds the
+    pool's memory; host-memory clients of another block size get none meanwhile, so it is undone
+    after ``idle_pin_s`` unused, and the memory goes to the other class again."""
+    engine = PopulatingEngine()
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        host = store.host
+        transfers.idle_pin_s = 0.3
+        reg = await transfers.register(registration(sid, kv_fd, ring_fd))
+        (pinned,) = host.classes.values()
+        other = host.size_class(2 * BLOCK)
+        assert host.reserve(other, [key(1)], 2 * BLOCK).entries == [None]   # all of it pinned
+        await transfers.unregister(sid, reg.registration_id)
+        assert engine.pinned and pinned.key in host._registered             # idle, still pinned
+        await _until(lambda: not engine.pinned, "the idle pin to be undone")
+        await _until(lambda: pinned.key not in host._registered, "the pool to be unmarked")
+        got = host.reserve(other, [key(2)], 2 * BLOCK)
+        got.backing.run()
+        host.finish_eviction()
+        assert got.entries[0] is not None, "the other block size still got no memory"
+        assert resident(host) <= host.capacity
+
+    run(engine, body)
