@@ -52,7 +52,6 @@ loop never blocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import functools
 import importlib.util
@@ -234,6 +233,7 @@ class Transfers:
         self.idle_pin_s = idle_pin_s  # an idle pin is undone after this long unused (host clients may want the memory)
         self._attaching: dict[tuple[str, str], asyncio.Future] = {}  # pins in progress
         self._closing = False
+        self._detaching: dict[str, int] = {}  # pool path -> detaches of it in flight
         store.sessions.end_hooks.append(self._session_ended)
 
     # -- registration ----------------------------------------------------------------------
@@ -290,7 +290,7 @@ class Transfers:
         if engine.backend == "cuda":
             host = self.store.host
             short = host.pin_shortfall(cls)
-            if short and await self._unpin_idle(exclude=cls.path):
+            if short and await self._unpin_idle(cls.path, short):
                 short = host.pin_shortfall(cls)
             if short:
                 others = host.backed_bytes - cls.backed_slots * cls.slot_bytes
@@ -308,8 +308,7 @@ class Transfers:
         try:
             earlier = self._attaching.get(key)
             if earlier is not None:  # (a retry while an earlier try still pins: no second thread waiting on it)
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(earlier)
+                await asyncio.wait([earlier])  # (its outcome is not ours; our own cancellation still raises)
             if self._take_idle(key) is not None:  # pinned already: this registration takes that pin over
                 attaching = loop.create_future()
                 attaching.set_result(engine.pin_s_per_gib)
@@ -373,8 +372,15 @@ class Transfers:
             self._idle_pins[key] = engine
             self._idle_timers[key] = asyncio.get_running_loop().call_later(self.idle_pin_s, self._idle_expired, key)
             return
+        self._detach(engine, path)
+
+    def _detach(self, engine: CopyEngine, path: str) -> asyncio.Future:
+        """Detach the pool on an executor thread; :meth:`_unpinned` runs when it has ended (the
+        pool is unmarked only once no detach of it is still in flight)."""
+        self._detaching[path] = self._detaching.get(path, 0) + 1
         detach = asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, path)
         detach.add_done_callback(functools.partial(self._unpinned, engine, path))
+        return detach
 
     def _take_idle(self, key: tuple[str, str]) -> CopyEngine | None:
         """Take ``key``'s idle pin out of the idle set (its timer stopped): its engine, or None."""
@@ -388,36 +394,39 @@ class Transfers:
         size classes again (host-memory clients of another block size get none while it stays)."""
         self._idle_timers.pop(key, None)
         engine = self._idle_pins.pop(key, None)
-        if engine is None:
-            return
-        detach = asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, key[1])
-        detach.add_done_callback(functools.partial(self._unpinned, engine, key[1]))
+        if engine is not None:
+            self._detach(engine, key[1])
 
-    async def _unpin_idle(self, exclude: str) -> bool:
-        """Unpin every idle CUDA pool but ``exclude`` (another pool needs the memory): True if
-        any was unpinned (their free slots may then go to other classes)."""
-        done = False
-        for key, engine in list(self._idle_pins.items()):
-            if key[1] == exclude or self._idle_pins.get(key) is not engine:
-                continue
-            self._take_idle(key)
-            try:
-                await asyncio.get_running_loop().run_in_executor(self._executor, engine.detach_pool, key[1])
-            except Exception as e:  # noqa: BLE001 - still pinned for all we know: stays marked
-                log.error("unpinning the idle host pool %s failed: %s", key[1], e)
-                self.counters.add(Count.KV_CLOSE_ERRORS)
-                continue
-            self._unpinned(engine, key[1], None)
-            done = True
-        return done
+    async def _unpin_idle(self, exclude: str, short: int) -> bool:
+        """Unpin the idle CUDA pools but ``exclude`` when their free memory covers ``short``
+        bytes (another pool's pin needs it; else the warm pins are kept and that pin is refused):
+        True if any was unpinned. The detaches go on (and unmark their pools when they end) even
+        if the caller is cancelled meanwhile."""
+        idle = [(key, engine) for key, engine in self._idle_pins.items() if key[1] != exclude]
+        classes = {c.path: c for c in self.store.host.classes.values()}
+        free = sum(len(c.free) * c.slot_bytes for key, _ in idle if (c := classes.get(key[1])) is not None)
+        if not idle or free < short:
+            return False
+        detaches = []
+        for key, engine in idle:
+            if self._take_idle(key) is engine:
+                detaches.append(self._detach(engine, key[1]))
+        if detaches:
+            await asyncio.wait(detaches)  # (cancelling this wait leaves the detaches running)
+        return any(not d.cancelled() and d.exception() is None for d in detaches)
 
     def _unpinned(self, engine: CopyEngine, path: str, detach: asyncio.Future | None) -> None:
+        if detach is not None:
+            self._detaching[path] -= 1
+            if not self._detaching[path]:
+                del self._detaching[path]
         if detach is not None and (detach.cancelled() or detach.exception() is not None):
             log.error("detaching the host pool %s from %s failed: %s", path, engine.name,
                       "cancelled" if detach.cancelled() else detach.exception())
             self.counters.add(Count.KV_CLOSE_ERRORS)
             return  # still pinned for all we know: keep it out of other classes' reach
-        if engine.backend != "cuda" or any(k[1] == path for k in (*self._pool_users, *self._idle_pins)):
+        if (engine.backend != "cuda" or path in self._detaching
+                or any(k[1] == path for k in (*self._pool_users, *self._idle_pins))):
             return  # a registration (re)attached meanwhile, or the pool was never pinned
         cls = next((c for c in self.store.host.classes.values() if c.path == path), None)
         if cls is not None:

@@ -17,9 +17,9 @@ from test_reliability_fixes import _until, key
 
 from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.errors import Code, StoreError
-from kvtier.daemon.gpu import TransferOrder
+from kvtier.daemon.gpu import KVRegistration, TransferOrder
 from kvtier.daemon.sessions import Limits
-from kvtier.tiers.copy_engine import HostCopyEngine, populate_mapping
+from kvtier.tiers.copy_engine import AllocationRef, HostCopyEngine, TensorRef, populate_mapping
 from kvtier.tiers.host import PoolMapping
 from kvtier.tiers.layout import Layout
 
@@ -85,7 +85,7 @@ def test_a_registration_cancelled_while_its_pool_is_pinned_keeps_the_pool_unpunc
         await _until(lambda: not transfers._pool_users and transfers._idle_pins, "the attach to end")
         # pinned, idle: still marked (never punched) until another pool needs its memory
         assert engine.pinned and cls.key in store.host._registered
-        assert await transfers._unpin_idle(exclude="")
+        assert await transfers._unpin_idle("", 0)
         assert not engine.pinned and cls.key not in store.host._registered
 
     run(engine, body)
@@ -288,5 +288,114 @@ def test_an_idle_pin_is_undone_after_idle_pin_s_so_other_block_sizes_get_memory_
         host.finish_eviction()
         assert got.entries[0] is not None, "the other block size still got no memory"
         assert resident(host) <= host.capacity
+
+    run(engine, body)
+
+
+# -- idle pins under cancellation (a review of the above) -----------------------------------------
+
+class CountingEngine(HostCopyEngine):
+    """Counts a pool's attaches as CudaCopyEngine does (users + 1 on a pinned pool; unpinned when
+    detaches bring it to 0); the attach waits for ``go``."""
+
+    backend = "cuda"
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.go, self.started = threading.Event(), threading.Event()
+        self.go.set()
+        self.users: dict[str, int] = {}
+        self.pins = 0  # pins made (cudaHostRegister calls)
+        self._lock = threading.Lock()
+
+    def attach_pool(self, path: str, size: int) -> float:
+        self.started.set()
+        assert self.go.wait(20)
+        with self._lock:
+            self.users[path] = self.users.get(path, 0) + 1
+            self.pins += self.users[path] == 1
+        return 0.0
+
+    def detach_pool(self, path: str) -> None:
+        with self._lock:
+            self.users[path] -= 1
+            if not self.users[path]:
+                del self.users[path]
+
+
+def q_registration(sid: int, kv_fd: int, ring_fd: int):
+    """A registration of another block size (another pool) on the same engine memory."""
+    return KVRegistration(sid, Layout.flat(2 * BLOCK, num_blocks=2), "host", [AllocationRef(4 * BLOCK, fd=kv_fd)],
+                          [TensorRef(0, 0)], 8, event_ring_fd=ring_fd)
+
+
+def test_a_retry_cancelled_while_it_waits_for_an_earlier_pin_stays_cancelled() -> None:
+    engine = CountingEngine()
+    engine.go.clear()
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        first = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
+        await _until(engine.started.is_set, "the pin to start")
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        retry = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
+        await asyncio.sleep(0.1)
+        retry.cancel()                      # its own deadline, while it waits for the first pin
+        await asyncio.sleep(0.1)
+        engine.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await retry
+        await _until(lambda: transfers._idle_pins and not transfers._pool_users, "the first pin to end idle")
+        assert not transfers.registrations, "a cancelled RegisterKV left a registration open"
+        assert engine.pins == 1 and sum(engine.users.values()) == 1
+
+    run(engine, body)
+
+
+def test_a_registration_cancelled_while_it_undoes_an_idle_pin_still_undoes_it_whole() -> None:
+    """Cancelled while the idle pool's detach waited for a transfer thread: the detach never ran
+    and the pool stayed pinned with nothing referring to it, so it was later unmarked while still
+    pinned (open to punching). Now the detach goes on and unmarks the pool when it has ended."""
+    engine = CountingEngine()
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        host = store.host
+        reg = await transfers.register(registration(sid, kv_fd, ring_fd))
+        (p,) = host.classes.values()
+        await transfers.unregister(sid, reg.registration_id)           # idle, pinned
+        busy = threading.Event()
+        blockers = [transfers._executor.submit(busy.wait) for _ in range(2)]  # every transfer thread busy
+        q = asyncio.ensure_future(transfers.register(q_registration(sid, kv_fd, ring_fd)))
+        await asyncio.sleep(0.1)
+        q.cancel()                                                     # its deadline
+        await asyncio.gather(q, return_exceptions=True)
+        busy.set()
+        for b in blockers:
+            b.result(5)
+        await _until(lambda: p.path not in engine.users, "the idle pool's detach to run")
+        await _until(lambda: p.key not in host._registered, "the unpinned pool to be unmarked")
+        reg = await transfers.register(registration(sid, kv_fd, ring_fd))
+        assert engine.pins >= 2 and engine.users.get(p.path) == 1, "a stale pin was reused"
+
+    run(engine, body)
+
+
+def test_a_registration_refused_anyway_keeps_the_idle_pin() -> None:
+    """The idle pool holds cached blocks, so undoing its pin cannot make room for another pool:
+    that pool is refused, and the pin kept for the restarting engine is kept too."""
+    engine = CountingEngine()
+
+    async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
+        host = store.host
+        reg = await transfers.register(registration(sid, kv_fd, ring_fd))
+        (p,) = host.classes.values()
+        held = host.reserve(p, [key(i) for i in range(12)], BLOCK)    # 12 of 16 slots hold blocks
+        for e in held.entries:
+            assert host.commit(e)
+        await transfers.unregister(sid, reg.registration_id)
+        with pytest.raises(StoreError) as e:
+            await transfers.register(q_registration(sid, kv_fd, ring_fd))
+        assert e.value.code == Code.FAILED_PRECONDITION
+        assert engine.users.get(p.path) == 1 and transfers._idle_pins and p.key in host._registered
 
     run(engine, body)

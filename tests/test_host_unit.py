@@ -339,3 +339,23 @@ def test_a_victims_memory_is_not_punched_once_its_class_was_pinned_for_a_gpu(tmp
         t.close()
         shutil.rmtree(d)
 
+
+
+def test_unbacking_a_grant_of_a_class_pinned_meanwhile_punches_nothing() -> None:
+    """A grant given back as unbacked (its allocate failed or was cancelled) after a GPU pinned its
+    class's pool: punching its slot would leave the GPU writing pages the file no longer holds;
+    the slot is a free (backed) one of its class instead."""
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-unit-")
+    t = HostTier(d, capacity=4 * SLOT, name_prefix="p")
+    try:
+        cls = t.size_class(SLOT)
+        res = t.reserve(cls, [b"a", b"b"], SLOT)
+        res.backing.run()
+        t.mark_registered(cls)                      # (a registration pinned the pool meanwhile)
+        backed = os.stat(cls.path).st_blocks
+        t.unback(res.entries)
+        assert os.stat(cls.path).st_blocks == backed, "a pinned pool's memory was punched"
+        assert all(e.slot in cls.free and e.slot not in cls.holes for e in res.entries)
+    finally:
+        t.close()
+        shutil.rmtree(d)

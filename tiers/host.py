@@ -544,17 +544,24 @@ class HostTier(PinnedTier[HostEntry]):
         if cls.key in self._registered:
             return 0
         unbacked = (cls.nslots - cls.backed_slots) * cls.slot_bytes
-        if self.backed_bytes + unbacked > self.capacity:
-            pending = {(c.key, slot) for c, slot in self._pending_punch}
-            for other in self.classes.values():
-                if other is cls or other.key in self._registered:
-                    continue
-                while other.free and self.backed_bytes + unbacked > self.capacity:
-                    slot = other.free.pop()
-                    other.holes.append(slot)
-                    if (other.key, slot) not in pending:
-                        punch_hole(other.fd, slot * other.slot_bytes, other.slot_bytes)
-        return max(0, self.backed_bytes + unbacked - self.capacity)
+        over = self.backed_bytes + unbacked - self.capacity
+        for other in self.classes.values():
+            if over <= 0:
+                break
+            if other is cls or other.key in self._registered or not other.free:
+                continue
+            n = min(len(other.free), -(-over // other.slot_bytes))
+            taken = sorted(other.free[-n:])
+            del other.free[-n:]
+            other.holes.extend(taken)
+            over -= n * other.slot_bytes
+            start = prev = taken[0]  # (free slots are in no pending punch: those are holes)
+            for slot in [*taken[1:], -1]:
+                if slot != prev + 1:
+                    punch_hole(other.fd, start * other.slot_bytes, (prev - start + 1) * other.slot_bytes)
+                    start = slot
+                prev = slot
+        return max(0, over)
 
     def mark_registered(self, cls: SizeClass) -> None:
         """The class's file is pinned for a GPU (``cudaHostRegister``): its memory must never be
@@ -795,6 +802,9 @@ class HostTier(PinnedTier[HostEntry]):
         for e in entries:
             if e.current:
                 e.cls.bump(e.slot)
+                if e.cls.key in self._registered:  # pinned meanwhile: resident, never punched
+                    e.cls.free.append(e.slot)
+                    continue
                 e.cls.holes.append(e.slot)
                 punch_hole(e.cls.fd, e.offset, e.cls.slot_bytes)  # (what of it was allocated)
 
