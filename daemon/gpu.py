@@ -227,7 +227,7 @@ class Transfers:
         # CUDA pools still pinned with no registration using them: pinning a large pool takes
         # minutes (0.085 s/GiB measured), so the pin outlives its last registration (an engine
         # restarting, or retrying a RegisterKV whose deadline the pin outlasted, finds it done);
-        # unpinned when another pool needs the memory (_make_room_to_pin) or at close
+        # undone when another pool's pin needs the memory (_make_room_to_pin), after idle_pin_s, or at close
         self._idle_pins: dict[tuple[str, str], CopyEngine] = {}
         self._idle_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self.idle_pin_s = idle_pin_s  # an idle pin is undone after this long unused (host clients may want the memory)
@@ -288,19 +288,7 @@ class Transfers:
     async def _open(self, engine: CopyEngine, cls: Any, allocations: list[AllocationRef], ring: EventRing) -> KVMemory:
         """Attach the host pool to the engine (once per engine and pool) and open the KV memory."""
         if engine.backend == "cuda":
-            host = self.store.host
-            short = host.pin_shortfall(cls)
-            if short and await self._unpin_idle(cls.path, short):
-                short = host.pin_shortfall(cls)
-            if short:
-                others = host.backed_bytes - cls.backed_slots * cls.slot_bytes
-                raise StoreError(Code.FAILED_PRECONDITION,
-                                 f"the GPU needs this layout's whole host pool pinned ({cls.pool_bytes / GIB:.2f} GiB "
-                                 f"of {cls.slot_bytes} B slots: pinning makes all of it resident), but other block "
-                                 f"sizes or tenants hold {others / GIB:.2f} GiB of the host tier: that would be "
-                                 f"{short / GIB:.2f} GiB over --host-capacity. A CUDA kvtierd pins one pool in full; "
-                                 f"serve the other block sizes from another kvtierd, or let their blocks go "
-                                 f"(Evict) first")
+            await self._make_room_to_pin(cls)
         key = (engine.name, cls.path)
         self._use_pool(engine, cls)
         loop = asyncio.get_running_loop()
@@ -315,8 +303,7 @@ class Transfers:
             else:
                 attaching = loop.run_in_executor(self._executor, engine.attach_pool, cls.path, cls.pool_bytes)
                 self._attaching[key] = attaching
-                attaching.add_done_callback(lambda f, key=key: self._attaching.pop(key, None) if
-                                            self._attaching.get(key) is f else None)
+                attaching.add_done_callback(functools.partial(self._attach_ended, key))
             try:
                 s_per_gib = await asyncio.shield(attaching)
             except asyncio.CancelledError:
@@ -345,6 +332,31 @@ class Transfers:
                 "engine": engine.name, "pool_bytes": cls.pool_bytes,
                 "pin_s_per_gib": round(s_per_gib, 4) if engine.backend == "cuda" else None})
         return memory
+
+    async def _make_room_to_pin(self, cls: Any) -> None:
+        """Make sure pinning ``cls``'s whole pool stays within ``--host-capacity`` (undoing idle
+        pins of other pools if that makes the room), else refuse with FAILED_PRECONDITION."""
+        host = self.store.host
+        short = host.pin_shortfall(cls)
+        if short and await self._unpin_idle(cls.path, short):
+            short = host.pin_shortfall(cls)
+        if short:
+            others = host.backed_bytes - cls.backed_slots * cls.slot_bytes
+            raise StoreError(Code.FAILED_PRECONDITION,
+                             f"the GPU needs this layout's whole host pool pinned ({cls.pool_bytes / GIB:.2f} GiB "
+                             f"of {cls.slot_bytes} B slots: pinning makes all of it resident), but other block "
+                             f"sizes or tenants hold {others / GIB:.2f} GiB of the host tier: that would be "
+                             f"{short / GIB:.2f} GiB over --host-capacity. A CUDA kvtierd pins one pool in full; "
+                             f"serve the other block sizes from another kvtierd, or let their blocks go "
+                             f"(Evict) first")
+
+    def _attach_ended(self, key: tuple[str, str], attaching: asyncio.Future) -> None:
+        if self._attaching.get(key) is attaching:
+            del self._attaching[key]
+
+    def _class_of(self, path: str) -> Any:
+        """The host tier's size class whose pool file is ``path`` (None once it is gone)."""
+        return next((c for c in self.store.host.classes.values() if c.path == path), None)
 
     def _use_pool(self, engine: CopyEngine, cls: Any) -> None:
         key = (engine.name, cls.path)
@@ -403,8 +415,7 @@ class Transfers:
         True if any was unpinned. The detaches go on (and unmark their pools when they end) even
         if the caller is cancelled meanwhile."""
         idle = [(key, engine) for key, engine in self._idle_pins.items() if key[1] != exclude]
-        classes = {c.path: c for c in self.store.host.classes.values()}
-        free = sum(len(c.free) * c.slot_bytes for key, _ in idle if (c := classes.get(key[1])) is not None)
+        free = sum(len(c.free) * c.slot_bytes for key, _ in idle if (c := self._class_of(key[1])) is not None)
         if not idle or free < short:
             return False
         detaches = []
@@ -428,7 +439,7 @@ class Transfers:
         if (engine.backend != "cuda" or path in self._detaching
                 or any(k[1] == path for k in (*self._pool_users, *self._idle_pins))):
             return  # a registration (re)attached meanwhile, or the pool was never pinned
-        cls = next((c for c in self.store.host.classes.values() if c.path == path), None)
+        cls = self._class_of(path)
         if cls is not None:
             self.store.host.unmark_registered(cls)
 

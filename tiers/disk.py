@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 import lmdb
 import xxhash
 
-from kvtier.tiers.host import PinnedTier, hide_entry, punch_hole, take_unpinned
+from kvtier.tiers.host import PinnedTier, hide_entry, punch_hole, punch_slots, take_unpinned
 from kvtier.tiers.layout import SLOT_ALIGN
 from kvtier.tiers.vocab import fingerprint_of
 
@@ -357,11 +357,7 @@ class DiskTier(PinnedTier[DiskEntry]):
         blocks count only their own slots (a slab file is preallocated in large chunks, and
         slots punched for another class look allocated by the file's size alone)."""
         untaken = [s for s in range(slab.nslots) if s not in taken]
-        start = 0
-        for i in range(1, len(untaken) + 1):  # one punch per run of consecutive slots
-            if i == len(untaken) or untaken[i] != untaken[i - 1] + 1:
-                punch_hole(slab.fd, untaken[start] * slab.slot_bytes, (i - start) * slab.slot_bytes)
-                start = i
+        punch_slots(slab.fd, untaken, slab.slot_bytes)
         slab.free = []
         slab.holes = untaken[::-1]  # handed out lowest first
 

@@ -93,6 +93,20 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
         raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
 
 
+def punch_slots(fd: int, slots: Iterable[int], slot_bytes: int) -> None:
+    """Punch the given slots of a pool or slab file, one punch per run of consecutive slots."""
+    run: list[int] = []  # [first, last] of the run being gathered
+    for slot in sorted(slots):
+        if run and slot == run[1] + 1:
+            run[1] = slot
+            continue
+        if run:
+            punch_hole(fd, run[0] * slot_bytes, (run[1] - run[0] + 1) * slot_bytes)
+        run = [slot, slot]
+    if run:
+        punch_hole(fd, run[0] * slot_bytes, (run[1] - run[0] + 1) * slot_bytes)
+
+
 MADV_POPULATE_WRITE = 23
 
 
@@ -555,12 +569,7 @@ class HostTier(PinnedTier[HostEntry]):
             del other.free[-n:]
             other.holes.extend(taken)
             over -= n * other.slot_bytes
-            start = prev = taken[0]  # (free slots are in no pending punch: those are holes)
-            for slot in [*taken[1:], -1]:
-                if slot != prev + 1:
-                    punch_hole(other.fd, start * other.slot_bytes, (prev - start + 1) * other.slot_bytes)
-                    start = slot
-                prev = slot
+            punch_slots(other.fd, taken, other.slot_bytes)  # (free slots are in no pending punch: those are holes)
         return max(0, over)
 
     def mark_registered(self, cls: SizeClass) -> None:
