@@ -16,7 +16,7 @@ a real filesystem (``--dir``, default /var/tmp; not tmpfs), then measures:
   the reference, to damp the drift of a shared disk;
 * ``ratio``: the lower of write/raw_write and read/raw_read (goal >= 0.85);
 * ``promote_1block_p99_ms``: latency of a one-block get of a disk-only block;
-* demotion under a put stream (issue 15 item 1): ``--gib`` of plain (not durable) puts of
+* demotion under a put stream: ``--gib`` of plain (not durable) puts of
   blocks each put once, into a host tier of ``--host-mib``, so that from the second quarter on
   every put evicts host victims, once into a kvtierd with this disk tier (the victims are
   demoted while the disk's write queue has room, ``--demote-queue-bytes``, the daemon's
@@ -53,7 +53,7 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client.engine.sidecar import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
 
 MiB = 1024 * 1024

@@ -140,7 +140,8 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
 
-    from kvtier.client.testing.tiny_tokenizer import build_tokenizer  # noqa: PLC0415
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's testsupport/
+    from testsupport.tiny_tokenizer import build_tokenizer  # noqa: PLC0415
 
     tok = build_tokenizer(tempfile.mkdtemp(prefix="kvtier-gw-bench-"))
     bport = free_port()

@@ -4,7 +4,7 @@ bulk copy of the same bytes measured in the same run.
     python bench/gpu_copy.py                     # CUDA when a GPU is there, else the CPU stand-in
     python bench/gpu_copy.py --engine host --blocks 64
 
-Shape (issue 3): ``--blocks`` blocks (256) of ``--chunks`` scattered chunks (64) of
+Shape: ``--blocks`` blocks (256) of ``--chunks`` scattered chunks (64) of
 ``--chunk-kib`` KiB (32): a vLLM layout of chunks/2 layers, [2, num_blocks, 16, heads, 128]
 fp16, blocks at random engine ids. Reports:
 
@@ -44,7 +44,7 @@ from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client.engine import KVConnector, SharedKVArena
 from kvtier.client.engine.sidecar import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.tiers.copy_engine import (
     OFFLOAD,
     ONBOARD,

@@ -14,7 +14,7 @@ The limit, measured in the same run: one thread copying the same total bytes bet
 prefaulted buffers (numpy, i.e. memcpy), timed batch by batch interleaved with the puts and
 the gets (each put or get of a batch is followed by a copy of the same bytes), so that load
 from other processes falls on both alike (``memcpy_gbps``; ``memcpy_after_gbps``: the best of
-three copies of the whole after the run, the 0.1 method). A put is a pipeline of pieces (the
+three copies of the whole after the run). A put is a pipeline of pieces (the
 sidecar's): ``put_pieces`` per batch; a large batch is copied on ``copy_threads`` threads
 (client/engine/copyin.py), the memcpy on one.
 
@@ -44,7 +44,7 @@ from _report import emit  # bench/_report.py (scripts run from bench/)
 from kvtier.client import Sidecar
 from kvtier.client.engine import copyin
 from kvtier.client.engine.sidecar import _pieces
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
 
 
@@ -232,7 +232,7 @@ def assemble(ns: argparse.Namespace, block: int, nblocks: int, run: dict,
         "memcpy_cpu_s_per_gib": round(run["cpu"]["memcpy"] * (1 << 30) / total, 4),
         "copy_threads": copyin.COPY_THREADS,
         # the limit on as many threads as a large put copies on, and the ratio against it
-        # (``ratio`` stays against the one-thread memcpy, as the issue defines it)
+        # (``ratio`` stays against the one-thread memcpy, as the goal defines it)
         "memcpy_same_threads_gbps": round(run["memcpy_mt_gbps"], 3),
         "ratio_same_threads": round(min(put_gbps, get_gbps) / run["memcpy_mt_gbps"], 3),
     }

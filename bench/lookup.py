@@ -56,7 +56,7 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
+from kvtier.client.tools.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
 from kvtier.proto import node_pb2
 from kvtier.tiers import keytable
 from kvtier.tiers.keytable import KeyTableReader, KeyTableWriter

@@ -1,4 +1,4 @@
-"""Does the daemon's event loop stall while it serves big feed snapshots? (issue 14 item 4)
+"""Does the daemon's event loop stall while it serves big feed snapshots?
 
     python bench/loop_stall.py [--keys 2000000] [--subscribers 10] [--out FILE.json]
 
@@ -30,7 +30,7 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess, rss_bytes
+from kvtier.client.tools.local_daemon import DaemonProcess, rss_bytes
 from kvtier.tiers.layout import Layout
 
 LAYOUT = Layout.flat(4096)

@@ -1,4 +1,4 @@
-"""Peer fetch throughput (issue 13) against a raw socket stream of the same bytes, same run.
+"""Peer fetch throughput against a raw socket stream of the same bytes, same run.
 
 Starts two real kvtierds on loopback with mutual TLS (one test CA, made with openssl): ``A``
 serves peers (``--peer-serve``), ``C`` fetches from it (``--peers``). Puts ``--blocks`` blocks
@@ -36,7 +36,7 @@ from pathlib import Path
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
 
 
@@ -125,7 +125,7 @@ def peer_gbps(work: str, pki: Path, blocks: int, block: int, rounds: int, chunk:
         return ["--tls-cert", str(pki / f"{name}.pem"), "--tls-key", str(pki / f"{name}.key"),
                 "--tls-ca", str(pki / "ca.pem")]
 
-    a = DaemonProcess(work, "--node-id", "bench-a", "--tcp", f"127.0.0.1:{pa}", *tls("node-a"), "--peer-serve", "true",
+    a = DaemonProcess(work, "--node-id", "bench-a", "--tcp", f"127.0.0.1:{pa}", *tls("node-a"), "--peer-serve",
                       "--tenants", "cn:node-c=default", "--log-level", "warning", host_capacity=cap, name="a")
     c = DaemonProcess(work, "--node-id", "bench-c", "--tcp", f"127.0.0.1:{pc}", *tls("node-c"),
                       "--peers", f"127.0.0.1:{pa}", "--peer-chunk-bytes", str(chunk), "--log-level", "warning",

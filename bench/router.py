@@ -57,12 +57,12 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client.routing.router import Router, RouterConfig
-from kvtier.client.testing.local_daemon import rss_bytes
+from kvtier.client.tools.local_daemon import rss_bytes
 from kvtier.proto import locations_pb2 as L
 from kvtier.proto import node_pb2 as N
 
 GOALS = {"ingest_events_per_s": 2_000_000, "decisions_per_s": 40_000, "route_p99_us": 500,
-         "index_bytes_per_block": 128}  # issue 15, item 6
+         "index_bytes_per_block": 128}
 BATCH_KEYS = 32768
 
 

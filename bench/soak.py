@@ -22,9 +22,9 @@ Faults, spread over the run:
   O_DIRECT|O_DSYNC as fast as it can (dm-delay and FUSE are not available here; a contended
   device is the slowness a real node sees);
 * clients SIGKILLed mid-operation (and started again);
-* clients stopped (SIGSTOP) between their Allocate and their writes, until their grants are
-  reclaimed (``--grant-ttl-s``), then resumed: their late writes land in slots they no longer
-  own; the sweep that follows reads every held block back;
+* clients stopped (SIGSTOP) between their Allocate and their writes, until their grants
+  expired (``--grant-ttl-s``; the daemon withholds their slots), then resumed: their late
+  writes and commits must change nothing; the sweep that follows reads every held block back;
 * a subscriber that stops reading for ``--stuck-s`` seconds.
 
 Checks: after each daemon restart (clients running): every durable put acknowledged before the
@@ -33,8 +33,20 @@ file in the disk directory. Every ``--check-s`` seconds and at the end, with eve
 paused between operations: a sweep of the whole key space (every held block read and
 compared), capacity accounting (each tier's used bytes equal its blocks times the slot size,
 from Stats), files, the daemon's open fds (compared with the first check of its incarnation).
-Durable keys are never evicted by the clients and fit on the disk tier; demotion is off
-(``--demote-min-seen``), so the disk holds durable blocks only and "lost" means lost.
+Durable keys are never evicted by the clients and fit on the disk tier. Host victims beyond the
+daemon's write queue's room are not demoted (``--demote-min-seen``), but those within it and
+the write-ahead window are written to disk in the background, so the disk also holds copies of
+shared keys (should they fill it, its capacity evictions may take durable blocks too). A disk
+slot is in use from the moment such a write is planned, before its block counts: the capacity
+accounting reads Stats once the daemon reports no background write in flight
+(``demotions_staged == demotions_staged_over``; a check's own sweep starts some), and one still
+in flight after ``SETTLE_S`` is an accounting error.
+
+The harness waits for conditions, not times, so that a busy machine makes a slower run, not a
+different one: the run's clock (and its faults) starts once every client's first operation
+went through; a stopped client is resumed once the daemon counts its expired grants as
+withheld (``grants_withheld``); ``--min-ops`` keeps the clients going past ``--duration``
+until they did that many operations.
 
 Last line of stdout: one JSON object: ops, blocks_verified, kills, lost_durable, corrupt_served,
 accounting_errors, leaked_files, rss_growth (heap, RssAnon, of the last incarnation after its
@@ -71,6 +83,10 @@ OPS = ("put", "put_durable", "get", "lookup", "prefix_length", "prefetch", "evic
 WEIGHTS = (20, 4, 30, 20, 12, 4, 3)
 TOKENS = 16
 MAX_BATCH = 8
+SETTLE_S = 30.0  # longest wait for the daemon's background disk writes before the accounting reads Stats
+READY_S = 120.0  # longest wait for every client's first operation before the run's clock starts
+STOP_S = 30.0    # longest wait, past the grant TTL, for a stopped client's grants to be withheld
+STRETCH = 4      # --min-ops: the run goes on at most this many times --duration past it
 
 
 # -- keys and their bytes ---------------------------------------------------------------------
@@ -91,6 +107,40 @@ def derive(key: bytes, n: int, salt: int = 0) -> np.ndarray:
     """The bytes a block under ``key`` must hold (``salt``: a tensor's slice of it)."""
     seed = int.from_bytes(key[:8], "little") ^ salt
     return np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
+
+
+# -- capacity accounting ---------------------------------------------------------------------
+
+def disk_writes_in_flight(st: dict) -> int:
+    """Host blocks a Stats reply says the daemon has queued for, or is writing to, disk in the
+    background (victims copied out, the write-ahead window): each holds a disk slot counted in
+    the disk's ``used_bytes`` before its block counts in ``blocks``."""
+    c = st["counters"]
+    return c.get("demotions_staged", 0) - c.get("demotions_staged_over", 0)
+
+
+def accounting_errors(st: dict, block: int) -> list[str]:
+    """What a Stats reply taken with no background disk write in flight shows wrong: each tier's
+    used bytes are its blocks times the slot (every layout here has ``block``-byte blocks, a
+    multiple of 4 KiB: slot == block), and the layouts' host blocks add up to the tier's."""
+    errors = [f"{name}: used_bytes {t['used_bytes']} != {t['blocks']} blocks x {block}"
+              for name, t in st["tiers"].items()
+              if name in ("host", "disk") and t["used_bytes"] != t["blocks"] * block]
+    by_layout = sum(lay["host_blocks"] for lay in st["layouts"])
+    if by_layout != st["tiers"]["host"]["blocks"]:
+        errors.append(f"host blocks by layout {by_layout} != tier blocks {st['tiers']['host']['blocks']}")
+    return errors
+
+
+def settled_stats(stats: Callable[[], dict], timeout: float = SETTLE_S) -> dict:
+    """A Stats reply (``stats()``) taken once the daemon's background disk writes are over, or
+    the last one taken when ``timeout`` seconds pass first (it still shows them in flight)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = stats()
+        if disk_writes_in_flight(st) == 0 or time.monotonic() >= deadline:
+            return st
+        time.sleep(0.02)
 
 
 # -- per-client tallies -----------------------------------------------------------------------
@@ -136,6 +186,8 @@ class Control:
         self.pause = ctx.Value("i", 0)         # > 0: pause round; clients answer in idle[]
         self.idle = ctx.Array("i", n)          # the pause round each client is idle in
         self.stall = ctx.Array("i", n)         # 1: stop yourself inside your next put; 2: stopped
+        self.stall_grants = ctx.Array("i", n)  # the slots the stopped put was granted
+        self.ready = ctx.Array("i", n)         # 1: the client's first operation went through
         self.epoch_gen = ctx.Value("i", 0)     # daemon restarts (clients log errors across them)
 
 
@@ -163,6 +215,7 @@ class SidecarClient:
 
     def __init__(self, idx: int, gen: int, cfg: dict, ctl: Control) -> None:
         from kvtier.client.engine.sidecar import Sidecar, _SidecarCore
+        from kvtier.proto import node_pb2
         from kvtier.tiers.layout import Layout
 
         self.idx, self.cfg, self.ctl = idx, cfg, ctl
@@ -178,6 +231,7 @@ class SidecarClient:
 
         def stalling_write(info, reply, keys, arrs, result):  # type: ignore[no-untyped-def]
             if ctl.stall[idx] == 1:  # the scheduler stops this engine between Allocate and its writes
+                ctl.stall_grants[idx] = sum(1 for g in reply.grants if g.status == node_pb2.GRANTED)
                 ctl.stall[idx] = 2
                 os.kill(os.getpid(), signal.SIGSTOP)
                 if ctl.stall[idx] == 2:
@@ -250,6 +304,7 @@ class SidecarClient:
                 self.lid = self.sc.register_layout(self.layout)
             getattr(self, "op_" + op)(keys)
             self.tally.op(op, time.perf_counter() - t0)
+            self.ctl.ready[self.idx] = 1
         except KvtierError as e:
             late = self.ctl.stall[self.idx] == 3
             if late:
@@ -344,6 +399,7 @@ class TransferClient:
                 self.conn.register(self.layout, self.arena.tensors)
             keys = list(dict.fromkeys(xfer_key(self.rng.randrange(self.nkeys)) for _ in range(self.rng.randint(1, 8))))
             (self.offload if self.rng.random() < 0.5 else self.onboard)(keys)
+            self.ctl.ready[self.idx] = 1
         except Exception as e:  # refused, a transfer that timed out, a ring that went away
             self.tally.error(e.code.name if isinstance(e, KvtierError) else type(e).__name__)
             self.close()
@@ -399,6 +455,7 @@ def subscriber(idx: int, gen: int, cfg: dict, ctl: Control) -> None:
             tally.error(e.code.name)
             time.sleep(0.2)
             continue
+        ctl.ready[idx] = 1
         stream = locations_pb2_grpc.LocationsStub(ch).WatchLocations(
             locations_pb2.WatchLocationsRequest(subscriber=f"soak-{idx}"))
         done = threading.Event()
@@ -570,7 +627,7 @@ class NoisyNeighbour:
 
 class Harness:
     def __init__(self, ns: argparse.Namespace) -> None:
-        from kvtier.client.testing.local_daemon import DaemonProcess
+        from kvtier.client.tools.local_daemon import DaemonProcess
 
         self.ns = ns
         self.rng = random.Random(ns.seed)
@@ -616,6 +673,9 @@ class Harness:
         self.incarnation_fds: dict[str, int] | None = None
         self.noisy: NoisyNeighbour | None = None
         self.samples: list[tuple[float, int, int, int]] = []  # (t, RssAnon, VmRSS, fds)
+        self.settle_s = SETTLE_S
+        self.stops: dict[int, dict[str, Any]] = {}  # stopped clients (stop_client), by index
+        self.tallied_at = -math.inf  # when short_of_ops last read the tallies (run time)
         self.last_start = 0.0
 
     # -- processes ------------------------------------------------------------------------
@@ -715,16 +775,16 @@ class Harness:
                     self.finding(f"sweep: key {k.hex()} holds bytes that are not its own")
 
     def check_accounting(self, st: dict) -> None:
-        """Each tier's used bytes are its blocks times the slot (every layout here has 16 KiB
-        blocks, a multiple of 4 KiB: slot == block), and the layouts' blocks add up."""
+        """:func:`accounting_errors` of ``st``, a Stats reply taken with no background disk
+        write in flight (:func:`settled_stats`); one still in flight is an error of its own."""
         if any(self.ctl.stall[i] == 2 for i in range(self.ns.clients)):
             return  # a stopped client's grants hold slots: checked at the next pause
-        errors = [f"{name}: used_bytes {t['used_bytes']} != {t['blocks']} blocks x {self.block}"
-                  for name, t in st["tiers"].items()
-                  if name in ("host", "disk") and t["used_bytes"] != t["blocks"] * self.block]
-        by_layout = sum(lay["host_blocks"] for lay in st["layouts"])
-        if by_layout != st["tiers"]["host"]["blocks"]:
-            errors.append(f"host blocks by layout {by_layout} != tier blocks {st['tiers']['host']['blocks']}")
+        writing = disk_writes_in_flight(st)
+        if writing:
+            errors = [f"disk: {writing} background writes (demotions_staged - demotions_staged_over) still in "
+                      f"flight after {self.settle_s:g} s"]
+        else:
+            errors = accounting_errors(st, self.block)
         self.report["accounting_errors"] += len(errors)
         for e in errors:
             self.finding(e)
@@ -775,7 +835,7 @@ class Harness:
             sc = self.sidecar()
             self.report["checks"] += 1
             self.sweep(sc)
-            self.check_accounting(sc.stats())
+            self.check_accounting(settled_stats(sc.stats, self.settle_s))
             self.check_files()
             self.check_fds(final)
         finally:
@@ -809,33 +869,88 @@ class Harness:
         self.ctl.idle[i] = 0
         self.start_client(i)
 
+    def grants_withheld(self) -> tuple[int, int]:
+        """The daemon's epoch and its count of expired grants whose slots it withheld."""
+        st = self.sidecar().stats()
+        return st["epoch"], st["counters"].get("grants_withheld", 0)
+
     def stop_client(self) -> None:
-        """Ask a sidecar client to stop itself inside its next put; resume it once its grants
-        were reclaimed (in a thread: the harness goes on)."""
+        """Ask a sidecar client to stop itself inside its next put (between its Allocate and its
+        writes); :meth:`tend_stops` resumes it once the daemon has withheld its expired grants."""
         cands = [i for i, r in enumerate(self.roles) if r == "sidecar" and self.ctl.stall[i] == 0]
         if not cands:
             return
         i = self.rng.choice(cands)
+        epoch, withheld = self.grants_withheld()  # before its Allocate: its grants' expiry adds to it
+        self.stops[i] = {"asked": time.monotonic(), "stopped": None, "kills": self.faults["kills"], "epoch": epoch,
+                         "withheld": withheld, "polled": 0.0}
+        self.ctl.stall_grants[i] = 0
         self.ctl.stall[i] = 1
         self.faults["client_stops"] += 1
 
-        def resume() -> None:
-            deadline = time.monotonic() + 30
-            while self.ctl.stall[i] != 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if self.ctl.stall[i] != 2:
-                self.ctl.stall[i] = 0
-                return
-            kills = self.faults["kills"]
-            time.sleep(self.ns.grant_ttl_s * 1.25 + 1.5)  # grants expire between ttl and 1.25 ttl
-            if self.faults["kills"] != kills:  # its put is retried on the new daemon: nothing late to see
+    def tend_stops(self) -> None:
+        """Resume each stopped client whose grants the daemon has withheld (expired: counted in
+        ``grants_withheld``, grants expire between the TTL and 1.25 TTL after the Allocate, later
+        on a busy daemon), or whose daemon was killed meanwhile; a client that never reached a
+        put within ``STOP_S`` is let go, and one whose grants were not withheld ``STOP_S`` past
+        the TTL is resumed and reported."""
+        now = time.monotonic()
+        for i, s in list(self.stops.items()):
+            if s["stopped"] is None:
+                if self.ctl.stall[i] == 2:
+                    s["stopped"] = now
+                elif now - s["asked"] > STOP_S:
+                    self.ctl.stall[i] = 0
+                    del self.stops[i]
+                continue
+            if self.faults["kills"] != s["kills"]:  # its put is retried on the new daemon: nothing late to see
                 self.faults["client_stops_across_kill"] = self.faults.get("client_stops_across_kill", 0) + 1
                 self.ctl.stall[i] = 4
+            elif now - s["stopped"] < self.ns.grant_ttl_s or now - s["polled"] < 0.1:
+                continue
+            elif now - s["stopped"] > self.ns.grant_ttl_s + STOP_S:
+                self.finding(f"client {i}'s {self.ctl.stall_grants[i]} grants were not withheld "
+                             f"{self.ns.grant_ttl_s + STOP_S:g} s after it stopped")
+            else:
+                s["polled"] = now
+                epoch, withheld = self.grants_withheld()
+                if epoch == s["epoch"] and withheld < s["withheld"] + self.ctl.stall_grants[i]:
+                    continue
+            del self.stops[i]
             p = self.procs[i]
             if p is not None and p.is_alive():
                 os.kill(p.pid, signal.SIGCONT)
 
-        threading.Thread(target=resume, daemon=True).start()
+    def stopped(self) -> list[int]:
+        """The clients stopped inside a put (resumed ones until they run again)."""
+        return [i for i, p in enumerate(self.procs) if p is not None and p.is_alive() and self.ctl.stall[i] == 2]
+
+    def wait_ready(self) -> None:
+        """Until every client's first operation went through (on a busy machine clients start
+        slowly; the run's clock and its faults start once they all run), at most ``READY_S``."""
+        deadline = time.monotonic() + READY_S
+        while True:
+            late = [i for i in range(self.ns.clients) if not self.ctl.ready[i]]
+            if not late or time.monotonic() >= deadline:
+                break
+            self.restart_exited()
+            time.sleep(0.05)
+        if late:
+            self.finding(f"clients {late[:8]} had run no operation {READY_S:g} s after they started")
+
+    def short_of_ops(self, now: float) -> bool:
+        """Past ``--duration``: whether the clients' tallies (flushed every second) still show
+        fewer than ``--min-ops`` ops or blocks verified, for at most ``STRETCH`` x ``--duration``
+        more."""
+        ns = self.ns
+        if not ns.min_ops or now >= ns.duration * (1 + STRETCH):
+            return False
+        if now < self.tallied_at + 1.0:
+            return True
+        self.tallied_at = now
+        hist, _, counts = self.merged()
+        ops = sum(int(h.sum()) for h in hist.values())
+        return ops < ns.min_ops or counts.get("blocks_verified", 0) < ns.min_ops
 
     def sample(self) -> None:
         if self.daemon.proc is None:
@@ -898,6 +1013,7 @@ class Harness:
         self.start_daemon()
         for i in range(ns.clients):
             self.start_client(i)
+        self.wait_ready()
         t0 = time.monotonic()
         actions: dict[str, Callable[[], None]] = {
             "kill": self.kill_daemon, "fill": self.fill, "unfill": self.disk.unfill, "slow": self.slow,
@@ -906,17 +1022,21 @@ class Harness:
         events = self.schedule()
         next_sample = 0.0
         try:
-            while (now := time.monotonic() - t0) < ns.duration:
+            while (now := time.monotonic() - t0) < ns.duration or self.short_of_ops(now):
                 if now >= next_sample:
                     self.sample()
                     next_sample = now + 1.0
                 while events and events[0][0] <= now:
                     actions[events.pop(0)[1]]()
+                self.tend_stops()
                 self.restart_exited()
                 time.sleep(0.05)
             self.disk.unfill()
             self.unslow()
-            time.sleep(ns.grant_ttl_s * 1.5)
+            deadline = time.monotonic() + ns.grant_ttl_s + 2 * STOP_S
+            while (self.stops or self.stopped()) and time.monotonic() < deadline:
+                self.tend_stops()  # the final check sees no client stopped (its accounting is not skipped)
+                time.sleep(0.05)
             self.full_check(final=True)
             self.sample()
         finally:
@@ -1013,9 +1133,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shared-keys", type=int, default=4096, help="key space of the plain puts and gets")
     ap.add_argument("--durable-per-client", type=int, default=40, help="durable keys per client (fit on disk)")
     ap.add_argument("--grant-ttl-s", type=float, default=2.0)
+    ap.add_argument("--min-ops", type=int, default=0,
+                    help="go on past --duration until the clients did this many ops and verified this many "
+                         f"blocks (a busy machine makes a slower run, not a smaller one), at most {STRETCH} x "
+                         "--duration more (default 0: stop at --duration)")
     ap.add_argument("--client-stops", type=int, default=-1,
                     help="clients stopped inside a put until their grants expire (default: one per 40 s)")
-    ap.add_argument("--demote-min-seen", type=int, default=1_000_000, help="off: the disk holds durable blocks only")
+    ap.add_argument("--demote-min-seen", type=int, default=1_000_000,
+                    help="host victims seen this often are demoted beyond the write queue's room (default: none)")
     ap.add_argument("--event-log-keys", type=int, default=65536)
     ap.add_argument("--check-s", type=float, default=15.0, help="a full check (clients paused) this often")
     ap.add_argument("--fill-s", type=float, default=8.0, help="seconds the disk stays full")

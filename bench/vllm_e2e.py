@@ -6,7 +6,7 @@ alone recomputes each returning session's whole context. With kvtier (KvtierOffl
 against a real kvtierd whose host pool is ``--host-mib`` and with a disk tier behind it) the
 prefixes come back from host or disk. Requests run one at a time, turn-major (every session's
 turn 0, then every session's turn 1...); each prompt is the session's context plus
-``--per-turn`` new tokens. One engine process per phase (``kvtier.client.testing.vllm_engine``),
+``--per-turn`` new tokens. One engine process per phase (``testsupport.vllm_engine``),
 both with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (vLLM reserves one more core when a KV connector
 is configured; this keeps both phases on the same thread count).
 
@@ -40,9 +40,12 @@ import numpy as np
 from _report import emit  # bench/_report.py (scripts run from bench/)
 
 from kvtier.client import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
-from kvtier.client.testing.tiny_model import TinyLlama, build_tiny_llama
-from kvtier.client.testing.vllm_engine import multi_turn
+from kvtier.client.tools.local_daemon import DaemonProcess
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's testsupport/
+from testsupport import subprocess_env  # noqa: E402
+from testsupport.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
+from testsupport.vllm_engine import multi_turn  # noqa: E402
 
 BLOCK = 32
 ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -52,8 +55,8 @@ def run_phase(cfg: dict, workdir: str, name: str) -> dict:
     cfg_path, out_path = os.path.join(workdir, f"{name}.json"), os.path.join(workdir, f"{name}-out.json")
     with open(cfg_path, "w") as fh:
         json.dump(cfg, fh)
-    p = subprocess.run([sys.executable, "-m", "kvtier.client.testing.vllm_engine", cfg_path, out_path],
-                       capture_output=True, text=True, env={**os.environ, **ENV})
+    p = subprocess.run([sys.executable, "-m", "testsupport.vllm_engine", cfg_path, out_path],
+                       capture_output=True, text=True, env=subprocess_env({**os.environ, **ENV}))
     if p.returncode:
         sys.stderr.write(p.stderr[-6000:])
         raise SystemExit(f"engine phase {name} failed ({p.returncode})")

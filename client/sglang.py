@@ -46,8 +46,10 @@ controller: the call answers misses (``False`` per page, 0 pages present), the f
 counted (:meth:`KvtierHiCacheStorage.kvtier_stats`), and for ``kvtier_retry_s`` later calls
 answer misses at once; then a connect to the unix socket (microseconds) says whether to try
 the daemon again, through a new sidecar, re-reading the key epoch. The first call after the
-daemon dies waits up to ``kvtier_timeout_s``. Configuration errors (an unsupported pool or
-layout) raise at attach.
+daemon dies waits up to ``kvtier_timeout_s``. That bypass is the engine adapters' shared
+:class:`~kvtier.client.engine.adapter.Breaker`, as in vLLM's spec. Configuration errors (an
+unknown ``kvtier_*`` key, refused with the list of valid ones; a value of the wrong type; an
+unsupported pool or layout) raise at attach.
 
 SGLang is not a dependency of kvtier. With SGLang importable the class derives from its
 ``HiCacheStorage`` (the factory checks); without it from a stand-in (the class implements
@@ -58,19 +60,18 @@ do (the tests use that).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 
 try:
@@ -79,9 +80,11 @@ except ImportError as _torch_missing:  # pragma: no cover - the torch extra is w
     raise ImportError("kvtier.client.sglang copies SGLang's torch host pools and needs torch: "
                       "pip install -e '.[torch]' in a kvtier checkout (SGLang brings torch with it)") from _torch_missing
 
+from kvtier.client.engine import adapter
+from kvtier.client.engine.adapter import Breaker, accepts_connections, is_down_error, setting
 from kvtier.client.engine.keys import Namespace
 from kvtier.client.engine.sidecar import Sidecar
-from kvtier.client.engine.transport import FailedPrecondition, KvtierError, Unavailable, socket_path
+from kvtier.client.engine.transport import FailedPrecondition, KvtierError, Unavailable
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, TensorSpec
 
 try:
@@ -107,47 +110,39 @@ logger = logging.getLogger(__name__)
 KEY_SCHEME = "sglang-hicache/1"
 EPOCH_BYTES = 16
 PAGE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # tested; others are refused
-_PROBE_TIMEOUT_S = 0.2
-# answers that mean the daemon is gone, restarting or stuck (the sidecar already retried once);
-# others (no room, a bad argument) fail the call alone
-_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+EXTRA_CONFIG = "--hicache-storage-backend-extra-config"
 
 
 # -- configuration ------------------------------------------------------------------------------
 
-def _flag(v: Any) -> bool:
-    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
+def _mib(raw: Any) -> int:
+    try:
+        return max(1, int(float(raw) * (1 << 20)))
+    except (TypeError, ValueError):
+        raise ValueError("a number (MiB)") from None
 
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """The ``kvtier_*`` keys of ``--hicache-storage-backend-extra-config`` (docs/sglang.md)."""
+    """The ``kvtier_*`` keys of ``--hicache-storage-backend-extra-config`` (docs/sglang.md), parsed by
+    the adapters' one parser (:func:`kvtier.client.engine.adapter.parse_extra`): unknown
+    ``kvtier_*`` keys are refused."""
 
     socket: str | None = None        # kvtier_socket: the daemon's unix socket (else $KVTIER_SOCKET, the default)
     target: str | None = None        # kvtier_target: a gRPC target instead (no key table: lookups are RPCs)
     model: str = ""                  # kvtier_model: the namespace's model id (else SGLang's model name)
     tenant: str = ""                 # kvtier_tenant: tenant salt; tenants never share pages
-    timeout_s: float = 5.0           # kvtier_timeout_s: one daemon call
-    retry_s: float = 5.0             # kvtier_retry_s: after a failure, answer misses this long
-    staging_bytes: int = 64 << 20    # kvtier_staging_mib: bytes copied per daemon call (and staging)
+    timeout_s: float = adapter.timeout_setting("sglang")  # kvtier_timeout_s: one daemon call
+    retry_s: float = adapter.retry_setting("sglang")      # kvtier_retry_s: after a failure, answer misses this long
+    # kvtier_staging_mib: bytes copied per daemon call (and staging)
+    staging_bytes: int = setting(64 << 20, key="kvtier_staging_mib", parse=_mib)
     durable: bool = False            # kvtier_durable: puts return once the pages are on disk
     epoch_refresh_s: float = 10.0    # kvtier_epoch_refresh_s: re-read the shard's key epoch this often
 
     @classmethod
     def from_extra_config(cls, extra: dict | None, model_name: str | None) -> BackendConfig:
-        e = extra or {}
-        return cls(
-            socket=e.get("kvtier_socket") or None,
-            target=e.get("kvtier_target") or None,
-            model=str(e.get("kvtier_model") or model_name or ""),
-            tenant=str(e.get("kvtier_tenant") or ""),
-            timeout_s=float(e.get("kvtier_timeout_s", cls.timeout_s)),
-            retry_s=float(e.get("kvtier_retry_s", cls.retry_s)),
-            staging_bytes=max(1, int(float(e.get("kvtier_staging_mib", cls.staging_bytes >> 20)) * (1 << 20))),
-            durable=_flag(e.get("kvtier_durable", False)),
-            epoch_refresh_s=float(e.get("kvtier_epoch_refresh_s", cls.epoch_refresh_s)),
-        )
+        config = adapter.parse_extra(cls, extra, EXTRA_CONFIG)
+        return config if config.model else dataclasses.replace(config, model=str(model_name or ""))
 
 
 def shard_identity(storage_config: Any) -> dict:
@@ -310,10 +305,8 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         self._epoch_at = 0.0
         self._marker_durable = True
         self._awaited: tuple[bytes | None, float] | None = None  # (epoch cleared, until when) on MLA ranks > 0
-        self._attaching = False  # a background _attach is running (under _bg_lock)
-        self._bg_lock = threading.Lock()
-        self._down_until = 0.0
-        self._down = False
+        # after a failed call: answer misses for retry_s, then attach again in the background
+        self.breaker = Breaker(self.config.retry_s, logger)
         self.last_error = ""
         self._staging = _Staging()
 
@@ -489,12 +482,13 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         while the daemon was down) and its state."""
         with self._stats_lock:
             out: dict = dict(self._counts)
-        out.update(ready=bool(self._lid and self._epoch), down=self._down, last_error=self.last_error,
+        out.update(ready=bool(self._lid and self._epoch), down=self.breaker.down, last_error=self.last_error,
                    epoch=self._epoch.hex() if self._epoch else "",
                    layout_fingerprint=self.layout.fingerprint.hex() if self.layout else "", shard=self.shard)
         return out
 
     def close(self) -> None:
+        self.breaker.close()
         with contextlib.suppress(Exception):
             self._sc.close()
 
@@ -508,52 +502,38 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         every TP rank, whose answers SGLang all-reduces)."""
         if self.layout is None:
             return False
-        now = time.monotonic()
-        if self._epoch is not None and not self._down:
-            if now >= self._epoch_at:
+        if self._epoch is not None and not self.breaker.down:
+            if time.monotonic() >= self._epoch_at:
                 self._in_background()  # (the epoch in hand serves meanwhile)
             return True
-        if not (self._down and now < self._down_until):
+        if not self.breaker.bypassed():
             self._in_background()
         return False
 
     def _in_background(self) -> None:
         """Start :meth:`_attach` on a thread of its own unless one is running (never waits: the
         running one holds ``_lock`` through its calls)."""
-        with self._bg_lock:
-            if self._attaching:
-                return
-            self._attaching = True
-
-        def run() -> None:
-            try:
-                self._attach()
-            finally:
-                with self._bg_lock:
-                    self._attaching = False
-
-        threading.Thread(target=run, name="kvtier-sglang-attach", daemon=True).start()
+        self.breaker.in_background(self._attach, "kvtier-sglang-attach")
 
     def _attach(self) -> bool:
         """Register with the daemon and take the shard's key epoch when the daemon is reachable
         (at most ``timeout_s`` a call); False when it is not."""
         now = time.monotonic()
         with self._lock:
-            if self._down and now < self._down_until:
+            if self.breaker.bypassed():
                 return False
-            if not self._reachable():  # a connect, not a call that would wait for the daemon
+            # a connect, not a call that would wait for the daemon
+            if not accepts_connections(self.config.socket, self.config.target):
                 self._failed("connect", Unavailable(f"nothing listens at {self._sc.target}"))
                 return False
-            if self._down:
+            if self.breaker.down:
                 self._renew_sidecar()
             try:
                 self._connect(now)
             except Exception as e:
                 self._failed("connect", e)
                 return False
-            if self._down:
-                logger.info("kvtier: daemon reachable again at %s", self._sc.target)
-            self._down = False
+            self.breaker.ok(self._sc.target)
             return True
 
     def _new_sidecar(self) -> Sidecar:
@@ -630,43 +610,25 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
             else:
                 self._epoch_at = now + min(0.1, self.config.epoch_refresh_s)
 
-    def _reachable(self) -> bool:
-        """Whether something accepts connections on the daemon's unix socket (True for other targets)."""
-        if self.config.target:
-            return True
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(_PROBE_TIMEOUT_S)
-        try:
-            s.connect(socket_path(self.config.socket))
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
     def _failed(self, op: str, e: BaseException) -> None:
-        """A call that failed: the daemon being gone or stuck marks it down for ``retry_s``; other
-        failures (no room, a bad argument, a bug) fail the call alone and are logged, but for a
-        failed connect (a refused registration, say), which is tried again only after
-        ``retry_s`` too. Never waits on ``_lock`` (held by a background attach through its
-        calls): the down state has a lock of its own."""
+        """A call that failed: the daemon being gone or stuck (:func:`is_down_error`) trips the
+        breaker for ``retry_s``; other failures (no room, a bad argument, a bug) fail the call
+        alone and are logged, but for a failed connect (a refused registration, say), which is
+        tried again only after ``retry_s`` too. Never waits on ``_lock`` (held by a background
+        attach through its calls): the breaker has a lock of its own."""
         self.last_error = f"{op}: {e}"
-        if not isinstance(e, KvtierError) or e.code not in _DOWN_CODES:
+        if not is_down_error(e):
             self._count(errors=1)
             logger.warning("kvtier %s failed: %s", op, e, exc_info=not isinstance(e, KvtierError))
             if op != "connect":
                 return
         else:
             self._count(daemon_failures=1)
-        with self._bg_lock:
-            if not self._down:
-                logger.warning("kvtier %s failed (%s); answering misses, retrying in %.1fs", op, e, self.config.retry_s)
-            self._down = True
-            self._down_until = time.monotonic() + self.config.retry_s
-            self._epoch_at = 0.0  # re-read the epoch when the daemon is back (it may have restarted)
+        self.breaker.failed(e, op)
+        self._epoch_at = 0.0  # re-read the epoch when the daemon is back (it may have restarted)
 
     def _missed(self, keys: Sequence[str]) -> list[bool]:
-        if self._down:
+        if self.breaker.down:
             self._count(skipped_while_down_pages=len(keys))
         return [False] * len(keys)
 

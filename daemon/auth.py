@@ -1,4 +1,4 @@
-"""Who is calling: the authenticated principal of each request (issue 12, security).
+"""Who is calling: the authenticated principal of each request.
 
 Every handler of the daemon's services asks its :class:`Authenticator` for the
 :class:`Principal` of the call (``self.auth.principal(context)``) before it touches the store.
@@ -14,7 +14,7 @@ A principal names:
 How callers are authenticated (peer credentials on the unix socket, client certificates on
 TCP) is the authenticator's business; the rest of the daemon only sees principals.
 
-:class:`PeerAuthenticator` is the daemon's (issue 12, item 1):
+:class:`PeerAuthenticator` is the daemon's:
 
 * **Unix socket.** A client first hand-shakes on the credential socket beside the gRPC socket
   (:mod:`kvtier.handshake`, served by :mod:`kvtier.daemon.credentials`): the daemon reads the
@@ -74,7 +74,7 @@ class Authenticator:
         return LOCAL
 
 
-# -- authenticated transports (issue 12, item 1) ------------------------------------------------
+# -- authenticated transports -------------------------------------------------------------------
 
 CN_PREFIX = "cn:"
 UNAUTHENTICATED_MESSAGE = (f"no valid credential: a local client connects to the daemon's credential socket "

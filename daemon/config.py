@@ -1,11 +1,17 @@
-"""kvtierd configuration: one typed dataclass, every field a flag, an env var and a TOML key.
+"""kvtierd configuration: one typed dataclass, every setting a flag, an env var and a TOML key.
 
-Each field has one name: ``host_capacity`` is ``--host-capacity`` on the command line,
+Each setting has one name: ``host_capacity`` is ``--host-capacity`` on the command line,
 ``KVTIER_HOST_CAPACITY`` in the environment and ``host_capacity`` in the TOML file given by
 ``--config`` (or ``KVTIER_CONFIG``). A flag beats an env var beats the file beats the default.
-Sizes accept units (``64GiB``, ``512MB``, ``4096``); durations are seconds. The mechanism
-(fields with help, parser and metavar; flags, variables and the file) is
-:mod:`kvtier.settings`, shared with ``kvtier route-server``.
+Sizes accept units (``64GiB``, ``512MB``, ``4096``); durations are seconds; a boolean setting
+is a switch (``--insecure-tcp``, ``--no-insecure-tcp``). The mechanism (fields with help,
+parser and metavar; flags, variables and the file) is :mod:`kvtier.settings`, shared with
+``kvtier route-server`` and ``kvtier gateway``.
+
+The settings are grouped by subsystem, one nested dataclass each (:class:`Config` lists them);
+grouping changes no name: the flag, the variable and the TOML key stay flat, and so does the
+Python attribute (``cfg.host_capacity`` reads ``cfg.host.host_capacity``). Each group's checks
+are beside it at the end of the module (:func:`load_config` runs them all).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from kvtier.settings import (
     Settings,
     SettingsError,
     flag_name,
+    flat_access,
+    group,
     parse_bool,
     parse_float,
     parse_int,
@@ -27,15 +35,16 @@ from kvtier.settings import (
     parse_size,
 )
 from kvtier.settings import setting as _opt
+from kvtier.tiers.policy import DEMOTE_AHEAD_BYTES, DEMOTE_MIN_SEEN
 
-__all__ = ["Config", "ConfigError", "build_parser", "flag_name", "load_config", "parse_bool", "parse_size"]
+__all__ = ["SETTINGS", "Config", "ConfigError", "build_parser", "flag_name", "load_config", "parse_bool", "parse_size"]
 
 ConfigError = SettingsError
+"""A setting that cannot be used; the message names it and where it came from."""
 
 TENANT_SHARE_DIVISOR = 4
 """By default, on a daemon with several tenants, one tenant may take a quarter of each
 per-daemon limit (sessions, feed subscribers, layouts, slot sizes, reporting workers)."""
-"""A setting that cannot be used; the message names it and where it came from."""
 
 
 def parse_ids(value: str | Sequence[str] | Sequence[int]) -> tuple[int, ...]:
@@ -61,9 +70,11 @@ def parse_entries(value: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(part for item in items for part in parse_list(str(item)))
 
 
+# -- the groups ----------------------------------------------------------------------------------
+
 @dataclass
-class Config:
-    """Every kvtierd setting. See the module docstring for names and precedence."""
+class TransportSettings:
+    """Where the daemon listens, who it serves as which tenant, and the secret keys derive from."""
 
     socket: str = _opt("", "unix socket to serve on (default $XDG_RUNTIME_DIR/kvtier/kvtierd.sock, "
                            "else /tmp/kvtier-$UID/kvtierd.sock); created mode 0600 (0666 when "
@@ -75,71 +86,16 @@ class Config:
                         "certificates (--tls-cert, --tls-key, --tls-ca; refused without them unless "
                         "--insecure-tcp); refuses to start if the port is taken; empty: no TCP listener",
                     metavar="HOST:PORT")
-    node_id: str = _opt("", "this node's name in events, metrics and routing (default: hostname)")
-    shm_dir: str = _opt("/dev/shm", "tmpfs directory for the host pool and key table files; in a "
-                                    "container mount a tmpfs this large", metavar="DIR")
-    host_capacity: int = _opt(8 * 1024**3, "bytes of host memory for KV blocks (e.g. 64GiB)", parse_size,
-                              "SIZE")
-    host_prefault: bool = _opt(True, "allocate the host pool's memory when the first layout registers, so "
-                                     "writes never pay for page allocation and a too-small tmpfs is "
-                                     "found at once", parse_bool, "BOOL")
-    state_dir: str = _opt("", "where the key secret (--key-secret-file) is kept when there is no "
-                              "--disk-dir; kvtierd keeps no other state outside --shm-dir (host pool, "
-                              "key table) and --disk-dir (disk tier)", metavar="DIR")
-    disk_dir: str = _opt("", "directory for the disk tier's slab files and index; empty: no disk tier",
-                         metavar="DIR")
-    disk_capacity: int = _opt(0, "bytes of disk for KV blocks (e.g. 1TiB); 0 with --disk-dir set: "
-                                 "90% of the free space", parse_size, "SIZE")
-    disk_queue_depth: int = _opt(8, "disk I/Os in flight at once (O_DIRECT reads and writes)", parse_int, "N")
-    disk_map_size: int = _opt(0, "LMDB map size of the disk index (its most bytes); 0: 256 B per 4 KiB "
-                                 "of --disk-capacity, at least 64MiB", parse_size, "SIZE")
-    demote_min_seen: int = _opt(2, "when the disk's write queue is full (--demote-queue-bytes), demote a "
-                                   "block evicted from host to disk only if it was put or hit at least this "
-                                   "many times (1: every evicted block)", parse_int, "N")
-    disk_write_through: bool = _opt(False, "write every committed block to disk before acknowledging it "
-                                           "(as if every put were durable); needs --disk-dir", parse_bool,
-                                    "BOOL")
-    # -- first-hour checks (issue 18): a disk tier that is memory is refused unless asked for --
-    disk_allow_tmpfs: bool = _opt(False, "let --disk-dir be on a tmpfs or ramfs: the disk tier is then "
-                                         "memory beside the host pool, lost at reboot, and without "
-                                         "--disk-capacity sized at 90% of that memory; refused "
-                                         "without this", parse_bool, "BOOL")
-    # -- end of the first-hour checks --
-    metrics_port: int = _opt(0, "serve Prometheus metrics on this TCP port (0: off)", parse_int, "PORT")
-    metrics_host: str = _opt("127.0.0.1", "address for the metrics listener", metavar="HOST")
-    log_level: str = _opt("info", "debug, info, warning or error")
-    log_format: str = _opt("json", "json (one object a line) or text")
-    max_batch_keys: int = _opt(65536, "most keys accepted in one request", parse_int, "N")
-    copy_engine: str = _opt("auto", "engine KV copies (Transfer service): cuda (needs cupy and a GPU; "
-                                    "refuse to start without), host (CPU stand-in only), or auto (cuda "
-                                    "when cupy is installed and a GPU is visible); host-memory engines "
-                                    "are always served")
-    cuda_device: int = _opt(0, "CUDA device ordinal the copy engine starts on; each engine's copies run on "
-                               "the GPU its KV memory is on (matched by UUID: one kvtierd serves every GPU it "
-                               "sees); clients that send no UUID must be on this one", parse_int, "N")
-    cuda_backend: str = _opt("auto", "GPU copy method: kernel (gather/scatter kernel over the pinned "
-                                     "pool), batch (cudaMemcpyBatchAsync), or auto (chosen per batch)")
-    copy_threads: int = _opt(4, "memcpy threads of the host copy engine; also the threads touching the "
-                                "pool before cudaHostRegister", parse_int, "N")
-    offload_piece_bytes: int = _opt(8 * 1024**2, "offloads are copied in pieces of at most this many "
-                                                  "bytes so onboards never wait behind a whole offload",
-                                    parse_size, "SIZE")
-    event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
-                                        "router further behind gets a snapshot instead", parse_int, "N")
-    # -- KV events out (kvtier.daemon.kv_events): host and disk holdings as a vLLM-format stream --
-    kv_events_endpoint: str = _opt("", "publish the host and disk tiers' holdings as a vLLM-format KV event "
-                                       "stream (ZMQ PUB) for llm-d's KV indexer and other readers of vLLM's events (not "
-                                       "Dynamo's KV router: docs/integrations.md); as "
-                                       "vLLM's endpoint: tcp://*:PORT or ipc://PATH is bound (refuses to "
-                                       "start if taken), tcp://HOST:PORT is connected to a reader that binds; "
-                                       "needs pip install -e '.[events]' in a kvtier checkout; empty: off", metavar="ENDPOINT")
-    kv_events_replay_endpoint: str = _opt("", "also answer vLLM's replay requests for recent batches on this "
-                                              "ZMQ ROUTER endpoint (bound); empty: no replay",
-                                          metavar="ENDPOINT")
-    kv_events_topic: str = _opt("kv@{node_id}@kvtier", "topic of every KV event message; {node_id} becomes "
-                                                       "--node-id; llm-d reads kv@POD@MODEL, so put the "
-                                                       "served model name last", metavar="TOPIC")
-    # -- transports and identity (issue 12) --
+    tcp_services: str = _opt("locations", "what --tcp serves: locations (the location feed and health: "
+                                          "what remote routers need) or all (adds Node and Transfer, for "
+                                          "remote engines); the unix socket always serves all")
+    tls_cert: str = _opt("", "PEM certificate (chain) of the --tcp listener", metavar="FILE")
+    tls_key: str = _opt("", "PEM private key of --tls-cert", metavar="FILE")
+    tls_ca: str = _opt("", "PEM CA certificate(s) that sign the clients' certificates: --tcp requires every "
+                           "client to present one (mutual TLS)", metavar="FILE")
+    insecure_tcp: bool = _opt(False, "serve --tcp without TLS: anyone who reaches the port is served, as "
+                                     "tenant 'default', and the daemon warns so at start; refused "
+                                     "without this when --tcp has no --tls-cert", parse_bool, "BOOL")
     allowed_uids: tuple[int, ...] = _opt((), "uids admitted on the unix socket (each client's uid is read from "
                                              "the kernel on the credential socket); none given: this "
                                              "daemon's own uid only. Admitting another uid makes the socket "
@@ -152,78 +108,122 @@ class Config:
                                         "clients whose certificate's common name is NAME (unmapped: the "
                                         "tenant is the common name itself); e.g. 1000=alice,1001=bob,"
                                         "cn:router-1=alice", parse_entries, "ENTRY", repeat=True)
-    tls_cert: str = _opt("", "PEM certificate (chain) of the --tcp listener", metavar="FILE")
-    tls_key: str = _opt("", "PEM private key of --tls-cert", metavar="FILE")
-    tls_ca: str = _opt("", "PEM CA certificate(s) that sign the clients' certificates: --tcp requires every "
-                           "client to present one (mutual TLS)", metavar="FILE")
-    insecure_tcp: bool = _opt(False, "serve --tcp without TLS: anyone who reaches the port is served, as "
-                                     "tenant 'default', and the daemon warns so at start; refused "
-                                     "without this when --tcp has no --tls-cert", parse_bool, "BOOL")
-    tcp_services: str = _opt("locations", "what --tcp serves: locations (the location feed and health: "
-                                          "what remote routers need) or all (adds Node and Transfer, for "
-                                          "remote engines); the unix socket always serves all")
+    node_id: str = _opt("", "this node's name in events, metrics and routing (default: hostname)")
     key_secret_file: str = _opt("", "the deployment's secret (32 random bytes, created 0600 on first use) "
                                     "each tenant's key salt is derived from (HMAC of the tenant name), "
                                     "handed to local clients in the credential handshake; default: "
                                     "key.secret in --disk-dir, else in --state-dir; with neither, a new "
                                     "secret each run (keys then change at every restart; warned at "
                                     "start)", metavar="FILE")
-    config: str = _opt("", "TOML file with any of these settings, each under its TOML key: the flag's "
-                           "name without -- and with _ for - (host_capacity = \"64GiB\")", metavar="FILE")
-    # -- feed limits (issue 12) --
+    state_dir: str = _opt("", "where the key secret (--key-secret-file) is kept when there is no "
+                              "--disk-dir; kvtierd keeps no other state outside --shm-dir (host pool, "
+                              "key table) and --disk-dir (disk tier)", metavar="DIR")
+
+
+@dataclass
+class HostTierSettings:
+    """The host tier: the pool of KV blocks in shared memory."""
+
+    shm_dir: str = _opt("/dev/shm", "tmpfs directory for the host pool and key table files; in a "
+                                    "container mount a tmpfs this large", metavar="DIR")
+    host_capacity: int = _opt(8 * 1024**3, "bytes of host memory for KV blocks, all slot sizes together (e.g. 64GiB)",
+                              parse_size,
+                              "SIZE")
+    host_prefault: bool = _opt(True, "allocate the host pool's memory when the first layout registers (about 0.25 s/GiB), so "
+                                     "writes never pay for page allocation and a too-small tmpfs is "
+                                     "found at once", parse_bool, "BOOL")
+
+
+@dataclass
+class DiskTierSettings:
+    """The disk tier, and which host victims are written to it."""
+
+    disk_dir: str = _opt("", "directory for the disk tier's O_DIRECT slab files and LMDB index, one daemon per "
+                              "directory (locked); empty: no disk tier",
+                         metavar="DIR")
+    disk_capacity: int = _opt(0, "bytes of disk for KV blocks (e.g. 1TiB); 0 with --disk-dir set: "
+                                 "90% of the free space", parse_size, "SIZE")
+    disk_queue_depth: int = _opt(8, "disk I/Os in flight at once (O_DIRECT reads and writes)", parse_int, "N")
+    disk_map_size: int = _opt(0, "LMDB map size of the disk index (its most bytes); 0: 256 B per 4 KiB "
+                                 "of --disk-capacity, at least 64MiB", parse_size, "SIZE")
+    demote_min_seen: int = _opt(DEMOTE_MIN_SEEN, "when the disk's write queue is full (--demote-queue-bytes), demote a "
+                                   "block evicted from host to disk only if it was put or hit at least this "
+                                   "many times (1: every evicted block)", parse_int, "N")
+    demote_queue_bytes: int = _opt(64 * 1024**2, "every host victim is demoted to disk while the disk's "
+                                                 "write queue (demotions being written) holds less than this "
+                                                 "many bytes; beyond it only blocks seen --demote-min-seen "
+                                                 "times are (0: always only those)", parse_size, "SIZE")
+    demote_ahead_bytes: int = _opt(DEMOTE_AHEAD_BYTES, "write the host's least recently used blocks within this many "
+                                                  "bytes of eviction to disk before they are evicted, while the "
+                                                  "write queue (--demote-queue-bytes) has room: their eviction then "
+                                                  "frees the slot at once, without a copy or a wait (at most a "
+                                                  "quarter of --host-capacity and 256 blocks; 0: off)", parse_size, "SIZE")
+    disk_write_through: bool = _opt(False, "write every committed block to disk before acknowledging it "
+                                           "(as if every put were durable); needs --disk-dir", parse_bool,
+                                    "BOOL")
+    disk_allow_tmpfs: bool = _opt(False, "let --disk-dir be on a tmpfs or ramfs: the disk tier is then "
+                                         "memory beside the host pool, lost at reboot, and without "
+                                         "--disk-capacity sized at 90% of that memory; refused "
+                                         "without this", parse_bool, "BOOL")
+    disk_recheck_s: float = _opt(10.0, "how often a degraded disk tier checks whether it can take writes again: a "
+                                       "full filesystem once it has room again, any other failure by retrying",
+                                 parse_float, "SECONDS")
+
+
+@dataclass
+class GpuSettings:
+    """The copy engine: KV copies between the engines' memory and the host pool."""
+
+    copy_engine: str = _opt("auto", "engine KV copies (Transfer service): cuda (needs cupy and a GPU; "
+                                    "refuse to start without), host (CPU stand-in only), or auto (cuda "
+                                    "when cupy is installed and a GPU is visible); host-memory engines "
+                                    "are always served")
+    cuda_device: int = _opt(0, "CUDA device ordinal the copy engine starts on; each engine's copies run on "
+                               "the GPU its KV memory is on (matched by UUID: one kvtierd serves every GPU it "
+                               "sees); clients that send no UUID must be on this one", parse_int, "N")
+    cuda_backend: str = _opt("auto", "GPU copy method: kernel (gather/scatter kernel over the pinned "
+                                     "pool), batch (cudaMemcpyBatchAsync), or auto (chosen per batch: kernel for 16-byte "
+                                     "aligned chunks under 1 MiB, else batch)")
+    copy_threads: int = _opt(4, "memcpy threads of the host copy engine; also the threads touching the "
+                                "pool before cudaHostRegister", parse_int, "N")
+    offload_piece_bytes: int = _opt(8 * 1024**2, "offloads are copied in pieces of at most this many "
+                                                  "bytes so onboards never wait behind a whole offload",
+                                    parse_size, "SIZE")
+
+
+@dataclass
+class FeedSettings:
+    """The location feed routers follow, and the vLLM-format KV event stream."""
+
+    event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
+                                        "router further behind gets a snapshot instead", parse_int, "N")
+    event_log_bytes: int = _opt(64 << 20, "most bytes of daemon memory each tenant's location-event ring may take "
+                                          "(its keys and about 256 bytes per event), beside --event-log-keys; older "
+                                          "events are dropped first (a subscriber that fell behind them gets a "
+                                          "snapshot)", parse_size, "SIZE")
     max_feed_subscribers: int = _opt(64, "most WatchLocations subscribers (routers) served at once; one more is "
                                          "refused RESOURCE_EXHAUSTED. A subscriber that falls further behind than "
                                          "--event-log-keys keys of events is dropped (RESOURCE_EXHAUSTED) and "
                                          "resubscribes", parse_int, "N")
-    max_concurrent_rpcs: int = _opt(4096, "most RPCs in flight at once, streams included (each client Session and "
-                                          "each WatchLocations stream counts for its whole life); one more is "
-                                          "refused RESOURCE_EXHAUSTED; 0: no limit", parse_int, "N")
-    # -- sessions (issue 12) --
-    session_quota: int = _opt(0, "most bytes of host slots one session may hold at once in grants (allocated, "
-                                 "not committed) and leases (acquired, not released); over it a request is "
-                                 "refused RESOURCE_EXHAUSTED; 0: half of --host-capacity (at least 64MiB, or all of "
-                                 "a smaller pool)", parse_size, "SIZE")
-    tenant_quota: int = _opt(0, "most bytes of host slots the sessions of one tenant may hold at once in grants "
-                                "and leases; 0: all of --host-capacity", parse_size, "SIZE")
-    grant_ttl_s: float = _opt(60.0, "a grant not committed within this many seconds is aborted (its slot given "
-                                    "back); a later Commit of it is refused DEADLINE_EXCEEDED", parse_float, "SECONDS")
-    lease_ttl_s: float = _opt(60.0, "a lease not released within this many seconds is unpinned; a later Release "
-                                    "of it is refused DEADLINE_EXCEEDED", parse_float, "SECONDS")
-    max_sessions: int = _opt(1024, "most Session streams open at once (each client holds one); more are refused "
-                                   "RESOURCE_EXHAUSTED", parse_int, "N")
-    transfer_wait_s: float = _opt(30.0, "most seconds an offload waits for the engine's \"KV written\" record; "
-                                        "past it the request is refused DEADLINE_EXCEEDED and gives back its "
-                                        "slots", parse_float, "SECONDS")
-    # -- end of sessions --
-    # -- tenant shares: no tenant may take a whole per-daemon limit (docs/SECURITY.md) --
-    max_sessions_per_tenant: int = _opt(0, "most Session streams the callers of one tenant may hold open at once; "
-                                           "more are refused RESOURCE_EXHAUSTED while other tenants still open "
-                                           "theirs; 0: --max-sessions on a single-tenant daemon (see "
-                                           "--max-layouts-per-tenant), else a quarter of it", parse_int, "N")
-    max_feed_subscribers_per_tenant: int = _opt(0, "most WatchLocations subscribers of one tenant at once; one more "
-                                                   "is refused RESOURCE_EXHAUSTED; 0: --max-feed-subscribers when no "
-                                                   "--tenants entry names a tenant other than 'default' and there is "
-                                                   "no TLS listener (any --tcp-services), else a quarter of it",
-                                                parse_int, "N")
-    max_layouts_per_tenant: int = _opt(0, "most layouts one tenant may register (the daemon takes 256 in all); one "
-                                          "more is refused RESOURCE_EXHAUSTED. 0: all 256 on a single-tenant daemon "
-                                          "(no --tenants entry names a tenant other than 'default', and no TLS "
-                                          "listener with --tcp-services all, whose client certificates' common "
-                                          "names are tenants), else 64, a quarter", parse_int, "N")
-    max_slot_sizes_per_tenant: int = _opt(0, "most distinct slot sizes (host pool files) one tenant's layouts may "
-                                             "use (the daemon takes 16 in all); a layout needing one more is refused "
-                                             "RESOURCE_EXHAUSTED; 0: all 16 on a single-tenant daemon, else 4",
-                                          parse_int, "N")
-    max_workers_per_tenant: int = _opt(0, "most engine workers (worker ids) of one tenant reporting device blocks "
-                                          "(ReportDeviceBlocks; the daemon takes 1024 in all); a new one more is "
-                                          "refused RESOURCE_EXHAUSTED; 0: all 1024 on a single-tenant daemon, "
-                                          "else 256", parse_int, "N")
-    max_device_blocks_per_worker: int = _opt(1 << 21, "most device blocks one worker may report held, all its "
-                                                      "ranks' layouts together (each costs the daemon about 250 "
-                                                      "bytes); a report that would hold more is refused "
-                                                      "RESOURCE_EXHAUSTED and changes nothing", parse_int, "N")
-    # -- end of tenant shares --
-    # -- peers (issue 13) --
+    kv_events_endpoint: str = _opt("", "publish the host and disk tiers' holdings as a vLLM-format KV event "
+                                       "stream (ZMQ PUB: BlockStored and BlockRemoved, medium CPU for host and STORAGE for "
+                                       "disk) for llm-d's KV indexer and other readers of vLLM's events (not "
+                                       "Dynamo's KV router: docs/integrations.md); as "
+                                       "vLLM's endpoint: tcp://*:PORT or ipc://PATH is bound (refuses to "
+                                       "start if taken), tcp://HOST:PORT is connected to a reader that binds; "
+                                       "needs pip install -e '.[events]' in a kvtier checkout; empty: off", metavar="ENDPOINT")
+    kv_events_replay_endpoint: str = _opt("", "also answer vLLM's replay requests for the last 10000 batches (at most 64MiB) on this "
+                                              "ZMQ ROUTER endpoint (bound); empty: no replay",
+                                          metavar="ENDPOINT")
+    kv_events_topic: str = _opt("kv@{node_id}@kvtier", "topic of every KV event message; {node_id} becomes "
+                                                       "--node-id; llm-d reads kv@POD@MODEL, so put the "
+                                                       "served model name last", metavar="TOPIC")
+
+
+@dataclass
+class PeerSettings:
+    """Blocks fetched from other daemons' host and disk tiers, and served to them."""
+
     peer_serve: bool = _opt(False, "serve the Peer service on --tcp: other daemons fetch this node's host and "
                                    "disk blocks, each only of the tenant its client certificate names "
                                    "(--tenants cn:NAME=TENANT); needs --tcp", parse_bool, "BOOL")
@@ -264,10 +264,19 @@ class Config:
                                                 "holds this many", parse_size, "SIZE")
     peer_serve_delay_s: float = _opt(0.0, "for tests and demos only: the Peer service pauses this long after "
                                           "each chunk it sends (a slow link); 0: no pause", parse_float, "SECONDS")
-    # -- end of peers --
-    # -- shared store (issue 13) --
+
+
+@dataclass
+class StoreSettings:
+    """The shared store (Redis Cluster or Mooncake Store): the remote tier daemons write
+    behind to and read through."""
+
     store_redis: str = _opt("", "the shared store: startup nodes of a Redis Cluster, HOST:PORT,... (the "
                                 "remote tier other daemons read through); empty: no store", metavar="HOST:PORT,...")
+    store_backend: str = _opt("redis", "what the shared store runs on: redis (a Redis Cluster, --store-redis) or "
+                                       "mooncake (a Mooncake Store, --store-mooncake-master; needs pip install -e '.[mooncake]' "
+                                       "in a kvtier checkout, and libibverbs1, libnuma1 and libcurl4)",
+                              metavar="redis|mooncake")
     store_namespace: str = _opt("default", "keys in the store are kvtier:<namespace>:<tenant fingerprint>:<key>; "
                                            "daemons share blocks only within one namespace", metavar="NAME")
     store_ttl_s: float = _opt(3600.0, "each block written to the store expires this many seconds after its "
@@ -283,28 +292,6 @@ class Config:
     store_queue_bytes: int = _opt(256 * 1024**2, "most payload bytes waiting to be written behind; blocks "
                                                  "beyond it are not written (store_writes_dropped)",
                                   parse_size, "SIZE")
-    # -- end of shared store --
-    # -- fixes (issue 14) --
-    event_log_bytes: int = _opt(64 << 20, "most bytes of daemon memory each tenant's location-event ring may take "
-                                          "(its keys and about 256 bytes per event), beside --event-log-keys; older "
-                                          "events are dropped first (a subscriber that fell behind them gets a "
-                                          "snapshot)", parse_size, "SIZE")
-    disk_recheck_s: float = _opt(10.0, "how often a degraded disk tier checks whether it can take writes again: a "
-                                       "full filesystem once it has room again, any other failure by retrying",
-                                 parse_float, "SECONDS")
-    # -- end of fixes --
-    # -- disk admission (issue 15) --
-    demote_queue_bytes: int = _opt(64 * 1024**2, "every host victim is demoted to disk while the disk's "
-                                                 "write queue (demotions being written) holds less than this "
-                                                 "many bytes; beyond it only blocks seen --demote-min-seen "
-                                                 "times are (0: always only those, as 0.1 did)", parse_size, "SIZE")
-    demote_ahead_bytes: int = _opt(128 * 1024**2, "write the host's least recently used blocks within this many "
-                                                  "bytes of eviction to disk before they are evicted, while the "
-                                                  "write queue (--demote-queue-bytes) has room: their eviction then "
-                                                  "frees the slot at once, without a copy or a wait (at most a "
-                                                  "quarter of --host-capacity and 256 blocks; 0: off)", parse_size, "SIZE")
-    # -- end of disk admission --
-    # -- shared store: transport, second backend (issue 13) --
     store_tls_cert: str = _opt("", "client certificate (PEM) for mutual TLS to the store (Redis tls-auth-clients); "
                                    "default --tls-cert", metavar="FILE")
     store_tls_key: str = _opt("", "PEM private key of --store-tls-cert; default --tls-key", metavar="FILE")
@@ -318,9 +305,6 @@ class Config:
     store_password_file: str = _opt("", "file holding the Redis password (one line; mode 0600, a file group or "
                                         "others can read is refused at startup); empty: no AUTH",
                                     metavar="FILE")
-    store_backend: str = _opt("redis", "what the shared store runs on: redis (a Redis Cluster, --store-redis) or "
-                                       "mooncake (a Mooncake Store, --store-mooncake-master)",
-                              metavar="redis|mooncake")
     store_mooncake_master: str = _opt("", "the Mooncake master's RPC address, HOST:PORT (--store-backend "
                                           "mooncake)", metavar="HOST:PORT")
     store_mooncake_metadata: str = _opt("", "the Mooncake metadata server: http://HOST:PORT/metadata (the "
@@ -337,7 +321,87 @@ class Config:
     store_mooncake_buffer_bytes: int = _opt(128 * 1024**2, "this node's Mooncake transfer buffer (the most "
                                                            "bytes of one batch's puts or gets in flight)",
                                             parse_size, "SIZE")
-    # -- end of shared store: transport, second backend --
+
+
+@dataclass
+class LimitSettings:
+    """What one request, session, tenant and worker may take, so no caller takes the daemon."""
+
+    max_batch_keys: int = _opt(65536, "most keys accepted in one request", parse_int, "N")
+    max_concurrent_rpcs: int = _opt(4096, "most RPCs in flight at once, streams included (each client Session and "
+                                          "each WatchLocations stream counts for its whole life); one more is "
+                                          "refused RESOURCE_EXHAUSTED; 0: no limit", parse_int, "N")
+    max_sessions: int = _opt(1024, "most Session streams open at once (each client holds one); more are refused "
+                                   "RESOURCE_EXHAUSTED", parse_int, "N")
+    session_quota: int = _opt(0, "most bytes of host slots one session may hold at once in grants (allocated, "
+                                 "not committed) and leases (acquired, not released); over it a request is "
+                                 "refused RESOURCE_EXHAUSTED; 0: half of --host-capacity (at least 64MiB, or all of "
+                                 "a smaller pool)", parse_size, "SIZE")
+    tenant_quota: int = _opt(0, "most bytes of host slots the sessions of one tenant may hold at once in grants "
+                                "and leases; 0: all of --host-capacity", parse_size, "SIZE")
+    grant_ttl_s: float = _opt(60.0, "a grant not committed within this many seconds is aborted (its slot given "
+                                    "back); a later Commit of it is refused DEADLINE_EXCEEDED", parse_float, "SECONDS")
+    lease_ttl_s: float = _opt(60.0, "a lease not released within this many seconds is unpinned; a later Release "
+                                    "of it is refused DEADLINE_EXCEEDED", parse_float, "SECONDS")
+    transfer_wait_s: float = _opt(30.0, "most seconds an offload waits for the engine's \"KV written\" record; "
+                                        "past it the request is refused DEADLINE_EXCEEDED and gives back its "
+                                        "slots", parse_float, "SECONDS")
+    # tenant shares: no tenant may take a whole per-daemon limit (docs/SECURITY.md)
+    max_sessions_per_tenant: int = _opt(0, "most Session streams the callers of one tenant may hold open at once; "
+                                           "more are refused RESOURCE_EXHAUSTED while other tenants still open "
+                                           "theirs; 0: --max-sessions on a single-tenant daemon (see "
+                                           "--max-layouts-per-tenant), else a quarter of it", parse_int, "N")
+    max_feed_subscribers_per_tenant: int = _opt(0, "most WatchLocations subscribers of one tenant at once; one more "
+                                                   "is refused RESOURCE_EXHAUSTED; 0: --max-feed-subscribers when no "
+                                                   "--tenants entry names a tenant other than 'default' and there is "
+                                                   "no TLS listener (any --tcp-services), else a quarter of it",
+                                                parse_int, "N")
+    max_layouts_per_tenant: int = _opt(0, "most layouts one tenant may register (the daemon takes 256 in all); one "
+                                          "more is refused RESOURCE_EXHAUSTED. 0: all 256 on a single-tenant daemon "
+                                          "(no --tenants entry names a tenant other than 'default', and no TLS "
+                                          "listener with --tcp-services all, whose client certificates' common "
+                                          "names are tenants), else 64, a quarter", parse_int, "N")
+    max_slot_sizes_per_tenant: int = _opt(0, "most distinct slot sizes (host pool files) one tenant's layouts may "
+                                             "use (the daemon takes 16 in all); a layout needing one more is refused "
+                                             "RESOURCE_EXHAUSTED; 0: all 16 on a single-tenant daemon, else 4",
+                                          parse_int, "N")
+    max_workers_per_tenant: int = _opt(0, "most engine workers (worker ids) of one tenant reporting device blocks "
+                                          "(ReportDeviceBlocks; the daemon takes 1024 in all); a new one more is "
+                                          "refused RESOURCE_EXHAUSTED; 0: all 1024 on a single-tenant daemon, "
+                                          "else 256", parse_int, "N")
+    max_device_blocks_per_worker: int = _opt(1 << 21, "most device blocks one worker may report held, all its "
+                                                      "ranks' layouts together (each costs the daemon about 250 "
+                                                      "bytes); a report that would hold more is refused "
+                                                      "RESOURCE_EXHAUSTED and changes nothing", parse_int, "N")
+
+
+@dataclass
+class TelemetrySettings:
+    """Logs and Prometheus metrics."""
+
+    log_level: str = _opt("info", "debug, info, warning or error")
+    log_format: str = _opt("json", "json (one object a line) or text")
+    metrics_port: int = _opt(0, "serve Prometheus metrics (kvtier_*) on this TCP port (0: off)", parse_int, "PORT")
+    metrics_host: str = _opt("127.0.0.1", "address for the metrics listener", metavar="HOST")
+
+
+@flat_access
+@dataclass
+class Config:
+    """Every kvtierd setting, grouped by subsystem; each also an attribute of its own name
+    (``cfg.disk_dir``). See the module docstring for names and precedence."""
+
+    transport: TransportSettings = group(TransportSettings, "Transport and security")
+    host: HostTierSettings = group(HostTierSettings, "Host tier")
+    disk: DiskTierSettings = group(DiskTierSettings, "Disk tier")
+    gpu: GpuSettings = group(GpuSettings, "GPU copies")
+    feed: FeedSettings = group(FeedSettings, "Location feed and KV events")
+    peering: PeerSettings = group(PeerSettings, "Peers")
+    store: StoreSettings = group(StoreSettings, "Shared store")
+    limits: LimitSettings = group(LimitSettings, "Limits: requests, sessions, quotas and tenant shares")
+    telemetry: TelemetrySettings = group(TelemetrySettings, "Logging and metrics")
+    config: str = _opt("", "TOML file with any of these settings, each under its TOML key: the flag's "
+                           "name without -- and with _ for - (host_capacity = \"64GiB\")", metavar="FILE")
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
@@ -366,55 +430,84 @@ class Config:
         return min(value, limit)
 
 
-_SETTINGS = Settings(
+SETTINGS = Settings(
     Config, "KVTIER_", "kvtierd",
     description="kvtierd: per-node KV-cache tier daemon (GPU HBM -> pinned host -> NVMe).",
     epilog="Every flag is also an env var (--host-capacity: KVTIER_HOST_CAPACITY) and a key of the "
-           "--config TOML file (host_capacity). Precedence: flag > env > file > default.")
+           "--config TOML file (host_capacity). Precedence: flag > env > file > default. A boolean "
+           "setting is a switch (--insecure-tcp, --no-insecure-tcp); its env var and key take true or false.")
 
 
 def build_parser(prog: str = "kvtierd") -> argparse.ArgumentParser:
-    ap = _SETTINGS.parser()
+    ap = SETTINGS.parser()
     ap.prog = prog
     return ap
 
 
 def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Parse flags, env and the TOML file into a :class:`Config` (flag > env > file > default)."""
-    cfg: Config = _SETTINGS.load(argv, env)
+    cfg: Config = SETTINGS.load(argv, env)
     _check(cfg)
     return cfg
 
 
 def _check(cfg: Config) -> None:
-    """Refuse values no part of the daemon can use, naming the flag."""
+    """Refuse values no part of the daemon can use, naming the flag: each group's checks."""
+    _check_choices(cfg)
+    _check_host_and_gpu(cfg)
+    _check_disk(cfg)
+    _check_feed(cfg)
+    _check_sessions(cfg)
+    _check_tenant_shares(cfg)
+    _check_transport(cfg)
+    _check_peers(cfg)
+    _check_store(cfg)
+
+
+def _check_choices(cfg: Config) -> None:
+    """The settings that name one of a few choices."""
     choices = (("log_format", ("json", "text")), ("log_level", ("debug", "info", "warning", "error")),
                ("copy_engine", ("auto", "host", "cuda")), ("cuda_backend", ("auto", "kernel", "batch")))
     for name, allowed in choices:
         value = getattr(cfg, name)
         if (value.lower() if name == "log_level" else value) not in allowed:
             raise ConfigError(f"{flag_name(name)}: {value!r} is not {', '.join(allowed[:-1])} or {allowed[-1]}")
+
+
+def _check_host_and_gpu(cfg: Config) -> None:
+    """The host pool's size and the copy engine's threads and pieces."""
     if cfg.host_capacity <= 0:
         raise ConfigError("--host-capacity must be positive")
     if cfg.copy_threads <= 0 or cfg.offload_piece_bytes <= 0:
         raise ConfigError("--copy-threads and --offload-piece-bytes must be positive")
+
+
+def _check_disk(cfg: Config) -> None:
+    """The disk tier's queue, its admission and its recheck of a degraded disk."""
     for name in ("disk_queue_depth", "demote_min_seen"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{flag_name(name)} must be at least 1, got {getattr(cfg, name)}")
     if cfg.disk_write_through and not cfg.disk_dir:
         raise ConfigError("--disk-write-through needs a disk tier: set --disk-dir")
+    if cfg.disk_recheck_s < 0:
+        raise ConfigError("--disk-recheck-s must be at least 0")
+
+
+def _check_feed(cfg: Config) -> None:
+    """The location event log's bounds and the feed's and the RPCs' limits."""
     if cfg.event_log_keys <= 0:
         raise ConfigError("--event-log-keys must be positive")
+    if cfg.event_log_bytes <= 0:
+        raise ConfigError("--event-log-bytes must be positive")
     if cfg.max_feed_subscribers < 1 or cfg.max_concurrent_rpcs < 0:
         raise ConfigError("--max-feed-subscribers must be at least 1 and --max-concurrent-rpcs at least 0")
+
+
+def _check_sessions(cfg: Config) -> None:
+    """The sessions' quotas (0: the default) and their deadlines and number (positive)."""
     for name in ("session_quota", "tenant_quota", "grant_ttl_s", "lease_ttl_s", "max_sessions", "transfer_wait_s"):
-        if not getattr(cfg, name) >= (0 if name.endswith("quota") else 1e-9):  # (issue 12: sessions)
+        if not getattr(cfg, name) >= (0 if name.endswith("quota") else 1e-9):
             raise ConfigError(f"{flag_name(name)} must be {'at least 0' if name.endswith('quota') else 'positive'}")
-    _check_tenant_shares(cfg)
-    _check_transport(cfg)
-    _check_peers(cfg)
-    _check_store(cfg)  # (issue 13: shared store)
-    _check_fixes(cfg)
 
 
 def _check_tenant_shares(cfg: Config) -> None:
@@ -436,49 +529,8 @@ def _check_tenant_shares(cfg: Config) -> None:
         raise ConfigError("--max-device-blocks-per-worker must be at least 1")
 
 
-def _check_peers(cfg: Config) -> None:
-    """(issue 13) the --peer-* settings."""
-    if cfg.peer_serve and not cfg.tcp:
-        raise ConfigError("--peer-serve needs --tcp: peers fetch over the TCP listener")
-    for entry in cfg.peers:
-        host, _, port = entry.rpartition(":")
-        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"--peers: {entry!r} is not HOST:PORT")
-    for entry in cfg.peer_tenant_certs:
-        tenant, sep, files = entry.partition("=")
-        cert, sep2, key = files.partition(":")
-        if not (tenant and sep and cert and sep2 and key):
-            raise ConfigError(f"--peer-tenant-certs: {entry!r} is not TENANT=CERT:KEY")
-    _check_peer_numbers(cfg)
-    tls = cfg.peer_tls_cert or cfg.tls_cert
-    if cfg.peers and not tls and not cfg.insecure_tcp:
-        raise ConfigError("--peers needs a client certificate for the peers' mutual TLS: --peer-tls-cert, "
-                          "--peer-tls-key and --peer-tls-ca (or --tls-cert, --tls-key, --tls-ca); only with "
-                          "--insecure-tcp true are peers called in plaintext")
-    if bool(cfg.peer_tls_cert) != bool(cfg.peer_tls_key):
-        raise ConfigError("--peer-tls-cert and --peer-tls-key go together")
-
-
-def _check_peer_numbers(cfg: Config) -> None:
-    if not 64 * 1024 <= cfg.peer_chunk_bytes <= 4 * 1024**2:
-        raise ConfigError(f"--peer-chunk-bytes {cfg.peer_chunk_bytes} is not between 64KiB and 4MiB")
-    if cfg.peer_window_bytes < cfg.peer_chunk_bytes:
-        raise ConfigError("--peer-window-bytes must be at least --peer-chunk-bytes")
-    for name in ("peer_timeout_s", "peer_resolve_s", "peer_backoff_max_s"):
-        if not getattr(cfg, name) > 0:
-            raise ConfigError(f"{flag_name(name)} must be positive")
-    if cfg.peer_serve_delay_s < 0:
-        raise ConfigError("--peer-serve-delay-s must be at least 0")
-
-
-def _check_fixes(cfg: Config) -> None:  # (issue 14)
-    if cfg.event_log_bytes <= 0:
-        raise ConfigError("--event-log-bytes must be positive")
-    if cfg.disk_recheck_s < 0:
-        raise ConfigError("--disk-recheck-s must be at least 0")
-
-
 def _check_transport(cfg: Config) -> None:
+    """The tenants' map, what TCP serves, and TLS: all three files, or plaintext when asked for."""
     from kvtier.daemon.auth import parse_tenants
 
     try:
@@ -497,11 +549,47 @@ def _check_transport(cfg: Config) -> None:
     if cfg.tcp and not tls and not cfg.insecure_tcp:
         raise ConfigError(f"--tcp {cfg.tcp} without TLS would serve anyone who reaches the port: give "
                           f"--tls-cert, --tls-key and --tls-ca (clients then need a certificate signed by "
-                          f"--tls-ca), or pass --insecure-tcp true to serve it in plaintext anyway")
+                          f"--tls-ca), or pass --insecure-tcp to serve it in plaintext anyway")
+
+
+def _check_peers(cfg: Config) -> None:
+    """The --peer-* settings: a listener to serve on, addresses, certificates and numbers."""
+    if cfg.peer_serve and not cfg.tcp:
+        raise ConfigError("--peer-serve needs --tcp: peers fetch over the TCP listener")
+    for entry in cfg.peers:
+        host, _, port = entry.rpartition(":")
+        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--peers: {entry!r} is not HOST:PORT")
+    for entry in cfg.peer_tenant_certs:
+        tenant, sep, files = entry.partition("=")
+        cert, sep2, key = files.partition(":")
+        if not (tenant and sep and cert and sep2 and key):
+            raise ConfigError(f"--peer-tenant-certs: {entry!r} is not TENANT=CERT:KEY")
+    _check_peer_numbers(cfg)
+    tls = cfg.peer_tls_cert or cfg.tls_cert
+    if cfg.peers and not tls and not cfg.insecure_tcp:
+        raise ConfigError("--peers needs a client certificate for the peers' mutual TLS: --peer-tls-cert, "
+                          "--peer-tls-key and --peer-tls-ca (or --tls-cert, --tls-key, --tls-ca); only with "
+                          "--insecure-tcp are peers called in plaintext")
+    if bool(cfg.peer_tls_cert) != bool(cfg.peer_tls_key):
+        raise ConfigError("--peer-tls-cert and --peer-tls-key go together")
+
+
+def _check_peer_numbers(cfg: Config) -> None:
+    if not 64 * 1024 <= cfg.peer_chunk_bytes <= 4 * 1024**2:
+        raise ConfigError(f"--peer-chunk-bytes {cfg.peer_chunk_bytes} is not between 64KiB and 4MiB")
+    if cfg.peer_window_bytes < cfg.peer_chunk_bytes:
+        raise ConfigError("--peer-window-bytes must be at least --peer-chunk-bytes")
+    for name in ("peer_timeout_s", "peer_resolve_s", "peer_backoff_max_s"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{flag_name(name)} must be positive")
+    if cfg.peer_serve_delay_s < 0:
+        raise ConfigError("--peer-serve-delay-s must be at least 0")
 
 
 def _check_store(cfg: Config) -> None:
-    """The shared store's settings (issue 13)."""
+    """The shared store's settings: what is written and how long it lives here, the transport
+    and the backend in :func:`kvtier.daemon.remote_store.check_settings`."""
     if cfg.store_write not in ("put", "demotion", "off"):
         raise ConfigError(f"--store-write: {cfg.store_write!r} is not put, demotion or off")
     if not cfg.store_ttl_s > 0 or not cfg.store_timeout_s > 0:
@@ -514,6 +602,6 @@ def _check_store(cfg: Config) -> None:
         host, _, port = node.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"--store-redis: {node!r} is not HOST:PORT")
-    from kvtier.daemon.remote_store import check_settings  # (issue 13: store transport, backends)
+    from kvtier.daemon.remote_store import check_settings
 
     check_settings(cfg)

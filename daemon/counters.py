@@ -75,10 +75,15 @@ class Count(enum.Enum):
     COMMITS = "commits"                                # blocks made visible by Commit
     DURABLE_COMMITS = "durable_commits"                # blocks of durable puts on disk and indexed
     GRANTS_RECLAIMED = "grants_reclaimed"              # aborted: their session ended or they expired
+    GRANTS_WITHHELD = "grants_withheld"                # expired grants whose slots were withheld from reuse
     LEASES_RECLAIMED = "leases_reclaimed"              # released: their session ended or they expired
     HOST_BACKING_FAILURES = "host_backing_failures"    # fresh slots the tmpfs could not back
     EVICTED_BY_REQUEST = "evicted_by_request"          # entries removed by Evict
     DEMOTIONS = "demotions"                            # host victims written to disk
+    DEMOTIONS_STAGED = "demotions_staged"              # host blocks queued for a background disk write
+                                                       # (victims copied out, write-ahead)
+    DEMOTIONS_STAGED_OVER = "demotions_staged_over"    # of those, writes over (written, dropped or failed)
+    DEMOTIONS_AHEAD = "demotions_ahead"                # host blocks near eviction written to disk ahead of it
     DEMOTIONS_SKIPPED_COLD = "demotions_skipped_cold"  # host victims seen too rarely to keep
     DEMOTIONS_SKIPPED_DEGRADED = "demotions_skipped_degraded"
     DISK_NO_SPACE = "disk_no_space"                    # disk writes that found no slot
@@ -103,12 +108,13 @@ class Count(enum.Enum):
     KV_CLOSE_ERRORS = "kv_close_errors"
     KV_INFLIGHT_AT_CLOSE = "kv_inflight_at_close"
     KV_TRANSFERS_CANCELLED = "kv_transfers_cancelled"
+    KV_TRANSFERS_SUPERSEDED = "kv_transfers_superseded"  # an engine reused a ring slot whose transfer still ran
     KV_OFFLOADS_ABORTED = "kv_offloads_aborted"
     KV_OFFLOAD_BLOCKS = "kv_offload_blocks"
     KV_ONBOARD_BLOCKS = "kv_onboard_blocks"
     KV_ONBOARD_MISSING = "kv_onboard_missing"
     KV_ONBOARD_ERRORS = "kv_onboard_errors"
-    # -- peers (issue 13) --
+    # peers: fetches from other daemons and blocks served to them
     PEER_FETCHES = "peer_fetches"                      # FetchBlocks streams this daemon opened
     PEER_BLOCKS_FETCHED = "peer_blocks_fetched"        # blocks that arrived complete and verified
     PEER_BYTES_FETCHED = "peer_bytes_fetched"
@@ -126,7 +132,7 @@ class Count(enum.Enum):
     PEER_BLOCKS_SERVED = "peer_blocks_served"          # blocks this daemon sent to peers
     PEER_BYTES_SERVED = "peer_bytes_served"
     PEER_SERVE_ABORTED = "peer_serve_aborted"          # FetchBlocks streams whose caller went away mid-way
-    # -- shared store (issue 13) --
+    # the shared store: written behind, read through
     STORE_WRITES = "store_writes"                      # blocks written behind to the store
     STORE_WRITE_BYTES = "store_write_bytes"            # their payload bytes
     STORE_WRITES_DROPPED = "store_writes_dropped"      # not written: the write-behind queue was full
@@ -138,20 +144,7 @@ class Count(enum.Enum):
     STORE_READ_ERRORS = "store_read_errors"            # blocks not read: a store node failed or timed out
     STORE_CORRUPT = "store_corrupt"                    # values failing header or checksum (misses, never served)
     STORE_EXPIRED = "store_expired"                    # blocks this daemon wrote whose TTL lapsed (left the feed)
-    # -- end of shared store --
-    # -- fixes (issue 14) --
-    KV_TRANSFERS_SUPERSEDED = "kv_transfers_superseded"  # an engine reused a ring slot whose transfer still ran
-    # -- end of fixes --
 
-    # -- stale grants (issue 14: the soak) --
-    GRANTS_WITHHELD = "grants_withheld"  # expired grants whose slots were withheld from reuse
-    # -- end of stale grants --
-
-    # -- background demotions (issue 15) --
-    DEMOTIONS_STAGED = "demotions_staged"            # host blocks queued for a background disk write (victims copied out, write-ahead)
-    DEMOTIONS_STAGED_OVER = "demotions_staged_over"  # of those, writes over (written, dropped or failed)
-    DEMOTIONS_AHEAD = "demotions_ahead"              # host blocks near eviction written to disk ahead of it
-    # -- end of background demotions --
 
 #: the tiers evictions are counted in (the gpu tier is the engines': they evict their own)
 EVICTING_TIERS: tuple[Tier, ...] = (Tier.HOST, Tier.DISK)

@@ -1,4 +1,4 @@
-"""The daemon's credential socket (issue 12): who a unix-socket client is.
+"""The daemon's credential socket: who a unix-socket client is.
 
 Serves the handshake of :mod:`kvtier.handshake` on ``<socket>.auth``, on the daemon's event
 loop: each connection's peer credentials (``SO_PEERCRED``: uid, gid, pid) are read from the

@@ -126,7 +126,7 @@ class DeviceTier:
         fp = self.layouts.get(layout_id, tenant).layout.fingerprint
         check_keys(stored, self.max_keys, unique=False)
         check_keys(removed, self.max_keys, unique=False)
-        if not session_id:  # unbound holdings would never be cleared (issue 12)
+        if not session_id:  # unbound holdings would never be cleared
             raise StoreError(Code.INVALID_ARGUMENT, "session_id 0: report with the sidecar's open session, "
                                                     "whose end clears what it reported")
         if session_id not in self.sessions:

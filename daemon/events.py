@@ -8,7 +8,7 @@ Owns
     (a restart starts a new one), seq counts from 1. The newest events are kept in a ring
     bounded by ``event_log_keys`` keys (an event of k keys weighs max(1, k)) and by
     ``event_log_bytes`` bytes of daemon heap per tenant (:func:`event_bytes`: the keys' bytes
-    and about 256 bytes of objects per event, measured with tracemalloc; issue 14).
+    and about 256 bytes of objects per event, measured with tracemalloc).
 
 Tenants
     Each tenant has its own feed (:class:`TenantLog`: its own ring and numbering), holding only

@@ -34,7 +34,7 @@ Promises
       Transfer service refuses one); see :mod:`kvtier.tiers.copy_engine`.
     * Every wait for an engine's "KV written" record is bounded (``--transfer-wait-s``): an
       offload whose record does not come is refused DEADLINE_EXCEEDED and gives back its slots.
-    * A ring slot belongs to its newest sequence number (issue 14). An engine that gave up on
+    * A ring slot belongs to its newest sequence number. An engine that gave up on
       a transfer (its deadline passed) may reuse the slot while the daemon's copy still runs,
       so: a request whose ``seq`` is not newer than the last one its slot carried is refused
       FAILED_PRECONDITION (stale: a late or replayed request) and changes nothing; a newer

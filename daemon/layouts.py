@@ -1,6 +1,6 @@
 """The layouts registered on this daemon, per tenant: one id per (tenant, layout fingerprint).
 
-Tenants cannot see each other (issue 12): a layout is registered *by a tenant*, and the
+Tenants cannot see each other: a layout is registered *by a tenant*, and the
 blocks a tenant stores under it are kept under a **tenant fingerprint**
 (:func:`tenant_fingerprint`), a keyed hash of (tenant, the layout's own fingerprint). Every
 tier (host, disk, the policy, the gpu tier) keys its blocks by (tenant fingerprint, key), so

@@ -1,4 +1,4 @@
-"""Clients' lookup counters regions, folded into the store's lookup counters (issue 18).
+"""Clients' lookup counters regions, folded into the store's lookup counters.
 
 A local client counts the lookups it answers from the key table in a region of shared memory
 (:mod:`kvtier.tiers.lookup_counts`) that it hands the daemon over its credential connection

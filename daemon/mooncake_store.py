@@ -18,7 +18,7 @@ TTL
 
 Security
     Mooncake's transfer engine and master RPC have neither TLS nor client authentication, so
-    this backend is refused unless ``--store-plaintext true`` says the network is trusted.
+    this backend is refused unless ``--store-plaintext`` says the network is trusted.
 
 Failures
     The client is made on first use and again at most once a second after a failed setup (a

@@ -1,4 +1,4 @@
-"""Peer daemons as a source of blocks (issue 13): membership, and fetches into host.
+"""Peer daemons as a source of blocks: membership, and fetches into host.
 
 :class:`Peers` is a :class:`~kvtier.daemon.remote.RemoteSource` (``name = "peer"``). It knows
 the other daemons of ``--peers`` and fetches blocks from them over the authenticated TCP

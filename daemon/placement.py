@@ -12,8 +12,8 @@ Promises
     A block is visible in host only after its commit, a promoted block only after its
     checksum matched. A host victim is reported gone from host (observers, policy) in the
     loop step that took it, and its slot is not reused before its bytes were copied for its
-    demotion (within the disk's write queue's room: into staging memory, written in the
-    background) or its demotion finished (beyond the room: seen-often victims). A disk
+    demotion (within the disk's write queue's room: into staging memory, then written
+    off the serving path) or its demotion finished (beyond the room: seen-often victims). A disk
     read whose checksum fails drops the disk entry (``checksum_failures``) and is a miss. A
     full or failing disk degrades the tier to host-only (``disk_degraded``), never stops the
     daemon. Host evictions (reserve -> demotion -> ``finish_eviction``) are serialised by one
@@ -53,9 +53,9 @@ log = logging.getLogger("kvtier.store")
 HOST, DISK = Tier.HOST, Tier.DISK
 
 
-INGEST_INLINE_BYTES = 4 * 1024**2  # (issue 13) ingest batches above this copy on threads
+INGEST_INLINE_BYTES = 4 * 1024**2  # ingest batches above this copy on threads
 INGEST_THREADS = 2
-AHEAD_SCAN = 256  # (issue 15) blocks of the host's eviction end a write-ahead look walks, at most
+AHEAD_SCAN = 256  # blocks of the host's eviction end a write-ahead look walks, at most
 _INGEST_POOL: ThreadPoolExecutor | None = None
 
 
@@ -164,9 +164,9 @@ class Placement:
         self.disk_load_gbps = 0.0
         self.remote_load_gbps = 0.0  # measured peer/store -> host bandwidth (0: not measured)
         self._evict_lock = asyncio.Lock()
-        self.write_behind: WriteBehind | None = None  # the shared store's hooks (issue 13)
-        # disk admission (issue 15): every host victim is demoted while the disk writes in flight
-        # hold less than this many bytes (0: only the policy's seen-often ones, as 0.1 did)
+        self.write_behind: WriteBehind | None = None  # the shared store's hooks
+        # disk admission: every host victim is demoted while the disk writes in flight
+        # hold less than this many bytes (0: only the policy's seen-often ones)
         self.demote_queue_bytes = 0
         self._writing_bytes = 0  # bytes of disk writes in flight (demotions, durable writes)
         # demotions within the write queue's room, written in the background (from staging)
@@ -174,7 +174,7 @@ class Placement:
         self._staging = _StagingBuffers()
         self._stage_queue: list[_Staged] = []  # copied, not yet submitted (a staged write is in flight)
         self._staged_writes: set[asyncio.Task] = set()
-        # write-ahead (issue 15): the host's least recently used blocks within this many bytes of
+        # write-ahead: the host's least recently used blocks within this many bytes of
         # eviction are written to disk before they are evicted, from their slots (pinned meanwhile,
         # no copy), while the write queue has room; their eviction then frees the slot at once
         self.demote_ahead_bytes = 0
@@ -217,18 +217,18 @@ class Placement:
     # -- host slots ------------------------------------------------------------------------
 
     async def reserve(self, cls: SizeClass, bkeys: list[bytes], block_bytes: int,
-                      background: bool = True) -> list[HostEntry | None]:
+                      stage_demotions: bool = True) -> list[HostEntry | None]:
         """Grant a host slot per key (None: no room), evicting the policy's victims in order
         (pinned ones are skipped) and demoting those it picks, before any slot is handed out
-        (within the disk's write queue's room, with ``background``, copied out and written in
-        the background)."""
+        (within the disk's write queue's room, with ``stage_demotions``, copied out and written off
+        the serving path)."""
         async with self._evict_lock:
             res = self.host.reserve(cls, bkeys, block_bytes, self.policy.victims(HOST))
             if res.victims:
                 self._tell_write_room(res.victims)
                 try:
-                    await self._host_evicted(res.victims, background)
-                except BaseException:  # (the caller gets the error; the slots granted go back)
+                    await self._host_evicted(res.victims, stage=stage_demotions)
+                except BaseException:  # the caller gets the error; the slots granted go back
                     self.host.finish_eviction()
                     fresh = {off for _, off, _ in res.backing.ranges}
                     for e in res.entries:
@@ -239,7 +239,7 @@ class Placement:
                                 self.host.abort(e)
                     raise
             self.host.finish_eviction()
-            if res.victims and background:  # (the window moved; a promotion's: once it is over)
+            if res.victims and stage_demotions:  # (the window moved; a promotion's: once it is over)
                 self._write_ahead_soon()
         return await self._back(res)
 
@@ -380,7 +380,7 @@ class Placement:
             self.counters.add(Count.HOST_BACKING_FAILURES, len(dropped))
         return entries
 
-    async def _host_evicted(self, victims: list[HostEntry], background: bool = True) -> None:
+    async def _host_evicted(self, victims: list[HostEntry], stage: bool = True) -> None:
         """Victims left the host tier (their bytes still intact until finish_eviction): report
         them gone from host at once, then demote those the policy picks.
 
@@ -408,7 +408,7 @@ class Placement:
                 self.counters.add(Count.DEMOTIONS_SKIPPED_DEGRADED, len(demote))
             elif demote:
                 by_key = {v.bkey: v for v in victims}
-                n = min(room or 0, len(demote)) if background else 0  # within the room: in the background
+                n = min(room or 0, len(demote)) if stage else 0  # within the room: off the serving path
                 if n:
                     staged = [b for b in demote[:n] if not demoting[b]]
                     ending = [b for b in demote[:n] if demoting[b]] + demote[n:]
@@ -726,7 +726,7 @@ class Placement:
         assert disk is not None
         # (its victims' demotions end before the promoted blocks are used on disk: the disk's
         # recency order does not depend on which disk I/O finishes first)
-        hosts = await self.reserve(cls, [d.bkey for d in dents], layout.block_bytes, background=False)
+        hosts = await self.reserve(cls, [d.bkey for d in dents], layout.block_bytes, stage_demotions=False)
         pairs = [(d, h) for d, h in zip(dents, hosts, strict=True) if h is not None]
         self.counters.add(Count.PROMOTIONS_NO_SPACE, len(dents) - len(pairs))
         views = [self._slot_view(h.cls, h.offset) for _, h in pairs]
@@ -777,7 +777,7 @@ class Placement:
             return set()
         hosts = await self.reserve(cls, [b for b, _, _ in todo], layout.block_bytes)
         pairs = [(t, h) for t, h in zip(todo, hosts, strict=True) if h is not None]
-        # (issue 13) a large batch is copied (and hashed) off the loop; ``verified``: the source
+        # a large batch is copied (and hashed) off the loop; ``verified``: the source
         # hashed each payload as it arrived (the shared store), so the copy is not hashed again
         if pairs and (verified or len(pairs) * layout.block_bytes > INGEST_INLINE_BYTES):
             sums = await self._copy_in(pairs, verified)

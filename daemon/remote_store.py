@@ -1,6 +1,6 @@
 """The shared store: host blocks written behind to a Redis Cluster and read through on a miss.
 
-One part of the ``remote`` tier (issue 13; the other is peer daemons): daemons that never met
+One part of the ``remote`` tier (the other is peer daemons): daemons that never met
 share blocks through a store they all reach. :class:`RemoteStore` is a
 :class:`~kvtier.daemon.remote.RemoteSource` (read-through on a get's miss, prefetch) and the
 placement's write-behind hook (:class:`~kvtier.daemon.placement.WriteBehind`); the bytes go
@@ -188,7 +188,7 @@ def check_settings(cfg) -> None:  # noqa: ANN001
     if cfg.store_redis and not ca and not cfg.store_plaintext:
         raise ConfigError("--store-redis needs TLS to the store: --store-tls-ca (the CA of the Redis nodes' "
                           "certificates; or --tls-ca), with --store-tls-cert and --store-tls-key for Redis's "
-                          "tls-auth-clients (or --tls-cert, --tls-key); only with --store-plaintext true is "
+                          "tls-auth-clients (or --tls-cert, --tls-key); only with --store-plaintext is "
                           "the store reached in plaintext")
     if cert and not ca:
         raise ConfigError("--store-tls-cert needs --store-tls-ca (the CA that signs the Redis nodes' certificates)")
@@ -209,7 +209,7 @@ def _check_mooncake(cfg, ConfigError) -> None:  # noqa: ANN001, N803
         raise ConfigError(f"--store-mooncake-protocol: {cfg.store_mooncake_protocol!r} is not tcp or rdma")
     if not cfg.store_plaintext:
         raise ConfigError("--store-backend mooncake: the Mooncake transfer engine has no TLS or client "
-                          "authentication; run it on a trusted network and pass --store-plaintext true")
+                          "authentication; run it on a trusted network and pass --store-plaintext")
     if cfg.store_mooncake_segment_bytes <= 0 or cfg.store_mooncake_buffer_bytes < 4 * 1024**2:
         raise ConfigError("--store-mooncake-segment-bytes must be positive and --store-mooncake-buffer-bytes at "
                           "least 4MiB")

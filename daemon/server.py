@@ -139,7 +139,7 @@ def tls_server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentia
 
 
 def peer_channel_credentials(cfg: Config) -> dict[str, grpc.ChannelCredentials] | None:
-    """(issue 13) The client certificates for calls to --peers: tenant -> credentials, "" the
+    """The client certificates for calls to --peers: tenant -> credentials, "" the
     default (--peer-tls-cert, else --tls-cert); None: plaintext (--insecure-tcp, no certificate)."""
     cert, key = (cfg.peer_tls_cert, cfg.peer_tls_key) if cfg.peer_tls_cert else (cfg.tls_cert, cfg.tls_key)
     if not cert:
@@ -282,7 +282,7 @@ def _check_dirs(cfg: Config) -> None:
     if fs and not cfg.disk_allow_tmpfs:
         raise StartupError(f"--disk-dir {cfg.disk_dir} is on a {fs} (memory, not disk): its blocks would "
                            f"take RAM beside the host pool and be lost at reboot; put it on a local disk, or "
-                           f"pass --disk-allow-tmpfs true to use memory anyway")
+                           f"pass --disk-allow-tmpfs to use memory anyway")
     if fs:
         log.warning("--disk-dir is on a %s: the disk tier is memory (--disk-allow-tmpfs)", fs,
                     extra={"disk_dir": cfg.disk_dir})
@@ -399,12 +399,12 @@ class Daemon:
         self.locations: LocationLog | None = None
         self.transfers: Transfers | None = None
         self.stats: StatsSource | None = None
-        self.lookups: LookupRegions | None = None  # clients' lookup counters regions (issue 18)
+        self.lookups: LookupRegions | None = None  # clients' lookup counters regions
         self.latency = OpLatency()  # every handler's time, by op (exported as kvtier_op_latency_seconds)
         self.metrics: MetricsServer | None = None
         self.kv_events: KvEventsPublisher | None = None  # --kv-events-endpoint
-        self.peers: Peers | None = None  # --peers (issue 13)
-        self.remote_store: RemoteStore | None = None  # --store-redis (issue 13)
+        self.peers: Peers | None = None  # --peers
+        self.remote_store: RemoteStore | None = None  # --store-redis
         self.metrics_port = 0
         self._socket_made = False
         self._session_watch: asyncio.Task | None = None
@@ -447,7 +447,7 @@ class Daemon:
         _prepare_unix_socket(self.socket_path, self.policy.shared)
         if self.cfg.tcp and not self.cfg.tls_cert and not self.cfg.insecure_tcp:
             raise StartupError(f"--tcp {self.cfg.tcp} without TLS would serve anyone who reaches the port: give "
-                               f"--tls-cert, --tls-key and --tls-ca, or pass --insecure-tcp true")
+                               f"--tls-cert, --tls-key and --tls-ca, or pass --insecure-tcp")
         tcp = _probe_tcp(self.cfg.tcp) if self.cfg.tcp else None
         if self.cfg.metrics_port:
             _probe_port(self.cfg.metrics_host, self.cfg.metrics_port, "--metrics-port",
@@ -555,7 +555,7 @@ class Daemon:
         self.store = store = BlockStore(host, cfg.max_batch_keys, self.disk, cfg.demote_min_seen,
                                         cfg.disk_write_through, prefault=cfg.host_prefault, limits=cfg)
         self.disk = None  # the store owns it now
-        store.tiers.demote_queue_bytes = cfg.demote_queue_bytes  # disk admission (issue 15)
+        store.tiers.demote_queue_bytes = cfg.demote_queue_bytes  # disk admission
         store.tiers.demote_ahead_bytes = cfg.demote_ahead_bytes
         try:
             self.key_table = KeyTablePublisher(store, cfg.shm_dir, name, self.epoch, self._tier_capacity)

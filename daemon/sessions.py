@@ -6,7 +6,7 @@ session closes, every grant is aborted and every lease released at once, and the
 :attr:`Sessions.end_hooks` are told its id (the gpu tier and the Transfer registrations
 follow their sessions that way).
 
-Ids are capabilities (issue 12)
+Ids are capabilities
     Session, grant and lease ids are random (63 bits from the OS's CSPRNG, never 0, never
     sequential, unique among the live ones), so an id a client kept from before a restart names
     nothing here instead of someone else's. A wire id is a uint64, so its own 63 bits are not

@@ -480,7 +480,7 @@ class BlockStore:
 
     async def _prefetch(self, layout_id: int, keys: Sequence[bytes], tenant: str, from_node: str = "") -> int:
         """Bring these blocks of the tenant from disk to host ahead of need; with ``from_node``
-        (a peer's node id, issue 13) fetch those held in no local tier from that peer. Returns
+        (a peer's node id) fetch those held in no local tier from that peer. Returns
         how many were brought to host. Without a disk tier nothing is below host, so nothing
         is promoted."""
         layout = self.layout(layout_id, tenant).layout

@@ -1,4 +1,4 @@
-"""The credential handshake of a local kvtierd (issue 12): who a unix-socket caller is.
+"""The credential handshake of a local kvtierd: who a unix-socket caller is.
 
 gRPC cannot tell the uid of a unix-socket peer, so the daemon serves a second, small unix
 socket beside its gRPC socket: :func:`auth_socket_path` (``<socket>.auth``). A client

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the engine data path, in one call on the GPU machine (about 2-3 minutes):
-# the gpu-marked tests, then bench/gpu_copy.py, then a short table against the goals.
+# the gpu-marked tests, then bench/gpu_copy.py, then a short table against the data path's goals.
 #
 # Here first:  scripts/fetch-gpu-wheels.sh   (lmdb, grpcio-health-checking, grpcio-reflection
 #              as Python 3.12 wheels in .whl/, which that machine lacks)

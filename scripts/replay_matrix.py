@@ -1,4 +1,4 @@
-"""The routing matrix of issue 15 item 2: every trace x ``--rate-scale`` x policy, 8 replicas.
+"""The routing matrix: every trace x ``--rate-scale`` x policy, 8 replicas.
 
 For each (trace, rate) it replays every policy and one pooled cache (1 replica with 8x the
 capacity and 8x the disk write bandwidth: the hit rate 8 replicas could reach at most; with
@@ -12,7 +12,7 @@ the best of the baselines (round-robin, random, session, prefix) at that rate.
 
 Single-threaded (one replay at a time: the machine is shared); the agentic trace first.
 ``--set FIELD=VALUE`` overrides a :class:`~kvtier.client.tools.replay.ReplayConfig` field for
-every run (e.g. the router's new-session setting, to compare with the old behaviour).
+every run (e.g. the router's new-session setting, to compare its values).
 """
 
 from __future__ import annotations

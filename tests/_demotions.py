@@ -1,4 +1,4 @@
-"""Waiting for a live daemon's background demotions (issue 15): a put returns before the disk
+"""Waiting for a live daemon's background demotions: a put returns before the disk
 writes of the host victims it evicted within the disk's write queue's room are done."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Issue 12, items 5 (feed half) and 6: bounded inputs and bounded feed subscribers, against
-real kvtierd subprocesses. Each oversized input is refused with its limit in the message and
-changes nothing; the daemon keeps serving."""
+"""Bounded inputs and bounded feed subscribers, against real kvtierd subprocesses. Each
+oversized input is refused with its limit in the message and changes nothing; the daemon keeps
+serving."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from kvtier.client.engine.sidecar import Sidecar
 from kvtier.client.engine.transport import open_channel
 from kvtier.client.routing.router import Router, RouterConfig
-from kvtier.client.testing.local_daemon import rss_bytes
+from kvtier.client.tools.local_daemon import rss_bytes
 from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers import layout as layout_limits
 from kvtier.tiers.layout import Layout, layout_to_proto

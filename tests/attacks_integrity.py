@@ -1,4 +1,4 @@
-"""Issue 12, items 7 and 8: host-tier integrity, files and crashes, against real kvtierd processes.
+"""Host-tier integrity, files and crashes, against real kvtierd processes.
 
 One test per attack: a reclaimed client's late write (and late commit); a host block changed
 after its commit reaching disk; a killed daemon's files left in --shm-dir; an Evict lost to a

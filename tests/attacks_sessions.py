@@ -1,4 +1,4 @@
-"""Issue 12, items 3-5: ids are capabilities, safe KV registration, quotas and expiring grants
+"""Ids are capabilities, safe KV registration, quotas and expiring grants
 and leases. One test per attack, each refused; against real daemons where the attack comes over
 the wire, in process where it is about what the daemon maps."""
 
@@ -83,7 +83,7 @@ class Raw:
         self.sc.close()
 
 
-# -- item 3: ids are capabilities ---------------------------------------------------------------
+# -- ids are capabilities -----------------------------------------------------------------------
 
 def test_ids_are_random_not_sequential(daemon) -> None:
     """An attacker who saw one id cannot compute the next: session, grant and lease ids are
@@ -170,7 +170,7 @@ def test_another_sessions_registration_is_refused(tmp_path) -> None:
     in_process(tmp_path, body)
 
 
-# -- item 4: safe KV registration ---------------------------------------------------------------
+# -- safe KV registration -----------------------------------------------------------------------
 
 def test_register_kv_of_a_path_is_refused(daemon, tmp_path) -> None:
     """RegisterKV naming a file (any file the daemon's user can open, e.g. its own pool) is
@@ -238,7 +238,7 @@ def test_register_kv_of_an_unsealed_fd_is_refused(tmp_path) -> None:
     in_process(tmp_path, body)
 
 
-# -- item 5: quotas, deadlines, caps ------------------------------------------------------------
+# -- quotas, deadlines, caps --------------------------------------------------------------------
 
 def test_a_session_over_its_quota_is_refused_while_another_puts(start_daemon) -> None:
     """One session tries to hold more than its quota in grants (never committing): refused

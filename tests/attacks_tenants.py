@@ -1,4 +1,4 @@
-"""Issue 12, item 2: tenants that cannot see each other (the data side).
+"""Tenants that cannot see each other (the data side).
 
 Each test is one attack by tenant B on tenant A's blocks, against a real kvtierd subprocess
 serving over its real unix socket, with tenants taken from the real uid -> tenant map
@@ -43,7 +43,7 @@ from google.protobuf.message import Message
 
 from kvtier.client import Sidecar
 from kvtier.client.routing.router import Router, RouterConfig
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.handshake import Credentials, HandshakeError
 from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers.host import PoolMapping

@@ -1,4 +1,4 @@
-"""Issue 12, items 1-2 (transports, who a caller is) and the tenant key salt: attacks on real daemons.
+"""Transports, who a caller is, and the tenant key salt: attacks on real daemons.
 
 Each test is one attack, refused: a gRPC call without (or with a stale) token; a second uid on
 the unix socket (the client runs as ``nobody``); a socket directory another user made, or one
@@ -25,7 +25,7 @@ from pki import make_ca, make_cert, tls_channel
 
 from kvtier.client import Sidecar
 from kvtier.client.engine.transport import open_channel
-from kvtier.client.testing.local_daemon import DaemonProcess, shm_tempdir
+from kvtier.client.tools.local_daemon import DaemonProcess, shm_tempdir
 from kvtier.daemon.auth import AccessPolicy, PeerAuthenticator
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.handshake import TOKEN_HEADER, Credentials, auth_socket_path
@@ -254,7 +254,7 @@ def test_tcp_without_tls_refuses_to_start_unless_insecure(tmp_path) -> None:
     port = free_port()
     p = refused_start(tmp_path, str(tmp_path / "a.sock"), "--tcp", f"127.0.0.1:{port}")
     assert p.returncode == 2 and "--insecure-tcp" in p.stderr and "--tls-cert" in p.stderr, p.stderr
-    d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true").start()
+    d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}", "--insecure-tcp").start()
     try:
         assert "INSECURE" in d.logs()
     finally:

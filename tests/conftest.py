@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtier.client.testing.local_daemon import DaemonProcess, shm_tempdir
+from kvtier.client.tools.local_daemon import DaemonProcess, shm_tempdir
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ class MooncakeMaster:
     def daemon_args(self, segment: str = "64MiB", buffer: str = "32MiB") -> tuple[str, ...]:
         """kvtierd flags that make this store its shared store."""
         return ("--store-backend", "mooncake", "--store-mooncake-master", self.master,
-                "--store-mooncake-metadata", self.metadata, "--store-plaintext", "true",
+                "--store-mooncake-metadata", self.metadata, "--store-plaintext",
                 "--store-mooncake-segment-bytes", segment, "--store-mooncake-buffer-bytes", buffer)
 
     def client(self):  # noqa: ANN201 (mooncake.store.MooncakeDistributedStore)

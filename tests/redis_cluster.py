@@ -95,7 +95,7 @@ class RedisCluster:
         (None: none) as the ACL user ``kvtier`` (``password``: a password file holding this
         instead); plaintext for a cluster that is not secure."""
         if not self.secure:
-            return ("--store-redis", self.nodes, "--store-plaintext", "true")
+            return ("--store-redis", self.nodes, "--store-plaintext")
         args = ["--store-redis", self.nodes, "--store-tls-ca", self.file("redis-ca.pem"),
                 "--store-user", self.USER, "--store-password-file", self.file("store-password")]
         if client is not None:

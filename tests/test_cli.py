@@ -1,15 +1,17 @@
-"""The command-line tools, run as a user would: `kvtier demo`, `kvtier stats`, `kvtierd --help`."""
+"""The command-line tools, run as a user would: `kvtier demo`, `kvtier stats`, `kvtierd --help`,
+`kvtierd`'s switches."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.client.testing.local_daemon import DaemonProcess
-from kvtier.daemon.config import Config, flag_name
+from kvtier.client.tools.local_daemon import DaemonProcess
+from kvtier.daemon.config import Config
+from kvtier.settings import settings_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,9 +46,9 @@ def test_stats_without_a_daemon_says_so(tmp_path) -> None:
 def test_every_setting_is_in_help_and_readme() -> None:
     help_text = run("-m", "kvtier.daemon.main", "--help").stdout
     readme = (ROOT / "README.md").read_text()
-    for f in dataclasses.fields(Config):
-        assert flag_name(f.name) in help_text, f.name
-        assert f"`{flag_name(f.name)}`" in readme, f"README's configuration reference lacks {flag_name(f.name)}"
+    for s in settings_of(Config):
+        assert s.flag in help_text, s.name
+        assert f"`{s.flag}`" in readme, f"README's configuration reference lacks {s.flag}"
 
 
 def test_every_route_server_setting_is_in_help_and_readme() -> None:
@@ -71,3 +73,28 @@ def test_route_server_refuses_bad_settings_clearly() -> None:
 def test_bad_setting_is_a_clear_error() -> None:
     p = run("-m", "kvtier.daemon.main", "--host-capacity", "lots")
     assert p.returncode == 2 and "--host-capacity" in p.stderr and "not a size" in p.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kvtierd_insecure_tcp_is_a_switch(start_daemon) -> None:
+    """``kvtierd --tcp 127.0.0.1:PORT --insecure-tcp`` serves health over TCP, without a warning."""
+    port = _free_port()
+    d = start_daemon("--tcp", f"127.0.0.1:{port}", "--insecure-tcp")
+    p = run("-m", "kvtier.client.tools.cli", "health", f"127.0.0.1:{port}")
+    assert p.returncode == 0, p.stderr
+    assert "deprecated" not in d.logs()
+
+
+def test_kvtierd_old_boolean_form_warns_and_the_no_form_clears() -> None:
+    p = run("-m", "kvtier.daemon.main", "--tcp", "127.0.0.1:7", "--insecure-tcp", "true", "--tls-cert", "c.pem",
+            "--tls-key", "k.pem", "--tls-ca", "ca.pem")
+    assert p.returncode == 2, p.stderr
+    assert "kvtierd: warning: '--insecure-tcp true' is deprecated" in p.stderr and "use --insecure-tcp" in p.stderr
+    assert "--insecure-tcp and --tls-cert contradict each other" in p.stderr  # it was taken as set
+    p = run("-m", "kvtier.daemon.main", "--tcp", "127.0.0.1:7", "--no-insecure-tcp")
+    assert p.returncode == 2 and "without TLS would serve anyone" in p.stderr and "deprecated" not in p.stderr

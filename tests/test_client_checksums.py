@@ -1,4 +1,4 @@
-"""Issue 15 item 4: the client takes each block's checksum as it copies it into the pool
+"""The client takes each block's checksum as it copies it into the pool
 (client/engine/copyin.py) and sends them with its Commit; the daemon records them instead of
 hashing (daemon/store.py ``_commit``), and still hashes a commit that brings none. A wrong
 checksum only makes its own block fail a later verification (a counted miss), never serves
@@ -17,7 +17,7 @@ from _demotions import demotions_over
 
 from kvtier.client import Sidecar
 from kvtier.client.engine import copyin
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.host import PoolMapping, payload_checksum
 from kvtier.tiers.layout import Layout, layout_to_proto
@@ -244,7 +244,7 @@ def test_a_forked_child_copies_on_threads_of_its_own() -> None:
         copyin.PARALLEL_MIN_BYTES = big
 
 
-# -- C review (cpreview): tiers/_copyhash.c and client/engine/copyin.py under hostile input ------
+# -- tiers/_copyhash.c and client/engine/copyin.py under hostile input ---------------------------
 # Crash-prone cases run in a child process: a crash (or an ASan report, when built with
 # sanitizers) fails the test instead of killing pytest.
 

@@ -1,4 +1,4 @@
-"""Which GPU a registration's copies run on (issue 15 item 7, CUDA review finding 12).
+"""Which GPU a registration's copies run on.
 
 An engine pod given one GPU sees it as cuda:0 while the node's kvtierd (the chart's DaemonSet,
 NVIDIA_VISIBLE_DEVICES=all) sees all eight: ordinals name different GPUs in the two processes,

@@ -1,4 +1,4 @@
-"""Demotions within the disk's write queue's room run in the background (issue 15 item 1): a put
+"""Demotions within the disk's write queue's room run in the background: a put
 that evicts host victims copies them out and goes on; their disk write finishes later.
 
 In-process BlockStore on a real HostTier (tmpfs) and a real DiskTier, on one asyncio loop; the

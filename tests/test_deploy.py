@@ -32,7 +32,7 @@ import pytest
 import tomllib
 import yaml
 
-from kvtier.client.testing.local_daemon import DaemonProcess, wait_healthy
+from kvtier.client.tools.local_daemon import DaemonProcess, wait_healthy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -169,7 +169,7 @@ def test_huge_pages_without_a_hostpath_the_daemons_container_mounts_the_pools_tm
     """daemon.pool.hugePages with the pool in the pod: kvtierd-entrypoint mounts the pool's own tmpfs
     (capacityGiB + slackMiB, huge=...) over the pool directory, which needs root and CAP_SYS_ADMIN at
     the container's start; kvtierd and the probes then run as runAsUser (the entrypoint test shows
-    how). The memory accounting is the emptyDir's was: the same request and limit."""
+    how). The memory accounting is the emptyDir's: the same request and limit."""
     base = by_kind(rendered_docs(), "DaemonSet")["spec"]["template"]["spec"]
     ds = by_kind(rendered_docs({"daemon": {"pool": {"hugePages": "within_size"}}}), "DaemonSet")
     validate(ds)

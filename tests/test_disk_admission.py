@@ -1,4 +1,4 @@
-"""Disk admission (issue 15): every host victim goes to disk while the disk's write queue has
+"""Disk admission: every host victim goes to disk while the disk's write queue has
 room; the seen-often filter applies only beyond it (TierPolicy.demotions, the daemon's and the
 replay's rule)."""
 
@@ -16,7 +16,7 @@ def _policy(room: int | None, cap: int | None = None) -> TierPolicy:
 
 
 def test_without_room_only_seen_often_victims_are_demoted() -> None:
-    assert _policy(None).demotions(["a", "b", "c", "d"]) == ["b", "d"]   # 0.1's rule
+    assert _policy(None).demotions(["a", "b", "c", "d"]) == ["b", "d"]   # no room: only the seen-often ones
     assert _policy(0).demotions(["a", "b", "c", "d"]) == ["b", "d"]
 
 

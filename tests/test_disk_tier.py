@@ -1,6 +1,6 @@
 """Disk tier: the DiskTier on real files, and a real kvtierd with --disk-dir over a real socket.
 
-Acceptance (issue 4): blocks beyond host capacity land on disk and come back byte-exact; a
+Acceptance: blocks beyond host capacity land on disk and come back byte-exact; a
 kill -9 in the middle of a burst of durable puts loses no acknowledged block and serves
 nothing corrupt after a warm restart; a flipped byte in a slab file is a miss that
 ``checksum_failures`` counts; a disk smaller than the burst, or a filesystem that fills
@@ -239,7 +239,7 @@ def test_cold_blocks_are_not_demoted_below_threshold(start_daemon, tmp_path):
 
 
 def test_cold_blocks_are_demoted_while_the_write_queue_has_room(start_daemon, tmp_path):
-    """Disk admission (issue 15): with the default --demote-queue-bytes every host victim goes to
+    """Disk admission: with the default --demote-queue-bytes every host victim goes to
     disk (the next turn of a conversation needs the blocks its latest turn put once)."""
     d = start_daemon(*_disk_args(str(tmp_path / "disk")), host_capacity="1MiB")  # 4 blocks
     keys = [key(200 + i) for i in range(8)]
@@ -387,7 +387,7 @@ def _small_tmpfs(path: str, size: str):
 def test_full_filesystem_degrades_to_host_only(start_daemon, tmp_path):
     with _small_tmpfs(str(tmp_path / "small"), "3m") as small:
         # a small tmpfs is the filesystem that fills: allowed for this test (refused by default)
-        d = start_daemon(*_disk_args(small, "64MiB", "--demote-min-seen", "1", "--disk-allow-tmpfs", "true"),
+        d = start_daemon(*_disk_args(small, "64MiB", "--demote-min-seen", "1", "--disk-allow-tmpfs"),
                          host_capacity="2MiB")
         keys = [key(400 + i) for i in range(40)]
         with Sidecar(d.socket) as sc:
@@ -431,7 +431,7 @@ def test_disk_dir_in_use_fails_to_start(start_daemon, tmp_path):
 def test_write_through_makes_every_put_durable(start_daemon, tmp_path):
     disk_dir = str(tmp_path / "disk")
     keys = [key(500 + i) for i in range(4)]
-    d = start_daemon(*_disk_args(disk_dir, "16MiB", "--disk-write-through", "true"))
+    d = start_daemon(*_disk_args(disk_dir, "16MiB", "--disk-write-through"))
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))
         r = sc.put(lid, keys, [payload(k) for k in keys])
@@ -465,7 +465,7 @@ def test_store_reports_every_disk_visibility_change(tmp_path):
     disk LRU eviction and a checksum drop each reach the location observers."""
     import asyncio
 
-    from kvtier.client.testing.local_daemon import shm_tempdir
+    from kvtier.client.tools.local_daemon import shm_tempdir
     from kvtier.daemon.store import BlockStore
     from kvtier.tiers.host import HostTier
 
@@ -531,7 +531,7 @@ def test_durable_put_of_blocks_already_in_host_writes_them_to_disk(start_daemon,
         assert [bytes(g) for g in sc.get(lid, keys)] == [payload(k) for k in keys]
 
 
-# -- failures the kill -9 test cannot see (issue 14 item 7) and recovery (item 6) --------------
+# -- failures the kill -9 test cannot see, and recovery ---------------------------------------
 
 SMALL = 64 * 1024
 

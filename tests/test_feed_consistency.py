@@ -187,7 +187,7 @@ def test_a_reloaded_state_forgets_nodes_no_configured_feed_serves(start_daemon, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true", name="A", host_capacity="16MiB")
+    d = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", name="A", host_capacity="16MiB")
     path = str(tmp_path / "router.state")
     ks = _ghost_state(path, "unix:/nonexistent/kvtierd.sock" if via == "static" else f"127.0.0.2:{port}")
 

@@ -5,7 +5,7 @@ stop answering from the dead daemon's key table as soon as its session stream is
 after a restart only the new daemon's table is read.
 
 Every client call that could hang runs through :func:`outcome`, in a thread with a deadline: a
-regression fails the test ("still blocked") instead of hanging the suite."""
+call that hangs fails the test ("still blocked") instead of hanging the suite."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def _register_sync(path: str) -> Callable[[], Any]:
 
 @pytest.mark.parametrize("client", ["sidecar", "async", "connector"])
 def test_a_wrong_socket_fails_at_once_naming_it(tmp_path, client: str) -> None:
-    """Was: register_layout blocked the whole timeout (60 s) and raised DEADLINE_EXCEEDED with no
-    path; the connector's session waited forever."""
+    """register_layout fails at once, naming the path (not after the whole 60 s timeout with a
+    bare DEADLINE_EXCEEDED); the connector's session does not wait forever."""
     wrong = str(tmp_path / "wrong" / "path.sock")
     if client == "sidecar":
         call = _register_sync(wrong)
@@ -147,7 +147,7 @@ def test_no_daemon_says_where_the_socket_path_came_from(tmp_path, monkeypatch) -
 
 def test_a_socket_that_never_answers_is_waited_for_at_most_the_timeout(tmp_path) -> None:
     """Something accepts connections but never answers (a stuck daemon): opening a session waits
-    at most the client's timeout (was: forever, the stream has no deadline), and says where."""
+    at most the client's timeout (the stream itself has no deadline), and says where."""
     pytest.importorskip("torch")
     path = str(tmp_path / "silent.sock")
     with socket.socket(socket.AF_UNIX) as silent:
@@ -172,7 +172,8 @@ def test_a_socket_that_never_answers_is_waited_for_at_most_the_timeout(tmp_path)
 # -- a killed daemon -------------------------------------------------------------------------------
 
 def test_a_killed_daemon_fails_the_sidecars_next_calls_at_once(start_daemon) -> None:
-    """Was: get after a kill -9 took the whole timeout, put and a new session waited forever."""
+    """After a kill -9, get fails at once (not after the whole timeout), and put and a new
+    session do not wait forever."""
     d = start_daemon()
     keys, blocks = keys_for(2), [b"\x01" * BLOCK, b"\x02" * BLOCK]
     sc = Sidecar(d.socket)
@@ -248,10 +249,10 @@ def test_a_killed_daemon_fails_the_connectors_next_calls_at_once(start_daemon, t
 # -- lookups after a kill -9 -----------------------------------------------------------------------
 
 def test_lookups_stop_answering_from_a_killed_daemons_table_at_once(start_daemon) -> None:
-    """Was: for seconds after a kill -9 (until the table's heartbeat went stale) the table still
-    answered "host". Now the first lookup after the session stream is seen closed stops reading
-    it: it asks the daemon, and with none there raises Unavailable at once (as every lookup
-    does while the daemon is away); the same sidecar answers again once the daemon is back."""
+    """After a kill -9 the sidecar does not wait for the table's heartbeat to go stale (seconds):
+    the first lookup after the session stream is seen closed stops reading it: it asks the
+    daemon, and with none there raises Unavailable at once (as every lookup does while the
+    daemon is away); the same sidecar answers again once the daemon is back."""
     d = start_daemon()
     keys = keys_for(4, b"h")
     with Sidecar(d.socket) as sc:
@@ -336,9 +337,9 @@ def mapped(path: str) -> bool:
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_after_a_quick_restart_only_the_new_daemons_table_is_read(start_daemon, tmp_path, kind: str) -> None:
-    """Was: after kill -9 and a quick restart the old table answered "host" for all four keys
-    though only the two durable blocks survived (on disk). Now the first lookup answers what
-    the new daemon holds, and the old table is never read again (and is unmapped)."""
+    """After kill -9 and a quick restart only the two durable blocks survive (on disk): the first
+    lookup answers what the new daemon holds (not "host" for all four keys, as the old table
+    would), and the old table is never read again (and is unmapped)."""
     d = start_daemon("--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "16MiB", host_capacity="16MiB")
     keys = keys_for(4, b"r")
     blocks = [bytes([i]) * BLOCK for i in range(4)]
@@ -410,11 +411,11 @@ def test_a_table_of_another_epoch_is_never_read(start_daemon) -> None:
 
 
 def test_a_sidecar_never_reads_a_restarted_daemons_blocks_through_the_old_pool(start_daemon) -> None:
-    """Was: a sidecar whose restart recovery failed while the daemon was down opened its next
-    session on the restarted daemon without registering again, and read the new daemon's
-    lease offsets in the OLD daemon's pool mapping: the old bytes came back for a key the new
-    daemon holds with other bytes. Now an operation on a session of another daemon epoch
-    registers the layouts again first (found by the SGLang backend's tests)."""
+    """A sidecar whose restart recovery failed while the daemon was down opens its next session
+    on the restarted daemon: an operation on a session of another daemon epoch registers the
+    layouts again first, so the new daemon's lease offsets are never read in the OLD daemon's
+    pool mapping (the old bytes would come back for a key the new daemon holds with other
+    bytes)."""
     d = start_daemon(host_capacity="16MiB")
     k = keys_for(1, b"r")
     with Sidecar(d.socket, timeout=2.0) as a, Sidecar(d.socket, timeout=2.0) as b:
@@ -432,9 +433,9 @@ def test_a_sidecar_never_reads_a_restarted_daemons_blocks_through_the_old_pool(s
 
 
 def test_one_layout_id_everywhere(start_daemon, tmp_path) -> None:
-    """Was: register_layout returned 1, `kvtier stats` showed 1440170818 and KVConnector.register
-    1899686300 for the same daemon. Now one id, the daemon's (from the layout's fingerprint):
-    the sidecar's, the connector's and the stats' agree, and survive a restart."""
+    """One layout id, the daemon's (from the layout's fingerprint): register_layout's,
+    KVConnector.register's and `kvtier stats`' agree for the same daemon, and survive a
+    restart."""
     pytest.importorskip("torch")
     d = start_daemon("--copy-engine", "host")
     with host_connector(d.socket, tmp_path) as (conn, arena, _), Sidecar(d.socket) as sc:

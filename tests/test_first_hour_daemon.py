@@ -1,4 +1,4 @@
-"""The first hour with kvtierd (issue 18, items 4, 5 and 8), on real daemons over real sockets.
+"""The first hour with kvtierd, on real daemons over real sockets.
 
 * A refused start (socket served by another daemon, a taken ``--tcp`` or ``--metrics-port``)
   says why in one line and leaves nothing behind: no key table or pool file in ``--shm-dir``,
@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ def _assert_refused_cleanly(res: subprocess.CompletedProcess, *words: str) -> No
     assert len(out.strip().splitlines()) <= 2, out   # that line (and the same as one log record)
 
 
-# -- item 4 and 5: a refused start leaves nothing ------------------------------------------------
+# -- a refused start leaves nothing -------------------------------------------------------------
 
 def test_socket_served_by_another_daemon_leaves_nothing_in_shm(start_daemon, tmp_path, shm_dir) -> None:
     first = start_daemon(shm_dir=shm_dir)
@@ -81,14 +81,14 @@ def test_taken_port_is_one_line_and_leaves_nothing(tmp_path, shm_dir, flag) -> N
         taken.listen()
         port = taken.getsockname()[1]
         value = f"127.0.0.1:{port}" if flag == "--tcp" else str(port)
-        extra = ("--insecure-tcp", "true") if flag == "--tcp" else ()
+        extra = ("--insecure-tcp",) if flag == "--tcp" else ()
         d = DaemonProcess(str(tmp_path), flag, value, *extra, shm_dir=shm_dir)
         _assert_refused_cleanly(run_kvtierd(d), flag, str(port), "in use")
     assert os.listdir(shm_dir) == []
     assert not os.path.exists(d.socket)
 
 
-# -- item 4: files a killed daemon left are swept by the next start -----------------------------
+# -- files a killed daemon left are swept by the next start -------------------------------------
 
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -133,7 +133,7 @@ def test_next_start_sweeps_a_killed_daemons_files_only(start_daemon, shm_dir) ->
     assert len([n for n in now if n.startswith("kvtier-") and n.endswith(".keys")]) == 3
 
 
-# -- item 8: --disk-dir on a tmpfs ----------------------------------------------------------------
+# -- --disk-dir on a tmpfs ----------------------------------------------------------------------
 
 def test_disk_dir_on_tmpfs_is_refused_unless_allowed(start_daemon, tmp_path, shm_dir) -> None:
     disk = os.path.join(shm_dir, "disk")
@@ -141,14 +141,14 @@ def test_disk_dir_on_tmpfs_is_refused_unless_allowed(start_daemon, tmp_path, shm
     _assert_refused_cleanly(run_kvtierd(d), "--disk-dir", "tmpfs", "--disk-allow-tmpfs")
     assert not os.path.exists(disk) and not os.path.exists(d.socket)
     assert os.listdir(shm_dir) == []
-    ok = start_daemon("--disk-dir", disk, "--disk-capacity", "16MiB", "--disk-allow-tmpfs", "true",
+    ok = start_daemon("--disk-dir", disk, "--disk-capacity", "16MiB", "--disk-allow-tmpfs",
                       shm_dir=shm_dir, name="allowed")
     with Sidecar(ok.socket) as sc:
         assert sc.stats()["tiers"]["disk"]["capacity_bytes"] == 16 << 20
     assert "tmpfs" in ok.logs()   # a warning says what it is
 
 
-# -- item 8: --help -------------------------------------------------------------------------------
+# -- --help -------------------------------------------------------------------------------------
 
 def test_help_shows_sizes_with_units_and_toml_keys() -> None:
     out = subprocess.run([sys.executable, "-m", "kvtier.daemon.main", "--help"], capture_output=True, text=True,
@@ -159,7 +159,7 @@ def test_help_shows_sizes_with_units_and_toml_keys() -> None:
     assert "--disk-allow-tmpfs" in out
 
 
-# -- item 8: kvtier stats and kvtier report -------------------------------------------------------
+# -- kvtier stats and kvtier report -------------------------------------------------------------
 
 def test_stats_keeps_layout_id_and_fingerprint_apart(daemon) -> None:
     with Sidecar(daemon.socket) as sc:
@@ -196,7 +196,7 @@ def test_live_report_into_a_pipe_has_no_screen_codes(daemon) -> None:
 
 def test_report_counts_a_daemon_named_twice_once(start_daemon) -> None:
     tcp, metrics = free_port(), free_port()
-    d = start_daemon("--tcp", f"127.0.0.1:{tcp}", "--insecure-tcp", "true", "--tcp-services", "all", "--metrics-port", str(metrics), "--node-id", "twice")
+    d = start_daemon("--tcp", f"127.0.0.1:{tcp}", "--insecure-tcp", "--tcp-services", "all", "--metrics-port", str(metrics), "--node-id", "twice")
     with Sidecar(d.socket, use_key_table=False) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))
         sc.put(lid, [b"k" * 16], [b"x" * BLOCK])
@@ -212,7 +212,7 @@ def test_report_counts_a_daemon_named_twice_once(start_daemon) -> None:
         assert table.count("twice") == 1, table
 
 
-# -- item 8: docs/metrics.md matches a fresh daemon's first scrape --------------------------------
+# -- docs/metrics.md matches a fresh daemon's first scrape --------------------------------------
 
 def documented_families() -> list[tuple[list[str], dict[str, list[str] | None]]]:
     """Each row of docs/metrics.md's table: (family names, {label: listed values or None})."""

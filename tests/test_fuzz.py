@@ -1,4 +1,4 @@
-"""Fuzzing every RPC of Node, Transfer and Locations, and the raw sockets (issue 14 item 3).
+"""Fuzzing every RPC of Node, Transfer and Locations, and the raw sockets.
 
 Property-based (hypothesis), against one real kvtierd per module: sequences of calls from two
 callers (two credential handshakes), each call a method of the three services with a message
@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.client.engine.transport import open_channel
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.proto import (
     locations_pb2,
     locations_pb2_grpc,

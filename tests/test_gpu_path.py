@@ -266,8 +266,8 @@ def hold_a_slot(conn: KVConnector, socket: str, tag: str):
 def test_a_failed_onboard_is_reported_only_once_the_daemon_has_ended_it(start_daemon, shm_dir) -> None:
     """An onboard whose deadline passes may still be in the daemon's hands, and its copy may
     still come, into engine pages the engine reuses once told the load failed (vLLM recomputes
-    into them). The connector raised DEADLINE_EXCEEDED at once; now it first sends an empty
-    onboard on the same event slot, which the daemon answers only once the failed one has
+    into them). So before it raises DEADLINE_EXCEEDED the connector sends an empty onboard on
+    the same event slot, which the daemon answers only once the failed one has
     ended there, and raises after that. Here the daemon holds the slot for 7 s (an older
     offload in it waits for a "KV written" record that never comes): the onboard's 1 s
     deadline passes, and its failure must not be reported before those 7 s."""

@@ -1,5 +1,5 @@
-"""Registration and copy races of the daemon's Transfer side that a CUDA copy engine exposes
-(a static review of the CUDA path, stop 27). The CUDA engine cannot run here, so these run the
+"""Registration and copy races of the daemon's Transfer side that a CUDA copy engine exposes.
+The CUDA engine cannot run here, so these run the
 real store, host tier and Transfers with the host copy engine made to behave as the CUDA one
 does where it matters: its pool attach pins (the host tier must never punch a pinned pool), and
 a registration's close cannot interrupt its waits (``cancel`` does nothing on CUDA)."""
@@ -12,8 +12,8 @@ import threading
 
 import numpy as np
 import pytest
+from _wait import until
 from attacks_sessions import BLOCK, in_process, registration
-from test_reliability_fixes import _until, key
 
 from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.errors import Code, StoreError
@@ -24,6 +24,10 @@ from kvtier.tiers.host import PoolMapping
 from kvtier.tiers.layout import Layout
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def key(i: int) -> bytes:
+    return b"gpuraces" + i.to_bytes(24, "big")   # 32 bytes: the longest key
 
 
 class PinningEngine(HostCopyEngine):
@@ -67,14 +71,14 @@ def run(engine, body, limits: Limits | None = None) -> None:
 
 def test_a_registration_cancelled_while_its_pool_is_pinned_keeps_the_pool_unpunchable() -> None:
     """RegisterKV cancelled (the engine gone, its deadline) while the copy engine pins the host
-    pool: the pinning thread goes on. The pool was unmarked at once, so the host tier could
-    punch holes under pages the GPU had pinned (and a later registration would reuse the stale
-    pinning). Now it stays marked until that attach has ended and been undone."""
+    pool: the pinning thread goes on. The pool stays marked until that attach has ended and
+    been undone (unmarked at once, the host tier could punch holes under pages the GPU has
+    pinned, and a later registration would reuse the stale pinning)."""
     engine = PinningEngine()
 
     async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
         call = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
-        await _until(engine.started.is_set, "the attach to start")
+        await until(engine.started.is_set, "the attach to start")
         (cls,) = store.host.classes.values()
         assert cls.key in store.host._registered
         call.cancel()
@@ -82,7 +86,7 @@ def test_a_registration_cancelled_while_its_pool_is_pinned_keeps_the_pool_unpunc
             await call
         assert cls.key in store.host._registered, "a pool still being pinned was left open to punching"
         engine.go.set()
-        await _until(lambda: not transfers._pool_users and transfers._idle_pins, "the attach to end")
+        await until(lambda: not transfers._pool_users and transfers._idle_pins, "the attach to end")
         # pinned, idle: still marked (never punched) until another pool needs its memory
         assert engine.pinned and cls.key in store.host._registered
         assert await transfers._unpin_idle("", 0)
@@ -94,10 +98,9 @@ def test_a_registration_cancelled_while_its_pool_is_pinned_keeps_the_pool_unpunc
 def test_a_pin_outlives_a_registerkv_whose_deadline_it_outlasted_and_the_retry_takes_it_over() -> None:
     """Pinning a large pool takes minutes (0.085 s/GiB measured on the H200), longer than a
     RegisterKV's deadline (the vLLM worker's kvtier_timeout_s, 2 s). The cancelled call's pin
-    went on and was then undone, so every retry pinned anew and was cancelled again: the engine
-    never registered (auto fell back to copying in its own process). Now the pin stays, and a
-    retry while it still runs waits for it on no thread of its own; the retry takes it over, with
-    no second pin."""
+    stays, and a retry while it still runs waits for it on no thread of its own; the retry takes
+    it over, with no second pin (a pin undone with its call would make every retry pin anew and
+    be cancelled again: the engine would never register)."""
     engine = PinningEngine()
     attaches = []
     real_attach = engine.attach_pool
@@ -110,7 +113,7 @@ def test_a_pin_outlives_a_registerkv_whose_deadline_it_outlasted_and_the_retry_t
 
     async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
         first = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
-        await _until(engine.started.is_set, "the pin to start")
+        await until(engine.started.is_set, "the pin to start")
         first.cancel()                                  # its deadline passed
         with pytest.raises(asyncio.CancelledError):
             await first
@@ -128,10 +131,10 @@ def test_a_pin_outlives_a_registerkv_whose_deadline_it_outlasted_and_the_retry_t
 
 def test_no_copy_is_issued_for_a_registration_whose_session_ended() -> None:
     """An offload waiting behind an older transfer in its event slot when the engine's session
-    ends: once the older one ended, the offload went on to allocate and issue its copy into the
-    gone engine's memory (on CUDA undefined behaviour, and a sticky CUDA error breaks the
-    daemon's context for every engine). Now it checks, after its allocate, that the
-    registration is not closing, and copies nothing. (The engine here does nothing on
+    ends: once the older one ended, the offload checks, after its allocate, that the
+    registration is not closing, and copies nothing (a copy into the gone engine's memory is
+    undefined behaviour on CUDA, and a sticky CUDA error breaks the daemon's context for every
+    engine). (The engine here does nothing on
     ``cancel``, so only that re-check can stop the copy.)"""
     engine = UncancellableEngine()
 
@@ -140,7 +143,7 @@ def test_no_copy_is_issued_for_a_registration_whose_session_ended() -> None:
         rid = reg.registration_id
         older = asyncio.ensure_future(transfers.offload(     # its "KV written" never comes (1 s wait)
             TransferOrder(sid, rid, [key(200)], np.array([0]), 0, 5, wait_written=True)))
-        await _until(lambda: engine.issued == [5], "the older offload to wait for its KV")
+        await until(lambda: engine.issued == [5], "the older offload to wait for its KV")
         newer = asyncio.ensure_future(transfers.offload(
             TransferOrder(sid, rid, [key(201)], np.array([1]), 0, 9, wait_written=True)))
         await asyncio.sleep(0.05)
@@ -181,7 +184,7 @@ def test_an_onboard_is_not_held_up_by_offloads_waiting_for_their_kv() -> None:
     run(engine, body, Limits(transfer_wait_s=10))
 
 
-# -- a pinned pool is resident whole (review finding 9) ------------------------------------------
+# -- a pinned pool is resident whole -------------------------------------------------------------
 
 class PopulatingEngine(PinningEngine):
     """The pinning engine that, as the CUDA one does, makes the whole pool file resident."""
@@ -209,10 +212,10 @@ def resident(host) -> int:
 
 def test_a_pinned_pool_counts_whole_so_two_block_sizes_never_take_the_node_past_capacity() -> None:
     """The daemon's first layout (here a block size a host-memory client uses) gets its pool
-    file allocated whole (--host-prefault). A GPU engine of another block size then had its
-    pool pinned whole too: the node held twice --host-capacity. Now the first pool's unused
-    memory is given back before the pin, the pinned file counts whole, and the first block size
-    gets only what is left of the budget (here: nothing)."""
+    file allocated whole (--host-prefault). A GPU engine of another block size then has its
+    pool pinned whole too: the first pool's unused memory is given back before the pin, the
+    pinned file counts whole, and the first block size gets only what is left of the budget
+    (here: nothing), so the node never holds twice --host-capacity."""
     engine = PopulatingEngine()
 
     async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
@@ -281,8 +284,8 @@ def test_an_idle_pin_is_undone_after_idle_pin_s_so_other_block_sizes_get_memory_
         assert host.reserve(other, [key(1)], 2 * BLOCK).entries == [None]   # all of it pinned
         await transfers.unregister(sid, reg.registration_id)
         assert engine.pinned and pinned.key in host._registered             # idle, still pinned
-        await _until(lambda: not engine.pinned, "the idle pin to be undone")
-        await _until(lambda: pinned.key not in host._registered, "the pool to be unmarked")
+        await until(lambda: not engine.pinned, "the idle pin to be undone")
+        await until(lambda: pinned.key not in host._registered, "the pool to be unmarked")
         got = host.reserve(other, [key(2)], 2 * BLOCK)
         got.backing.run()
         host.finish_eviction()
@@ -292,7 +295,7 @@ def test_an_idle_pin_is_undone_after_idle_pin_s_so_other_block_sizes_get_memory_
     run(engine, body)
 
 
-# -- idle pins under cancellation (a review of the above) -----------------------------------------
+# -- idle pins under cancellation -----------------------------------------------------------------
 
 class CountingEngine(HostCopyEngine):
     """Counts a pool's attaches as CudaCopyEngine does (users + 1 on a pinned pool; unpinned when
@@ -335,7 +338,7 @@ def test_a_retry_cancelled_while_it_waits_for_an_earlier_pin_stays_cancelled() -
 
     async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
         first = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
-        await _until(engine.started.is_set, "the pin to start")
+        await until(engine.started.is_set, "the pin to start")
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         retry = asyncio.ensure_future(transfers.register(registration(sid, kv_fd, ring_fd)))
@@ -345,7 +348,7 @@ def test_a_retry_cancelled_while_it_waits_for_an_earlier_pin_stays_cancelled() -
         engine.go.set()
         with pytest.raises(asyncio.CancelledError):
             await retry
-        await _until(lambda: transfers._idle_pins and not transfers._pool_users, "the first pin to end idle")
+        await until(lambda: transfers._idle_pins and not transfers._pool_users, "the first pin to end idle")
         assert not transfers.registrations, "a cancelled RegisterKV left a registration open"
         assert engine.pins == 1 and sum(engine.users.values()) == 1
 
@@ -353,9 +356,9 @@ def test_a_retry_cancelled_while_it_waits_for_an_earlier_pin_stays_cancelled() -
 
 
 def test_a_registration_cancelled_while_it_undoes_an_idle_pin_still_undoes_it_whole() -> None:
-    """Cancelled while the idle pool's detach waited for a transfer thread: the detach never ran
-    and the pool stayed pinned with nothing referring to it, so it was later unmarked while still
-    pinned (open to punching). Now the detach goes on and unmarks the pool when it has ended."""
+    """Cancelled while the idle pool's detach waits for a transfer thread: the detach goes on
+    and unmarks the pool when it has ended (a detach that never ran would leave the pool pinned
+    with nothing referring to it, later unmarked while still pinned: open to punching)."""
     engine = CountingEngine()
 
     async def body(store, transfers, sid, kv_fd, ring_fd) -> None:
@@ -372,8 +375,8 @@ def test_a_registration_cancelled_while_it_undoes_an_idle_pin_still_undoes_it_wh
         busy.set()
         for b in blockers:
             b.result(5)
-        await _until(lambda: p.path not in engine.users, "the idle pool's detach to run")
-        await _until(lambda: p.key not in host._registered, "the unpinned pool to be unmarked")
+        await until(lambda: p.path not in engine.users, "the idle pool's detach to run")
+        await until(lambda: p.key not in host._registered, "the unpinned pool to be unmarked")
         reg = await transfers.register(registration(sid, kv_fd, ring_fd))
         assert engine.pins >= 2 and engine.users.get(p.path) == 1, "a stale pin was reused"
 

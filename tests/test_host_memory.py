@@ -1,4 +1,4 @@
-"""The host tier keeps no Python object per held block (issue 15 item 5): a held entry is one
+"""The host tier keeps no Python object per held block: a held entry is one
 small int in ``HostTier.entries`` plus per-slot arrays, and ``get`` makes views of it. The views
 of one entry share its pins and flags; an entry the tier gives up (a victim) keeps its own state
 even when its slot is granted and committed again at once."""

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.client import InvalidArgument, KvtierError, Sidecar
 from kvtier.client.engine.transport import open_channel
-from kvtier.client.testing.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
+from kvtier.client.tools.local_daemon import DaemonProcess, rss_bytes, tmpfs_bytes
 from kvtier.proto import node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout, layout_to_proto
 
@@ -216,7 +216,7 @@ def test_malformed_input_gets_clear_errors_and_daemon_keeps_serving(daemon: Daem
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "session" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             stub.Commit(node_pb2.CommitRequest(session_id=good._ensure_session(), grant_ids=[424242]))
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED  # another caller's session (issue 12)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED  # another caller's session
         with pytest.raises(grpc.RpcError) as e:
             good._stub.Commit(node_pb2.CommitRequest(session_id=good._ensure_session(), grant_ids=[424242]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -251,7 +251,7 @@ def test_taken_tcp_port_refuses_to_start(tmp_path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true")
+        d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}", "--insecure-tcp")
         try:
             with pytest.raises(RuntimeError, match="already in use"):
                 d.start(timeout=20)
@@ -263,7 +263,7 @@ def test_tcp_listener_serves(tmp_path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true",
+    d = DaemonProcess(str(tmp_path), "--tcp", f"127.0.0.1:{port}", "--insecure-tcp",
                       "--tcp-services", "all").start()
     try:
         with Sidecar(target=f"127.0.0.1:{port}") as sc:

@@ -138,7 +138,7 @@ def test_the_compiled_map_keeps_no_object_per_id() -> None:
 
 @needs_c
 def test_the_host_tier_keeps_no_python_object_per_held_block(tmp_path) -> None:
-    """Issue 15 item 5: a held block costs the host tier no bytes object, int or dict slot (a
+    """A held block costs the host tier no bytes object, int or dict slot (a
     dict of 32-byte ids to ints cost about 150 B a block; the id map's records and table are
     raw memory, made as the class is or as the map grows)."""
     from kvtier.tiers.host import HostTier
@@ -174,7 +174,7 @@ def test_the_host_tier_keeps_no_python_object_per_held_block(tmp_path) -> None:
         os.rmdir(shm)
 
 
-# -- hostile inputs (C review, creview) ------------------------------------------------------
+# -- hostile inputs ----------------------------------------------------------------------------
 # Each hostile call must raise a clean exception (the fallback's), never crash: the checks run
 # in a child process, so a crash fails the test instead of killing the run.
 

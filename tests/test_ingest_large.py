@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import kvtier.daemon.placement as placement
-from kvtier.client.testing.local_daemon import shm_tempdir
+from kvtier.client.tools.local_daemon import shm_tempdir
 from kvtier.daemon.counters import Count
 from kvtier.daemon.store import BlockStore
 from kvtier.tiers.host import HostTier, payload_checksum

@@ -28,7 +28,7 @@ from _demotions import demotions_over
 
 from kvtier.client import InvalidArgument, KvtierError, Sidecar
 from kvtier.client.engine.sidecar import AsyncSidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.tiers.keytable import (
     COMPILED,
     SPIN_LIMIT_S,

@@ -1,4 +1,4 @@
-"""The key table's liveness check under scheduling delays (issue 14 item 5), on a real kvtierd.
+"""The key table's liveness check under scheduling delays, on a real kvtierd.
 
 A daemon that is not scheduled for longer than the table's stale limit (a busy machine; here a
 SIGSTOP) is late, not gone: its session streams stay open, so the sidecar keeps answering from

@@ -24,7 +24,7 @@ from _demotions import demotions_over
 
 from kvtier.client.engine.keys import as_key
 from kvtier.client.engine.sidecar import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.daemon import kv_events
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.vocab import Tier
@@ -442,8 +442,8 @@ def test_a_full_queue_drops_and_counts_without_blocking_then_resyncs() -> None:
 
 
 def test_a_replay_of_more_batches_than_zmqs_default_high_water_mark_arrives_whole() -> None:
-    """3000 buffered batches of 4096 hashes: the replay ROUTER used to drop everything past its
-    default SNDHWM (1000, plus what the reader's pipe held), END marker included."""
+    """3000 buffered batches of 4096 hashes arrive whole, END marker included: the replay ROUTER
+    does not drop what is past its default SNDHWM (1000, plus what the reader's pipe holds)."""
     layout = Layout.flat(4096)
     store = SimpleNamespace(layouts=SimpleNamespace(find=lambda f: SimpleNamespace(layout=layout)),
                             holdings=lambda: [])

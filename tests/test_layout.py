@@ -43,7 +43,7 @@ def test_proto_round_trip() -> None:
     lambda: Layout((TensorSpec("a", "float16", (4, 0), 0),), 16),
     lambda: Layout((TensorSpec("a", "float16", (4, 4), 0), TensorSpec("a", "float16", (4, 4), 0)), 16),
     lambda: Layout((TensorSpec("a", "float16", (4, 4), 0),), 16, tp_rank=2, tp_size=2),
-    # bounded (issue 12): each limit, one past it
+    # bounded: each limit, one past it
     lambda: Layout(tuple(TensorSpec(f"t{i}", "uint8", (1, 1), 0) for i in range(4097)), 16),
     lambda: Layout((TensorSpec("a", "uint8", (1,) * 9, 0),), 16),
     lambda: Layout((TensorSpec("a", "uint8", (1, (1 << 40) + 1), 0),), 16),

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,8 @@
-"""Issue 18, item 2: key-table lookups are counted where nothing can lose them.
-
-Lookups answered from the key table used to be reported to the daemon at most once a second
-and on close(): a script of 12 lookups that never closed showed 1 in ``kvtier report``, and a
-killed engine lost its last second. Now a local sidecar counts them in a lookup counters
-region (a sealed memfd, :mod:`kvtier.tiers.lookup_counts`) handed to the daemon on its
-credential connection; the daemon reads it on every Stats, every second and when the
-connection closes (exit, kill -9). Each test runs a real kvtierd over its real sockets.
+"""Key-table lookups are counted where nothing can lose them: a script of lookups that never
+closes, and a killed engine's last second, still show in ``kvtier report``. A local sidecar
+counts them in a lookup counters region (a sealed memfd, :mod:`kvtier.tiers.lookup_counts`)
+handed to the daemon on its credential connection; the daemon reads it on every Stats, every
+second and when the connection closes (exit, kill -9). Each test runs a real kvtierd over its real sockets.
 """
 
 from __future__ import annotations
@@ -231,7 +228,7 @@ BOB = textwrap.dedent("""
 
 
 def test_counts_land_in_the_callers_tenant_only(shared_dir) -> None:
-    from kvtier.client.testing.local_daemon import DaemonProcess
+    from kvtier.client.tools.local_daemon import DaemonProcess
 
     me = os.geteuid()
     if me == NOBODY:
@@ -260,7 +257,7 @@ def test_over_tcp_table_lookups_are_still_reported(start_daemon) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = start_daemon("--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true", "--tcp-services", "all")
+    d = start_daemon("--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "--tcp-services", "all")
     lid = put_held(d.socket)
     with Sidecar(target=f"127.0.0.1:{port}") as sc:
         assert sc.register_layout(LAYOUT) == lid

@@ -1,4 +1,4 @@
-"""The event loop never stalls (issue 14 item 4): feed snapshots built in parts and shared by
+"""The event loop never stalls: feed snapshots built in parts and shared by
 subscribers joining at once; the metrics thread reads a consistent copy of the latencies.
 (The 2,000,000-key figure is bench/loop_stall.py's.)"""
 

@@ -1,4 +1,4 @@
-"""Issue 17: record traces where requests are routed, turn chat logs into traces, measure live.
+"""Record traces where requests are routed, turn chat logs into traces, measure live.
 
 * A multi-turn workload routed through a real ``kvtier route-server --record-trace`` over two
   real kvtierds (each request looked up and stored on the daemon the router chose, as an

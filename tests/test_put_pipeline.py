@@ -121,7 +121,7 @@ def test_a_pipelined_put_retried_after_a_restart_counts_each_key_once(start_daem
 
 
 def test_the_asyncio_sidecar_pipelines_the_same(start_daemon) -> None:
-    """The same pieces through AsyncSidecar (its transport's Start and Reply steps)."""
+    """The same pieces through AsyncSidecar (its transport's start_* calls and their replies)."""
     import asyncio
 
     from kvtier.client.engine.sidecar import AsyncSidecar

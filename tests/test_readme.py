@@ -243,7 +243,7 @@ def _parse_kvtier(argv: list[str], daemon_socket: str) -> None:
 
         ns = build_parser().parse_args(args)
         assert (ROOT / ns.trace).exists(), f"kvtier replay: no trace {ns.trace}"
-    elif sub in ("measure", "trace"):  # issue 17
+    elif sub in ("measure", "trace"):
         import importlib
 
         importlib.import_module(f"kvtier.client.tools.{sub}").build_parser().parse_args(args)

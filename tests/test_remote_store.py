@@ -1,4 +1,4 @@
-"""Issue 13, item 2: the shared store (a real Redis Cluster over mutual TLS with ACLs, and a
+"""The shared store (a real Redis Cluster over mutual TLS with ACLs, and a
 real Mooncake Store; real daemons). The sharing, tenant, corruption and in-process tests run
 over both backends (``shared``, a module fixture per backend); the Mooncake ones skip, saying
 why, where its wheel is not installed (``pip install 'kvtier[mooncake]'``).
@@ -28,7 +28,7 @@ from mooncake_master import MooncakeMaster, mooncake_fixture
 from redis_cluster import REDIS_CLI, RedisCluster, cluster_fixture
 
 from kvtier.client.engine.sidecar import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess, shm_tempdir
+from kvtier.client.tools.local_daemon import DaemonProcess, shm_tempdir
 from kvtier.daemon.auth import DEFAULT_TENANT
 from kvtier.daemon.counters import Count
 from kvtier.daemon.layouts import tenant_fingerprint
@@ -447,9 +447,9 @@ def test_store_settings_refuse_plaintext_unless_asked(tmp_path):
 
     with pytest.raises(ConfigError, match="--store-redis needs TLS"):
         load_config(["--store-redis", "127.0.0.1:7000"], env={})
-    assert load_config(["--store-redis", "127.0.0.1:7000", "--store-plaintext", "true"], env={}).store_plaintext
+    assert load_config(["--store-redis", "127.0.0.1:7000", "--store-plaintext"], env={}).store_plaintext
     with pytest.raises(ConfigError, match="contradict"):
-        load_config(["--store-redis", "127.0.0.1:7000", "--store-plaintext", "true", "--store-tls-ca", "x"], env={})
+        load_config(["--store-redis", "127.0.0.1:7000", "--store-plaintext", "--store-tls-ca", "x"], env={})
     with pytest.raises(ConfigError, match="--store-tls-cert and --store-tls-key go together"):
         load_config(["--store-redis", "127.0.0.1:7000", "--store-tls-ca", "ca", "--store-tls-cert", "c"], env={})
     with pytest.raises(ConfigError, match="--store-user needs --store-password-file"):

@@ -68,7 +68,7 @@ def test_policy_lru_write_through_demotion_promotion_by_hand() -> None:
 
 
 def test_policy_write_ahead_by_hand() -> None:
-    """Write-ahead (issue 15): host 4, disk 10, window 1 block. Once an access evicts from host,
+    """Write-ahead: host 4, disk 10, window 1 block. Once an access evicts from host,
     host's next victim is written to disk too (it stays in host); when it is evicted later it
     needs no demotion. Within a write cap the request's demotions come first; a put models it
     after its eviction, with the blocks granted counted as taking room."""
@@ -340,12 +340,12 @@ def test_unbounded_caches_reproduce_the_trace_readme(name: str, ideal: dict[int,
 
 @pytest.mark.slow
 def test_conversation_acceptance_8_replicas() -> None:
-    """The issues' goals: 8 replicas of gpu 100k / host 1M / disk 10M tokens at the replay's
+    """The routing goals: 8 replicas of gpu 100k / host 1M / disk 10M tokens at the replay's
     defaults (2 GB/s disks, read and write; async loads), routed by kvtier, reach hit rate
-    >= 0.35 (issue 15 item 1: the disk admission that writes while the disk has room), keep
+    >= 0.35 (the disk admission that writes while the disk has room), keep
     >= 0.95 of the hit rate of one replica with 8x the capacity, at imbalance <= 1.10, and
-    beat the Dynamo-like prefix policy on hit rate and mean TTFT. With 0.1's admission (only
-    blocks seen twice go to disk, the write bandwidth unmodelled) the hit rate is lower."""
+    beat the Dynamo-like prefix policy on hit rate and mean TTFT. With only blocks seen twice
+    admitted to disk (the write bandwidth unmodelled) the hit rate is lower."""
     trace = load_trace(str(TRACES / "conversation_trace.jsonl"))
     c = ReplayConfig(gpu_tokens=100_000, host_tokens=1_000_000, disk_tokens=10_000_000)
     assert (c.disk_write_gbps, c.disk_load_gbps, c.loads) == (2.0, 2.0, "async")

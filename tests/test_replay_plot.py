@@ -1,4 +1,4 @@
-"""The replay's picture (issue 18, item 9): the pooled-cache reference, the overload measure
+"""The replay's picture: the pooled-cache reference, the overload measure
 and the plot that draws them with hit rate by tier, p99 TTFT and imbalance.
 
 Traces here use 4-token blocks, as in tests/test_replay.py.

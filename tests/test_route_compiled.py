@@ -229,7 +229,7 @@ def test_compiled_fold_of_large_batches_matches_numpy() -> None:
     assert rc.index.rows(keys).rows.tolist() == rn.index.rows(keys).rows.tolist()
 
 
-# -- hostile inputs (C review, creview) ------------------------------------------------------
+# -- hostile inputs ----------------------------------------------------------------------------
 # Each hostile call must raise a clean exception, never crash or read outside its arrays: the
 # checks run in a child process, so a crash fails the test instead of killing the run.
 
@@ -292,7 +292,7 @@ def hostile_route_calls() -> None:
     assert _route.insert(victim, np.arange(20, 25, dtype=np.int64), t.packed, t.live, t.slots.copy(),
                          t.tags.copy(), Clears(t._shift_i, victim)) == 1
 
-    # rank: top_k 0 (the insertion sort read and wrote e[-1] before the fix), no workers, bad arrays
+    # rank: top_k 0 (an insertion sort must not read or write e[-1]), no workers, bad arrays
     w = 3
     lead, wt = np.zeros((4, w), np.int64), np.ones((4, w))
     lc, q, a = np.zeros(w), np.zeros(w), np.zeros(w)
@@ -312,7 +312,7 @@ def hostile_route_calls() -> None:
         args[i] = bad
         _raises(lambda a=args: _route.rank(*a))
 
-    # lead: m, nwords, n_workers far beyond the buffers (sizes that overflowed before the fix)
+    # lead: m, nwords, n_workers far beyond the buffers (sizes whose products overflow)
     bits = np.zeros((8, 1), np.uint64)
     table = np.zeros((2048, 4), np.uint64)
     rows = np.array([-1, 1, 2, -1], np.int64)
@@ -356,7 +356,7 @@ def test_scorer_rank_with_top_k_zero_matches_numpy() -> None:
     assert want == [] and sc.rank(*args, top_k=0)[2] == want
 
 
-# -- what a buggy or hostile daemon publishes (a review's findings) ------------------------------
+# -- what a buggy or hostile daemon publishes ------------------------------------------------------
 
 _FP = bytes(range(16))
 

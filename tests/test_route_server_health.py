@@ -44,7 +44,7 @@ def pki(tmp_path):
 
 
 def test_health_turns_serving_once_a_daemon_found_by_dns_is_followed_over_tls(tmp_path, pki) -> None:
-    from kvtier.client.testing.local_daemon import DaemonProcess
+    from kvtier.client.tools.local_daemon import DaemonProcess
 
     dport, listen, hport = _free_port(), _free_port(), _free_port()
     log = open(tmp_path / "router.log", "wb")

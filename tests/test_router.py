@@ -21,7 +21,7 @@ from kvtier.client.engine.transport import open_channel
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import Overlap, ScorerConfig
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.proto import locations_pb2, locations_pb2_grpc, router_pb2, router_pb2_grpc
 from kvtier.tiers.layout import Layout
 
@@ -356,8 +356,8 @@ def test_dns_names_follow_the_addresses_they_resolve_to(start_daemon) -> None:
     with _socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    a = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", "true", name="A", host_capacity="16MiB")
-    b = start_daemon("--node-id", "B", "--tcp", f"127.0.0.2:{port}", "--insecure-tcp", "true", name="B", host_capacity="16MiB")
+    a = start_daemon("--node-id", "A", "--tcp", f"127.0.0.1:{port}", "--insecure-tcp", name="A", host_capacity="16MiB")
+    b = start_daemon("--node-id", "B", "--tcp", f"127.0.0.2:{port}", "--insecure-tcp", name="B", host_capacity="16MiB")
     addresses = ["127.0.0.1", "127.0.0.2"]
 
     async def resolve(host: str, p: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Cluster sharing on the router side (issue 13): the remote tier in decisions, fetch hints
+"""Cluster sharing on the router side: the remote tier in decisions, fetch hints
 from Router and `kvtier route-server`, membership (silent daemons leave, columns are
 reclaimed, load reports expire). Real daemons over real sockets."""
 
@@ -39,7 +39,7 @@ def _free_port() -> int:
 def cluster(tmp_path_factory) -> dict:
     """Three daemons that are each other's peers (mTLS on, distinct ports and node ids); A holds
     a 32-block prefix in host."""
-    from kvtier.client.testing.local_daemon import DaemonProcess
+    from kvtier.client.tools.local_daemon import DaemonProcess
 
     root = tmp_path_factory.mktemp("cluster")
     pki = tmp_path_factory.mktemp("pki")
@@ -52,7 +52,7 @@ def cluster(tmp_path_factory) -> dict:
     def args(n: str) -> list[str]:
         peers = ",".join(f"127.0.0.1:{ports[p]}" for p in "ABC" if p != n)
         return ["--node-id", n, "--tcp", f"127.0.0.1:{ports[n]}", "--tls-cert", str(pki / f"node-{n}.pem"),
-                "--tls-key", str(pki / f"node-{n}.key"), "--tls-ca", str(pki / "ca.pem"), "--peer-serve", "true",
+                "--tls-key", str(pki / f"node-{n}.key"), "--tls-ca", str(pki / "ca.pem"), "--peer-serve",
                 "--peers", peers, "--tenants", same_tenant, "--peer-resolve-s", "0.5", "--peer-timeout-s", "5"]
 
     daemons = {n: DaemonProcess(str(root), *args(n), name=n, host_capacity="16MiB").start() for n in "ABC"}

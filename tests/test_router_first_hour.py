@@ -1,4 +1,4 @@
-"""The router's first hour (issue 18, item 7): what a new user of ``Router`` and
+"""The router's first hour: what a new user of ``Router`` and
 ``kvtier route-server`` runs into, against real kvtierd subprocesses and the route-server as a
 real subprocess.
 
@@ -30,7 +30,7 @@ from kvtier.client.engine.keys import Namespace, block_keys
 from kvtier.client.engine.sidecar import Sidecar
 from kvtier.client.routing.feed import feed_target
 from kvtier.client.routing.router import Router, RouterConfig, RouterError, UnknownCandidates
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.proto import router_pb2, router_pb2_grpc
 from kvtier.tiers.layout import Layout
 
@@ -180,7 +180,7 @@ def test_a_taken_listen_port_is_a_clear_error_not_a_traceback(tmp_path) -> None:
 # -- the local daemon by default ----------------------------------------------------------------
 
 def test_route_server_follows_the_local_daemon_by_default(daemon, route_server) -> None:
-    """With neither --daemon nor --dns it refused to start ("give at least one --daemon")."""
+    """With neither --daemon nor --dns it follows the local daemon (``KVTIER_SOCKET``)."""
     put_keys(daemon, KEYS)
     rs = route_server(env={"KVTIER_SOCKET": daemon.socket})
     wait_for(rs.synced, what="the local daemon's feed")

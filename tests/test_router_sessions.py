@@ -1,4 +1,4 @@
-"""The router's new-session rule (issue 15 item 2): a new session whose only overlap is a short
+"""The router's new-session rule: a new session whose only overlap is a short
 prefix shared with other sessions (a system prompt) is not piled onto the worker that holds it.
 
 Replayed through the real ``Router`` (``kvtier replay``'s kvtier policy, fed its simulated
@@ -44,11 +44,11 @@ def _placements(cfg: ReplayConfig) -> list[int]:
 
 
 def test_new_sessions_spread_instead_of_piling_onto_the_prefix_holder() -> None:
-    """With the rule off (spread 0, the default: the 0.1 router) every session lands on the
+    """With the rule off (spread 0, the default) every session lands on the
     worker holding the shared prompt, and the simultaneous second turns queue behind each
     other there; with it (``--new-session-spread 0.25``) the sessions spread over the 4 workers and the second turns run side by
     side, at no cost in hit rate beyond the shared prompt recomputed once per worker."""
-    assert RouterConfig().new_session_spread == 0  # off by default: the 0.1 rule
+    assert RouterConfig().new_session_spread == 0  # off by default
     old, new = _cfg(), _cfg(new_session_spread=0.25)
     assert len(set(_placements(old))) == 1  # piled: the holder wins every new session
     assert len(set(_placements(new))) == 4

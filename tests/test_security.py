@@ -1,4 +1,4 @@
-"""Issue 12 (security): one test per attack, each refused, against real daemons.
+"""Security: one test per attack, each refused, against real daemons.
 
 The attacks are written by area in ``tests/attacks_<area>.py`` (not collected on their own:
 their names do not start with ``test_``) and gathered here, so ``pytest tests/test_security.py``
@@ -7,7 +7,7 @@ runs every one. The threat model, and what each defence guarantees, is docs/SECU
 
 from __future__ import annotations
 
-# -- Items 5-6: bounded inputs, bounded feed subscribers (12 tests) --
+# -- bounded inputs, bounded feed subscribers (12 tests) --
 from attacks_bounds import (  # noqa: E402
     test_acquire_naming_a_key_twice_is_refused_and_pins_nothing,
     test_commit_and_release_id_lists_over_the_batch_limit_are_refused,
@@ -23,7 +23,7 @@ from attacks_bounds import (  # noqa: E402
     test_slow_subscriber_is_dropped_with_bounded_memory,
 )
 
-# -- Items 7-8: host-tier integrity, files and crashes (9 tests) --
+# -- host-tier integrity, files and crashes (9 tests) --
 from attacks_integrity import (  # noqa: E402
     test_disk_dir_of_another_uid_is_refused,
     test_disk_dir_writable_by_others_is_refused,
@@ -36,7 +36,7 @@ from attacks_integrity import (  # noqa: E402
     test_reclaimed_clients_late_write_is_never_visible_in_another_keys_get,
 )
 
-# -- Items 3-5: ids are capabilities, safe KV registration, quotas and expiring leases (15 tests) --
+# -- ids are capabilities, safe KV registration, quotas and expiring leases (15 tests) --
 from attacks_sessions import (  # noqa: E402
     test_a_sealed_region_cannot_shrink_and_an_unsealed_one_is_refused,
     test_a_session_over_its_quota_is_refused_while_another_puts,
@@ -55,7 +55,7 @@ from attacks_sessions import (  # noqa: E402
     test_session_streams_over_the_cap_are_refused,
 )
 
-# -- Item 2: tenants that cannot see each other (15 tests) --
+# -- tenants that cannot see each other (15 tests) --
 from attacks_tenants import (  # noqa: E402
     node,
     tenants,
@@ -76,7 +76,7 @@ from attacks_tenants import (  # noqa: E402
     test_tenant_pool_files_are_separate_and_b_never_maps_a_bytes,
 )
 
-# -- Item 1 (transports) and the identity half of item 2: who a caller is (17 tests) --
+# -- transports and identity: who a caller is (17 tests) --
 from attacks_transport import (  # noqa: E402
     pki,
     test_a_missing_socket_directory_is_created_0700,

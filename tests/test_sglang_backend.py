@@ -31,7 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier.client.sglang import SGLANG_AVAILABLE, KvtierHiCacheStorage, page_layout  # noqa: E402
-from kvtier.client.testing.local_daemon import DaemonProcess  # noqa: E402
+from kvtier.client.tools.local_daemon import DaemonProcess  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS = 3, 2, 8, 4, 64
 KV_LORA, ROPE = 16, 8

@@ -1,6 +1,8 @@
 """A short soak in CI: bench/soak.py for about 20 s with 2 kill -9 of the daemon, a full and a
 slow disk, clients killed, a subscriber that stops reading; its JSON must show no lost
-durable block, no corrupt byte served, exact accounting, no leaked fd or file.
+durable block, no corrupt byte served, exact accounting, no leaked fd or file. On a busy
+machine the run's clock starts once every client runs, and the run goes on until the clients
+did 1001 operations (``--min-ops``): a slower run, not a smaller one.
 
 A client is stopped past its grants' expiry (``--client-stops 1``) and resumed: its late writes
 must land nowhere (an expired grant's slot is withheld until the client names it again or its
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _wait import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def soak() -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--clients", "10", "--transfer-clients", "1",
            "--subscribers", "2", "--duration", "20", "--kills", "2", "--check-s", "7", "--grant-ttl-s", "1.5",
-           "--client-stops", "1", "--seed", os.environ.get("KVTIER_SOAK_SEED", "3")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+           "--client-stops", "1", "--min-ops", "1001", "--seed", os.environ.get("KVTIER_SOAK_SEED", "3")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -47,11 +50,9 @@ def test_the_short_soak_leaves_no_file_of_a_dead_daemon(soak: dict) -> None:
 
 def test_stale_grant_writes_land_nowhere(start_daemon) -> None:
     """A client granted a slot stops (SIGSTOP, a long GC pause) past --grant-ttl-s; its grant
-    expires and the slot goes back. Another client puts a block and gets that slot. The first
-    client resumes and writes its bytes into the slot it was granted: the other client's
-    committed block must not change."""
-    import time
-
+    expires (waited for: the daemon counts it in grants_withheld) and its slot is withheld.
+    Another client puts a block. The first client resumes, writes its bytes into the slot it
+    was granted and commits (refused): the other client's committed block must not change."""
     import numpy as np
 
     from kvtier.client import Sidecar
@@ -67,7 +68,8 @@ def test_stale_grant_writes_land_nowhere(start_daemon) -> None:
         grant = late._stub.Allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=lid, keys=[b"L" * 16]),
                                     timeout=10).grants[0]
         assert grant.status == node_pb2.GRANTED
-        time.sleep(2.0)  # past --grant-ttl-s (1 s here) and its sweep
+        wait_for(lambda: other.stats()["counters"]["grants_withheld"] >= 1, 60,
+                 "the grant to expire (--grant-ttl-s, 1 s here) and its slot to be withheld")
         other.put(lid, [b"O" * 16], [np.full(4096, 7, np.uint8)])
         pool = late._info(lid).pool
         pool.arr[grant.offset:grant.offset + 4096] = 9  # the late write, through the slot it was granted

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
-from kvtier.client.testing.local_daemon import shm_tempdir
+from kvtier.client.tools.local_daemon import shm_tempdir
 from kvtier.daemon.counters import Count
 from kvtier.daemon.errors import Code
 from kvtier.daemon.gpu import KVRegistration, Transfers
@@ -50,7 +50,7 @@ _GATES: list[Gate] = []   # every gate of the running test: ``run`` opens them a
 
 class Gate:
     """Holds every thread of an executor until opened (at the latest when its test ends, pass or
-    fail: a test failing before it opened its gate used to hang the store's close forever)."""
+    fail: a test failing before it opened its gate must not hang the store's close forever)."""
 
     def __init__(self, executor, threads: int) -> None:
         self.event = threading.Event()

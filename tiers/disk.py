@@ -57,13 +57,13 @@ Failure
     ``ENOSPC`` (or any other ``OSError``) during a write batch, or a full LMDB map, turns the
     tier *degraded*: the batch is not made visible, one log line says why, and every later
     ``plan_write`` is refused (host-only operation); reads of committed entries go on.
-    Recovery (issue 14): :attr:`DiskTier.degraded` is checked again at most every
+    Recovery: :attr:`DiskTier.degraded` is checked again at most every
     ``recheck_s`` seconds: a tier degraded by a full filesystem takes writes again once the
     filesystem has room again (at least :data:`RECOVER_FREE_BYTES`, and four slots of its
     largest class), any other failure is retried after ``recheck_s``; a write that fails again
     degrades it again. One log line says when it recovered.
 
-Accounting of restored slabs (issue 14)
+Accounting of restored slabs
     At open, every slot of a slab file that no index entry names is punched out of the file
     and kept as a hole: restored blocks count only their own slots against ``capacity``, not
     the whole preallocated (or once larger) file.

@@ -324,7 +324,7 @@ _VISIBLE, _REMOVED, _SUMMED, _PIN = 1, 2, 4, 8  # HostEntry._state: flags, then 
 class HostEntry:
     """A block in the host tier (``bkey`` = layout fingerprint + key).
 
-    Compact (issue 15 item 5): the tier does not keep these objects. What it holds of a
+    Compact: the tier does not keep these objects. What it holds of a
     committed entry is one small int in :attr:`HostTier.entries` (size class number and slot),
     the state (flags and pins) and block bytes in its size class's per-slot arrays
     (:attr:`SizeClass.states`, :attr:`SizeClass.sizes`), the checksum in :attr:`SizeClass.sums`
@@ -499,7 +499,7 @@ class HostTier(PinnedTier[HostEntry]):
         self.prefix = name_prefix
         self.classes: dict[tuple[str, int], SizeClass] = {}  # (group, slot bytes) -> class
         # visible entries: packed id -> size class index << 32 | slot (HostEntry: see get), in
-        # an id map that keeps no Python object per entry (tiers/idmap.py; issue 15 item 5)
+        # an id map that keeps no Python object per entry (tiers/idmap.py)
         self.entries: Any = new_idmap()
         self._by_index: list[SizeClass] = []
         # with a HostRecency: entries hidden (victims, removed) whose place in the policy's
@@ -927,7 +927,7 @@ class HostRecency:
     """The placement policy's host map (``TierPolicy(host_map=...)``) kept in the host tier's
     per-slot arrays: an intrusive doubly linked list over the slots (least recently used
     first) and each block's seen count, found through :attr:`HostTier.entries`, which also
-    keeps each slot's key (no dict of its own, no object per block: issue 15 item 5). It
+    keeps each slot's key (no dict of its own, no object per block). It
     behaves as the ``OrderedDict`` the policy keeps otherwise, for the operations the policy
     uses, on one condition the daemon meets: a key enters it only while the tier holds it
     visible, and a key the tier hides (a victim, a removal) is popped from it in the same loop

@@ -4,7 +4,7 @@
 ``kvtier.tiers._idmap`` that ``pip install`` builds) it holds no Python object per id: each size
 class keeps a record per slot (a length byte and the id, as long as the class's longest id) and
 an open-addressing table of 8-byte entries points at the records, about 50 bytes per held
-32-byte id where a dict of bytes to ints costs about 150 (issue 15 item 5). Without the
+32-byte id where a dict of bytes to ints costs about 150. Without the
 extension :class:`PyIdMap` is used: the same behaviour, a dict and a list of ids per class.
 
 Contract (both):

@@ -426,7 +426,7 @@ class KeyTableReader:
         self.stale_ns = stale_ns
         # a heartbeat older than stale_ns means the writer is gone only if ``alive()`` (e.g. the
         # caller's session stream to that daemon is still open) says so too: a daemon whose
-        # loop a busy machine did not schedule for seconds is late, not gone (issue 14)
+        # loop a busy machine did not schedule for seconds is late, not gone
         self._alive = alive
         self.stale_tolerated = 0  # probes answered from a table with a stale heartbeat, its daemon alive
         # path -> a new read-only descriptor of the table there (a client's: the daemon hands

@@ -19,13 +19,13 @@ Rules
     * Demotion (:meth:`TierPolicy.demotions`): a block evicted from ``host`` and not on disk
       already goes to ``disk`` while the disk's write queue has room
       (:attr:`TierPolicy.disk_write_room`, in blocks, set by the caller before it evicts;
-      ``None`` or ``0``: none, as in 0.1); when the victims need more than the room, those
+      ``None`` or ``0``: none); when the victims need more than the room, those
       seen at least ``demote_min_seen`` times go, and as many others as the room has left
       (least recently used first); at most :attr:`TierPolicy.disk_write_cap` in all, seen-often
       ones first (``None``: no cap; the daemon queues, the replay drops what its disk's write
       bandwidth cannot take); the others are dropped. The seen-twice filter exists to spare
       the disk's write bandwidth, so it applies only when writes back up: applied always, it
-      drops the blocks of a conversation's latest turn, which the next turn needs (issue 15).
+      drops the blocks of a conversation's latest turn, which the next turn needs.
       A victim already on disk stays there, untouched: an eviction is not a use. A block
       evicted from ``disk`` is dropped.
     * Write-ahead (:attr:`TierPolicy.write_ahead`, in blocks; 0: none): while host has less
@@ -77,6 +77,13 @@ from typing import NamedTuple
 from kvtier.tiers.vocab import TIERS, Tier
 
 GPU, HOST, DISK = Tier.GPU, Tier.HOST, Tier.DISK
+
+DEMOTE_MIN_SEEN = 2
+"""The default ``demote_min_seen``: when the disk's write queue is full, a host victim is demoted
+only if it was seen this many times (kvtierd's ``--demote-min-seen``, the replay's too)."""
+DEMOTE_AHEAD_BYTES = 128 * 1024**2
+"""The default write-ahead window in bytes (kvtierd's ``--demote-ahead-bytes``, the replay's
+too), of which :attr:`TierPolicy.write_ahead` holds the whole blocks."""
 
 
 def _per_tier() -> list[int]:
@@ -139,7 +146,8 @@ class TierPolicy:
     they enter host."""
 
     def __init__(self, gpu_blocks: int | None, host_blocks: int | None, disk_blocks: int | None,
-                 demote_min_seen: int = 2, host_map: MutableMapping[Hashable, int | None] | None = None) -> None:
+                 demote_min_seen: int = DEMOTE_MIN_SEEN,
+                 host_map: MutableMapping[Hashable, int | None] | None = None) -> None:
         caps = (gpu_blocks, host_blocks, disk_blocks)
         if any(c is not None and c < 0 for c in caps):
             raise ValueError("tier capacities are block counts >= 0 (or None: bounded by the caller)")

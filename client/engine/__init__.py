@@ -5,6 +5,9 @@
 * ``connector``: :class:`KVConnector` (the engine's registered KV memory: GPU <-> host copies
   done by the daemon) and :class:`SharedKVArena` (the CPU stand-in's KV memory);
 * ``keys``: the key scheme (:func:`block_keys`, :class:`Namespace`, :func:`as_key`);
+* ``adapter``: the core of the engine adapters (:mod:`kvtier.client.vllm`,
+  :mod:`kvtier.client.sglang`): their ``kvtier_*`` settings parser, shared defaults and the
+  breaker that bypasses a failed daemon for ``retry_s`` and reconnects in the background;
 * ``transport``: what all of them share: where the daemon is (``KVTIER_SOCKET``), the channel,
   the session stream, and the one error type, :class:`KvtierError`, with a subclass per
   status code a caller acts on (``KVConnectorError`` is the same class).

@@ -61,7 +61,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -368,7 +368,7 @@ class Transfer:
             req = transfer_pb2.TransferRequest(session_id=conn.session_id, registration_id=self.registration_id,
                                                keys=[], engine_ids=[], event_slot=self.slot, seq=seq,
                                                wait_written=False)
-            self._fence = (conn._stub.Onboard.future(req, timeout=conn.timeout), seq)
+            self._fence = (conn._transport.onboard_future(req), seq)
             return False
         fence, seq = self._fence
         if not fence.done():
@@ -466,7 +466,7 @@ class KVConnector:
         self.counts_settled = 0   # failed transfers settled by asking the daemon (or finding it gone)
         self.ring_slots = ring_slots
         self.ring_dir = ring_dir
-        self._stub = self._transport.transfer
+        self._stub = self._transport.transfer  # (tests speak the raw protocol on it)
         self.backend = ""
         self.reg: _Registration | None = None
         self._events: list[Any] = []
@@ -528,10 +528,8 @@ class KVConnector:
                                                  layout=layout_to_proto(layout, node_pb2.LayoutSpec),
                                                  backend=self.backend, allocations=allocations, tensors=refs,
                                                  ring_slots=self.ring_slots, **ring)
-            reply = self._stub.RegisterKV(req, timeout=timeout or self.timeout, wait_for_ready=True)
-        except grpc.RpcError as e:
-            self._drop_ring()
-            raise self._transport.error(e) from None
+            reply = self._transport.run(self._transport.register_kv(req, timeout=timeout or self.timeout,
+                                                                    wait_for_ready=True))
         except BaseException:
             self._drop_ring()
             raise
@@ -568,11 +566,8 @@ class KVConnector:
         for t in list(self._deferred):
             self._slot_wait(t.slot, t.seq)
         try:
-            self._stub.UnregisterKV(transfer_pb2.UnregisterKVRequest(session_id=self.session_id,
-                                                                     registration_id=self.reg.registration_id),
-                                    timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise self._transport.error(e) from None
+            self._transport.run(self._transport.unregister_kv(transfer_pb2.UnregisterKVRequest(
+                session_id=self.session_id, registration_id=self.reg.registration_id)))
         finally:
             self.reg = None
             self._tensors = []
@@ -616,31 +611,32 @@ class KVConnector:
     def prefetch(self, keys: Sequence[bytes], from_node: str | None = None) -> int:
         """Bring these blocks of the registered layout into the host tier ahead of an
         ``onboard``: from this node's disk, or with ``from_node`` from that peer daemon (a
-        router's fetch hint, issue 13); returns how many were brought. Blocking, bounded by
+        router's fetch hint); returns how many were brought. Blocking, bounded by
         the connector's timeout; the engine recomputes what did not arrive."""
         reg = self.reg
         if reg is None:
             raise FailedPrecondition("register() the KV tensors first")
         req = node_pb2.PrefetchRequest(layout_id=reg.layout_id, keys=[bytes(k) for k in keys],
                                        from_node=from_node or "")
-        try:
-            return int(self._transport.node.Prefetch(req, timeout=self.timeout).promoted)
-        except grpc.RpcError as e:
-            raise self._transport.error(e) from None
+        return int(self._transport.run(self._transport.prefetch(req)).promoted)
 
     def offload(self, keys: Sequence[bytes], engine_ids: Sequence[int] | np.ndarray, stream: Any = None) -> Transfer:
         """Copy these engine pages to the host tier under ``keys``. On CUDA, first records
         "KV written" on ``stream`` (default: current), which the daemon's copy waits for."""
-        return self._request("Offload", keys, engine_ids, stream, wait_written=True)
+        return self._request(self._transport.offload_future, keys, engine_ids, stream, wait_written=True)
 
     def onboard(self, keys: Sequence[bytes], engine_ids: Sequence[int] | np.ndarray, stream: Any = None) -> Transfer:
         """Copy the host tier's blocks ``keys`` into these engine pages. On CUDA, first records
         on ``stream`` (default: current) the point the copy must come after: work the engine
         queued before on those pages (a former owner's kernels) is not raced by the copy. The
         stand-in's engine writes are done when they return: nothing to wait for."""
-        return self._request("Onboard", keys, engine_ids, stream, wait_written=self.backend == "cuda")
+        return self._request(self._transport.onboard_future, keys, engine_ids, stream,
+                             wait_written=self.backend == "cuda")
 
-    def _request(self, rpc: str, keys: Sequence[bytes], engine_ids: Any, stream: Any, wait_written: bool) -> Transfer:
+    def _request(self, send: Callable[[transfer_pb2.TransferRequest], grpc.Future], keys: Sequence[bytes],
+                 engine_ids: Any, stream: Any, wait_written: bool) -> Transfer:
+        """Send an Offload or Onboard (``send``: the transport's ``offload_future`` or
+        ``onboard_future``) on a free ring slot; its :class:`Transfer`."""
         reg = self.reg
         if reg is None:
             raise FailedPrecondition("register() the KV tensors first")
@@ -656,7 +652,7 @@ class KVConnector:
         req = transfer_pb2.TransferRequest(session_id=self.session_id, registration_id=reg.registration_id,
                                            keys=[bytes(k) for k in keys], engine_ids=ids.tolist(),
                                            event_slot=slot, seq=seq, wait_written=wait_written)
-        future = getattr(self._stub, rpc).future(req, timeout=self.timeout)
+        future = send(req)
         t = Transfer(self, future, slot, seq, len(keys), registration_id=reg.registration_id)
         with self._lock:
             self._live[slot] = t

@@ -64,7 +64,8 @@ must not report blocks removed because the daemon is briefly away). What an engi
   without the cache until it succeeds.
 
 Both sidecars are one client: every operation is written once here (:class:`_SidecarCore`,
-as steps a transport performs); :class:`Sidecar` runs them with blocking calls,
+as coroutines calling the transport's typed methods, ``transport.allocate`` for Allocate and
+so on); :class:`Sidecar` runs them with blocking calls (they never suspend there),
 :class:`AsyncSidecar` awaits them.
 
 Errors: every failure is a :class:`KvtierError` carrying a gRPC status code and the daemon's
@@ -82,9 +83,9 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -92,23 +93,14 @@ import numpy as np
 from kvtier.client.engine.copyin import get_blocks, put_blocks
 from kvtier.client.engine.transport import (
     RESTART_CODES,
-    SESSION,
-    SETTLE,
     AsyncTransport,
-    Background,
-    Call,
     ClientTls,
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
-    Locked,
-    Op,
-    Reply,
-    Start,
+    Pending,
     Transport,
     Unavailable,
-    one_call,
-    restarted,
 )
 from kvtier.proto import locations_pb2, node_pb2
 from kvtier.tiers.host import PoolMapping
@@ -131,6 +123,8 @@ __all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "PutResult", "Sidec
 TABLE_RETRY_S = 1.0  # after losing the key table, ask the daemon for a new one at most this often
 REPORT_S = 1.0       # without a counters region: table lookups are reported at most this often, and on close
 REPORT_TIMEOUT_S = 5.0  # for a lookup report: counts only, never worth a long wait
+
+T = TypeVar("T")
 
 _TIER_LABEL: dict[int, str] = {int(t): t.label for t in TIERS}  # wire value -> "gpu" | "host" | "disk"
 
@@ -249,8 +243,10 @@ class _LayoutInfo:
 
 
 class _SidecarCore:
-    """Every sidecar operation, once, as an :data:`~kvtier.client.engine.transport.Op`: layouts,
-    pools, the key table, byte movement and restart recovery. Subclasses only run them."""
+    """Every sidecar operation, once, as a coroutine of the transport's typed calls (module
+    docstring of :mod:`kvtier.client.engine.transport`): layouts, pools, the key table, byte
+    movement and restart recovery. :class:`Sidecar` runs them blocking
+    (:meth:`~kvtier.client.engine.transport.Transport.run`), :class:`AsyncSidecar` awaits them."""
 
     def __init__(self, transport: Transport | AsyncTransport, use_key_table: bool) -> None:
         self._transport = transport
@@ -325,19 +321,19 @@ class _SidecarCore:
 
     # -- operations ------------------------------------------------------------------------
 
-    def _register_layout(self, layout: Layout) -> Op[int]:
+    async def _register_layout(self, layout: Layout) -> int:
         for lid, info in self._layouts.items():
             if info.layout.fingerprint == layout.fingerprint:
                 return lid
         info = _LayoutInfo(layout)
-        self._adopt(info, (yield self._register_call(info, wait_for_ready=True)))
+        self._adopt(info, await self._transport.register_layout(self._register_request(info), wait_for_ready=True))
         lid = info.daemon_id  # one id everywhere: the daemon's, derived from the fingerprint
         self._layouts[lid] = info
         if self._counts is not None and self._counts_conn > 0:
             self._count_in(self._counts, [info])
         return lid
 
-    def _put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any], durable: bool) -> Op[PutResult]:
+    async def _put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any], durable: bool) -> PutResult:
         info = self._info(layout_id)
         if len(keys) != len(blocks):
             raise InvalidArgument(f"{len(keys)} keys but {len(blocks)} blocks; give one block per key")
@@ -345,185 +341,183 @@ class _SidecarCore:
         keys = _check_keys(keys)
         if not keys:
             return PutResult()
-        return (yield from self._recovering(lambda: self._put_once(info, keys, arrs, durable)))
+        return await self._recovering(lambda: self._put_once(info, keys, arrs, durable))
 
-    def _put_once(self, info: _LayoutInfo, keys: list[bytes], arrs: list[np.ndarray], durable: bool) -> Op[PutResult]:
+    async def _put_once(self, info: _LayoutInfo, keys: list[bytes], arrs: list[np.ndarray],
+                        durable: bool) -> PutResult:
         """Allocate, write, commit; a big put as a pipeline of pieces (:func:`_pieces`): the
         Allocate of piece i+1 is in flight while piece i is copied, and the Commit of piece i
         (the daemon checksums it) while piece i+1 is copied. Returns once every piece is
         committed; a piece's refusal or error is its keys' alone (dropped), a failed call raises."""
+        transport = self._transport
         result = PutResult()
-        yield SETTLE
-        sid = yield from self._bound_session()
+        await transport.settle()
+        sid = await self._bound_session()
         pieces = _pieces(len(keys), len(keys) * (info.block_bytes or info.layout.block_bytes))
         _check_distinct(keys, pieces)
 
-        def allocate(lo: int, hi: int) -> Call:
-            return Call("node", "Allocate", node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                     keys=keys[lo:hi], durable=durable))
+        def allocation(lo: int, hi: int) -> node_pb2.AllocateRequest:
+            return node_pb2.AllocateRequest(session_id=sid, layout_id=info.daemon_id, keys=keys[lo:hi],
+                                            durable=durable)
 
-        commits: list[Any] = []  # handles of the Commits in flight
-        nxt: Any = None          # the handle of the next piece's Allocate in flight
-        reply: Any = None
+        commits: list[Pending[node_pb2.CommitReply]] = []  # the Commits in flight
+        nxt: Pending[node_pb2.AllocateReply] | None = None  # the next piece's Allocate in flight
+        reply: node_pb2.AllocateReply | None = None
         try:
-            reply = yield allocate(*pieces[0])
+            reply = await transport.allocate(allocation(*pieces[0]))
             for i, (lo, hi) in enumerate(pieces):
                 if i + 1 < len(pieces):
-                    nxt = yield Start(allocate(*pieces[i + 1]))
+                    nxt = transport.start_allocate(allocation(*pieces[i + 1]))
                 gids, sums = self._write(info, reply, keys[lo:hi], arrs[lo:hi], result)
                 reply = None  # written: its grants are the Commit's now
                 if gids:
-                    commit = Call("node", "Commit", node_pb2.CommitRequest(session_id=sid, grant_ids=gids,
-                                                                           durable=durable, checksums=sums))
+                    commit = node_pb2.CommitRequest(session_id=sid, grant_ids=gids, durable=durable, checksums=sums)
                     if len(pieces) == 1:  # nothing to overlap it with: a plain call
-                        result.durable += (yield commit).durable
+                        result.durable += (await transport.commit(commit)).durable
                     else:
-                        commits.append((yield Start(commit)))
+                        commits.append(transport.start_commit(commit))
                     result.stored += len(gids)
                 if nxt is not None:
-                    reply, nxt = (yield Reply(nxt)), None
+                    reply, nxt = await transport.reply(nxt), None
             while commits:
-                result.durable += (yield Reply(commits.pop(0))).durable
+                result.durable += (await transport.reply(commits.pop(0))).durable
         except BaseException:
-            yield from self._abandon(sid, reply, nxt, commits)
+            await self._abandon(sid, reply, nxt, commits)
             raise
         return result
 
-    def _abandon(self, sid: int, reply: Any, nxt: Any, commits: list[Any]) -> Op[None]:
+    async def _abandon(self, sid: int, reply: node_pb2.AllocateReply | None,
+                       nxt: Pending[node_pb2.AllocateReply] | None, commits: list[Pending[node_pb2.CommitReply]]) -> None:
         """A put failed: wait for the calls in flight (their outcome no longer matters) and
         abort the grants not committed: the piece being written and the next piece's."""
-        for handle in commits:
+        for pending in commits:
             try:
-                yield Reply(handle)
+                await self._transport.reply(pending)
             except KvtierError:
                 pass
         if nxt is not None:
             try:
-                got = yield Reply(nxt)
+                got = await self._transport.reply(nxt)
             except KvtierError:
                 got = None
             if got is not None:
-                yield from self._abort(sid, got)
+                await self._abort(sid, got)
         if reply is not None:
-            yield from self._abort(sid, reply)
+            await self._abort(sid, reply)
 
-    @staticmethod
-    def _abort(sid: int, reply: node_pb2.AllocateReply) -> Op[None]:
+    async def _abort(self, sid: int, reply: node_pb2.AllocateReply) -> None:
         aborts = [g.grant_id for g in reply.grants if g.status == node_pb2.GRANTED]
         if aborts:
             try:
-                yield Call("node", "Commit", node_pb2.CommitRequest(session_id=sid, abort_grant_ids=aborts))
+                await self._transport.commit(node_pb2.CommitRequest(session_id=sid, abort_grant_ids=aborts))
             except KvtierError:
                 pass  # the session is gone with its grants, or the daemon reclaims them at its end
 
-    def _get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None,
-             verify: bool = False) -> Op[list[memoryview | None]]:
+    async def _get(self, layout_id: int, keys: Sequence[bytes], out: Sequence[Any] | None,
+                   verify: bool = False) -> list[memoryview | None]:
         info, keys = self._info(layout_id), _check_keys(keys)
-        return (yield from self._recovering(lambda: self._get_once(info, keys, out, verify)))
+        return await self._recovering(lambda: self._get_once(info, keys, out, verify))
 
-    def _get_once(self, info: _LayoutInfo, keys: list[bytes], out: Sequence[Any] | None,
-                  verify: bool = False) -> Op[list[memoryview | None]]:
+    async def _get_once(self, info: _LayoutInfo, keys: list[bytes], out: Sequence[Any] | None,
+                        verify: bool = False) -> list[memoryview | None]:
         """Acquire, copy out, release; a big get as a pipeline of pieces (:func:`_pieces`): the
         Acquire of piece i+1 is in flight while piece i is copied out."""
         if out is not None and len(out) != len(keys):
             raise InvalidArgument(f"{len(out)} output buffers for {len(keys)} keys")
-        yield SETTLE
-        sid = yield from self._bound_session()
+        transport = self._transport
+        await transport.settle()
+        sid = await self._bound_session()
         pieces = _pieces(len(keys), len(keys) * (info.block_bytes or info.layout.block_bytes))
         _check_distinct(keys, pieces)
 
-        def acquire(lo: int, hi: int) -> Call:
-            return Call("node", "Acquire", node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id,
-                                                                   keys=keys[lo:hi], verify=verify))
+        def acquisition(lo: int, hi: int) -> node_pb2.AcquireRequest:
+            return node_pb2.AcquireRequest(session_id=sid, layout_id=info.daemon_id, keys=keys[lo:hi], verify=verify)
 
         got: list[memoryview | None] = []
-        nxt: Any = None  # the handle of the next piece's Acquire in flight
-        reply = yield acquire(*pieces[0])
+        nxt: Pending[node_pb2.AcquireReply] | None = None  # the next piece's Acquire in flight
+        reply = await transport.acquire(acquisition(*pieces[0]))
         try:
             for i, (lo, hi) in enumerate(pieces):
                 if i + 1 < len(pieces):
-                    nxt = yield Start(acquire(*pieces[i + 1]))
+                    nxt = transport.start_acquire(acquisition(*pieces[i + 1]))
                 try:
                     got += self._read(info, reply, None if out is None else out[lo:hi])
                 finally:
-                    yield from self._release(sid, reply)  # copied out (or failed): in the background
+                    self._release(sid, reply)  # copied out (or failed): in the background
                 if nxt is not None:
-                    reply, nxt = (yield Reply(nxt)), None
+                    reply, nxt = await transport.reply(nxt), None
         except BaseException:
             if nxt is not None:  # its pins go too
                 try:
-                    yield from self._release(sid, (yield Reply(nxt)))
+                    self._release(sid, await transport.reply(nxt))
                 except KvtierError:
                     pass
             raise
         return got
 
-    @staticmethod
-    def _release(sid: int, reply: node_pb2.AcquireReply) -> Op[None]:
+    def _release(self, sid: int, reply: node_pb2.AcquireReply) -> None:
         """Release an Acquire's leases in the background (module docstring)."""
         held = [lease.lease_id for lease in reply.leases if lease.lease_id]
         if held:
-            yield Background(Call("node", "Release", node_pb2.ReleaseRequest(session_id=sid, lease_ids=held)),
-                             settle=True)
+            self._transport.release_later(node_pb2.ReleaseRequest(session_id=sid, lease_ids=held))
 
-    def _lookup(self, layout_id: int, keys: Sequence[bytes]) -> Op[list[str | None]]:
+    async def _lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         info, keys = self._info(layout_id), _check_keys(keys)
-        return tier_names((yield from self._held(info, keys)))
+        return tier_names(await self._held(info, keys))
 
-    def _prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> Op[tuple[int, int]]:
+    async def _prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> tuple[int, int]:
         info, keys = self._info(layout_id), _check_keys(keys)
-        return prefix_lengths((yield from self._held(info, keys)))
+        return prefix_lengths(await self._held(info, keys))
 
-    def _held(self, info: _LayoutInfo, keys: list[bytes]) -> Op[np.ndarray]:
+    async def _held(self, info: _LayoutInfo, keys: list[bytes]) -> np.ndarray:
         """Per key, the tier bit set holding it: from the key table, else the Lookup RPC."""
-        masks = yield from self._masks(info, keys)
+        masks = await self._masks(info, keys)
         if masks is None:
-            masks = _tier_masks((yield from self._lookup_rpc(info, keys)))
+            masks = _tier_masks(await self._lookup_rpc(info, keys))
         return masks
 
-    def _lookup_rpc(self, info: _LayoutInfo, keys: list[bytes]) -> Op[list[str | None]]:
-        call = Call("node", "Lookup", node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys))
-        return _tiers((yield from self._recovering(lambda: one_call(call))))
+    async def _lookup_rpc(self, info: _LayoutInfo, keys: list[bytes]) -> list[str | None]:
+        request = node_pb2.LookupRequest(layout_id=info.daemon_id, keys=keys)
+        return _tiers(await self._recovering(lambda: self._transport.lookup(request)))
 
-    def _evict(self, layout_id: int, keys: Sequence[bytes]) -> Op[int]:
+    async def _evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
         info, keys = self._info(layout_id), _check_keys(keys)
-        call = Call("node", "Evict", node_pb2.EvictRequest(layout_id=info.daemon_id, keys=keys))
-        return (yield from self._recovering(lambda: one_call(call))).evicted
+        request = node_pb2.EvictRequest(layout_id=info.daemon_id, keys=keys)
+        return (await self._recovering(lambda: self._transport.evict(request))).evicted
 
-    def _prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str = "") -> Op[int]:
+    async def _prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str = "") -> int:
         info, keys = self._info(layout_id), _check_keys(keys)
-        call = Call("node", "Prefetch", node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys,
-                                                                 from_node=from_node or ""))
-        return (yield from self._recovering(lambda: one_call(call))).promoted
+        request = node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys, from_node=from_node or "")
+        return (await self._recovering(lambda: self._transport.prefetch(request))).promoted
 
-    def _report_device_blocks(self, layout_id: int, stored: Sequence[bytes], removed: Sequence[bytes],
-                              worker_id: str | None, clear: bool) -> Op[int]:
+    async def _report_device_blocks(self, layout_id: int, stored: Sequence[bytes], removed: Sequence[bytes],
+                                    worker_id: str | None, clear: bool) -> int:
         info = self._info(layout_id)
         stored, removed = _check_keys(stored), _check_keys(removed)
 
-        def once() -> Op[int]:
+        async def once() -> int:
             req = locations_pb2.ReportDeviceBlocksRequest(
                 worker_id=worker_id or self.client_name, layout_id=info.daemon_id, stored=stored,
-                removed=removed, clear=clear, session_id=(yield SESSION))
-            return (yield Call("locations", "ReportDeviceBlocks", req)).seq
+                removed=removed, clear=clear, session_id=await self._transport.open_session())
+            return (await self._transport.report_device_blocks(req)).seq
 
-        return (yield from self._recovering(once))
+        return await self._recovering(once)
 
-    def _stats(self) -> Op[dict]:
-        return stats_dict((yield Call("node", "Stats", node_pb2.StatsRequest(), wait_for_ready=True)))
+    async def _stats(self) -> dict:
+        return stats_dict(await self._transport.stats(wait_for_ready=True))
 
-    def _close(self) -> Op[None]:
+    async def _close(self) -> None:
         """Report the last table lookups not in the counters region and settle the last release
         (a daemon that is gone needs neither), end the session, unmap the pools and tables (the
         daemon reads the counters region one last time when the credential connection closes)."""
         req = self._report_due(force=True)
         if req is not None:
             try:
-                yield self._report_call(req)
+                await self._transport.report_lookups(req, timeout=self._report_timeout())
             except KvtierError:
                 pass
         try:
-            yield SETTLE
+            await self._transport.settle()
         except KvtierError:
             pass
         self._transport.session.close()
@@ -539,7 +533,7 @@ class _SidecarCore:
 
     # -- restart recovery --------------------------------------------------------------------
 
-    def _recovering(self, once: Callable[[], Op[Any]]) -> Op[Any]:
+    async def _recovering(self, once: Callable[[], Awaitable[T]]) -> T:
         """Run ``once()`` (the calls of one operation); if the daemon it talks to restarted,
         re-register every layout and open a new session, once, then run it again. A
         FAILED_PRECONDITION from the daemon the session lives on re-registers and retries once,
@@ -547,47 +541,49 @@ class _SidecarCore:
         sidecar had no session)."""
         generation = self._generation
         try:
-            return (yield from once())
+            return await once()
         except KvtierError as e:
             if e.code not in RESTART_CODES:
                 raise
             first = e
-        gone = yield from restarted(first, self._transport.session)
-        yield Locked(self._recover(generation, gone, first))
-        return (yield from once())
+        gone = await self._transport.restarted(first)
+        async with self._transport.locked():
+            await self._recover(generation, gone, first)
+        return await once()
 
-    def _bound_session(self) -> Op[int]:
+    async def _bound_session(self) -> int:
         """The session's id, opening it if needed; when its daemon is not the one the layouts
         (and so the pool mappings and slot offsets) were registered with, every layout is
         registered again first. Without this, a sidecar whose recovery failed while the daemon
         was down would read a restarted daemon's lease offsets in the old daemon's pool file:
         another block's bytes."""
-        sid = yield SESSION
+        sid = await self._transport.open_session()
         epoch = self._transport.session.epoch
         if any(info.epoch != epoch for info in self._layouts.values()):
-            yield from self._register_all(wait_for_ready=True)
+            await self._register_all(wait_for_ready=True)
         return sid
 
-    def _recover(self, generation: int, gone: bool, first: KvtierError) -> Op[None]:
+    async def _recover(self, generation: int, gone: bool, first: KvtierError) -> None:
+        """Under the transport's lock (it must not open the session)."""
         if generation != self._generation:
             return  # a concurrent call recovered already
         if gone:
             self._transport.session.close()
         try:
-            yield from self._register_all(wait_for_ready=True)
+            await self._register_all(wait_for_ready=True)
         except KvtierError:
             raise first from None
         self._generation += 1
 
-    def _register_call(self, info: _LayoutInfo, wait_for_ready: bool) -> Call:
-        return Call("node", "RegisterLayout",
-                    node_pb2.RegisterLayoutRequest(layout=layout_to_proto(info.layout, node_pb2.LayoutSpec)),
-                    wait_for_ready=wait_for_ready)
+    @staticmethod
+    def _register_request(info: _LayoutInfo) -> node_pb2.RegisterLayoutRequest:
+        return node_pb2.RegisterLayoutRequest(layout=layout_to_proto(info.layout, node_pb2.LayoutSpec))
 
-    def _register_all(self, wait_for_ready: bool) -> Op[None]:
+    async def _register_all(self, wait_for_ready: bool) -> None:
         """Register every layout again, in registration order, and adopt the replies."""
         for info in self._layouts.values():
-            self._adopt(info, (yield self._register_call(info, wait_for_ready)))
+            self._adopt(info, await self._transport.register_layout(self._register_request(info),
+                                                                    wait_for_ready=wait_for_ready))
 
     def _adopt(self, info: _LayoutInfo, reply: node_pb2.RegisterLayoutReply) -> None:
         if reply.fingerprint != info.layout.fingerprint:
@@ -637,7 +633,7 @@ class _SidecarCore:
 
     # -- key table -----------------------------------------------------------------------
 
-    def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> Op[np.ndarray | None]:
+    async def _masks(self, info: _LayoutInfo, keys: list[bytes]) -> np.ndarray | None:
         """Tier bit sets from the key table (asking the daemon for a new table once it was
         lost, at most every TABLE_RETRY_S); None: use the Lookup RPC. The table is read only
         while it is vouched for (:meth:`_confirm_table`). Table lookups are counted in the
@@ -645,18 +641,18 @@ class _SidecarCore:
         counters in the background, at most every REPORT_S."""
         if info.table is None and self._want_table(info):
             try:
-                yield from self._register_all(wait_for_ready=False)
+                await self._register_all(wait_for_ready=False)
             except KvtierError:
                 return None
         if info.table is not None and not self._vouched(info):
-            yield from self._confirm_table(info)
+            await self._confirm_table(info)
         if info.table is not None and self._counts_conn < 0:
             self._share_counts()
         masks = self._table_masks(info, keys)
         if masks is not None:
             req = self._report_due()
             if req is not None:  # without waiting: the answer is for the daemon's counters only
-                yield Background(self._report_call(req))
+                self._transport.report_lookups_later(req, timeout=self._report_timeout())
         return masks
 
     def _table_fast(self, layout_id: int, keys: Sequence[bytes]) -> np.ndarray | None:
@@ -680,7 +676,7 @@ class _SidecarCore:
         session, table = self._transport.session, info.table
         return table is not None and session.alive and self._table_epochs.get(table.path) == session.epoch
 
-    def _confirm_table(self, info: _LayoutInfo) -> Op[None]:
+    async def _confirm_table(self, info: _LayoutInfo) -> None:
         """Make the table vouched for, or drop it. A table's answers are only as current as its
         daemon: one killed leaves its table behind, unclosed and answering, until its heartbeat
         goes stale (seconds). Its session stream ends at once, though (the kernel closes a dead
@@ -697,7 +693,7 @@ class _SidecarCore:
             if info.table is None:
                 return
         if not session.alive:
-            yield SESSION  # Unavailable at once when no daemon is there
+            await self._transport.open_session()  # Unavailable at once when no daemon is there
         if info.table is not None and not self._vouched(info):
             self._drop_table(info.table)
 
@@ -729,7 +725,7 @@ class _SidecarCore:
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         except TableUnavailable:
-            self.table_fallbacks += 1  # every lookup the table could not answer (issue 14)
+            self.table_fallbacks += 1  # every lookup the table could not answer
             self._drop_table(table)
             return None
         if len(masks) == 1:
@@ -802,8 +798,8 @@ class _SidecarCore:
         self._pending.clear()
         return req if req.layouts else None
 
-    def _report_call(self, req: node_pb2.ReportLookupsRequest) -> Call:
-        return Call("node", "ReportLookups", req, timeout=min(self.timeout, REPORT_TIMEOUT_S))
+    def _report_timeout(self) -> float:
+        return min(self.timeout, REPORT_TIMEOUT_S)
 
     def _drop_table(self, table: KeyTableReader) -> None:
         # the retry time stays: a table lost long ago is asked for again at once, but one that
@@ -939,9 +935,8 @@ class Sidecar(_SidecarCore):
         return self._transport.run(self._evict(layout_id, keys))
 
     def prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str | None = None) -> int:
-        """Warm the host tier from disk for these keys; with ``from_node`` (a peer daemon's node id,
-        issue 13) also fetch the keys held in no local tier from that peer. Returns blocks brought
-        to host."""
+        """Warm the host tier from disk for these keys; with ``from_node`` (a peer daemon's node id)
+        also fetch the keys held in no local tier from that peer. Returns blocks brought to host."""
         return self._transport.run(self._prefetch(layout_id, keys, from_node or ""))
 
     def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
@@ -986,47 +981,47 @@ class AsyncSidecar(_SidecarCore):
 
     async def register_layout(self, layout: Layout) -> int:
         """As :meth:`Sidecar.register_layout`."""
-        return await self._transport.run(self._register_layout(layout))
+        return await self._register_layout(layout)
 
     async def put(self, layout_id: int, keys: Sequence[bytes], blocks: Sequence[Any],
                   durable: bool = False) -> PutResult:
         """As :meth:`Sidecar.put`."""
-        return await self._transport.run(self._put(layout_id, keys, blocks, durable))
+        return await self._put(layout_id, keys, blocks, durable)
 
     async def get(self, layout_id: int, keys: Sequence[bytes],
                   out: Sequence[Any] | None = None, *, verify: bool = False) -> list[memoryview | None]:
         """As :meth:`Sidecar.get` (the release goes in the background there too)."""
-        return await self._transport.run(self._get(layout_id, keys, out, verify))
+        return await self._get(layout_id, keys, out, verify)
 
     async def lookup(self, layout_id: int, keys: Sequence[bytes]) -> list[str | None]:
         """As :meth:`Sidecar.lookup`; a key table read never waits."""
-        return await self._transport.run(self._lookup(layout_id, keys))
+        return await self._lookup(layout_id, keys)
 
     async def prefix_length(self, layout_id: int, keys: Sequence[bytes]) -> tuple[int, int]:
         """As :meth:`Sidecar.prefix_length`: ``(n_gpu_or_host, n_any)`` leading blocks held."""
-        return await self._transport.run(self._prefix_length(layout_id, keys))
+        return await self._prefix_length(layout_id, keys)
 
     async def evict(self, layout_id: int, keys: Sequence[bytes]) -> int:
         """As :meth:`Sidecar.evict`."""
-        return await self._transport.run(self._evict(layout_id, keys))
+        return await self._evict(layout_id, keys)
 
     async def prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str | None = None) -> int:
         """As :meth:`Sidecar.prefetch`."""
-        return await self._transport.run(self._prefetch(layout_id, keys, from_node or ""))
+        return await self._prefetch(layout_id, keys, from_node or "")
 
     async def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (),
                                    removed: Sequence[bytes] = (), worker_id: str | None = None,
                                    clear: bool = False) -> int:
         """As :meth:`Sidecar.report_device_blocks`."""
-        return await self._transport.run(self._report_device_blocks(layout_id, stored, removed, worker_id, clear))
+        return await self._report_device_blocks(layout_id, stored, removed, worker_id, clear)
 
     async def stats(self) -> dict:
         """As :meth:`Sidecar.stats`."""
-        return await self._transport.run(self._stats())
+        return await self._stats()
 
     async def close(self) -> None:
         """As :meth:`Sidecar.close`."""
-        await self._transport.run(self._close())
+        await self._close()
         await self._transport.close()
 
     async def __aenter__(self) -> AsyncSidecar:

@@ -1,4 +1,4 @@
-"""The gateway applies the router's fetch hints before it forwards a request (issue 13 item 4).
+"""The gateway applies the router's fetch hints before it forwards a request.
 
 When the ``kvtier`` policy's router sends a request to a replica that holds less of its prefix
 than another node (the holder is loaded, this one is free), the dispatch decision carries

@@ -147,8 +147,8 @@ class GatewayConfig:
     prefetch_timeout_s: float = setting(0.5, "longest wait for a fetch hint's prefetch (seconds); past it the "
                                              "request goes on and the engine recomputes what is missing",
                                         parse_float, "S")
-    router: RouterConfig = group(RouterConfig)
-    record: RecordConfig = group(RecordConfig)  # --record-trace (issue 17's recorder, client/routing/recorder.py)
+    router: RouterConfig = group(RouterConfig, "Router")
+    record: RecordConfig = group(RecordConfig, "Trace recording")  # client/routing/recorder.py
     log_level: str = setting("info", "debug, info, warning or error")
     config: str = setting("", "TOML file with any of these settings", metavar="FILE")
 

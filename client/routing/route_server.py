@@ -85,8 +85,8 @@ class RouteServerConfig:
                                    metavar="FILE")
     daemon_tls_key: str = setting("", "PEM private key of --daemon-tls-cert", metavar="FILE")
     daemon_tls_ca: str = setting("", "PEM CA that signs the kvtierds' --tls-cert", metavar="FILE")
-    router: RouterConfig = group(RouterConfig)
-    record: RecordConfig = group(RecordConfig)  # --record-trace (issue 17, client/routing/recorder.py)
+    router: RouterConfig = group(RouterConfig, "Router")
+    record: RecordConfig = group(RecordConfig, "Trace recording")  # client/routing/recorder.py
     log_level: str = setting("info", "debug, info, warning or error")
     config: str = setting("", "TOML file with any of these settings (keys: the flag names with _ for -)",
                           metavar="FILE")
@@ -107,9 +107,9 @@ ranks (a dry run). Set dispatch=true to record the decision (the chosen worker's
 speculative entries, so the session's next turn sticks) and call Finish(decision_id) when
 the request ends. Python's Router.route(keys) dispatches by default (dispatch=True).
 
-Fetch hints: with --pulls (default true) a worker may be ranked first for blocks it can
-fetch from another node's host or disk or the shared store (TierOverlap.remote); then
-RouteReply.fetch names those keys and the node holding them ("store": the shared store).
+Fetch hints: with --pulls (the default; --no-pulls: none) a worker may be ranked first for
+blocks it can fetch from another node's host or disk or the shared store (TierOverlap.remote);
+then RouteReply.fetch names those keys and the node holding them ("store": the shared store).
 Apply them before the prefill: Sidecar.prefetch(layout_id, keys, from_node=from_node).
 The route-server only returns them: the caller (a gateway) applies them, as kvtier gateway
 does with its in-process router.
@@ -171,10 +171,10 @@ def check_settings(cfg: RouteServerConfig) -> None:
     tcp = not cfg.listen.startswith("unix:")
     if tcp and not cfg.tls_cert and not cfg.insecure_tcp and not _loopback(cfg.listen):
         raise SettingsError(f"--listen {cfg.listen} without TLS would serve anyone who reaches the port: give "
-                            f"--tls-cert, --tls-key and --tls-ca, or pass --insecure-tcp true")
+                            f"--tls-cert, --tls-key and --tls-ca, or pass --insecure-tcp")
     if cfg.health_listen and not cfg.insecure_tcp and not _loopback(cfg.health_listen):
         raise SettingsError(f"--health-listen {cfg.health_listen} is plaintext: give a loopback address (a probe "
-                            f"runs in the pod), or pass --insecure-tcp true")
+                            f"runs in the pod), or pass --insecure-tcp")
     if cfg.record.check():
         raise SettingsError(str(cfg.record.check()))
 

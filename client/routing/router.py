@@ -85,15 +85,19 @@ class RouterConfig:
                                        "repeat for several", parse_list, "HOST:PORT", repeat=True)
     vllm_events: tuple[str, ...] = setting((), "a vLLM engine's KV event publisher to subscribe to: a ZMQ "
                                                 "endpoint, then options such as replay=ENDPOINT, worker=NAME, "
-                                                "model=NAME (docs/integrations.md); repeat for several",
+                                                "model=NAME (e.g. tcp://HOST:5557,replay=tcp://HOST:5558,"
+                                                "model=NAME; its blocks are routed as a daemon's; "
+                                                "docs/integrations.md); repeat for several",
                                            parse_vllm_events, "ENDPOINT[,OPT=V...]", name="vllm_events",
                                            repeat=True)
-    resolve_interval_s: float = setting(10.0, "seconds between DNS resolutions", parse_float, "S")
+    resolve_interval_s: float = setting(10.0, "seconds between DNS resolutions; an address that disappears takes its "
+                                               "node out of the index", parse_float, "S")
     speculative_ttl_s: float = setting(10.0, "unconfirmed speculative entries expire after this to twice this "
                                              "(seconds)", parse_float, "S")
     load_ttl_s: float = setting(600.0, "a dispatched request never finished stops counting as load after this "
                                        "(seconds)", parse_float, "S")
-    state_path: str = setting("", "file for the saved index and positions (empty: none; start from snapshots)",
+    state_path: str = setting("", "file for the saved index and feed positions, so a restart resumes instead of "
+                                  "taking snapshots (empty: none)",
                               metavar="FILE")
     save_interval_s: float = setting(30.0, "seconds between saves of --state-path (and on stop)", parse_float, "S")
     reconnect_min_s: float = setting(0.1, "first retry delay of a dropped feed (seconds; doubles up to "
@@ -101,19 +105,20 @@ class RouterConfig:
     reconnect_max_s: float = setting(5.0, "longest retry delay of a dropped feed (seconds)", parse_float, "S")
     top_k: int = setting(8, "ranked workers returned (by route-server: when a request asks for 0)", parse_int, "N")
     name: str = setting("kvtier-router", "subscriber name in the daemons' logs")
-    scorer: ScorerConfig = group(ScorerConfig)
-    # -- cluster sharing (issue 13) --
+    scorer: ScorerConfig = group(ScorerConfig, "Scoring")
+    # -- cluster sharing --
     pulls: bool = setting(True, "count blocks a worker's daemon can fetch from a peer or the shared store (the "
-                                "remote tier) and return fetch hints for them; false: only a worker's own tiers "
-                                "count", parse_bool, "BOOL")
+                                "remote tier) and return fetch hints for them; --no-pulls: only a worker's own "
+                                "tiers count", parse_bool, "BOOL")
     node_timeout_s: float = setting(15.0, "a daemon whose feed sends nothing for this long (it sends a heartbeat "
-                                          "every 5 s) leaves the index until it answers again (seconds; 0: never)",
+                                          "every 5 s) leaves the index (its columns are reclaimed) until it answers "
+                                          "again (seconds; 0: never)",
                                     parse_float, "S")
     load_report_ttl_s: float = setting(30.0, "an engine's load report (set_load) counts for this long unless "
                                              "renewed (seconds; 0: until replaced)", parse_float, "S")
-    # -- new sessions (issue 15) --
-    # 0 (off) by default: on the traces we have (docs/replay.md, "New sessions") the 0.1 rule
-    # with pulls already meets every goal and the spread costs a little there; 0.25 wins where
+    # -- new sessions --
+    # 0 (off) by default: on the traces we have (docs/replay.md, "New sessions") the rule
+    # without spread, with pulls, meets every goal and the spread costs a little there; 0.25 wins where
     # many sessions share a short prompt and their later turns collide
     new_session_spread: float = setting(0.0, "a new session's request (no worker holds more than "
                                              "--new-session-share of it) costs this many of its blocks per live "

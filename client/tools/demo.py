@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier.client.engine.keys import Namespace, block_keys
 from kvtier.client.engine.sidecar import Sidecar
-from kvtier.client.testing.local_daemon import DaemonProcess
+from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.tiers.layout import Layout
 
 

@@ -49,7 +49,7 @@ Policies (``--policy``)
     ``--active-weight``.
 
     ``kvtier-pull`` (only when named): ``kvtier`` with pulls (``RouterConfig.pulls``, the
-    route-server's default; ``kvtier`` is ``--pulls false``). With ``--peer-gbps`` > 0 the
+    route-server's default; ``kvtier`` is ``--no-pulls``). With ``--peer-gbps`` > 0 the
     router counts blocks other replicas hold in host or disk as the remote tier and returns
     fetch hints; the chosen replica serves the hint's keys that another replica still holds,
     past its own leading run, as remote hits, loaded at the peer bandwidth before its prefill.
@@ -91,8 +91,8 @@ from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import LOAD_MODES, ScorerConfig
 from kvtier.proto import locations_pb2 as L
-from kvtier.settings import parse_size
-from kvtier.tiers.policy import TierPolicy
+from kvtier.settings import format_size, parse_size
+from kvtier.tiers.policy import DEMOTE_AHEAD_BYTES, DEMOTE_MIN_SEEN, TierPolicy
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
 POLICIES = ("round-robin", "random", "session", "prefix", "kvtier", "kvtier-pull")
@@ -158,10 +158,10 @@ class ReplayConfig:
     gpu_tokens: int = 100_000
     host_tokens: int = 1_000_000
     disk_tokens: int = 10_000_000
-    demote_min_seen: int = 2
-    disk_write_gbps: float = 2.0          # the disk's write bandwidth (0: not modelled; 0.1's admission)
+    demote_min_seen: int = DEMOTE_MIN_SEEN     # kvtierd's --demote-min-seen
+    disk_write_gbps: float = 2.0          # the disk's write bandwidth (0: not modelled; seen-often victims only)
     disk_write_burst_s: float = 8.0       # unused write bandwidth kept for later, in seconds of it
-    demote_ahead_bytes: int = 128 * 1024**2  # kvtierd's --demote-ahead-bytes (whole blocks of it; 0: none)
+    demote_ahead_bytes: int = DEMOTE_AHEAD_BYTES  # kvtierd's --demote-ahead-bytes (whole blocks of it; 0: none)
     prefill_tps: float = _SCORER.prefill_tokens_per_s        # prefill tokens per second of one replica
     decode_tps: float = 50.0                                  # output tokens per second of one request
     kv_bytes_per_token: float = _SCORER.bytes_per_token       # KV bytes of one token (all layers of the shard)
@@ -173,7 +173,7 @@ class ReplayConfig:
     seed: int = 0
     peer_gbps: float = 0.0      # another replica's host/disk -> this GPU, 10^9 B/s (0: no peers, no remote tier)
     rate_scale: float = 1.0     # arrival times were divided by this (recorded; main applies it)
-    # the router's new-session rule (issue 15; RouterConfig's defaults; spread 0: the 0.1 rule)
+    # the router's new-session rule (RouterConfig's defaults; spread 0: off)
     new_session_spread: float = _ROUTER.new_session_spread
     new_session_share: float = _ROUTER.new_session_share
     session_halflife_s: float = _ROUTER.session_halflife_s
@@ -434,7 +434,7 @@ class RouterPolicy(Policy):
     follows_feeds = True
 
     def __init__(self, cfg: ReplayConfig, n: int, pulls: bool = False) -> None:
-        # kvtier: route-server with --pulls false (each worker's own tiers); kvtier-pull: with
+        # kvtier: route-server with --no-pulls (each worker's own tiers); kvtier-pull: with
         # pulls, when there are peers to pull from (--peer-gbps)
         self.pulls = pulls and cfg.peer_gbps > 0
         self.router = Router(RouterConfig(scorer=cfg.scorer_config(), pulls=self.pulls,
@@ -859,13 +859,13 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                     help="the disk's write bandwidth, 10^9 B/s: every host eviction is demoted while the "
                          "bandwidth has room for it (blocks used --demote-min-seen times first when it has not), "
                          "demotions beyond it are dropped; 0: not modelled, only blocks used --demote-min-seen "
-                         "times are demoted, as in 0.1 [%(default)s]")
+                         "times are demoted [%(default)s]")
     ap.add_argument("--disk-write-burst-s", type=float, default=d.disk_write_burst_s,
                     help="write bandwidth left unused is kept for later up to this many seconds of it [%(default)s]")
     ap.add_argument("--demote-ahead-bytes", type=parse_size, default=d.demote_ahead_bytes,
                     help="kvtierd's write-ahead window: while host is full, its least recently used blocks within "
                          "this many bytes (whole blocks, at most a quarter of host) are written to disk before they "
-                         "are evicted, as far as the write bandwidth has room; 0: none [128MiB]")
+                         f"are evicted, as far as the write bandwidth has room; 0: none [{format_size(d.demote_ahead_bytes)}]")
     ap.add_argument("--prefill-tps", type=_positive, default=d.prefill_tps, help="prefill tokens/s per replica [%(default)s]")
     ap.add_argument("--decode-tps", type=_positive, default=d.decode_tps, help="output tokens/s per request [%(default)s]")
     ap.add_argument("--kv-bytes-per-token", type=_positive, default=d.kv_bytes_per_token,
@@ -890,7 +890,7 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                     help="arrival times divided by this (2: twice the request rate) [%(default)s]")
     ap.add_argument("--new-session-spread", type=float, default=d.new_session_spread,
                     help="kvtier policies: a new session's cost per live session on a worker, in its own blocks "
-                         "(0: the 0.1 rule; route-server's --new-session-spread) [%(default)s]")
+                         "(0: off; route-server's --new-session-spread) [%(default)s]")
     ap.add_argument("--new-session-share", type=float, default=d.new_session_share,
                     help="a request is a new session when no worker holds more than this share of it [%(default)s]")
     ap.add_argument("--session-halflife-s", type=_positive, default=d.session_halflife_s,

@@ -216,7 +216,7 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
     async def _snapshot(self, loc: TenantLog) -> tuple[int, list[Reply]]:
         """The tenant's snapshot as its replies, built once and shared by every subscriber that
         asks while it is being built (ten routers joining at once cost one snapshot, not ten),
-        a part per loop step: the loop never stalls for millions of keys (issue 14)."""
+        a part per loop step: the loop never stalls for millions of keys."""
         task = self._building.get(loc.tenant)
         if task is None:
             task = self._building[loc.tenant] = asyncio.ensure_future(self._build(loc))
@@ -237,7 +237,7 @@ class LocationsService(locations_pb2_grpc.LocationsServicer):
     async def ReportDeviceBlocks(self, request: locations_pb2.ReportDeviceBlocksRequest,
                                  context: Any) -> locations_pb2.ReportDeviceBlocksReply:
         principal = self.auth.principal(context)
-        if request.session_id:  # the reporting session must be the caller's own (issue 12)
+        if request.session_id:  # the reporting session must be the caller's own
             self.store.session(request.session_id, principal)
         tenant = principal.tenant
         loc = self.log.for_tenant(tenant)

@@ -50,7 +50,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         first = await context.read()
         if first is grpc.aio.EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Session stream starts with a hello message")
-        if len(first.hello.client_name) > MAX_NAME_CHARS:  # bounded (issue 12)
+        if len(first.hello.client_name) > MAX_NAME_CHARS:  # bounded
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"client_name is {len(first.hello.client_name)} "
                                 f"characters; the limit is {MAX_NAME_CHARS}")
         try:  # a session belongs to its caller (ids are capabilities: kvtier.daemon.sessions)
@@ -103,7 +103,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
     @handled
     async def ReportLookups(self, request: node_pb2.ReportLookupsRequest, context: Any) -> node_pb2.ReportLookupsReply:
         tenant = self.auth.principal(context).tenant
-        reports = convert.reported_lookups(request)  # bounded (issue 12)
+        reports = convert.reported_lookups(request)  # bounded
         for layout_id, _, _ in reports:  # every layout checked first: a bad report counts nothing
             self.store.layout(layout_id, tenant)
         for layout_id, hits, miss in reports:
@@ -118,7 +118,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
     @handled
     async def Prefetch(self, request: node_pb2.PrefetchRequest, context: Any) -> node_pb2.PrefetchReply:
         tenant = self.auth.principal(context).tenant
-        if len(request.from_node) > MAX_NAME_CHARS:  # bounded (issue 12)
+        if len(request.from_node) > MAX_NAME_CHARS:  # bounded
             raise StoreError(Code.INVALID_ARGUMENT, f"from_node is {len(request.from_node)} characters; the limit "
                                                     f"is {MAX_NAME_CHARS}")
         return node_pb2.PrefetchReply(promoted=await self.store.prefetch(request.layout_id, list(request.keys), tenant,

@@ -1,4 +1,4 @@
-"""``kvtier.v1.Peer`` (issue 13): this daemon's blocks for other daemons, and its calls to theirs.
+"""``kvtier.v1.Peer``: this daemon's blocks for other daemons, and its calls to theirs.
 
 :class:`PeerService` is served on the ``--tcp`` listener with ``--peer-serve``. The caller is
 another daemon authenticated by its client certificate (mutual TLS); it is served only the

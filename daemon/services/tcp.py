@@ -1,4 +1,4 @@
-"""What the daemon's ``--tcp`` listener serves (issue 12): only what remote parties need.
+"""What the daemon's ``--tcp`` listener serves: only what remote parties need.
 
 gRPC serves every service registered on a server on each of its ports, so the TCP listener is a
 server of its own, with: health checking and ``Locations`` (the location feed routers follow);

@@ -1,6 +1,7 @@
 """Start a real kvtierd subprocess on a private socket and tmpfs directory.
 
-Used by `kvtier demo`, the benchmarks and the integration tests (a real daemon, no mocks)."""
+Used by `kvtier demo`, the benchmarks and the integration tests (a real daemon, no mocks), with
+the measurements they take of it (:func:`rss_bytes`, :func:`tmpfs_bytes`)."""
 
 from __future__ import annotations
 

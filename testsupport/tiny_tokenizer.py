@@ -3,7 +3,7 @@ benchmarks: no model, no torch, nothing downloaded.
 
 The chat template joins the messages' contents, each followed by a space, so a chat's token
 ids are its messages' words in order; the vocabulary is the one
-:func:`kvtier.client.testing.tiny_model.build_tiny_llama` writes, and
+:func:`testsupport.tiny_model.build_tiny_llama` writes, and
 :func:`add_chat_template` gives that model's tokenizer the same template (vLLM's OpenAI
 server needs one for chat requests).
 """

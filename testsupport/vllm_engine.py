@@ -4,13 +4,21 @@ The engine test (tests/test_vllm_engine.py) and the benchmark (bench/vllm_e2e.py
 in a subprocess, one engine per phase (vLLM spawns its workers, so ``LLM(...)`` must run
 under ``__main__``)::
 
-    python -m kvtier.client.testing.vllm_engine CONFIG.json OUT.json
+    python -m testsupport.vllm_engine CONFIG.json OUT.json
 
-CONFIG: ``model`` (a directory, e.g. from :mod:`kvtier.client.testing.tiny_model`),
+(with the checkout's root on ``PYTHONPATH``: :func:`testsupport.subprocess_env`).
+
+CONFIG: ``model`` (a directory, e.g. from :mod:`testsupport.tiny_model`),
 ``prompts`` (see :func:`multi_turn`), ``max_tokens``, ``block_size``, ``num_gpu_blocks``,
 ``max_model_len`` and optionally ``kvtier`` (a dict of ``kv_connector_extra_config`` keys:
-without it, vLLM runs alone) and ``kv_load_failure_policy`` (default ``recompute``). Requests run one at a time, in order; each turn's prompt is
-the session's previous prompt, its greedy output, then the turn's new tokens.
+without it, vLLM runs alone), ``kv_load_failure_policy`` (default ``recompute``) and
+``faults``: faults the spec's worker injects into its loads, ``corrupt_loads`` (zero every
+page after loading it: a negative control that must change outputs) and ``fail_loads``
+(treat every load as failed: vLLM recomputes), set through
+:data:`kvtier.client.vllm.worker.FAULTS` before vLLM builds the spec; they need the engine
+core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Requests run one at a time, in
+order; each turn's prompt is the session's previous prompt, its greedy output, then the
+turn's new tokens.
 
 OUT: per request ``session``, ``turn``, ``prompt_tokens``, ``cached_tokens`` (vLLM's
 ``num_cached_tokens``: its own prefix cache plus what the connector loaded), ``output``
@@ -21,9 +29,12 @@ OUT: per request ``session``, ``turn``, ``prompt_tokens``, ``cached_tokens`` (vL
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
+
+FAULTS = ("corrupt_loads", "fail_loads")
 
 
 def multi_turn(sessions: int, turns: int, first: int, per_turn: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -60,10 +71,25 @@ def _metrics(llm: Any) -> dict[str, float]:
     return out
 
 
+def inject_faults(faults: dict) -> None:
+    """Have the spec's workers made in this process inject ``faults`` (module docstring)."""
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise ValueError(f"unknown faults {unknown}; the faults are {list(FAULTS)}")
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("faults are injected in this process: run with VLLM_ENABLE_V1_MULTIPROCESSING=0 so "
+                           "that vLLM's engine core (and the spec's worker) runs here")
+    from kvtier.client.vllm import worker  # noqa: PLC0415
+
+    worker.FAULTS = worker.LoadFaults(corrupt=bool(faults.get("corrupt_loads")), fail=bool(faults.get("fail_loads")))
+
+
 def run(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams  # noqa: PLC0415
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
+    if cfg.get("faults"):
+        inject_faults(cfg["faults"])
     kw: dict[str, Any] = {}
     if cfg.get("kvtier") is not None:
         extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.client.vllm", **cfg["kvtier"]}

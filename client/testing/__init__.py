@@ -1,1 +1,0 @@
-"""Test and benchmark support: start a real kvtierd in a subprocess (``DaemonProcess``)."""

@@ -1,0 +1,289 @@
+"""vLLM's scheduler side: :class:`KvtierOffloadingManager` answers lookups from the daemon's
+shared-memory key table and tracks stores until they complete (the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.client.engine.adapter import Breaker
+from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.engine.transport import KvtierError
+from kvtier.client.vllm.config import KvtierSettings
+from kvtier.client.vllm.keys import KeyMap, KvtierLoadSpec, KvtierStoreSpec
+from kvtier.client.vllm.metrics import M_LOOKUPS, Counts
+from kvtier.tiers.layout import Layout
+
+log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: its handler, format and level
+
+
+class _Daemon:
+    """A Sidecar with the layouts of every TP rank registered, or None while bypassed.
+
+    After a failed call kvtier is bypassed for ``retry_s`` (:class:`Breaker`); then the next
+    call starts a reconnect in the background and answers without the daemon meanwhile."""
+
+    def __init__(self, settings: KvtierSettings, layouts: list[Layout], client_name: str) -> None:
+        self.settings = settings
+        self.layouts = layouts
+        self.client_name = client_name
+        self.breaker = Breaker(settings.retry_s, log)
+        self._lock = threading.Lock()
+        self._sc: Sidecar | None = None
+        self.lids: list[int] = []
+
+    def connect(self) -> bool:
+        """Connect now (blocking, bounded by the timeout); False when the daemon is not there."""
+        s = self.settings
+        sc = Sidecar(s.socket, client_name=self.client_name, timeout=s.timeout_s)
+        try:
+            lids = [sc.register_layout(lay) for lay in self.layouts]
+        except KvtierError as e:
+            sc.close()
+            self.breaker.failed(e, f"connecting to the daemon at {sc.target}")
+            return False
+        with self._lock:
+            if self.breaker.closed:
+                sc.close()
+                return False
+            self._sc, self.lids = sc, lids
+        self.breaker.ok(sc.target)
+        return True
+
+    def get(self) -> Sidecar | None:
+        sc = self._sc
+        if sc is not None:
+            return sc
+        if not self.breaker.bypassed():
+            self.breaker.in_background(self.connect)
+        return None
+
+    def failed(self, sc: Sidecar, err: Exception) -> None:
+        with self._lock:
+            mine = self._sc is sc
+            if mine:
+                self._sc = None
+        if mine:
+            self.breaker.failed(err)
+        try:
+            sc.close()
+        except Exception:  # noqa: BLE001 - closing a broken client
+            pass
+
+    def close(self) -> None:
+        self.breaker.close()
+        with self._lock:
+            sc, self._sc = self._sc, None
+        if sc is not None:
+            sc.close()
+
+
+@dataclass
+class _ReqState:
+    tiers: dict[bytes, str] = field(default_factory=dict)  # offload key -> tier found at lookup
+    loaded: set[bytes] = field(default_factory=set)        # offload keys this request has loaded
+
+
+def _req_state(req_context: ReqContext) -> _ReqState:
+    state = req_context.get_state(_ReqState)
+    if state is None:
+        state = _ReqState()
+        req_context.set_state(state)
+    return state
+
+
+class _Events:
+    """Chunks this engine stored, re-read from the key table to report where they are."""
+
+    def __init__(self, max_keys: int, scan: int) -> None:
+        self.max_keys = max_keys
+        self.scan = scan
+        self.where: OrderedDict[bytes, frozenset[Medium]] = OrderedDict()
+        self.out: list[OffloadingEvent] = []
+
+    def follow(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            self.where.setdefault(k, frozenset())
+            self.where.move_to_end(k)
+        while len(self.where) > self.max_keys:
+            self.where.popitem(last=False)
+
+    def rescan(self, tiers_of: Any) -> None:
+        """Re-read up to ``scan`` chunks (oldest first, then rotated to the back) and queue events."""
+        n = min(self.scan, len(self.where))
+        keys = [k for k, _ in zip(self.where, range(n), strict=False)]
+        added: dict[Medium, list[bytes]] = {Medium.CPU: [], Medium.STORAGE: []}
+        removed: dict[Medium, list[bytes]] = {Medium.CPU: [], Medium.STORAGE: []}
+        for k, tier in zip(keys, tiers_of(keys), strict=True):
+            before = self.where.pop(k)
+            now = set()
+            if tier == "host":
+                now.add(Medium.CPU)
+                if Medium.STORAGE in before:
+                    now.add(Medium.STORAGE)  # promoted back from disk: the disk copy stays
+            elif tier == "disk":
+                now.add(Medium.STORAGE)
+            for m in now - before:
+                added[m].append(k)
+            for m in before - now:
+                removed[m].append(k)
+            if now:
+                self.where[k] = frozenset(now)
+        for m in (Medium.CPU, Medium.STORAGE):
+            if added[m]:
+                self.out.append(OffloadingEvent(keys=[OffloadKey(k) for k in added[m]], medium=m, removed=False))
+            if removed[m]:
+                self.out.append(OffloadingEvent(keys=[OffloadKey(k) for k in removed[m]], medium=m, removed=True))
+
+
+_MEDIA = {"host": Medium.CPU, "disk": Medium.STORAGE}  # kvtier's tiers as vLLM's media (kv_load_tiers)
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    """Scheduler side: lookups from the key table, stores tracked until they complete."""
+
+    def __init__(self, settings: KvtierSettings, keymap: KeyMap, layouts: list[Layout], client_name: str,
+                 events: bool) -> None:
+        self.settings = settings
+        self.keymap = keymap
+        self.daemon = _Daemon(settings, layouts, client_name)
+        self.daemon.connect()
+        self.pending: set[bytes] = set()
+        self.counts = Counts()
+        self.events = _Events(settings.events_max_keys, settings.events_scan) if events else None
+
+    # lookups through the key table: shared memory, no RPC
+    def _tiers(self, sc: Sidecar, chunks: Sequence[tuple[bytes, ...]]) -> list[str | None]:
+        """Per chunk: ``host`` when every block of every rank is in host, ``disk`` when all
+        are held and some only on disk, else None. One table read per rank for them all."""
+        flat = [k for c in chunks for k in c]
+        out: list[str | None] = ["host"] * len(chunks)
+        for lid in self.daemon.lids:
+            names = sc.lookup(lid, flat) if flat else []
+            for i, c in enumerate(chunks):
+                for t in names[i * len(c):(i + 1) * len(c)]:
+                    if out[i] is None:
+                        break
+                    if t == "disk":
+                        out[i] = "disk"
+                    elif t != "host":
+                        out[i] = None
+        return out
+
+    def _tier_or_down(self, key: bytes) -> str | None:
+        sc = self.daemon.get()
+        if sc is None:
+            return "unavailable"
+        try:
+            return self._tiers(sc, [self.keymap.chunk(key)])[0]
+        except KvtierError as e:
+            self.daemon.failed(sc, e)
+            return "unavailable"
+
+    def _excluded(self, tier: str, req_context: ReqContext) -> bool:
+        """Whether the request's kv_load_tiers leaves kvtier's ``tier`` (host, disk) out: then
+        the chunk is a miss and vLLM recomputes it (counted ``filtered_<tier>``)."""
+        if req_context.load_tier_filter.allows(_MEDIA[tier], Locality.LOCAL):
+            return False
+        self.counts.add(M_LOOKUPS, 1, f"filtered_{tier}")
+        return True
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if key in self.pending:
+            if self._excluded("host", req_context):  # (its store is bound for host)
+                return LookupResult.MISS
+            self.counts.add(M_LOOKUPS, 1, "pending")
+            return LookupResult.HIT_PENDING
+        state = _req_state(req_context)
+        if bytes(key) in state.loaded:
+            # asked again after loading it: its load failed (vLLM recomputes from the first
+            # failed block and looks up again) or the request was preempted. Never load a
+            # chunk twice for one request: that bounds a failing daemon to one try.
+            self.counts.add(M_LOOKUPS, 1, "retry")
+            return LookupResult.MISS
+        tier = self._tier_or_down(key)
+        if tier in _MEDIA:
+            if self._excluded(tier, req_context):
+                return LookupResult.MISS
+            self.counts.add(M_LOOKUPS, 1, f"hit_{tier}")
+            state.tiers[bytes(key)] = tier
+            return LookupResult.HIT
+        self.counts.add(M_LOOKUPS, 1, "unavailable" if tier == "unavailable" else "miss")
+        return LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        state = req_context.get_state(_ReqState)
+        tier = state.tiers.get(bytes(key)) if state is not None else None
+        return {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(
+            tier or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        _req_state(req_context).loaded.update(bytes(k) for k in keys)
+        return KvtierLoadSpec([self.keymap.chunk(k) for k in keys])
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        sc = self.daemon.get()
+        todo: list[OffloadKey] = []
+        if sc is not None:
+            offered = [k for k in keys if k not in self.pending]
+            try:  # in the order offered: vLLM lays out the source blocks in that order
+                held = self._tiers(sc, [self.keymap.chunk(k) for k in offered])
+                todo = [k for k, t in zip(offered, held, strict=True) if t is None]
+            except KvtierError as e:
+                self.daemon.failed(sc, e)
+                todo = []
+        self.pending.update(todo)
+        return PrepareStoreOutput(keys_to_store=todo, store_spec=KvtierStoreSpec([self.keymap.chunk(k) for k in todo]),
+                                  evicted_keys=[])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        self.pending.difference_update(keys)
+        if self.events is not None:
+            self.events.follow(bytes(k) for k in keys)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events is None:
+            return ()
+        sc = self.daemon.get()
+        if sc is not None and self.events.where:
+            try:
+                self.events.rescan(lambda ks: self._tiers(sc, [self.keymap.chunk(k) for k in ks]))
+            except KvtierError as e:
+                self.daemon.failed(sc, e)
+        out, self.events.out = self.events.out, []
+        return out
+
+    def reset_cache(self) -> None:
+        # kvtier's tiers are the node's, shared with other engines: a reset of this engine's
+        # cache forgets what it has in flight but does not evict them (kvtier evict does)
+        self.pending.clear()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return self.counts.take()
+
+    def shutdown(self) -> None:
+        self.daemon.close()
+
+
