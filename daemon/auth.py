@@ -32,7 +32,9 @@ TCP) is the authenticator's business; the rest of the daemon only sees principal
   (the operator asked for it; the daemon says so loudly at start).
 
 File descriptors passed on a credential connection (``SCM_RIGHTS``) are kept under handles
-bound to its token: :meth:`PeerAuthenticator.take_fd`.
+bound to its token: :meth:`PeerAuthenticator.take_fd`. How many a connection, a uid and a
+tenant may have kept at once (not yet taken) is bounded (:class:`FdBudgets`): a pass over a
+budget is refused RESOURCE_EXHAUSTED naming it, and keeps nothing.
 """
 
 from __future__ import annotations
@@ -145,6 +147,22 @@ class AccessPolicy:
         return self.cn_tenants.get(cn, cn)
 
 
+@dataclass(frozen=True)
+class FdBudgets:
+    """The most passed descriptors kept (passed, not yet taken) at once: per credential
+    connection, per peer uid and per tenant (``--max-passed-fds-per-*``)."""
+
+    per_connection: int = 256
+    per_uid: int = 1024
+    per_tenant: int = 2048
+
+    def flags(self) -> tuple[tuple[str, str, int], ...]:
+        """(what, its flag, its budget), checked in this order."""
+        return (("this credential connection", "--max-passed-fds-per-connection", self.per_connection),
+                ("this uid's connections", "--max-passed-fds-per-uid", self.per_uid),
+                ("this tenant's connections", "--max-passed-fds-per-tenant", self.per_tenant))
+
+
 def key_salt(secret: bytes, tenant: str) -> str:
     """A tenant's key salt: HMAC-SHA256 of the tenant's name under the deployment's secret, hex."""
     return hmac.new(secret, b"kvtier tenant key salt\0" + tenant.encode(), hashlib.sha256).hexdigest()
@@ -157,12 +175,15 @@ def _caller_of(token: str) -> str:
 class PeerAuthenticator(Authenticator):
     """The daemon's authenticator (see the module docstring)."""
 
-    def __init__(self, policy: AccessPolicy, secret: bytes, insecure_tcp: bool = False) -> None:
+    def __init__(self, policy: AccessPolicy, secret: bytes, insecure_tcp: bool = False,
+                 fd_budgets: FdBudgets = FdBudgets()) -> None:
         self.policy = policy
         self.secret = secret
         self.insecure_tcp = insecure_tcp
+        self.fd_budgets = fd_budgets
         self._tokens: dict[str, Principal] = {}          # token -> principal, while its connection is open
         self._fds: dict[str, tuple[str, int]] = {}       # fd handle -> (owning token, fd)
+        self._kept: dict[tuple[str, object], int] = {}    # (connection|uid|tenant, which) -> fds kept
         self._certs: dict[bytes, str] = {}                # client certificate (PEM) -> caller id
 
     # -- the credential socket's side (kvtier.daemon.credentials) --
@@ -180,10 +201,13 @@ class PeerAuthenticator(Authenticator):
 
     def revoke(self, token: str) -> None:
         """The token's connection closed: the token is no longer valid; its untaken fds close."""
-        self._tokens.pop(token, None)
+        p = self._tokens.get(token)
         for handle in [h for h, (t, _) in self._fds.items() if t == token]:
             _, fd = self._fds.pop(handle)
+            if p is not None:
+                self._count(token, p, -1)
             os.close(fd)
+        self._tokens.pop(token, None)
 
     def of_token(self, token: str) -> Principal | None:
         """The principal of a live token (None once its connection closed)."""
@@ -192,13 +216,42 @@ class PeerAuthenticator(Authenticator):
     def salt(self, tenant: str) -> str:
         return key_salt(self.secret, tenant)
 
+    @staticmethod
+    def _budget_keys(token: str, p: Principal) -> tuple[tuple[str, object], ...]:
+        return (("connection", token), ("uid", p.uid), ("tenant", p.tenant))
+
+    def _count(self, token: str, p: Principal, n: int) -> None:
+        for key in self._budget_keys(token, p):
+            left = self._kept.get(key, 0) + n
+            if left:
+                self._kept[key] = left
+            else:
+                self._kept.pop(key, None)
+
+    def kept_fds(self, token: str) -> int:
+        """Passed descriptors kept (not yet taken) under ``token``'s connection."""
+        return self._kept.get(("connection", token), 0)
+
     def keep_fds(self, token: str, fds: list[int]) -> list[str]:
-        """Keep ``fds`` (now the daemon's) under new handles bound to ``token``."""
+        """Keep ``fds`` (now the daemon's) under new handles bound to ``token``. Over a budget
+        (:class:`FdBudgets`) RESOURCE_EXHAUSTED naming it; nothing is kept then (the caller
+        still owns ``fds``)."""
+        p = self._tokens.get(token)
+        if p is None:
+            raise StoreError(Code.UNAUTHENTICATED, "this credential connection's token is no longer valid")
+        for (what, flag, budget), key in zip(self.fd_budgets.flags(), self._budget_keys(token, p), strict=True):
+            held = self._kept.get(key, 0)
+            if held + len(fds) > budget:
+                raise StoreError(Code.RESOURCE_EXHAUSTED,
+                                 f"{what} already holds {held} passed file descriptors not yet used; {len(fds)} "
+                                 f"more would be over its budget of {budget} ({flag}): use (RegisterKV) or close "
+                                 f"the connections holding them first")
         handles = []
         for fd in fds:
             handle = secrets.token_hex(16)
             self._fds[handle] = (token, fd)
             handles.append(handle)
+        self._count(token, p, len(fds))
         return handles
 
     def take_fd(self, principal: Principal, handle: str) -> int:
@@ -213,6 +266,7 @@ class PeerAuthenticator(Authenticator):
         if owner is None or owner.caller != principal.caller:
             raise StoreError(Code.PERMISSION_DENIED, "this file descriptor handle belongs to another caller")
         del self._fds[handle]
+        self._count(token, owner, -1)
         return fd
 
     @property

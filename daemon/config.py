@@ -42,6 +42,13 @@ __all__ = ["SETTINGS", "Config", "ConfigError", "build_parser", "flag_name", "lo
 ConfigError = SettingsError
 """A setting that cannot be used; the message names it and where it came from."""
 
+HELLO_TIMEOUT_S = 10.0
+"""Seconds a credential-socket connection has to send its hello."""
+MAX_PENDING_PER_UID = 16
+"""Credential-socket connections of one admitted uid waiting for their hello at once."""
+FD_RESERVE = 256
+"""File descriptors kept free for accepting clients, handshakes and disk I/O."""
+
 TENANT_SHARE_DIVISOR = 4
 """By default, on a daemon with several tenants, one tenant may take a quarter of each
 per-daemon limit (sessions, feed subscribers, layouts, slot sizes, reporting workers)."""
@@ -108,6 +115,15 @@ class TransportSettings:
                                         "clients whose certificate's common name is NAME (unmapped: the "
                                         "tenant is the common name itself); e.g. 1000=alice,1001=bob,"
                                         "cn:router-1=alice", parse_entries, "ENTRY", repeat=True)
+    credential_hello_timeout_s: float = _opt(HELLO_TIMEOUT_S, "a credential-socket connection that sends no hello within this "
+                                                  "many seconds is refused and closed", parse_float, "SECONDS")
+    max_pending_handshakes_per_uid: int = _opt(MAX_PENDING_PER_UID, "most credential-socket connections of one admitted uid "
+                                                   "waiting for their hello at once; one more is refused "
+                                                   "RESOURCE_EXHAUSTED and closed at accept (a uid not admitted "
+                                                   "is closed at accept, never counted)", parse_int, "N")
+    grpc_idle_s: float = _opt(10.0, "a unix-socket gRPC connection with no call in flight for this many seconds "
+                                    "(one that never makes a call included) is closed; clients reconnect at "
+                                    "their next call", parse_float, "SECONDS")
     node_id: str = _opt("", "this node's name in events, metrics and routing (default: hostname)")
     key_secret_file: str = _opt("", "the deployment's secret (32 random bytes, created 0600 on first use) "
                                     "each tenant's key salt is derived from (HMAC of the tenant name), "
@@ -373,6 +389,25 @@ class LimitSettings:
                                                       "ranks' layouts together (each costs the daemon about 250 "
                                                       "bytes); a report that would hold more is refused "
                                                       "RESOURCE_EXHAUSTED and changes nothing", parse_int, "N")
+    max_kv_registrations_per_session: int = _opt(16, "most KV registrations (RegisterKV) one session may hold "
+                                                     "open; one more is refused RESOURCE_EXHAUSTED", parse_int, "N")
+    max_kv_registrations_per_tenant: int = _opt(0, "most KV registrations the sessions of one tenant may hold "
+                                                   "open; one more is refused RESOURCE_EXHAUSTED; 0: the tenant's "
+                                                   "share of --max-sessions (--max-sessions-per-tenant)",
+                                                parse_int, "N")
+    # descriptors passed over the credential socket and kept until a call uses them
+    max_passed_fds_per_connection: int = _opt(256, "most passed file descriptors one credential connection may "
+                                                   "have kept, not yet used (64 a pass); a pass over it is "
+                                                   "refused RESOURCE_EXHAUSTED and its descriptors closed",
+                                              parse_int, "N")
+    max_passed_fds_per_uid: int = _opt(1024, "most passed file descriptors the credential connections of one uid "
+                                             "may have kept, not yet used", parse_int, "N")
+    max_passed_fds_per_tenant: int = _opt(2048, "most passed file descriptors the credential connections of one "
+                                                "tenant may have kept, not yet used", parse_int, "N")
+    fd_reserve: int = _opt(FD_RESERVE, "file descriptors of the daemon's RLIMIT_NOFILE kept free for accepting clients, "
+                                "their handshakes and calls, and disk I/O: descriptors passed while fewer are free "
+                                "are closed at once and their connection refused RESOURCE_EXHAUSTED",
+                           parse_int, "N")
 
 
 @dataclass
@@ -527,6 +562,16 @@ def _check_tenant_shares(cfg: Config) -> None:
                               f"got {value}")
     if cfg.max_device_blocks_per_worker < 1:
         raise ConfigError("--max-device-blocks-per-worker must be at least 1")
+    for name in ("max_kv_registrations_per_session", "max_passed_fds_per_connection", "max_passed_fds_per_uid",
+                 "max_passed_fds_per_tenant", "max_pending_handshakes_per_uid"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{flag_name(name)} must be at least 1")
+    for name in ("max_kv_registrations_per_tenant", "fd_reserve"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{flag_name(name)} must be at least 0")
+    for name in ("credential_hello_timeout_s", "grpc_idle_s"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{flag_name(name)} must be positive")
 
 
 def _check_transport(cfg: Config) -> None:

@@ -114,6 +114,11 @@ class Count(enum.Enum):
     KV_ONBOARD_BLOCKS = "kv_onboard_blocks"
     KV_ONBOARD_MISSING = "kv_onboard_missing"
     KV_ONBOARD_ERRORS = "kv_onboard_errors"
+    KV_REGISTRATIONS_REFUSED = "kv_registrations_refused"  # RegisterKV over a session's or tenant's limit
+    # the credential socket's budgets (docs/SECURITY.md)
+    CREDENTIAL_CONNECTIONS_REFUSED = "credential_connections_refused"  # closed at accept: uid not admitted,
+                                                                       # too many handshakes pending or open
+    PASSED_FDS_REFUSED = "passed_fds_refused"          # passed descriptors closed: over a budget or the reserve
     # peers: fetches from other daemons and blocks served to them
     PEER_FETCHES = "peer_fetches"                      # FetchBlocks streams this daemon opened
     PEER_BLOCKS_FETCHED = "peer_blocks_fetched"        # blocks that arrived complete and verified

@@ -13,10 +13,22 @@ region (one descriptor sent with it, :mod:`kvtier.tiers.lookup_counts`) for ``lo
 :class:`~kvtier.daemon.lookup_regions.LookupRegions`), which folds it one last time when the
 connection closes; a refused region is answered and the connection stays.
 
-Bounds: a hello must come within :data:`HELLO_TIMEOUT_S`; at most :data:`MAX_CONNECTIONS`
-credential connections are open at once (a connection beyond is refused RESOURCE_EXHAUSTED);
-a frame is at most :data:`kvtier.handshake.MAX_FRAME` bytes and a pass at most
-:data:`kvtier.handshake.MAX_FDS` descriptors.
+Bounds. A peer's uid and gid are checked at accept (``SO_PEERCRED``): a peer the policy does
+not admit is answered PERMISSION_DENIED and closed at once, never counted against anything.
+Each admitted uid may have at most ``max_pending_per_uid`` connections waiting for their
+hello (``--max-pending-handshakes-per-uid``; one more is answered RESOURCE_EXHAUSTED and
+closed at accept), and a hello must come within ``hello_timeout_s``
+(``--credential-hello-timeout-s``); at most :data:`MAX_CONNECTIONS` credential connections are
+open at once (one more is refused RESOURCE_EXHAUSTED at accept). A frame is at most
+:data:`kvtier.handshake.MAX_FRAME` bytes nested at most :data:`kvtier.handshake.MAX_DEPTH`
+deep, and a pass at most :data:`kvtier.handshake.MAX_FDS` descriptors. Passed descriptors kept
+are bounded per connection, uid and tenant (:class:`~kvtier.daemon.auth.FdBudgets`: a pass
+over one is answered RESOURCE_EXHAUSTED, its descriptors closed, and the connection stays),
+and descriptors arriving while fewer than ``fd_reserve`` of the process's ``RLIMIT_NOFILE``
+are free (``--fd-reserve``) are closed at once and their connection refused
+RESOURCE_EXHAUSTED: the reserve stays for accepting clients, their handshakes and calls, and
+disk I/O. Refusals of both kinds are counted (``credential_connections_refused``,
+``passed_fds_refused``).
 """
 
 from __future__ import annotations
@@ -26,20 +38,24 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
 from kvtier.daemon.auth import PeerAuthenticator, Principal
+from kvtier.daemon.config import FD_RESERVE, HELLO_TIMEOUT_S, MAX_PENDING_PER_UID
+from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.errors import Code, StoreError
 from kvtier.daemon.lookup_regions import LookupRegions
 from kvtier.handshake import MAX_FDS, MAX_FRAME, fds_of, frame, unframe
 
 log = logging.getLogger("kvtier.credentials")
 
-HELLO_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 4096
+LOG_EVERY_S = 10.0  # a refused uid's refusals are logged at most this often
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 
@@ -47,6 +63,12 @@ _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a unix socket, from the kernel."""
     return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+
+
+def free_fds() -> int:
+    """Descriptors this process may still open: its ``RLIMIT_NOFILE`` (soft) less those open."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft - (len(os.listdir("/proc/self/fd")) - 1)  # (less the listing's own)
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -77,10 +99,18 @@ class CredentialServer:
 
     def __init__(self, auth: PeerAuthenticator, path: str, mode: int,
                  files: Callable[[Principal, str], int] | None = None,
-                 lookups: LookupRegions | None = None) -> None:
+                 lookups: LookupRegions | None = None, hello_timeout_s: float = HELLO_TIMEOUT_S,
+                 max_pending_per_uid: int = MAX_PENDING_PER_UID, fd_reserve: int = FD_RESERVE) -> None:
         self.auth = auth
         self.path = path
         self.mode = mode
+        self.hello_timeout_s = hello_timeout_s
+        self.max_pending_per_uid = max_pending_per_uid
+        self.fd_reserve = fd_reserve
+        #: where refusals are counted (the store's counters, once it is built)
+        self.counters: Counters | None = None
+        self._pending: dict[int, int] = {}  # uid -> its connections waiting for their hello
+        self._warned: dict[int, float] = {}  # uid refused -> when its refusal was last logged
         #: (caller, path) -> a new descriptor of that caller's tenant's file; raises StoreError
         self.files = files
         #: the clients' lookup counters regions (None: the operation is refused)
@@ -105,7 +135,7 @@ class CredentialServer:
             os.umask(old)
         self.made = True
         os.chmod(self.path, self.mode)
-        s.listen(128)
+        s.listen(socket.SOMAXCONN)  # a burst of refused peers does not fill the queue for the others
         self._sock = s
 
     def start(self) -> None:
@@ -141,24 +171,71 @@ class CredentialServer:
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
-            task = loop.create_task(self._serve(conn))
+            try:
+                creds = peer_credentials(conn)
+                refusal = self._refusal(*creds)
+            except OSError:
+                conn.close()
+                continue
+            if refusal is not None:  # never counted, never served: answered and closed at once
+                self._count(Count.CREDENTIAL_CONNECTIONS_REFUSED)
+                with contextlib.suppress(OSError):
+                    conn.send(frame({"ok": False, "code": refusal.code, "error": str(refusal)}))
+                conn.close()
+                continue
+            uid = creds[1]
+            self._pending[uid] = self._pending.get(uid, 0) + 1
+            task = loop.create_task(self._serve(conn, *creds))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
+    def _refusal(self, pid: int, uid: int, gid: int) -> _Refused | None:
+        """Why a peer just accepted is refused at once (None: it may hand-shake)."""
+        why = self.auth.policy.refusal(uid, gid)
+        if why is not None:
+            now = time.monotonic()
+            if now - self._warned.get(uid, -LOG_EVERY_S) >= LOG_EVERY_S:  # a flood logs a line per uid a while
+                if len(self._warned) > 1024:
+                    self._warned.clear()
+                self._warned[uid] = now
+                log.warning("credential socket: refused a peer", extra={"peer_pid": pid, "peer_uid": uid,
+                                                                       "peer_gid": gid, "reason": why})
+            return _Refused("PERMISSION_DENIED", why)
+        if len(self._conns) >= MAX_CONNECTIONS:
+            return _Refused("RESOURCE_EXHAUSTED", f"{MAX_CONNECTIONS} credential connections are open; close "
+                                                  f"some clients")
+        if self._pending.get(uid, 0) >= self.max_pending_per_uid:
+            return _Refused("RESOURCE_EXHAUSTED", f"uid {uid} has {self.max_pending_per_uid} credential connections "
+                                                  f"waiting for their hello (--max-pending-handshakes-per-uid); "
+                                                  f"send the hello at once after connecting")
+        return None
+
+    def _count(self, count: Count, n: int = 1) -> None:
+        if self.counters is not None:
+            self.counters.add(count, n)
+
+    def _hello_done(self, uid: int) -> None:
+        left = self._pending.get(uid, 0) - 1
+        if left > 0:
+            self._pending[uid] = left
+        else:
+            self._pending.pop(uid, None)
+
+    async def _serve(self, conn: socket.socket, pid: int, uid: int, gid: int) -> None:
         token = ""
         fds: list[int] = []  # received, not yet claimed by a pass_fds message
+        pending = True
         try:
-            pid, uid, gid = peer_credentials(conn)
             buf = bytearray()
-            hello = await asyncio.wait_for(self._message(conn, buf, fds), HELLO_TIMEOUT_S)
+            try:
+                hello = await asyncio.wait_for(self._message(conn, buf, fds), self.hello_timeout_s)
+            finally:
+                pending = False
+                self._hello_done(uid)
             if hello is None:
                 return
             if hello.get("op") != "hello":
                 raise _Refused("INVALID_ARGUMENT", "the first credential message must be a hello")
-            if len(self._conns) > MAX_CONNECTIONS:
-                raise _Refused("RESOURCE_EXHAUSTED", f"more than {MAX_CONNECTIONS} credential connections are "
-                                                     f"open; close some clients")
             try:
                 token, p = self.auth.admit(uid, gid)
             except StoreError as e:
@@ -177,10 +254,13 @@ class CredentialServer:
                 await self._send(conn, {"ok": False, "code": e.code, "error": str(e)})
         except (ValueError, TimeoutError, asyncio.TimeoutError) as e:
             with contextlib.suppress(OSError):
-                await self._send(conn, {"ok": False, "code": "INVALID_ARGUMENT", "error": str(e) or "no hello in time"})
+                await self._send(conn, {"ok": False, "code": "INVALID_ARGUMENT", "error": str(e) or
+                                        f"no hello within {self.hello_timeout_s:g} s (--credential-hello-timeout-s)"})
         except OSError:
             pass
         finally:
+            if pending:
+                self._hello_done(uid)
             if token:
                 self._closed(token)
             for fd in fds:
@@ -213,7 +293,17 @@ class CredentialServer:
                                                f"descriptors sent with it (1 to {MAX_FDS})")
         mine = fds[:count]
         del fds[:count]
-        handles = self.auth.keep_fds(token, mine)
+        try:
+            handles = self.auth.keep_fds(token, mine)
+        except StoreError as e:  # over a budget: nothing kept, the connection stays
+            for fd in mine:
+                os.close(fd)
+            self._count(Count.PASSED_FDS_REFUSED, count)
+            log.warning("credential socket: refused passed descriptors", extra={
+                "tenant": p.tenant if (p := self.auth.of_token(token)) else None,
+                "peer_uid": p.uid if p else None, "fds": count, "reason": str(e)})
+            await self._send(conn, {"ok": False, "code": e.code.name, "error": str(e)})
+            return
         await self._send(conn, {"ok": True, "handles": handles})
 
     async def _open(self, conn: socket.socket, token: str, msg: dict[str, Any]) -> None:
@@ -285,9 +375,20 @@ class CredentialServer:
             except (BlockingIOError, InterruptedError):
                 await _until_ready(conn, writable=False)
                 continue
-            fds.extend(fds_of(anc))
+            got = fds_of(anc)
+            fds.extend(got)
             if flags & socket.MSG_CTRUNC:
                 raise _Refused("INVALID_ARGUMENT", f"more than {MAX_FDS} descriptors sent at once")
+            if got and (free := free_fds()) < self.fd_reserve:
+                for fd in got:  # closed at once: the reserve is for accepting, handshakes and disk I/O
+                    fds.remove(fd)
+                    os.close(fd)
+                self._count(Count.PASSED_FDS_REFUSED, len(got))
+                log.warning("credential socket: refused passed descriptors: the process is at its reserve",
+                            extra={"fds": len(got), "free_fds": free, "fd_reserve": self.fd_reserve})
+                raise _Refused("RESOURCE_EXHAUSTED", f"the daemon has {free} file descriptors left of its "
+                                                     f"RLIMIT_NOFILE, under its reserve of {self.fd_reserve} "
+                                                     f"(--fd-reserve): passed descriptors are refused")
             return data
 
     @staticmethod

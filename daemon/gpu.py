@@ -32,6 +32,10 @@ Promises
       session's registration is refused PERMISSION_DENIED. The host copy engine maps engine
       memory only from sealed memfds the engine passed (never a path the caller names: the
       Transfer service refuses one); see :mod:`kvtier.tiers.copy_engine`.
+    * A session holds at most ``--max-kv-registrations-per-session`` registrations and the
+      sessions of one tenant at most ``--max-kv-registrations-per-tenant`` (default: the
+      tenant's share of ``--max-sessions``), registrations being opened included; one more
+      is refused RESOURCE_EXHAUSTED naming the limit (counted: ``kv_registrations_refused``).
     * Every wait for an engine's "KV written" record is bounded (``--transfer-wait-s``): an
       offload whose record does not come is refused DEADLINE_EXCEEDED and gives back its slots.
     * A ring slot belongs to its newest sequence number. An engine that gave up on
@@ -188,6 +192,7 @@ class Registration:
     memory: KVMemory
     tensors: list[TensorRef]
     pool_path: str
+    tenant: str = ""         # the registering session's tenant (its registrations are counted)
     inflight: int = 0
     closing: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -234,6 +239,8 @@ class Transfers:
         self._attaching: dict[tuple[str, str], asyncio.Future] = {}  # pins in progress
         self._closing = False
         self._detaching: dict[str, int] = {}  # pool path -> detaches of it in flight
+        # registrations held (open or being opened): per Node session, per tenant
+        self._held: dict[tuple[str, object], int] = {}
         store.sessions.end_hooks.append(self._session_ended)
 
     # -- registration ----------------------------------------------------------------------
@@ -264,14 +271,19 @@ class Transfers:
         if not 0 < want.ring_slots <= MAX_RING_SLOTS:
             raise StoreError(Code.INVALID_ARGUMENT, f"ring_slots {want.ring_slots} is not in [1, {MAX_RING_SLOTS}]")
         ring = EventRing(want.ring_slots, tuple(want.event_handles), want.event_ring_path, want.event_ring_fd)
-        reg_layout = await self.store.register_layout(layout, sess.tenant)
-        cls = self.store.pool(reg_layout.layout)  # the tenant's pool
-        memory = await self._open(engine, cls, want.allocations, ring)
+        self._hold(sess.session_id, sess.tenant)
+        try:
+            reg_layout = await self.store.register_layout(layout, sess.tenant)
+            cls = self.store.pool(reg_layout.layout)  # the tenant's pool
+            memory = await self._open(engine, cls, want.allocations, ring)
+        except BaseException:
+            self._let_go(sess.session_id, sess.tenant)
+            raise
         internal = self.store.open_session(f"transfer:{sess.client_name}", sess.pid,
                                            Principal(tenant=sess.tenant, caller=sess.owner), internal=True)
         reg_id = random_ids(1, lambda s: not self.registrations.keys().isdisjoint(s))[0]
         reg = Registration(reg_id, sess.session_id, internal.session_id, reg_layout.layout_id, layout,
-                           engine, memory, want.tensors, cls.path)
+                           engine, memory, want.tensors, cls.path, sess.tenant)
         self.registrations[reg.reg_id] = reg
         c = self.counters
         c.add(Count.KV_REGISTRATIONS_OPENED)
@@ -284,6 +296,30 @@ class Transfers:
                                          "engine": engine.name, "allocations": len(want.allocations),
                                          "layout_id": reg.layout_id})
         return Registered(reg.reg_id, reg.layout_id, engine.name, layout.block_bytes)
+
+    def _hold(self, session_id: int, tenant: str) -> None:
+        """Count one more registration of ``session_id`` and ``tenant``, or refuse it
+        RESOURCE_EXHAUSTED naming the limit it would pass."""
+        lim = self.store.limits
+        for key, most, flag, who in ((("session", session_id), lim.kv_registrations_per_session,
+                                      "--max-kv-registrations-per-session", f"session {session_id}"),
+                                     (("tenant", tenant), lim.kv_registrations_per_tenant,
+                                      "--max-kv-registrations-per-tenant", "this tenant's sessions")):
+            if most and self._held.get(key, 0) >= most:
+                self.counters.add(Count.KV_REGISTRATIONS_REFUSED)
+                raise StoreError(Code.RESOURCE_EXHAUSTED,
+                                 f"{who} already hold{'s' if key[0] == 'session' else ''} {most} KV registrations, "
+                                 f"the most allowed ({flag}); UnregisterKV one first")
+        for key in (("session", session_id), ("tenant", tenant)):
+            self._held[key] = self._held.get(key, 0) + 1
+
+    def _let_go(self, session_id: int, tenant: str) -> None:
+        for key in (("session", session_id), ("tenant", tenant)):
+            left = self._held.get(key, 0) - 1
+            if left > 0:
+                self._held[key] = left
+            else:
+                self._held.pop(key, None)
 
     async def _open(self, engine: CopyEngine, cls: Any, allocations: list[AllocationRef], ring: EventRing) -> KVMemory:
         """Attach the host pool to the engine (once per engine and pool) and open the KV memory."""
@@ -508,7 +544,8 @@ class Transfers:
     def _close(self, reg: Registration) -> None:
         """Close the handles and give back the slots of a registration with nothing in flight."""
         reg.closing = True
-        self.registrations.pop(reg.reg_id, None)
+        if self.registrations.pop(reg.reg_id, None) is not None:
+            self._let_go(reg.session_id, reg.tenant)
         c = self.counters
         c.add(Count.KV_HANDLES_CLOSED, reg.memory.handles_open)
         c.add(Count.KV_EVENTS_CLOSED, reg.memory.events_open)

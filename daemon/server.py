@@ -15,6 +15,18 @@ copy engines and the disk tier (its directory is its lasting state), and only th
 in ``--shm-dir`` (the key table; the pool files come with the first layout). Whatever fails on
 the way removes what was made (:meth:`Daemon.start`). Before making its own files the daemon
 removes those that killed daemons left in its ``--shm-dir`` (:func:`sweep_dead_daemons`).
+
+The files go in a directory only the daemon's uid can write (:func:`private_shm_dir`): the
+``--shm-dir`` itself when it is this uid's and no one else may write it, else (``/dev/shm``,
+mode 1777) its subdirectory ``kvtier-<uid>``, made 0700 and checked like the socket's
+directory. Their names carry 64 random bits (``kvtier-<pid>-<epoch>-r<16 hex>...``), so no
+one can name a file the daemon will make before it makes it, and they are created
+``O_EXCL|O_NOFOLLOW``.
+
+gRPC connections on the unix socket with no call in flight for ``--grpc-idle-s`` (one that
+only sent the HTTP/2 preface included) are closed by gRPC itself
+(``grpc.max_connection_idle_ms``), and one that does not finish its HTTP/2 handshake within
+that window too (``grpc.server_handshake_timeout_ms``).
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ import time
 
 import grpc
 
-from kvtier.daemon.auth import AccessPolicy, PeerAuthenticator, Principal, TokenInterceptor
+from kvtier.daemon.auth import AccessPolicy, FdBudgets, PeerAuthenticator, Principal, TokenInterceptor
 from kvtier.daemon.config import Config
 from kvtier.daemon.credentials import CredentialServer
 from kvtier.daemon.device import watch_sessions
@@ -275,6 +287,40 @@ def shm_huge_pages(path: str, mounts: str | None = None, shmem_enabled: str | No
     return {"force": "always", "deny": "never"}.get(m.group(1), m.group(1)) if m else ""
 
 
+def private_shm_dir(shm_dir: str) -> str:
+    """Where the daemon makes its pool and key-table files: ``shm_dir`` when it is a real
+    directory of this uid that group and others cannot write; else its subdirectory
+    ``kvtier-<uid>``, created 0700 when missing, and refused unless it is a real directory of
+    this uid, mode 0700 (another uid could have planted it, or could plant files in it)."""
+    try:
+        st = os.lstat(shm_dir)
+    except OSError as e:
+        raise StartupError(f"--shm-dir {shm_dir}: {e.strerror} (mount a tmpfs there)") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StartupError(f"--shm-dir {shm_dir} is not a directory (mount a tmpfs there)")
+    if st.st_uid == os.geteuid() and not stat.S_IMODE(st.st_mode) & 0o022:
+        return shm_dir
+    own = os.path.join(shm_dir, f"kvtier-{os.geteuid()}")
+    try:
+        os.mkdir(own, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StartupError(f"--shm-dir {shm_dir} may be written by other users, and the daemon cannot make its "
+                           f"own directory {own} in it: {e.strerror}") from None
+    st = os.lstat(own)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise StartupError(f"{own} (this daemon's directory in --shm-dir) is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a directory'}: "
+                           f"refused (another user could have planted it); remove it")
+    if st.st_uid != os.geteuid():
+        raise StartupError(f"{own} (this daemon's directory in --shm-dir) is owned by uid {st.st_uid}, not by this "
+                           f"daemon's uid {os.geteuid()}: another user could have made it to plant files; remove it")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise StartupError(f"{own} (this daemon's directory in --shm-dir) is mode {stat.S_IMODE(st.st_mode):04o}: "
+                           f"group or other users may reach it; make it 0700 (chmod 700 {own})")
+    return own
+
+
 def _check_dirs(cfg: Config) -> None:
     if not os.path.isdir(cfg.shm_dir):
         raise StartupError(f"--shm-dir {cfg.shm_dir} is not a directory (mount a tmpfs there)")
@@ -291,7 +337,7 @@ def _check_dirs(cfg: Config) -> None:
 # -- files of killed daemons ---------------------------------------------------------------------
 
 #: the files a kvtierd makes in --shm-dir: its key table (and a rebuild's temporary file), its pools
-_OWN_FILE = re.compile(r"kvtier-(\d+)-(\d+)(?:-t\d+)?(?:\.keys(?:\.\d+\.tmp)?|-\d+\.pool)")
+_OWN_FILE = re.compile(r"kvtier-(\d+)-(\d+(?:-r[0-9a-f]{16})?)(?:-t\d+)?(?:\.keys(?:\.\d+\.tmp)?|-\d+\.pool)")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -390,7 +436,10 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.tcp_server: grpc.aio.Server | None = None  # --tcp: its own server, serving --tcp-services only
         self.policy = AccessPolicy.of(cfg.allowed_uids, cfg.allowed_gids, cfg.tenants)
-        self.auth = PeerAuthenticator(self.policy, b"", cfg.insecure_tcp)  # its secret: _load_secret
+        self.auth = PeerAuthenticator(self.policy, b"", cfg.insecure_tcp,  # its secret: _load_secret
+                                      FdBudgets(cfg.max_passed_fds_per_connection, cfg.max_passed_fds_per_uid,
+                                                cfg.max_passed_fds_per_tenant))
+        self.shm_dir = cfg.shm_dir  # where its files go: private_shm_dir, at start
         self.credentials: CredentialServer | None = None
         self.disk: DiskTier | None = None
         self.engines: dict[str, CopyEngine] = {}
@@ -434,16 +483,17 @@ class Daemon:
             raise
         log.info("kvtierd serving", extra={
             "socket": self.socket_path, "tcp": self.cfg.tcp or None, "node_id": self.node_id,
-            "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.cfg.shm_dir,
+            "epoch": self.epoch, "host_capacity": self.cfg.host_capacity, "shm_dir": self.shm_dir,
             "metrics_port": self.metrics_port or None, "pid": os.getpid(),
             "tcp_tls": bool(self.cfg.tls_cert) if self.cfg.tcp else None,
             "allowed_uids": sorted(self.policy.allowed_uids), "allowed_gids": sorted(self.policy.allowed_gids),
             "copy_engines": sorted(e.name for e in self.engines.values()),
-            "shm_huge_pages": shm_huge_pages(self.cfg.shm_dir) or None})
+            "shm_huge_pages": shm_huge_pages(self.shm_dir) or None})
 
     def _check(self) -> tuple[str, int] | None:
         """Every check that can refuse the start, before anything is made."""
         _check_dirs(self.cfg)
+        self.shm_dir = private_shm_dir(self.cfg.shm_dir)
         _prepare_unix_socket(self.socket_path, self.policy.shared)
         if self.cfg.tcp and not self.cfg.tls_cert and not self.cfg.insecure_tcp:
             raise StartupError(f"--tcp {self.cfg.tcp} without TLS would serve anyone who reaches the port: give "
@@ -459,7 +509,9 @@ class Daemon:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
-        self.server = server = grpc.aio.server(options=opts, interceptors=[TokenInterceptor(self.auth)],
+        idle_ms = max(1, round(self.cfg.grpc_idle_s * 1000))
+        unix_opts = [*opts, ("grpc.max_connection_idle_ms", idle_ms), ("grpc.server_handshake_timeout_ms", idle_ms)]
+        self.server = server = grpc.aio.server(options=unix_opts, interceptors=[TokenInterceptor(self.auth)],
                                                maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs or None)
         old_umask = os.umask(0o177)
         try:
@@ -472,7 +524,10 @@ class Daemon:
             raise StartupError(f"cannot listen on --socket {self.socket_path}")
         self._socket_made = True
         self.credentials = CredentialServer(self.auth, auth_socket_path(self.socket_path), self._socket_mode,
-                                            files=self._tenant_file)  # lookups: set once the store is built
+                                            files=self._tenant_file,  # lookups: set once the store is built
+                                            hello_timeout_s=self.cfg.credential_hello_timeout_s,
+                                            max_pending_per_uid=self.cfg.max_pending_handshakes_per_uid,
+                                            fd_reserve=self.cfg.fd_reserve)
         try:
             self.credentials.listen()
         except OSError as e:
@@ -542,31 +597,32 @@ class Daemon:
             raise StartupError(str(e)) from None
 
     def _sweep(self) -> None:
-        files, nbytes = sweep_dead_daemons(self.cfg.shm_dir)
+        files, nbytes = sweep_dead_daemons(self.shm_dir)
         if files:
             log.info("removed the files of daemons that are gone", extra={
-                "shm_dir": self.cfg.shm_dir, "files": files, "bytes": nbytes})
+                "shm_dir": self.shm_dir, "files": files, "bytes": nbytes})
 
     def _build_store(self) -> None:
         """The host tier, the store and what follows it: the first files in --shm-dir."""
         cfg = self.cfg
-        name = f"kvtier-{os.getpid()}-{self.epoch}"
-        host = HostTier(cfg.shm_dir, cfg.host_capacity, name)
+        name = f"kvtier-{os.getpid()}-{self.epoch}-r{secrets.token_hex(8)}"  # not to be named ahead
+        host = HostTier(self.shm_dir, cfg.host_capacity, name)
         self.store = store = BlockStore(host, cfg.max_batch_keys, self.disk, cfg.demote_min_seen,
                                         cfg.disk_write_through, prefault=cfg.host_prefault, limits=cfg)
         self.disk = None  # the store owns it now
         store.tiers.demote_queue_bytes = cfg.demote_queue_bytes  # disk admission
         store.tiers.demote_ahead_bytes = cfg.demote_ahead_bytes
         try:
-            self.key_table = KeyTablePublisher(store, cfg.shm_dir, name, self.epoch, self._tier_capacity)
+            self.key_table = KeyTablePublisher(store, self.shm_dir, name, self.epoch, self._tier_capacity)
         except OSError as e:
-            raise StartupError(f"cannot create the key table in --shm-dir {cfg.shm_dir}: {e.strerror}") from None
+            raise StartupError(f"cannot create the key table in {self.shm_dir}: {e.strerror}") from None
         self.locations = LocationLog(store, self.node_id, self.epoch, cfg.event_log_keys, cfg.event_log_bytes)
         store.observers.add(self.key_table, self.locations)
         self.lookups = LookupRegions(store)
         self.stats = StatsSource(store, self.node_id, self.epoch, before=self.lookups.fold)
         if self.credentials is not None:
             self.credentials.lookups = self.lookups
+            self.credentials.counters = store.counters
         self.transfers = Transfers(store, self.engines)
         self.remote_store = build_remote_store(cfg, store.tiers, store.counters, store.observers)
         if self.remote_store is not None:
@@ -663,7 +719,7 @@ class Daemon:
             try:
                 await loop.run_in_executor(None, self._sweep)
             except OSError as e:
-                log.warning("sweeping the shm dir failed", extra={"shm_dir": self.cfg.shm_dir, "error": str(e)})
+                log.warning("sweeping the shm dir failed", extra={"shm_dir": self.shm_dir, "error": str(e)})
 
     async def _close_peers(self) -> None:
         if self.peers is not None:

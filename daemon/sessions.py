@@ -91,6 +91,8 @@ class Limits:
     slot_sizes_per_tenant: int = 0  # slot sizes (pool files) of one tenant's layouts; 0: MAX_SLOT_SIZES
     workers_per_tenant: int = 0     # workers of one tenant reporting device blocks; 0: MAX_WORKERS
     device_blocks_per_worker: int = 0  # device blocks one worker holds (all its layouts); 0: no cap
+    kv_registrations_per_session: int = 0  # KV registrations (RegisterKV) one session holds; 0: no cap
+    kv_registrations_per_tenant: int = 0   # KV registrations the sessions of one tenant hold; 0: no cap
 
     @classmethod
     def from_config(cls, cfg: Config) -> Limits:
@@ -109,7 +111,9 @@ class Limits:
                    cfg.tenant_share("max_layouts_per_tenant", MAX_LAYOUTS),
                    cfg.tenant_share("max_slot_sizes_per_tenant", MAX_SLOT_SIZES),
                    cfg.tenant_share("max_workers_per_tenant", MAX_WORKERS),
-                   cfg.max_device_blocks_per_worker)
+                   cfg.max_device_blocks_per_worker, cfg.max_kv_registrations_per_session,
+                   cfg.max_kv_registrations_per_tenant
+                   or cfg.tenant_share("max_sessions_per_tenant", cfg.max_sessions))
 
 
 class Held:

@@ -30,8 +30,11 @@ with one descriptor: the client's lookup counters region (:mod:`kvtier.tiers.loo
 at most one per connection, which the daemon reads until the connection closes and one last
 time then (a daemon that takes it says ``"lookup_counters": true`` in its hello reply).
 Replies: ``{"ok": true, ...}`` or ``{"ok": false, "code": CODE, "error": MESSAGE}`` (CODE: a
-gRPC status name), after which the daemon closes the connection; except a refused ``open`` or ``lookup_counters``, after which
-the connection (and its token) stays.
+gRPC status name), after which the daemon closes the connection; except a refused ``open`` or
+``lookup_counters``, and a ``pass_fds`` refused RESOURCE_EXHAUSTED (over a budget of passed
+descriptors: the descriptors sent with it are closed), after which the connection (and its
+token) stays. A body nested deeper than :data:`MAX_DEPTH` arrays and objects is refused
+INVALID_ARGUMENT like any other body that is not a JSON object.
 
 :class:`Credentials` is the client side (blocking; both the blocking and the asyncio
 transports use it: the exchange is local and short).
@@ -42,9 +45,11 @@ from __future__ import annotations
 import array
 import json
 import os
+import re
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 TOKEN_HEADER = "kvtier-token"
@@ -53,6 +58,8 @@ TOKEN_HEADER = "kvtier-token"
 AUTH_SUFFIX = ".auth"
 MAX_FRAME = 64 * 1024
 MAX_FDS = 64
+MAX_DEPTH = 16
+"""The deepest nesting of arrays and objects a message may have (no message needs more than 2)."""
 _LEN = struct.Struct(">I")
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 
@@ -82,13 +89,33 @@ def unframe(buf: bytearray) -> dict[str, Any] | None:
         return None
     body = bytes(buf[_LEN.size:_LEN.size + n])
     del buf[:_LEN.size + n]
+    if _depth(body) > MAX_DEPTH:
+        raise ValueError(f"credential message nests arrays and objects more than {MAX_DEPTH} deep")
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"credential message is not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise ValueError("credential message is not a JSON object")
     return obj
+
+
+#: a string (to its end, closed or not: each is scanned once) or a bracket
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"?|[][{}]')
+
+
+def _depth(body: bytes) -> int:
+    """How deep ``body`` nests arrays and objects (brackets inside strings not counted), read
+    in one pass without recursion: bounded before a decoder that recurses sees it."""
+    depth = deepest = 0
+    for m in _TOKEN.finditer(body):
+        t = m.group()
+        if t in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif t in (b"]", b"}"):
+            depth -= 1
+    return deepest
 
 
 def fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
@@ -168,12 +195,22 @@ class Credentials:
         self._close()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         s.settimeout(self.timeout)
-        try:
-            s.connect(self.path)
-        except OSError as e:
-            s.close()
-            raise HandshakeError("UNAVAILABLE", f"cannot connect to the daemon's credential socket "
-                                                f"{self.path}: {e.strerror or e}") from None
+        deadline = time.monotonic() + (self.timeout or 10.0)
+        while True:
+            try:
+                s.connect(self.path)
+                break
+            except BlockingIOError:  # the daemon's accept queue is full (a burst of connections): retry
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                s.close()
+                raise HandshakeError("UNAVAILABLE", f"the daemon's credential socket {self.path} accepts no "
+                                                    f"connection (its queue stays full)") from None
+            except OSError as e:
+                s.close()
+                raise HandshakeError("UNAVAILABLE", f"cannot connect to the daemon's credential socket "
+                                                    f"{self.path}: {e.strerror or e}") from None
         try:
             reply = self._exchange(s, {"op": "hello", "client": self.client_name, "pid": os.getpid()})
         except BaseException:
@@ -198,10 +235,13 @@ class Credentials:
         got: list[int] = []
         s.settimeout(self.timeout)
         try:
-            if fds:
-                s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
-            else:
-                s.sendall(data)
+            try:
+                if fds:
+                    s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
+                else:
+                    s.sendall(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon refused the connection at once: its answer may be there to read
             buf = bytearray()
             while (reply := unframe(buf)) is None:
                 chunk, anc, _, _ = s.recvmsg(MAX_FRAME, _ANCILLARY, socket.MSG_CMSG_CLOEXEC)

@@ -172,14 +172,23 @@ def test_evict_kill9_restart_the_key_stays_gone(start_daemon, tmp_path) -> None:
         assert sc.get(lid, victims) == [None] * 8
 
 
+def _file_prefix(d, sc: Sidecar) -> str:
+    """What the daemon's file names start with: ``kvtier-<pid>-<epoch>-r<random>``, read from its
+    key table's name (only the daemon's own uid can list its directory; the random part keeps
+    anyone else from naming a file before the daemon makes it)."""
+    epoch = sc.stats()["epoch"]
+    tables = [n for n in os.listdir(d.shm_dir) if n.startswith(f"kvtier-{d.pid}-{epoch}-r") and n.endswith(".keys")]
+    assert len(tables) == 1, tables
+    return tables[0][:-len(".keys")]
+
+
 def test_preplanted_symlink_at_the_pool_path_is_refused(start_daemon, tmp_path) -> None:
     d = start_daemon(host_capacity="8MiB")
     layout = Layout.flat(BLOCK)
     victim = tmp_path / "precious"
     victim.write_bytes(b"do not truncate me")
     with Sidecar(d.socket) as sc:
-        epoch = sc.stats()["epoch"]
-        path = os.path.join(d.shm_dir, f"kvtier-{d.pid}-{epoch}-{layout.slot_bytes}.pool")
+        path = os.path.join(d.shm_dir, f"{_file_prefix(d, sc)}-{layout.slot_bytes}.pool")
         os.symlink(victim, path)                                     # planted before the first layout
         with pytest.raises(Exception) as refused:
             sc.register_layout(layout)
@@ -192,8 +201,7 @@ def test_preplanted_file_at_the_pool_path_is_refused(start_daemon) -> None:
     d = start_daemon(host_capacity="8MiB")
     layout = Layout.flat(BLOCK)
     with Sidecar(d.socket) as sc:
-        epoch = sc.stats()["epoch"]
-        path = os.path.join(d.shm_dir, f"kvtier-{d.pid}-{epoch}-{layout.slot_bytes}.pool")
+        path = os.path.join(d.shm_dir, f"{_file_prefix(d, sc)}-{layout.slot_bytes}.pool")
         with open(path, "wb") as fh:                                 # another's file, readable by them
             fh.write(b"x")
         os.chmod(path, 0o644)

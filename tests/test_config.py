@@ -121,6 +121,9 @@ store_mooncake_master store_mooncake_metadata store_mooncake_protocol store_moon
 store_namespace store_password_file store_plaintext store_queue_bytes store_read_through store_redis
 store_timeout_s store_tls_ca store_tls_cert store_tls_key store_ttl_s store_user store_write tcp tcp_services
 tenant_quota tenants tls_ca tls_cert tls_key transfer_wait_s
+credential_hello_timeout_s max_pending_handshakes_per_uid grpc_idle_s max_kv_registrations_per_session
+max_kv_registrations_per_tenant max_passed_fds_per_connection max_passed_fds_per_uid max_passed_fds_per_tenant
+fd_reserve
 """.split()
 
 

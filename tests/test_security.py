@@ -23,6 +23,20 @@ from attacks_bounds import (  # noqa: E402
     test_slow_subscriber_is_dropped_with_bounded_memory,
 )
 
+# -- denial of service: descriptors, connections, registrations, decoders, host files (10 tests) --
+from attacks_budgets import (  # noqa: E402
+    test_a_grpc_connection_that_makes_no_call_is_closed,
+    test_a_hello_nested_60000_deep_is_refused,
+    test_a_planted_private_subdirectory_is_refused,
+    test_a_shm_dir_anyone_may_write_gets_a_private_subdirectory_and_unpredictable_names,
+    test_a_uid_not_admitted_cannot_fill_the_credential_socket,
+    test_an_admitted_uid_has_a_bounded_share_of_connections_before_hello,
+    test_kv_registrations_over_the_session_limit_are_refused,
+    test_passed_fds_cannot_take_the_daemons_reserve,
+    test_passed_fds_over_the_connection_budget_are_refused_and_closed,
+    test_passed_fds_over_the_uid_or_tenant_budget_are_refused,
+)
+
 # -- host-tier integrity, files and crashes (9 tests) --
 from attacks_integrity import (  # noqa: E402
     test_disk_dir_of_another_uid_is_refused,
@@ -170,4 +184,14 @@ __all__ = [
     "test_lmdb_and_slab_files_are_owner_only",
     "test_disk_dir_writable_by_others_is_refused",
     "test_disk_dir_of_another_uid_is_refused",
+    "test_passed_fds_over_the_connection_budget_are_refused_and_closed",
+    "test_passed_fds_over_the_uid_or_tenant_budget_are_refused",
+    "test_passed_fds_cannot_take_the_daemons_reserve",
+    "test_a_uid_not_admitted_cannot_fill_the_credential_socket",
+    "test_an_admitted_uid_has_a_bounded_share_of_connections_before_hello",
+    "test_a_grpc_connection_that_makes_no_call_is_closed",
+    "test_kv_registrations_over_the_session_limit_are_refused",
+    "test_a_hello_nested_60000_deep_is_refused",
+    "test_a_shm_dir_anyone_may_write_gets_a_private_subdirectory_and_unpredictable_names",
+    "test_a_planted_private_subdirectory_is_refused",
 ]
