@@ -42,6 +42,20 @@ __all__ = ["SETTINGS", "Config", "ConfigError", "build_parser", "flag_name", "lo
 ConfigError = SettingsError
 """A setting that cannot be used; the message names it and where it came from."""
 
+# Defaults that modules' constructors share with their settings (each knob's default, once)
+EVENT_LOG_KEYS = 1 << 20
+EVENT_LOG_BYTES = 64 << 20
+PEER_TIMEOUT_S = 5.0
+PEER_RESOLVE_S = 10.0
+PEER_BACKOFF_MAX_S = 30.0
+PEER_CHUNK_BYTES = 1024**2
+PEER_WINDOW_BYTES = 32 * 1024**2
+STORE_NAMESPACE = "default"
+STORE_TTL_S = 3600.0
+STORE_TIMEOUT_S = 2.0
+STORE_QUEUE_BYTES = 256 * 1024**2
+MOONCAKE_SEGMENT_BYTES = 512 * 1024**2
+MOONCAKE_BUFFER_BYTES = 128 * 1024**2
 HELLO_TIMEOUT_S = 10.0
 """Seconds a credential-socket connection has to send its hello."""
 MAX_PENDING_PER_UID = 16
@@ -211,9 +225,9 @@ class GpuSettings:
 class FeedSettings:
     """The location feed routers follow, and the vLLM-format KV event stream."""
 
-    event_log_keys: int = _opt(1 << 20, "keys of location events kept for routers to resume from; a "
+    event_log_keys: int = _opt(EVENT_LOG_KEYS, "keys of location events kept for routers to resume from; a "
                                         "router further behind gets a snapshot instead", parse_int, "N")
-    event_log_bytes: int = _opt(64 << 20, "most bytes of daemon memory each tenant's location-event ring may take "
+    event_log_bytes: int = _opt(EVENT_LOG_BYTES, "most bytes of daemon memory each tenant's location-event ring may take "
                                           "(its keys and about 256 bytes per event), beside --event-log-keys; older "
                                           "events are dropped first (a subscriber that fell behind them gets a "
                                           "snapshot)", parse_size, "SIZE")
@@ -264,17 +278,17 @@ class PeerSettings:
                                                   "tenant's blocks with its own certificate; tenants not "
                                                   "listed use --peer-tls-cert", parse_entries, "ENTRY",
                                               repeat=True)
-    peer_timeout_s: float = _opt(5.0, "most seconds a call to a peer waits for its next reply (its node info, a "
+    peer_timeout_s: float = _opt(PEER_TIMEOUT_S, "most seconds a call to a peer waits for its next reply (its node info, a "
                                       "Holds answer, the next chunk of a fetch); past it the call is cut, the "
                                       "keys not yet complete are misses and the peer is marked down",
                                  parse_float, "SECONDS")
-    peer_resolve_s: float = _opt(10.0, "re-resolve the --peers names and ask new peers their node id this often",
+    peer_resolve_s: float = _opt(PEER_RESOLVE_S, "re-resolve the --peers names and ask new peers their node id this often",
                                  parse_float, "SECONDS")
-    peer_backoff_max_s: float = _opt(30.0, "a peer that stops answering is marked down and tried again after "
+    peer_backoff_max_s: float = _opt(PEER_BACKOFF_MAX_S, "a peer that stops answering is marked down and tried again after "
                                            "0.5 s, doubling up to this", parse_float, "SECONDS")
-    peer_chunk_bytes: int = _opt(1024**2, "payload bytes per message of a peer fetch (64KiB to 4MiB)",
+    peer_chunk_bytes: int = _opt(PEER_CHUNK_BYTES, "payload bytes per message of a peer fetch (64KiB to 4MiB)",
                                  parse_size, "SIZE")
-    peer_window_bytes: int = _opt(32 * 1024**2, "payload bytes of a peer fetch held in memory at once on each "
+    peer_window_bytes: int = _opt(PEER_WINDOW_BYTES, "payload bytes of a peer fetch held in memory at once on each "
                                                 "side: the serving daemon reads this many blocks' bytes at a "
                                                 "time, the fetching one puts arrived blocks into host once it "
                                                 "holds this many", parse_size, "SIZE")
@@ -293,19 +307,19 @@ class StoreSettings:
                                        "mooncake (a Mooncake Store, --store-mooncake-master; needs pip install -e '.[mooncake]' "
                                        "in a kvtier checkout, and libibverbs1, libnuma1 and libcurl4)",
                               metavar="redis|mooncake")
-    store_namespace: str = _opt("default", "keys in the store are kvtier:<namespace>:<tenant fingerprint>:<key>; "
+    store_namespace: str = _opt(STORE_NAMESPACE, "keys in the store are kvtier:<namespace>:<tenant fingerprint>:<key>; "
                                            "daemons share blocks only within one namespace", metavar="NAME")
-    store_ttl_s: float = _opt(3600.0, "each block written to the store expires this many seconds after its "
+    store_ttl_s: float = _opt(STORE_TTL_S, "each block written to the store expires this many seconds after its "
                                       "write (Redis PX); the feed drops it from remote then", parse_float, "SECONDS")
     store_write: str = _opt("put", "when host blocks are written behind to the store: put (after each commit, "
                                    "so other nodes can read them at once), demotion (when host evicts them) "
                                    "or off (read only)", metavar="put|demotion|off")
     store_read_through: bool = _opt(True, "a get whose keys no local tier holds asks the store for them",
                                     parse_bool, "BOOL")
-    store_timeout_s: float = _opt(2.0, "most seconds one store call may take (socket connect and read); a get "
+    store_timeout_s: float = _opt(STORE_TIMEOUT_S, "most seconds one store call may take (socket connect and read); a get "
                                        "waits at most this long on the store, then answers misses",
                                     parse_float, "SECONDS")
-    store_queue_bytes: int = _opt(256 * 1024**2, "most payload bytes waiting to be written behind; blocks "
+    store_queue_bytes: int = _opt(STORE_QUEUE_BYTES, "most payload bytes waiting to be written behind; blocks "
                                                  "beyond it are not written (store_writes_dropped)",
                                   parse_size, "SIZE")
     store_tls_cert: str = _opt("", "client certificate (PEM) for mutual TLS to the store (Redis tls-auth-clients); "
@@ -332,9 +346,9 @@ class StoreSettings:
                                                   "(its segment is served from here)", metavar="HOST")
     store_mooncake_device: str = _opt("", "RDMA device names for --store-mooncake-protocol rdma; empty: auto",
                                       metavar="NAMES")
-    store_mooncake_segment_bytes: int = _opt(512 * 1024**2, "memory this node gives the Mooncake Store's pool "
+    store_mooncake_segment_bytes: int = _opt(MOONCAKE_SEGMENT_BYTES, "memory this node gives the Mooncake Store's pool "
                                                             "(its global segment)", parse_size, "SIZE")
-    store_mooncake_buffer_bytes: int = _opt(128 * 1024**2, "this node's Mooncake transfer buffer (the most "
+    store_mooncake_buffer_bytes: int = _opt(MOONCAKE_BUFFER_BYTES, "this node's Mooncake transfer buffer (the most "
                                                            "bytes of one batch's puts or gets in flight)",
                                             parse_size, "SIZE")
 

@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.daemon.auth import DEFAULT_TENANT
+from kvtier.daemon.config import EVENT_LOG_BYTES, EVENT_LOG_KEYS
 from kvtier.daemon.counters import Count
 from kvtier.daemon.layouts import RegisteredLayout, split_worker
 from kvtier.daemon.stats import TierUsage, tier_usage
@@ -162,8 +163,8 @@ class TenantLog:
     """One tenant's feed (see the module docstring): fingerprints are the layouts' own,
     workers their own ids."""
 
-    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = 1 << 20,
-                 tenant: str = DEFAULT_TENANT, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = EVENT_LOG_KEYS,
+                 tenant: str = DEFAULT_TENANT, max_bytes: int = EVENT_LOG_BYTES) -> None:
         self.tenant = tenant
         self.store = store
         self.node_id = node_id
@@ -333,8 +334,8 @@ class LocationLog(TenantLog):
     """The default tenant's feed, and the :class:`~kvtier.daemon.observers.LocationObserver`
     that hands each change to its tenant's feed (see the module docstring)."""
 
-    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = 1 << 20,
-                 max_bytes: int = 64 << 20) -> None:
+    def __init__(self, store: BlockStore, node_id: str, epoch: int, max_keys: int = EVENT_LOG_KEYS,
+                 max_bytes: int = EVENT_LOG_BYTES) -> None:
         super().__init__(store, node_id, epoch, max_keys, DEFAULT_TENANT, max_bytes)
         self._logs: dict[str, TenantLog] = {DEFAULT_TENANT: self}
         store.layout_hooks.append(self._layout_registered)

@@ -39,6 +39,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvtier.daemon.config import MOONCAKE_BUFFER_BYTES, MOONCAKE_SEGMENT_BYTES
+
 log = logging.getLogger("kvtier.store")
 
 EXPIRY = struct.Struct("<Q")  # expiry, Unix milliseconds
@@ -63,7 +65,8 @@ class MooncakeBackend:
     name = "mooncake"
 
     def __init__(self, master: str, metadata: str, protocol: str = "tcp", local_host: str = "127.0.0.1",
-                 device: str = "", segment_bytes: int = 512 * 1024**2, buffer_bytes: int = 128 * 1024**2) -> None:
+                 device: str = "", segment_bytes: int = MOONCAKE_SEGMENT_BYTES,
+                 buffer_bytes: int = MOONCAKE_BUFFER_BYTES) -> None:
         self.master = master
         self.metadata = metadata
         self.protocol = protocol

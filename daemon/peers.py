@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvtier.daemon.config import PEER_BACKOFF_MAX_S, PEER_RESOLVE_S, PEER_TIMEOUT_S, PEER_WINDOW_BYTES
 from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.remote import Fetched, StreamedSource
 from kvtier.tiers.layout import Layout
@@ -182,8 +183,8 @@ class Peers(StreamedSource):
     name = "peer"
 
     def __init__(self, entries: Sequence[str], wire: PeerWire, counters: Counters, *, read_through: bool = False,
-                 timeout_s: float = 5.0, resolve_s: float = 10.0, backoff_max_s: float = 30.0,
-                 window_bytes: int = 32 * 1024**2, own_node_id: str = "", resolve: Resolve | None = None) -> None:
+                 timeout_s: float = PEER_TIMEOUT_S, resolve_s: float = PEER_RESOLVE_S,
+                 backoff_max_s: float = PEER_BACKOFF_MAX_S, window_bytes: int = PEER_WINDOW_BYTES, own_node_id: str = "", resolve: Resolve | None = None) -> None:
         self.entries = tuple(entries)
         self.wire = wire
         self.counters = counters

@@ -60,6 +60,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
+from kvtier.daemon.config import STORE_NAMESPACE, STORE_QUEUE_BYTES, STORE_TIMEOUT_S, STORE_TTL_S
 from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.observers import Observers
 from kvtier.daemon.remote import Fetched, StreamedSource
@@ -433,8 +434,9 @@ class RemoteStore(StreamedSource):
     verified = True  # each payload is hashed against its value's header on arrival (decode)
 
     def __init__(self, backend: Backend, placement, counters: Counters, observers: Observers,  # noqa: ANN001
-                 namespace: str = "default", ttl_s: float = 3600.0, write: str = "put", read_through: bool = True,
-                 timeout_s: float = 2.0, queue_bytes: int = 256 * 1024**2) -> None:
+                 namespace: str = STORE_NAMESPACE, ttl_s: float = STORE_TTL_S, write: str = "put",
+                 read_through: bool = True, timeout_s: float = STORE_TIMEOUT_S,
+                 queue_bytes: int = STORE_QUEUE_BYTES) -> None:
         self.backend = backend
         self.placement = placement
         self.counters = counters

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from kvtier.daemon.auth import Authenticator
+from kvtier.daemon.config import PEER_CHUNK_BYTES, PEER_WINDOW_BYTES
 from kvtier.daemon.counters import Count
 from kvtier.daemon.errors import Code, StoreError, check_keys
 from kvtier.daemon.layouts import tenant_fingerprint
@@ -51,7 +52,7 @@ from kvtier.tiers.vocab import FP_BYTES, Tier, pack_block
 
 log = logging.getLogger("kvtier.peer")
 
-DEFAULT_CHUNK_BYTES = 1024**2
+DEFAULT_CHUNK_BYTES = PEER_CHUNK_BYTES
 MIN_CHUNK_BYTES = 64 * 1024
 MAX_CHUNK_BYTES = 4 * 1024**2
 MAX_BLOCK_BYTES = 1 << 31
@@ -71,7 +72,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     """See the module docstring."""
 
     def __init__(self, store: BlockStore, node_id: str, epoch: int, latency: OpLatency,
-                 auth: Authenticator | None = None, window_bytes: int = 32 * 1024**2, delay_s: float = 0.0) -> None:
+                 auth: Authenticator | None = None, window_bytes: int = PEER_WINDOW_BYTES, delay_s: float = 0.0) -> None:
         self.store = store
         self.counters = store.counters
         self.node_id = node_id
