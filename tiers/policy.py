@@ -11,6 +11,15 @@ key; the replay a trace's integer hash ids).
 Rules
     * LRU per tier: a block that is stored or used becomes the most recent one of its tier;
       :meth:`TierPolicy.victims` offers a tier's blocks least recently used first.
+    * Eviction order (``eviction``, :data:`EVICTIONS`): ``lru`` (the default, kvtierd's) makes
+      the keys of one call recent in the order given. ``kvtier`` (an option under evaluation,
+      docs/eviction.md) makes the keys of one call (a put's commit, a get's hits, a
+      promotion, one request of the replay) recent in host and on disk *tail first*: a call's
+      keys are a chain's blocks in order, so its head ends the most recent and its tail is evicted first. A block is
+      useful only while every block before it is held (only a leading run is served), so
+      evicting a chain's tail first costs what it frees and nothing more, where ``lru``
+      (head first, the order of the call) evicts the head and leaves the rest of the chain
+      held but unusable. Between calls both are LRU. gpu is LRU in call order under both.
     * Seen count: every put and every hit of a block counts one (in :meth:`TierPolicy.access`,
       every request that uses it). The count is kept while the block is held in some tier (or
       on its way to disk); a block that leaves every tier forgets it and starts again at one.
@@ -81,6 +90,11 @@ GPU, HOST, DISK = Tier.GPU, Tier.HOST, Tier.DISK
 DEMOTE_MIN_SEEN = 2
 """The default ``demote_min_seen``: when the disk's write queue is full, a host victim is demoted
 only if it was seen this many times (kvtierd's ``--demote-min-seen``, the replay's too)."""
+EVICTIONS = ("kvtier", "lru")
+"""The eviction orders a :class:`TierPolicy` runs (see Eviction order in the module docstring)."""
+DEFAULT_EVICTION = "lru"
+"""The eviction order kvtierd runs (its store builds ``TierPolicy`` without ``eviction``), and
+so the replay's default."""
 DEMOTE_AHEAD_BYTES = 128 * 1024**2
 """The default write-ahead window in bytes (kvtierd's ``--demote-ahead-bytes``, the replay's
 too), of which :attr:`TierPolicy.write_ahead` holds the whole blocks."""
@@ -147,12 +161,17 @@ class TierPolicy:
 
     def __init__(self, gpu_blocks: int | None, host_blocks: int | None, disk_blocks: int | None,
                  demote_min_seen: int = DEMOTE_MIN_SEEN,
-                 host_map: MutableMapping[Hashable, int | None] | None = None) -> None:
+                 host_map: MutableMapping[Hashable, int | None] | None = None,
+                 eviction: str = DEFAULT_EVICTION) -> None:
         caps = (gpu_blocks, host_blocks, disk_blocks)
         if any(c is not None and c < 0 for c in caps):
             raise ValueError("tier capacities are block counts >= 0 (or None: bounded by the caller)")
         if demote_min_seen < 1:
             raise ValueError("demote_min_seen must be >= 1")
+        if eviction not in EVICTIONS:
+            raise ValueError(f"unknown eviction {eviction!r}; choose from {', '.join(EVICTIONS)}")
+        self.eviction = eviction
+        self._tail_first = eviction == "kvtier"  # a call's keys made recent tail first (host, disk)
         self.capacity: dict[Tier, int | None] = dict(zip(TIERS, caps, strict=True))
         self.demote_min_seen = demote_min_seen
         # demotions the disk's write queue takes now before it backs up (None: no limit), and
@@ -255,7 +274,7 @@ class TierPolicy:
     def on_promote(self, keys: Iterable[Hashable]) -> None:
         """These blocks were read from disk into host (they stay on disk): the most recent ones
         of both tiers, seen once more."""
-        keys = list(keys)
+        keys = self._call_order(keys)
         self.counts.promotions += len(keys)
         self._see(keys)
         self._touch(DISK, keys)
@@ -316,8 +335,7 @@ class TierPolicy:
         in (disk for a promoted one), or None."""
         host = self.tiers[HOST]
         hits = [k for k in keys if k in host]
-        for k in hits:
-            self.on_hit((k,))
+        self.on_hit(hits)
         promoted = self._promote(self.promotions(keys), keep_host=set(hits))
         return [DISK if k in promoted else HOST if k in host else None for k in keys]
 
@@ -349,7 +367,7 @@ class TierPolicy:
         promoted = [k for k, r in zip(keys, ranks, strict=False) if r is DISK]
         if promoted:
             c.promotions += len(promoted)
-            self._touch(DISK, promoted)  # a hit is a use on disk too
+            self._touch(DISK, self._call_order(promoted))  # a hit is a use on disk too
         evicted, demoted = c.evictions[HOST.rank], c.demotions
         self._write_through(HOST, keys, see=True)  # every key seen once more; before gpu, so a
         if self.write_ahead and c.evictions[HOST.rank] > evicted:  # (the write-ahead's room: what
@@ -386,7 +404,7 @@ class TierPolicy:
         """:meth:`_see`, then :meth:`_touch` of ``tier`` (host or disk), in one pass."""
         od, other = self.tiers[tier], self.tiers[DISK if tier is HOST else HOST]
         get, other_get, loose_pop, move = od.get, other.get, self._loose.pop, od.move_to_end
-        for k in keys:
+        for k in self._call_order(keys):
             n = get(k)
             if n is not None:  # held here (and maybe in the other): the same count in both
                 move(k)
@@ -399,6 +417,14 @@ class TierPolicy:
                 od[k] = loose_pop(k, 0) + 1
             else:
                 od[k] = other[k] = n + 1
+
+    def _call_order(self, keys: Iterable[Hashable]) -> list[Hashable]:
+        """The keys of one call in the order they become recent in host and disk: tail first
+        under ``kvtier`` (the chain's head ends the most recent), as given under ``lru``."""
+        keys = list(keys)
+        if self._tail_first:
+            keys.reverse()
+        return keys
 
     def _touch(self, tier: Tier, keys: Iterable[Hashable]) -> None:
         """Make ``keys`` the most recent of ``tier``; a key new in host or disk brings its count."""
@@ -516,4 +542,4 @@ class TierPolicy:
             self.on_demotion_end(demote)
 
 
-__all__ = ["DISK", "GPU", "HOST", "PolicyCounts", "PutOutcome", "SeenCounts", "TierPolicy"]
+__all__ = ["DEFAULT_EVICTION", "DISK", "EVICTIONS", "GPU", "HOST", "PolicyCounts", "PutOutcome", "SeenCounts", "TierPolicy"]

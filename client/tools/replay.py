@@ -57,6 +57,14 @@ Policies (``--policy``)
 
 ``--rate-scale X`` divides the arrival times by X.
 
+Eviction (``--eviction``) orders the host and disk tiers' victims: ``lru`` (the default,
+kvtierd's) and ``kvtier`` (tail first, an option under evaluation) are
+:class:`~kvtier.tiers.policy.TierPolicy`'s (see docs/eviction.md);
+``opt`` is the clairvoyant bound: the victim is the block whose next use in the trace is the
+farthest (Belady), with the same prefix rule (only a leading run is served). It needs the
+future, so only a replay runs it: ``kvtier replay my.jsonl --policy round-robin --replicas 1
+--eviction opt`` is the most any eviction order reaches on that trace and those capacities.
+
 Per (policy, replicas) the output has: ``hit_rate`` (remote hits included), ``hit_rate_by_tier``
 {gpu, host, disk}, ``remote_hit_rate`` (blocks pulled from peers),
 ``prefill_tokens_saved``, ``imbalance`` (max / mean of the prefill tokens each replica
@@ -73,6 +81,7 @@ points marked, and imbalance.
 from __future__ import annotations
 
 import argparse
+import array
 import heapq
 import itertools
 import json
@@ -81,7 +90,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 
@@ -92,8 +101,11 @@ from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import LOAD_MODES, ScorerConfig
 from kvtier.proto import locations_pb2 as L
 from kvtier.settings import format_size, parse_size
-from kvtier.tiers.policy import DEMOTE_AHEAD_BYTES, DEMOTE_MIN_SEEN, TierPolicy
+from kvtier.tiers.policy import DEFAULT_EVICTION, DEMOTE_AHEAD_BYTES, DEMOTE_MIN_SEEN, EVICTIONS, TierPolicy
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
+
+#: the replay's eviction orders: the policy's, and the clairvoyant bound
+REPLAY_EVICTIONS = (*EVICTIONS, "opt")
 
 POLICIES = ("round-robin", "random", "session", "prefix", "kvtier", "kvtier-pull")
 #: the policies run when ``--policy`` is not given (kvtier-pull needs ``--peer-gbps``)
@@ -177,6 +189,7 @@ class ReplayConfig:
     new_session_spread: float = _ROUTER.new_session_spread
     new_session_share: float = _ROUTER.new_session_share
     session_halflife_s: float = _ROUTER.session_halflife_s
+    eviction: str = DEFAULT_EVICTION  # host and disk victim order: lru (kvtierd's), kvtier or opt (REPLAY_EVICTIONS)
 
     def blocks(self, tokens: int) -> int:
         return tokens // self.block_tokens
@@ -244,8 +257,9 @@ class SimulatedNode:
 
     def __init__(self, cfg: ReplayConfig, node_id: str, worker_id: str, feed: Feed | None = None) -> None:
         self.node_id, self.worker_id = node_id, worker_id
-        self._policy = TierPolicy(cfg.blocks(cfg.gpu_tokens), cfg.blocks(cfg.host_tokens),
-                                  cfg.blocks(cfg.disk_tokens), cfg.demote_min_seen)
+        caps = (cfg.blocks(cfg.gpu_tokens), cfg.blocks(cfg.host_tokens), cfg.blocks(cfg.disk_tokens))
+        self._policy = (ClairvoyantPolicy(*caps, cfg.demote_min_seen) if cfg.eviction == "opt" else
+                        TierPolicy(*caps, cfg.demote_min_seen, eviction=cfg.eviction))
         # the daemon's write-ahead window: at most a quarter of host, in whole blocks
         self._policy.write_ahead = int(min(cfg.demote_ahead_bytes, cfg.host_tokens * cfg.kv_bytes_per_token / 4)
                                        // (cfg.block_tokens * cfg.kv_bytes_per_token)) if cfg.disk_write_gbps > 0 else 0
@@ -265,10 +279,14 @@ class SimulatedNode:
             feed(L.WatchLocationsReply(epoch=1, node=info))
             feed(L.WatchLocationsReply(epoch=1, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)))
 
-    def access(self, keys: list[bytes], now: float = 0.0) -> tuple[int, int, int]:
+    def access(self, keys: list[bytes], now: float = 0.0,
+               next_uses: Sequence[int] | None = None) -> tuple[int, int, int]:
         """Serve one request: blocks of its leading run found in gpu, host and disk. Every
-        block it used is then held (``TierPolicy.access``); the changes go to the feed."""
+        block it used is then held (``TierPolicy.access``); the changes go to the feed.
+        ``next_uses``: the request index of each key's next use (the ``opt`` eviction's)."""
         policy = self._policy
+        if isinstance(policy, ClairvoyantPolicy):
+            policy.will_use(keys, next_uses if next_uses is not None else [NEVER] * len(keys))
         write_gbps = self._cfg.disk_write_gbps
         if write_gbps > 0:  # the disk writes at its bandwidth (a token bucket); demotions beyond it are dropped
             block_bytes = self._cfg.block_tokens * self._cfg.kv_bytes_per_token
@@ -322,6 +340,70 @@ class SimulatedNode:
         """(evictions from gpu, host, disk; demotions; promotions) so far."""
         c = self._policy.counts
         return list(c.evictions), c.demotions, c.promotions
+
+
+NEVER = 1 << 62
+"""The next use of a key the trace does not use again."""
+
+
+class ClairvoyantPolicy(TierPolicy):
+    """The ``opt`` eviction: :class:`TierPolicy` whose host and disk victims are the blocks
+    used again farthest in the future (or never), Belady's bound; gpu stays LRU. Before each
+    request the replay tells it when each of the request's keys is used next
+    (:meth:`will_use`); each tier keeps a heap of (-next use, key), checked lazily against
+    what it holds. Everything else (demotions, promotions, counts) is the policy's."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self._next: dict[Hashable, int] = {}
+        self._heaps: dict[Tier, list[tuple[int, Hashable]]] = {Tier.HOST: [], Tier.DISK: []}
+
+    def will_use(self, keys: Sequence[Hashable], next_uses: Sequence[int]) -> None:
+        nxt = self._next
+        nxt.update(zip(keys, next_uses, strict=True))
+        for tier, heap in self._heaps.items():
+            if self.capacity[tier] == 0:
+                continue
+            if len(heap) > 4 * len(self.tiers[tier]) + 4096:  # drop stale entries
+                heap[:] = [(-nxt[k], k) for k in self.tiers[tier] if k in nxt]
+                heapq.heapify(heap)
+            for k, n in zip(keys, next_uses, strict=True):
+                heapq.heappush(heap, (-n, k))
+
+    def victims(self, tier: Tier, keep: Collection[Hashable] = ()) -> Iterator[Hashable]:
+        if tier is Tier.GPU:
+            return super().victims(tier, keep)
+        return self._farthest(tier, keep)
+
+    def _farthest(self, tier: Tier, keep: Collection[Hashable]) -> Iterator[Hashable]:
+        heap, held, nxt = self._heaps[tier], self.tiers[tier], self._next
+        kept: list[tuple[int, Hashable]] = []
+        given: set[Hashable] = set()
+        try:
+            while heap:
+                n, k = heapq.heappop(heap)
+                if k not in held or nxt.get(k) != -n or k in given:
+                    continue  # stale: left the tier, or used since
+                if k in keep:
+                    kept.append((n, k))
+                    continue
+                given.add(k)
+                yield k
+        finally:
+            for e in kept:
+                heapq.heappush(heap, e)
+
+
+def next_uses(requests: Sequence[Request]) -> list[array.array]:
+    """For each request, the index of the next request that uses each of its keys (``NEVER``)."""
+    out: list[array.array] = [array.array("q")] * len(requests)
+    later: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        keys = requests[i].keys
+        out[i] = array.array("q", [later.get(h, NEVER) for h in keys])
+        for h in keys:
+            later[h] = i
+    return out
 
 
 class Replica:
@@ -517,9 +599,10 @@ class Cluster:
             n += 1
         return n - own
 
-    def step(self, req: Request) -> tuple[int, tuple[int, int, int], float]:
+    def step(self, req: Request, next_uses: Sequence[int] | None = None) -> tuple[int, tuple[int, int, int], float]:
         """Route and serve one request: (replica, blocks served from gpu, host, disk, TTFT);
-        blocks pulled from peers (the remote tier) are added to :attr:`remote_hits`."""
+        blocks pulled from peers (the remote tier) are added to :attr:`remote_hits`.
+        ``next_uses``: see :meth:`SimulatedNode.access` (the ``opt`` eviction's)."""
         cfg, reps = self.cfg, self.replicas
         now = req.arrival_s
         for rep in reps:
@@ -527,7 +610,7 @@ class Cluster:
         keys = [block_key(h) for h in req.keys]
         i = self.policy.choose(req, keys, now, reps) if len(reps) > 1 else 0
         rep = reps[i]
-        hits = rep.node.access(keys, now)  # every key is held by rep from now on: pulled ones too
+        hits = rep.node.access(keys, now, next_uses)  # every key is held by rep from now on: pulled ones too
         remote = self._pulled(i, keys, sum(hits)) if self.policy.pulled else 0
         self.remote_hits += remote
         computed = req.input_tokens - min((sum(hits) + remote) * cfg.block_tokens, req.input_tokens)
@@ -568,12 +651,13 @@ def replay(requests: Sequence[Request], cfg: ReplayConfig, policy: str, replicas
     if policy == "session" and not any(r.session is not None for r in requests):
         return Row(policy, replicas, requests=len(requests), na="trace has no session_id")
     cluster = Cluster(cfg, policy, replicas)
+    future = next_uses(requests) if cfg.eviction == "opt" else None
     ttft = np.empty(len(requests))
     hits = [0, 0, 0]
     saved_tokens = 0
     for i, req in enumerate(requests):
         before = cluster.remote_hits
-        _, served, ttft[i] = cluster.step(req)
+        _, served, ttft[i] = cluster.step(req, None if future is None else future[i])
         for t in range(3):
             hits[t] += served[t]
         saved_tokens += min((sum(served) + cluster.remote_hits - before) * cfg.block_tokens, req.input_tokens)
@@ -852,6 +936,10 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
     ap.add_argument("--gpu-tokens", type=_tokens, default=d.gpu_tokens, help="per replica, e.g. 100k [%(default)s]")
     ap.add_argument("--host-tokens", type=_tokens, default=d.host_tokens, help="per replica, e.g. 1M [%(default)s]")
     ap.add_argument("--disk-tokens", type=_tokens, default=d.disk_tokens, help="per replica, e.g. 10M [%(default)s]")
+    ap.add_argument("--eviction", choices=REPLAY_EVICTIONS, default=d.eviction,
+                    help="host and disk victim order: lru (kvtierd's), kvtier (a request's chain is evicted "
+                         "tail first; under evaluation), or opt (the clairvoyant bound: the block used again farthest ahead goes "
+                         "first; the most any order reaches here) [%(default)s]")
     ap.add_argument("--demote-min-seen", type=int, default=d.demote_min_seen,
                     help="when the disk's write queue is full, host evictions go to disk only if used "
                          "this often [%(default)s]")
@@ -921,7 +1009,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   host_load_gbps=args.host_load_gbps, disk_load_gbps=args.disk_load_gbps,
                   queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed,
                   peer_gbps=args.peer_gbps, rate_scale=args.rate_scale, loads=args.loads, new_session_spread=args.new_session_spread,
-                  new_session_share=args.new_session_share, session_halflife_s=args.session_halflife_s)
+                  new_session_share=args.new_session_share, session_halflife_s=args.session_halflife_s,
+                  eviction=args.eviction)
     if args.peer_gbps < 0:
         ap.error("--peer-gbps must be >= 0 (0: no peers)")
     try:
@@ -945,7 +1034,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bar.close()
     print(f"{args.trace}: {len(requests)} requests, {sum(len(r.keys) for r in requests)} blocks of "
           f"{cfg.block_tokens} tokens; per replica gpu {_human(cfg.gpu_tokens)}, host {_human(cfg.host_tokens)}, "
-          f"disk {_human(cfg.disk_tokens)} tokens")
+          f"disk {_human(cfg.disk_tokens)} tokens; eviction {cfg.eviction}")
     print(format_table(rows, markdown=args.markdown))
     if pool is not None:
         print("pooled (1 replica with N x the capacity) hit rate: "

@@ -1,0 +1,80 @@
+"""Eviction orders of the placement policy: ``kvtier`` evicts a chain's tail before its head,
+``lru`` its head first; the replay's ``opt`` is the clairvoyant bound and never below either."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.client.tools.replay import ReplayConfig, Request, main, next_uses, replay
+from kvtier.tiers.policy import DEFAULT_EVICTION, HOST, TierPolicy
+
+
+def test_kvtier_evicts_a_chains_tail_first() -> None:
+    """A chain a, b, c, d and then a new chain x, y past capacity 5: kvtier keeps the head a, b
+    (the next request for the chain still hits them), lru keeps c, d (useless without a)."""
+    kv, lru = TierPolicy(0, 5, 0, eviction="kvtier"), TierPolicy(0, 5, 0, eviction="lru")
+    for p in (kv, lru):
+        p.access(["a", "b", "c", "d"])
+        p.access(["x", "y"])
+    assert set(kv.tiers[HOST]) == {"a", "b", "c", "x", "y"}
+    assert set(lru.tiers[HOST]) == {"b", "c", "d", "x", "y"}
+    assert len(kv.leading_ranks(["a", "b", "c", "d"])) == 3
+    assert len(lru.leading_ranks(["a", "b", "c", "d"])) == 0
+
+
+def test_lru_is_the_default_and_a_kvtier_put_is_tail_first() -> None:
+    """The default is the order kvtierd runs (its store builds TierPolicy without eviction)."""
+    assert DEFAULT_EVICTION == "lru"
+    assert TierPolicy(0, 3, 0).eviction == "lru" and ReplayConfig().eviction == "lru"
+    p = TierPolicy(0, 3, 0, eviction="kvtier")
+    p.put(["a", "b", "c"])
+    assert list(p.victims(HOST)) == ["c", "b", "a"]
+    p = TierPolicy(0, 3, 0)
+    p.put(["a", "b", "c"])
+    assert list(p.victims(HOST)) == ["a", "b", "c"]
+    with pytest.raises(ValueError):
+        TierPolicy(0, 3, 0, eviction="nope")
+
+
+def _loop(sessions: int, turns: int, length: int) -> list[Request]:
+    """Sessions taking turns round-robin, each turn re-reading its whole chain plus one block."""
+    out, t = [], 0.0
+    for turn in range(turns):
+        for s in range(sessions):
+            keys = tuple(s * 10_000 + i for i in range(length + turn))
+            out.append(Request(t, len(keys) * 16, 1, keys))
+            t += 0.01
+    return out
+
+
+@pytest.mark.parametrize("host_blocks", [40, 100, 200])
+def test_orders_on_a_loop_larger_than_host(host_blocks: int) -> None:
+    """Sessions larger together than host: lru evicts each chain's head just before it returns;
+    kvtier keeps heads; opt is the most any order reaches."""
+    reqs = _loop(sessions=8, turns=6, length=12)
+    cfg = ReplayConfig(block_tokens=16, gpu_tokens=0, host_tokens=host_blocks * 16, disk_tokens=0)
+    rate = {e: replay(reqs, ReplayConfig(**{**cfg.__dict__, "eviction": e}), "round-robin", 1).hit_rate
+            for e in ("lru", "kvtier", "opt")}
+    assert rate["opt"] >= rate["kvtier"] - 1e-9 and rate["opt"] >= rate["lru"] - 1e-9
+    assert rate["kvtier"] >= rate["lru"]
+    if host_blocks == 100:  # past one turn of every session: lru keeps chains without heads
+        assert rate["kvtier"] > 2 * rate["lru"]
+
+
+def test_next_uses() -> None:
+    reqs = [Request(0, 1, 1, (1, 2)), Request(1, 1, 1, (2,)), Request(2, 1, 1, (1,))]
+    nu = [list(a) for a in next_uses(reqs)]
+    assert nu[0] == [2, 1] and nu[1][0] > 2 and nu[2][0] > 2
+
+
+def test_cli_eviction(tmp_path, capsys) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i, "input_length": 64, "output_length": 1,
+                                        "hash_ids": [i % 3, 10 + i % 3]}) + "\n" for i in range(30)))
+    for e in ("lru", "kvtier", "opt"):
+        assert main([str(path), "--block-tokens", "32", "--replicas", "1", "--policy", "round-robin",
+                     "--host-tokens", "64", "--gpu-tokens", "0", "--disk-tokens", "0", "--eviction", e, "--json"]) == 0
+        row = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert row["config"]["eviction"] == e
