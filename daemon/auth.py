@@ -26,8 +26,12 @@ TCP) is the authenticator's business; the rest of the daemon only sees principal
   :class:`TokenInterceptor` refuses every call of the Node, Locations and Transfer services
   that carries no valid token (UNAUTHENTICATED), so no handler runs for an unknown caller.
 * **TCP with TLS** (mutual: the daemon requires a client certificate signed by ``--tls-ca``).
-  ``tenant`` is the certificate's common name, or what a ``cn:NAME=TENANT`` entry of the
-  tenant map maps it to; ``caller`` is a hash of the certificate.
+  ``tenant`` is what a ``cn:NAME=TENANT`` entry of the tenant map maps the certificate's
+  common name to; an unmapped common name NAME is the tenant ``cn:NAME``, a namespace of its
+  own (a certificate whose CN is ``alice`` or ``default`` is never tenant ``alice`` or
+  ``default`` unless an entry says so). A certificate whose subject names more than one
+  common name is refused (UNAUTHENTICATED): which of them is the identity would be the TLS
+  library's choice. ``caller`` is a hash of the certificate.
 * **TCP with --insecure-tcp**: nobody is authenticated; every caller is the default tenant
   (the operator asked for it; the daemon says so loudly at start).
 
@@ -39,9 +43,11 @@ budget is refused RESOURCE_EXHAUSTED naming it, and keeps nothing.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
+import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -70,10 +76,15 @@ LOCAL = Principal()
 
 
 class Authenticator:
-    """Resolves the principal of a gRPC call. This base accepts every call as :data:`LOCAL`."""
+    """Resolves the principal of a gRPC call. This base accepts every call as :data:`LOCAL`,
+    the operator."""
 
     def principal(self, context: Any) -> Principal:
         return LOCAL
+
+    def is_operator(self, p: Principal) -> bool:
+        """Whether ``p`` may read node-wide figures (every tenant's counters and usage)."""
+        return True
 
 
 # -- authenticated transports -------------------------------------------------------------------
@@ -106,6 +117,54 @@ def parse_tenants(entries: Iterable[str]) -> tuple[dict[int, str], dict[str, str
     return by_uid, by_cn
 
 
+_CN_OID = bytes([0x06, 0x03, 0x55, 0x04, 0x03])  # DER of the OID 2.5.4.3 (commonName)
+
+
+def _der(buf: bytes, pos: int) -> tuple[int, int, int]:
+    """The DER element at ``pos``: (tag, start of its content, end of its content)."""
+    tag = buf[pos]
+    n = buf[pos + 1]
+    pos += 2
+    if n & 0x80:
+        k = n & 0x7F
+        if not 0 < k <= 4:
+            raise ValueError("unsupported DER length")
+        n = int.from_bytes(buf[pos:pos + k], "big")
+        pos += k
+    if pos + n > len(buf):
+        raise ValueError("truncated DER")
+    return tag, pos, pos + n
+
+
+def subject_common_names(pem: bytes) -> list[str]:
+    """Every common name (CN) in the subject of the first certificate of ``pem``, in order;
+    ValueError when it is not a certificate."""
+    m = re.search(rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", pem, re.S)
+    if m is None:
+        raise ValueError("no PEM certificate")
+    der = base64.b64decode(b"".join(m.group(1).split()))
+    _, start, _ = _der(der, 0)               # Certificate
+    _, pos, _ = _der(der, start)             # TBSCertificate
+    if der[pos] == 0xA0:                     # [0] version
+        pos = _der(der, pos)[2]
+    for _ in range(4):                       # serialNumber, signature, issuer, validity
+        pos = _der(der, pos)[2]
+    tag, pos, end = _der(der, pos)           # subject: SEQUENCE OF SET OF AttributeTypeAndValue
+    if tag != 0x30:
+        raise ValueError("no certificate subject")
+    names = []
+    while pos < end:
+        _, rdn, rdn_end = _der(der, pos)     # a RelativeDistinguishedName (SET)
+        pos = rdn_end
+        while rdn < rdn_end:
+            _, atv, atv_end = _der(der, rdn)  # AttributeTypeAndValue (SEQUENCE)
+            rdn = atv_end
+            if der[atv:atv + len(_CN_OID)] == _CN_OID:
+                _, v, v_end = _der(der, atv + len(_CN_OID))
+                names.append(der[v:v_end].decode(errors="replace"))
+    return names
+
+
 @dataclass(frozen=True)
 class AccessPolicy:
     """Who may call on the unix socket, and which tenant each caller is.
@@ -113,7 +172,8 @@ class AccessPolicy:
     A peer is admitted when its uid is in ``allowed_uids`` (empty: the daemon's own uid only)
     or its primary gid (as the kernel reports it) is in ``allowed_gids``. ``uid_tenants``:
     uid -> tenant (unmapped: :data:`DEFAULT_TENANT`); ``cn_tenants``: TLS client certificate
-    common name -> tenant (unmapped: the common name itself)."""
+    common name -> tenant (unmapped NAME: the tenant ``cn:NAME``, apart from every configured
+    tenant name)."""
 
     allowed_uids: frozenset[int] = frozenset()
     allowed_gids: frozenset[int] = frozenset()
@@ -144,7 +204,14 @@ class AccessPolicy:
         return self.uid_tenants.get(uid, DEFAULT_TENANT)
 
     def tenant_of_cn(self, cn: str) -> str:
-        return self.cn_tenants.get(cn, cn)
+        mapped = self.cn_tenants.get(cn)
+        return mapped if mapped is not None else CN_PREFIX + cn
+
+    def is_operator(self, p: Principal) -> bool:
+        """Whether ``p`` may read node-wide figures (every tenant's activity): the daemon's own
+        uid, or a caller of the tenant the daemon's own uid is (the operator's tenant). In-process
+        callers (:data:`LOCAL`) are the operator when the daemon's uid is the default tenant."""
+        return p.uid == os.geteuid() or p.tenant == self.tenant_of_uid(os.geteuid())
 
 
 @dataclass(frozen=True)
@@ -184,7 +251,7 @@ class PeerAuthenticator(Authenticator):
         self._tokens: dict[str, Principal] = {}          # token -> principal, while its connection is open
         self._fds: dict[str, tuple[str, int]] = {}       # fd handle -> (owning token, fd)
         self._kept: dict[tuple[str, object], int] = {}    # (connection|uid|tenant, which) -> fds kept
-        self._certs: dict[bytes, str] = {}                # client certificate (PEM) -> caller id
+        self._certs: dict[bytes, Principal | StoreError] = {}  # client certificate (PEM) -> its principal
 
     # -- the credential socket's side (kvtier.daemon.credentials) --
 
@@ -215,6 +282,9 @@ class PeerAuthenticator(Authenticator):
 
     def salt(self, tenant: str) -> str:
         return key_salt(self.secret, tenant)
+
+    def is_operator(self, p: Principal) -> bool:
+        return self.policy.is_operator(p)
 
     @staticmethod
     def _budget_keys(token: str, p: Principal) -> tuple[tuple[str, object], ...]:
@@ -291,20 +361,36 @@ class PeerAuthenticator(Authenticator):
             raise StoreError(Code.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
         return self.tcp_principal(context)
 
+    def _cert_principal(self, pem: bytes, cn: str) -> Principal | StoreError:
+        """The principal of a verified client certificate, or why it is refused."""
+        try:
+            names = subject_common_names(pem)
+        except (ValueError, IndexError) as e:
+            return StoreError(Code.UNAUTHENTICATED, f"the client certificate's subject could not be read ({e}): "
+                                                    f"the daemon takes the tenant from its common name (CN)")
+        if len(names) > 1:
+            return StoreError(Code.UNAUTHENTICATED, f"the client certificate's subject names {len(names)} common "
+                                                    f"names (CN) {names!r}: the daemon takes the tenant from the "
+                                                    f"CN and accepts only a certificate with exactly one")
+        if not cn:
+            return StoreError(Code.UNAUTHENTICATED, "the client certificate has no common name (CN): the "
+                                                    "daemon takes the tenant from it")
+        caller = "cert:" + hashlib.sha256(pem).hexdigest()[:32]
+        return Principal(self.policy.tenant_of_cn(cn), caller, None, "tcp")
+
     def tcp_principal(self, context: Any) -> Principal:
         ac = context.auth_context()
         if ac.get("transport_security_type") == [b"ssl"]:
-            cn = b"".join(ac.get("x509_common_name") or ()).decode(errors="replace")
             pem = b"".join(ac.get("x509_pem_cert") or ())
-            caller = self._certs.get(pem)
-            if caller is None:
+            known = self._certs.get(pem)
+            if known is None:
+                cn = b"".join(ac.get("x509_common_name") or ()).decode(errors="replace")
+                known = self._certs[pem] = self._cert_principal(pem, cn)
                 if len(self._certs) > 4096:
                     self._certs.clear()
-                caller = self._certs[pem] = "cert:" + hashlib.sha256(pem).hexdigest()[:32]
-            if cn:
-                return Principal(self.policy.tenant_of_cn(cn), caller, None, "tcp")
-            raise StoreError(Code.UNAUTHENTICATED, "the client certificate has no common name (CN): the "
-                                                   "daemon takes the tenant from it")
+            if isinstance(known, StoreError):
+                raise StoreError(known.code, str(known))
+            return known
         if self.insecure_tcp:
             return Principal(DEFAULT_TENANT, "insecure-tcp:" + context.peer(), None, "tcp")
         raise StoreError(Code.UNAUTHENTICATED, "no client certificate: this listener needs TLS with a client "

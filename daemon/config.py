@@ -127,8 +127,10 @@ class TransportSettings:
     tenants: tuple[str, ...] = _opt((), "who is which tenant: UID=TENANT for unix-socket clients (unmapped "
                                         "admitted uids are tenant 'default'), cn:NAME=TENANT for TCP "
                                         "clients whose certificate's common name is NAME (unmapped: the "
-                                        "tenant is the common name itself); e.g. 1000=alice,1001=bob,"
-                                        "cn:router-1=alice", parse_entries, "ENTRY", repeat=True)
+                                        "tenant 'cn:NAME', apart from every other tenant; a certificate "
+                                        "with more than one common name is refused); e.g. "
+                                        "1000=alice,1001=bob,cn:router-1=alice", parse_entries, "ENTRY",
+                                    repeat=True)
     credential_hello_timeout_s: float = _opt(HELLO_TIMEOUT_S, "a credential-socket connection that sends no hello within this "
                                                   "many seconds is refused and closed", parse_float, "SECONDS")
     max_pending_handshakes_per_uid: int = _opt(MAX_PENDING_PER_UID, "most credential-socket connections of one admitted uid "
@@ -275,8 +277,10 @@ class PeerSettings:
                                 "--tls-ca", metavar="FILE")
     peer_tenant_certs: tuple[str, ...] = _opt((), "a client certificate per tenant for calls to --peers, "
                                                   "TENANT=CERT:KEY (PEM files): this daemon fetches a "
-                                                  "tenant's blocks with its own certificate; tenants not "
-                                                  "listed use --peer-tls-cert", parse_entries, "ENTRY",
+                                                  "tenant's blocks with its own certificate, whose common "
+                                                  "name the peers map to TENANT (their --tenants "
+                                                  "cn:NAME=TENANT); tenants not listed use "
+                                                  "--peer-tls-cert", parse_entries, "ENTRY",
                                               repeat=True)
     peer_timeout_s: float = _opt(PEER_TIMEOUT_S, "most seconds a call to a peer waits for its next reply (its node info, a "
                                       "Holds answer, the next chunk of a fetch); past it the call is cut, the "
@@ -461,7 +465,7 @@ class Config:
     def single_tenant(self, service: str = "node") -> bool:
         """Whether every caller that can use ``service`` is the one tenant ``default``: no
         ``--tenants`` entry names another tenant, and no TLS listener serves it (its clients
-        are the tenants their certificates' common names are, mapped or not). ``service``:
+        are the tenants their certificates' common names map to, or tenants of their own). ``service``:
         "node" (sessions, layouts and device reports, which need a session: served on TCP only
         with ``--tcp-services all``) or "locations" (the feed: served on every TCP listener)."""
         named = {entry.partition("=")[2].strip() for entry in self.tenants}

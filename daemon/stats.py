@@ -4,6 +4,11 @@
 counters are copied); :meth:`StatsSource.snapshot_from_thread` does so from another thread
 (the Prometheus endpoint's), by running it on the loop. The service layer turns a snapshot
 into a ``StatsReply``; the metrics collector (:mod:`kvtier.daemon.metrics`) reads it directly.
+
+Node-wide figures (every tenant's counters, the tiers' use, every session) are the operator's
+(:meth:`kvtier.daemon.auth.Authenticator.is_operator`); :meth:`StatsSource.tenant_snapshot`
+is what any other tenant's Stats caller gets: its own counters, sessions and blocks only, so
+that one tenant cannot learn how busy another is (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -89,6 +94,32 @@ class StatsSource:
                                store.blocks_of(reg.fingerprint)) for reg in regs]
         return NodeStats(self.node_id, self.epoch, __version__, time.monotonic() - self.started,
                          len(store.sessions), tier_usage(store), layouts, store.counters.copy())
+
+    def tenant_snapshot(self, tenant: str) -> NodeStats:
+        """:meth:`snapshot` as one tenant (not the operator) may see it: its layouts; its own
+        counters (:attr:`BlockStore.tenant_counters`: hits, misses, puts, evictions it asked
+        for; every other counter 0); its open sessions; per tier, the capacity and the blocks
+        its layouts hold there (bytes: those blocks' slots)."""
+        if self.before is not None:
+            self.before()
+        store = self.store
+        layouts = []
+        held: dict[Tier, list[int]] = {}  # tier -> [blocks, bytes] of this tenant's layouts
+        for reg in store.layouts.of_tenant(tenant):
+            blocks = store.blocks_of(reg.fingerprint)
+            layouts.append(LayoutUsage(reg.layout_id, reg.wire_fingerprint, reg.layout.block_bytes, blocks))
+            for tier, n in blocks.items():
+                mine = held.setdefault(tier, [0, 0])
+                mine[0] += n
+                mine[1] += n * reg.layout.slot_bytes
+        tiers = [TierUsage(t.tier, t.capacity_bytes, held.get(t.tier, [0, 0])[1], held.get(t.tier, [0, 0])[0],
+                           t.load_gbps) if t.tier != Tier.REMOTE else t for t in tier_usage(store)]
+        own = store.tenant_counters.get(tenant)
+        counters = own.copy() if own is not None else Counters()
+        sessions = sum(1 for sid in store.sessions.ids() if store.sessions[sid].tenant == tenant
+                       and not store.sessions[sid].internal)
+        return NodeStats(self.node_id, self.epoch, __version__, time.monotonic() - self.started,
+                         sessions, tiers, layouts, counters)
 
     def snapshot_from_thread(self, timeout: float = 10.0) -> NodeStats:
         """:meth:`snapshot` from another thread: run on the event loop, waited for."""

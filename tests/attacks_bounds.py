@@ -235,7 +235,9 @@ def test_slow_subscriber_is_dropped_with_bounded_memory(start_daemon) -> None:
     is dropped RESOURCE_EXHAUSTED ("fell behind"), what reached it is bounded by gRPC's flow
     control, and once the allocator is warm the daemon's memory stays flat however many events
     flow (no copy per subscriber, no dropped event kept by the ring)."""
-    d = start_daemon("--event-log-keys", "100000")
+    # --grpc-idle-s: a dropped subscriber's status waits behind its unread window; a connection
+    # whose streams all ended on the daemon's side counts as idle, and its close would beat it
+    d = start_daemon("--event-log-keys", "100000", "--grpc-idle-s", "600")
     subscribers, batch = 8, 65536
     with Sidecar(d.socket) as sc:
         lid = sc.register_layout(Layout.flat(BLOCK))

@@ -569,6 +569,41 @@ def test_tenant_b_stats_list_only_its_layouts(tenants) -> None:
     assert {lay.fingerprint for lay in stats_a.layouts} == {LAYOUT.fingerprint, OTHER_LAYOUT.fingerprint}
 
 
+
+def _figures(stats: node_pb2.StatsReply) -> tuple:
+    """Every counter of a Stats reply, and the tiers' use."""
+    return (dict(stats.counters), dict(stats.totals), [(h.op, h.tier, h.blocks, h.tokens) for h in stats.hits],
+            [(m.source, m.destination, m.bytes) for m in stats.bytes_moved],
+            [(t.tier, t.used_bytes, t.blocks) for t in stats.tiers])
+
+
+def test_tenant_b_stats_show_nothing_of_tenant_a_activity(tenants) -> None:
+    a, b = tenants
+    reg_b = b.register()
+    b.put(reg_b, [key(70)], B_BYTES)
+    before = b.rpc("node", "Stats", node_pb2.StatsRequest())
+    # B sees its own puts, its one session and its one block; none of A's (4 blocks, A's session)
+    assert before.counters["commits"] == 1 and before.counters["grants"] == 1
+    assert before.sessions == 1
+    assert {t.tier: t.blocks for t in before.tiers}[HOST] == 1
+    reg_a = a.register()
+    assert a.get(reg_a, A_KEYS) == [A_BYTES] * len(A_KEYS)
+    assert a.lookup(reg_a.layout_id, A_KEYS) == [HOST] * len(A_KEYS)
+    a.put(reg_a, [key(71)], A_BYTES)
+    assert a.rpc("node", "Evict", node_pb2.EvictRequest(layout_id=reg_a.layout_id, keys=[key(71)])).evicted == 1
+    after = b.rpc("node", "Stats", node_pb2.StatsRequest())
+    assert _figures(after) == _figures(before)   # A's gets, lookups, puts and evicts moved nothing B reads
+    assert after.sessions == 1
+    # B's own activity is B's to see
+    assert b.get(reg_b, [key(70)]) == [B_BYTES]
+    assert b.rpc("node", "Stats", node_pb2.StatsRequest()).counters["acquire_hit_blocks:host"] == 1
+    # the operator (the daemon's own uid: alice here) reads the node-wide figures
+    node_wide = a.rpc("node", "Stats", node_pb2.StatsRequest())
+    assert node_wide.counters["acquire_hit_blocks:host"] == len(A_KEYS) + 1
+    assert node_wide.counters["commits"] == len(A_KEYS) + 2
+    assert node_wide.sessions == 2
+    assert {t.tier: t.blocks for t in node_wide.tiers}[HOST] == len(A_KEYS) + 1
+
 # -- tenant files reach only their tenant's clients, as descriptors ---------------------------------
 
 def test_tenant_b_as_nobody_maps_its_own_pool_and_key_table_through_the_fd_op(tenants) -> None:

@@ -20,6 +20,7 @@ import textwrap
 import time
 
 import grpc
+import numpy as np
 import pytest
 from pki import make_ca, make_cert, tls_channel
 
@@ -310,9 +311,50 @@ def test_node_service_is_not_served_on_tcp_by_default(start_daemon, pki) -> None
 
 def test_tcp_principal_is_the_certificate_common_name_or_its_mapping() -> None:
     policy = AccessPolicy.of(tenants=["cn:router-1=alice", "1000=bob"])
-    assert policy.tenant_of_cn("router-1") == "alice" and policy.tenant_of_cn("carol") == "carol"
+    assert policy.tenant_of_cn("router-1") == "alice" and policy.tenant_of_cn("carol") == "cn:carol"
     assert policy.tenant_of_uid(1000) == "bob" and policy.tenant_of_uid(1001) == "default"
 
+
+
+def test_an_unmapped_certificate_name_is_a_tenant_of_its_own_and_two_names_are_refused(start_daemon, pki) -> None:
+    from kvtier.tiers.layout import Layout, layout_to_proto
+
+    _cert(pki, "router-1", "ca", "router-1")
+    _cert(pki, "two-names", "ca", "alice/CN=router-1")   # subject CN=alice, CN=router-1
+    _cert(pki, "default", "ca", "default")
+    port = free_port()
+    d = start_daemon("--tcp", f"127.0.0.1:{port}", "--tcp-services", "all", "--tls-cert", str(pki / "server.pem"),
+                     "--tls-key", str(pki / "server.key"), "--tls-ca", str(pki / "ca.pem"),
+                     "--tenants", f"{os.geteuid()}=alice,cn:router-1=alice")
+    layout = Layout.flat(4096, name="alices")
+    keys = [i.to_bytes(16, "big") for i in range(1, 4)]
+    with Sidecar(d.socket) as sc:   # this uid is tenant alice
+        assert sc.tenant == "alice"
+        lid = sc.register_layout(layout)
+        assert sc.put(lid, keys, [np.full(4096, i, dtype=np.uint8) for i in range(3)]).stored == 3
+    spec = node_pb2.RegisterLayoutRequest(layout=layout_to_proto(layout, node_pb2.LayoutSpec))
+    # a certificate named alice, or default, is not tenant alice (nor default): it sees none of alice's
+    for client in ("alice", "default"):
+        with _tls_channel(pki, port, client) as ch:
+            node = node_pb2_grpc.NodeStub(ch)
+            assert not stats(ch).layouts, client
+            reg = node.RegisterLayout(spec, timeout=10)
+            assert list(node.Lookup(node_pb2.LookupRequest(layout_id=reg.layout_id, keys=keys), timeout=10).tiers) \
+                == [node_pb2.TIER_NONE] * 3, client
+            assert stats(ch).counters["commits"] == 0, client   # nor alice's activity
+    # a certificate whose CN a --tenants entry maps to alice is alice
+    with _tls_channel(pki, port, "router-1") as ch:
+        node = node_pb2_grpc.NodeStub(ch)
+        reg = node.RegisterLayout(spec, timeout=10)
+        assert list(node.Lookup(node_pb2.LookupRequest(layout_id=reg.layout_id, keys=keys), timeout=10).tiers) \
+            == [node_pb2.TIER_HOST] * 3
+    # a certificate with two common names is refused, saying why
+    with _tls_channel(pki, port, "two-names") as ch:
+        for call in (lambda: stats(ch), lambda: _node_info(ch)):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "2 common names" in (e.value.details() or ""), e.value.details()
 
 # -- the tenant key salt --------------------------------------------------------------------------
 

@@ -321,8 +321,8 @@ def test_a_setting_the_daemonset_sets_as_a_variable_is_refused_in_daemon_config(
 
 
 def test_the_route_server_and_peers_certificates_are_the_engines_tenant(tmp_path) -> None:
-    """The daemons map a TCP client's certificate common name to a tenant (unmapped: the name itself,
-    a tenant with no blocks). The route server's client certificate and the daemons' own (which
+    """The daemons map a TCP client's certificate common name to a tenant (unmapped NAME: the tenant
+    cn:NAME, which has no blocks). The route server's client certificate and the daemons' own (which
     peers call with) must be the tenant the engines on the unix socket are, or the route server
     follows an empty feed and peers find nothing."""
     from kvtier.daemon.auth import AccessPolicy
@@ -342,7 +342,7 @@ def test_the_route_server_and_peers_certificates_are_the_engines_tenant(tmp_path
                         "daemon": {"tenant": "team-a"}}})
     assert p.tenant_of_cn("router.example") == p.tenant_of_uid(0) == "team-a"
     assert p.tenant_of_cn("kvtier-daemon") == "team-b"
-    assert p.tenant_of_cn("kvtier-route-server") == "kvtier-route-server"  # the default name is no longer mapped
+    assert p.tenant_of_cn("kvtier-route-server") == "cn:kvtier-route-server"  # the default name is no longer mapped
     p = policy({"tls": {"routeServerClient": {"commonName": ""}, "daemon": {"commonName": ""}}})
     assert p.cn_tenants == {}
 

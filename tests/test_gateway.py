@@ -127,6 +127,7 @@ def loop() -> Iterator[Loop]:
 @pytest.fixture
 def gateway(loop, tokenizer_dir) -> Callable[..., tuple[str, Gateway]]:
     def start(replicas: dict[str, str], **kw) -> tuple[str, Gateway]:
+        kw.setdefault("replica_header", True)  # (these tests read which replica answered)
         cfg = GatewayConfig(replicas=tuple(f"{k}={v}" for k, v in replicas.items()), model="tiny",
                             tokenizer=tokenizer_dir, block_tokens=4, **kw)
         gw = Gateway(cfg)
@@ -535,7 +536,8 @@ def _start_gateway(policy: str, model: str, replicas: dict, daemons: list, workd
     log = workdir / f"gateway-{policy}.log"
     args = [sys.executable, "-m", "kvtier.client.tools.cli", "gateway", "--listen", "127.0.0.1:0",
             "--metrics-port", "0", "--model", "tiny", "--tokenizer", model, "--policy", policy,
-            "--block-tokens", str(BLOCK), "--tenant-salt", "gw-test", "--log-level", "warning", *extra]
+            "--block-tokens", str(BLOCK), "--tenant-salt", "gw-test", "--log-level", "warning", "--replica-header",
+            *extra]
     for name, url in replicas.items():
         args += ["--replica", f"{name}={url}"]
     for d in daemons:

@@ -69,7 +69,7 @@ from attacks_sessions import (  # noqa: E402
     test_session_streams_over_the_cap_are_refused,
 )
 
-# -- tenants that cannot see each other (15 tests) --
+# -- tenants that cannot see each other (17 tests) --
 from attacks_tenants import (  # noqa: E402
     node,
     tenants,
@@ -87,16 +87,18 @@ from attacks_tenants import (  # noqa: E402
     test_tenant_b_router_fed_by_its_feed_never_routes_on_tenant_a_keys,
     test_tenant_b_sidecar_as_nobody_puts_gets_and_reads_its_key_table,
     test_tenant_b_stats_list_only_its_layouts,
+    test_tenant_b_stats_show_nothing_of_tenant_a_activity,
     test_tenant_pool_files_are_separate_and_b_never_maps_a_bytes,
 )
 
-# -- transports and identity: who a caller is (17 tests) --
+# -- transports and identity: who a caller is (18 tests) --
 from attacks_transport import (  # noqa: E402
     pki,
     test_a_missing_socket_directory_is_created_0700,
     test_a_second_uid_on_the_unix_socket_is_refused,
     test_a_token_dies_with_its_credential_connection,
     test_an_admitted_second_uid_gets_its_mapped_tenant,
+    test_an_unmapped_certificate_name_is_a_tenant_of_its_own_and_two_names_are_refused,
     test_another_callers_fd_handle_is_refused,
     test_grpc_call_without_a_token_is_refused,
     test_key_salt_is_secret_per_tenant_and_kept_across_restarts,
@@ -128,6 +130,7 @@ __all__ = [
     "test_tcp_client_without_a_valid_client_certificate_is_refused",
     "test_node_service_is_not_served_on_tcp_by_default",
     "test_tcp_principal_is_the_certificate_common_name_or_its_mapping",
+    "test_an_unmapped_certificate_name_is_a_tenant_of_its_own_and_two_names_are_refused",
     "test_key_salt_is_secret_per_tenant_and_kept_across_restarts",
     "test_route_server_over_tls_refuses_clients_without_a_certificate_and_follows_a_tls_daemon",
     "test_sidecar_over_tcp_needs_a_client_certificate",
@@ -145,6 +148,7 @@ __all__ = [
     "test_tenant_b_router_fed_by_its_feed_never_routes_on_tenant_a_keys",
     "test_tenant_pool_files_are_separate_and_b_never_maps_a_bytes",
     "test_tenant_b_stats_list_only_its_layouts",
+    "test_tenant_b_stats_show_nothing_of_tenant_a_activity",
     "test_tenant_b_as_nobody_maps_its_own_pool_and_key_table_through_the_fd_op",
     "test_tenant_b_sidecar_as_nobody_puts_gets_and_reads_its_key_table",
     "test_tenant_b_cannot_open_tenant_a_files_through_the_fd_op",

@@ -2,7 +2,7 @@
 holding its prefix.
 
 Serves ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not),
-``GET /v1/models``, ``GET /health`` and ``GET /metrics``. Per request: read the JSON body,
+``GET /v1/models`` and ``GET /health`` (``GET /metrics`` only on ``--metrics-port``). Per request: read the JSON body,
 check the model, tokenize the prompt as the replicas do (:mod:`.tokenize`), compute the block
 keys the replicas' kvtierds publish (:mod:`.keys`), order the healthy replicas by the policy
 (:mod:`.policy`; ``kvtier`` asks the in-process :class:`~kvtier.client.routing.router.Router`,
@@ -21,6 +21,19 @@ worker (vLLM's offloading spec does not), else the engine's worker id. With
 ``--replica-url-template`` every worker the feeds report and no ``--replica`` names is a
 replica too, at that URL (``{worker}`` and ``{node}`` replaced).
 
+Clients: with ``--api-keys-file`` every ``/v1`` request names its client by ``Authorization:
+Bearer KEY`` (else 401), and a session (the session header, else the body's ``user``) is that
+client's own: the affinity key is (client id, session), so one client's session id steers
+nothing of another's. Without it the gateway does not know who is asking and a session id is
+advisory: whoever sends it shares its stickiness. Connections: a request head must arrive
+within ``--header-timeout-s`` of connecting, an idle kept-alive connection is closed after
+``--idle-timeout-s``, and one client address holds at most ``--max-connections-per-client``
+connections (past it: 429 and close). Forwarded requests carry no hop-by-hop header (nor one
+``Connection`` names), no ``x-kvtier-*`` header, not the session header, not the client's
+``Authorization`` (the replicas get ``Authorization: Bearer`` the key of
+``--replica-api-key-file`` when it is set) and ``X-Forwarded-For`` set to the client's address.
+Answers name their replica (``X-Kvtier-Replica``) only with ``--replica-header``.
+
 Libraries: aiohttp for both the server and the streaming client (one event loop, no thread
 hop per chunk, keep-alive pools, chunked streaming both ways), uvloop under it,
 prometheus_client for the metrics, transformers for the tokenizer and chat template.
@@ -36,6 +49,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -66,8 +80,14 @@ from kvtier.tiers.vocab import MAX_KEYS_PER_CALL
 log = logging.getLogger("kvtier.gateway")
 
 # headers never forwarded either way (hop-by-hop, or set by the sending side itself)
-_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "transfer-encoding", "upgrade", "host", "content-length", "server", "date"})
+_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                  "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length", "server", "date"})
+# request headers the replicas never get from the client: its credentials for the gateway and
+# addresses it claims (X-Forwarded-For is set to the client's own address)
+_CLIENT_ONLY = frozenset({"authorization", "cookie", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto",
+                          "x-real-ip", "forwarded"})
+INTERNAL_PREFIX = "x-kvtier-"  # kvtier's own headers: never taken from a client
+CLIENT_ID = re.compile(r"[A-Za-z0-9._@-]{1,64}")  # an --api-keys-file client id (no ":": it prefixes sessions)
 
 
 INLINE_BODY_BYTES = 16384
@@ -80,7 +100,8 @@ MAX_ERROR_BODY = 64 << 10
 (the connection is dropped) and the client gets the status with the gateway's own error body."""
 
 REPLICA_HEADER = "X-Kvtier-Replica"
-"""Response header naming the replica that answered (the body is the replica's, unchanged)."""
+"""Response header naming the replica that answered (the body is the replica's, unchanged);
+sent only with ``--replica-header``."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +156,25 @@ class GatewayConfig:
     write_timeout_s: float = setting(60.0, "longest wait for a client to take more of an answer (seconds); past "
                                            "it the client is dropped and the replica's request ended",
                                      parse_float, "S")
-    metrics_port: int = setting(-1, "also serve /metrics on this port (0: any free port; -1: only on --listen)",
-                                parse_int, "PORT")
+    metrics_port: int = setting(-1, "serve /metrics on this port, on --listen's host (0: any free port; -1: no "
+                                    "metrics); never on --listen's port", parse_int, "PORT")
+    api_keys_file: str = setting("", "client API keys, one \"ID KEY\" a line (# comments): every /v1 request "
+                                     "then needs \"Authorization: Bearer KEY\" (else 401) and its session is "
+                                     "scoped to ID; unset: no authentication, session ids advisory",
+                                 metavar="FILE")
+    replica_api_key_file: str = setting("", "file holding the replicas' API key (vLLM's --api-key): sent to them "
+                                            "as \"Authorization: Bearer KEY\"; unset: no Authorization is "
+                                            "forwarded (a client's never is)", metavar="FILE")
+    replica_header: bool = setting(False, f"name the replica that answered in a {REPLICA_HEADER} response header "
+                                          "(tells clients where prompts are cached)", parse_bool, "BOOL")
+    header_timeout_s: float = setting(10.0, "longest time from connecting to a complete request head (seconds); "
+                                            "past it the connection is closed", parse_float, "S")
+    idle_timeout_s: float = setting(60.0, "a kept-alive connection with no request (or a request head still "
+                                          "arriving) this long after its last answer is closed (seconds)",
+                                    parse_float, "S")
+    max_connections_per_client: int = setting(64, "open connections one client address may hold; past it 429 and "
+                                                  "close (0: no cap; behind a proxy every client shares its address)",
+                                              parse_int, "N")
     daemon_tls_cert: str = setting("", "client certificate for kvtierds over TCP (their --tls-ca signs it)",
                                    metavar="FILE")
     daemon_tls_key: str = setting("", "PEM private key of --daemon-tls-cert", metavar="FILE")
@@ -213,11 +251,57 @@ def check_settings(cfg: GatewayConfig) -> None:
 def _check_prefetch_and_record(cfg: GatewayConfig) -> None:
     if cfg.prefetch_timeout_s <= 0:
         raise SettingsError("--prefetch-timeout-s must be positive")
-    for name in ("write_timeout_s", "body_timeout_s"):
+    for name in ("write_timeout_s", "body_timeout_s", "header_timeout_s", "idle_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
     if cfg.record.check():
         raise SettingsError(str(cfg.record.check()))
+    if cfg.max_connections_per_client < 0:
+        raise SettingsError("--max-connections-per-client must be 0 (no cap) or positive")
+    if cfg.api_keys_file:
+        read_api_keys(cfg.api_keys_file)
+    if cfg.replica_api_key_file:
+        read_replica_key(cfg.replica_api_key_file)
+
+
+def _read(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SettingsError(f"{flag} {path}: {e}") from None
+
+
+def _key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def read_api_keys(path: str) -> dict[bytes, str]:
+    """``--api-keys-file``: sha256(KEY) -> client id (looked up by digest: no key compared
+    byte by byte against a client's guess)."""
+    out: dict[bytes, str] = {}
+    for n, line in enumerate(_read("--api-keys-file", path).splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not CLIENT_ID.fullmatch(parts[0]) or len(parts[1]) < 16:
+            raise SettingsError(f"--api-keys-file {path}:{n}: expected \"ID KEY\" (ID: letters, digits, ._@-; "
+                                "KEY: at least 16 characters)")
+        d = _key_digest(parts[1])
+        if d in out:
+            raise SettingsError(f"--api-keys-file {path}:{n}: a key given twice")
+        out[d] = parts[0]
+    if not out:
+        raise SettingsError(f"--api-keys-file {path}: no keys")
+    return out
+
+
+def read_replica_key(path: str) -> str:
+    key = _read("--replica-api-key-file", path).strip()
+    if not key or any(c in key for c in "\r\n"):
+        raise SettingsError(f"--replica-api-key-file {path}: one key on one line expected")
+    return key
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
@@ -241,7 +325,9 @@ class _Metrics:
                               "left before its answer ended; the replica's request is ended with it), "
                               "client_stalled (the client took no more of its answer for --write-timeout-s: "
                               "dropped), body_timeout (the client took over --body-timeout-s to send its "
-                              "body: 408)", ["reason"], registry=r)
+                              "body: 408), unauthorized (no or an unknown API key: 401), header_timeout (no "
+                              "request head within --header-timeout-s: closed), too_many_connections (past "
+                              "--max-connections-per-client: 429)", ["reason"], registry=r)
         self.decisions = Counter("kvtier_gateway_decisions", "requests dispatched, by chosen replica and policy",
                                  ["replica", "policy"], registry=r)
         self.retries = Counter("kvtier_gateway_retries", "requests sent on to another replica", registry=r)
@@ -347,6 +433,63 @@ class _Refused(Exception):
         self.status, self.body, self.headers = status, body, headers
 
 
+def _guarded_runner(gw: Gateway, app: Any, **kwargs: Any) -> Any:
+    """An aiohttp runner whose connections are bounded per client: a request head within
+    ``--header-timeout-s`` of connecting (an idle kept-alive connection is aiohttp's
+    ``keepalive_timeout``, ``--idle-timeout-s``: it also closes one whose next head is still
+    arriving then), at most ``--max-connections-per-client`` open per client address."""
+    from aiohttp import web  # noqa: PLC0415
+    from aiohttp.web_server import Server  # noqa: PLC0415
+
+    cfg, metrics = gw.cfg, gw.metrics
+    too_many = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n")
+
+    class GuardedServer(Server):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.per_client: dict[str, int] = {}
+            self.client_of: dict[Any, tuple[str, Any]] = {}  # handler -> (client address, head deadline)
+
+        def connection_made(self, handler: Any, transport: Any) -> None:
+            super().connection_made(handler, transport)
+            peer = transport.get_extra_info("peername")
+            addr = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            n = self.per_client[addr] = self.per_client.get(addr, 0) + 1
+            due = self._loop.call_later(cfg.header_timeout_s, self._head_due, handler)
+            self.client_of[handler] = (addr, due)
+            if cfg.max_connections_per_client and n > cfg.max_connections_per_client:
+                metrics.errors.labels("too_many_connections").inc()
+                body = error_body(429, f"more than --max-connections-per-client {cfg.max_connections_per_client} "
+                                  "connections from this address", "RateLimitError")
+                transport.write(too_many % len(body) + body)  # (close() sends what is buffered first)
+                handler.force_close()
+
+        def _head_due(self, handler: Any) -> None:
+            if handler.transport is not None and not handler._request_count:
+                metrics.errors.labels("header_timeout").inc()
+                handler.force_close()
+
+        def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
+            super().connection_lost(handler, exc)
+            addr, due = self.client_of.pop(handler, ("", None))
+            if due is not None:
+                due.cancel()
+                left = self.per_client.get(addr, 1) - 1
+                if left:
+                    self.per_client[addr] = left
+                else:
+                    self.per_client.pop(addr, None)
+
+    class GuardedRunner(web.AppRunner):
+        async def _make_server(self) -> Any:
+            s = await super()._make_server()
+            return GuardedServer(s.request_handler, request_factory=s.request_factory,
+                                 handler_cancellation=s.handler_cancellation, loop=s._loop, **s._kwargs)
+
+    return GuardedRunner(app, **kwargs)
+
+
 class Gateway:
     """The gateway's state and handlers; :meth:`app` is the aiohttp application."""
 
@@ -362,6 +505,8 @@ class Gateway:
         self.router = router if router is not None else (Router(cfg.router, tls=tls) if use_router else None)
         self.policy = Policy(cfg.policy, self.router, session_ttl_s=cfg.session_ttl_s)
         self.metrics = _Metrics()
+        self.api_keys = read_api_keys(cfg.api_keys_file) if cfg.api_keys_file else None
+        self._replica_auth = f"Bearer {read_replica_key(cfg.replica_api_key_file)}" if cfg.replica_api_key_file else ""
         self.down_until: dict[str, float] = {}
         self._discovered: dict[str, str] = {}
         self._discovered_at = -1.0
@@ -386,9 +531,8 @@ class Gateway:
         disconnects (aiohttp's ``handler_cancellation``; off by default): the replica's request
         is then closed and its slot, load and body budget given back at once, not when the
         replica finally answers."""
-        from aiohttp import web  # noqa: PLC0415
-
-        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        return _guarded_runner(self, self.app(), access_log=None, handler_cancellation=True,
+                               keepalive_timeout=self.cfg.idle_timeout_s)
 
     def app(self) -> Any:
         from aiohttp import web  # noqa: PLC0415
@@ -397,8 +541,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/health", self.health)  # (/metrics: on --metrics-port only, see serve)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -456,7 +599,22 @@ class Gateway:
         self.metrics.requests.labels("none", endpoint, str(status)).inc()
         return self._json(status, error_body(status, message, kind, param))
 
+    def _identity(self, request: Any) -> str | None:
+        """The client id of the request's API key (``--api-keys-file``); None when unknown."""
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
+        return self.api_keys.get(_key_digest(key.strip()))  # type: ignore[union-attr]
+
+    def _unauthorized(self, endpoint: str) -> Any:
+        resp = self._fail(endpoint, 401, "unauthorized", "missing or unknown API key (Authorization: Bearer KEY)",
+                          "AuthenticationError")
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
+
     async def models(self, request: Any) -> Any:
+        if self.api_keys is not None and self._identity(request) is None:
+            return self._unauthorized("models")
         return self._json(200, json.dumps({"object": "list", "data": [
             {"id": self.cfg.model, "object": "model", "created": int(self.started), "owned_by": "kvtier-gateway",
              "root": self.cfg.model}]}).encode())
@@ -475,16 +633,21 @@ class Gateway:
     async def completions(self, request: Any) -> Any:
         return await self._forward(request, "completions")
 
-    def _session_of(self, request: Any, body: Mapping[str, Any]) -> str | None:
+    def _session_of(self, request: Any, body: Mapping[str, Any], client: str | None = None) -> str | None:
+        """The session's affinity key: the session header, else the body's ``user``; prefixed
+        with the client id (``CLIENT:SESSION``) when the client is known (``--api-keys-file``)."""
         h = self.cfg.session_header
         sid = request.headers.get(h) if h else None
         if not sid and self.cfg.session_user and isinstance(body.get("user"), str):
             sid = body["user"]
         if sid and len(sid) > MAX_SESSION_ID:  # (kept per session: a long one is kept as its digest)
             sid = "blake2b:" + hashlib.blake2b(sid.encode(errors="replace"), digest_size=16).hexdigest()
+        if sid and client is not None:
+            return f"{client}:{sid}"
         return sid or None
 
-    def _decide(self, endpoint: str, raw: bytes, request: Any) -> tuple[Any, list[bytes], str | None, int]:
+    def _decide(self, endpoint: str, raw: bytes, request: Any,
+                client: str | None = None) -> tuple[Any, list[bytes], str | None, int]:
         """Parse, check, tokenize and key a request: (error response or None, keys, session, tokens)."""
         try:
             body = json.loads(raw)
@@ -502,10 +665,17 @@ class Gateway:
             keys = [] if self.cfg.keys == "vllm" and has_extra_keys(body) else self.keys.keys(ids)
         except (PromptError, TypeError, ValueError, OverflowError) as e:  # (a field of the wrong type or range)
             return self._fail(endpoint, 400, "bad_request", str(e) or type(e).__name__, "BadRequestError"), [], None, 0
-        return None, keys[:MAX_KEYS_PER_CALL], self._session_of(request, body), len(ids)
+        return None, keys[:MAX_KEYS_PER_CALL], self._session_of(request, body, client), len(ids)
 
     async def _forward(self, request: Any, endpoint: str) -> Any:
         t0 = time.perf_counter()
+        client = None
+        if self.api_keys is not None:  # (before any room is taken or a byte of the body read)
+            client = self._identity(request)
+            if client is None:
+                resp = self._unauthorized(endpoint)
+                resp.force_close()  # (the body is not read: the connection cannot carry another request)
+                return resp
         held = 0
         try:
             # room for the body before reading it: bodies read at once stay within the budget
@@ -531,7 +701,7 @@ class Gateway:
             if held > len(raw):
                 self._bodies.release(held - len(raw))
                 held = len(raw)
-            return await self._forward_body(request, endpoint, raw, t0)
+            return await self._forward_body(request, endpoint, raw, t0, client)
         except asyncio.CancelledError:  # the client disconnected (the runner's handler_cancellation)
             self._left(request, endpoint, "none")
             raise
@@ -540,13 +710,14 @@ class Gateway:
             if held:
                 self._bodies.release(held)
 
-    async def _forward_body(self, request: Any, endpoint: str, raw: bytes, t0: float) -> Any:
+    async def _forward_body(self, request: Any, endpoint: str, raw: bytes, t0: float,
+                            client: str | None = None) -> Any:
         if len(raw) > INLINE_BODY_BYTES:  # tokenizing a long prompt would hold the event loop (tokenizers
             # releases the GIL while it encodes, so these threads use every core)
             err, keys, session, n_tokens = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._decide, endpoint, raw, request)
+                self._pool, self._decide, endpoint, raw, request, client)
         else:
-            err, keys, session, n_tokens = self._decide(endpoint, raw, request)
+            err, keys, session, n_tokens = self._decide(endpoint, raw, request, client)
         if err is not None:
             return err
         try:
@@ -616,7 +787,8 @@ class Gateway:
     def _upstream_error(self, e: _Refused) -> Any:
         from aiohttp import web  # noqa: PLC0415
 
-        headers = {k: v for k, v in (e.headers or {}).items() if k.lower() not in _HOP}
+        headers = {k: v for k, v in (e.headers or {}).items()
+                   if k.lower() not in _HOP and not k.lower().startswith(INTERNAL_PREFIX)}
         return web.Response(status=e.status, body=e.body, headers=headers)
 
     def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list]:
@@ -639,7 +811,7 @@ class Gateway:
                     name: str, base: str, t0: float, counter: OutputCounter | None = None) -> Any:
         import aiohttp  # noqa: PLC0415
 
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers = self._upstream_headers(request)
         decision, hints = self._dispatch(name, keys, session)
         try:  # (the replica's load ends whatever way this does: a cancelled handler included)
             if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
@@ -663,6 +835,24 @@ class Gateway:
             raise
         finally:
             self._ended(name, decision)
+
+    def _upstream_headers(self, request: Any) -> dict[str, str]:
+        """The client's request headers as a replica gets them: without hop-by-hop ones (and those
+        its ``Connection`` names), ``x-kvtier-*``, the session header, the client's credentials
+        and claimed addresses; ``X-Forwarded-For`` is the client's address, ``Authorization``
+        the replicas' key when ``--replica-api-key-file`` is set."""
+        drop = set(_HOP | _CLIENT_ONLY)
+        for v in request.headers.getall("Connection", ()):
+            drop.update(t.strip().lower() for t in v.split(","))
+        if self.cfg.session_header:
+            drop.add(self.cfg.session_header.lower())
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in drop and not k.lower().startswith(INTERNAL_PREFIX)}
+        if request.remote:
+            headers["X-Forwarded-For"] = request.remote
+        if self._replica_auth:
+            headers["Authorization"] = self._replica_auth
+        return headers
 
     async def _error_body(self, up: Any, name: str) -> tuple[bytes, Any]:
         """A 5xx answer's body and headers, read up to MAX_ERROR_BODY bytes; past that, the
@@ -698,7 +888,7 @@ class Gateway:
         m = self.metrics
         # the first chunk before the client's response starts: a replica that fails here is retried
         first = await up.content.readany()
-        resp = self._response_of(up, name)
+        resp = self._response_of(up, name, self.cfg.replica_header)
         status = str(up.status)
         counter = counter or NULL_COUNTER
         counter.start(up.headers.get("Content-Type", ""), up.status)
@@ -732,15 +922,17 @@ class Gateway:
         return resp
 
     @staticmethod
-    def _response_of(up: Any, name: str) -> Any:
-        """The client's response to the replica's answer: its status and headers, and ours."""
+    def _response_of(up: Any, name: str, replica_header: bool = False) -> Any:
+        """The client's response to the replica's answer: its status and headers (and, with
+        ``--replica-header``, the replica's name)."""
         from aiohttp import web  # noqa: PLC0415
 
         resp = web.StreamResponse(status=up.status, reason=up.reason)
         for k, v in up.headers.items():
-            if k.lower() not in _HOP:
+            if k.lower() not in _HOP and not k.lower().startswith(INTERNAL_PREFIX):
                 resp.headers.add(k, v)
-        resp.headers[REPLICA_HEADER] = name
+        if replica_header:
+            resp.headers[REPLICA_HEADER] = name
         if up.content_length is not None:
             resp.content_length = up.content_length
         return resp
@@ -783,7 +975,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Future | None = None) -> None
     if cfg.metrics_port >= 0:
         mapp = web.Application()
         mapp.router.add_get("/metrics", gw.metrics_handler)
-        mrunner = web.AppRunner(mapp, access_log=None)
+        mrunner = web.AppRunner(mapp, access_log=None, keepalive_timeout=cfg.idle_timeout_s)
         await mrunner.setup()
         msite = web.TCPSite(mrunner, host or "127.0.0.1", cfg.metrics_port)
         await msite.start()

@@ -126,5 +126,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
     @handled
     async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsReply:
-        # per-layout stats of the caller's tenant only (the node-wide counters and tiers stay)
-        return convert.stats_reply(self.stats.snapshot(self.auth.principal(context).tenant))
+        # the caller's tenant's layouts; node-wide counters, tiers and sessions for the operator
+        # only, every other tenant its own (kvtier.daemon.stats)
+        p = self.auth.principal(context)
+        if self.auth.is_operator(p):
+            return convert.stats_reply(self.stats.snapshot(p.tenant))
+        return convert.stats_reply(self.stats.tenant_snapshot(p.tenant))
