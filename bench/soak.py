@@ -48,6 +48,20 @@ went through; a stopped client is resumed once the daemon counts its expired gra
 withheld (``grants_withheld``); ``--min-ops`` keeps the clients going past ``--duration``
 until they did that many operations.
 
+``--attackers N``: N hostile processes (bench/soak_attackers.py) beside the clients, from the
+moment they all run, across the daemon's kills: descriptor hoarding, silent connections on the
+credential and gRPC sockets (from an admitted tenant of its own, ``nobody``, and from a uid not
+admitted, when the harness runs as root), RegisterKV spam, names planted in the shm directory,
+oversized and deeply nested credential messages. The soak then runs twice, each
+``--duration``: quiet first (the daemon admitting the attackers' tenant all the same), then
+attacked. The JSON adds ``attacker_ops`` (hostile operations attempted) and their answers,
+``victim_errors`` (errors of the normal clients beyond the codes the soak's own faults answer
+them, ``TOLERATED``, plus every refusal naming a budget, ``BUDGET_FLAGS``, plus client crashes),
+``victim_p99_ms`` and ``victim_p99_ms_quiet`` (the normal clients' p99 over all their ops,
+attacked and quiet) and ``quiet_phase`` (the quiet run's zeros). The goal (victim_errors 0,
+victim_p99_ms at most twice the quiet one, the zeros of both runs) is printed to stderr, not
+asserted. With ``--attackers 0`` (the default) none of this runs and the JSON is as below.
+
 Last line of stdout: one JSON object: ops, blocks_verified, kills, lost_durable, corrupt_served,
 accounting_errors, leaked_files, rss_growth (heap, RssAnon, of the last incarnation after its
 warm-up), fd_growth, p50_ms and p99_ms per op, errors by code, the faults injected and the
@@ -154,7 +168,8 @@ class Tally:
         self.hist: dict[str, np.ndarray] = {}
         self.errors: dict[str, int] = {}
         self.counts: dict[str, int] = {"blocks_verified": 0, "corrupt_served": 0, "late_commit_refused": 0,
-                                       "late_commit_accepted": 0, "feed_replies": 0, "feed_resubscribes": 0}
+                                       "late_commit_accepted": 0, "feed_replies": 0, "feed_resubscribes": 0,
+                                       "budget_refused": 0}
         self.flushed = time.monotonic()
 
     def op(self, name: str, seconds: float) -> None:
@@ -189,6 +204,7 @@ class Control:
         self.stall_grants = ctx.Array("i", n)  # the slots the stopped put was granted
         self.ready = ctx.Array("i", n)         # 1: the client's first operation went through
         self.epoch_gen = ctx.Value("i", 0)     # daemon restarts (clients log errors across them)
+        self.daemon_pid = ctx.Value("i", 0)    # the live daemon's pid (attackers plant names with it)
 
 
 def _wait_pause(ctl: Control, idx: int) -> bool:
@@ -200,6 +216,17 @@ def _wait_pause(ctl: Control, idx: int) -> bool:
     while ctl.pause.value == r and not ctl.stop.is_set():
         time.sleep(0.01)
     return True
+
+
+#: flags of the budgets the attackers press on (docs/SECURITY.md): a normal client refused naming one
+BUDGET_FLAGS = ("--max-passed-fds", "--fd-reserve", "--max-pending-handshakes", "--credential-hello-timeout-s",
+                "--max-kv-registrations", "--max-sessions", "--max-concurrent-rpcs", "may not use this kvtierd")
+#: the codes the soak's own faults (kills, a full or slow disk, stopped clients) answer normal clients
+TOLERATED = ("UNAVAILABLE", "FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED")
+
+
+def _budget_named(details: str) -> bool:
+    return any(f in (details or "") for f in BUDGET_FLAGS)
 
 
 def _code(e: BaseException) -> str:
@@ -313,6 +340,8 @@ class SidecarClient:
                 self.tally.counts["late_commit_refused"] += 1
             else:
                 self.tally.error(e.code.name)
+            if _budget_named(e.details):
+                self.tally.counts["budget_refused"] += 1
             if e.code.name == "FAILED_PRECONDITION":
                 self.lid = None  # a restarted daemon: register again
             time.sleep(0.02)
@@ -402,6 +431,8 @@ class TransferClient:
             self.ctl.ready[self.idx] = 1
         except Exception as e:  # refused, a transfer that timed out, a ring that went away
             self.tally.error(e.code.name if isinstance(e, KvtierError) else type(e).__name__)
+            if _budget_named(str(getattr(e, "details", "")) or str(e)):
+                self.tally.counts["budget_refused"] += 1
             self.close()
             time.sleep(0.1)
 
@@ -473,6 +504,8 @@ def subscriber(idx: int, gen: int, cfg: dict, ctl: Control) -> None:
             if e.code() != grpc.StatusCode.CANCELLED:
                 tally.error(e.code().name)
                 tally.counts["feed_resubscribes"] += 1
+                if _budget_named(e.details() or ""):
+                    tally.counts["budget_refused"] += 1
         finally:
             done.set()
             stream.cancel()
@@ -626,7 +659,11 @@ class NoisyNeighbour:
 
 
 class Harness:
-    def __init__(self, ns: argparse.Namespace) -> None:
+    """One soak. ``hostile``: the daemon admits the attackers' tenant (``--attackers``; the quiet
+    phase that measures the same soak without them admits it too) and ``ns.attackers`` hostile
+    processes run beside the clients once they all run."""
+
+    def __init__(self, ns: argparse.Namespace, hostile: bool = False) -> None:
         from kvtier.client.tools.local_daemon import DaemonProcess
 
         self.ns = ns
@@ -643,6 +680,11 @@ class Harness:
                 "--copy-engine", "host", "--copy-threads", "2", "--state-dir", self.work]
         if self.disk.tmpfs:
             args += ["--disk-allow-tmpfs", "true"]
+        if hostile and os.geteuid() == 0:
+            from soak_attackers import daemon_args
+
+            args += daemon_args()
+            os.chmod(self.base, 0o711)  # other uids reach the sockets (the work and disk dirs stay 0700)
         self.daemon = DaemonProcess(self.base, *args, shm_dir=self.shm, host_capacity=f"{ns.host_mib}MiB")
         self.block = block
         self.cfg = {"socket": self.daemon.socket, "work": self.work, "shm": self.shm, "block_bytes": block,
@@ -660,8 +702,10 @@ class Harness:
             self.cfg["stuck_subscriber"] = 0
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["numpy", "grpc", "kvtier.client.engine.sidecar"])
-        self.ctl = Control(self.ctx, ns.clients)
+        self.ctl = Control(self.ctx, ns.clients + ns.attackers)
         self.procs: list[Any] = [None] * ns.clients
+        self.attackers: list[Any] = [None] * ns.attackers
+        self.attacker_gens = [0] * ns.attackers
         self.gens = [0] * ns.clients
         self.sc: Any = None
         self.lid = 0
@@ -686,8 +730,17 @@ class Harness:
         p.start()
         self.procs[i] = p
 
+    def start_attacker(self, j: int) -> None:
+        from soak_attackers import attacker_main
+
+        p = self.ctx.Process(target=attacker_main, args=(j, self.ns.clients + j, self.attacker_gens[j], self.cfg,
+                                                         self.ctl), daemon=True)
+        p.start()
+        self.attackers[j] = p
+
     def start_daemon(self) -> None:
         self.daemon.start(timeout=60)
+        self.ctl.daemon_pid.value = self.daemon.pid
         self.last_start = time.monotonic()
         self.incarnation_fds = None
 
@@ -737,6 +790,12 @@ class Harness:
                  and not n.startswith("kvtier-ring-")]
         disk_ok = ("index", "slab", "..ballast", "..noisy", "key.secret", "lost+found", "LOCK")
         stray += [f"disk/{n}" for n in os.listdir(self.disk.dir) if not n.startswith(disk_ok)]
+        if self.ns.attackers:  # the attackers' planted names are theirs, not a dead daemon's
+            planted: set[str] = set()
+            for path in glob.glob(os.path.join(self.work, "planted-*.log")):
+                with open(path) as fh:
+                    planted.update(line.strip() for line in fh)
+            stray = [n for n in stray if n not in planted]
         return stray
 
     def check_files(self) -> None:
@@ -749,8 +808,8 @@ class Harness:
         r = self.ctl.pause.value = abs(self.ctl.pause.value) + 1
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            busy = [i for i, p in enumerate(self.procs) if p is not None and p.is_alive()
-                    and self.ctl.idle[i] != r and self.ctl.stall[i] != 2]
+            busy = [i for i, p in enumerate(self.procs + self.attackers) if p is not None and p.is_alive()
+                    and self.ctl.idle[i] != r and (i >= self.ns.clients or self.ctl.stall[i] != 2)]
             if not busy:
                 return True
             time.sleep(0.02)
@@ -809,7 +868,18 @@ class Harness:
     def check_fds(self, final: bool) -> None:
         """Leaked fds: per-client kinds above what the clients can hold (one each: lookup regions
         per sidecar, KV memory and ring per engine; two sockets per client), every other kind
-        above the first check of this daemon's incarnation."""
+        above the first check of this daemon's incarnation. With attackers (paused, what they
+        held closed): waits, at most ``SETTLE_S``, for the daemon to see their connections close."""
+        excess = self.fd_excess(final)
+        deadline = time.monotonic() + (SETTLE_S if self.ns.attackers else 0.0)
+        while excess and time.monotonic() < deadline:
+            time.sleep(0.05)
+            excess = self.fd_excess(final)
+        if excess:
+            self.report["fd_growth"] = max(self.report["fd_growth"], sum(excess.values()))
+            self.finding(f"daemon fds beyond what its clients hold: {excess}{' (final)' if final else ''}")
+
+    def fd_excess(self, final: bool) -> dict[str, int]:
         kinds = self.fd_kinds()
         if self.ns.keep:
             with open(os.path.join(self.work, f"fds-{self.report['checks']}.json"), "w") as fh:
@@ -821,10 +891,7 @@ class Harness:
         if self.incarnation_fds is None:
             self.incarnation_fds = {k: v for k, v in kinds.items() if k not in limits}
         excess = {k: v - limits.get(k, self.incarnation_fds.get(k, 0)) for k, v in kinds.items()}
-        excess = {k: v for k, v in excess.items() if v > 0}
-        if excess:
-            self.report["fd_growth"] = max(self.report["fd_growth"], sum(excess.values()))
-            self.finding(f"daemon fds beyond what its clients hold: {excess}{' (final)' if final else ''}")
+        return {k: v for k, v in excess.items() if v > 0}
 
     def full_check(self, final: bool = False) -> None:
         """With every client paused between operations: sweep, accounting, files, fds."""
@@ -994,6 +1061,11 @@ class Harness:
                 self.gens[i] += 1
                 self.faults["client_exits"] = self.faults.get("client_exits", 0) + 1
                 self.start_client(i)
+        for j, p in enumerate(self.attackers):
+            if p is not None and not p.is_alive() and not self.ctl.stop.is_set():
+                self.attacker_gens[j] += 1
+                self.faults["attacker_exits"] = self.faults.get("attacker_exits", 0) + 1
+                self.start_attacker(j)
 
     def stop_all(self) -> None:
         self.ctl.stop.set()
@@ -1001,7 +1073,7 @@ class Harness:
             if p is not None and self.ctl.stall[i] == 2:
                 with contextlib.suppress(OSError):
                     os.kill(p.pid, signal.SIGCONT)
-        for p in self.procs:
+        for p in self.procs + self.attackers:
             if p is not None:
                 p.join(15)
                 if p.is_alive():
@@ -1014,6 +1086,8 @@ class Harness:
         for i in range(ns.clients):
             self.start_client(i)
         self.wait_ready()
+        for j in range(ns.attackers):
+            self.start_attacker(j)
         t0 = time.monotonic()
         actions: dict[str, Callable[[], None]] = {
             "kill": self.kill_daemon, "fill": self.fill, "unfill": self.disk.unfill, "slow": self.slow,
@@ -1087,7 +1161,7 @@ class Harness:
             rss_growth = round((last[-1][1] - warm[1]) / max(1, warm[1]), 4)
         self.logged_findings()
         r = self.report
-        return {
+        result = {
             "ops": int(sum(ops_by.values())), "ops_by": ops_by,
             "blocks_verified": counts.get("blocks_verified", 0) + r.get("sweep_verified", 0),
             "kills": self.faults["kills"], "lost_durable": r["lost_durable"],
@@ -1107,6 +1181,36 @@ class Harness:
                        "host_mib": ns.host_mib, "disk_mib": ns.disk_mib, "shared_keys": ns.shared_keys,
                        "transfer_clients": ns.transfer_clients, "subscribers": ns.subscribers, "seed": ns.seed},
         }
+        if ns.attackers:
+            result.update(self.hostile_summary(hist, errors, counts))
+        return result
+
+    def victim_p99_ms(self, hist: dict[str, np.ndarray]) -> float:
+        """The normal clients' p99 latency over all their ops, ms."""
+        total = sum(hist.values()) if hist else np.zeros(len(BOUNDS) + 1, dtype=np.int64)
+        cum = np.cumsum(total)
+        return round(float(np.append(BOUNDS, BOUNDS[-1])[np.searchsorted(cum, 0.99 * cum[-1])]) * 1e3, 3)
+
+    def hostile_summary(self, hist: dict[str, np.ndarray], errors: dict[str, int], counts: dict[str, int]) -> dict:
+        """The attackers' tallies, and what the normal clients saw beyond what the soak's own
+        faults answer them (:data:`TOLERATED`): other codes, refusals naming a budget
+        (:data:`BUDGET_FLAGS`), clients that crashed."""
+        ops, refusals, attacker_errors = 0, {}, {}
+        for path in glob.glob(os.path.join(self.work, "attacker-*.json")):
+            with open(path) as fh:
+                t = json.load(fh)
+            ops += t["ops"]
+            for k, v in t["refusals"].items():
+                refusals[k] = refusals.get(k, 0) + v
+            for k, v in t["errors"].items():
+                attacker_errors[k] = attacker_errors.get(k, 0) + v
+        crashes = 0
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(self.work, "client-crash.log")) as fh:
+            crashes = sum(1 for _ in fh)
+        victim_errors = sum(v for k, v in errors.items() if k not in TOLERATED) + counts.get("budget_refused", 0)
+        return {"attackers": self.ns.attackers, "attacker_ops": ops, "attacker_answers": refusals,
+                "attacker_errors": attacker_errors, "attacker_uids": os.geteuid() == 0,
+                "victim_errors": victim_errors + crashes, "victim_p99_ms": self.victim_p99_ms(hist)}
 
     def close(self) -> None:
         if self.sc is not None:
@@ -1147,6 +1251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slow-s", type=float, default=8.0, help="seconds the disk stays slow")
     ap.add_argument("--stuck-s", type=float, default=15.0, help="seconds a subscriber stops reading")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--attackers", type=int, default=0,
+                    help="hostile client processes beside the normal ones (bench/soak_attackers.py); > 0 runs "
+                         "the soak twice, each --duration: quiet first (victim_p99_ms_quiet), then attacked")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs) and print it")
     ap.add_argument("--out", help="also write the JSON line to this file")
     ns = ap.parse_args(argv)
@@ -1164,11 +1271,29 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, HERE)
     from _report import emit
 
-    h = Harness(ns)
+    quiet: dict | None = None
+    if ns.attackers:
+        h = Harness(argparse.Namespace(**{**vars(ns), "attackers": 0}), hostile=True)
+        try:
+            quiet = h.run()
+            quiet["victim_p99_ms"] = h.victim_p99_ms(h.merged()[0])
+        finally:
+            h.close()
+    h = Harness(ns, hostile=bool(ns.attackers))
     try:
         result = h.run()
     finally:
         h.close()
+    if quiet is not None:
+        result["victim_p99_ms_quiet"] = quiet["victim_p99_ms"]
+        result["quiet_phase"] = {k: quiet[k] for k in ("ops", "kills", "lost_durable", "corrupt_served",
+                                                       "accounting_errors", "leaked_files", "fd_growth", "errors",
+                                                       "findings")}
+        goal = {"victim_errors == 0": result["victim_errors"] == 0,
+                "victim_p99_ms <= 2 x quiet": result["victim_p99_ms"] <= 2 * quiet["victim_p99_ms"],
+                "zeros": all(result[k] == 0 and quiet[k] == 0 for k in
+                             ("lost_durable", "corrupt_served", "accounting_errors", "leaked_files", "fd_growth"))}
+        print("goal: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in goal.items()), file=sys.stderr)
     if ns.keep:
         result["work_dir"] = h.base
     emit(result, ns.out)
