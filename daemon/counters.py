@@ -209,3 +209,32 @@ class Counters:
     def copy(self) -> Counters:
         """A consistent copy (take it on the event loop), for readers on other threads."""
         return copy.deepcopy(self)
+
+
+class TenantCounters(Counters):
+    """One tenant's own counters (what Stats answers that tenant with); what is counted here is
+    counted in the node's counters too."""
+
+    def __init__(self, node: Counters) -> None:
+        super().__init__()
+        self.node = node
+
+    def add(self, count: Count, n: int = 1) -> None:
+        self.counts[count] += n
+        self.node.counts[count] += n
+
+    def move(self, flow: Flow, nbytes: int) -> None:
+        self.moved[flow] += nbytes
+        self.node.moved[flow] += nbytes
+
+    def looked_up(self, op: Op, block_tokens: int, hits: Mapping[Tier, int], misses: int) -> None:
+        super().looked_up(op, block_tokens, hits, misses)
+        self.node.looked_up(op, block_tokens, hits, misses)
+
+    def copy(self) -> Counters:
+        """The tenant's own figures alone, as plain :class:`Counters`."""
+        out = Counters()
+        out.hits, out.misses = copy.deepcopy(self.hits), copy.deepcopy(self.misses)
+        out.moved, out.evictions = dict(self.moved), dict(self.evictions)
+        out.errors, out.counts = dict(self.errors), dict(self.counts)
+        return out

@@ -40,7 +40,7 @@ from typing import TypeVar
 
 from kvtier.daemon.auth import DEFAULT_TENANT, Principal
 from kvtier.daemon.config import Config
-from kvtier.daemon.counters import Count, Counters, Flow, Op
+from kvtier.daemon.counters import Count, Counters, Flow, Op, TenantCounters
 from kvtier.daemon.device import DeviceTier
 from kvtier.daemon.errors import Code, StoreError, check_ids, check_keys, check_layout_room
 from kvtier.daemon.layouts import Layouts, RegisteredLayout, layout_id_of, split_worker
@@ -75,7 +75,7 @@ class BlockStore:
         # each tenant's own share of the counters it may read in Stats (hits, misses, puts,
         # evictions it asked for): tenant -> Counters, made when it first counts (only a tenant
         # that registered a layout counts)
-        self.tenant_counters: dict[str, Counters] = {}
+        self.tenant_counters: dict[str, TenantCounters] = {}
         self.observers = Observers()
         self.layouts = Layouts()
         # quotas and deadlines of sessions (kvtier.daemon.sessions): kvtierd passes its Config
@@ -277,9 +277,9 @@ class BlockStore:
         for (i, entry), gid in zip(got, gids, strict=True):
             out[i] = GrantResult(GrantStatus.GRANTED, gid, entry.offset)
         granted = len(got)
-        for c in (self.counters, self.counters_of(sess.tenant)):
-            c.add(Count.GRANTS, granted)
-            c.add(Count.NO_SPACE, len(entries) - granted)
+        mine = self.counters_of(sess.tenant)
+        mine.add(Count.GRANTS, granted)
+        mine.add(Count.NO_SPACE, len(entries) - granted)
         return out
 
     async def commit(self, session_id: int, grant_ids: Sequence[int], abort_ids: Sequence[int],
@@ -313,13 +313,11 @@ class BlockStore:
         else:
             self.host.seal(done)  # the payload checksums (a large batch's right after, on threads)
         mine = self.counters_of(sess.tenant)
-        for c in (self.counters, mine):
-            c.add(Count.COMMITS, len(done))
-            c.move(Flow.CLIENT_TO_HOST, sum(e.block_bytes for e in done))
+        mine.add(Count.COMMITS, len(done))
+        mine.move(Flow.CLIENT_TO_HOST, sum(e.block_bytes for e in done))
         if not (durable or self.disk_write_through) or self.disk is None:
             return CommitResult(len(done), 0)
         n = await self.tiers.make_durable([e.bkey for e in entries])
-        self.counters.add(Count.DURABLE_COMMITS, n)
         mine.add(Count.DURABLE_COMMITS, n)
         return CommitResult(len(done), n)
 
@@ -383,9 +381,9 @@ class BlockStore:
             out.append(LeaseResult(next(lids), entry.offset, tier))
             hits[tier] += 1
         n = sum(hits.values())
-        for c in (self.counters, self.counters_of(sess.tenant)):
-            c.looked_up(Op.ACQUIRE, layout.block_tokens, hits, len(bkeys) - n)
-            c.move(Flow.HOST_TO_CLIENT, n * layout.block_bytes)
+        mine = self.counters_of(sess.tenant)
+        mine.looked_up(Op.ACQUIRE, layout.block_tokens, hits, len(bkeys) - n)
+        mine.move(Flow.HOST_TO_CLIENT, n * layout.block_bytes)
         return out
 
     async def _read_through(self, tenant: str, layout: Layout, bkeys: list[bytes]) -> set[bytes]:
@@ -458,31 +456,29 @@ class BlockStore:
             out.append(Tier.GPU if device.holds(fp, k) else Tier.HOST if tiers.in_host(b)
                        else Tier.DISK if tiers.on_disk(b) else None)
         hits = Counter(t for t in out if t is not None)
-        for c in (self.counters, self.counters_of(tenant)):
-            c.looked_up(Op.LOOKUP, layout.block_tokens, hits, len(keys) - sum(hits.values()))
+        self.counters_of(tenant).looked_up(Op.LOOKUP, layout.block_tokens, hits, len(keys) - sum(hits.values()))
         return out
 
     def count_table_lookups(self, layout_id: int, hits: Mapping[Tier, int], misses: int,
                             tenant: str = DEFAULT_TENANT) -> None:
         """Count lookups a client answered from the key table (reported in batches) as lookups."""
         block_tokens = self.layout(layout_id, tenant).layout.block_tokens
-        for c in (self.counters, self.counters_of(tenant)):
-            c.looked_up(Op.LOOKUP, block_tokens, hits, misses)
+        self.counters_of(tenant).looked_up(Op.LOOKUP, block_tokens, hits, misses)
 
     def evict(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT) -> int:
         """Remove these blocks of the tenant from host and disk; returns the entries removed."""
         fp = self.layout(layout_id, tenant).layout.fingerprint
         self.check_keys(keys, unique=False)
         n = self.tiers.remove([pack_block(fp, k) for k in keys])
-        self.counters.add(Count.EVICTED_BY_REQUEST, n)
         self.counters_of(tenant).add(Count.EVICTED_BY_REQUEST, n)
         return n
 
-    def counters_of(self, tenant: str) -> Counters:
-        """The tenant's own counters (:attr:`tenant_counters`): what Stats answers it with."""
+    def counters_of(self, tenant: str) -> TenantCounters:
+        """The tenant's own counters (:attr:`tenant_counters`, what Stats answers it with);
+        what is counted there is counted in :attr:`counters` too."""
         c = self.tenant_counters.get(tenant)
         if c is None:
-            c = self.tenant_counters[tenant] = Counters()
+            c = self.tenant_counters[tenant] = TenantCounters(self.counters)
         return c
 
     async def evict_durably(self, layout_id: int, keys: Sequence[bytes], tenant: str = DEFAULT_TENANT) -> int:
