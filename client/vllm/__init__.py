@@ -87,8 +87,18 @@ Configuration: ``kv_connector_extra_config`` keys (all optional)
 vLLM's own keys keep their meaning: ``blocks_per_chunk`` (or ``block_size``) and
 ``offload_prompt_only`` (default true: only prompt blocks are offloaded).
 
-Limits: one KV-cache group (full-attention models; vLLM's block-level recompute does not
-support more), no pipeline or context parallelism (tensor parallelism is supported).
+Models with several KV-cache groups
+    Sliding-window (Gemma-3, gpt-oss), linear-attention and Mamba (Qwen3-Next and other
+    hybrids) groups beside full attention: each offloaded group is a layout of its own
+    (:func:`~kvtier.client.vllm.keys.group_layout`), so a block of one group and a block of
+    another at the same position are different kvtier blocks; vLLM's scheduler chooses what to
+    store and load per group (full-attention chunk boundaries, the sliding window's tail,
+    Mamba state at chunk boundaries in "align" mode) and kvtier serves each key of each group.
+    The worker copies those pages itself (``kvtier_copy`` ``auto`` or ``process``). A failed or
+    partial load fails the whole request's load: vLLM recomputes that request from its start
+    (it recomputes block by block only with one group).
+
+Limits: no pipeline or context parallelism (tensor parallelism is supported).
 """
 
 from __future__ import annotations
@@ -122,7 +132,9 @@ from kvtier.client.vllm.keys import (  # noqa: E402
     KvtierStoreSpec,
     block_keys_for,
     check_supported,
+    group_block_keys,
     group_layout,
+    group_layouts,
 )
 from kvtier.client.vllm.manager import KvtierOffloadingManager  # noqa: E402
 from kvtier.client.vllm.metrics import M_LOAD_FAILED, M_LOADED, M_LOOKUPS, M_STORE, METRICS  # noqa: E402
@@ -132,10 +144,15 @@ log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: its handler, form
 
 
 def _attach(worker: KvtierOffloadingWorker, spec: OffloadingSpec) -> bool:
-    """Give vLLM's worker-side connector serving ``spec`` two things the OffloadingConnector of
-    vLLM 0.32 leaves out for its backends: the block ids of failed loads (vLLM's
-    ``get_block_ids_with_load_errors``, which its recompute policy acts on) and this worker's
-    counters (``get_kv_connector_stats``). Returns False when that connector is not found."""
+    """Give vLLM's worker-side connector serving ``spec`` two things the OffloadingConnector
+    leaves out for its backends: the failed loads, which its recompute policy acts on, and
+    this worker's counters (``get_kv_connector_stats``). Returns False when that connector is
+    not found.
+
+    Failed loads reach vLLM as block ids (``get_block_ids_with_load_errors``: it recomputes
+    from the first failed block) with one KV-cache group, and as failed receives of their
+    requests (``get_transfer_results().failed_recving``: it recomputes the request whole) with
+    several, where a block id names a block only within its group."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group  # noqa: PLC0415
 
     if not has_kv_transfer_group():
@@ -167,6 +184,30 @@ def _hook(conn: Any, worker: KvtierOffloadingWorker) -> None:
 
     conn.get_block_ids_with_load_errors = load_errors
     conn.get_kv_connector_stats = kv_stats
+    if worker.multi_group:
+        _hook_failed_requests(conn, worker)
+
+
+def _hook_failed_requests(conn: Any, worker: KvtierOffloadingWorker) -> None:
+    """Report the requests of failed loads as failed receives (several KV-cache groups). The
+    connector's worker maps load jobs to requests (``_load_jobs``) until they finish, in the
+    very call that drains them from kvtier's worker: read the map before that call."""
+    results = conn.get_transfer_results
+    jobs = getattr(conn.connector_worker, "_load_jobs", None)
+    if not isinstance(jobs, dict):
+        raise RuntimeError("kvtier: vLLM's offloading connector keeps no map of load jobs to requests "
+                           "(connector_worker._load_jobs), which kvtier needs to report a failed load of a "
+                           "model with several KV-cache groups; this vLLM is not supported for such models")
+
+    def transfer_results(finished_req_ids: set[str]) -> Any:
+        before = dict(conn.connector_worker._load_jobs)
+        out = results(finished_req_ids)
+        failed = {before[j] for j in worker.take_failed_jobs() if j in before}
+        if failed:
+            out.failed_recving |= failed
+        return out
+
+    conn.get_transfer_results = transfer_results
 
 
 class KvtierOffloadingSpec(OffloadingSpec):
@@ -190,10 +231,11 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             world = self.config.parallel.world_size
-            layouts = [group_layout(self.config, r) for r in range(world)]
+            layouts = [group_layouts(self.config, r) for r in range(world)]
             self._manager = KvtierOffloadingManager(
                 self.settings, self.keymap, layouts, f"vllm-scheduler:{self.config.engine_id}",
-                events=self.kv_events_config.enable_kv_cache_events)
+                events=self.kv_events_config.enable_kv_cache_events,
+                group_ids=[g.group_id for g in self.config.groups])
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -201,7 +243,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             rank = self.config.parallel.rank
             num_blocks = kv_caches.tensors[0].tensor.shape[0]
             self._worker = KvtierOffloadingWorker(
-                self.settings, self.keymap, group_layout(self.config, rank, num_blocks), kv_caches,
+                self.settings, self.keymap, group_layouts(self.config, rank, num_blocks), kv_caches,
                 f"vllm-worker:{self.config.engine_id}:{rank}")
             if not _attach(self._worker, self):
                 self._worker.shutdown()
@@ -215,4 +257,4 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
 __all__ = ["M_LOADED", "M_LOAD_FAILED", "M_LOOKUPS", "M_STORE", "SUPPORTED_VLLM", "KeyMap", "KvtierLoadSpec",
            "KvtierOffloadingManager", "KvtierOffloadingSpec", "KvtierOffloadingWorker", "KvtierSettings",
-           "KvtierStoreSpec", "block_keys_for", "check_vllm_version", "group_layout"]
+           "KvtierStoreSpec", "block_keys_for", "check_vllm_version", "group_block_keys", "group_layout", "group_layouts"]

@@ -29,7 +29,7 @@ from kvtier.client.engine.adapter import Breaker
 from kvtier.client.engine.sidecar import Sidecar
 from kvtier.client.engine.transport import KvtierError
 from kvtier.client.vllm.config import KvtierSettings
-from kvtier.client.vllm.keys import KeyMap, KvtierLoadSpec, KvtierStoreSpec
+from kvtier.client.vllm.keys import KeyMap, KvtierLoadSpec, KvtierStoreSpec, offload_group
 from kvtier.client.vllm.metrics import M_LOOKUPS, Counts
 from kvtier.tiers.layout import Layout
 
@@ -161,32 +161,49 @@ _MEDIA = {"host": Medium.CPU, "disk": Medium.STORAGE}  # kvtier's tiers as vLLM'
 class KvtierOffloadingManager(OffloadingManager):
     """Scheduler side: lookups from the key table, stores tracked until they complete."""
 
-    def __init__(self, settings: KvtierSettings, keymap: KeyMap, layouts: list[Layout], client_name: str,
-                 events: bool) -> None:
+    def __init__(self, settings: KvtierSettings, keymap: KeyMap, layouts: list[list[Layout]], client_name: str,
+                 events: bool, group_ids: Sequence[int] = (0,)) -> None:
+        """``layouts[rank][g]``: the layout of tensor-parallel rank ``rank``'s pages of the
+        ``g``-th offloaded KV-cache group, whose id (in offload keys) is ``group_ids[g]``."""
         self.settings = settings
         self.keymap = keymap
-        self.daemon = _Daemon(settings, layouts, client_name)
+        self.groups = len(group_ids)
+        if any(len(r) != self.groups for r in layouts):
+            raise ValueError(f"kvtier: a layout per rank for each of {self.groups} KV-cache groups")
+        self._group_pos = {gid: g for g, gid in enumerate(group_ids)}
+        self.daemon = _Daemon(settings, [lay for r in layouts for lay in r], client_name)
         self.daemon.connect()
         self.pending: set[bytes] = set()
         self.counts = Counts()
         self.events = _Events(settings.events_max_keys, settings.events_scan) if events else None
 
     # lookups through the key table: shared memory, no RPC
-    def _tiers(self, sc: Sidecar, chunks: Sequence[tuple[bytes, ...]]) -> list[str | None]:
-        """Per chunk: ``host`` when every block of every rank is in host, ``disk`` when all
-        are held and some only on disk, else None. One table read per rank for them all."""
-        flat = [k for c in chunks for k in c]
-        out: list[str | None] = ["host"] * len(chunks)
-        for lid in self.daemon.lids:
-            names = sc.lookup(lid, flat) if flat else []
-            for i, c in enumerate(chunks):
-                for t in names[i * len(c):(i + 1) * len(c)]:
-                    if out[i] is None:
-                        break
-                    if t == "disk":
-                        out[i] = "disk"
-                    elif t != "host":
-                        out[i] = None
+    def _tiers(self, sc: Sidecar, keys: Sequence[bytes]) -> list[str | None]:
+        """Per offload key (a chunk of one KV-cache group): ``host`` when every block of every
+        rank is in host, ``disk`` when all are held and some only on disk, else None. One table
+        read per rank and group for them all."""
+        out: list[str | None] = ["host"] * len(keys)
+        by_group: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            g = self._group_pos.get(offload_group(k))
+            if g is None:  # a group this engine does not offload: never held
+                out[i] = None
+            else:
+                by_group.setdefault(g, []).append(i)
+        for g, idx in by_group.items():
+            chunks = [self.keymap.chunk(keys[i]) for i in idx]
+            flat = [k for c in chunks for k in c]
+            for lid in self.daemon.lids[g::self.groups]:
+                names = sc.lookup(lid, flat)
+                n = self.keymap.blocks_per_chunk
+                for j, i in enumerate(idx):
+                    for t in names[j * n:(j + 1) * n]:
+                        if out[i] is None:
+                            break
+                        if t == "disk":
+                            out[i] = "disk"
+                        elif t != "host":
+                            out[i] = None
         return out
 
     def _tier_or_down(self, key: bytes) -> str | None:
@@ -194,7 +211,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if sc is None:
             return "unavailable"
         try:
-            return self._tiers(sc, [self.keymap.chunk(key)])[0]
+            return self._tiers(sc, [key])[0]
         except KvtierError as e:
             self.daemon.failed(sc, e)
             return "unavailable"
@@ -246,7 +263,7 @@ class KvtierOffloadingManager(OffloadingManager):
         if sc is not None:
             offered = [k for k in keys if k not in self.pending]
             try:  # in the order offered: vLLM lays out the source blocks in that order
-                held = self._tiers(sc, [self.keymap.chunk(k) for k in offered])
+                held = self._tiers(sc, offered)
                 todo = [k for k, t in zip(offered, held, strict=True) if t is None]
             except KvtierError as e:
                 self.daemon.failed(sc, e)
@@ -269,7 +286,7 @@ class KvtierOffloadingManager(OffloadingManager):
         sc = self.daemon.get()
         if sc is not None and self.events.where:
             try:
-                self.events.rescan(lambda ks: self._tiers(sc, [self.keymap.chunk(k) for k in ks]))
+                self.events.rescan(lambda ks: self._tiers(sc, ks))
             except KvtierError as e:
                 self.daemon.failed(sc, e)
         out, self.events.out = self.events.out, []

@@ -25,7 +25,7 @@ from kvtier.client.engine.connector import KVConnector, KVConnectorError
 from kvtier.client.engine.sidecar import Sidecar
 from kvtier.client.engine.transport import KvtierError
 from kvtier.client.vllm.config import KvtierSettings
-from kvtier.client.vllm.keys import KeyMap, KvtierLoadSpec, KvtierStoreSpec, block_keys_for
+from kvtier.client.vllm.keys import KeyMap, KvtierLoadSpec, KvtierStoreSpec, group_block_keys
 from kvtier.client.vllm.metrics import M_LOAD_FAILED, M_LOADED, M_STORE, Counts
 from kvtier.tiers.layout import DTYPE_BYTES, Layout, TensorSpec
 
@@ -50,11 +50,27 @@ FAULTS = LoadFaults()
 
 
 @dataclass
+class _Group:
+    """One offloaded KV-cache group's pages in this worker: its layout (and the daemon's id of
+    it, once registered), vLLM's distinct page tensors of the group and their page bytes."""
+
+    layout: Layout
+    tensors: list[Any]
+    pages: list[int]
+    lid: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.pages)
+
+
+@dataclass
 class _Job:
     job_id: int
     load: bool
     keys: list[bytes]
     block_ids: np.ndarray
+    parts: list[tuple[int, slice]] | None = None  # (group, its slice of keys and block_ids); None: group 0, all
     start: float = field(default_factory=time.perf_counter)
     failed: np.ndarray | None = None   # block ids whose load failed
     nbytes: int = 0
@@ -65,19 +81,27 @@ class _Job:
 class KvtierOffloadingWorker(OffloadingWorker):
     """Worker side: moves pages between vLLM's KV tensors and kvtier (the package docstring)."""
 
-    def __init__(self, settings: KvtierSettings, keymap: KeyMap, layout: Layout, kv_caches: CanonicalKVCaches,
-                 client_name: str) -> None:
+    def __init__(self, settings: KvtierSettings, keymap: KeyMap, layouts: Layout | list[Layout],
+                 kv_caches: CanonicalKVCaches, client_name: str) -> None:
+        """``layouts``: the layout of each offloaded KV-cache group's pages, in vLLM's order
+        (:func:`~kvtier.client.vllm.keys.group_layouts`; one layout: one group)."""
         self.settings = settings
         self.keymap = keymap
-        self.layout = layout
+        layouts = [layouts] if isinstance(layouts, Layout) else list(layouts)
+        if len(layouts) != len(kv_caches.group_data_refs):
+            raise ValueError(f"kvtier: {len(layouts)} layouts for vLLM's {len(kv_caches.group_data_refs)} "
+                             f"offloaded KV-cache groups")
+        self.groups = [_Group(lay, *self._tensors(kv_caches, g, lay)) for g, lay in enumerate(layouts)]
+        # group 0's, by the names the single-group paths (and the daemon's copy engine) use
+        self.layout, self.tensors, self.pages = layouts[0], self.groups[0].tensors, self.groups[0].pages
+        self.block_bytes = self.groups[0].block_bytes
         self.client_name = client_name
-        self.tensors, self.pages = self._tensors(kv_caches, layout)
-        self.block_bytes = sum(self.pages)
         self.counts = Counts()
         self._cv = threading.Condition()
         self._jobs: dict[int, _Job] = {}
         self._finished: list[_Job] = []
         self._failed_blocks: set[int] = set()
+        self._failed_jobs: set[int] = set()
         self.breaker = Breaker(settings.retry_s, log)  # after a failed call: bypass kvtier for retry_s
         self.faults = FAULTS
         if self.faults.corrupt or self.faults.fail:
@@ -86,7 +110,6 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.conn: KVConnector | None = None
         self._stale = False               # the daemon copy registration must be made (again)
         self.sc: Sidecar | None = None
-        self.lid = 0
         self.mode = self._open(settings.copy)
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._thread: threading.Thread | None = None
@@ -94,19 +117,28 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._thread = threading.Thread(target=self._run, name="kvtier-copy", daemon=True)
             self._thread.start()
 
+    @property
+    def lid(self) -> int:
+        """The daemon's id of group 0's layout (0: not registered)."""
+        return self.groups[0].lid
+
+    @property
+    def multi_group(self) -> bool:
+        return len(self.groups) > 1
+
     @staticmethod
-    def _tensors(kv_caches: CanonicalKVCaches, layout: Layout) -> tuple[list[Any], list[int]]:
-        """vLLM's distinct page tensors of the group, checked against the layout."""
+    def _tensors(kv_caches: CanonicalKVCaches, group: int, layout: Layout) -> tuple[list[Any], list[int]]:
+        """vLLM's distinct page tensors of one group, checked against the group's layout."""
         seen: list[int] = []
-        for ref in kv_caches.group_data_refs[0]:
+        for ref in kv_caches.group_data_refs[group]:
             if ref.tensor_idx not in seen:
                 seen.append(ref.tensor_idx)
         tensors = [kv_caches.tensors[i].tensor for i in seen]
         pages = [t.shape[1] * t.element_size() for t in tensors]
         want = [t.shape[1] * DTYPE_BYTES[t.dtype] for t in layout.tensors]
         if pages != want:
-            raise ValueError(f"kvtier: vLLM's KV pages are {pages} bytes per tensor, but its offloading config "
-                             f"implies {want}; this KV cache layout is not supported")
+            raise ValueError(f"kvtier: vLLM's KV pages of KV-cache group {group} are {pages} bytes per tensor, but "
+                             f"its offloading config implies {want}; this KV cache layout is not supported")
         return tensors, pages
 
     # -- connection ---------------------------------------------------------------------------
@@ -114,6 +146,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _open(self, mode: str) -> str:
         """Pick how pages move (``kvtier_copy``) and connect. Never blocks past the timeout:
         a daemon that is not there yet is connected to later."""
+        if self.multi_group:
+            if mode == "daemon":
+                raise ValueError("kvtier: kvtier_copy 'daemon' moves one KV-cache group's pages; this model has "
+                                 f"{len(self.groups)} groups, whose pages the worker copies itself: use "
+                                 "kvtier_copy 'auto' or 'process'")
+            mode = "process"
         if mode != "process":
             if not self._daemon_up():
                 if mode == "daemon" or self.tensors[0].device.type == "cuda":
@@ -132,11 +170,16 @@ class KvtierOffloadingWorker(OffloadingWorker):
         s = self.settings
         self.sc = Sidecar(s.socket, client_name=self.client_name, timeout=s.timeout_s)
         try:
-            self.lid = self.sc.register_layout(self.layout)
+            self._register_groups(self.sc)
         except KvtierError as e:
             log.warning("kvtier: daemon not reachable (%s); loads miss until it is", e)
-            self.lid = 0
         return "process"
+
+    def _register_groups(self, sc: Sidecar) -> None:
+        """Register every group's layout that is not yet (ids of 0 until this succeeds)."""
+        for grp in self.groups:
+            if not grp.lid:
+                grp.lid = sc.register_layout(grp.layout)
 
     def _daemon_up(self) -> bool:
         """Whether the daemon answers within the timeout (registration itself waits for it forever)."""
@@ -188,9 +231,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
         """The sidecar with the layout registered, or None while kvtier is bypassed."""
         if self.sc is None or self.breaker.bypassed():
             return None
-        if not self.lid:
+        if not all(grp.lid for grp in self.groups):
             try:
-                self.lid = self.sc.register_layout(self.layout)
+                self._register_groups(self.sc)
             except KvtierError as e:
                 self._down(e)
                 return None
@@ -203,23 +246,36 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvtierStoreSpec)
-        keys = block_keys_for(dst_spec.chunks, src_spec, self.keymap.blocks_per_chunk)
-        self._submit(_Job(job_id, False, keys, np.asarray(src_spec.block_ids, dtype=np.int64)))
+        keys, parts = self._keys(dst_spec.chunks, src_spec)
+        self._submit(_Job(job_id, False, keys, np.asarray(src_spec.block_ids, dtype=np.int64), parts))
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """(``expedited``: vLLM asks for it with synchronous loads; kvtier's loads run first
+        whatever it says: a request waits on them.)"""
         assert isinstance(src_spec, KvtierLoadSpec)
         ids = np.asarray(dst_spec.block_ids, dtype=np.int64)
         try:
-            keys = block_keys_for(src_spec.chunks, dst_spec, self.keymap.blocks_per_chunk)
+            keys, parts = self._keys(src_spec.chunks, dst_spec)
         except ValueError as e:  # never a wrong page: a load that cannot be mapped is recomputed
             log.error("kvtier: load %d not understood (%s); recomputing it", job_id, e)
             job = _Job(job_id, True, [], ids, failed=ids)
             self.counts.add(M_LOAD_FAILED, len(ids), "error")
             self._finish(job)
             return True
-        self._submit(_Job(job_id, True, keys, ids))
+        self._submit(_Job(job_id, True, keys, ids, parts))
         return True
+
+    def _keys(self, chunks: list[tuple[bytes, ...]],
+              spec: GPULoadStoreSpec) -> tuple[list[bytes], list[tuple[int, slice]]]:
+        """A transfer's kvtier keys (one per engine block, in ``spec.block_ids`` order) and its
+        parts, group by group."""
+        parts = group_block_keys(chunks, spec, self.keymap.blocks_per_chunk)
+        if any(g >= len(self.groups) for g, _, _ in parts):
+            raise ValueError(f"a transfer of {len(spec.group_sizes)} groups; this worker has {len(self.groups)}")
+        keys = [k for _, ks, _ in parts for k in ks]
+        return keys, [(g, sl) for g, _, sl in parts]
 
     def _submit(self, job: _Job) -> None:
         with self._cv:
@@ -236,7 +292,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
             done, self._finished = self._finished, []
             for job in done:
                 if job.failed is not None and len(job.failed):
-                    self._failed_blocks.update(int(b) for b in job.failed)
+                    if self.multi_group:  # vLLM recomputes such a request whole (take_failed_jobs)
+                        self._failed_jobs.add(job.job_id)
+                    else:
+                        self._failed_blocks.update(int(b) for b in job.failed)
         return [TransferResult(job_id=j.job_id, success=True, transfer_size=j.nbytes,
                                transfer_time=time.perf_counter() - j.start) for j in done]
 
@@ -252,9 +311,19 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 self._cv.wait()
 
     def take_failed_block_ids(self) -> set[int]:
-        """Engine block ids whose load failed since the last call (vLLM recomputes them)."""
+        """Engine block ids whose load failed since the last call (vLLM recomputes them). Only
+        with one KV-cache group: block ids name a block only within a group, and vLLM
+        recomputes by block only with one."""
         with self._cv:
             out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def take_failed_jobs(self) -> set[int]:
+        """With several KV-cache groups: the load jobs, returned by :meth:`get_finished` since
+        the last call, of which some block failed. vLLM recomputes their requests whole (the
+        connector reports them as failed receives)."""
+        with self._cv:
+            out, self._failed_jobs = self._failed_jobs, set()
         return out
 
     def shutdown(self) -> None:
@@ -310,26 +379,32 @@ class KvtierOffloadingWorker(OffloadingWorker):
         else:
             self.counts.add(M_STORE, len(job.keys), "failed")
 
+    def _parts(self, job: _Job) -> list[tuple[_Group, slice]]:
+        if job.parts is None:
+            return [(self.groups[0], slice(0, len(job.keys)))]
+        return [(self.groups[g], sl) for g, sl in job.parts]
+
     def _store(self, job: _Job) -> None:
         sc = self._sidecar()
         if sc is None:
             self.counts.add(M_STORE, len(job.keys), "failed")
             return
         torch = _torch()
-        ids = torch.as_tensor(job.block_ids, device=self.tensors[0].device)
-        staged = torch.cat([t.index_select(0, ids) for t in self.tensors], dim=1).cpu()
-        rows = staged.numpy().view(np.uint8)
-        try:
-            res = sc.put(self.lid, job.keys, list(rows))
-        except KvtierError as e:
-            self._down(e)
-            self.counts.add(M_STORE, len(job.keys), "failed")
-            return
-        self.breaker.ok()
-        job.nbytes = res.stored * self.block_bytes
-        self.counts.add(M_STORE, res.stored, "stored")
-        self.counts.add(M_STORE, res.present, "present")
-        self.counts.add(M_STORE, len(res.dropped), "dropped")
+        for grp, sl in self._parts(job):
+            ids = torch.as_tensor(job.block_ids[sl], device=grp.tensors[0].device)
+            staged = torch.cat([t.index_select(0, ids) for t in grp.tensors], dim=1).cpu()
+            rows = staged.numpy().view(np.uint8)
+            try:
+                res = sc.put(grp.lid, job.keys[sl], list(rows))
+            except KvtierError as e:
+                self._down(e)
+                self.counts.add(M_STORE, len(job.keys[sl]), "failed")
+                return
+            self.breaker.ok()
+            job.nbytes += res.stored * grp.block_bytes
+            self.counts.add(M_STORE, res.stored, "stored")
+            self.counts.add(M_STORE, res.present, "present")
+            self.counts.add(M_STORE, len(res.dropped), "dropped")
 
     def _load(self, job: _Job) -> None:
         n = len(job.keys)
@@ -338,30 +413,33 @@ class KvtierOffloadingWorker(OffloadingWorker):
             job.failed = job.block_ids
             self.counts.add(M_LOAD_FAILED, n, "test" if self.faults.fail else "error")
             return
-        buf = np.empty((n, self.block_bytes), dtype=np.uint8)
-        try:
-            got = sc.get(self.lid, job.keys, out=list(buf))
-        except KvtierError as e:
-            self._down(e)
-            job.failed = job.block_ids
-            self.counts.add(M_LOAD_FAILED, n, "error")
-            return
-        self.breaker.ok()
-        ok = np.array([g is not None for g in got], dtype=bool)
-        job.failed = job.block_ids[~ok]
-        self.counts.add(M_LOAD_FAILED, int((~ok).sum()), "missing")
-        if ok.any():
-            self._scatter(job.block_ids[ok], buf[ok])
-            job.nbytes = int(ok.sum()) * self.block_bytes
-            self.counts.add(M_LOADED, int(ok.sum()))
+        bad = np.zeros(n, dtype=bool)
+        for grp, sl in self._parts(job):
+            buf = np.empty((sl.stop - sl.start, grp.block_bytes), dtype=np.uint8)
+            try:
+                got = sc.get(grp.lid, job.keys[sl], out=list(buf))
+            except KvtierError as e:
+                self._down(e)
+                bad[sl] = True
+                self.counts.add(M_LOAD_FAILED, sl.stop - sl.start, "error")
+                continue
+            self.breaker.ok()
+            ok = np.array([g is not None for g in got], dtype=bool)
+            bad[sl] = ~ok
+            self.counts.add(M_LOAD_FAILED, int((~ok).sum()), "missing")
+            if ok.any():
+                self._scatter(grp, job.block_ids[sl][ok], buf[ok])
+                job.nbytes += int(ok.sum()) * grp.block_bytes
+                self.counts.add(M_LOADED, int(ok.sum()))
+        job.failed = job.block_ids[bad]
 
-    def _scatter(self, block_ids: np.ndarray, rows: np.ndarray) -> None:
+    def _scatter(self, grp: _Group, block_ids: np.ndarray, rows: np.ndarray) -> None:
         torch = _torch()
-        dev = self.tensors[0].device
+        dev = grp.tensors[0].device
         ids = torch.as_tensor(block_ids, device=dev)
         staged = torch.from_numpy(rows).view(torch.int8).to(dev)
         off = 0
-        for t, page in zip(self.tensors, self.pages, strict=True):
+        for t, page in zip(grp.tensors, grp.pages, strict=True):
             t.index_copy_(0, ids, staged[:, off:off + page])
             if self.faults.corrupt:
                 t.index_fill_(0, ids, 0)
