@@ -5,10 +5,13 @@ tiers hold exactly as vLLM's ``ZmqEventPublisher`` publishes an engine's KV cach
 a router that already reads vLLM's stream and places tokenless stores by hash (llm-d's KV
 indexer, llm-d-kv-cache v0.9.0 or later: older ones decode only array-encoded events) counts
 kvtier's tiers too: ``BlockStored`` / ``BlockRemoved`` with medium ``CPU`` (host) or
-``STORAGE`` (disk). Dynamo's KV router cannot use it: it drops stores without token ids and
-applies ``AllBlocksCleared`` to the worker's GPU tier. One stream has one topic: every block
-is credited to the pod and model it names (one engine per kvtierd). docs/integrations.md
-("kvtier's tiers in Dynamo and llm-d") says how to set it up.
+``STORAGE`` (disk). Blocks an engine described (below, "Block descriptions") go out as
+vLLM's full events, chained by parent hash and carrying their token ids, which is what
+Dynamo's KV indexer needs (it hashes the tokens; it drops stores without them) and what
+llm-d indexes without having seen the engine's GPU event. One stream has one topic: every
+block is credited to the pod and model it names (one engine per kvtierd). docs/vllm.md
+("KV events for Dynamo and llm-d") and docs/integrations.md ("kvtier's tiers in Dynamo and
+llm-d") say how to set it up.
 
 Owns
     :class:`KvEventsPublisher`, a :class:`~kvtier.daemon.observers.LocationObserver` of the
@@ -44,7 +47,9 @@ Events
       are the tokenless "placeholder" events vLLM itself emits for offloaded chunks it has no
       metadata for. Routers must already know the hash (from the engine's own GPU events,
       which carry the tokens) to place it: llm-d resolves a tokenless store through the engine
-      key it learned from the GPU event and adds the medium. ``group_idx`` is left unset
+      key it learned from the GPU event and adds the medium. Described blocks are published
+      with their ``parent_block_hash``, ``token_ids`` and ``lora_name`` instead (below).
+      ``group_idx`` is left unset
       (unspecified): llm-d skips a store that names a group without a prefix-indexable
       ``kv_cache_spec_kind``, which kvtier does not know.
     * ``BlockRemoved(block_hashes, medium, locality="LOCAL")``.
@@ -74,6 +79,27 @@ Block hashes
     off (msgpack has no integers wider than 64 bits, so a 16-byte key cannot be an int), for
     a reader that hashes requests the same way and decodes bytes hashes.
 
+Block descriptions
+    :meth:`KvEventsPublisher.describe` hands the publisher what a key does not say: the
+    block before it and the tokens it holds (consecutive blocks of one sequence, as
+    :func:`~kvtier.client.engine.keys.block_keys` chains them), and the LoRA adapter. A
+    store of described keys is published as vLLM publishes a request's blocks: runs of
+    blocks each the parent of the next, one ``BlockStored`` per run with the run's
+    ``parent_block_hash`` (None at the start of a sequence) and the concatenated
+    ``token_ids``, parents before children (a branch is a run of its own after its parent).
+    A described key of any length is published as :func:`hash64` (its first 8 bytes as an
+    unsigned little-endian int: an 8-byte key's int as above; kvtier's own 16-byte keys are
+    uniform hashes, so 64 of their bits name them), and so is its parent and, later, its
+    ``BlockRemoved``. Readers then index the blocks as a vLLM engine's: Dynamo's relay
+    hashes each block's tokens (``compute_block_hash_for_seq``) and links it under its
+    parent; a request matches as far as the tokens and the chain agree, which is exactly the
+    leading blocks kvtier's router finds (tests/test_dynamo_indexer.py). Dynamo drops the
+    store of a block whose parent it does not hold for that worker, so stores go out
+    parents first. The newest
+    :data:`MAX_DESCRIBED_KEYS` descriptions are kept (``described_keys``,
+    ``forgotten_descriptions`` in :attr:`KvEventsPublisher.stats`); a key whose description
+    was forgotten is published as undescribed.
+
 Tensor parallelism
     Each TP rank's shard of a block is its own kvtier block (its own layout fingerprint). A
     block is published as stored in a tier when every rank's shard is there (what an engine
@@ -82,8 +108,8 @@ Tensor parallelism
     their layout with ``tp_rank`` set to 0, so all ranks must register the same tensors.
 
 Promises
-    Never slows the store: the observer calls (on the event loop) only look up the layout and
-    append to a bounded outbox (at most :data:`MAX_QUEUED_KEYS` keys queued); everything else
+    Never slows the store: the observer calls (on the event loop) only look up the layout
+    and the keys' descriptions and append to a bounded outbox (at most :data:`MAX_QUEUED_KEYS` keys queued); everything else
     (hashes, encoding, sending, replay) runs on the publisher thread. When the outbox is full
     the change is dropped and counted (``dropped_events`` / ``dropped_keys`` in
     :attr:`KvEventsPublisher.stats`, logged); once it has room again the publisher resyncs:
@@ -103,6 +129,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import itertools
 import logging
 import threading
 import time
@@ -131,6 +158,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 ENGINE_KEY_BYTES = 8          # as_key of an engine's int block hash; other keys are skipped by default
 
 MAX_QUEUED_KEYS = 1 << 20     # keys waiting for the publisher thread before changes are dropped
+MAX_DESCRIBED_KEYS = 1 << 20  # block descriptions kept (the oldest go first)
 MAX_BATCH_HASHES = 4096       # block hashes in one batch message
 REPLAY_BATCHES = 10_000       # vLLM's default buffer_steps
 REPLAY_BYTES = 64 << 20
@@ -160,6 +188,22 @@ def block_hash(key: bytes) -> int | bytes:
     """The block hash a key is published as: 8-byte keys as the unsigned little-endian int
     ``as_key`` made them from, any other key as its bytes (module docstring)."""
     return int.from_bytes(key, "little") if len(key) == 8 else bytes(key)
+
+
+def hash64(key: bytes) -> int:
+    """The 64-bit int a described key is published as: its first 8 bytes, little-endian,
+    unsigned (for an 8-byte key, :func:`block_hash`'s int)."""
+    return int.from_bytes(bytes(key[:8]), "little")
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    """What a block's key does not say: the key of the block before it (None: the first
+    block of a sequence), the tokens it holds, and the LoRA adapter its hash covers."""
+
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    lora_name: str | None = None
 
 
 def resolve_topic(topic: str, node_id: str) -> str:
@@ -292,7 +336,7 @@ class _Outbox:
         with self._cv:
             for item in items:
                 self._items.append(item)
-                self.keys += len(item[-1]) if item[0] != RESET else 0
+                self.keys += len(item[3]) if item[0] != RESET else 0
             self._cv.notify()
 
     def has_room(self) -> bool:
@@ -320,23 +364,30 @@ class _Outbox:
 
 class _Translator:
     """Turns outbox items into vLLM events; keeps the tensor-parallel rank bitmasks. Keys
-    that are not 8 bytes are left out unless ``all_keys`` (module docstring, "Block hashes");
-    ``skipped`` counts them."""
+    that are not 8 bytes are left out unless described or ``all_keys`` (module docstring,
+    "Block hashes"); ``skipped`` counts them. An item is ``(op, medium, shard, keys)`` or
+    ``(op, medium, shard, keys, descriptions)``: the :class:`Described` of those keys that
+    have one, which go out as chains (``parent_block_hash``, ``token_ids``)."""
 
     def __init__(self, all_keys: bool = False) -> None:
         self.w = wire()
         self.masks: dict[tuple[str, bytes, bytes], int] = {}
         self.all_keys = all_keys
         self.skipped = 0
+        # (medium, key) of the keys that are not 8 bytes but were published (described) as
+        # their hash64, so their removal is published the same way
+        self.named: set[tuple[str, bytes]] = set()
 
     def events(self, items: Iterable[tuple]) -> list[Any]:
         out: list[Any] = []
         for item in items:
             if item[0] == RESET:
                 self.masks.clear()
+                self.named.clear()
                 out.append(self.w.AllBlocksCleared())
                 continue
-            op, medium, shard, keys = item
+            op, medium, shard, keys = item[:4]
+            keys = self._described(op, medium, shard, keys, item[4] if len(item) > 4 else {}, out)
             if not self.all_keys:
                 engine = [k for k in keys if len(k) == ENGINE_KEY_BYTES]
                 if len(engine) != len(keys):
@@ -359,6 +410,73 @@ class _Translator:
                 else:
                     out.append(self.w.BlockRemoved(hashes, medium, locality=LOCALITY))
         return out
+
+    def _described(self, op: str, medium: str, shard: Shard, keys: Sequence[bytes],
+                   descs: Mapping[bytes, Described], out: list[Any]) -> Sequence[bytes]:
+        """Publish what concerns described keys (stores as chains, removals as hash64); the rest."""
+        if op == REMOVED:
+            return self._unname(medium, keys, out) if self.named else keys
+        return self._chains(op, medium, shard, keys, descs, out) if descs else keys
+
+    def _unname(self, medium: str, keys: Sequence[bytes], out: list[Any]) -> list[bytes]:
+        """Publish the removal of keys published as their hash64 (described); the rest."""
+        gone, rest = [], []
+        for k in keys:
+            ident = (medium, bytes(k))
+            if len(k) != ENGINE_KEY_BYTES and ident in self.named:
+                self.named.discard(ident)
+                gone.append(k)
+            else:
+                rest.append(k)
+        for i in range(0, len(gone), MAX_BATCH_HASHES):
+            out.append(self.w.BlockRemoved([hash64(k) for k in gone[i:i + MAX_BATCH_HASHES]], medium,
+                                           locality=LOCALITY))
+        return rest
+
+    def _chains(self, op: str, medium: str, shard: Shard, keys: Sequence[bytes],
+                descs: Mapping[bytes, Described], out: list[Any]) -> list[bytes]:
+        """Publish the described keys as chains, parents first (one ``BlockStored`` per run of
+        blocks each the parent of the next, as vLLM publishes a request's blocks); the rest."""
+        rest: list[bytes] = []
+        mine: dict[bytes, Described] = {}
+        for k in keys:
+            d = descs.get(bytes(k))
+            if d is None:
+                rest.append(k)
+            else:
+                mine[bytes(k)] = d
+        if not mine:
+            return rest
+        if op == ANNOUNCE:   # published already: once (rank 0), complete blocks only
+            if shard.group is not None:
+                full = (1 << shard.size) - 1
+                mine = {} if shard.rank else {k: d for k, d in mine.items()
+                                              if self.masks.get((medium, shard.group, k)) == full}
+        elif shard.group is not None:
+            complete = set(self._complete(op, medium, shard, list(mine)))
+            mine = {k: d for k, d in mine.items() if k in complete}
+        children: dict[bytes | None, list[bytes]] = {}
+        for k, d in mine.items():
+            children.setdefault(d.parent if d.parent in mine else None, []).append(k)
+        stack = [[k] for k in reversed(children.get(None, []))]
+        while stack:
+            run = stack.pop()
+            while True:   # follow a child of the same adapter; the others start runs of their own (later)
+                kids = children.get(run[-1], [])
+                same = next((k for k in kids if mine[k].lora_name == mine[run[0]].lora_name), None)
+                stack.extend([k] for k in reversed(kids) if k is not same)
+                if same is None:
+                    break
+                run.append(same)
+            for i in range(0, len(run), MAX_BATCH_HASHES):
+                part = run[i:i + MAX_BATCH_HASHES]
+                first = mine[part[0]]
+                tokens = [t for k in part for t in mine[k].token_ids]
+                parent = None if first.parent is None else hash64(first.parent)
+                out.append(self.w.BlockStored([hash64(k) for k in part], parent, tokens, shard.block_size, None,
+                                              medium, first.lora_name, locality=LOCALITY))
+            self.named.update((medium, k) for k in run if len(k) != ENGINE_KEY_BYTES)
+        return rest
 
     def _skip(self, n: int) -> None:
         if not self.skipped:
@@ -405,7 +523,8 @@ class KvEventsPublisher:
     why it could not); :meth:`start` on the event loop starts publishing."""
 
     def __init__(self, store: _Store, node_id: str, endpoint: str, replay_endpoint: str = "",
-                 topic: str = DEFAULT_TOPIC, max_queued_keys: int = MAX_QUEUED_KEYS, all_keys: bool = False) -> None:
+                 topic: str = DEFAULT_TOPIC, max_queued_keys: int = MAX_QUEUED_KEYS, all_keys: bool = False,
+                 max_described_keys: int = MAX_DESCRIBED_KEYS) -> None:
         if not endpoint:
             raise KvEventsError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         zmq, _ = _import_extra()
@@ -439,6 +558,8 @@ class KvEventsPublisher:
             self._close_sockets(0)
             raise
         self._outbox = _Outbox(max_queued_keys)
+        self._described: dict[bytes, Described] = {}   # key -> its description (insertion order: oldest first)
+        self.max_described_keys = max_described_keys
         self._shards: dict[bytes, Shard] = {}
         self._deferred: set[bytes] = set()   # layouts restored from disk, not registered yet
         self._resync_wanted = False
@@ -450,7 +571,8 @@ class KvEventsPublisher:
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._subscribed = False      # a reader's subscription was answered with a snapshot
         self.stats = dict.fromkeys(("batches", "events", "hashes", "dropped_events", "dropped_keys", "resyncs",
-                                    "replays", "send_errors", "skipped_keys", "subscriptions"), 0)
+                                    "replays", "send_errors", "skipped_keys", "subscriptions",
+                                    "described_keys", "forgotten_descriptions"), 0)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._tick: asyncio.Task | None = None
 
@@ -528,6 +650,41 @@ class KvEventsPublisher:
         else:
             self._outbox.force([(ANNOUNCE, *item[1:]) for item in self._holdings_items()])
 
+    # -- block descriptions ----------------------------------------------------------------------
+
+    def describe(self, keys: Sequence[bytes], token_ids: Sequence[int], block_tokens: int,
+                 parent: bytes | None = None, lora_name: str | None = None) -> None:
+        """Say what ``keys`` hold (event loop): consecutive full blocks of one sequence, block
+        ``i`` holding ``token_ids[i * block_tokens:(i + 1) * block_tokens]``, the first one
+        after the block ``parent`` (None: the start of the sequence), each later one after the
+        one before it; the arguments of :func:`kvtier.client.engine.keys.block_keys`.
+        Stores of described keys that follow are published as chains with their parent hash
+        and token ids, every key as its :func:`hash64` (module docstring, "Block
+        descriptions"). At most ``max_described_keys`` descriptions are kept, the oldest
+        forgotten first (``forgotten_descriptions``)."""
+        if block_tokens <= 0 or len(token_ids) != len(keys) * block_tokens:
+            raise ValueError(f"{len(token_ids)} token ids for {len(keys)} blocks of {block_tokens} tokens")
+        table = self._described
+        prev = None if parent is None else bytes(parent)
+        for i, k in enumerate(keys):
+            k = bytes(k)
+            table.pop(k, None)  # re-described: now the newest
+            table[k] = Described(prev, tuple(int(t) for t in token_ids[i * block_tokens:(i + 1) * block_tokens]),
+                                 lora_name)
+            prev = k
+        self.stats["described_keys"] += len(keys)
+        over = len(table) - self.max_described_keys
+        if over > 0:
+            for k in list(itertools.islice(table, over)):
+                del table[k]
+            self.stats["forgotten_descriptions"] += over
+
+    def _descriptions(self, keys: Sequence[bytes]) -> dict[bytes, Described]:
+        table = self._described
+        if not table:
+            return {}
+        return {bytes(k): d for k in keys if (d := table.get(bytes(k))) is not None}
+
     # -- LocationObserver ------------------------------------------------------------------------
 
     def stored(self, tier: Tier, fingerprint: bytes, keys: Sequence[bytes], worker: str = "") -> None:
@@ -571,7 +728,8 @@ class KvEventsPublisher:
         shard = self._shard(fp)
         if shard is None:
             self._deferred.add(fp)
-        elif not self._outbox.offer((op, medium, shard, keys), len(keys)):
+        elif not self._outbox.offer((op, medium, shard, keys, self._descriptions(keys) if op == STORED else {}),
+                                    len(keys)):
             self._count_drop(len(keys))
             self._want_resync()
 
@@ -593,7 +751,7 @@ class KvEventsPublisher:
             if shard is None:
                 self._deferred.add(fp)
             elif keys:
-                items.append((STORED, MEDIUM[tier], shard, keys))
+                items.append((STORED, MEDIUM[tier], shard, keys, self._descriptions(keys)))
         return items
 
     def _resync(self, initial: bool = False) -> None:

@@ -211,6 +211,39 @@ def test_keys_that_are_not_8_bytes_are_skipped_and_counted_unless_all_keys() -> 
     assert t.skipped == 0
 
 
+def test_described_blocks_are_chains_with_parent_hashes_and_token_ids_parents_first() -> None:
+    """Described keys of any length go out as 64-bit ints in runs (parent, then children), each
+    run one BlockStored with its parent's hash and its blocks' tokens; a branch is a run of its
+    own after its parent; removals of those keys are the same ints; vLLM's classes decode it."""
+    D = kv_events.Described
+    a, b, c, d = (i.to_bytes(8, "little") + b"kvevents" for i in range(1, 5))
+    descs = {a: D(None, (1, 2)), b: D(a, (3, 4)), c: D(b, (5, 6)), d: D(a, (7, 8), "adapter")}
+    t = kv_events._Translator()
+    evs = t.events([(kv_events.STORED, "STORAGE", kv_events.Shard(2), [d, c, b, a, key8(9), key16(10)], descs),
+                    (kv_events.REMOVED, "STORAGE", kv_events.Shard(2), [b, key16(10)])])
+    i64 = [int.from_bytes(k[:8], "little") for k in (a, b, c, d)]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.lora_name) for e in evs[:2]] == [
+        ([i64[0], i64[1], i64[2]], None, [1, 2, 3, 4, 5, 6], None), ([i64[3]], i64[0], [7, 8], "adapter")]
+    assert [e.block_hashes for e in evs[2:]] == [[h(key8(9))], [i64[1]]] and t.skipped == 2  # key16(10) twice
+    assert all(e.medium == "STORAGE" and e.locality == "LOCAL" for e in evs)
+    raw = msgspec.msgpack.encode(t.w.KVEventBatch(1.0, evs, 0))
+    got = msgspec.msgpack.Decoder(type=vkv.KVEventBatch).decode(raw).events
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size) for e in got[:2]] == [
+        ([i64[0], i64[1], i64[2]], None, [1, 2, 3, 4, 5, 6], 2), ([i64[3]], i64[0], [7, 8], 2)]
+
+
+def test_describe_checks_token_counts_and_forgets_the_oldest() -> None:
+    pub = SimpleNamespace(_described={}, max_described_keys=3, stats={"described_keys": 0, "forgotten_descriptions": 0})
+    describe = kv_events.KvEventsPublisher.describe.__get__(pub)
+    with pytest.raises(ValueError):
+        describe([key16(1)], [1, 2, 3], 2)
+    describe([key16(1), key16(2)], [1, 2, 3, 4], 2)
+    assert pub._described[key16(2)] == kv_events.Described(key16(1), (3, 4))
+    describe([key16(3), key16(4)], [5, 6, 7, 8], 2, parent=key16(2))
+    assert list(pub._described) == [key16(2), key16(3), key16(4)]
+    assert pub._described[key16(3)].parent == key16(2) and pub.stats["forgotten_descriptions"] == 1
+
+
 # -- a real kvtierd ----------------------------------------------------------------------------------
 
 
