@@ -55,6 +55,9 @@ from kvtier.handshake import MAX_FDS, MAX_FRAME, fds_of, frame, unframe
 log = logging.getLogger("kvtier.credentials")
 
 MAX_CONNECTIONS = 4096
+MAX_CONNECTIONS_PER_UID = MAX_CONNECTIONS // 4
+"""Credential connections one uid may hold open at once when other uids are admitted too
+(``PeerAuthenticator.policy.shared``): a quarter, so that no admitted uid takes them all."""
 LOG_EVERY_S = 10.0  # a refused uid's refusals are logged at most this often
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
@@ -110,6 +113,7 @@ class CredentialServer:
         #: where refusals are counted (the store's counters, once it is built)
         self.counters: Counters | None = None
         self._pending: dict[int, int] = {}  # uid -> its connections waiting for their hello
+        self._open_conns: dict[int, int] = {}  # uid -> its connections open (waiting for a hello or not)
         self._warned: dict[int, float] = {}  # uid refused -> when its refusal was last logged
         #: (caller, path) -> a new descriptor of that caller's tenant's file; raises StoreError
         self.files = files
@@ -185,9 +189,11 @@ class CredentialServer:
                 continue
             uid = creds[1]
             self._pending[uid] = self._pending.get(uid, 0) + 1
+            self._open_conns[uid] = self._open_conns.get(uid, 0) + 1
             task = loop.create_task(self._serve(conn, *creds))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
+            task.add_done_callback(lambda _t, uid=uid: self._closed_conn(uid))
 
     def _refusal(self, pid: int, uid: int, gid: int) -> _Refused | None:
         """Why a peer just accepted is refused at once (None: it may hand-shake)."""
@@ -204,6 +210,10 @@ class CredentialServer:
         if len(self._conns) >= MAX_CONNECTIONS:
             return _Refused("RESOURCE_EXHAUSTED", f"{MAX_CONNECTIONS} credential connections are open; close "
                                                   f"some clients")
+        if self.auth.policy.shared and self._open_conns.get(uid, 0) >= MAX_CONNECTIONS_PER_UID:
+            return _Refused("RESOURCE_EXHAUSTED", f"uid {uid} has {MAX_CONNECTIONS_PER_UID} credential connections "
+                                                  f"open, its share of the daemon's {MAX_CONNECTIONS}; close some "
+                                                  f"clients")
         if self._pending.get(uid, 0) >= self.max_pending_per_uid:
             return _Refused("RESOURCE_EXHAUSTED", f"uid {uid} has {self.max_pending_per_uid} credential connections "
                                                   f"waiting for their hello (--max-pending-handshakes-per-uid); "
@@ -213,6 +223,13 @@ class CredentialServer:
     def _count(self, count: Count, n: int = 1) -> None:
         if self.counters is not None:
             self.counters.add(count, n)
+
+    def _closed_conn(self, uid: int) -> None:
+        left = self._open_conns.get(uid, 0) - 1
+        if left > 0:
+            self._open_conns[uid] = left
+        else:
+            self._open_conns.pop(uid, None)
 
     def _hello_done(self, uid: int) -> None:
         left = self._pending.get(uid, 0) - 1

@@ -326,7 +326,7 @@ class TenantLog:
 
     def node_info(self) -> NodeInfo:
         store = self.store
-        return NodeInfo(self.node_id, self.epoch, self.head, store.device.workers(self.tenant), tier_usage(store),
+        return NodeInfo(self.node_id, self.epoch, self.head, store.device.workers(self.tenant), tier_usage(store, self.tenant),
                         [reg.wire for reg in store.layouts.of_tenant(self.tenant)])
 
 

@@ -162,6 +162,7 @@ class Placement:
         self.counters = counters
         self.observers = observers
         self.disk_load_gbps = 0.0
+        self.disk_load_gbps_of: dict[str, float] = {}  # pool group -> the same, of its own promotions
         self.remote_load_gbps = 0.0  # measured peer/store -> host bandwidth (0: not measured)
         self._evict_lock = asyncio.Lock()
         self.write_behind: WriteBehind | None = None  # the shared store's hooks
@@ -710,7 +711,7 @@ class Placement:
             gone = [e.bkey for e in disk.remove(bad)]
             self.policy.on_remove(DISK, gone)
             self.observers.removed_blocks(DISK, gone)
-        self._measured(sum(d.length for d, _ in pairs), elapsed)
+        self._measured(sum(d.length for d, _ in pairs), elapsed, cls.group)
         self.counters.add(Count.PROMOTIONS, len(promoted))
         self.counters.move(Flow.DISK_TO_HOST, len(promoted) * layout.block_bytes)
         self.policy.on_promote(promoted)
@@ -749,10 +750,15 @@ class Placement:
         log.warning("disk block dropped: %s", "checksum mismatch" if checksum else "read error",
                     extra={"key": key_of(d.bkey).hex(), "slab": d.slab.path, "slot": d.slot})
 
-    def _measured(self, nbytes: int, elapsed: float) -> None:
+    def _measured(self, nbytes: int, elapsed: float, group: str) -> None:
+        """A promotion of ``group``'s blocks read ``nbytes`` in ``elapsed`` s: the node's
+        measured disk bandwidth (the operator's) and the group's own (its tenant's: what one
+        tenant reads does not move another's)."""
         if nbytes and elapsed > 0:
             gbps = nbytes / elapsed / 1e9
             self.disk_load_gbps = gbps if not self.disk_load_gbps else 0.8 * self.disk_load_gbps + 0.2 * gbps
+            mine = self.disk_load_gbps_of.get(group, 0.0)
+            self.disk_load_gbps_of[group] = gbps if not mine else 0.8 * mine + 0.2 * gbps
 
     # -- blocks from elsewhere (a peer, the shared store) ----------------------------------
 

@@ -55,16 +55,22 @@ class NodeStats:
     counters: Counters
 
 
-def tier_usage(store: BlockStore) -> list[TierUsage]:
+def tier_usage(store: BlockStore, tenant: str | None = None) -> list[TierUsage]:
     """Host, then disk if the store has one, then remote if it has peers or a shared store
     (``BlockStore.remotes``): what this node loads from peers and the shared store, with the bandwidth its fetches measured (``Placement.remote_load_gbps``;
     0 until one was measured: routers then use their default), no capacity and no blocks of
-    its own. Routers weight the remote tier with it (NodeInfo carries it)."""
+    its own. Routers weight the remote tier with it (NodeInfo carries it). With ``tenant``,
+    the disk tier's bandwidth is the one measured on that tenant's own reads (0 until one)."""
     host = store.host
     out = [TierUsage(Tier.HOST, host.capacity, host.used_bytes, len(host.entries))]
     disk = store.disk
     if disk is not None:
-        out.append(TierUsage(Tier.DISK, disk.capacity, disk.used_bytes, len(disk.entries), store.tiers.disk_load_gbps))
+        if tenant is None:
+            gbps = store.tiers.disk_load_gbps
+        else:
+            group = store.layouts.group_of(tenant)
+            gbps = 0.0 if group is None else store.tiers.disk_load_gbps_of.get(group, 0.0)
+        out.append(TierUsage(Tier.DISK, disk.capacity, disk.used_bytes, len(disk.entries), gbps))
     if store.remotes:  # only a node that can fetch (peers, a store) offers routers a remote tier
         out.append(TierUsage(Tier.REMOTE, 0, 0, 0, store.tiers.remote_load_gbps))
     return out
@@ -113,7 +119,7 @@ class StatsSource:
                 mine[0] += n
                 mine[1] += n * reg.layout.slot_bytes
         tiers = [TierUsage(t.tier, t.capacity_bytes, held.get(t.tier, [0, 0])[1], held.get(t.tier, [0, 0])[0],
-                           t.load_gbps) if t.tier != Tier.REMOTE else t for t in tier_usage(store)]
+                           t.load_gbps) if t.tier != Tier.REMOTE else t for t in tier_usage(store, tenant)]
         own = store.tenant_counters.get(tenant)
         counters = own.copy() if own is not None else Counters()
         sessions = sum(1 for sid in store.sessions.ids() if store.sessions[sid].tenant == tenant

@@ -22,6 +22,7 @@ Run as a script (``python test_security_tenants.py SOCKET UID``), this file is t
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import os
 import pickle
@@ -40,6 +41,7 @@ import grpc._utilities  # noqa: F401
 import numpy as np
 import pytest
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import Sidecar
 from kvtier.client.routing.router import Router, RouterConfig
@@ -52,6 +54,7 @@ from kvtier.tiers.layout import Layout, layout_to_proto
 
 NOBODY = 65534
 BLOCK = 8192
+HEARTBEAT = slice(40, 48)  # where a key table's header keeps its writer's heartbeat (kvtier.tiers.keytable)
 LAYOUT = Layout.flat(BLOCK)
 OTHER_LAYOUT = Layout.flat(BLOCK, name="only-a")   # a layout only tenant A registers
 SMALL = Layout.flat(2048, name="small")  # 4 KiB slots: so many fit that its first block grows the key table
@@ -215,6 +218,29 @@ class Tenant:
         finally:
             stream.cancel()
         return out
+
+    def view(self, reg: node_pb2.RegisterLayoutReply, keys: list[bytes]) -> dict[str, Any]:
+        """Everything this tenant reads of the node that is not its own doing: its Stats (less
+        the uptime), NodeInfo, a new feed subscription's NodeInfo and snapshot, its layout's
+        registration again, Lookup of ``keys``, a new handshake's reply (less the token and
+        caller, new each time), its key table's and pool file's bytes, and the health check."""
+        stats = self.rpc("node", "Stats", node_pb2.StatsRequest())
+        stats.uptime_s = 0
+        again = self.register(LAYOUT)
+        creds = Credentials(self.socket, "view").connect()
+        try:
+            hello = (creds.tenant, creds.key_salt)
+        finally:
+            creds.close()
+        with os.fdopen(self.creds.open(reg.key_table_path), "rb") as f:
+            table = bytearray(f.read())
+        table[HEARTBEAT] = bytes(len(table[HEARTBEAT]))  # the writer's clock, refreshed every 0.1 s
+        pool = hashlib.sha256(bytes(self.pool(reg).mm)).hexdigest()
+        health = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        return {"stats": stats, "node_info": self.rpc("locations", "GetNodeInfo", locations_pb2.NodeInfoRequest()),
+                "feed": self.feed(2), "register": again, "lookup": self.lookup(reg.layout_id, keys),
+                "hello": hello, "key_table": hashlib.sha256(table).hexdigest(), "pool": pool,
+                "health": health.status}
 
     def watch_start(self) -> None:
         self._watch = self.locations.WatchLocations(locations_pb2.WatchLocationsRequest(subscriber="watch"),
@@ -603,6 +629,97 @@ def test_tenant_b_stats_show_nothing_of_tenant_a_activity(tenants) -> None:
     assert node_wide.counters["commits"] == len(A_KEYS) + 2
     assert node_wide.sessions == 2
     assert {t.tier: t.blocks for t in node_wide.tiers}[HOST] == len(A_KEYS) + 1
+
+def tcp_listeners(pid: int) -> list[int]:
+    """The TCP ports process ``pid`` listens on (a metrics port, a TCP listener)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    ports.append(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _flat(msg: Message, prefix: str = "") -> dict[str, Any]:
+    """Every field set in ``msg``, by path (``tiers[1].load_gbps``, ``counters[commits]``)."""
+    out: dict[str, Any] = {}
+    for fd, value in msg.ListFields():
+        name = prefix + fd.name
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            out.update({f"{name}[{k}]": v for k, v in value.items()})
+        elif fd.is_repeated:
+            for i, x in enumerate(value):
+                out.update(_flat(x, f"{name}[{i}].") if isinstance(x, Message) else {f"{name}[{i}]": x})
+        elif isinstance(value, Message):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What moved from one Stats reply to the next: each number's difference, each other
+    field's (before, after)."""
+    out = {}
+    for k in before.keys() | after.keys():
+        b, a = before.get(k), after.get(k)
+        if a != b:
+            numbers = all(isinstance(v, (int, float)) or v is None for v in (a, b))
+            out[k] = (a or 0) - (b or 0) if numbers else (b, a)
+    return out
+
+
+def test_tenant_b_view_of_every_endpoint_does_not_change_with_tenant_a_hits(shared_dir, tmp_path) -> None:
+    """A's blocks are on disk only (put durable, then the daemon restarted). B takes its view of
+    every endpoint it can reach (:meth:`Tenant.view`) twice, A hits and misses in every tier
+    (Acquire from disk, which promotes and so loads from disk, then from host; Lookup;
+    Prefetch from disk; a key-table lookup; a refused Acquire; an Evict), and B takes its view
+    again: it is the same, but for what B's own view moves in its Stats (its Lookups), which
+    moves exactly as much as between B's first two views. The daemon listens on no TCP port
+    (the metrics port is off by default)."""
+    n = Node(shared_dir, str(tmp_path / "disk")).start()
+    try:
+        a = Tenant(n.socket, "alice")
+        a.put(a.register(), A_KEYS, A_BYTES, durable=True)
+        a.close()
+        n.stop()
+        n.start()
+        assert tcp_listeners(n.d.pid) == []
+        a, b = Tenant(n.socket, "alice"), NobodyTenant(n.socket)
+        try:
+            reg_a, reg_b = a.register(), b.register()
+            b.put(reg_b, [key(60)], B_BYTES)
+            assert b.get(reg_b, [key(60)]) == [B_BYTES]
+            first = b.view(reg_b, [key(60), *A_KEYS])
+            before = b.view(reg_b, [key(60), *A_KEYS])
+            assert a.lookup(reg_a.layout_id, A_KEYS) == [DISK] * len(A_KEYS)
+            assert a.get(reg_a, A_KEYS[:2]) == [A_BYTES] * 2           # disk hits (promoted)
+            assert a.get(reg_a, A_KEYS[:2] + [key(99)]) == [A_BYTES] * 2 + [None]  # host hits, a miss
+            assert a.rpc("node", "Prefetch", node_pb2.PrefetchRequest(layout_id=reg_a.layout_id,
+                                                                      keys=A_KEYS[2:])).promoted == 2
+            assert a.table_tiers(reg_a.key_table_path, LAYOUT.fingerprint, A_KEYS) == ["host"] * len(A_KEYS)
+            with pytest.raises(grpc.RpcError):
+                a.get(reg_a, [A_KEYS[0], A_KEYS[0]])   # a key named twice: refused
+            assert a.rpc("node", "Evict", node_pb2.EvictRequest(layout_id=reg_a.layout_id,
+                                                                keys=A_KEYS[:1])).evicted >= 1
+            after = b.view(reg_b, [key(60), *A_KEYS])
+            changed = {k: (before[k], v) for k, v in after.items() if k != "stats" and v != before[k]}
+            assert changed == {}, f"what B reads changed with A's hits: {changed}"
+            own = _moved(_flat(first["stats"]), _flat(before["stats"]))   # B's own view's Lookups
+            assert _moved(_flat(before["stats"]), _flat(after["stats"])) == own
+        finally:
+            b.close()
+            a.close()
+    finally:
+        n.cleanup()
+
 
 # -- tenant files reach only their tenant's clients, as descriptors ---------------------------------
 

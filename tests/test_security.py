@@ -69,7 +69,7 @@ from attacks_sessions import (  # noqa: E402
     test_session_streams_over_the_cap_are_refused,
 )
 
-# -- tenants that cannot see each other (17 tests) --
+# -- tenants that cannot see each other (18 tests) --
 from attacks_tenants import (  # noqa: E402
     node,
     tenants,
@@ -88,6 +88,7 @@ from attacks_tenants import (  # noqa: E402
     test_tenant_b_sidecar_as_nobody_puts_gets_and_reads_its_key_table,
     test_tenant_b_stats_list_only_its_layouts,
     test_tenant_b_stats_show_nothing_of_tenant_a_activity,
+    test_tenant_b_view_of_every_endpoint_does_not_change_with_tenant_a_hits,
     test_tenant_pool_files_are_separate_and_b_never_maps_a_bytes,
 )
 
@@ -149,6 +150,7 @@ __all__ = [
     "test_tenant_pool_files_are_separate_and_b_never_maps_a_bytes",
     "test_tenant_b_stats_list_only_its_layouts",
     "test_tenant_b_stats_show_nothing_of_tenant_a_activity",
+    "test_tenant_b_view_of_every_endpoint_does_not_change_with_tenant_a_hits",
     "test_tenant_b_as_nobody_maps_its_own_pool_and_key_table_through_the_fd_op",
     "test_tenant_b_sidecar_as_nobody_puts_gets_and_reads_its_key_table",
     "test_tenant_b_cannot_open_tenant_a_files_through_the_fd_op",
