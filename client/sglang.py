@@ -101,7 +101,28 @@ except ImportError as _sglang_missing:  # kvtier never requires SGLang
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
             self.mem_pool_host = mem_pool_host
 
+        def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+            if not hasattr(self, "registered_pools"):
+                self.registered_pools = {}
+            self.registered_pools[host_pool_name] = host_pool
+
 SGLANG_AVAILABLE = SGLANG_IMPORT_ERROR is None
+
+try:  # the v2 (hybrid pools) interface's types, where this SGLang has them
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
+    _KV: Any = PoolName.KV
+    _ALL_PAGES: Any = PoolHitPolicy.ALL_PAGES
+    _TRAILING_PAGES: Any = PoolHitPolicy.TRAILING_PAGES
+except ImportError:
+    _KV, _ALL_PAGES, _TRAILING_PAGES = "kv", "all_pages", "trailing_pages"
+
+    @dataclass
+    class PoolTransferResult:  # type: ignore[no-redef]
+        """Stand-in for SGLang's ``PoolTransferResult`` (the v2 hit query's answer)."""
+
+        kv_hit_pages: int
+        extra_pool_hit_pages: dict
+        restorable_prefix_pages: list[int] | None = None
 
 __all__ = ["SGLANG_AVAILABLE", "BackendConfig", "KvtierHiCacheStorage", "page_layout", "shard_identity"]
 
@@ -181,12 +202,13 @@ def _block_dim(buffer: torch.Tensor, page: torch.Tensor, page_size: int, pool_si
     raise ValueError(f"page view cuts dimension {d} to {page.shape[d]}; expected {page_size} rows or one page")
 
 
-def page_layout(host_pool: Any, storage_config: Any) -> Layout:
+def page_layout(host_pool: Any, storage_config: Any, pool: str = "kv") -> Layout:
     """The kvtier layout of one SGLang page of ``host_pool`` for this rank.
 
     One tensor, the pool's ``kv_buffer`` (dtype and shape as allocated; the page or token
-    dimension found from the pool's own page view), named after the model kind, the host layout
-    and the pool's storage format tag, with the TP rank and size (MLA: 0 and 1, shared by all
+    dimension found from the pool's own page view), named after the model kind, the pool (a
+    hybrid model's sliding-window pool: ``swa``; the KV pool is unnamed), the host layout and
+    the pool's storage format tag, with the TP rank and size (MLA: 0 and 1, shared by all
     ranks). Its block is the page's flat bytes."""
     buffer = getattr(host_pool, "kv_buffer", None)
     if not isinstance(buffer, torch.Tensor):
@@ -199,7 +221,8 @@ def page_layout(host_pool: Any, storage_config: Any) -> Layout:
         raise ValueError(f"{type(host_pool).__name__}'s pages are not views of its kv_buffer; kvtier copies "
                          f"pages in place and cannot store this pool")
     d, token_indexed = _block_dim(buffer, page, int(host_pool.page_size), int(host_pool.size))
-    name = ".".join(filter(None, ["sglang", "mla" if storage_config.is_mla_model else "mha", host_pool.layout,
+    name = ".".join(filter(None, ["sglang", "mla" if storage_config.is_mla_model else "mha",
+                                  None if pool == "kv" else pool, host_pool.layout,
                                   getattr(host_pool, "storage_format_tag", None)]))
     # the KV's own dtype where the buffer stores it as bytes (SGLang keeps both fp8 formats as
     # uint8): e4m3 and e5m2 pages must never meet on one key
@@ -218,6 +241,46 @@ def page_layout(host_pool: Any, storage_config: Any) -> Layout:
     layout = Layout((TensorSpec(name, dtype, shape, d, token_indexed),), int(host_pool.page_size), tp_rank, tp_size)
     if layout.block_bytes != page.numel() * page.element_size():
         raise ValueError(f"layout block {layout.block_bytes} bytes != page view {page.numel() * page.element_size()}")
+    return layout
+
+
+MAMBA_LAYOUTS = ("page_first", "page_first_direct")  # MambaPoolHost's own (it refuses layer_first)
+
+
+def _is_mamba_pool(host_pool: Any) -> bool:
+    return all(hasattr(host_pool, a) for a in ("temporal_buffer", "conv_buffer", "size_per_token",
+                                               "get_data_page", "set_from_flat_data_page"))
+
+
+def mamba_layout(host_pool: Any, storage_config: Any) -> Layout:
+    """The kvtier layout of one state slot of SGLang's ``MambaPoolHost`` (page size 1): its
+    temporal (SSM) state, its conv states and any per-slot side state, in the order of the pool's
+    own flat page (``get_data_page``: each component's bytes, one after the other). Mamba state
+    is sharded across TP ranks even where the model's attention is MLA: the TP rank and size are
+    always part of it."""
+    if getattr(host_pool, "layout", None) not in MAMBA_LAYOUTS:
+        raise ValueError(f"kvtier stores Mamba state in the layouts {', '.join(MAMBA_LAYOUTS)}, not "
+                         f"{getattr(host_pool, 'layout', None)!r}")
+    if int(host_pool.page_size) != 1:
+        raise ValueError(f"a Mamba host pool holds one state per slot (page size 1), not {host_pool.page_size}")
+    parts = [("temporal", host_pool.temporal_buffer)]
+    parts += [(f"conv{i}", b) for i, b in enumerate(host_pool.conv_buffer)]
+    parts += [(f"state{i}", b) for i, b in enumerate(getattr(host_pool, "slot_state_buffers", None) or [])]
+    specs = []
+    for label, buf in parts:
+        if buf.numel() == 0:  # (conv-only linear attention has no SSM state; its page leaves it out too)
+            continue
+        if int(buf.shape[0]) != int(host_pool.size):
+            raise ValueError(f"Mamba {label} buffer {tuple(buf.shape)} is not indexed by state slot first")
+        dtype, shape = _dtype_name(buf.dtype), tuple(int(x) for x in buf.shape)
+        name = f"sglang.mamba.{host_pool.layout}.{label}"
+        if dtype not in DTYPE_BYTES:
+            name, shape, dtype = f"{name}.{dtype}", (*shape[:-1], shape[-1] * buf.element_size()), "uint8"
+        specs.append(TensorSpec(name, dtype, shape, 0, True))
+    layout = Layout(tuple(specs), 1, int(storage_config.tp_rank), int(storage_config.tp_size))
+    page = int(host_pool.get_dummy_flat_data_page().numel())
+    if layout.block_bytes != page:
+        raise ValueError(f"Mamba layout block {layout.block_bytes} bytes != the pool's flat page {page} bytes")
     return layout
 
 
@@ -256,9 +319,26 @@ def _storage_metrics_class() -> Any:
 
 # -- the backend ----------------------------------------------------------------------------------
 
+@dataclass
+class _Pool:
+    """A hybrid model's extra host pool that the backend stores (v2 interface): its sliding-window
+    KV pool (pages copied through the pool's page views, as the KV pool's) or its Mamba state pool
+    (one state per slot, copied as the pool's own flat page)."""
+
+    name: str
+    host: Any
+    layout: Layout
+    page_len: int
+    chunk: int
+    flat: bool          # pages are the pool's flat copies (get_data_page / set_from_flat_data_page)
+    tag: bytes          # mixed into the pool's keys: its pages never meet the KV pool's or each other's
+    lid: int = 0        # the daemon's layout id (0 until registered)
+
+
 _COUNTERS = ("exists_calls", "exists_pages", "exists_hit_pages", "get_pages", "get_hit_pages", "set_pages",
              "set_stored_pages", "set_present_pages", "set_failed_pages", "daemon_failures", "errors",
-             "skipped_while_down_pages", "epoch_changes")
+             "skipped_while_down_pages", "epoch_changes", "pool_get_pages", "pool_get_hit_pages", "pool_set_pages",
+             "pool_set_stored_pages")
 
 
 class KvtierHiCacheStorage(_HiCacheStorageBase):
@@ -290,6 +370,7 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
             self._set_namespace(self.config.tenant)
         self.mem_pool_host: Any = None
         self.layout: Layout | None = None
+        self._pools: dict[str, _Pool] = {}  # a hybrid model's sliding-window and Mamba pools, by name
         self._sc = self._new_sidecar()
         self._lock = threading.RLock()     # readiness, epoch, down state
         self._stats_lock = threading.Lock()
@@ -327,13 +408,38 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         self._attach()  # registers now if the daemon is up; otherwise in the background, later
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Hybrid models' extra pools (Mamba, SWA, indexer) are not stored: refused at attach."""
-        if str(host_pool_name) == "kv" and (self.mem_pool_host is None or host_pool is self.mem_pool_host):
+        """Take one pool of a hybrid model's host pool group (SGLang's HybridCacheController
+        registers each after the KV pool): its sliding-window KV pool (``swa``: an MHA/MLA host
+        pool in one of :data:`PAGE_LAYOUTS`) or its Mamba state pool (``mamba``). Any other pool
+        (DSA indexer, DeepSeek-V4 compressed state, speculative-decoding draft pools) is refused:
+        raises, failing the attach, with the reason and what serves it instead."""
+        name = str(host_pool_name)
+        if name == "kv" and (self.mem_pool_host is None or host_pool is self.mem_pool_host):
             if self.mem_pool_host is None:
                 self.register_mem_pool_host(host_pool)
             return
-        raise NotImplementedError(f"kvtier stores the KV pool only (HiCache v1 interface); pool "
-                                  f"{host_pool_name!s} of a hybrid model is not supported")
+        if name == "swa" and isinstance(getattr(host_pool, "kv_buffer", None), torch.Tensor):
+            if getattr(host_pool, "layout", None) not in PAGE_LAYOUTS:
+                raise ValueError(f"kvtier supports the host layouts {', '.join(PAGE_LAYOUTS)}, not "
+                                 f"{getattr(host_pool, 'layout', None)!r}: set --hicache-mem-layout")
+            layout, flat, ident = page_layout(host_pool, self.storage_config, pool=name), False, {"pool": name}
+        elif name == "mamba" and _is_mamba_pool(host_pool):
+            layout, flat = mamba_layout(host_pool, self.storage_config), True
+            # Mamba state is TP-sharded even where MLA's KV is shared across ranks
+            ident = {"pool": name, "tp": [int(self.storage_config.tp_rank), int(self.storage_config.tp_size)]}
+        else:
+            raise NotImplementedError(
+                f"kvtier stores the KV pool and a hybrid model's sliding-window (swa) and Mamba (mamba) pools, not "
+                f"pool {name} ({type(host_pool).__name__}): serve this model with SGLang's hierarchical cache "
+                f"without --hicache-storage-backend, or with SGLang's file or mooncake storage backend, which "
+                f"store that pool")
+        tag = json.dumps(ident, sort_keys=True, separators=(",", ":")).encode()
+        pool = _Pool(name, host_pool, layout, int(host_pool.page_size),
+                     max(1, self.config.staging_bytes // layout.block_bytes), flat, tag)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._pools[name] = pool
+        if self.layout is not None:
+            self._attach()  # registers the pool's layout now if the daemon is up; otherwise later
 
     def on_host_pools_registered(self) -> None:
         pass
@@ -391,6 +497,101 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
             return None
         self._metric(metric, len(keys), time.perf_counter() - t0)
         return ok
+
+    # -- SGLang's v2 interface: a hybrid model's pools ------------------------------------------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """The usable prefix of ``keys`` with every pool it needs (SGLang's ``PoolTransferResult``):
+        the KV pages held from the start, cut by each extra pool's hit policy: ``all_pages``
+        needs the pool's page at every position, ``trailing_pages`` (sliding window, Mamba) only
+        the last ``len(transfer.keys)`` pages before a stop point. ``restorable_prefix_pages``
+        lists every stop point all pools can resume from (a trailing pool leaves holes)."""
+        self._count(exists_calls=1, exists_pages=len(keys))
+        if not keys or not self._ready():
+            return PoolTransferResult(0, {}, [])
+        try:
+            kv_pages = self._sc.prefix_length(self._lid, self._keys(keys))[1]
+            hits: dict = {_KV: kv_pages} if kv_pages else {}
+            restorable = list(range(1, kv_pages + 1))
+            for transfer in pool_transfers or []:
+                if not restorable:
+                    break
+                pool = self._pool(transfer)
+                if pool is None or not pool.lid:
+                    restorable = []
+                    break
+                held = [t is not None for t in self._sc.lookup(pool.lid, self._keys(keys[:kv_pages], pool))]
+                policy = getattr(transfer, "hit_policy", _ALL_PAGES)
+                if policy == _ALL_PAGES:
+                    boundary = held.index(False) if False in held else kv_pages
+                    stops = set(range(1, boundary + 1))
+                elif policy == _TRAILING_PAGES:
+                    window = max(1, len(transfer.keys) if transfer.keys else 1)
+                    stops = {n for n in range(1, kv_pages + 1) if all(held[max(0, n - window):n])}
+                    boundary = max(stops, default=0)
+                else:  # (a policy of pools kvtier does not store: refused when they register)
+                    logger.error("kvtier batch_exists_v2: pool %s has hit policy %s, which kvtier does not serve",
+                                 pool.name, policy)
+                    stops, boundary = set(), 0
+                if boundary:
+                    hits[transfer.name] = boundary
+                restorable = [n for n in restorable if n in stops]
+        except Exception as e:
+            self._failed("batch_exists_v2", e)
+            return PoolTransferResult(0, {}, [])
+        final = restorable[-1] if restorable else 0
+        self._count(exists_hit_pages=final)
+        return PoolTransferResult(final, hits, restorable)
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict:
+        """Read each transfer's pages into its pool (``host_indices`` of that pool, page ``i`` at
+        ``host_indices[i * pool page size]``); per pool name, per page, whether it was read."""
+        return self._pool_batch("batch_get_v2", transfers, get=True)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict:
+        """Store each transfer's pages of its pool; per pool name, per page, whether it is stored."""
+        return self._pool_batch("batch_set_v2", transfers, get=False)
+
+    def _pool(self, transfer: Any) -> _Pool | None:
+        name = str(transfer.name)
+        pool = self._pools.get(name)
+        if pool is None and name != "kv":
+            self._count(errors=1)
+            logger.error("kvtier: pool %s was not registered (register_mem_host_pool_v2)", name)
+        return pool
+
+    def _pool_batch(self, what: str, transfers: Any, get: bool) -> dict:
+        out: dict = {}
+        ready = self._ready()
+        for transfer in transfers or []:
+            keys = list(transfer.keys or [])
+            out[transfer.name] = [False] * len(keys)
+            if not keys:
+                continue
+            if str(transfer.name) == "kv":  # the KV pool through v2: as batch_get_v1 / batch_set_v1
+                fn = self.batch_get_v1 if get else self.batch_set_v1
+                out[transfer.name] = fn(keys, transfer.host_indices)
+                continue
+            self._count(**{"pool_get_pages" if get else "pool_set_pages": len(keys)})
+            pool = self._pool(transfer)
+            if pool is None:
+                continue
+            pages = self._pages(keys, transfer.host_indices, pool)
+            if pages is None or not ready or not pool.lid:
+                self._missed(keys)
+                if ready and not pool.lid:
+                    self._in_background()  # (registers the pool's layout once the daemon answers)
+                continue
+            try:
+                kkeys = self._keys(keys, pool)
+                ok = self._get_pages(kkeys, pages, pool) if get else self._set_pages(kkeys, pages, pool)
+            except Exception as e:
+                self._failed(what, e)
+                continue
+            if get:
+                self._count(pool_get_hit_pages=sum(ok))
+            out[transfer.name] = ok
+        return out
 
     # -- the interface's other (older) methods: flat pages as tensors ------------------------
 
@@ -548,6 +749,8 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         has surely ended (its deadline, twice over)."""
         old, self._sc = self._sc, self._new_sidecar()
         self._lid = self._marker_lid = 0
+        for pool in self._pools.values():
+            pool.lid = 0
 
         def close_old() -> None:
             with contextlib.suppress(Exception):
@@ -572,6 +775,9 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         if not (self._lid and self._marker_lid):  # (registering again is a no-op in the sidecar)
             self._lid = self._sc.register_layout(self.layout)
             self._marker_lid = self._sc.register_layout(Layout.flat(EPOCH_BYTES, block_tokens=1, name="sglang.epoch"))
+        for pool in list(self._pools.values()):
+            if not pool.lid:
+                pool.lid = self._sc.register_layout(pool.layout)
         if self._epoch is None or now >= self._epoch_at:
             self._set_epoch(self._load_epoch())
 
@@ -647,27 +853,32 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
 
     # -- keys and pages -----------------------------------------------------------------------
 
-    def _keys(self, keys: Sequence[str]) -> list[bytes]:
-        """kvtier keys of SGLang page keys, in this namespace, shard and epoch."""
+    def _keys(self, keys: Sequence[str], pool: _Pool | None = None) -> list[bytes]:
+        """kvtier keys of SGLang page keys, in this namespace, shard and epoch (and for a hybrid
+        model's extra pool, that pool's: its state for a page is another object than the page's KV)."""
         d = self._epoch_digest
+        if pool is not None:
+            d = hashlib.blake2b(pool.tag, digest_size=32, key=d).digest()
         return [hashlib.blake2b(k.encode(), digest_size=16, key=d).digest() for k in keys]
 
-    def _pages(self, keys: Sequence[str], host_indices: Any) -> list[int] | None:
-        """The host row each page starts at; None (and an error logged) if the indices do not
-        cover ``len(keys)`` whole pages."""
+    def _pages(self, keys: Sequence[str], host_indices: Any, pool: _Pool | None = None) -> list[int] | None:
+        """The host row each page starts at (of the KV pool, or of ``pool``); None (and an error
+        logged) if the indices do not cover ``len(keys)`` whole pages."""
         if self.layout is None:
             return None
-        n = len(keys)
-        if host_indices is None or int(host_indices.numel()) != n * self._page_len:
+        n, page_len = len(keys), self._page_len if pool is None else pool.page_len
+        if host_indices is None or int(host_indices.numel()) != n * page_len:
             self._count(errors=1)
-            logger.error("kvtier: %d keys need %d host indices, got %s", n, n * self._page_len,
+            logger.error("kvtier: %d keys need %d host indices%s, got %s", n, n * page_len,
+                         "" if pool is None else f" of pool {pool.name}",
                          None if host_indices is None else int(host_indices.numel()))
             return None
-        return [int(i) for i in host_indices[::self._page_len][:n].tolist()]
+        return [int(i) for i in host_indices[::page_len][:n].tolist()]
 
-    def _view(self, index: int) -> torch.Tensor:
-        v = self.mem_pool_host.get_data_page(index, flat=False)
-        if v.numel() * v.element_size() != self.layout.block_bytes:
+    def _view(self, index: int, pool: _Pool | None = None) -> torch.Tensor:
+        host, layout = (self.mem_pool_host, self.layout) if pool is None else (pool.host, pool.layout)
+        v = host.get_data_page(index, flat=False)
+        if v.numel() * v.element_size() != layout.block_bytes:
             raise ValueError(f"host row {index} is not the start of a whole page in the host pool")
         return v
 
@@ -681,15 +892,25 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
         return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
                 and t.numel() * t.element_size() == self.layout.block_bytes)
 
-    def _get_pages(self, kkeys: list[bytes], pages: list[int]) -> list[bool]:
+    def _get_pages(self, kkeys: list[bytes], pages: list[int], pool: _Pool | None = None) -> list[bool]:
+        """Read pages into the host pool (``pool``: a hybrid model's extra pool; None: the KV
+        pool); per page, whether the daemon held it. A miss leaves its page as it was."""
+        lid, chunk, size = self._geometry(pool)
         ok = [False] * len(kkeys)
-        for start in range(0, len(kkeys), self._chunk):
-            end = min(len(kkeys), start + self._chunk)
-            views = [self._view(p) for p in pages[start:end]]
-            slots = self._staging.slots(end - start, self.layout.block_bytes) if not all(
-                v.is_contiguous() for v in views) else []
+        for start in range(0, len(kkeys), chunk):
+            end = min(len(kkeys), start + chunk)
+            if pool is not None and pool.flat:  # a copy of the page: read, then set into the pool
+                outs = self._staging.slots(end - start, size)
+                got = self._sc.get(lid, kkeys[start:end], out=outs)
+                for j, g in enumerate(got):
+                    if g is not None:
+                        pool.host.set_from_flat_data_page(pages[start + j], torch.from_numpy(outs[j]))
+                        ok[start + j] = True
+                continue
+            views = [self._view(p, pool) for p in pages[start:end]]
+            slots = self._staging.slots(end - start, size) if not all(v.is_contiguous() for v in views) else []
             outs = [_bytes_of(v) if v.is_contiguous() else slots[j] for j, v in enumerate(views)]
-            got = self._sc.get(self._lid, kkeys[start:end], out=outs)
+            got = self._sc.get(lid, kkeys[start:end], out=outs)
             for j, (v, g) in enumerate(zip(views, got, strict=True)):
                 if g is None:
                     continue
@@ -698,27 +919,43 @@ class KvtierHiCacheStorage(_HiCacheStorageBase):
                 ok[start + j] = True
         return ok
 
-    def _set_pages(self, kkeys: list[bytes], pages: list[int]) -> list[bool]:
-        held = self._sc.lookup(self._lid, kkeys)  # key table: pages already stored are not copied again
+    def _set_pages(self, kkeys: list[bytes], pages: list[int], pool: _Pool | None = None) -> list[bool]:
+        """Store the host pool's pages (``pool`` as in :meth:`_get_pages`); per page, whether it
+        is stored now (written, or already held)."""
+        lid, chunk, size = self._geometry(pool)
+        held = self._sc.lookup(lid, kkeys)  # key table: pages already stored are not copied again
         ok = [t is not None for t in held]
         todo = [i for i, h in enumerate(ok) if not h]
-        self._count(set_present_pages=len(kkeys) - len(todo))
-        for start in range(0, len(todo), self._chunk):
-            part = todo[start:start + self._chunk]
-            views = [self._view(pages[i]) for i in part]
-            slots = self._staging.slots(len(part), self.layout.block_bytes) if not all(
-                v.is_contiguous() for v in views) else []
-            blocks = []
-            for j, v in enumerate(views):
-                if v.is_contiguous():
-                    blocks.append(_bytes_of(v))
-                else:
-                    _as_typed(slots[j], v).copy_(v)
-                    blocks.append(slots[j])
-            res = self._sc.put(self._lid, [kkeys[i] for i in part], blocks, durable=self.config.durable)
+        if pool is None:
+            self._count(set_present_pages=len(kkeys) - len(todo))
+        for start in range(0, len(todo), chunk):
+            part = todo[start:start + chunk]
+            if pool is not None and pool.flat:
+                blocks = [_bytes_of(pool.host.get_data_page(pages[i], flat=True)) for i in part]
+                if any(b.size != size for b in blocks):
+                    raise ValueError(f"{pool.name} page is not {size} bytes")
+            else:
+                views = [self._view(pages[i], pool) for i in part]
+                slots = self._staging.slots(len(part), size) if not all(v.is_contiguous() for v in views) else []
+                blocks = []
+                for j, v in enumerate(views):
+                    if v.is_contiguous():
+                        blocks.append(_bytes_of(v))
+                    else:
+                        _as_typed(slots[j], v).copy_(v)
+                        blocks.append(slots[j])
+            res = self._sc.put(lid, [kkeys[i] for i in part], blocks, durable=self.config.durable)
             dropped = set(res.dropped)
             for i in part:
                 ok[i] = kkeys[i] not in dropped
-            self._count(set_stored_pages=res.stored, set_present_pages=res.present)
+            if pool is None:
+                self._count(set_stored_pages=res.stored, set_present_pages=res.present)
+            else:
+                self._count(pool_set_stored_pages=res.stored)
         return ok
 
+    def _geometry(self, pool: _Pool | None) -> tuple[int, int, int]:
+        """(daemon layout id, pages per daemon call, page bytes) of the KV pool or ``pool``."""
+        if pool is None:
+            return self._lid, self._chunk, self.layout.block_bytes
+        return pool.lid, pool.chunk, pool.layout.block_bytes

@@ -301,6 +301,54 @@ def test_vllm_keys_follow_the_spec() -> None:
     assert len(ks.keys(toks)) == 4  # 4 full blocks, 2 whole chunks
 
 
+# -- --workers: several processes on one port ----------------------------------------------------
+
+
+def _cli_gateway(tokenizer_dir: str, replicas: dict[str, str], *extra: str) -> tuple[subprocess.Popen, str, list[int]]:
+    args = [sys.executable, "-m", "kvtier.client.tools.cli", "gateway", "--listen", "127.0.0.1:0", "--model", "tiny",
+            "--tokenizer", tokenizer_dir, "--block-tokens", "4", "--metrics-port", "0", "--replica-header",
+            "--log-level", "warning", *extra]
+    for name, url in replicas.items():
+        args += ["--replica", f"{name}={url}"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://\S+?), metrics on ports? ([\d, ]+);", line)
+    assert m, f"gateway did not start: {line!r}"
+    return proc, m.group(1), [int(p) for p in m.group(2).split(", ")]
+
+
+@pytest.mark.parametrize("policy", ["session", "kvtier"])
+def test_workers_share_one_port_and_keep_sessions_on_one_replica(loop, tokenizer_dir, policy) -> None:
+    """``--workers 2``: two processes serve one port; requests on fresh connections reach both,
+    answers pass byte for byte (streaming too), bodies reach the replica unchanged, errors are
+    the same, and every session's requests land on one replica whichever process took them."""
+    seen: list = []
+    urls = {n: f"http://127.0.0.1:{loop.serve(backend(n, seen))}" for n in ("a", "b", "c")}
+    proc, url, mports = _cli_gateway(tokenizer_dir, urls, "--workers", "2", "--policy", policy)
+    try:
+        assert len(mports) == 2
+        where: dict[str, set] = {}
+        for i in range(48):  # urllib: a new connection each request, spread over the workers by the kernel
+            sess = f"sess-{i % 6}"
+            body = json.dumps({**chat(6 + i % 5, start=3 + 50 * (i % 6)), "stream": i % 4 == 0}).encode()
+            status, answer, headers = post(url + "/v1/chat/completions", body, {"X-Session-Id": sess})
+            assert status == 200 and answer == (b"".join(SSE) if i % 4 == 0 else PLAIN)
+            assert seen[-1][2] == body and "X-Session-Id" not in seen[-1][3]
+            where.setdefault(sess, set()).add(headers[REPLICA_HEADER])
+        assert all(len(r) == 1 for r in where.values()), where
+        served = []
+        for p in mports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            served.append(sum(float(v) for v in re.findall(r"kvtier_gateway_requests_total\{[^}]*\} (\S+)", text)))
+        assert sum(served) == 48 and all(n > 0 for n in served), served
+        status, raw, _ = post(url + "/v1/chat/completions", {**chat(5), "model": "gpt-9"})
+        assert status == 404 and json.loads(raw)["error"]["param"] == "model"
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
+
+
 # -- --record-trace ------------------------------------------------------------------------------
 
 

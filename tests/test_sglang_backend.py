@@ -1,28 +1,41 @@
 """kvtier as SGLang's HiCache L3 storage (:mod:`kvtier.client.sglang`) against a real kvtierd.
 
-What SGLang's cache controller does with a ``HiCacheStorage`` (sglang 0.5.23,
-``managers/cache_controller.py``): ``batch_exists`` for the count of leading pages stored,
-``batch_get_v1`` / ``batch_set_v1`` with host indices into its host KV pool (page ``i`` at
-``host_indices[i * page_size]``), per-page results.
+What SGLang's cache controllers do with a ``HiCacheStorage`` (sglang 0.5.23,
+``managers/cache_controller.py`` and ``mem_cache/hybrid_cache/hybrid_cache_controller.py``):
+``batch_exists`` for the count of leading pages stored, ``batch_get_v1`` / ``batch_set_v1``
+with host indices into its host KV pool (page ``i`` at ``host_indices[i * page_size]``),
+per-page results; for a hybrid model (sliding-window and Mamba pools beside the KV pool)
+``register_mem_host_pool_v2`` per pool, ``batch_exists_v2`` with the pools' hit policies, and
+``batch_get_v2`` / ``batch_set_v2`` with one ``PoolTransfer`` per pool.
 
-Host pools: where SGLang imports (``sglang.srt.mem_cache.pool_host``), the tests build SGLang's
-real ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` on the CPU and its real
-``HiCacheStorageConfig``, check that the stand-ins below match them (buffer shapes, strides,
-page views), and load the backend through SGLang's own ``StorageBackendFactory`` ("dynamic").
-Where SGLang does not import (kvtier's CI: SGLang needs CUDA-only packages), they use the
-stand-ins: the same buffer shapes, strides and page accessors as SGLang 0.5.23's
-``pool_host/mha.py`` and ``pool_host/mla.py`` (``init_kv_buffer``, ``get_data_page``,
-``get_dummy_flat_data_page``, ``set_from_flat_data_page``) and a config with the fields of
-its ``HiCacheStorageConfig``.
+Where SGLang imports (``.ci/sglang``: a venv layered on kvtier's with ``sglang`` installed
+without its CUDA dependencies), the tests build SGLang's own host pools on the CPU
+(``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost`` in every page layout,
+``MambaPoolHost``), its ``HiCacheStorageConfig``, ``HiCacheStorageExtraInfo`` and
+``PoolTransfer`` objects, load the backend through its ``StorageBackendFactory`` and run its
+controllers' own steps on it, so a change of SGLang's interface fails them. Where it does not
+(kvtier's main venv: SGLang's import patches transformers, which the vLLM tests there must not
+see) the v1 tests run on stand-ins with the buffer shapes, strides and page accessors of SGLang
+0.5.23's ``pool_host/mha.py`` and ``pool_host/mla.py`` (checked against the real ones where
+SGLang imports), and the tests that need SGLang itself are skipped, saying why
+(``KVTIER_REQUIRE_SGLANG=1`` makes that an error instead).
+
+SGLang's memory-pool modules import ``torchvision`` at module level for image preprocessing of
+multimodal models (``sglang.srt.multimodal.internvl_utils``). PyPI's torchvision is built against
+CUDA torch and does not load beside the CPU torch, so while those modules are imported a
+placeholder ``torchvision`` stands in (:func:`_placeholder_torchvision`); nothing here calls it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.machinery
 import os
 import subprocess
 import sys
 import textwrap
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 
@@ -30,8 +43,75 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtier.client.sglang import SGLANG_AVAILABLE, KvtierHiCacheStorage, page_layout  # noqa: E402
+from kvtier.client.sglang import SGLANG_AVAILABLE, SGLANG_IMPORT_ERROR, KvtierHiCacheStorage, page_layout  # noqa: E402
 from kvtier.client.tools.local_daemon import DaemonProcess  # noqa: E402
+
+
+@contextlib.contextmanager
+def _placeholder_torchvision():
+    """While importing SGLang's memory-pool modules: a ``torchvision`` whose names are
+    placeholders that raise when used, where torchvision itself does not import (module
+    docstring). Removed again afterwards, so transformers' own checks still find no torchvision."""
+    try:
+        import torchvision  # noqa: F401
+        yield
+        return
+    except Exception:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+
+    class Absent:
+        def __init__(self, *args, **kwargs) -> None:
+            raise RuntimeError("torchvision is not importable here (a placeholder for SGLang's imports)")
+
+    def attr(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Absent
+
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+    for name in names:
+        mod = types.ModuleType(name)
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        mod.__path__ = []
+        mod.__getattr__ = attr
+        sys.modules[name] = mod
+    sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]
+    sys.modules["torchvision.transforms"].functional = sys.modules["torchvision.transforms.functional"]
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+def _import_sglang() -> tuple[types.SimpleNamespace | None, str]:
+    """SGLang's storage-interface classes the tests use, or None and why not."""
+    if not SGLANG_AVAILABLE:
+        return None, f"SGLang does not import here ({SGLANG_IMPORT_ERROR})"
+    try:
+        with warnings.catch_warnings(), _placeholder_torchvision():
+            warnings.simplefilter("ignore")  # SGLang warns about its CUDA kernels being absent
+            from sglang.srt.managers.cache_controller import HiCacheController
+            from sglang.srt.mem_cache import device_pool_info
+            from sglang.srt.mem_cache import hicache_storage as hs
+            from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+            from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+            from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+            from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+            from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+            from sglang.srt.mem_cache.utils import get_storage_hash_str
+    except Exception as e:  # (an SGLang whose storage modules need more than this venv has)
+        return None, f"SGLang's storage modules do not import here: {type(e).__name__}: {e}"
+    return types.SimpleNamespace(
+        hs=hs, info=device_pool_info, HiCacheController=HiCacheController, HybridCacheController=HybridCacheController,
+        MambaPoolHost=MambaPoolHost, MHATokenToKVPoolHost=MHATokenToKVPoolHost, MLATokenToKVPoolHost=MLATokenToKVPoolHost,
+        StorageBackendFactory=StorageBackendFactory, get_storage_hash_str=get_storage_hash_str), ""
+
+
+SG, SG_MISSING = _import_sglang()
+if SG is None and os.environ.get("KVTIER_REQUIRE_SGLANG") == "1":
+    raise RuntimeError(f"KVTIER_REQUIRE_SGLANG=1 but {SG_MISSING}")
 
 LAYERS, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS = 3, 2, 8, 4, 64
 KV_LORA, ROPE = 16, 8
@@ -85,32 +165,29 @@ class StandInPool:
         view.copy_(data_page.reshape(view.shape))
 
 
-def real_pool(kind: str, layout: str):
+def real_pool(kind: str, layout: str, layers: int = LAYERS):
     """SGLang's own host pool, built on the CPU (as SGLang's assembler would from device buffers)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SGLang warns about its CUDA kernels being absent
-        return _real_pool(kind, layout)
+        return _real_pool(kind, layout, layers)
 
 
-def _real_pool(kind: str, layout: str):
+def _real_pool(kind: str, layout: str, layers: int):
     if kind == "mha":
-        from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-        k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-        v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+        k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
+        v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
 
         def ptrs(ts):
             return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
 
-        info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
-                                               layout=KVBufferLayout.NHD),
-                             page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
-                             dtype=torch.bfloat16, device=torch.device("cpu"))
-        return MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS)
-    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+        i = SG.info
+        info = i.MHABufferInfo(buffers=i.KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
+                                                   layout=i.KVBufferLayout.NHD),
+                               page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                               dtype=torch.bfloat16, device=torch.device("cpu"))
+        return SG.MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                       device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=layers)
+    MLABufferInfo, MLATokenToKVPoolHost = SG.info.MLABufferInfo, SG.MLATokenToKVPoolHost
 
     bufs = tuple(torch.zeros(DEVICE_TOKENS, 1, KV_LORA + ROPE, dtype=torch.bfloat16) for _ in range(LAYERS))
     info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
@@ -123,7 +200,7 @@ def _real_pool(kind: str, layout: str):
 
 
 def make_pool(kind: str, layout: str):
-    return real_pool(kind, layout) if SGLANG_AVAILABLE else StandInPool(kind, layout)
+    return real_pool(kind, layout) if SG is not None else StandInPool(kind, layout)
 
 
 @dataclass
@@ -158,10 +235,8 @@ def make_config(socket: str, kind: str = "mha", layout: str = "layer_first", tp:
                extra_config={"backend_name": "kvtier", "module_path": "kvtier.client.sglang",
                              "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "kvtier_socket": socket,
                              "kvtier_timeout_s": 2.0, **extra})
-    if SGLANG_AVAILABLE:
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-        return HiCacheStorageConfig(**cfg)
+    if SG is not None:
+        return SG.hs.HiCacheStorageConfig(**cfg)
     return StandInConfig(**cfg)
 
 
@@ -528,7 +603,7 @@ def test_kvtier_does_not_need_sglang() -> None:
 
 # -- against SGLang itself, where it imports ---------------------------------------------------
 
-needs_sglang = pytest.mark.skipif(not SGLANG_AVAILABLE, reason="SGLang does not import here")
+needs_sglang = pytest.mark.skipif(SG is None, reason=SG_MISSING or "SGLang imports")
 
 
 @needs_sglang
@@ -718,3 +793,257 @@ def test_mla_ranks_agree_on_the_epoch_after_clear(shared_daemon, first: int) -> 
     finally:
         for be in ranks:
             be.close()
+
+
+# -- SGLang's interfaces, and a hybrid model's pools (v2), against SGLang itself ---------------
+
+SWA_LAYERS, MAMBA_LAYERS, MAMBA_SLOTS = 2, 2, 8
+
+
+def mamba_pool(layout: str = "page_first"):
+    """SGLang's MambaPoolHost on the CPU: per slot, an SSM (temporal) state and one conv state,
+    in different dtypes."""
+    info = SG.info.MambaStateBufferInfo(
+        temporal=torch.zeros(MAMBA_LAYERS, MAMBA_SLOTS, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(MAMBA_LAYERS, MAMBA_SLOTS, 3, 16, dtype=torch.bfloat16),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SG.MambaPoolHost(info, 2.0, 0, device_capacity=MAMBA_SLOTS, pin_memory=False, device="cpu",
+                                layout=layout)
+
+
+def fill_mamba(pool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for buf in pool.kv_buffer:
+        raw_bytes = buf.view(torch.uint8)
+        raw_bytes.copy_(torch.randint(0, 256, raw_bytes.shape, dtype=torch.uint8, generator=g))
+
+
+def hybrid(socket: str, layout: str, kv_pool, swa, mamba, kind: str = "mha", **kw) -> KvtierHiCacheStorage:
+    """The backend attached as SGLang's HybridCacheController attaches it: the factory
+    ("dynamic"), register_mem_pool_host with the KV (anchor) pool, register_mem_host_pool_v2 for
+    every pool of the group (the KV pool too), then on_host_pools_registered."""
+    PoolName = SG.hs.PoolName
+    be = SG.StorageBackendFactory.create_backend("dynamic", make_config(socket, kind, layout, **kw), kv_pool)
+    be.register_mem_pool_host(kv_pool)
+    for name, pool in ((PoolName.KV, kv_pool), (PoolName.SWA, swa), (PoolName.MAMBA, mamba)):
+        if pool is not None:
+            be.register_mem_host_pool_v2(pool, name)
+    be.on_host_pools_registered()
+    return be
+
+
+def transfer(name, keys: list[str], rows: list[int], page: int, policy=None):
+    """SGLang's PoolTransfer of ``keys`` at host pages ``rows`` of a pool of page size ``page``."""
+    hs = SG.hs
+    idx = torch.tensor([r * page + i for r in rows for i in range(page)], dtype=torch.int64)
+    return hs.PoolTransfer(name=name, host_indices=idx, keys=keys,
+                           hit_policy=policy if policy is not None else hs.PoolHitPolicy.TRAILING_PAGES)
+
+
+@needs_sglang
+def test_backend_implements_sglangs_storage_interface() -> None:
+    """Every method of SGLang's HiCacheStorage (abstract or not: v1, v2, registration) is
+    kvtier's own, and takes the parameters SGLang passes, by SGLang's names: a method SGLang adds
+    or a parameter it renames fails here, not in a running server."""
+    import inspect
+
+    base = SG.hs.HiCacheStorage
+    assert issubclass(KvtierHiCacheStorage, base)
+    assert not getattr(KvtierHiCacheStorage, "__abstractmethods__", None)
+    methods = [n for n, f in inspect.getmembers(base, inspect.isfunction) if not n.startswith("_")]
+    for name in ("batch_exists", "batch_get_v1", "batch_set_v1", "batch_exists_v2", "batch_get_v2", "batch_set_v2",
+                 "register_mem_pool_host", "register_mem_host_pool_v2", "on_host_pools_registered", "get", "set",
+                 "batch_get", "batch_set", "exists", "clear", "get_stats"):
+        assert name in methods, f"SGLang's HiCacheStorage has no {name} any more"
+    for name in methods:
+        ours = getattr(KvtierHiCacheStorage, name)
+        assert ours is not getattr(base, name), f"{name} is SGLang's default, not kvtier's"
+        theirs = inspect.signature(getattr(base, name)).parameters
+        mine = inspect.signature(ours).parameters
+        for p in theirs.values():
+            assert p.name in mine, f"{name}: SGLang passes {p.name}, kvtier's {name} does not take it"
+            if p.default is inspect.Parameter.empty:
+                assert list(theirs).index(p.name) == list(mine).index(p.name), f"{name}: {p.name} out of place"
+
+
+@needs_sglang
+@pytest.mark.parametrize("mamba_layout", ["page_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hybrid_pools_round_trip_through_sglangs_controller(shared_daemon, layout: str, mamba_layout: str) -> None:
+    """A hybrid model (full-attention KV, sliding-window KV, Mamba state) written and read the
+    way SGLang's HybridCacheController does: KV pages through v1, the sliding window's trailing
+    pages and the Mamba state of the last page through batch_set_v2 / batch_get_v2 with
+    SGLang's PoolTransfer, the hit query through the controller's own _storage_hit_query
+    (batch_exists_v2). Every pool comes back byte-exact into a second engine's pools."""
+    hs, PoolName = SG.hs, SG.hs.PoolName
+    tag = f"hy-{layout}-{mamba_layout}"
+    w_kv, w_swa, w_mamba = real_pool("mha", layout), real_pool("mha", layout, SWA_LAYERS), mamba_pool(mamba_layout)
+    r_kv, r_swa, r_mamba = real_pool("mha", layout), real_pool("mha", layout, SWA_LAYERS), mamba_pool(mamba_layout)
+    for i, p in enumerate((w_kv, w_swa, r_kv, r_swa)):
+        fill_random(p, 100 + i)
+    fill_mamba(w_mamba, 110)
+    fill_mamba(r_mamba, 111)
+    writer = hybrid(shared_daemon.socket, layout, w_kv, w_swa, w_mamba)
+    reader = hybrid(shared_daemon.socket, layout, r_kv, r_swa, r_mamba)
+    tokens = [hash((tag, i)) % 50000 for i in range(6 * PAGE)]
+    hashes = SG.get_storage_hash_str(tokens, None, page_size=PAGE)
+    try:
+        assert isinstance(writer, KvtierHiCacheStorage)
+        # two backups, as the controller makes them for a 3-page and then the 6-page prefix:
+        # KV pages, the sliding window's last 2 pages, the Mamba state at the span's end
+        for span, swa_rows, slot in ((hashes[:3], [5, 6], 2), (hashes[3:], [7, 8], 3)):
+            info = hs.HiCacheStorageExtraInfo(prefix_keys=[])
+            rows = [hashes.index(h) for h in span]
+            assert SG.HiCacheController._page_set_zero_copy(
+                types.SimpleNamespace(storage_backend=writer), span, host_indices(rows), info) is True
+            got = writer.batch_set_v2([transfer(PoolName.SWA, span[-2:], swa_rows, PAGE),
+                                       transfer(PoolName.MAMBA, span[-1:], [slot], 1)], extra_info=info)
+            assert got == {PoolName.SWA: [True, True], PoolName.MAMBA: [True]}
+        # the hit query: SGLang's own (hybrid) controller step
+        op = types.SimpleNamespace(token_ids=tokens, last_hash=None, assume_stored=False, prefix_keys=None,
+                                   pool_transfers=[transfer(PoolName.SWA, [None, None], [0, 1], PAGE),
+                                                   transfer(PoolName.MAMBA, [None], [0], 1)],
+                                   pool_storage_result=hs.PoolTransferResult.empty(), query_pool_hit_pages=None)
+        ctl = types.SimpleNamespace(storage_backend=reader, page_size=PAGE)
+        hit_hashes, hit_tokens = SG.HybridCacheController._storage_hit_query(ctl, op)
+        assert (hit_hashes, hit_tokens) == (hashes, 6 * PAGE)
+        assert op.pool_storage_result.restorable_prefix_pages == [3, 6]  # where window and state were stored
+        assert op.query_pool_hit_pages == {PoolName.KV: 6, PoolName.SWA: 6, PoolName.MAMBA: 6}
+        # the prefetch: KV through v1, then each sidecar pool through v2 (a new engine's rows)
+        assert SG.HiCacheController._page_get_zero_copy(ctl, op, hashes, host_indices([10, 11, 12, 13, 14, 15])) == 6
+        assert_pages_equal(r_kv, [10, 11, 12, 13, 14, 15], w_kv, [0, 1, 2, 3, 4, 5])
+        got = reader.batch_get_v2([transfer(PoolName.SWA, hashes[-2:], [20, 21], PAGE),
+                                   transfer(PoolName.MAMBA, hashes[-1:], [6], 1)])
+        assert hs.count_pool_hits(got) == {PoolName.SWA: 2, PoolName.MAMBA: 1}
+        assert_pages_equal(r_swa, [20, 21], w_swa, [7, 8])
+        assert torch.equal(r_mamba.get_data_page(6), w_mamba.get_data_page(3))
+        assert not torch.equal(r_mamba.get_data_page(5), w_mamba.get_data_page(3))  # other slots untouched
+        # a shorter prefix resumes at the 3-page stop point: window and state of that backup
+        got = reader.batch_get_v2([transfer(PoolName.SWA, hashes[1:3], [22, 23], PAGE),
+                                   transfer(PoolName.MAMBA, hashes[2:3], [7], 1)])
+        assert hs.count_pool_hits(got) == {PoolName.SWA: 2, PoolName.MAMBA: 1}
+        assert_pages_equal(r_swa, [22, 23], w_swa, [5, 6])
+        assert torch.equal(r_mamba.get_data_page(7), w_mamba.get_data_page(2))
+        stats = reader.kvtier_stats()
+        assert stats["pool_get_hit_pages"] == 6 and writer.kvtier_stats()["pool_set_stored_pages"] == 6
+    finally:
+        writer.close()
+        reader.close()
+
+
+@needs_sglang
+def test_trailing_pools_cut_the_usable_prefix(shared_daemon) -> None:
+    """batch_exists_v2 with SGLang's hit policies: a prefix is usable only where every pool can
+    resume; a Mamba state stored at page 3 and 6 leaves 4 and 5 unusable (holes), an all-pages
+    pool stops at its first missing page, and a pool the query names but kvtier never stored
+    (nothing held for it) gives no usable prefix at all."""
+    hs, PoolName, Policy = SG.hs, SG.hs.PoolName, SG.hs.PoolHitPolicy
+    kv, swa, mamba = real_pool("mha", "page_first"), real_pool("mha", "page_first", SWA_LAYERS), mamba_pool()
+    for i, p in enumerate((kv, swa)):
+        fill_random(p, 120 + i)
+    fill_mamba(mamba, 122)
+    be = hybrid(shared_daemon.socket, "page_first", kv, swa, mamba)
+    keys = page_keys(6, "holes")
+    try:
+        assert be.batch_set_v1(keys, host_indices([0, 1, 2, 3, 4, 5])) == [True] * 6
+        for key, slot in ((keys[2], 1), (keys[5], 2)):  # (one transfer per pool and call, as SGLang's)
+            assert be.batch_set_v2([transfer(PoolName.MAMBA, [key], [slot], 1)]) == {PoolName.MAMBA: [True]}
+        r = be.batch_exists_v2(keys, [transfer(PoolName.MAMBA, [None], [0], 1)], hs.HiCacheStorageExtraInfo())
+        assert isinstance(r, hs.PoolTransferResult)
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (6, [3, 6])
+        r = be.batch_exists_v2(keys[:5], [transfer(PoolName.MAMBA, [None], [0], 1)])
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (3, [3])
+        # the sliding window (2 pages) stored for pages 1-4 only: all-pages stops at 4, trailing at 4 too
+        assert be.batch_set_v2([transfer(PoolName.SWA, keys[:4], [0, 1, 2, 3], PAGE)]) == {PoolName.SWA: [True] * 4}
+        r = be.batch_exists_v2(keys, [transfer(PoolName.SWA, [None] * 6, [0], PAGE, Policy.ALL_PAGES)])
+        assert (r.kv_hit_pages, r.extra_pool_hit_pages[PoolName.SWA]) == (4, 4)
+        r = be.batch_exists_v2(keys, [transfer(PoolName.SWA, [None, None], [0, 1], PAGE),
+                                      transfer(PoolName.MAMBA, [None], [0], 1)])
+        assert r.restorable_prefix_pages == [3] and r.kv_hit_pages == 3
+        # the KV pages alone (v1) still count all 6
+        assert be.batch_exists(keys) == 6
+        # nothing of another engine's pools: a pool stored under other keys does not count
+        other = page_keys(6, "holes-other")
+        assert be.batch_set_v1(other, host_indices([6, 7, 8, 9, 10, 11])) == [True] * 6
+        r = be.batch_exists_v2(other, [transfer(PoolName.MAMBA, [None], [0], 1)])
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (0, [])
+    finally:
+        be.close()
+
+
+@needs_sglang
+def test_hybrid_pools_are_separate_objects_and_mamba_state_is_per_tp_rank(shared_daemon) -> None:
+    """A page's sliding-window KV, its Mamba state and its full-attention KV are three objects
+    under one page hash (a get of one never returns another's bytes); Mamba state is sharded
+    across TP ranks even for an MLA model, whose KV the ranks share."""
+    PoolName = SG.hs.PoolName
+    key = page_keys(1, "separate")
+    kv, swa, mamba = real_pool("mla", "page_first"), real_pool("mla", "page_first", SWA_LAYERS), mamba_pool()
+    fill_random(kv, 130)
+    fill_random(swa, 131)
+    fill_mamba(mamba, 132)
+    r0 = [real_pool("mla", "page_first"), real_pool("mla", "page_first", SWA_LAYERS), mamba_pool()]
+    r1 = [real_pool("mla", "page_first"), real_pool("mla", "page_first", SWA_LAYERS), mamba_pool()]
+    w = hybrid(shared_daemon.socket, "page_first", kv, swa, mamba, kind="mla", tp=(0, 2))
+    rank0 = hybrid(shared_daemon.socket, "page_first", *r0, kind="mla", tp=(0, 2))
+    rank1 = hybrid(shared_daemon.socket, "page_first", *r1, kind="mla", tp=(1, 2))
+    try:
+        assert w.batch_set_v2([transfer(PoolName.SWA, key, [1], PAGE)]) == {PoolName.SWA: [True]}
+        assert w.batch_exists(key) == 0  # the window's page is not the page's KV
+        assert w.batch_set_v2([transfer(PoolName.MAMBA, key, [1], 1)]) == {PoolName.MAMBA: [True]}
+        assert rank1.batch_get_v2([transfer(PoolName.SWA, key, [2], PAGE)]) == {PoolName.SWA: [True]}  # MLA: shared
+        assert_pages_equal(r1[1], [2], swa, [1])
+        assert rank1.batch_get_v2([transfer(PoolName.MAMBA, key, [2], 1)]) == {PoolName.MAMBA: [False]}
+        assert rank0.batch_get_v2([transfer(PoolName.MAMBA, key, [2], 1)]) == {PoolName.MAMBA: [True]}
+        assert torch.equal(r0[2].get_data_page(2), mamba.get_data_page(1))
+        assert w.batch_set_v1(key, host_indices([3])) == [True]
+        assert rank1.batch_get_v1(key, host_indices([4])) == [True]
+        assert_pages_equal(r1[0], [4], kv, [3])
+        assert page_bytes(r1[0], 4) != page_bytes(swa, 1)[:len(page_bytes(r1[0], 4))]
+        fps = {w.layout.fingerprint, w._pools["swa"].layout.fingerprint, w._pools["mamba"].layout.fingerprint}
+        assert len(fps) == 3
+    finally:
+        for be in (w, rank0, rank1):
+            be.close()
+
+
+@needs_sglang
+def test_v2_misuse_moves_nothing(shared_daemon) -> None:
+    """A v2 transfer whose host indices do not cover its keys' pages, or that names a pool never
+    registered, answers False per page, writes nothing and never raises into the controller."""
+    PoolName = SG.hs.PoolName
+    kv, swa, mamba = real_pool("mha", "layer_first"), real_pool("mha", "layer_first", SWA_LAYERS), mamba_pool()
+    fill_random(swa, 140)
+    fill_mamba(mamba, 141)
+    be = hybrid(shared_daemon.socket, "layer_first", kv, swa, None)
+    keys = page_keys(2, "misuse")
+    try:
+        before = raw(swa)
+        short = SG.hs.PoolTransfer(name=PoolName.SWA, host_indices=host_indices([1])[:-1], keys=keys)
+        assert be.batch_set_v2([short]) == {PoolName.SWA: [False, False]}
+        assert be.batch_get_v2([short]) == {PoolName.SWA: [False, False]}
+        assert torch.equal(raw(swa), before)
+        assert be.batch_set_v2([transfer(PoolName.MAMBA, keys[:1], [0], 1)]) == {PoolName.MAMBA: [False]}
+        assert be.kvtier_stats()["errors"] >= 3 and not be.kvtier_stats()["down"]
+    finally:
+        be.close()
+
+
+@needs_sglang
+def test_pools_kvtier_does_not_store_are_refused_at_attach(tmp_path) -> None:
+    """An indexer (DSA), DeepSeek-V4 or draft pool, a non-Mamba object as the Mamba pool and a
+    sliding-window pool in an unsupported layout fail the attach, saying what serves them."""
+    PoolName = SG.hs.PoolName
+    be = hybrid(str(tmp_path / "nobody.sock"), "page_first", real_pool("mha", "page_first"), None, None)
+    try:
+        for name in (PoolName.INDEXER, PoolName.DEEPSEEK_V4_C4, PoolName.DRAFT):
+            with pytest.raises(NotImplementedError, match="file or mooncake"):
+                be.register_mem_host_pool_v2(real_pool("mha", "page_first"), name)
+        with pytest.raises(NotImplementedError, match="mamba"):
+            be.register_mem_host_pool_v2(real_pool("mha", "page_first"), PoolName.MAMBA)
+        with pytest.raises(ValueError, match="page_head"):
+            be.register_mem_host_pool_v2(StandInPool("mha", "page_head"), PoolName.SWA)
+        assert not be._pools
+    finally:
+        be.close()

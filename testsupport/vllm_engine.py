@@ -9,25 +9,34 @@ under ``__main__``)::
 (with the checkout's root on ``PYTHONPATH``: :func:`testsupport.subprocess_env`).
 
 CONFIG: ``model`` (a directory, e.g. from :mod:`testsupport.tiny_model`),
-``prompts`` (see :func:`multi_turn`), ``max_tokens``, ``block_size``, ``num_gpu_blocks``,
-``max_model_len`` and optionally ``kvtier`` (a dict of ``kv_connector_extra_config`` keys:
+``prompts`` (see :func:`multi_turn`), ``max_tokens``, ``block_size`` (null: vLLM chooses, as
+it must for hybrid models whose attention block size follows their Mamba state's page),
+``num_gpu_blocks``, ``max_model_len``, ``dtype`` (default bfloat16) and optionally ``kvtier`` (a dict of ``kv_connector_extra_config`` keys:
 without it, vLLM runs alone), ``kv_load_failure_policy`` (default ``recompute``) and
 ``faults``: faults the spec's worker injects into its loads, ``corrupt_loads`` (zero every
 page after loading it: a negative control that must change outputs) and ``fail_loads``
 (treat every load as failed: vLLM recomputes), set through
 :data:`kvtier.client.vllm.worker.FAULTS` before vLLM builds the spec; they need the engine
-core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Requests run one at a time, in
-order; each turn's prompt is the session's previous prompt, its greedy output, then the
-turn's new tokens.
+core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``kv_events`` (optional): vLLM's
+KV events published over ZMQ, a dict of ``KVEventsConfig`` keys (``endpoint``, ``topic``...)
+passed as ``LLM(kv_events_config=...)`` with ``enable_kv_cache_events`` on and publisher
+``zmq``; after the workload the runner steps the engine until its connector has finished
+every store and reported it (the stores' events are published), then waits until the
+publisher has sent every batch (with the engine core in this process). Requests run one at a
+time, in order; each turn's prompt is the session's previous prompt, its greedy output, then
+the turn's new tokens.
 
 OUT: per request ``session``, ``turn``, ``prompt_tokens``, ``cached_tokens`` (vLLM's
 ``num_cached_tokens``: its own prefix cache plus what the connector loaded), ``output``
 (token ids), ``ttft_s``; and ``metrics``: vLLM's Prometheus counters whose name holds
-``kvtier`` or ``kv_offload``, summed over labels other than their own.
+``kvtier`` or ``kv_offload``, summed over labels other than their own; with ``kv_events``,
+``kv_event_batches``: how many batches the engine published (their sequence numbers are 0 to
+that count less one; null when the engine core runs in another process).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -84,23 +93,56 @@ def inject_faults(faults: dict) -> None:
     worker.FAULTS = worker.LoadFaults(corrupt=bool(faults.get("corrupt_loads")), fail=bool(faults.get("fail_loads")))
 
 
-def run(cfg: dict) -> dict:
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
-    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+def _drain_kv_events(engine: Any, timeout_s: float = 60.0) -> int | None:
+    """Step the engine until its scheduler holds no request (the connector's stores finished
+    and reported, so their events are taken), then wait until the event publisher has sent
+    every batch. The number of batches published; None when the engine core is not in this
+    process."""
+    core = getattr(engine.engine_core, "engine_core", None)  # InprocClient's EngineCore
+    if core is None:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while core.scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine still holds requests after {timeout_s} s")
+        engine.step()
+    publisher = core.scheduler.kv_event_publisher
+    queue = getattr(publisher, "_event_queue", None)
+    while queue is not None and queue.unfinished_tasks:  # task_done() follows each batch's send
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{queue.unfinished_tasks} KV event batches not sent after {timeout_s} s")
+        time.sleep(0.01)
+    seq = getattr(publisher, "_seq_gen", None)  # itertools.count: the next batch's sequence number
+    return None if seq is None else next(copy.copy(seq))
 
-    if cfg.get("faults"):
-        inject_faults(cfg["faults"])
+
+def _llm_kwargs(cfg: dict) -> dict[str, Any]:
+    """The optional ``LLM(...)`` arguments CONFIG sets: the connector, the block size, KV events."""
     kw: dict[str, Any] = {}
     if cfg.get("kvtier") is not None:
         extra = {"spec_name": "KvtierOffloadingSpec", "spec_module_path": "kvtier.client.vllm", **cfg["kvtier"]}
         kw["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                     "kv_load_failure_policy": cfg.get("kv_load_failure_policy", "recompute"),
                                     "kv_connector_extra_config": extra}
+    if cfg.get("block_size") is not None:
+        kw["block_size"] = cfg["block_size"]
+    if cfg.get("kv_events") is not None:
+        kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", **cfg["kv_events"]}
+    return kw
+
+
+def run(cfg: dict) -> dict:
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    if cfg.get("faults"):
+        inject_faults(cfg["faults"])
+    kw = _llm_kwargs(cfg)
     t0 = time.perf_counter()
-    llm = LLM(model=cfg["model"], enforce_eager=True, block_size=cfg["block_size"], enable_prefix_caching=True,
+    llm = LLM(model=cfg["model"], enforce_eager=True, enable_prefix_caching=True,
               num_gpu_blocks_override=cfg["num_gpu_blocks"], max_model_len=cfg["max_model_len"], max_num_seqs=4,
               max_num_batched_tokens=max(512, cfg["max_model_len"]), gpu_memory_utilization=0.1,
-              dtype="bfloat16", seed=0, disable_log_stats=False, **kw)
+              dtype=cfg.get("dtype", "bfloat16"), seed=0, disable_log_stats=False, **kw)
     startup = time.perf_counter() - t0
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
@@ -131,8 +173,14 @@ def run(cfg: dict) -> dict:
         results.append({"session": req["session"], "turn": req["turn"], "prompt_tokens": len(prompt),
                         "cached_tokens": int(final.num_cached_tokens or 0), "output": tokens, "ttft_s": ttft})
     run_s = time.perf_counter() - t_run
+    batches = _drain_kv_events(engine) if cfg.get("kv_events") is not None else None
     time.sleep(0.5)  # the last stores complete and their stats reach the logger
-    return {"startup_s": startup, "run_s": run_s, "requests": results, "metrics": _metrics(llm)}
+    cache = llm.llm_engine.vllm_config.cache_config
+    out = {"startup_s": startup, "run_s": run_s, "requests": results, "metrics": _metrics(llm),
+           "block_size": cache.block_size}
+    if cfg.get("kv_events") is not None:
+        out["kv_event_batches"] = batches
+    return out
 
 
 def main() -> None:

@@ -53,23 +53,41 @@ class KeyScheme:
             return block_keys(token_ids, self.block_tokens, self._digest)
         return self.vllm_keys(token_ids)
 
-    def vllm_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """vLLM's block hashes (sha256) of every full block."""
-        bt, parent, out = self.block_tokens, self._root, []
+    def chain(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+        """The chained value of every full block of ``token_ids`` (vLLM's block hashes, or the
+        ``tokens`` keys), chained on ``parent`` (the value of the block before the first token;
+        None: the start of the prompt)."""
+        if self.scheme == "tokens":
+            return block_keys(token_ids, self.block_tokens, self._digest, parent)
+        return self.vllm_block_hashes(token_ids, parent)
+
+    def keys_kept(self, blocks: int) -> int:
+        """How many keys the first ``blocks`` blocks fully determine."""
+        return blocks if self.scheme == "tokens" else blocks - blocks % self.chunk_blocks
+
+    def keys_of_chain(self, chain: Sequence[bytes], start: int = 0) -> list[bytes]:
+        """The keys of blocks ``start`` on (a :meth:`keys_kept` count), given every block's chained value."""
+        if self.scheme == "tokens":
+            return list(chain[start:])
+        c, out, blake, digest = self.chunk_blocks, [], hashlib.blake2b, self._digest
+        for end in range(start + c - 1, len(chain), c):  # only whole chunks are offloaded
+            chunk = chain[end] + self._group
+            out.extend(blake(chunk + s, digest_size=16, key=digest).digest() for s in self._suffix)
+        return out
+
+    def vllm_block_hashes(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+        """vLLM's block hashes (sha256) of every full block (chained on ``parent``, else the root)."""
+        bt, out = self.block_tokens, []
+        parent = self._root if parent is None else parent
         dumps, sha = pickle.dumps, hashlib.sha256
-        ids = list(token_ids)
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
         for start in range(0, len(ids) - bt + 1, bt):
             parent = sha(dumps((parent, tuple(ids[start:start + bt]), None), protocol=5)).digest()
             out.append(parent)
         return out
 
     def vllm_keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        hashes = self.vllm_block_hashes(token_ids)
-        c, out = self.chunk_blocks, []
-        for end in range(c - 1, len(hashes), c):  # only whole chunks are offloaded
-            chunk = hashes[end] + self._group
-            out.extend(hashlib.blake2b(chunk + s, digest_size=16, key=self._digest).digest() for s in self._suffix)
-        return out
+        return self.keys_of_chain(self.vllm_block_hashes(token_ids))
 
 
 def has_extra_keys(body: dict[str, Any]) -> bool:

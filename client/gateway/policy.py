@@ -68,12 +68,16 @@ class Policy:
     """Orders replicas for requests; told what was dispatched (:meth:`dispatched`)."""
 
     def __init__(self, name: str, router=None, max_sessions: int = 100_000, session_ttl_s: float = 3600.0,
-                 prefix_max_keys: int = 1 << 20) -> None:
+                 prefix_max_keys: int = 1 << 20, sessions=None, prefixes=None) -> None:
+        """``sessions``, ``prefixes``: the maps to keep them in (a
+        :class:`~kvtier.client.gateway.shared.SharedMap` that ``--workers`` share), else this
+        process's own :class:`LruMap`."""
         if name not in POLICIES:
             raise ValueError(f"policy {name!r} is not one of {', '.join(POLICIES)}")
         self.name, self.router = name, router
-        self.sessions = LruMap(max_sessions, session_ttl_s)
-        self.prefixes = LruMap(prefix_max_keys)
+        self.sessions = sessions if sessions is not None else LruMap(max_sessions, session_ttl_s)
+        self.prefixes = prefixes if prefixes is not None else LruMap(prefix_max_keys)
+        self._know = [m.know for m in (self.sessions, self.prefixes) if hasattr(m, "know")]
         self.in_flight: dict[str, int] = {}
         self._rr = 0
 
@@ -89,6 +93,8 @@ class Policy:
     def choose(self, names: Sequence[str], keys: Sequence[bytes], session: str | None) -> Choice:
         """``names``: the healthy replicas (non-empty), in a fixed order."""
         now = time.monotonic()
+        for know in self._know:  # (shared maps keep a replica as its name's hash)
+            know(names)
         ranked = None
         if self.router is not None:
             ranked = self.router.route(keys, list(names), dispatch=False, top_k=len(names)).ranked

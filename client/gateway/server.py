@@ -58,9 +58,11 @@ from typing import Any
 
 from kvtier.client.engine.keys import Namespace
 from kvtier.client.engine.transport import ClientTls
+from kvtier.client.gateway.incremental import PromptCache
 from kvtier.client.gateway.keys import SCHEMES, VLLM_DEFAULT_SEED, KeyScheme, has_extra_keys
 from kvtier.client.gateway.policy import POLICIES, Policy
 from kvtier.client.gateway.prefetch import Prefetcher
+from kvtier.client.gateway.shared import SharedMap
 from kvtier.client.gateway.tokenize import PromptError, PromptTokenizer
 from kvtier.client.gateway.usage import NULL_COUNTER, OutputCounter
 from kvtier.client.routing.recorder import RecordConfig, open_recorder
@@ -145,6 +147,14 @@ class GatewayConfig:
     read_timeout_s: float = setting(300.0, "longest silence of a replica while streaming (seconds)",
                                     parse_float, "S")
     retries: int = setting(2, "other replicas tried when one refuses before answering", parse_int, "N")
+    workers: int = setting(1, "gateway processes serving --listen together (SO_REUSEPORT: the kernel spreads "
+                              "connections over them); sessions and prefixes stay on one replica whichever "
+                              "process gets them (a table in memory they share)", parse_int, "N")
+    prompt_cache_bytes: int = setting(128 << 20, "memory per process for the last turn of each conversation "
+                                                 "(rendered text, token ids, block keys): a later turn renders, "
+                                                 "tokenizes and hashes only what is new; least recently used "
+                                                 "conversations are dropped first (0: every prompt from scratch; "
+                                                 "bytes)", parse_int, "BYTES")
     down_s: float = setting(5.0, "a replica that refused is skipped this long (seconds)", parse_float, "S")
     max_body_bytes: int = setting(64 << 20, "largest request body (bytes)", parse_int, "BYTES")
     max_body_bytes_in_flight: int = setting(256 << 20, "request body bytes held at once: a request waits (up to "
@@ -237,7 +247,7 @@ def check_settings(cfg: GatewayConfig) -> None:
         raise SettingsError(f"--policy {cfg.policy!r}: one of {', '.join(POLICIES)}")
     if cfg.keys not in SCHEMES:
         raise SettingsError(f"--keys {cfg.keys!r}: one of {', '.join(SCHEMES)}")
-    for name in ("block_tokens", "chunk_blocks", "max_concurrency", "max_body_bytes_in_flight"):
+    for name in ("block_tokens", "chunk_blocks", "max_concurrency", "max_body_bytes_in_flight", "workers"):
         if getattr(cfg, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
     tls = [n for n in ("daemon_tls_cert", "daemon_tls_key", "daemon_tls_ca") if getattr(cfg, n)]
@@ -256,6 +266,8 @@ def _check_prefetch_and_record(cfg: GatewayConfig) -> None:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
     if cfg.record.check():
         raise SettingsError(str(cfg.record.check()))
+    if cfg.prompt_cache_bytes < 0:
+        raise SettingsError("--prompt-cache-bytes must be 0 (off) or positive")
     if cfg.max_connections_per_client < 0:
         raise SettingsError("--max-connections-per-client must be 0 (no cap) or positive")
     if cfg.api_keys_file:
@@ -316,6 +328,7 @@ class _Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: PLC0415
 
         self.registry = r = CollectorRegistry()
+        self._children: dict[tuple, Any] = {}
         buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
         self.requests = Counter("kvtier_gateway_requests", "requests answered, by replica (none: refused by the "
                                 "gateway), endpoint and HTTP status", ["replica", "endpoint", "status"], registry=r)
@@ -362,6 +375,35 @@ class _Metrics:
         for t in ("gpu", "host", "disk"):
             self.overlap.labels(t)
 
+    def of(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once (labels() takes a lock and builds a key)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def watch_prompts(self, prompts: PromptCache) -> None:
+        """kvtier_gateway_prompt_cache_*: read from the cache when scraped (nothing per request)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+
+        class Collector:
+            def collect(self):  # noqa: ANN202
+                c = CounterMetricFamily("kvtier_gateway_prompt_cache", "chat prompts by how they were computed: "
+                                        "hit (a stored turn of the conversation reused), scratch (tokenized "
+                                        "from scratch: no stored turn, or one of the next two), miss (the "
+                                        "stored turn's text shares too little), resync (no clean restart "
+                                        "point)", labels=["outcome"])
+                for k, v in prompts.counts.items():
+                    c.add_metric([k], v)
+                yield c
+                yield GaugeMetricFamily("kvtier_gateway_prompt_cache_bytes", "memory the stored turns take "
+                                        "(--prompt-cache-bytes bounds it)", value=prompts.bytes)
+                yield GaugeMetricFamily("kvtier_gateway_prompt_cache_conversations", "conversations with a "
+                                        "stored turn", value=len(prompts))
+
+        self.registry.register(Collector())
+
     def render(self) -> bytes:
         from prometheus_client import generate_latest  # noqa: PLC0415
 
@@ -369,6 +411,14 @@ class _Metrics:
 
 
 _deadline = getattr(asyncio, "timeout", None)  # (Python 3.11: no task per write, as wait_for makes)
+
+
+async def _within(aw: Any, timeout: float) -> Any:
+    """``await aw``, raising asyncio.TimeoutError after ``timeout`` seconds (a timer, not a task)."""
+    if _deadline is None:  # pragma: no cover (Python 3.10)
+        return await asyncio.wait_for(aw, timeout)
+    async with _deadline(timeout):
+        return await aw
 
 
 class _ClientGone(Exception):
@@ -390,6 +440,15 @@ class _BodyBudget:
     def __init__(self, cap: int) -> None:
         self.cap, self.used = cap, 0
         self._waiters: collections.deque = collections.deque()
+
+    def try_acquire(self, n: int) -> int:
+        """Room for ``n`` bytes (at most the whole budget) if it is free now and nobody waits; what
+        it took, else 0."""
+        n = min(n, self.cap)
+        if not self._waiters and self.used + n <= self.cap:
+            self.used += n
+            return n
+        return 0
 
     async def acquire(self, n: int) -> int:
         """Room for ``n`` bytes (at most the whole budget), waiting for its turn; what it took."""
@@ -494,7 +553,8 @@ class Gateway:
     """The gateway's state and handlers; :meth:`app` is the aiohttp application."""
 
     def __init__(self, cfg: GatewayConfig, tokenizer: PromptTokenizer | None = None,
-                 router: Router | None = None) -> None:
+                 router: Router | None = None, shared: tuple[SharedMap, SharedMap] | None = None) -> None:
+        """``shared``: the session and prefix maps of ``--workers`` (:func:`shared_maps`)."""
         self.cfg = cfg
         self.static = parse_replicas(cfg.replicas)
         self.tokenizer = tokenizer or PromptTokenizer(cfg.tokenizer)
@@ -503,7 +563,9 @@ class Gateway:
         use_router = cfg.policy == "kvtier" or cfg.router.daemons or cfg.router.dns
         tls = ClientTls(cfg.daemon_tls_cert, cfg.daemon_tls_key, cfg.daemon_tls_ca) if cfg.daemon_tls_cert else None
         self.router = router if router is not None else (Router(cfg.router, tls=tls) if use_router else None)
-        self.policy = Policy(cfg.policy, self.router, session_ttl_s=cfg.session_ttl_s)
+        sessions, prefixes = shared if shared is not None else (None, None)
+        self.policy = Policy(cfg.policy, self.router, session_ttl_s=cfg.session_ttl_s, sessions=sessions,
+                             prefixes=prefixes)
         self.metrics = _Metrics()
         self.api_keys = read_api_keys(cfg.api_keys_file) if cfg.api_keys_file else None
         self._replica_auth = f"Bearer {read_replica_key(cfg.replica_api_key_file)}" if cfg.replica_api_key_file else ""
@@ -515,12 +577,19 @@ class Gateway:
         self._counted: set[int] = set()  # id() of the requests in flight whose outcome is counted already
         self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="kvtier-gw-tok")
         self._session: Any = None
+        self._urls: dict[tuple[str, str], Any] = {}
         self.started = time.time()
         if self.router is not None:
             for name in self.static:  # replicas no daemon publishes (yet) can still be picked
                 self.router.add_worker(name)
         self.recorder = open_recorder(cfg.record)
         self._record_ids = itertools.count(1)
+        self.prompts = PromptCache(self.tokenizer, self.keys, cfg.prompt_cache_bytes)
+        self.metrics.watch_prompts(self.prompts)
+        # round-robin and session order replicas without keys: their requests are checked, not
+        # tokenized (unless a router charges replicas or a trace records them)
+        self.need_keys = (cfg.policy in ("kvtier", "prefix") or self.router is not None
+                          or self.recorder is not None)
         self.prefetcher = (Prefetcher(self.router, tls, cfg.prefetch_timeout_s, self.metrics)
                            if self.router is not None and cfg.prefetch and cfg.policy == "kvtier" else None)
 
@@ -660,12 +729,26 @@ class Gateway:
             return self._fail(endpoint, 404, "unknown_model",
                               f"The model `{model}` does not exist: this gateway serves `{self.cfg.model}`.",
                               "NotFoundError", "model"), [], None, 0
+        session = self._session_of(request, body, client)
         try:
-            ids = self.tokenizer.chat(body) if endpoint == "chat" else self.tokenizer.completion(body)
-            keys = [] if self.cfg.keys == "vllm" and has_extra_keys(body) else self.keys.keys(ids)
+            keys, n_tokens = self._prompt(endpoint, body, session or client or "")
         except (PromptError, TypeError, ValueError, OverflowError) as e:  # (a field of the wrong type or range)
             return self._fail(endpoint, 400, "bad_request", str(e) or type(e).__name__, "BadRequestError"), [], None, 0
-        return None, keys[:MAX_KEYS_PER_CALL], self._session_of(request, body, client), len(ids)
+        return None, keys[:MAX_KEYS_PER_CALL], session, n_tokens
+
+    def _prompt(self, endpoint: str, body: dict[str, Any], scope: str) -> tuple[list[bytes], int]:
+        """(block keys, prompt tokens) of a request; ([], 0) once checked when no keys are needed."""
+        with_keys = not (self.cfg.keys == "vllm" and has_extra_keys(body))
+        if endpoint == "chat":
+            if not self.need_keys:
+                PromptTokenizer.check_chat(body)
+                return [], 0
+            return self.prompts.chat(body, scope, with_keys)
+        if not self.need_keys:
+            PromptTokenizer.check_completion(body)
+            return [], 0
+        ids = self.tokenizer.completion(body)
+        return (self.keys.keys(ids) if with_keys else []), len(ids)
 
     async def _forward(self, request: Any, endpoint: str) -> Any:
         t0 = time.perf_counter()
@@ -683,16 +766,17 @@ class Gateway:
             if want is None:  # (chunked: room for the largest, given back once its size is known)
                 want = self.cfg.max_body_bytes if request.body_exists else 0
             if want > 0:
+                want = min(want, self.cfg.max_body_bytes)
                 try:
-                    held = await asyncio.wait_for(self._bodies.acquire(min(want, self.cfg.max_body_bytes)),
-                                                  self.cfg.queue_timeout_s)
+                    held = self._bodies.try_acquire(want) or await _within(self._bodies.acquire(want),
+                                                                           self.cfg.queue_timeout_s)
                 except asyncio.TimeoutError:
                     return self._fail(endpoint, 503, "overloaded", f"the gateway holds --max-body-bytes-in-flight "
                                       f"{self.cfg.max_body_bytes_in_flight} bytes of request bodies and no room "
                                       f"for this one freed within {self.cfg.queue_timeout_s:g} s",
                                       "ServiceUnavailableError")
             try:  # (a client may not sit on the room it was given)
-                raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+                raw = await _within(request.read(), self.cfg.body_timeout_s)
             except asyncio.TimeoutError:
                 resp = self._fail(endpoint, 408, "body_timeout", f"the request body did not arrive within "
                                   f"--body-timeout-s {self.cfg.body_timeout_s:g} s", "RequestTimeoutError")
@@ -721,7 +805,10 @@ class Gateway:
         if err is not None:
             return err
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.cfg.queue_timeout_s)
+            if self._slots.locked():
+                await _within(self._slots.acquire(), self.cfg.queue_timeout_s)
+            else:
+                await self._slots.acquire()  # (free: returns at once)
         except asyncio.TimeoutError:
             return self._fail(endpoint, 503, "overloaded", f"the gateway is at --max-concurrency "
                               f"{self.cfg.max_concurrency} and no slot freed within {self.cfg.queue_timeout_s:g} s",
@@ -761,9 +848,9 @@ class Gateway:
         m.overhead.observe(time.perf_counter() - t0)
         m.prompt_blocks.inc(choice.n_blocks)
         g, h, d = choice.overlap
-        m.overlap.labels("gpu").inc(g)
-        m.overlap.labels("host").inc(h - g)
-        m.overlap.labels("disk").inc(d - h)
+        m.of(m.overlap, "gpu").inc(g)
+        m.of(m.overlap, "host").inc(h - g)
+        m.of(m.overlap, "disk").inc(d - h)
         last: _Refused | None = None
         for attempt, name in enumerate(choice.order[:1 + self.cfg.retries]):
             if attempt:
@@ -794,8 +881,8 @@ class Gateway:
     def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list]:
         """Charge the chosen replica: (the router's decision id, its fetch hints)."""
         self.policy.dispatched(name, keys, session)
-        self.metrics.decisions.labels(name, self.cfg.policy).inc()
-        self.metrics.in_flight.labels(name).inc()
+        self.metrics.of(self.metrics.decisions, name, self.cfg.policy).inc()
+        self.metrics.of(self.metrics.in_flight, name).inc()
         if self.router is None:
             return 0, []
         d = self.router.route(keys, [name], dispatch=True, top_k=1)
@@ -803,7 +890,7 @@ class Gateway:
 
     def _ended(self, name: str, decision: int) -> None:
         self.policy.ended(name)
-        self.metrics.in_flight.labels(name).dec()
+        self.metrics.of(self.metrics.in_flight, name).dec()
         if decision:
             self.router.finish(decision)
 
@@ -817,8 +904,8 @@ class Gateway:
             if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
                 await self.prefetcher.apply(hints)
             try:
-                up = await asyncio.wait_for(self._session.post(base + request.path_qs, data=raw, headers=headers),
-                                            self.cfg.first_byte_timeout_s)
+                up = await _within(self._session.post(self._url(base, request), data=raw, headers=headers),
+                                   self.cfg.first_byte_timeout_s)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
                 raise _Refused(f"{type(e).__name__}: {e}") from None
             try:
@@ -835,6 +922,20 @@ class Gateway:
             raise
         finally:
             self._ended(name, decision)
+
+    def _url(self, base: str, request: Any) -> Any:
+        """The replica's URL of the request (parsed once per replica and path without a query)."""
+        if request.query_string:
+            return base + request.path_qs
+        key = (base, request.path)
+        url = self._urls.get(key)
+        if url is None:
+            from yarl import URL  # noqa: PLC0415 - (aiohttp's)
+
+            url = URL(base + request.path)
+            if len(self._urls) < 1024:
+                self._urls[key] = url
+        return url
 
     def _upstream_headers(self, request: Any) -> dict[str, str]:
         """The client's request headers as a replica gets them: without hop-by-hop ones (and those
@@ -895,9 +996,15 @@ class Gateway:
         counter.feed(first)
         try:
             await self._to_client(resp.prepare(request))
+            if first and up.content_length is not None and len(first) >= up.content_length:
+                await self._to_client(resp.write_eof(first))  # the whole answer: one write, with its head
+                m.of(m.ttft, name).observe(time.perf_counter() - t0)
+                if decision:
+                    self.router.finish(decision, prefill_only=True)
+                return resp
             if first:
                 await self._to_client(resp.write(first))
-                m.ttft.labels(name).observe(time.perf_counter() - t0)
+                m.of(m.ttft, name).observe(time.perf_counter() - t0)
                 if decision:
                     self.router.finish(decision, prefill_only=True)
             status = await self._relay(request, resp, up, name, counter) or status
@@ -917,8 +1024,8 @@ class Gateway:
             raise
         finally:
             self._counted.add(id(request))
-            m.requests.labels(name, endpoint, status).inc()
-            m.latency.labels(name).observe(time.perf_counter() - t0)
+            m.of(m.requests, name, endpoint, status).inc()
+            m.of(m.latency, name).observe(time.perf_counter() - t0)
         return resp
 
     @staticmethod
@@ -958,14 +1065,23 @@ class Gateway:
         return None
 
 
-async def serve(cfg: GatewayConfig, ready: asyncio.Future | None = None) -> None:
+def shared_maps(cfg: GatewayConfig) -> tuple[SharedMap, SharedMap]:
+    """The session and (policy prefix) prefix maps every ``--workers`` process shares."""
+    return (SharedMap(100_000, cfg.session_ttl_s),
+            SharedMap(1 << 20 if cfg.policy == "prefix" else 1, slots_per_item=2))
+
+
+async def serve(cfg: GatewayConfig, ready: Any = None, worker: int = 0,
+                shared: tuple[SharedMap, SharedMap] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT. One of ``--workers`` (``worker`` its index, ``ready`` the
+    pipe it reports its ports on) listens with SO_REUSEPORT beside the others."""
     from aiohttp import web  # noqa: PLC0415
 
-    gw = Gateway(cfg)
+    gw = Gateway(cfg, shared=shared)
     runner = gw.runner()
     await runner.setup()
     host, _, port = cfg.listen.rpartition(":")
-    site = web.TCPSite(runner, host or "127.0.0.1", int(port), backlog=1024)
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port), backlog=1024, reuse_port=cfg.workers > 1 or None)
     try:
         await site.start()
     except OSError as e:
@@ -977,13 +1093,17 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Future | None = None) -> None
         mapp.router.add_get("/metrics", gw.metrics_handler)
         mrunner = web.AppRunner(mapp, access_log=None, keepalive_timeout=cfg.idle_timeout_s)
         await mrunner.setup()
-        msite = web.TCPSite(mrunner, host or "127.0.0.1", cfg.metrics_port)
+        msite = web.TCPSite(mrunner, host or "127.0.0.1", cfg.metrics_port + worker if cfg.metrics_port else 0)
         await msite.start()
         mport = msite._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    print(f"kvtier gateway listening on http://{host or '127.0.0.1'}:{bound}"
-          + (f", metrics on port {mport}" if mport is not None else "")
-          + f"; policy {cfg.policy}; replicas {', '.join(f'{k}={v}' for k, v in gw.static.items()) or 'discovered'}",
-          flush=True)
+    if ready is not None:
+        os.write(ready, f"{bound} {mport if mport is not None else -1}\n".encode())
+        os.close(ready)
+    else:
+        print(f"kvtier gateway listening on http://{host or '127.0.0.1'}:{bound}"
+              + (f", metrics on port {mport}" if mport is not None else "")
+              + f"; policy {cfg.policy}; replicas {', '.join(f'{k}={v}' for k, v in gw.static.items()) or 'discovered'}",
+              flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     import signal  # noqa: PLC0415
@@ -994,10 +1114,7 @@ async def serve(cfg: GatewayConfig, ready: asyncio.Future | None = None) -> None
     await runner.cleanup()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    cfg: GatewayConfig = SETTINGS.load_or_exit(argv, check=check_settings)
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+def _run(cfg: GatewayConfig, **kw: Any) -> int:
     try:
         import uvloop  # noqa: PLC0415
 
@@ -1005,11 +1122,126 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:  # pragma: no cover
         pass
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, **kw))
     except RuntimeError as e:
         print(f"kvtier gateway: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _reserve_port(cfg: GatewayConfig) -> tuple[GatewayConfig, Any]:
+    """--listen with its port chosen (port 0: a free one, held by a bound SO_REUSEPORT socket
+    that never listens, so the workers can all bind it), and that socket."""
+    import dataclasses  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    host, _, port = cfg.listen.rpartition(":")
+    host = host or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host.strip("[]"), int(port)))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"kvtier gateway: cannot listen on {cfg.listen}: {e.strerror}") from None
+    return dataclasses.replace(cfg, listen=f"{host}:{sock.getsockname()[1]}"), sock
+
+
+def run_workers(cfg: GatewayConfig) -> int:
+    """``--workers N``: N forked processes serve one port (SO_REUSEPORT), sharing the session
+    and prefix maps (:mod:`.shared`); each has its own router, feed subscriptions, connection
+    pools and prompt cache, and its own /metrics port (``--metrics-port P``: P, P+1, ...; 0: a
+    free one each). SIGTERM or SIGINT stops them all; one that exits stops the others."""
+    import signal  # noqa: PLC0415
+
+    cfg, held = _reserve_port(cfg)
+    pids, ports = _fork_workers(cfg, held)
+    if not ports:
+        return 1
+    host, _, _ = cfg.listen.rpartition(":")
+    mports = [m for _, m in ports if m != "-1"]
+    print(f"kvtier gateway listening on http://{host}:{ports[0][0]}"
+          + (f", metrics on ports {', '.join(mports)}" if mports else "")
+          + f"; policy {cfg.policy}; workers {cfg.workers}; replicas "
+          + (", ".join(cfg.replicas) or "discovered"), flush=True)
+    stopping = False
+
+    def stop(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in pids:
+            _kill(pid)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = 0
+    alive = set(pids)
+    while alive:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        alive.discard(pid)
+        if not stopping:
+            code = 1
+            log.error("gateway worker %d exited (status %d): stopping the others", pid, status)
+            stop()
+    return code
+
+
+def _fork_workers(cfg: GatewayConfig, held: Any) -> tuple[list[int], list[list[str]]]:
+    """Fork the workers; their pids and (port, metrics port) each once all listen ([] when one
+    failed to start: the others are stopped)."""
+    import signal  # noqa: PLC0415
+
+    shared = shared_maps(cfg)
+    pids, reads = [], []
+    for i in range(cfg.workers):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a worker
+            os.close(r)
+            held.close()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            code = 1
+            try:
+                code = _run(cfg, ready=w, worker=i, shared=shared)
+            finally:
+                os._exit(code)
+        os.close(w)
+        pids.append(pid)
+        reads.append(r)
+    ports = []
+    for r in reads:
+        with os.fdopen(r) as f:
+            line = f.readline().split()
+        if len(line) != 2:
+            for pid in pids:
+                _kill(pid)
+            held.close()
+            return pids, []
+        ports.append(line)
+    held.close()
+    return pids, ports
+
+
+def _kill(pid: int) -> None:
+    import signal  # noqa: PLC0415
+
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg: GatewayConfig = SETTINGS.load_or_exit(argv, check=check_settings)
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if cfg.workers > 1:
+        return run_workers(cfg)
+    return _run(cfg)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,13 @@ class PromptTokenizer:
             raise RuntimeError(f"kvtier gateway: cannot load the tokenizer in {path}: {e}") from None
 
     def chat(self, body: dict[str, Any]) -> list[int]:
+        text, add_special = self.chat_text(body)
+        return self.encode(text, add_special)
+
+    @staticmethod
+    def check_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """A chat request's messages (text parts joined) and template keyword arguments, checked
+        without rendering anything; :class:`PromptError` names what is wrong."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list")
@@ -63,14 +70,19 @@ class PromptTokenizer:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise PromptError("each message needs a 'role'")
-            conv.append({**m, "content": _text(m.get("content"))})
+            content = m.get("content")
+            conv.append(m if isinstance(content, str) else {**m, "content": _text(content)})
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise PromptError("'chat_template_kwargs' must be an object")
         refused = sorted(_REFUSED_KWARGS.intersection(kwargs))
         if refused:
             raise PromptError(f"chat_template_kwargs may not set {', '.join(refused)}")
-        kwargs = dict(kwargs)
+        return conv, kwargs
+
+    def chat_text(self, body: dict[str, Any]) -> tuple[str, bool]:
+        """The rendered chat template, and whether the tokenizer adds its special tokens to it."""
+        conv, kwargs = self.check_chat(body)
         cont = bool(body.get("continue_final_message", False))
         try:
             text = self.tok.apply_chat_template(
@@ -78,14 +90,25 @@ class PromptTokenizer:
                 add_generation_prompt=bool(body.get("add_generation_prompt", not cont)), **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja errors of many kinds: the replica answers them
             raise PromptError(f"chat template: {e}") from None
-        return list(self.tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False))))
+        return text, bool(body.get("add_special_tokens", False))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def completion(self, body: dict[str, Any]) -> list[int]:
+        prompt = self.check_completion(body)
+        if isinstance(prompt, str):
+            return list(self.tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))))
+        return prompt
+
+    @staticmethod
+    def check_completion(body: dict[str, Any]) -> str | list[int]:
+        """The prompt a completion request is routed by (a batch: its first), checked."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: routed by its first prompt
         if isinstance(prompt, str):
-            return list(self.tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))))
+            return prompt
         if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 1 << 31 for t in prompt):
             return prompt
         raise PromptError("'prompt' must be a string, a list of token ids, or a list of those")
