@@ -181,7 +181,9 @@ async def throughput(url: str, bodies: list[bytes], concurrency: int, seconds: f
 
 def start_backend() -> tuple[subprocess.Popen, str]:
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-c", BACKEND, str(port)], stdout=subprocess.PIPE, text=True)
+    # (stderr dropped: routers probing for HTTP/2 make aiohttp log a parse error per probe)
+    p = subprocess.Popen([sys.executable, "-c", BACKEND, str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True)
     assert p.stdout.readline().strip() == "ready", "backend did not start"
     return p, f"http://127.0.0.1:{port}"
 
