@@ -16,6 +16,15 @@ then calls ``register_mem_pool_host(host_pool)`` with its ``MHATokenToKVPoolHost
   between the host pool (page ``i`` starts at host row ``host_indices[i * page_size]``) and
   kvtier's host pool; per-page success.
 
+A hybrid model's ``HybridCacheController`` also registers its other host pools
+(``register_mem_host_pool_v2``) and moves them with the v2 calls, one ``PoolTransfer`` per pool:
+``batch_set_v2`` / ``batch_get_v2`` and ``batch_exists_v2`` (the usable prefix under each pool's
+hit policy: ``all_pages``, or ``trailing_pages`` for a sliding window's last pages and the Mamba
+state at a stop point). The backend stores the sliding-window pool (``swa``, an MHA/MLA host
+pool, copied as the KV pool is) and the Mamba state pool (``mamba``: one state per slot, copied
+as the pool's own flat page), each under keys and a layout of its own; other pools (DSA indexer,
+DeepSeek-V4 compressed state, draft pools) are refused when they register.
+
 A page's bytes are the host pool's own flat page (``get_data_page(index, flat=True)``): for the
 ``layer_first`` layout the page's rows of every layer's K and V, for ``page_first`` the page's
 K rows then its V rows (MLA: one contiguous run), for ``page_first_direct`` the page's block.

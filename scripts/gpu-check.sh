@@ -7,6 +7,9 @@
 # Then:        device run, carry [".whl"], command "bash scripts/gpu-check.sh"
 #
 # Writes $OUT/gpu-tests.log, $OUT/daemon-logs.txt, $OUT/bench.log and $OUT/bench.json when $OUT is set.
+# Then SGLang live (scripts/sglang_live_check.py: a tiny model served with and without kvtier as
+# its HiCache storage) where SGLang with its CUDA kernels imports; else skipped, saying so. It
+# writes $OUT/sglang.log and $OUT/sglang.json; SGLANG_CHECK_S bounds it (default 420 s).
 # REHEARSE=1 runs the same steps on a CPU machine (stand-in tests, a small host bench) to
 # check the script itself.
 set -uo pipefail
@@ -86,4 +89,18 @@ for k in rows:
         goal = f"{op} {g}  {'ok' if ok else 'MISSED'}"
     print(f"{k:40s} {str(r.get(k)):>12s}  {goal}")
 EOF
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+
+echo "== sglang live check"
+sglang_rc=0
+if [ "${REHEARSE:-0}" = 1 ]; then
+  echo "sglang live check: skipped (REHEARSE: it needs a GPU)"
+elif ! sglang_why=$("$PY" -c 'import sglang, sgl_kernel, torch; assert torch.cuda.is_available(), "no CUDA device"' 2>&1 | tail -1); then
+  echo "sglang live check: skipped (SGLang with its CUDA kernels does not import here: $sglang_why)"
+else
+  PYTHONPATH="$PYTHONPATH:$ROOT" timeout -s INT -k 20 "${SGLANG_CHECK_S:-420}" "$PY" scripts/sglang_live_check.py \
+    --out "$OUT/sglang.json" --workdir "$(mktemp -d /tmp/kvtier-sglang.XXXXXX)" 2>&1 | tee "$OUT/sglang.log" | tail -30
+  sglang_rc=${PIPESTATUS[0]}
+  echo "sglang live check: $([ "$sglang_rc" = 0 ] && echo PASS || echo "FAIL (rc $sglang_rc)")"
+fi
+
+exit $(( tests_rc != 0 || bench_rc != 0 || sglang_rc != 0 ))
