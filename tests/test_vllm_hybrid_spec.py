@@ -138,6 +138,9 @@ def test_each_group_is_a_layout_of_its_own() -> None:
     # refused at start, naming the group
     with pytest.raises(ValueError, match="KV-cache group 2"):
         KvtierOffloadingSpec(make_config(layers=(LAYERS, 2 * LAYERS + 1)))
+    # vLLM cannot recompute a failed synchronous load of such a model: refused at start
+    with pytest.raises(ValueError, match="sync_load_budget_bytes"):
+        KvtierOffloadingSpec(make_config(sync_load_budget_bytes=1 << 20))
 
 
 def test_transfer_keys_split_group_by_group() -> None:

@@ -151,8 +151,9 @@ def test_version_check(monkeypatch) -> None:
     monkeypatch.delenv("KVTIER_VLLM_ANY_VERSION", raising=False)
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.7+cpu")
-    for bad in ("0.31.2", "0.33.0", "1.0.0"):
-        with pytest.raises(ImportError, match=r"supports vLLM >=0\.32,<0\.33"):
+    check_vllm_version("0.33.0")
+    for bad in ("0.31.2", "0.34.0", "1.0.0"):
+        with pytest.raises(ImportError, match=r"supports vLLM >=0\.32,<0\.34"):
             check_vllm_version(bad)
     monkeypatch.setenv("KVTIER_VLLM_ANY_VERSION", "1")
     check_vllm_version("0.40.0")
@@ -487,5 +488,33 @@ def test_a_timed_out_load_is_reported_failed_only_once_the_daemon_has_ended_it(s
                                  f"it (until 7 s): vLLM would recompute into pages a late copy could write")
         for s in others:
             conn._free_slot(s)
+    finally:
+        eng.close()
+
+
+def test_a_synchronous_load_reports_its_failed_blocks_once_waited_on(daemon) -> None:
+    """vLLM 0.33's synchronous loads: the scheduler holds the manager's lock around its calls,
+    submits the load ``expedited`` and waits on it within the step, then asks for the failed
+    blocks before any get_finished: they are known from the moment the load ends."""
+    eng = Engine(daemon.socket)
+    try:
+        keys = offload_keys(2)
+        assert eng.store(keys, [1, 2], 1) == keys
+        ctx = ReqContext(req_id="sync")
+        with eng.manager.lock:
+            assert [eng.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
+            src = eng.manager.prepare_load(keys, ctx)
+        with Sidecar(daemon.socket) as sc:  # evicted between lookup and load
+            lid = sc.register_layout(group_layout(eng.config, 0))
+            assert sc.evict(lid, list(eng.spec.keymap.chunk(keys[1]))) == 1
+        assert eng.worker.submit_load(9, src, spec_at([20, 21], 0), expedited=True)
+        eng.worker.wait({9})
+        assert eng.worker.take_failed_block_ids() == {21}
+        assert eng.rows([20]) == eng.rows([1])
+        assert [r.job_id for r in eng.worker.get_finished()] == [9]
+        assert eng.worker.take_failed_block_ids() == set()  # reported once
+        with eng.manager.lock:  # not reentrant, and no manager call takes it itself
+            eng.manager.complete_load(keys, ctx)
+            assert eng.manager.get_stats() is not None
     finally:
         eng.close()

@@ -16,6 +16,7 @@ does not.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -133,6 +134,7 @@ def tiny_config(kind: str, vocab: int = 1024) -> tuple[str, str, dict]:
     if kind == "qwen3-next":
         return "Qwen3NextConfig", "Qwen3NextForCausalLM", {
             **common, **attn, "intermediate_size": 512, "head_dim": 64, "num_hidden_layers": 4,
+            "initializer_range": 0.2,  # at 0.1 the output hardly depends on the first 160 tokens
             "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_conv_kernel_dim": 4,
             "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
             "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
@@ -171,6 +173,13 @@ def tiny_config(kind: str, vocab: int = 1024) -> tuple[str, str, dict]:
     raise ValueError(f"unknown tiny model kind {kind!r}; the kinds are {list(TINY_KINDS)}")
 
 
+#: The decay rate ``A`` (``A_log = log A``) of every Mamba-2 and gated-delta-net head. The
+#: initializers' A of 1-16 with their step sizes forget a token within a few positions, so a
+#: state restored at a block boundary would hardly touch the output; at 0.01 the state carries
+#: the prefix for hundreds of tokens, as a trained model's does.
+STATE_DECAY_A = 0.01
+
+
 def build_tiny(kind: str, path: str, seed: int = 0, dtype: str = "bfloat16", overrides: dict | None = None) -> str:
     """Write the :data:`TINY_KINDS` model ``kind`` (random weights from ``seed``, saved as ``dtype``)
     and the tokenizer of :func:`build_tiny_llama` into ``path`` (created); returns ``path``.
@@ -178,7 +187,7 @@ def build_tiny(kind: str, path: str, seed: int = 0, dtype: str = "bfloat16", ove
     ``path`` already holds the same model."""
     cfg_name, model_name, kwargs = tiny_config(kind)
     kwargs = {**kwargs, **(overrides or {})}
-    spec = {"kind": kind, "config": kwargs, "seed": seed, "dtype": dtype}
+    spec = {"kind": kind, "config": kwargs, "seed": seed, "dtype": dtype, "state_decay_a": STATE_DECAY_A}
     marker = os.path.join(path, "kvtier-tiny.json")
     if os.path.exists(marker):
         with open(marker) as fh:
@@ -191,7 +200,12 @@ def build_tiny(kind: str, path: str, seed: int = 0, dtype: str = "bfloat16", ove
     _write_tokenizer(path, kwargs["vocab_size"])
     cfg = getattr(transformers, cfg_name)(**kwargs, dtype=dtype)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).to(getattr(torch, dtype))
+    model = getattr(transformers, model_name)(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".A_log"):
+                param.fill_(math.log(STATE_DECAY_A))
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(path)
     with open(marker, "w") as fh:
         json.dump(spec, fh)

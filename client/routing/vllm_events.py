@@ -129,10 +129,11 @@ REPLAY_MAX_S = 30.0
 REPLAY_MAX_BYTES = 512 << 20
 """Most payload bytes one replay answer may bring (vLLM buffers 10k batches)."""
 
-# field order of vLLM's structs (0.32); older vLLM sends a prefix of these as arrays
+# field order of vLLM's structs (0.33: 0.32's and lookahead_token_ids); older vLLM sends a prefix of
+# these as arrays
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
                  "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
-                 "ownership", "session_id")
+                 "ownership", "session_id", "lookahead_token_ids")
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 _FIELDS = {"BlockStored": STORED_FIELDS, "BlockRemoved": REMOVED_FIELDS, "AllBlocksCleared": ()}
 

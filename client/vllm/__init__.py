@@ -202,7 +202,8 @@ def _hook_failed_requests(conn: Any, worker: KvtierOffloadingWorker) -> None:
     def transfer_results(finished_req_ids: set[str]) -> Any:
         before = dict(conn.connector_worker._load_jobs)
         out = results(finished_req_ids)
-        failed = {before[j] for j in worker.take_failed_jobs() if j in before}
+        # (a synchronous load's job maps to None: refused at start with several groups)
+        failed = {before[j] for j in worker.take_failed_jobs() if before.get(j) is not None}
         if failed:
             out.failed_recving |= failed
         return out
@@ -217,9 +218,19 @@ class KvtierOffloadingSpec(OffloadingSpec):
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         return dict(METRICS)
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of vLLM's ``vllm:kv_offload_config_info`` gauge (0.33) this spec fills."""
+        return ("kvtier_socket", "kvtier_copy", "kvtier_groups")
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         check_supported(config)
+        if len(config.groups) > 1 and int(self.extra_config.get("sync_load_budget_bytes") or 0) > 0:
+            raise ValueError("kvtier: sync_load_budget_bytes (vLLM's synchronous loads) with several KV-cache groups: "
+                             "vLLM cannot recompute a failed synchronous load of such a model (it recomputes them "
+                             "request by request, and only requests still waiting for their load); leave "
+                             "sync_load_budget_bytes unset")
         self.settings = KvtierSettings.from_extra(self.extra_config)
         model, s = self.settings.model or config.model.name, self.settings
         # no kvtier_tenant: the daemon's secret salt for this process's tenant, asked for on first use

@@ -3,6 +3,7 @@ shared-memory key table and tracks stores until they complete (the package docst
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import OrderedDict
@@ -171,9 +172,14 @@ class KvtierOffloadingManager(OffloadingManager):
         if any(len(r) != self.groups for r in layouts):
             raise ValueError(f"kvtier: a layout per rank for each of {self.groups} KV-cache groups")
         self._group_pos = {gid: g for g, gid in enumerate(group_ids)}
+        # vLLM 0.33's scheduler holds it around its calls into the manager (0.32 does not read it)
+        self._lock = threading.Lock()
         self.daemon = _Daemon(settings, [lay for r in layouts for lay in r], client_name)
         self.daemon.connect()
-        self.pending: set[bytes] = set()
+        # offload keys whose store is prepared and not complete -> their place in the order
+        # prepare_store offered them (a chain's blocks, parents first)
+        self.pending: dict[bytes, int] = {}
+        self._offered = itertools.count()
         self.counts = Counts()
         self.events = _Events(settings.events_max_keys, settings.events_scan) if events else None
 
@@ -268,14 +274,19 @@ class KvtierOffloadingManager(OffloadingManager):
             except KvtierError as e:
                 self.daemon.failed(sc, e)
                 todo = []
-        self.pending.update(todo)
+        self.pending.update((k, next(self._offered)) for k in todo)
         return PrepareStoreOutput(keys_to_store=todo, store_spec=KvtierStoreSpec([self.keymap.chunk(k) for k in todo]),
                                   evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        self.pending.difference_update(keys)
-        if self.events is not None:
-            self.events.follow(bytes(k) for k in keys)
+        # vLLM hands a store's keys over as a set: follow them in the order they were offered, so
+        # their events name parents before children (an indexer that links a block under its
+        # parent, as Dynamo's radix tree does, drops a block whose parent it has not seen)
+        ordered = sorted(keys, key=lambda k: self.pending.get(k, -1))
+        for k in keys:
+            self.pending.pop(k, None)
+        if self.events is not None and success:  # (a failed store: whatever kvtier holds shows at the next rescan)
+            self.events.follow(bytes(k) for k in ordered)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -291,6 +302,21 @@ class KvtierOffloadingManager(OffloadingManager):
                 self.daemon.failed(sc, e)
         out, self.events.out = self.events.out, []
         return out
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The lock vLLM's scheduler (0.33) holds around its calls into this manager."""
+        return self._lock
+
+    def on_reset_flushed(self) -> None:
+        """vLLM (0.33): every transfer in flight at :meth:`reset_cache` has ended. kvtier's tiers
+        are the daemon's and outlive the reset: nothing here to reuse or free."""
+
+    def config_info(self) -> list[dict[str, str | int | float | bool]]:
+        """vLLM's ``vllm:kv_offload_config_info`` gauge (0.33): the labels
+        :meth:`KvtierOffloadingSpec.config_info_keys` declares."""
+        s = self.settings
+        return [{"kvtier_socket": s.socket or "", "kvtier_copy": s.copy, "kvtier_groups": self.groups}]
 
     def reset_cache(self) -> None:
         # kvtier's tiers are the node's, shared with other engines: a reset of this engine's

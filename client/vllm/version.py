@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 32), (0, 34))
 """vLLM versions this package is written and tested against: at least the first, below the second."""
 
 _VERSION_OVERRIDE_ENV = "KVTIER_VLLM_ANY_VERSION"

@@ -252,8 +252,9 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
-        """(``expedited``: vLLM asks for it with synchronous loads; kvtier's loads run first
-        whatever it says: a request waits on them.)"""
+        """``expedited`` (vLLM 0.33, with synchronous loads: waited on within the step): kvtier's
+        loads run before its stores whatever it says, since a request waits on each; submitting
+        never blocks."""
         assert isinstance(src_spec, KvtierLoadSpec)
         ids = np.asarray(dst_spec.block_ids, dtype=np.int64)
         try:
@@ -291,11 +292,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         with self._cv:
             done, self._finished = self._finished, []
             for job in done:
-                if job.failed is not None and len(job.failed):
-                    if self.multi_group:  # vLLM recomputes such a request whole (take_failed_jobs)
-                        self._failed_jobs.add(job.job_id)
-                    else:
-                        self._failed_blocks.update(int(b) for b in job.failed)
+                if job.failed is not None and len(job.failed) and self.multi_group:
+                    self._failed_jobs.add(job.job_id)  # vLLM recomputes such a request whole
         return [TransferResult(job_id=j.job_id, success=True, transfer_size=j.nbytes,
                                transfer_time=time.perf_counter() - j.start) for j in done]
 
@@ -348,6 +346,10 @@ class KvtierOffloadingWorker(OffloadingWorker):
     def _finish(self, job: _Job) -> None:
         job.done = True
         with self._cv:
+            # a single group's failed blocks are known from the moment the job ends: a
+            # synchronous load (vLLM 0.33, waited on within the step) reports them at once
+            if job.failed is not None and len(job.failed) and not self.multi_group:
+                self._failed_blocks.update(int(b) for b in job.failed)
             self._jobs.pop(job.job_id, None)
             self._finished.append(job)
             self._cv.notify_all()
