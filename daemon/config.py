@@ -17,6 +17,7 @@ are beside it at the end of the module (:func:`load_config` runs them all).
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -82,6 +83,33 @@ def parse_ids(value: str | Sequence[str] | Sequence[int]) -> tuple[int, ...]:
                 raise ValueError(f"not a numeric id: {part!r}")
             out.append(n)
     return tuple(out)
+
+
+def parse_share(value: str | int) -> str:
+    """A size (``4GiB``, a byte count) or a percentage of the whole (``25%``), kept as written
+    (:func:`share_bytes` reads it). Raises ValueError naming the input."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"not a size: {value!r}")
+        return str(value)
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            pct = math.nan
+        if not 0 <= pct <= 100:
+            raise ValueError(f"not a percentage from 0% to 100%: {value!r}")
+        return text
+    parse_size(text)
+    return text
+
+
+def share_bytes(share: str, whole: int) -> int:
+    """Bytes of a :func:`parse_share` value: its size, or its percentage of ``whole``."""
+    if share.endswith("%"):
+        return int(whole * float(share[:-1]) / 100)
+    return parse_size(share)
 
 
 def parse_entries(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -164,6 +192,14 @@ class HostTierSettings:
     host_prefault: bool = _opt(True, "allocate the host pool's memory when the first layout registers (about 0.25 s/GiB), so "
                                      "writes never pay for page allocation and a too-small tmpfs is "
                                      "found at once", parse_bool, "BOOL")
+    retention_budget: str = _opt("25%", "slot bytes of retained blocks (Retain: a prompt cache's TTL hints) one "
+                                        "tenant may hold at once, a size or a percentage of --host-capacity; a "
+                                        "retained block is evicted only when nothing unretained is left to "
+                                        "evict, until its TTL. A retain over the budget releases the tenant's "
+                                        "retentions of no higher priority, lowest priority and least recently "
+                                        "retained first, or is refused RESOURCE_EXHAUSTED when they cannot make "
+                                        "room; 0: retention off (every Retain refused RESOURCE_EXHAUSTED)",
+                                 parse_share, "SIZE|PCT%")
 
 
 @dataclass
@@ -458,6 +494,10 @@ class Config:
 
     def resolved_socket(self) -> str:
         return self.socket or default_socket_path()
+
+    def retention_budget_bytes(self) -> int:
+        """--retention-budget in bytes (a percentage of --host-capacity resolved)."""
+        return share_bytes(self.retention_budget, self.host_capacity)
 
     def resolved_node_id(self) -> str:
         return self.node_id or socket.gethostname()

@@ -91,6 +91,12 @@ class Count(enum.Enum):
     PROMOTIONS = "promotions"                          # disk -> host on a get or prefetch
     PROMOTIONS_NO_SPACE = "promotions_no_space"        # disk hits that found no host slot
     PREFETCH_PROMOTIONS = "prefetch_promotions"
+    # retained blocks (Retain, --retention-budget; kvtier.daemon.retention)
+    RETAINED_KEYS = "retained_keys"                    # keys Retain calls retained (new or renewed)
+    RETENTIONS_EXPIRED = "retentions_expired"          # retentions that reached their TTL
+    RETENTIONS_RELEASED = "retentions_released"        # retentions released early to make room in a budget
+    RETAINS_REFUSED = "retains_refused"                # Retain calls refused: over the budget, or retention off
+    RETAINED_EVICTIONS = "retained_evictions"          # retained blocks evicted: nothing unretained was left
     CHECKSUM_FAILURES = "checksum_failures"            # disk reads whose bytes differed (served as misses)
     DISK_READ_ERRORS = "disk_read_errors"
     DEVICE_REPORTS = "device_reports"                  # ReportDeviceBlocks calls applied

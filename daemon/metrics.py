@@ -14,8 +14,9 @@ scrapes, so metrics cost nothing between scrapes. No counter name is parsed:
     every Count member           kvtier_<name>_total
 
 Also the tier gauges (``kvtier_tier_capacity_bytes``, ``kvtier_tier_used_bytes``,
-``kvtier_tier_blocks``), ``kvtier_sessions``, ``kvtier_node_info{epoch, version}`` (always 1:
-which daemon this is, so a reader can tell one daemon reached twice from two daemons) and
+``kvtier_tier_blocks``), ``kvtier_sessions``, ``kvtier_retained_bytes`` (every tenant's
+retained slot bytes), ``kvtier_node_info{epoch, version}`` (always 1: which daemon this is,
+so a reader can tell one daemon reached twice from two daemons) and
 ``kvtier_op_latency_seconds{op}``, a histogram of each RPC's handling time that the handlers
 update in process (:class:`OpLatency`: one bisect and two increments per call).
 
@@ -156,6 +157,10 @@ class StoreCollector:
         yield from (cap, used, blocks)
         sessions = GaugeMetricFamily("kvtier_sessions", "open client sessions", labels=["node"])
         sessions.add_metric([node], stats.sessions)
+        retained = GaugeMetricFamily("kvtier_retained_bytes", "slot bytes of blocks retained (Retain), every "
+                                     "tenant's", labels=["node"])
+        retained.add_metric([node], stats.retained_bytes)
+        yield retained
         info = GaugeMetricFamily("kvtier_node_info", "this daemon: its start epoch (as in the Stats reply) "
                                  "and version; always 1", labels=["node", "epoch", "version"])
         info.add_metric([node, str(stats.epoch), stats.version], 1)

@@ -5,8 +5,10 @@
 which host and disk blocks are evicted first (``victims``, least recently used first), which
 host victims are demoted (``demotions``: seen often enough, not on disk yet) and which
 blocks a get promotes from disk (``promotions``). This module keeps what the policy cannot
-know: pins (the tiers skip pinned victims), bytes across size classes, the I/O, and telling
-the policy (``on_*``), the counters and the location observers of every change.
+know: pins (the tiers skip pinned victims), bytes across size classes, the I/O, the blocks
+tenants retained (:attr:`Placement.retention`: offered as host and disk victims after every
+other one), and telling the policy (``on_*``), the counters and the location observers of
+every change.
 
 Promises
     A block is visible in host only after its commit, a promoted block only after its
@@ -42,6 +44,7 @@ import numpy as np
 
 from kvtier.daemon.counters import Count, Counters, Flow
 from kvtier.daemon.observers import Observers
+from kvtier.daemon.retention import Retention
 from kvtier.tiers.disk import DiskEntry, DiskTier, ReadOutcome, WritePlan
 from kvtier.tiers.host import HostEntry, HostTier, Reservation, SizeClass, payload_checksum
 from kvtier.tiers.layout import Layout
@@ -166,6 +169,8 @@ class Placement:
         self.remote_load_gbps = 0.0  # measured peer/store -> host bandwidth (0: not measured)
         self._evict_lock = asyncio.Lock()
         self.write_behind: WriteBehind | None = None  # the shared store's hooks
+        # blocks tenants retained (kvtier.daemon.retention): offered as victims after every other one
+        self.retention: Retention | None = None
         # disk admission: every host victim is demoted while the disk writes in flight
         # hold less than this many bytes (0: only the policy's seen-often ones)
         self.demote_queue_bytes = 0
@@ -224,8 +229,16 @@ class Placement:
         (within the disk's write queue's room, with ``stage_demotions``, copied out and written off
         the serving path)."""
         async with self._evict_lock:
-            res = self.host.reserve(cls, bkeys, block_bytes, self.policy.victims(HOST))
+            order = self.policy.victims(HOST)
+            last = self.retention.victims(order) if self.retention is not None else None
+            try:
+                res = self.host.reserve(cls, bkeys, block_bytes, order if last is None else last)
+            finally:
+                if last is not None:
+                    last.settle(self.policy.tiers[HOST], self.host.entries)
             if res.victims:
+                if last is not None:
+                    self.retention.evicted(v.bkey for v in res.victims)  # type: ignore[union-attr]
                 self._tell_write_room(res.victims)
                 try:
                     await self._host_evicted(res.victims, stage=stage_demotions)
@@ -608,9 +621,17 @@ class Placement:
         caller submits the plan in the same loop step (plans are written in the order made)."""
         disk = self.disk
         assert disk is not None
-        plan = disk.plan_write(items, self.policy.victims(DISK), sums)
+        order = self.policy.victims(DISK)
+        last = self.retention.victims(order) if self.retention is not None else None
+        try:
+            plan = disk.plan_write(items, order if last is None else last, sums)
+        finally:
+            if last is not None:
+                last.settle(self.policy.tiers[DISK], disk.entries)
         if plan.victims:
             gone = [v.bkey for v in plan.victims]
+            if last is not None:
+                self.retention.evicted(gone)  # type: ignore[union-attr]
             self.counters.evicted(DISK, len(gone))
             self.policy.on_evict(DISK, gone)
             self.observers.removed_blocks(DISK, gone)

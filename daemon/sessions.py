@@ -74,10 +74,11 @@ def random_ids(n: int, taken: Callable[[set[int]], bool] | None = None) -> list[
 
 @dataclass(frozen=True)
 class Limits:
-    """Quotas and deadlines of the sessions (kvtierd sets them from its Config: ``--session-quota``,
-    ``--tenant-quota``, ``--grant-ttl-s``, ``--lease-ttl-s``, ``--max-sessions``,
-    ``--transfer-wait-s``). The defaults here (no caps, no expiry) are for stores built in
-    process; the daemon's own defaults cap everything."""
+    """Quotas and deadlines of the sessions, and the tenants' retention budget (kvtierd sets them
+    from its Config: ``--session-quota``, ``--tenant-quota``, ``--grant-ttl-s``, ``--lease-ttl-s``,
+    ``--max-sessions``, ``--transfer-wait-s``, ``--retention-budget``). The defaults here (no
+    caps, no expiry, no retention) are for stores built in process; the daemon's own defaults
+    cap everything."""
 
     session_quota: int = 0          # bytes of grants + leases per session; 0: no cap
     tenant_quota: int = 0           # bytes of grants + leases per tenant; 0: no cap
@@ -93,6 +94,7 @@ class Limits:
     device_blocks_per_worker: int = 0  # device blocks one worker holds (all its layouts); 0: no cap
     kv_registrations_per_session: int = 0  # KV registrations (RegisterKV) one session holds; 0: no cap
     kv_registrations_per_tenant: int = 0   # KV registrations the sessions of one tenant hold; 0: no cap
+    retention_budget: int = 0       # slot bytes one tenant may retain (Retain); 0: retention off
 
     @classmethod
     def from_config(cls, cfg: Config) -> Limits:
@@ -113,7 +115,8 @@ class Limits:
                    cfg.tenant_share("max_workers_per_tenant", MAX_WORKERS),
                    cfg.max_device_blocks_per_worker, cfg.max_kv_registrations_per_session,
                    cfg.max_kv_registrations_per_tenant
-                   or cfg.tenant_share("max_sessions_per_tenant", cfg.max_sessions))
+                   or cfg.tenant_share("max_sessions_per_tenant", cfg.max_sessions),
+                   cfg.retention_budget_bytes())
 
 
 class Held:

@@ -53,6 +53,8 @@ class NodeStats:
     tiers: list[TierUsage]
     layouts: list[LayoutUsage]
     counters: Counters
+    retained_bytes: int = 0          # slot bytes retained (Retain): every tenant's, or the caller tenant's
+    retention_budget_bytes: int = 0  # one tenant's retention budget (0: retention off)
 
 
 def tier_usage(store: BlockStore, tenant: str | None = None) -> list[TierUsage]:
@@ -98,14 +100,17 @@ class StatsSource:
         regs = store.layouts if tenant is None else store.layouts.of_tenant(tenant)
         layouts = [LayoutUsage(reg.layout_id, reg.wire_fingerprint, reg.layout.block_bytes,
                                store.blocks_of(reg.fingerprint)) for reg in regs]
+        retention = store.retention
+        retention.expire()
         return NodeStats(self.node_id, self.epoch, __version__, time.monotonic() - self.started,
-                         len(store.sessions), tier_usage(store), layouts, store.counters.copy())
+                         len(store.sessions), tier_usage(store), layouts, store.counters.copy(),
+                         retention.total_bytes, retention.budget)
 
     def tenant_snapshot(self, tenant: str) -> NodeStats:
         """:meth:`snapshot` as one tenant (not the operator) may see it: its layouts; its own
         counters (:attr:`BlockStore.tenant_counters`: hits, misses, puts, evictions it asked
         for; every other counter 0); its open sessions; per tier, the capacity and the blocks
-        its layouts hold there (bytes: those blocks' slots)."""
+        its layouts hold there (bytes: those blocks' slots); the bytes it retains."""
         if self.before is not None:
             self.before()
         store = self.store
@@ -120,12 +125,14 @@ class StatsSource:
                 mine[1] += n * reg.layout.slot_bytes
         tiers = [TierUsage(t.tier, t.capacity_bytes, held.get(t.tier, [0, 0])[1], held.get(t.tier, [0, 0])[0],
                            t.load_gbps) if t.tier != Tier.REMOTE else t for t in tier_usage(store, tenant)]
+        retention = store.retention
+        retention.expire()
         own = store.tenant_counters.get(tenant)
         counters = own.copy() if own is not None else Counters()
         sessions = sum(1 for sid in store.sessions.ids() if store.sessions[sid].tenant == tenant
                        and not store.sessions[sid].internal)
         return NodeStats(self.node_id, self.epoch, __version__, time.monotonic() - self.started,
-                         sessions, tiers, layouts, counters)
+                         sessions, tiers, layouts, counters, retention.bytes_of.get(tenant, 0), retention.budget)
 
     def snapshot_from_thread(self, timeout: float = 10.0) -> NodeStats:
         """:meth:`snapshot` from another thread: run on the event loop, waited for."""

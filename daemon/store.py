@@ -11,6 +11,9 @@ typed result (:mod:`kvtier.daemon.results`):
   the movement between them, decided by the node's
   :class:`~kvtier.tiers.policy.TierPolicy` (:attr:`BlockStore.policy`);
 * :class:`~kvtier.daemon.device.DeviceTier`: the gpu tier, as engines report it;
+* :class:`~kvtier.daemon.retention.Retention`: the blocks tenants retained until a TTL
+  (``retain``), which the placement evicts after every other one, within each tenant's
+  retention budget;
 * :class:`~kvtier.daemon.counters.Counters` and the location
   :class:`~kvtier.daemon.observers.Observers` (the event log, the key table).
 
@@ -48,6 +51,7 @@ from kvtier.daemon.observers import Observers
 from kvtier.daemon.placement import Placement
 from kvtier.daemon.remote import RemoteSource
 from kvtier.daemon.results import MISS, NO_SPACE, CommitResult, GrantResult, GrantStatus, LeaseResult
+from kvtier.daemon.retention import RetainResult, Retention
 from kvtier.daemon.sessions import Limits, Session, Sessions
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import CapacityError, HostEntry, HostTier, PoolFileError, SizeClass
@@ -85,6 +89,9 @@ class BlockStore:
         # gpu tier is the engines' (``device``), not placed here
         self.policy = TierPolicy(0, None, None if disk is not None else 0, demote_min_seen, host_map=host.recency())
         self.tiers = Placement(host, disk, self.policy, self.counters, self.observers)
+        # blocks tenants asked to keep until a TTL (Retain), evicted after every other one
+        self.retention = Retention(self.limits.retention_budget, lambda t, what, n: self.counters_of(t).add(what, n))
+        self.tiers.retention = self.retention
         self.device = DeviceTier(self.layouts, self.sessions, self.observers, self.counters, max_batch_keys,
                                  workers_per_tenant=self.limits.workers_per_tenant,
                                  blocks_per_worker=self.limits.device_blocks_per_worker)
@@ -472,6 +479,26 @@ class BlockStore:
         n = self.tiers.remove([pack_block(fp, k) for k in keys])
         self.counters_of(tenant).add(Count.EVICTED_BY_REQUEST, n)
         return n
+
+    def retain(self, layout_id: int, keys: Sequence[bytes], ttl_s: float, priority: int = 0,
+               tenant: str = DEFAULT_TENANT) -> RetainResult:
+        """Keep these blocks of the tenant through eviction pressure for ``ttl_s`` seconds, held
+        now or stored later within it, within the tenant's retention budget
+        (:mod:`kvtier.daemon.retention` has the rules). Refused as a whole or done as a whole."""
+        layout = self.layout(layout_id, tenant).layout
+        self.check_keys(keys, unique=False)
+        fp, tiers = layout.fingerprint, self.tiers
+        bkeys = list(dict.fromkeys(pack_block(fp, k) for k in keys))
+        mine = self.counters_of(tenant)
+        try:
+            released, retained = self.retention.retain(tenant, bkeys, layout.slot_bytes, ttl_s, priority)
+        except StoreError as e:
+            if e.code is Code.RESOURCE_EXHAUSTED:
+                mine.add(Count.RETAINS_REFUSED)
+            raise
+        mine.add(Count.RETAINED_KEYS, len(bkeys))
+        held = sum(1 for b in bkeys if tiers.in_host(b) or tiers.on_disk(b))
+        return RetainResult(len(bkeys), held, released, retained, self.retention.budget)
 
     def counters_of(self, tenant: str) -> TenantCounters:
         """The tenant's own counters (:attr:`tenant_counters`, what Stats answers it with);

@@ -118,7 +118,8 @@ from kvtier.tiers.layout import Layout, layout_to_proto
 from kvtier.tiers.lookup_counts import MASKS, CountsWriter, by_tier
 from kvtier.tiers.vocab import TIERS
 
-__all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "PutResult", "Sidecar", "Unavailable", "stats_dict"]
+__all__ = ["AsyncSidecar", "InvalidArgument", "KvtierError", "PutResult", "RetainResult", "Sidecar", "Unavailable",
+           "stats_dict"]
 
 TABLE_RETRY_S = 1.0  # after losing the key table, ask the daemon for a new one at most this often
 REPORT_S = 1.0       # without a counters region: table lookups are reported at most this often, and on close
@@ -127,6 +128,17 @@ REPORT_TIMEOUT_S = 5.0  # for a lookup report: counts only, never worth a long w
 T = TypeVar("T")
 
 _TIER_LABEL: dict[int, str] = {int(t): t.label for t in TIERS}  # wire value -> "gpu" | "host" | "disk"
+
+
+@dataclass(frozen=True)
+class RetainResult:
+    """What ``retain`` did (the daemon's RetainReply)."""
+
+    retained: int        # distinct keys retained, new or renewed
+    held: int            # of them, held in host or on disk now (the others are kept once stored)
+    released: int        # this tenant's other retentions released to make room in its budget
+    retained_bytes: int  # this tenant's retained slot bytes now
+    budget_bytes: int    # this tenant's retention budget (kvtierd --retention-budget)
 
 
 @dataclass
@@ -147,6 +159,7 @@ def stats_dict(reply: node_pb2.StatsReply) -> dict:
         "layouts": [{"layout_id": lay.layout_id, "fingerprint": lay.fingerprint.hex(), "block_bytes": lay.block_bytes,
                      "host_blocks": lay.host_blocks, "disk_blocks": lay.disk_blocks} for lay in reply.layouts],
         "counters": dict(reply.counters),
+        "retained_bytes": reply.retained_bytes, "retention_budget_bytes": reply.retention_budget_bytes,
     }
 
 
@@ -489,6 +502,16 @@ class _SidecarCore:
         info, keys = self._info(layout_id), _check_keys(keys)
         request = node_pb2.PrefetchRequest(layout_id=info.daemon_id, keys=keys, from_node=from_node or "")
         return (await self._recovering(lambda: self._transport.prefetch(request))).promoted
+
+    async def _retain(self, layout_id: int, keys: Sequence[bytes], ttl_s: float, priority: int) -> RetainResult:
+        info, keys = self._info(layout_id), _check_keys(keys)
+        if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and ttl_s > 0):
+            raise InvalidArgument(f"ttl_s is {ttl_s!r}: a retention lasts a positive number of seconds")
+        if not (isinstance(priority, int) and -(2**31) <= priority < 2**31):
+            raise InvalidArgument(f"priority is {priority!r}: an int32")
+        request = node_pb2.RetainRequest(layout_id=info.daemon_id, keys=keys, ttl_s=float(ttl_s), priority=priority)
+        r = await self._recovering(lambda: self._transport.retain(request))
+        return RetainResult(r.retained, r.held, r.released, r.retained_bytes, r.budget_bytes)
 
     async def _report_device_blocks(self, layout_id: int, stored: Sequence[bytes], removed: Sequence[bytes],
                                     worker_id: str | None, clear: bool) -> int:
@@ -939,6 +962,17 @@ class Sidecar(_SidecarCore):
         also fetch the keys held in no local tier from that peer. Returns blocks brought to host."""
         return self._transport.run(self._prefetch(layout_id, keys, from_node or ""))
 
+    def retain(self, layout_id: int, keys: Sequence[bytes], ttl_s: float, priority: int = 0) -> RetainResult:
+        """Keep the blocks of ``keys`` (a prefix's keys) in the host tier through eviction pressure
+        for ``ttl_s`` seconds (more than 0, at most 86400): a retained block is evicted only
+        when nothing unretained is left. Keys not held yet are kept once stored within the TTL;
+        keys retained again are renewed (the later expiry, the higher ``priority``). Within this
+        tenant's retention budget (kvtierd ``--retention-budget``): room is made by releasing
+        its retentions of no higher priority, lowest priority and least recently retained
+        first; else :class:`ResourceExhausted`, and nothing changes (so too where retention is
+        off: ``--retention-budget 0``). docs/eviction.md, "Retained prefixes"."""
+        return self._transport.run(self._retain(layout_id, keys, ttl_s, priority))
+
     def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
                              worker_id: str | None = None, clear: bool = False) -> int:
         """Tell the daemon (and through its location feed, the routers) which blocks the engine
@@ -1008,6 +1042,10 @@ class AsyncSidecar(_SidecarCore):
     async def prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str | None = None) -> int:
         """As :meth:`Sidecar.prefetch`."""
         return await self._prefetch(layout_id, keys, from_node or "")
+
+    async def retain(self, layout_id: int, keys: Sequence[bytes], ttl_s: float, priority: int = 0) -> RetainResult:
+        """As :meth:`Sidecar.retain`."""
+        return await self._retain(layout_id, keys, ttl_s, priority)
 
     async def report_device_blocks(self, layout_id: int, stored: Sequence[bytes] = (),
                                    removed: Sequence[bytes] = (), worker_id: str | None = None,

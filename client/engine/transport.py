@@ -234,6 +234,10 @@ class _Transport:
         """``Node.Prefetch``: bring the keys to the host tier (from disk, or a peer)."""
         return await self._call(Call("Prefetch", self._node.Prefetch, request))
 
+    async def retain(self, request: node_pb2.RetainRequest) -> node_pb2.RetainReply:
+        """``Node.Retain``: keep the keys' blocks through eviction pressure until a TTL."""
+        return await self._call(Call("Retain", self._node.Retain, request))
+
     async def stats(self, request: node_pb2.StatsRequest | None = None, *,
                     wait_for_ready: bool = False) -> node_pb2.StatsReply:
         """``Node.Stats``: the daemon's node, epoch, sessions, tiers, layouts and counters."""

@@ -118,7 +118,8 @@ def counter_names(c: Counters) -> dict[str, int]:
 def stats_reply(s: NodeStats) -> node_pb2.StatsReply:
     c = s.counters
     reply = node_pb2.StatsReply(node_id=s.node_id, epoch=s.epoch, uptime_s=s.uptime_s, sessions=s.sessions,
-                                version=s.version)
+                                version=s.version, retained_bytes=s.retained_bytes,
+                                retention_budget_bytes=s.retention_budget_bytes)
     for t in s.tiers:
         reply.tiers.add(tier=int(t.tier), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, blocks=t.blocks,
                         load_gbps=t.load_gbps)

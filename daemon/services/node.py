@@ -125,6 +125,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
                                                                          request.from_node))
 
     @handled
+    async def Retain(self, request: node_pb2.RetainRequest, context: Any) -> node_pb2.RetainReply:
+        tenant = self.auth.principal(context).tenant  # a tenant retains its own blocks only
+        r = self.store.retain(request.layout_id, list(request.keys), request.ttl_s, request.priority, tenant)
+        return node_pb2.RetainReply(retained=r.retained, held=r.held, released=r.released,
+                                    retained_bytes=r.retained_bytes, budget_bytes=r.budget_bytes)
+
+    @handled
     async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.StatsReply:
         # the caller's tenant's layouts; node-wide counters, tiers and sessions for the operator
         # only, every other tenant its own (kvtier.daemon.stats)

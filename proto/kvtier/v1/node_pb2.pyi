@@ -297,6 +297,32 @@ class PrefetchReply(_message.Message):
     promoted: int
     def __init__(self, promoted: _Optional[int] = ...) -> None: ...
 
+class RetainRequest(_message.Message):
+    __slots__ = ("layout_id", "keys", "ttl_s", "priority")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    layout_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_s: float
+    priority: int
+    def __init__(self, layout_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class RetainReply(_message.Message):
+    __slots__ = ("retained", "held", "released", "retained_bytes", "budget_bytes")
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    retained: int
+    held: int
+    released: int
+    retained_bytes: int
+    budget_bytes: int
+    def __init__(self, retained: _Optional[int] = ..., held: _Optional[int] = ..., released: _Optional[int] = ..., retained_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -370,7 +396,7 @@ class ErrorCount(_message.Message):
     def __init__(self, code: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "uptime_s", "tiers", "layouts", "sessions", "counters", "version", "hits", "bytes_moved", "evictions", "errors", "totals")
+    __slots__ = ("node_id", "epoch", "uptime_s", "tiers", "layouts", "sessions", "counters", "version", "hits", "bytes_moved", "evictions", "errors", "totals", "retained_bytes", "retention_budget_bytes")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +424,8 @@ class StatsReply(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     uptime_s: float
@@ -411,4 +439,6 @@ class StatsReply(_message.Message):
     evictions: _containers.RepeatedCompositeFieldContainer[EvictionCount]
     errors: _containers.RepeatedCompositeFieldContainer[ErrorCount]
     totals: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[HitCount, _Mapping]]] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., totals: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    retained_bytes: int
+    retention_budget_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[HitCount, _Mapping]]] = ..., bytes_moved: _Optional[_Iterable[_Union[BytesMoved, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ErrorCount, _Mapping]]] = ..., totals: _Optional[_Mapping[str, int]] = ..., retained_bytes: _Optional[int] = ..., retention_budget_bytes: _Optional[int] = ...) -> None: ...

@@ -84,6 +84,11 @@ class NodeStub:
                 request_serializer=kvtier_dot_v1_dot_node__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_node__pb2.PrefetchReply.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/kvtier.v1.Node/Retain',
+                request_serializer=kvtier_dot_v1_dot_node__pb2.RetainRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_node__pb2.RetainReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvtier.v1.Node/Stats',
                 request_serializer=kvtier_dot_v1_dot_node__pb2.StatsRequest.SerializeToString,
@@ -154,6 +159,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -212,6 +223,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=kvtier_dot_v1_dot_node__pb2.PrefetchRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_node__pb2.PrefetchReply.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=kvtier_dot_v1_dot_node__pb2.RetainRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_node__pb2.RetainReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -489,6 +505,33 @@ class Node:
             '/kvtier.v1.Node/Prefetch',
             kvtier_dot_v1_dot_node__pb2.PrefetchRequest.SerializeToString,
             kvtier_dot_v1_dot_node__pb2.PrefetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Node/Retain',
+            kvtier_dot_v1_dot_node__pb2.RetainRequest.SerializeToString,
+            kvtier_dot_v1_dot_node__pb2.RetainReply.FromString,
             options,
             channel_credentials,
             insecure,
