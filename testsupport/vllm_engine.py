@@ -11,7 +11,9 @@ under ``__main__``)::
 CONFIG: ``model`` (a directory, e.g. from :mod:`testsupport.tiny_model`),
 ``prompts`` (see :func:`multi_turn`), ``max_tokens``, ``block_size`` (null: vLLM chooses, as
 it must for hybrid models whose attention block size follows their Mamba state's page),
-``num_gpu_blocks``, ``max_model_len``, ``dtype`` (default bfloat16) and optionally ``kvtier`` (a dict of ``kv_connector_extra_config`` keys:
+``num_gpu_blocks``, ``max_model_len``, ``dtype`` (default bfloat16), ``engine_args`` (more
+keyword arguments of ``LLM``, e.g. :data:`testsupport.tiny_model.TINY_VLLM_ARGS` of a model) and
+optionally ``kvtier`` (a dict of ``kv_connector_extra_config`` keys:
 without it, vLLM runs alone), ``kv_load_failure_policy`` (default ``recompute``) and
 ``faults``: faults the spec's worker injects into its loads, ``corrupt_loads`` (zero every
 page after loading it: a negative control that must change outputs) and ``fail_loads``
@@ -139,10 +141,12 @@ def run(cfg: dict) -> dict:
         inject_faults(cfg["faults"])
     kw = _llm_kwargs(cfg)
     t0 = time.perf_counter()
-    llm = LLM(model=cfg["model"], enforce_eager=True, enable_prefix_caching=True,
-              num_gpu_blocks_override=cfg["num_gpu_blocks"], max_model_len=cfg["max_model_len"], max_num_seqs=4,
-              max_num_batched_tokens=max(512, cfg["max_model_len"]), gpu_memory_utilization=0.1,
-              dtype=cfg.get("dtype", "bfloat16"), seed=0, disable_log_stats=False, **kw)
+    args: dict[str, Any] = dict(
+        model=cfg["model"], enforce_eager=True, enable_prefix_caching=True, num_gpu_blocks_override=cfg["num_gpu_blocks"],
+        max_model_len=cfg["max_model_len"], max_num_seqs=4, max_num_batched_tokens=max(512, cfg["max_model_len"]),
+        gpu_memory_utilization=0.1, dtype=cfg.get("dtype", "bfloat16"), seed=0, disable_log_stats=False, **kw)
+    args.update(cfg.get("engine_args") or {})
+    llm = LLM(**args)
     startup = time.perf_counter() - t0
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
