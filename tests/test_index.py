@@ -7,6 +7,7 @@ sorts workers by cost, queued blocks, active requests and the tie hash (:func:`r
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
@@ -468,3 +469,54 @@ def test_route_equals_the_reference_walk_and_rank_on_random_holdings(tensor_para
             inflight.append(d.decision_id)
         if len(inflight) > 4:
             r.finish(inflight.pop(rng.randrange(len(inflight))), prefill_only=rng.random() < 0.3)
+
+
+def hkeys(n: int, tag: str) -> list[bytes]:
+    return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+def test_removed_locations_never_score_and_a_returning_worker_starts_empty() -> None:
+    """Removal is lazy (a location's column is given back with its bits still set and cleared
+    only before the column is used again): whatever the order of removals and reuse, a worker
+    that left is never ranked, one cleared holds nothing of what it held, and a worker or node
+    that comes back (under the same name, on reused columns) holds only what it stores anew.
+    Enough cycles that the matrix's spare columns run out and given-back ones are reused."""
+    r = Router(RouterConfig())
+    idx = r.index
+    idx.set_node_info("keep", {"k0": [FP]})  # a node that stays, holding the keys of every cycle in host
+    history: list[list[bytes]] = []
+    for cycle in range(90):
+        node, worker = f"n{cycle % 3}", f"w{cycle % 5}"
+        mine = hkeys(8, f"gpu{cycle}")
+        idx.set_node_info(node, {worker: [FP]})
+        # a returning worker (same name, same node or another) holds nothing it held before
+        for old in history[-12:]:
+            lead = holdings_of(idx, old)[:, idx.worker(worker).index]
+            assert lead[:3].tolist() == [0, 0, 0], (cycle, worker)
+        idx.stored(node, "gpu", worker, FP, mine)
+        idx.stored(node, "host", "", FP, hkeys(4, f"host{cycle}"))
+        idx.stored("keep", "host", "", FP, mine)
+        r.route(hkeys(6, f"spec{cycle}"), [worker])  # dispatched: speculative entries on the worker
+        assert holdings_of(idx, mine)[0, idx.worker(worker).index] == 8
+        if cycle % 2:  # its engine restarted: GPU cleared, the worker stays
+            idx.cleared(node, "gpu", worker)
+            assert holdings_of(idx, mine)[:, idx.worker(worker).index].tolist() == [0, 0, 0]
+            idx.stored(node, "gpu", worker, FP, mine[:3])  # a new store after the clear counts alone
+            assert holdings_of(idx, mine)[0, idx.worker(worker).index] == 3
+        r.index.drop_node(node)  # the node leaves: its worker is never ranked again
+        d = r.route(mine, dispatch=False)
+        assert worker not in d.workers and node not in d.nodes
+        assert d.ranked[0].overlap.host == 8  # the node that stays still holds them
+        history += [mine, hkeys(4, f"host{cycle}"), hkeys(6, f"spec{cycle}")]
+    assert idx.columns <= 128, idx.columns  # given-back columns were reused
+    assert idx._free_cols
+    keep = idx.worker("k0").index
+    for compacted in (False, True):  # nothing stale anywhere, before a compaction and after
+        if compacted:
+            idx.compact()
+        for i, old in enumerate(history):
+            lead = holdings_of(idx, old)
+            if i % 3 == 0:  # a cycle's GPU keys: in "keep"'s host tier only
+                assert lead[1, keep] == 8 and lead[1].sum() == 8 and not lead[0].any()
+            else:
+                assert not lead.any()

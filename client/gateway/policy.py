@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 POLICIES = ("kvtier", "round-robin", "session", "prefix")
 
@@ -35,6 +36,9 @@ class Choice:
     order: list[str]
     overlap: tuple[int, int, int] = (0, 0, 0)  # leading blocks of the chosen replica on gpu, host, disk
     n_blocks: int = 0
+    # the router's ranking of the replicas (not dispatched): the replica tried is dispatched on
+    # it (Router.dispatch), not ranked again
+    ranking: Any = None
 
 
 class LruMap:
@@ -95,9 +99,10 @@ class Policy:
         now = time.monotonic()
         for know in self._know:  # (shared maps keep a replica as its name's hash)
             know(names)
-        ranked = None
+        ranked = ranking = None
         if self.router is not None:
-            ranked = self.router.route(keys, list(names), dispatch=False, top_k=len(names)).ranked
+            ranking = self.router.route(keys, list(names), dispatch=False, top_k=len(names))
+            ranked = ranking.ranked
         if self.name == "kvtier" and ranked:
             order = self._kvtier(ranked, session, now)
         elif self.name == "session" and session:
@@ -106,7 +111,7 @@ class Policy:
             order = self._first(self._least_busy(names), self._longest_prefix(keys, now))
         else:
             order = self._round_robin(names)
-        choice = Choice(order, n_blocks=len(keys))
+        choice = Choice(order, n_blocks=len(keys), ranking=ranking)
         first = next((r for r in ranked or () if r.worker == order[0]), None)
         if first is not None:
             choice.overlap = (first.overlap.gpu, first.overlap.host, first.overlap.disk)

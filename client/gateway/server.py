@@ -126,6 +126,11 @@ class GatewayConfig:
                                 "tokens (kvtier's block_keys over token ids)", metavar="SCHEME")
     block_tokens: int = setting(16, "tokens per engine block (vLLM's --block-size)", parse_int, "N")
     chunk_blocks: int = setting(1, "engine blocks per offloaded chunk (the spec's blocks_per_chunk)", parse_int, "N")
+    key_group: int = setting(0, "the vLLM KV-cache group the vllm key scheme names: a model with several groups "
+                                "(sliding-window or linear-attention layers beside full attention: Gemma-3, "
+                                "gpt-oss, Qwen3-Next) stores each group's blocks under keys of its own; name a "
+                                "full-attention group so that a prefix counts once (0: the first group, the only "
+                                "one of a full-attention model; docs/gateway.md)", parse_int, "N")
     key_model: str = setting("", "model id of the keys (the engines' kvtier_model; default --model)", metavar="ID")
     tenant_salt: str = setting("", "tenant salt of the keys (the engines' kvtier_tenant)", metavar="SALT")
     vllm_hash_seed: str = setting(VLLM_DEFAULT_SEED, "the engines' PYTHONHASHSEED if they set one (vLLM's "
@@ -250,6 +255,8 @@ def check_settings(cfg: GatewayConfig) -> None:
     for name in ("block_tokens", "chunk_blocks", "max_concurrency", "max_body_bytes_in_flight", "workers"):
         if getattr(cfg, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= cfg.key_group < 1 << 32:
+        raise SettingsError(f"--key-group {cfg.key_group}: a KV-cache group index, 0 to 2^32 - 1")
     tls = [n for n in ("daemon_tls_cert", "daemon_tls_key", "daemon_tls_ca") if getattr(cfg, n)]
     if tls and len(tls) != 3:
         raise SettingsError("--daemon-tls-cert, --daemon-tls-key and --daemon-tls-ca go together")
@@ -559,7 +566,7 @@ class Gateway:
         self.static = parse_replicas(cfg.replicas)
         self.tokenizer = tokenizer or PromptTokenizer(cfg.tokenizer)
         self.keys = KeyScheme(cfg.keys, cfg.block_tokens, Namespace(cfg.key_model or cfg.model, cfg.tenant_salt),
-                              cfg.chunk_blocks, cfg.vllm_hash_seed)
+                              cfg.chunk_blocks, cfg.vllm_hash_seed, cfg.key_group)
         use_router = cfg.policy == "kvtier" or cfg.router.daemons or cfg.router.dns
         tls = ClientTls(cfg.daemon_tls_cert, cfg.daemon_tls_key, cfg.daemon_tls_ca) if cfg.daemon_tls_cert else None
         self.router = router if router is not None else (Router(cfg.router, tls=tls) if use_router else None)
@@ -856,7 +863,8 @@ class Gateway:
             if attempt:
                 m.retries.inc()
             try:
-                return await self._send(request, endpoint, raw, keys, session, name, replicas[name], t0, counter)
+                return await self._send(request, endpoint, raw, keys, session, name, replicas[name], t0, counter,
+                                        choice.ranking)
             except _Refused as e:
                 last = e
                 m.errors.labels("replica_refused").inc()
@@ -878,14 +886,19 @@ class Gateway:
                    if k.lower() not in _HOP and not k.lower().startswith(INTERNAL_PREFIX)}
         return web.Response(status=e.status, body=e.body, headers=headers)
 
-    def _dispatch(self, name: str, keys: list[bytes], session: str | None) -> tuple[int, list]:
-        """Charge the chosen replica: (the router's decision id, its fetch hints)."""
+    def _dispatch(self, name: str, keys: list[bytes], session: str | None, ranking: Any = None) -> tuple[int, list]:
+        """Charge the chosen replica: (the router's decision id, its fetch hints). ``ranking``:
+        the router's ranking of the replicas for this request (the policy's), dispatched on
+        without ranking again; without one, the router ranks the replica alone."""
         self.policy.dispatched(name, keys, session)
         self.metrics.of(self.metrics.decisions, name, self.cfg.policy).inc()
         self.metrics.of(self.metrics.in_flight, name).inc()
         if self.router is None:
             return 0, []
-        d = self.router.route(keys, [name], dispatch=True, top_k=1)
+        if ranking is not None:
+            d = self.router.dispatch(ranking, name, keys)
+        else:
+            d = self.router.route(keys, [name], dispatch=True, top_k=1)
         return d.decision_id, d.fetch
 
     def _ended(self, name: str, decision: int) -> None:
@@ -895,11 +908,12 @@ class Gateway:
             self.router.finish(decision)
 
     async def _send(self, request: Any, endpoint: str, raw: bytes, keys: list[bytes], session: str | None,
-                    name: str, base: str, t0: float, counter: OutputCounter | None = None) -> Any:
+                    name: str, base: str, t0: float, counter: OutputCounter | None = None,
+                    ranking: Any = None) -> Any:
         import aiohttp  # noqa: PLC0415
 
         headers = self._upstream_headers(request)
-        decision, hints = self._dispatch(name, keys, session)
+        decision, hints = self._dispatch(name, keys, session, ranking)
         try:  # (the replica's load ends whatever way this does: a cancelled handler included)
             if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
                 await self.prefetcher.apply(hints)

@@ -27,7 +27,7 @@
  *       index), as numpy's stable lexsort orders them.
  *
  *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, workers, loads,
- *          spec_gen, top_k, rows) -> (rows, m, order, saved_best, fetch, speculated, arrays)
+ *          spec_gen, top_k, rows, live, free, aux) -> (rows, m, order, saved_best, fetch, speculated, arrays)
  *       rows() into rows (a scratch buffer of at least len(keys) + 2), then lead() (zeros when
  *       no key is indexed), then rank() over every worker in one call, the tie hash's key
  *       digest (blake2b-64 of the last key, or of b"" without keys: scoring._digest64) made
@@ -41,7 +41,12 @@
  *       then the (4, workers) int64 leads. spec_gen (-1: not dispatched) is the speculative
  *       generation: when every key is indexed and no fetch hint is needed, the best worker's
  *       column of it is set in the keys' rows (what LocationIndex.speculate would do;
- *       otherwise the caller speculates). None when a key is not 16 bytes (nothing done).
+ *       otherwise the caller speculates); when some keys are not indexed, they get rows first
+ *       as fill() gives them (live the table's live flags, free the free rows, aux int64
+ *       [nfree, keys in the table, -, -]), only where there is room for all of them without
+ *       growing the matrix or the table: then aux is [nfree, rows made, high, 1], or 2 for
+ *       its last item when a key found no slot near its home (the caller rebuilds the table;
+ *       nothing speculated). None when a key is not 16 bytes (nothing done).
  *
  *   digest64(data) -> int
  *       blake2b with an 8-byte digest of data (bytes, at most 128), read little-endian: the
@@ -60,6 +65,19 @@
  *
  *   set_bit(bits, nwords, rows, count, col)
  *       Set column col in the first count rows of rows (int64; each >= 0).
+ *
+ *   fill(keys, rows, slots, tags, packed, live, bits, nwords, free, nfree, high, shift, col)
+ *       -> (status, made, high, nfree)
+ *       LocationIndex._fill for keys of 16 bytes: rows (int64, one per key, -1 where not
+ *       indexed) gets a row for each key at -1: the row a key of this call got already (a key
+ *       repeated), else the last of the first nfree free rows, else row high (high + 1 after
+ *       it), never the matrix's last row; the key is stored at its row, the row made live, its
+ *       ALWAYS bit set and placed in the table (which the caller keeps at most half full with
+ *       these keys). With col >= 0, then column col is set in every key's row. Status 1:
+ *       done; 2: no row left (the caller grows the matrix and calls again: rows given so far
+ *       are in rows); 0: a key found no free slot within WINDOW (it is stored and live: the
+ *       caller rebuilds the table twice as large and calls again). None when a key is not 16
+ *       bytes (nothing done).
  *
  * Compiled with -ffp-contract=off: no fused multiply-add, so the sums round as numpy's do.
  */
@@ -623,6 +641,119 @@ done:
     return res;
 }
 
+/* ------------------------------------------------------------------------------------ fill */
+
+/* fill()'s work on checked buffers (rows: one per key); returns the status, *made, *high and
+ * *nfree updated; -1 with a ValueError set for a free row outside the index */
+static int fill_core(PyObject *keys, Py_ssize_t n, int64_t *rows, int32_t *slots, uint8_t *tags, unsigned char *packed,
+                     Py_ssize_t nkeys, uint8_t *live, uint64_t *bits, Py_ssize_t nwords, Py_ssize_t cap,
+                     const int64_t *free_rows, Py_ssize_t *nfree, Py_ssize_t *high, uint64_t mask, long shift,
+                     Py_ssize_t col, Py_ssize_t *made) {
+    int status = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rows[i] >= 0)
+            continue;
+        const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
+        int64_t r = probe(slots, tags, packed, nkeys, mask, (int)shift, key); /* given earlier in this call */
+        if (r >= 0) {
+            rows[i] = r;
+            continue;
+        }
+        if (*nfree) {
+            r = free_rows[--*nfree];
+            if (r < 1 || r >= cap - 1) {
+                PyErr_SetString(PyExc_ValueError, "fill(): a free row outside the index");
+                return -1;
+            }
+        } else if (*high < cap - 1) /* the last row stays empty: row -1 reads as "no key" */
+            r = (*high)++;
+        else {
+            status = 2; /* the matrix must grow */
+            break;
+        }
+        memcpy(packed + (size_t)r * WIDTH, key, WIDTH);
+        live[r] = 1;
+        bits[(size_t)r * nwords] |= (uint64_t)1; /* ALWAYS */
+        rows[i] = r;
+        ++*made;
+        if (!place_one(key, (int32_t)r, slots, tags, mask, shift)) {
+            status = 0; /* stored and live, not placed: the table must be rebuilt bigger */
+            break;
+        }
+    }
+    if (status == 1 && col >= 0) {
+        uint64_t bit = (uint64_t)1 << (col & 63);
+        for (Py_ssize_t i = 0; i < n; i++)
+            bits[(size_t)rows[i] * nwords + (col >> 6)] |= bit;
+    }
+    return status;
+}
+
+static PyObject *route_fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 13, "fill"))
+        return NULL;
+    PyObject *keys = args[0];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "fill(): keys must be a list");
+        return NULL;
+    }
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[7]);
+    Py_ssize_t nfree = PyLong_AsSsize_t(args[9]);
+    Py_ssize_t high = PyLong_AsSsize_t(args[10]);
+    long shift = PyLong_AsLong(args[11]);
+    Py_ssize_t col = PyLong_AsSsize_t(args[12]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys); /* checked after the conversions: an __index__ may change it */
+    if (!keys16(keys))
+        Py_RETURN_NONE;
+    Py_buffer b[7];
+    static const int at[7] = {1, 2, 3, 4, 5, 6, 8};
+    static const char kinds[7] = {'q', 'i', 'B', 'K', 'B', 'Q', 'q'};
+    int got = 0;
+    for (; got < 7; got++)
+        if (get_buf(args[at[got]], &b[got], got < 6, kinds[got]) < 0)
+            break;
+    PyObject *res = NULL;
+    if (got < 7)
+        goto done;
+    Py_ssize_t nslots = b[1].len / 4, nkeys = b[3].len / WIDTH;
+    Py_ssize_t cap = nwords > 0 ? b[5].len / 8 / nwords : 0;
+    if (b[0].len < n * 8 || b[2].len < nslots || nslots < 16 || (nslots & (nslots - 1)) || shift < 9 || shift > 63 ||
+        ((uint64_t)1 << (64 - shift)) != (uint64_t)nslots || nslots > INT32_MAX || nwords <= 0 || cap < 2 ||
+        nkeys < cap || b[4].len < cap || cap > INT32_MAX || high < 1 || high > cap - 1 || nfree < 0 ||
+        nfree > b[6].len / 8 || col < -1 || col / 64 >= nwords) {
+        PyErr_SetString(PyExc_ValueError, "fill(): buffers do not match the index");
+        goto done;
+    }
+    {
+        int64_t *rows = (int64_t *)b[0].buf;
+        int32_t *slots = (int32_t *)b[1].buf;
+        uint8_t *tags = (uint8_t *)b[2].buf;
+        unsigned char *packed = (unsigned char *)b[3].buf;
+        uint8_t *live = (uint8_t *)b[4].buf;
+        uint64_t *bits = (uint64_t *)b[5].buf;
+        const int64_t *free_rows = (const int64_t *)b[6].buf;
+        uint64_t mask = (uint64_t)nslots - 1;
+        Py_ssize_t made = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (rows[i] >= cap) {
+                PyErr_SetString(PyExc_ValueError, "fill(): a row outside the index");
+                goto done;
+            }
+        int status = fill_core(keys, n, rows, slots, tags, packed, nkeys, live, bits, nwords, cap, free_rows, &nfree,
+                               &high, mask, shift, col, &made);
+        if (status < 0)
+            goto done;
+        res = Py_BuildValue("(innn)", status, made, high, nfree);
+    }
+done:
+    for (int j = 0; j < got; j++)
+        PyBuffer_Release(&b[j]);
+    return res;
+}
+
 /* --------------------------------------------------------------------------------- set_bit */
 
 static PyObject *route_set_bit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -740,7 +871,7 @@ static PyObject *route_digest64(PyObject *self, PyObject *arg) {
 
 static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (!nargs_ok(nargs, 15, "decide"))
+    if (!nargs_ok(nargs, 18, "decide"))
         return NULL;
     PyObject *keys = args[0];
     long long high;
@@ -769,16 +900,17 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     int dispatch = gen >= 0;
-    /* buffers: slots tags packed bits table workers loads rows */
-    static const int at[8] = {1, 2, 3, 6, 8, 10, 11, 14};
-    static const char kinds[8] = {'i', 'B', 'K', 'Q', 'Q', 'Q', 'd', 'q'};
-    Py_buffer b[8];
+    /* buffers: slots tags packed bits table workers loads rows live free aux */
+    static const int at[11] = {1, 2, 3, 6, 8, 10, 11, 14, 15, 16, 17};
+    static const char kinds[11] = {'i', 'B', 'K', 'Q', 'Q', 'Q', 'd', 'q', 'B', 'q', 'q'};
+    static const char written[11] = {1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 1}; /* (when dispatching: new rows) */
+    Py_buffer b[11];
     int got = 0;
-    for (; got < 8; got++)
-        if (get_buf(args[at[got]], &b[got], got == 7 || (got == 3 && dispatch), kinds[got]) < 0)
+    for (; got < 11; got++)
+        if (get_buf(args[at[got]], &b[got], got == 7 || got == 10 || (dispatch && written[got]), kinds[got]) < 0)
             break;
     PyObject *res = NULL, *order = NULL, *arrays = NULL;
-    if (got < 8)
+    if (got < 11)
         goto done;
     Py_ssize_t nslots = b[0].len / 4, nrows_keys = b[2].len / WIDTH;
     Py_ssize_t w = b[6].len / 8 / 3, tw = 4 * ((w + 63) / 64);
@@ -786,7 +918,7 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t nrows = nwords > 0 ? b[3].len / 8 / nwords : 0, stride = nrows > 0 ? nwords * 8 * 256 : 0;
     if (!table_ok(nslots, b[1].len, shift, high, nrows_keys) || nwords <= 0 || nrows < 1 || w <= 0 ||
         tw > MAX_TW || b[4].len != tw * stride * 8 || b[5].len != 7 * w * 8 || b[6].len != 3 * w * 8 ||
-        b[7].len < (n + 2) * 8) {
+        b[7].len < (n + 2) * 8 || b[10].len < 4 * 8) {
         PyErr_SetString(PyExc_ValueError, "decide(): buffers do not match the index or the workers");
         goto done;
     }
@@ -818,7 +950,7 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
             Py_ssize_t best = PyLong_AsSsize_t(PyList_GET_ITEM(order, 0));
             saved_best = cs[w + best];
             fetch = wt[3 * w + best] > 0 && lead[3 * w + best] > lead[2 * w + best];
-            if (dispatch && !fetch && m == n && n > 0) { /* the speculative entries: every key has a row */
+            if (dispatch && !fetch && n > 0) { /* the speculative entries */
                 int64_t col = ((const int64_t *)b[5].buf)[(5 + gen) * w + best];
                 uint64_t *bits = (uint64_t *)b[3].buf;
                 if (col < 0 || col / 64 >= nwords) {
@@ -826,14 +958,36 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
                     goto done;
                 }
                 for (Py_ssize_t i = 1; i <= n; i++)
-                    if (rows[i] < 0 || rows[i] >= nrows) {
+                    if (rows[i] >= nrows) {
                         PyErr_SetString(PyExc_ValueError, "decide(): a row outside the matrix");
                         goto done;
                     }
-                uint64_t bit = (uint64_t)1 << (col & 63);
-                for (Py_ssize_t i = 1; i <= n; i++)
-                    bits[(size_t)rows[i] * nwords + (col >> 6)] |= bit;
-                speculated = 1;
+                if (m == n) { /* every key has a row */
+                    uint64_t bit = (uint64_t)1 << (col & 63);
+                    for (Py_ssize_t i = 1; i <= n; i++)
+                        bits[(size_t)rows[i] * nwords + (col >> 6)] |= bit;
+                    speculated = 1;
+                } else { /* new rows for the keys not indexed, where there is room for all of them without
+                          * growing the matrix or the table (fill()); else the caller speculates */
+                    int64_t *aux = (int64_t *)b[10].buf;
+                    Py_ssize_t nfree = (Py_ssize_t)aux[0], wide = (Py_ssize_t)aux[1], high_now = (Py_ssize_t)high,
+                               made = 0, want = n - m;
+                    if (nfree >= 0 && nfree <= b[9].len / 8 && wide >= 0 && nrows_keys >= nrows &&
+                        b[8].len >= nrows && nrows <= INT32_MAX && high_now >= 1 && high_now <= nrows - 1 &&
+                        nfree + (nrows - 1 - high_now) >= want && 2 * (wide + want) <= nslots) {
+                        int st = fill_core(keys, n, rows + 1, (int32_t *)b[0].buf, (uint8_t *)b[1].buf,
+                                           (unsigned char *)b[2].buf, nrows_keys, (uint8_t *)b[8].buf, bits, nwords,
+                                           nrows, (const int64_t *)b[9].buf, &nfree, &high_now,
+                                           (uint64_t)nslots - 1, shift, col, &made);
+                        if (st < 0)
+                            goto done;
+                        aux[0] = nfree;
+                        aux[1] = made;
+                        aux[2] = high_now;
+                        aux[3] = st == 1 ? 1 : 2; /* 2: a key stored and live, not placed: rebuild the table */
+                        speculated = st == 1;
+                    }
+                }
             }
         }
         PyObject *pm = PyLong_FromSsize_t(m), *ps = PyFloat_FromDouble(saved_best);
@@ -860,6 +1014,7 @@ static PyMethodDef methods[] = {
     {"insert", (PyCFunction)(void (*)(void))route_insert, METH_FASTCALL, "Give rows to new 16-byte keys."},
     {"place", (PyCFunction)(void (*)(void))route_place, METH_FASTCALL, "Place rows in the slots."},
     {"set_bit", (PyCFunction)(void (*)(void))route_set_bit, METH_FASTCALL, "Set a column in rows."},
+    {"fill", (PyCFunction)(void (*)(void))route_fill, METH_FASTCALL, "Rows for the keys not indexed yet."},
     {NULL, NULL, 0, NULL},
 };
 

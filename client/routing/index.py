@@ -37,7 +37,9 @@ The fold
 
 Speculative entries
     :meth:`LocationIndex.speculate` marks keys as on a worker's GPU at once, before its
-    engine reports them, so a session's next turn sticks to that worker. They live in two
+    engine reports them, so a session's next turn sticks to that worker (keys not indexed
+    yet get rows: :meth:`_fill`, compiled; the compiled decision does it in the same call
+    while the matrix and the table have room). They live in two
     generations of columns; :meth:`expire` clears the older generation every ``ttl``, so an
     unconfirmed entry disappears between ``ttl`` and ``2 * ttl`` after it was made. A
     confirmed one (the engine's gpu event arrived) stays through the real column.
@@ -77,6 +79,20 @@ about 10-20 us for the rows, 12-16 us for the holdings (a fixed number of numpy 
 request, independent of the number of keys indexed and nearly so of the number of workers);
 compiled (``client/routing/_route.c``, :meth:`decide`: rows, holdings, cost and order in one
 call, the same answers), about 12-15 us for all of it, most of it reading the keys and rows.
+
+Removal
+    Lazy, so that it costs the same at 1K keys as at 1M: a location that goes away (a
+    cleared event: the location stays and takes another column with no bit set; a node
+    reset before a snapshot, or dropped with its workers' speculative columns) gives its
+    column back with its bits still set. Nothing reads a given-back column: no location
+    names it, so no plan and no byte table does. It is cleared by :meth:`_sweep` (one pass
+    over the rows for all given-back columns of a word) only before it is used again
+    (:meth:`_new_column`: a clean given-back column first, then, for a cleared location, a
+    never-used column while the matrix's words have room, then a swept one) and at every
+    :meth:`compact`; the rows it held count as removals then. A departed location's rows
+    are therefore reclaimed by the compaction after its columns are swept. A removal
+    changes the workers or their columns, so the next decision rebuilds the plan (about a
+    millisecond at 64 workers, ``route_after_worker_removal_ms`` in ``bench/router.py``).
 
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
 automatically once enough removals accumulate). :meth:`state` and :meth:`load_state` turn
@@ -173,10 +189,12 @@ class LocationIndex:
         self._bits = np.zeros((max(16, initial_rows), 1), dtype=np.uint64)
         self._rows = RowTable(len(self._bits))  # key -> row
         self._high = 1  # rows below this were given out; row 0 stays empty: the request padding
-        self._free: list[int] = []
+        self._free = np.empty(0, dtype=np.int64)  # rows given back (compact): the first _nfree, taken from the end
+        self._nfree = 0
         self._ncols = _FIRST_COLUMN
         self._columns: dict[tuple[str, str, str, bytes], int] = {}
-        self._free_cols: list[int] = []  # columns given back by nodes that left (all their bits clear)
+        self._free_cols: list[int] = []  # columns given back (locations gone), stale or clean
+        self._stale: dict[int, int] = {}  # word -> mask of given-back columns whose bits are not cleared yet
         self._spec_cols: dict[str, tuple[int, int]] = {}  # worker -> its columns of generation 0 and 1
         self._spec_gen = 0
         self._spec_rotated_at: float | None = None
@@ -189,6 +207,8 @@ class LocationIndex:
         self._plan: _Plan | None = None
         self._run: tuple[np.ndarray | None, int] = (None, 0)  # rows()' last one-run answer, its first row
         self._decide_rows = np.empty(258, dtype=np.int64)  # decide()'s rows (scratch)
+        self._aux = np.zeros(4, dtype=np.int64)  # decide()'s rows made: [free rows, keys in the table, ...]
+        self._aux_view = memoryview(self._aux)
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -216,13 +236,37 @@ class LocationIndex:
             self._plan = None
         return col
 
-    def _new_column(self) -> int:
-        if self._free_cols:  # a column of a node that left (cleared when it was given back)
-            return self._free_cols.pop()
+    def _new_column(self, spare: bool = False) -> int:
+        """A column with no bit set: a given-back one (a clean one first; a stale one after
+        :meth:`_sweep`), else a new one. ``spare``: a new one before a stale one while the
+        matrix's words have room for it (no sweep and no copy: what a removal takes)."""
+        free = self._free_cols
+        for j in range(len(free) - 1, -1, -1):
+            col = free[j]
+            if not self._stale.get(col >> 6, 0) >> (col & 63) & 1:
+                del free[j]
+                return col
+        if free and not (spare and self._ncols < self._bits.shape[1] * 64):
+            self._sweep()
+            return free.pop()
         col = self._ncols
         self._ncols += 1
         self._reserve_columns(0)
         return col
+
+    def _give_back(self, cols: Iterable[int]) -> None:
+        """Columns no location uses any more, for reuse: their bits are cleared lazily (see
+        Removal in the module docstring)."""
+        for col in cols:
+            self._stale[col >> 6] = self._stale.get(col >> 6, 0) | (1 << (col & 63))
+            self._free_cols.append(col)
+            self._plan = None
+
+    def _sweep(self) -> None:
+        """Clear every stale column (one pass over the rows per word that has one); the rows
+        that held one count as removals (for :meth:`compact`)."""
+        stale, self._stale = self._stale, {}
+        self._clear_columns(c for w, m in stale.items() for c in range(w * 64, w * 64 + 64) if m >> (c - w * 64) & 1)
 
     def _reserve_columns(self, more: int) -> None:
         """Widen the matrix (one copy) to hold the columns made so far and ``more``."""
@@ -232,26 +276,31 @@ class LocationIndex:
             grown[:, :self._bits.shape[1]] = self._bits
             self._bits = grown
 
+    def _grow_rows(self, need: int) -> None:
+        """Room in the matrix for rows below ``need`` (the last row stays empty: row -1 reads
+        as "no key")."""
+        if need >= self._bits.shape[0]:
+            cap = self._bits.shape[0]
+            while cap <= need:
+                cap *= 2
+            grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
+            grown[:self._high] = self._bits[:self._high]
+            self._bits = grown
+
     def _alloc_rows(self, keys: list[bytes]) -> np.ndarray:
         """Give rows to keys not yet indexed (distinct, absent from the table); returns them,
         in the keys' order (freed rows first, then new ones in order)."""
         n = len(keys)
-        take = min(n, len(self._free))
+        take = min(n, self._nfree)
         rows = np.empty(n, dtype=np.int64)
         if take:
-            rows[:take] = self._free[len(self._free) - take:]
-            del self._free[len(self._free) - take:]
+            rows[:take] = self._free[self._nfree - take:self._nfree]
+            self._nfree -= take
             self._bits[rows[:take], 0] |= np.uint64(1 << ALWAYS)
         if take < n:
             start = self._high
             need = start + n - take
-            if need >= self._bits.shape[0]:  # the last row stays empty: row -1 reads as "no key"
-                cap = self._bits.shape[0]
-                while cap <= need:
-                    cap *= 2
-                grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
-                grown[:start] = self._bits[:start]
-                self._bits = grown
+            self._grow_rows(need)
             rows[take:] = np.arange(start, need, dtype=np.int64)
             self._high = need
             self._bits[start:need, 0] |= np.uint64(1 << ALWAYS)
@@ -274,13 +323,18 @@ class LocationIndex:
             return self._fill(keys, rows, indexed)
         return rows[rows >= 0]
 
-    def _fill(self, keys: list[bytes], rows: np.ndarray, indexed: int) -> np.ndarray:
+    def _fill(self, keys: list[bytes], rows: np.ndarray, indexed: int, col: int = -1) -> np.ndarray:
         """``rows`` (of ``keys``, -1 where not indexed) with new rows for the keys at -1;
-        ``indexed``: how many leading keys are known to be indexed."""
+        ``indexed``: how many leading keys are known to be indexed. With ``col``, that column
+        is then set in every key's row."""
         missing = None if indexed == len(keys) else (rows < 0).nonzero()[0]
         if missing is None or not missing.size:
+            if col >= 0:
+                self._set(rows, col)
             return rows
         rows = rows.copy()
+        if _croute is not None and self._fill_compiled(keys, rows, missing.size, col):
+            return rows
         new = keys if missing.size == len(keys) else [keys[i] for i in missing.tolist()]
         distinct = list(dict.fromkeys(new))
         given = self._alloc_rows(distinct)
@@ -288,7 +342,35 @@ class LocationIndex:
             rows[missing] = given
         else:  # repeated keys: look them all up (compiled: the same rows)
             rows[missing] = self._rows.find(new) if _croute is None else self.rows(new).rows[1:len(new) + 1]
+        if col >= 0:
+            self._set(rows, col)
         return rows
+
+    def _fill_compiled(self, keys: list[bytes], rows: np.ndarray, missing: int, col: int) -> bool:
+        """:meth:`_fill` in one compiled call (``missing``: how many rows are -1): room made
+        first (rows in the matrix, slots in the table), then again after a call that ran out
+        of either. False when a key is not 16 bytes (nothing done)."""
+        t = self._rows
+        while True:
+            self._grow_rows(self._high + max(0, missing - self._nfree))
+            size = len(t.slots)
+            while 2 * (t._wide + missing) > size:  # the table stays at most half full
+                size *= 2
+            if size != len(t.slots):
+                t._rehash(size)
+            t.reserve_rows(self._bits.shape[0])
+            got = _croute.fill(keys, rows, t.slots, t.tags, t.packed, t.live, self._bits, self._bits.shape[1],
+                               self._free, self._nfree, self._high, t._shift_i, col)
+            if got is None:
+                return False
+            status, made, self._high, self._nfree = got
+            t.count += made
+            t._wide += made
+            if status == 1:
+                return True
+            if status == 0:  # a key found no slot near its home: the table doubles
+                t._rehash(2 * len(t.slots))
+            missing = int(np.count_nonzero(rows < 0))
 
     def _set(self, rows: np.ndarray, col: int) -> None:
         if _croute is not None and rows.dtype == np.int64:
@@ -366,35 +448,33 @@ class LocationIndex:
             self._maybe_compact()
 
     def cleared(self, node: str, tier: str, worker: str = "") -> None:
-        """Everything of (node, tier) is gone (for gpu: of that worker; "" for every worker)."""
-        cols = [c for (n, t, w, _), c in self._columns.items()
-                if n == node and t == tier and (tier != _GPU or not worker or w == worker)]
-        self._clear_columns(cols)
-        self._maybe_compact()
+        """Everything of (node, tier) is gone (for gpu: of that worker; "" for every worker):
+        each of its locations takes a column with no bit set, its old one is given back."""
+        locs = [loc for loc in self._columns
+                if loc[0] == node and loc[1] == tier and (tier != _GPU or not worker or loc[2] == worker)]
+        old = [self._columns[loc] for loc in locs]
+        for loc in locs:
+            self._columns[loc] = self._new_column(spare=True)
+        self._give_back(old)
 
     def reset_node(self, node_id: str) -> None:
-        """Forget every location of a node (a snapshot follows, or the node is gone)."""
-        cols = [c for (n, _, _, _), c in self._columns.items() if n == node_id]
-        self._clear_columns(cols)
+        """Forget every location of a node (a snapshot follows, or the node is gone): its
+        columns are given back (a location seen again takes a column with no bit set)."""
+        gone = [loc for loc in self._columns if loc[0] == node_id]
+        self._give_back([self._columns.pop(loc) for loc in gone])
         view = self.node(node_id)
         view.seq = 0
-        self._maybe_compact()
 
     def drop_node(self, node_id: str) -> None:
         """The node left (its address is gone, or its heartbeats stopped): forget it and its
         workers, and give their columns (locations and speculative entries) back for reuse:
-        they are cleared first, so a worker that gets one later starts with nothing."""
+        a worker that gets one later starts with nothing (Removal in the module docstring)."""
         self.reset_node(node_id)
         view = self.nodes.pop(node_id, None)
-        gone = [loc for loc in self._columns if loc[0] == node_id]
-        freed = [self._columns.pop(loc) for loc in gone]
         others = {w for n, v in self.nodes.items() for w in (v.workers or (n,))}
         workers = [w for w in ((view.workers or (node_id,)) if view is not None else ())
                    if w not in others and w not in self._external and w in self._spec_cols]
-        spec = [c for w in workers for c in self._spec_cols.pop(w)]
-        self._clear_columns(spec)
-        self._free_cols.extend([*freed, *spec])
-        self._plan = None
+        self._give_back([c for w in workers for c in self._spec_cols.pop(w)])
 
     # -- the fold of a node's feed --------------------------------------------------------
 
@@ -535,7 +615,10 @@ class LocationIndex:
             self._bits[r:r + indexed, col >> 6] |= np.uint64(1 << (col & 63))
             return
         rows = rows[1:len(keys) + 1]
-        self._set(rows if indexed == len(keys) else self._fill(keys, rows, indexed), col)
+        if indexed == len(keys):
+            self._set(rows, col)
+        else:
+            self._fill(keys, rows, indexed, col)
 
     def expire(self, now: float) -> None:
         """Drop the older generation of speculative entries once per ``speculative_ttl_s``."""
@@ -559,6 +642,8 @@ class LocationIndex:
 
     def compact(self) -> int:
         """Give back the rows of keys no location holds; returns how many."""
+        if self._stale:
+            self._sweep()
         self._removals = 0
         hw = self._high
         bits = self._bits[:hw]
@@ -570,7 +655,8 @@ class LocationIndex:
             return 0
         self._bits[dead] = 0
         self._rows.drop(dead)
-        self._free.extend(dead.tolist())
+        self._free = np.concatenate([self._free[:self._nfree], dead.astype(np.int64)])
+        self._nfree = len(self._free)
         return int(dead.size)
 
     # -- workers and holdings -------------------------------------------------------------
@@ -770,8 +856,18 @@ class LocationIndex:
         if len(rows) < len(keys) + 2:
             rows = self._decide_rows = np.empty(2 * len(keys) + 2, dtype=np.int64)
         t = self._rows
-        return _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
-                              remote, workers, loads, self._spec_gen if dispatch else -1, top_k, rows)
+        aux = self._aux_view
+        aux[0], aux[1], aux[3] = self._nfree, t._wide, 0
+        got = _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
+                             remote, workers, loads, self._spec_gen if dispatch else -1, top_k, rows, t.live,
+                             self._free, self._aux)
+        if aux[3]:  # the call gave rows to keys not indexed (speculating)
+            self._nfree, made, self._high = aux[0], aux[1], aux[2]
+            t.count += made
+            t._wide += made
+            if aux[3] == 2:  # one is stored, not placed in the table
+                t._rehash(2 * len(t.slots))
+        return got
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
@@ -953,10 +1049,12 @@ class LocationIndex:
                       for nid, v in self.nodes.items()},
         }
         bits = self._bits[live]
-        spec_mask = np.zeros(bits.shape[1], dtype=np.uint64)
+        spec_mask = np.zeros(bits.shape[1], dtype=np.uint64)  # and the stale columns' (given back)
         for c0, c1 in self._spec_cols.values():
             for c in (c0, c1):
                 spec_mask[c >> 6] |= np.uint64(1 << (c & 63))
+        for word, mask in self._stale.items():
+            spec_mask[word] |= np.uint64(mask)
         bits &= ~spec_mask
         return {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
                 "key_lengths": lengths, "key_bytes": np.frombuffer(blob, dtype=np.uint8), "bits": bits}
@@ -1025,12 +1123,13 @@ class _Plan:
         self.rsingle = int(self.rsel[0]) if self.rsel.size and (self.rsel == self.rsel[0]).all() else -1
         # col_workers[c, w]: column c is one of worker w's (a worker whose columns are all
         # clear in a request's first key holds no leading block of it)
-        cw = np.zeros((self.n_columns, len(self.workers)), dtype=np.bool_)
-        for i in range(len(self.workers)):
-            cols = [*self.spec[i]]
-            for t in TIER_LABELS:
-                cols += [*self.and_cols[t][i], *self.or_cols[t][i]]
-            cw[[c for c in cols if c not in (ALWAYS, NEVER)], i] = True
+        n_w = len(self.workers)
+        cw = np.zeros((self.n_columns, n_w), dtype=np.bool_)
+        if n_w:
+            cols = np.concatenate([self.spec.reshape(n_w, -1), *(self.and_cols[t].reshape(n_w, -1) for t in TIER_LABELS),
+                                   *(self.or_cols[t].reshape(n_w, -1) for t in TIER_LABELS)], axis=1)
+            cw[cols, np.arange(n_w)[:, None]] = True
+            cw[[ALWAYS, NEVER]] = False
         self.col_workers = cw
 
     def byte_table(self) -> np.ndarray | None:
@@ -1040,34 +1139,10 @@ class _Plan:
         columns set in that byte passes; stored transposed, ``(4 * words, bytes * 256)``,
         where a worker is bit ``w`` of each tier's words. None when the plan is not fast or the
         table would exceed ``_TABLE_LIMIT`` bytes (many columns and workers). Built once."""
-        if self._table is not None or self.fast is None:
-            return self._table if self._table is not None and self._table.size else None
-        n_w, ncols = len(self.workers), self.n_columns
-        words = (n_w + 63) // 64
-        if ncols * 256 // 8 * 4 * max(words, 1) * 8 > _TABLE_LIMIT or not n_w:
-            self._table = np.zeros((0, 0), dtype=np.uint64)
-            return None
-        contrib = np.zeros((ncols, 4, words * 64), dtype=np.bool_)  # column -> (tier, worker)
-        ws = np.arange(n_w)
-        for k, tiers in enumerate(((0, 1, 2, 3),) * 3 + ((1, 2, 3), (2, 3))):  # gpu, spec 0, 1, host, disk
-            for t in tiers:
-                contrib[self.fast[k], t, ws] = True
-        # the remote mask each worker needs: its columns count for the worker's remote test
-        rbits = np.unpackbits(self.rmask.view(np.uint8), axis=1, bitorder="little").view(np.bool_)  # (masks, cols)
-        need = np.zeros((n_w, ncols), dtype=np.bool_)
-        have = self.rsel >= 0
-        need[have] = rbits[self.rsel[have], :ncols]
-        contrib[:, 3, :n_w] |= need.T
-        packed = np.packbits(contrib, axis=2, bitorder="little").view(np.uint64)  # (cols, 4, words)
-        nbytes = ncols // 8
-        packed = packed.reshape(nbytes, 8, 4 * words)
-        values = np.arange(256)
-        table = np.zeros((nbytes, 256, 4 * words), dtype=np.uint64)
-        for j in range(8):
-            table[:, (values >> j) & 1 == 1] |= packed[:, j][:, None, :]
-        self._table = np.ascontiguousarray(table.reshape(nbytes * 256, 4 * words).T)
-        self.byte_offsets = np.arange(nbytes, dtype=np.int64) * 256
-        return self._table
+        if self._table is None:
+            rows = self.byte_table_rows()
+            self._table = np.zeros((0, 0), dtype=np.uint64) if rows is None else np.ascontiguousarray(rows.T)
+        return self._table if self._table.size else None
 
     def decide_workers(self, weights: np.ndarray, digests: np.ndarray) -> np.ndarray:
         """The per-worker arrays of :meth:`LocationIndex.decide` in one uint64 buffer of 7 x
@@ -1086,9 +1161,35 @@ class _Plan:
         every tier side by side, one cache line for up to 64 workers (the compiled walk's
         layout). Built once."""
         if self._table_rows is None:
-            tab = self.byte_table()
-            self._table_rows = np.zeros((0, 0), dtype=np.uint64) if tab is None else np.ascontiguousarray(tab.T)
+            self._table_rows = self._build_table()
         return self._table_rows if self._table_rows.size else None
+
+    def _build_table(self) -> np.ndarray:
+        """The byte table in :meth:`byte_table_rows`' layout (empty: none for this plan)."""
+        n_w, ncols = len(self.workers), self.n_columns
+        words = (n_w + 63) // 64
+        if self.fast is None or ncols * 256 // 8 * 4 * max(words, 1) * 8 > _TABLE_LIMIT or not n_w:
+            return np.zeros((0, 0), dtype=np.uint64)
+        contrib = np.zeros((ncols, 4, words * 64), dtype=np.bool_)  # column -> (tier, worker)
+        ws = np.arange(n_w)
+        for k, tiers in enumerate(((0, 1, 2, 3),) * 3 + ((1, 2, 3), (2, 3))):  # gpu, spec 0, 1, host, disk
+            contrib[self.fast[k][:, None], np.asarray(tiers)[None, :], ws[:, None]] = True
+        # the remote mask each worker needs: its columns count for the worker's remote test
+        rbits = np.unpackbits(self.rmask.view(np.uint8), axis=1, bitorder="little").view(np.bool_)  # (masks, cols)
+        need = np.zeros((n_w, ncols), dtype=np.bool_)
+        have = self.rsel >= 0
+        need[have] = rbits[self.rsel[have], :ncols]
+        contrib[:, 3, :n_w] |= need.T
+        packed = np.packbits(contrib, axis=2, bitorder="little").view(np.uint64)  # (cols, 4, words)
+        nbytes = ncols // 8
+        packed = packed.reshape(nbytes, 8, 4 * words)
+        # a value's masks: those of its lowest set bit OR those of the value without it, so
+        # values 2^j .. 2^(j+1) - 1 are values 0 .. 2^j - 1 with bit j's column added
+        table = np.zeros((nbytes, 256, 4 * words), dtype=np.uint64)
+        for j in range(8):
+            np.bitwise_or(table[:, :1 << j], packed[:, j][:, None, :], out=table[:, 1 << j:2 << j])
+        self.byte_offsets = np.arange(nbytes, dtype=np.int64) * 256
+        return table.reshape(nbytes * 256, 4 * words)
 
     def held(self, ut: np.ndarray, sel: np.ndarray | None) -> np.ndarray:
         """(3, workers, keys) bool from the request's bits ``ut`` (columns x keys, 0/1 bytes,

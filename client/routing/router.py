@@ -29,7 +29,9 @@ cost over every worker (or the candidates, each of which must be a worker the ro
 and the speculative entries. ``Router.route`` dispatches by default; the gRPC ``Route`` of
 ``kvtier route-server`` only ranks unless the request sets ``dispatch`` (a proto3 bool,
 false when not set). ``kvtier route-server`` and ``kvtier replay`` decide through
-this method.
+this method. :meth:`Router.dispatch` dispatches a request to one worker of a ranking made
+without dispatching (the gateway's: it ranks the replicas, then sends to one), as ranking that
+worker again would.
 
 Threading: feeds run on a private asyncio loop in a background thread; one lock serialises
 the feeds' folding and :meth:`route`, so ``route`` may be called from any thread.
@@ -159,9 +161,17 @@ class Decision:
         return [self._nodes[i] for i in self._order]
 
     def _lead(self) -> np.ndarray:
-        """The compiled decision's (4, workers) leads (from its bytes)."""
+        """The (4, workers) leads: from the compiled decision's bytes, or the numpy one's arrays."""
         w = len(self._names)
+        if not isinstance(self._arrays, bytes):
+            return self._arrays[2]
         return np.frombuffer(self._arrays, dtype=np.int64, count=4 * w, offset=32 * w).reshape(4, w)
+
+    def _saved(self, i: int) -> float:
+        """Blocks of prefill the cache saves ranked worker ``i`` (an index into the names)."""
+        if not isinstance(self._arrays, bytes):
+            return float(self._arrays[1][i])
+        return float(np.frombuffer(self._arrays, dtype=np.float64, count=1, offset=8 * (len(self._names) + i))[0])
 
     @property
     def ranked(self) -> list[Ranked]:
@@ -308,23 +318,64 @@ class Router:
             return self._dispatch(decision, keys, found, lead, wts, saved.item(order[0]), sel, dispatch, new_session,
                                   now)
 
+    def dispatch(self, ranked: Decision, worker: str, keys: Sequence[bytes], now: float | None = None) -> Decision:
+        """Dispatch a request to ``worker`` on a ranking :meth:`route` made of it without
+        dispatching (``ranked``; ``worker`` one of its workers, the first or another one):
+        what ``route(keys, [worker], dispatch=True, top_k=1)`` would do next, without ranking
+        again: the worker is charged the request's prefill less what its cache saves it (as
+        ranked), gets the speculative entries and, where it counted remote blocks, the fetch
+        hints (from where they are now); a new session counts on it as that call would count
+        it. Returns the decision for that worker alone (its ``decision_id`` for
+        :meth:`finish`). Raises :class:`UnknownCandidates` for a worker the router does not
+        know (any more), :class:`RouterError` for one the ranking does not hold."""
+        now = time.monotonic() if now is None else now
+        if not isinstance(keys, list):
+            keys = list(keys)
+        n = len(keys)
+        if n != ranked.n_blocks:
+            raise RouterError(f"dispatch: {n} keys for a ranking of {ranked.n_blocks}")
+        try:
+            i = ranked._names.index(worker)
+        except ValueError:
+            raise RouterError(f"dispatch: worker {worker!r} is not in the ranking") from None
+        with self._lock:
+            idx, w = self.index, self._w
+            idx.expire(now)
+            self._loads.expire(now)
+            if w.plan is None or w.plan is not idx._plan:
+                w = self._workers()
+            x = idx.worker(worker)
+            if x is None:
+                raise UnknownCandidates([worker], w.names)
+            lead = ranked._lead()[:, i:i + 1]
+            decision = Decision(n, ranked._names, ranked._nodes, [i], ranked._arrays)
+            sel = np.array([x.index], dtype=np.int64)
+            new_session = self._new_session(n, lead)
+            if new_session:  # the live sessions decayed to now before this one counts (as ranking it would)
+                self._session_spread([worker], now)
+            return self._dispatch(decision, keys, idx.rows(keys), lead, w.weights[:, sel], ranked._saved(i), sel,
+                                  True, new_session, now, best=0)
+
     def _dispatch(self, decision: Decision, keys: list[bytes], found: Rows, lead: np.ndarray, wts: np.ndarray,
-                  saved_best: float, sel: np.ndarray | None, dispatch: bool, new_session: bool, now: float
-                  ) -> Decision:
+                  saved_best: float, sel: np.ndarray | None, dispatch: bool, new_session: bool, now: float,
+                  best: int | None = None) -> Decision:
         """A decision's fetch hints and (``dispatch``) its load, session and speculative
-        entries on the best worker (``saved_best``: the blocks its cache saves). Under the lock."""
-        idx, names, n = self.index, decision._names, decision.n_blocks
-        best = decision._order[0]
+        entries on the best worker (``saved_best``: the blocks its cache saves). ``best``: its
+        column in ``lead``, ``wts`` and ``sel`` (default: its place in the names, the first of
+        the order). Under the lock."""
+        idx, n = self.index, decision.n_blocks
+        name = decision._names[decision._order[0]]
+        best = decision._order[0] if best is None else best
         if wts.item(3, best) > 0 and lead.item(3, best) > lead.item(2, best):  # it counted remote blocks: say where
             plan_i = best if sel is None else int(sel[best])
-            decision.fetch = [FetchHint(names[best], src, tuple(keys[i:j]), i, j)
+            decision.fetch = [FetchHint(name, src, tuple(keys[i:j]), i, j)
                               for src, i, j in idx.sources(found, plan_i, int(lead[2, best]), int(lead[3, best]))]
         if dispatch:  # charge the best worker its prefill; its GPU holds the keys from now on
-            decision.decision_id = self._loads.dispatch(names[best], n - saved_best, now)
+            decision.decision_id = self._loads.dispatch(name, n - saved_best, now)
             if new_session:
-                self._sessions[names[best]] = self._sessions.get(names[best], 0.0) + 1.0
+                self._sessions[name] = self._sessions.get(name, 0.0) + 1.0
             if n:
-                idx.speculate(names[best], keys, found)
+                idx.speculate(name, keys, found)
         return decision
 
     def _new_session(self, n: int, lead: np.ndarray) -> bool:

@@ -181,8 +181,17 @@ class Scorer:
         ``w_disk - w_remote``, ``w_remote``, from each worker's published bandwidths
         (``{"host": gbps, "disk": gbps, "remote": gbps}`` of its node; 0, or host/disk missing:
         the configured default; remote missing: the node cannot fetch, ``w_remote`` = 0)."""
+        memo: dict[tuple[Tier, float], float] = {}  # (workers of a node share its bandwidths)
+
+        def weight(tier: Tier, gbps: float) -> float:
+            got = memo.get((tier, gbps))
+            if got is None:
+                got = memo[tier, gbps] = self.tier_weight(tier, gbps)
+            return got
+
         def w(tier: Tier) -> np.ndarray:
-            return np.array([self.tier_weight(tier, bw.get(tier.label, 0.0)) for bw in load_gbps], dtype=np.float64)
+            label = tier.label
+            return np.array([weight(tier, bw.get(label, 0.0)) for bw in load_gbps], dtype=np.float64)
 
         w_host, w_disk, w_remote = w(Tier.HOST), w(Tier.DISK), w(Tier.REMOTE)
         # a node that publishes no remote tier has neither peers nor a store: it cannot pull
