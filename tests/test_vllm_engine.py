@@ -82,10 +82,15 @@ def run_engine(model: str, workdir: Path, name: str, kvtier: dict | None, kv_tra
         prompts = [{**p, "kv_transfer_params": kv_transfer_params} for p in prompts]
     cfg = {"model": model, "block_size": BLOCK, "num_gpu_blocks": 16, "max_model_len": 384,
            "max_tokens": MAX_TOKENS, "prompts": prompts, "kvtier": kvtier, "faults": faults}
+    return run_phase(cfg, workdir, name)
+
+
+def run_phase(cfg: dict, workdir: Path, name: str, timeout: float = 240) -> dict:
+    """One engine phase in a subprocess (testsupport.vllm_engine): its JSON results."""
     cfg_path, out_path = workdir / f"{name}.json", workdir / f"{name}-out.json"
     cfg_path.write_text(json.dumps(cfg))
     p = subprocess.run([sys.executable, "-m", "testsupport.vllm_engine", str(cfg_path), str(out_path)],
-                       capture_output=True, text=True, timeout=240, env=subprocess_env({**os.environ, **ENV}))
+                       capture_output=True, text=True, timeout=timeout, env=subprocess_env({**os.environ, **ENV}))
     assert p.returncode == 0, f"engine phase {name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(out_path.read_text())
 
@@ -232,12 +237,7 @@ def run_hybrid(kind: str, model: str, workdir: Path, name: str, kvtier: dict | N
     cfg = {"model": model, "block_size": block, "num_gpu_blocks": blocks, "max_model_len": max_len,
            "max_tokens": HYBRID_MAX_TOKENS, "prompts": prompts, "kvtier": kvtier, "faults": faults,
            "engine_args": TINY_VLLM_ARGS.get(kind, {})}
-    cfg_path, out_path = workdir / f"{kind}-{name}.json", workdir / f"{kind}-{name}-out.json"
-    cfg_path.write_text(json.dumps(cfg))
-    p = subprocess.run([sys.executable, "-m", "testsupport.vllm_engine", str(cfg_path), str(out_path)],
-                       capture_output=True, text=True, timeout=600, env=subprocess_env({**os.environ, **ENV}))
-    assert p.returncode == 0, f"engine phase {kind} {name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return json.loads(out_path.read_text())
+    return run_phase(cfg, workdir, f"{kind}-{name}", timeout=600)
 
 
 @pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.xdist_group(f"vllm-{k}")) for k in sorted(HYBRIDS)])
