@@ -147,17 +147,24 @@ class PromptCache:
 
     def chat(self, body: dict[str, Any], scope: str = "", with_keys: bool = True) -> tuple[list[bytes], int]:
         """(block keys, prompt tokens) of a chat request (``with_keys`` false: no keys, [])."""
+        keys, n, _, _ = self.chat_prompt(body, scope, with_keys)
+        return keys, n
+
+    def chat_prompt(self, body: dict[str, Any], scope: str = "",
+                    with_keys: bool = True) -> tuple[list[bytes], int, str, np.ndarray | None]:
+        """As :meth:`chat`, with the rendered text and each token's end offset in it (None when
+        the prompt was tokenized without offsets)."""
         text, add_special = self.tokenizer.chat_text(body)
         if self.fast is None or add_special or self.max_bytes <= 0 or not with_keys:
             ids = self.tokenizer.encode(text, add_special)
-            return (self.scheme.keys(ids) if with_keys else []), len(ids)
+            return (self.scheme.keys(ids) if with_keys else []), len(ids), text, None
         key = self.conversation_key(body, scope)
         prev = self._get(key)
         entry = self._extend(prev, text) if prev is not None else None
         if entry is None:
             entry = self._scratch(text)
         self._put(key, entry)
-        return entry.keys, len(entry.ids)
+        return entry.keys, len(entry.ids), text, entry.offs[:, 1]
 
     def _encode(self, text: str, at: int = 0) -> tuple[np.ndarray, np.ndarray]:
         enc = self.fast.encode(text[at:] if at else text, add_special_tokens=False)  # type: ignore[union-attr]

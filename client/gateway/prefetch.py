@@ -168,12 +168,51 @@ class Prefetcher:
         m.prefetches.labels("done").inc()
         m.prefetched_blocks.inc(sum(r.promoted for r in replies))
 
-    def _warn(self, target: str, hint: FetchHint, e: Exception) -> None:
+    async def retain(self, worker: str, keys: Sequence[bytes], retains: Sequence[tuple[int, float]], priority: int,
+                     timeout_s: float) -> None:
+        """Ask ``worker``'s kvtierd to retain ``keys[:n]`` for ``ttl`` seconds, for each
+        (n, ttl) of ``retains``, under every layout the worker's node publishes (or the worker
+        declared); waits at most ``timeout_s``. Never raises: the outcome is counted
+        (``kvtier_gateway_retains_total``), once a request."""
+        m = self.metrics
+        addr = self._address(worker)
+        if addr is None:
+            m.retains.labels("no_daemon").inc()
+            return
+        node = dict(self.router.workers()).get(worker, "")
+        fps = self.router.hint_fingerprints(FetchHint(worker, node, ()))
+        if not fps:
+            m.retains.labels("no_layout").inc()
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                stub = node_pb2_grpc.NodeStub(await self._channel(*addr))
+                replies = await asyncio.gather(*(stub.Retain(node_pb2.RetainRequest(
+                    layout_id=layout_id_of(fp), keys=list(keys[:n]), ttl_s=ttl, priority=priority))
+                    for fp in fps for n, ttl in retains), return_exceptions=True)
+        except TimeoutError:
+            m.retains.labels("timeout").inc()
+            return
+        except (KvtierError, OSError) as e:  # the handshake failed: a fresh channel next time
+            self._channels.pop(addr[0], None)
+            replies = [e]
+        failed = [r for r in replies if isinstance(r, BaseException)]
+        refused = [r for r in failed if isinstance(r, grpc.aio.AioRpcError)
+                   and r.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION)]
+        m.retains.labels("refused" if refused else "error" if failed else "retained").inc()
+        m.retained_blocks.inc(sum(r.retained for r in replies if not isinstance(r, BaseException)))
+        if failed:
+            self._warn(addr[0], f"retain of {len(keys)} blocks on {worker}'s kvtierd", failed[0])
+
+    def _warn(self, target: str, what: FetchHint | str, e: BaseException) -> None:
         now = time.monotonic()
         if now - self._warned.get(target, -60.0) >= 10.0:  # at most every 10 s per daemon
             self._warned[target] = now
             msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            log.warning(f"prefetch of {len(hint.keys)} blocks from {hint.from_node} on {hint.worker}'s kvtierd "
+            if isinstance(what, str):
+                log.warning(f"{what} ({target}) failed: {msg}")
+                return
+            log.warning(f"prefetch of {len(what.keys)} blocks from {what.from_node} on {what.worker}'s kvtierd "
                         f"({target}) failed: {msg}")
 
     async def close(self) -> None:

@@ -58,6 +58,7 @@ from typing import Any
 
 from kvtier.client.engine.keys import Namespace
 from kvtier.client.engine.transport import ClientTls
+from kvtier.client.gateway.hints import Hints, breakpoint_tokens, read_hints, retains
 from kvtier.client.gateway.incremental import PromptCache
 from kvtier.client.gateway.keys import SCHEMES, VLLM_DEFAULT_SEED, KeyScheme, has_extra_keys
 from kvtier.client.gateway.policy import POLICIES, Policy
@@ -200,6 +201,12 @@ class GatewayConfig:
     prefetch_timeout_s: float = setting(0.5, "longest wait for a fetch hint's prefetch (seconds); past it the "
                                              "request goes on and the engine recomputes what is missing",
                                         parse_float, "S")
+    cache_hints: bool = setting(True, "send clients' cache hints (OpenAI prompt_cache_retention 24h, cache_control "
+                                      "breakpoints on messages, Dynamo nvext.cache_control and agent_hints.priority) "
+                                      "to the chosen replica's kvtierd as a retention of the prompt's blocks before "
+                                      "forwarding (best effort; docs/gateway.md, Cache hints)", parse_bool, "BOOL")
+    retain_timeout_s: float = setting(0.5, "longest wait for a cache hint's retain (seconds); past it the request "
+                                           "goes on", parse_float, "S")
     router: RouterConfig = group(RouterConfig, "Router")
     record: RecordConfig = group(RecordConfig, "Trace recording")  # client/routing/recorder.py
     log_level: str = setting("info", "debug, info, warning or error")
@@ -268,6 +275,8 @@ def check_settings(cfg: GatewayConfig) -> None:
 def _check_prefetch_and_record(cfg: GatewayConfig) -> None:
     if cfg.prefetch_timeout_s <= 0:
         raise SettingsError("--prefetch-timeout-s must be positive")
+    if cfg.retain_timeout_s <= 0:
+        raise SettingsError("--retain-timeout-s must be positive")
     for name in ("write_timeout_s", "body_timeout_s", "header_timeout_s", "idle_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
@@ -373,12 +382,22 @@ class _Metrics:
         self.prefetch_seconds = Histogram("kvtier_gateway_prefetch_seconds", "time a request waited for its "
                                           "prefetches", buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2),
                                           registry=r)
+        self.retains = Counter("kvtier_gateway_retains", "requests with a cache hint, by the outcome of their "
+                               "retain on the chosen replica's kvtierd: retained (every retain answered), refused "
+                               "(the daemon refused one: over the retention budget, or the layout not registered), "
+                               "error (unreachable or failed), timeout (abandoned after --retain-timeout-s), "
+                               "no_layout (no layout fingerprint known for the replica), no_daemon (no feed serves "
+                               "the replica's node)", ["outcome"], registry=r)
+        self.retained_blocks = Counter("kvtier_gateway_retained_blocks", "block keys the replicas' kvtierds "
+                                       "reported retained (new or renewed) for cache hints", registry=r)
         self.recorded = Counter("kvtier_gateway_recorded", "requests handed to --record-trace (dropped ones "
                                 "included: see kvtier_gateway_record_dropped)", registry=r)
         self.record_dropped = Gauge("kvtier_gateway_record_dropped", "--record-trace records dropped (writer "
                                     "behind, queue full)", registry=r)
         for o in ("done", "timeout", "error", "no_layout", "no_daemon", "store"):
             self.prefetches.labels(o)
+        for o in ("retained", "refused", "error", "timeout", "no_layout", "no_daemon"):
+            self.retains.labels(o)
         for t in ("gpu", "host", "disk"):
             self.overlap.labels(t)
 
@@ -597,8 +616,10 @@ class Gateway:
         # tokenized (unless a router charges replicas or a trace records them)
         self.need_keys = (cfg.policy in ("kvtier", "prefix") or self.router is not None
                           or self.recorder is not None)
-        self.prefetcher = (Prefetcher(self.router, tls, cfg.prefetch_timeout_s, self.metrics)
-                           if self.router is not None and cfg.prefetch and cfg.policy == "kvtier" else None)
+        # the replicas' kvtierds (one channel each): fetch hints' prefetches and cache hints' retains
+        self.daemons = (Prefetcher(self.router, tls, cfg.prefetch_timeout_s, self.metrics)
+                        if self.router is not None else None)
+        self.prefetcher = self.daemons if cfg.prefetch and cfg.policy == "kvtier" else None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -635,8 +656,8 @@ class Gateway:
     async def _cleanup(self, app: Any) -> None:
         if self._session is not None:
             await self._session.close()
-        if self.prefetcher is not None:
-            await self.prefetcher.close()
+        if self.daemons is not None:
+            await self.daemons.close()
         if self.recorder is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.recorder.close)
         self._pool.shutdown(wait=False)
@@ -710,10 +731,13 @@ class Gateway:
         return await self._forward(request, "completions")
 
     def _session_of(self, request: Any, body: Mapping[str, Any], client: str | None = None) -> str | None:
-        """The session's affinity key: the session header, else the body's ``user``; prefixed
-        with the client id (``CLIENT:SESSION``) when the client is known (``--api-keys-file``)."""
+        """The session's affinity key: the session header, else the body's ``prompt_cache_key``,
+        else its ``user``; prefixed with the client id (``CLIENT:SESSION``) when the client is
+        known (``--api-keys-file``)."""
         h = self.cfg.session_header
         sid = request.headers.get(h) if h else None
+        if not sid and isinstance(body.get("prompt_cache_key"), str):
+            sid = body["prompt_cache_key"]
         if not sid and self.cfg.session_user and isinstance(body.get("user"), str):
             sid = body["user"]
         if sid and len(sid) > MAX_SESSION_ID:  # (kept per session: a long one is kept as its digest)
@@ -725,37 +749,58 @@ class Gateway:
     def _decide(self, endpoint: str, raw: bytes, request: Any,
                 client: str | None = None) -> tuple[Any, list[bytes], str | None, int]:
         """Parse, check, tokenize and key a request: (error response or None, keys, session, tokens)."""
+        return self._decide_hinted(endpoint, raw, request, client)[:4]
+
+    def _decide_hinted(self, endpoint: str, raw: bytes, request: Any,
+                       client: str | None = None) -> tuple[Any, list[bytes], str | None, int, Any]:
+        """As :meth:`_decide`, and the retains its cache hints ask for: ([(leading keys, TTL)],
+        priority) or None."""
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
         except (ValueError, RecursionError) as e:  # (RecursionError: nested too deep)
-            return self._fail(endpoint, 400, "bad_request", f"invalid JSON body: {e}", "BadRequestError"), [], None, 0
+            return (self._fail(endpoint, 400, "bad_request", f"invalid JSON body: {e}", "BadRequestError"), [], None,
+                    0, None)
         model = body.get("model")
         if model != self.cfg.model:
             return self._fail(endpoint, 404, "unknown_model",
                               f"The model `{model}` does not exist: this gateway serves `{self.cfg.model}`.",
-                              "NotFoundError", "model"), [], None, 0
+                              "NotFoundError", "model"), [], None, 0, None
         session = self._session_of(request, body, client)
+        hints = read_hints(body) if self.cfg.cache_hints else None
         try:
-            keys, n_tokens = self._prompt(endpoint, body, session or client or "")
+            keys, n_tokens, retain = self._prompt(endpoint, body, session or client or "", hints)
         except (PromptError, TypeError, ValueError, OverflowError) as e:  # (a field of the wrong type or range)
-            return self._fail(endpoint, 400, "bad_request", str(e) or type(e).__name__, "BadRequestError"), [], None, 0
-        return None, keys[:MAX_KEYS_PER_CALL], session, n_tokens
+            return (self._fail(endpoint, 400, "bad_request", str(e) or type(e).__name__, "BadRequestError"), [], None,
+                    0, None)
+        return None, keys[:MAX_KEYS_PER_CALL], session, n_tokens, retain
 
-    def _prompt(self, endpoint: str, body: dict[str, Any], scope: str) -> tuple[list[bytes], int]:
-        """(block keys, prompt tokens) of a request; ([], 0) once checked when no keys are needed."""
+    def _prompt(self, endpoint: str, body: dict[str, Any], scope: str,
+                hints: Hints | None = None) -> tuple[list[bytes], int, Any]:
+        """(block keys, prompt tokens, retains of the cache hints or None) of a request; ([], 0,
+        None) once checked when no keys are needed."""
         with_keys = not (self.cfg.keys == "vllm" and has_extra_keys(body))
         if endpoint == "chat":
             if not self.need_keys:
                 PromptTokenizer.check_chat(body)
-                return [], 0
-            return self.prompts.chat(body, scope, with_keys)
+                return [], 0, None
+            keys, n, text, ends = self.prompts.chat_prompt(body, scope, with_keys)
+            if hints is None or not keys:
+                return keys, n, None
+            bt, n_keys = self.keys.block_tokens, min(len(keys), MAX_KEYS_PER_CALL)
+            upto = [self.keys.keys_kept(breakpoint_tokens(self.tokenizer, body, text, ends, i) // bt)
+                    for i, _ in hints.breakpoints]
+            return keys, n, (retains(hints, n_keys, upto), hints.priority)
         if not self.need_keys:
             PromptTokenizer.check_completion(body)
-            return [], 0
+            return [], 0, None
         ids = self.tokenizer.completion(body)
-        return (self.keys.keys(ids) if with_keys else []), len(ids)
+        keys = self.keys.keys(ids) if with_keys else []
+        if hints is None or not keys:
+            return keys, len(ids), None
+        return keys, len(ids), (retains(Hints(hints.whole_ttl, (), hints.priority),
+                                        min(len(keys), MAX_KEYS_PER_CALL), []), hints.priority)
 
     async def _forward(self, request: Any, endpoint: str) -> Any:
         t0 = time.perf_counter()
@@ -805,10 +850,10 @@ class Gateway:
                             client: str | None = None) -> Any:
         if len(raw) > INLINE_BODY_BYTES:  # tokenizing a long prompt would hold the event loop (tokenizers
             # releases the GIL while it encodes, so these threads use every core)
-            err, keys, session, n_tokens = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._decide, endpoint, raw, request, client)
+            err, keys, session, n_tokens, retain = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._decide_hinted, endpoint, raw, request, client)
         else:
-            err, keys, session, n_tokens = self._decide(endpoint, raw, request, client)
+            err, keys, session, n_tokens, retain = self._decide_hinted(endpoint, raw, request, client)
         if err is not None:
             return err
         try:
@@ -823,7 +868,7 @@ class Gateway:
         rec = self._record(keys, n_tokens, session)
         counter = OutputCounter() if rec else None
         try:
-            return await self._route_and_send(request, endpoint, raw, keys, session, t0, counter)
+            return await self._route_and_send(request, endpoint, raw, keys, session, t0, counter, retain)
         finally:
             self._slots.release()
             if rec:
@@ -849,7 +894,8 @@ class Gateway:
         return rid
 
     async def _route_and_send(self, request: Any, endpoint: str, raw: bytes, keys: list[bytes],
-                              session: str | None, t0: float, counter: OutputCounter | None = None) -> Any:
+                              session: str | None, t0: float, counter: OutputCounter | None = None,
+                              retain: Any = None) -> Any:
         m, replicas = self.metrics, self.replicas()
         choice = self.policy.choose(self.healthy(sorted(replicas)), keys, session)
         m.overhead.observe(time.perf_counter() - t0)
@@ -864,7 +910,7 @@ class Gateway:
                 m.retries.inc()
             try:
                 return await self._send(request, endpoint, raw, keys, session, name, replicas[name], t0, counter,
-                                        choice.ranking)
+                                        choice.ranking, retain)
             except _Refused as e:
                 last = e
                 m.errors.labels("replica_refused").inc()
@@ -909,14 +955,27 @@ class Gateway:
 
     async def _send(self, request: Any, endpoint: str, raw: bytes, keys: list[bytes], session: str | None,
                     name: str, base: str, t0: float, counter: OutputCounter | None = None,
-                    ranking: Any = None) -> Any:
+                    ranking: Any = None, retain: Any = None) -> Any:
+        """Forward to replica ``name``: its fetch hints' prefetches and the cache hints' retains
+        (``retain``: ([(leading keys, TTL)], priority)) on its kvtierd first (bounded), then the
+        body, unchanged."""
         import aiohttp  # noqa: PLC0415
 
         headers = self._upstream_headers(request)
         decision, hints = self._dispatch(name, keys, session, ranking)
         try:  # (the replica's load ends whatever way this does: a cancelled handler included)
-            if hints and self.prefetcher is not None:  # the prefix into the replica's host tier first (bounded)
-                await self.prefetcher.apply(hints)
+            first = []  # the prefix into the replica's host tier, and kept there, first (bounded)
+            if hints and self.prefetcher is not None:
+                first.append(self.prefetcher.apply(hints))
+            if retain and retain[0]:
+                if self.daemons is None:
+                    self.metrics.retains.labels("no_daemon").inc()
+                else:
+                    first.append(self.daemons.retain(name, keys, retain[0], retain[1], self.cfg.retain_timeout_s))
+            if len(first) == 1:
+                await first[0]
+            elif first:
+                await asyncio.gather(*first)
             try:
                 up = await _within(self._session.post(self._url(base, request), data=raw, headers=headers),
                                    self.cfg.first_byte_timeout_s)
