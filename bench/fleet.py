@@ -1,0 +1,485 @@
+"""A simulated fleet against one router: index memory, ingest rate, decision latency under
+ingest, and the hit-rate loss of sparse host/disk indexing, extrapolated to 1,000 nodes.
+
+Three parts, each measured in this process:
+
+1. Hit-rate loss (``--traces``): each public trace replayed (``kvtier.client.tools.replay``)
+   at ``--replicas`` replicas with the ``kvtier`` policy, once with the router's dense index
+   and once per stride pair with sparse host/disk indexing
+   (:mod:`kvtier.client.routing.sparse`): the router folds every gpu event as it does, and
+   the host/disk events into :class:`SparseHoldings`; the decision's host and disk leading
+   runs are the sparse walk's, continued from the router's gpu run. ``hit_rate_loss`` is the
+   dense hit rate less the sparse one (absolute). During the sparse replay each replica's
+   estimate is also compared with the dense truth (its tiers' own leading runs) for every
+   request: the share above the truth and more than ``stride - 1`` below it.
+2. Fleet ingest (``--nodes``): N simulated daemons, each a feed of real
+   ``WatchLocationsReply`` messages (a NodeInfo, an empty snapshot, then event batches:
+   requests' chains stored in gpu and written through to host, least recently used blocks
+   evicted and demoted to disk, at the replay's mix of stored and removed keys), folded by
+   one :class:`Router` (``Router.apply``, the fold a route-server's feeds run, in process)
+   while a second thread routes requests: events/s sustained, decision latency p50/p99
+   under ingest, and the index's bytes (``LocationIndex.nbytes`` and the RSS growth) per
+   block held, dense and with the host/disk feeds sparsified (:func:`sparsify`).
+3. The model: bytes per block (dense gpu, sparse host/disk) and events/s per node, fitted
+   over the measured N, extrapolated to ``--fleet-nodes`` nodes of ``--fleet-host-blocks``
+   host and ``--fleet-disk-blocks`` disk blocks (1,000 x (1M + 5M)); whether it fits
+   ``--replica-gb``.
+
+The last line is one JSON object: nodes, blocks_indexed, router_bytes_per_block,
+events_per_s, decision_p99_us, hit_rate_loss (per trace, at the default strides),
+catch_up_s (null: router snapshots are not part of this bench).
+
+    python bench/fleet.py [--nodes 8,32,128] [--traces DIR] [--strides 4:8,8:16,16:32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from kvtier.client.routing.router import Router, RouterConfig
+from kvtier.client.routing.sparse import DEFAULT_STRIDES, SparseHoldings, sample, sparsify
+from kvtier.client.tools.replay import Cluster, ReplayConfig, Request, load_trace
+from kvtier.proto import locations_pb2 as L
+from kvtier.tiers.vocab import Tier
+
+TRACES = {  # file -> the replay's settings for it (the traces' README)
+    "conversation_trace.jsonl": {},
+    "synthetic_trace.jsonl": {},
+    "agentic_sessions.jsonl": {"block_tokens": 256, "gpu_tokens": 300_000, "host_tokens": 2_000_000,
+                               "disk_tokens": 8_000_000},
+}
+_DEEP = (int(Tier.HOST), int(Tier.DISK))
+
+
+# -- 1. hit-rate loss on the traces ------------------------------------------------------------
+
+class SparseRouting:
+    """The replay's ``kvtier`` policy (its :class:`RouterPolicy`, wrapped) with sparse host and
+    disk holdings: gpu events reach the router as they are; host and disk events go to a
+    :class:`SparseHoldings` (the router sees them with no keys, so its positions follow), and
+    the router's holdings are extended by the sparse walk before it scores."""
+
+    follows_feeds = True
+
+    def __init__(self, base, strides: dict[str, int], replicas) -> None:
+        self.base, self.reps = base, replicas
+        self.sparse = SparseHoldings(strides)
+        self._keys: list[bytes] = []
+        idx = base.router.index
+        dense_holdings = idx.holdings
+        sparse = self.sparse
+        self.compared = self.above = self.below = 0
+        self.bound = max(strides.values()) - 1
+
+        def holdings(found, workers=None, remote=True):
+            lead = dense_holdings(found, workers, remote)
+            keys = self._keys
+            if not keys:
+                return lead
+            plan = idx.plan()
+            ws = plan.workers if workers is None else [plan.workers[i] for i in workers]
+            masks = sparse.masks(keys)
+            for c, w in enumerate(ws):
+                h, d = sparse.extend(keys, w.node_id, int(lead[0, c]), masks)
+                lead[1, c] = max(lead[1, c], h)
+                lead[2, c] = max(lead[2, c], d)
+                lead[3, c] = max(lead[3, c], lead[2, c])
+            return lead
+
+        idx.holdings = holdings                         # the sparse walk after the dense gpu run
+        idx.decide = lambda *a, **kw: None              # the step-by-step path, which calls holdings
+
+    @property
+    def pulled(self):
+        return self.base.pulled
+
+    def feed(self, replica: int, reply: L.WatchLocationsReply) -> None:
+        node = f"node{replica}"
+        self.sparse.fold(node, reply)
+        if reply.WhichOneof("body") == "events" and any(ev.tier in _DEEP for ev in reply.events.events):
+            out = L.WatchLocationsReply()
+            out.CopyFrom(reply)
+            for ev in out.events.events:
+                if ev.tier in _DEEP:
+                    del ev.keys[:]
+            reply = out
+        self.base.feed(replica, reply)
+
+    def choose(self, req: Request, keys: list[bytes], now: float, reps) -> int:
+        self._keys = keys
+        self._check(keys)
+        return self.base.choose(req, keys, now, reps)
+
+    def served(self, prefill_done_s: float, done_s: float) -> None:
+        self.base.served(prefill_done_s, done_s)
+
+    def _check(self, keys: list[bytes]) -> None:
+        """Each replica's sparse estimate against its tiers' own leading runs."""
+        masks = self.sparse.masks(keys)
+        for i, rep in enumerate(self.reps):
+            gpu, host, disk = (rep.node._policy.tiers[t] for t in (Tier.GPU, Tier.HOST, Tier.DISK))
+            g = 0
+            while g < len(keys) and keys[g] in gpu:
+                g += 1
+            h = g
+            while h < len(keys) and (keys[h] in gpu or keys[h] in host):
+                h += 1
+            d = h
+            while d < len(keys) and (keys[d] in gpu or keys[d] in host or keys[d] in disk):
+                d += 1
+            eh, ed = self.sparse.extend(keys, f"node{i}", g, masks)
+            for dense, est in ((h, eh), (d, ed)):
+                self.compared += 1
+                self.above += est > dense
+                self.below += est < dense - self.bound
+
+
+def replay_hit_rate(requests: Sequence[Request], cfg: ReplayConfig, replicas: int,
+                    strides: dict[str, int] | None, check: bool = False) -> dict:
+    """One replay with the ``kvtier`` policy: dense (``strides`` None) or sparse."""
+    cluster = Cluster(cfg, "kvtier", replicas)
+    pol = None
+    if strides is not None:
+        pol = cluster.policy = SparseRouting(cluster.policy, strides, cluster.replicas)
+        if not check:
+            pol._check = lambda keys: None
+    hits = total = 0
+    t0 = time.perf_counter()
+    for req in requests:
+        _, served, _ = cluster.step(req)
+        hits += sum(served)
+        total += len(req.keys)
+    out = {"hit_rate": hits / total, "wall_s": round(time.perf_counter() - t0, 1)}
+    if pol is not None:
+        out["records"] = pol.sparse.records
+        if check and pol.compared:
+            out["above_dense"] = pol.above / pol.compared
+            out["below_bound"] = pol.below / pol.compared
+    return out
+
+
+def hit_rate_loss(trace_dir: str, replicas: int, stride_pairs: list[tuple[int, int]], check: bool,
+                  limit: int | None) -> dict:
+    out = {}
+    for name, over in TRACES.items():
+        path = os.path.join(trace_dir, name)
+        if not os.path.exists(path):
+            continue
+        requests = load_trace(path)[:limit]
+        cfg = replace(ReplayConfig(), **over)
+        dense = replay_hit_rate(requests, cfg, replicas, None)
+        rows = {"dense": dense}
+        for kh, kd in stride_pairs:
+            sp = replay_hit_rate(requests, cfg, replicas, {"host": kh, "disk": kd}, check)
+            sp["loss"] = dense["hit_rate"] - sp["hit_rate"]
+            rows[f"{kh}:{kd}"] = sp
+            print(f"# {name} x{replicas} strides host {kh} disk {kd}: {json.dumps(sp)} (dense {dense['hit_rate']:.4f})",
+                  file=sys.stderr, flush=True)
+        out[name.split("_")[0]] = rows
+    return out
+
+
+# -- 2. fleet ingest ---------------------------------------------------------------------------
+
+FP = bytes(range(16))
+BATCH_KEYS = 4096
+
+
+class SimDaemon:
+    """One node's location feed: requests' chains of ``chain`` blocks (the first ``shared``
+    blocks of each, a system prompt every node holds) stored in gpu and written through to
+    host; gpu and host evict their oldest chains, host's go to disk, disk's are dropped
+    (first in, first out by chain: prefix-closed holdings). Messages are serialised as a
+    daemon sends them."""
+
+    def __init__(self, i: int, gpu: int, host: int, disk: int, chain: int, shared: int) -> None:
+        self.node, self.worker, self.epoch = f"n{i}", f"w{i}", 1000 + i
+        self.caps = {Tier.GPU: gpu // chain, Tier.HOST: host // chain, Tier.DISK: disk // chain}
+        self.held: dict[Tier, list[int]] = {t: [] for t in self.caps}
+        self.chain, self.shared = chain, shared
+        self.seq, self.made = 0, 0
+        self._base = np.frombuffer(np.uint64(i * 2**40).tobytes(), dtype=np.uint8)
+        self.prefix = [b"\x00" * 8 + s.to_bytes(8, "little") for s in range(shared)]
+
+    def keys(self, c: int) -> list[bytes]:
+        """Chain ``c``'s own blocks (after the shared prefix): 16-byte keys unique in the fleet."""
+        lo = (int(self.node[1:]) << 40) | (c * self.chain)
+        return [(lo + j).to_bytes(8, "little") + b"\x01" * 8 for j in range(self.chain - self.shared)]
+
+    def opening(self) -> list[bytes]:
+        info = L.NodeInfo(node_id=self.node, epoch=self.epoch)
+        info.workers.add(worker_id=self.worker, fingerprints=[FP])
+        for t in (Tier.HOST, Tier.DISK):
+            info.tiers.add(tier=int(t), capacity_bytes=1 << 40, load_gbps=10.0)
+        return [L.WatchLocationsReply(epoch=self.epoch, node=info).SerializeToString(),
+                L.WatchLocationsReply(epoch=self.epoch, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)
+                                      ).SerializeToString()]
+
+    def step(self, n_chains: int, strides: dict[str, int] | None) -> tuple[bytes, int]:
+        """The next ``n_chains`` requests' events as one message: (serialised, key events)."""
+        batch, events = L.EventBatch(), 0
+
+        def add(kind: int, tier: Tier, ks: list[bytes]) -> None:
+            nonlocal events
+            self.seq += 1
+            events += len(ks)
+            batch.events.add(seq=self.seq, kind=kind, tier=int(tier), worker_id=self.worker if tier == Tier.GPU else "",
+                             fingerprint=FP, keys=ks)
+
+        for _ in range(n_chains):
+            c = self.made
+            self.made += 1
+            first = c == 0
+            ks = (self.prefix if first else []) + self.keys(c)
+            add(L.STORED, Tier.GPU, ks)
+            add(L.STORED, Tier.HOST, ks)
+            for t in (Tier.GPU, Tier.HOST):
+                self.held[t].append(c)
+            if len(self.held[Tier.GPU]) > self.caps[Tier.GPU]:
+                add(L.REMOVED, Tier.GPU, self.keys(self.held[Tier.GPU].pop(0)))
+            if len(self.held[Tier.HOST]) > self.caps[Tier.HOST]:
+                old = self.keys(self.held[Tier.HOST].pop(0))
+                add(L.REMOVED, Tier.HOST, old)
+                add(L.STORED, Tier.DISK, old)
+                self.held[Tier.DISK].append(c)
+                if len(self.held[Tier.DISK]) > self.caps[Tier.DISK]:
+                    add(L.REMOVED, Tier.DISK, self.keys(self.held[Tier.DISK].pop(0)))
+        batch.head_seq = self.seq
+        reply = L.WatchLocationsReply(epoch=self.epoch, events=batch)
+        if strides is not None:
+            reply = sparsify(reply, strides)
+        return reply.SerializeToString(), events
+
+    def holdings(self, tiers: Sequence[Tier] = (Tier.GPU, Tier.HOST, Tier.DISK)) -> int:
+        """Blocks held in these tiers, each tier's holding counted."""
+        return sum(len(self.held[t]) for t in tiers) * (self.chain - self.shared)
+
+    def query(self, rng: random.Random) -> list[bytes]:
+        """A request: the shared prefix and one of this node's recent chains (a later turn)."""
+        c = self.held[Tier.HOST][rng.randrange(len(self.held[Tier.HOST]))] if self.held[Tier.HOST] else 0
+        return self.prefix + self.keys(c)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def malloc_trim() -> None:
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def fleet_point(n: int, strides: dict[str, int] | None, gpu: int, host: int, disk: int, chain: int,  # noqa: PLR0915
+                churn_chains: int, seed: int = 0) -> dict:
+    """N daemons folded by one router: fill every node's tiers, then churn while routing."""
+    rng = random.Random(seed)
+    shared = 4
+    daemons = [SimDaemon(i, gpu, host, disk, chain, shared) for i in range(n)]
+    fill = (host + disk) // chain + 1  # chains until host and disk are full
+    per_msg = max(1, BATCH_KEYS // (6 * chain))
+    # the messages, made before the clock starts
+    fill_msgs = [[] for _ in range(n)]
+    fill_events = 0
+    for d in daemons:
+        msgs = fill_msgs[d.epoch - 1000]
+        msgs.extend(d.opening())
+        done = 0
+        while done < fill:
+            m, e = d.step(min(per_msg, fill - done), strides)
+            msgs.append(m)
+            fill_events += e
+            done += per_msg
+    churn_msgs: list[tuple[int, bytes]] = []
+    churn_events = 0
+    for _ in range(max(1, churn_chains // per_msg)):
+        for i, d in enumerate(daemons):
+            m, e = d.step(per_msg, strides)
+            churn_msgs.append((i, m))
+            churn_events += e
+    queries = [daemons[rng.randrange(n)].query(rng) for _ in range(4000)]
+    gc.collect()
+    malloc_trim()
+    before = rss()
+    router = Router(RouterConfig(new_session_spread=0.0))
+    parse = L.WatchLocationsReply.FromString
+    t0 = time.perf_counter()
+    for i, msgs in enumerate(fill_msgs):
+        for m in msgs:
+            router.apply(daemons[i].node, parse(m))
+    fill_s = time.perf_counter() - t0
+    gc.collect()
+    malloc_trim()
+    idx_bytes = router.index.nbytes()
+    grown = rss() - before  # the messages are still held, as before the fold
+    del fill_msgs
+    rows = len(router.index)
+    held = sum(d.holdings() for d in daemons)
+    deep = sum(d.holdings((Tier.HOST, Tier.DISK)) for d in daemons)
+    gpu_held = held - deep
+    # churn while a second thread routes: decision latency under ingest
+    lat: list[float] = []
+    stop = threading.Event()
+
+    def route() -> None:
+        j = 0
+        while not stop.is_set():
+            q = queries[j % len(queries)]
+            j += 1
+            t = time.perf_counter()
+            d = router.route(q, dispatch=True)
+            lat.append(time.perf_counter() - t)
+            router.finish(d.decision_id)
+
+    th = threading.Thread(target=route)
+    th.start()
+    t0 = time.perf_counter()
+    for i, m in churn_msgs:
+        router.apply(daemons[i].node, parse(m))
+    churn_s = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    quiet = []
+    for q in queries[:2000]:
+        t = time.perf_counter()
+        d = router.route(q, dispatch=True)
+        quiet.append(time.perf_counter() - t)
+        router.finish(d.decision_id)
+    a, b = np.array(lat) * 1e6, np.array(quiet) * 1e6
+    return {"nodes": n, "sparse": strides is not None, "blocks_held": held, "deep_held": deep, "gpu_held": gpu_held,
+            "rows": rows,
+            "index_bytes": idx_bytes, "rss_bytes": grown,
+            "index_bytes_per_block": idx_bytes / held, "rss_bytes_per_block": grown / held,
+            "index_bytes_per_row": idx_bytes / rows, "columns": router.index.columns,
+            "fill_events_per_s": fill_events / fill_s, "churn_events_per_s": churn_events / churn_s,
+            "decisions_under_ingest": len(a),
+            "decision_p50_us": float(np.percentile(a, 50)) if len(a) else None,
+            "decision_p99_us": float(np.percentile(a, 99)) if len(a) else None,
+            "quiet_p50_us": float(np.percentile(b, 50)), "quiet_p99_us": float(np.percentile(b, 99))}
+
+
+# -- 3. the model ------------------------------------------------------------------------------
+
+def model(points: list[dict], fleet_nodes: int, gpu_blocks: int, host_blocks: int, disk_blocks: int,
+          replica_gb: float, run_blocks: int, strides: dict[str, int]) -> dict:
+    """Fit the index's bytes per row as key bytes + one bit per column (measured: the key
+    table's bytes per row at each N, less the matrix's words per row), and the sparse tiers'
+    records per held block (measured in the simulation; for the fleet, from its runs of
+    ``run_blocks``), then project to the fleet: the router's bit matrix (every row as wide as
+    the fleet's columns) and per-location tables of recorded keys."""
+    sp = [p for p in points if p["sparse"]]
+    key_bytes = float(np.mean([p["index_bytes_per_row"] - 8 * -(-p["columns"] // 64) for p in points]))
+    measured_share = float(np.mean([(p["rows"] - p["gpu_held"]) / p["deep_held"] for p in sp])) if sp else 1.0
+    run = list(range(run_blocks))
+    share = ((host_blocks * len(sample(run, strides["host"])) + disk_blocks * len(sample(run, strides["disk"])))
+             / run_blocks / (host_blocks + disk_blocks))
+    cols = 5 * fleet_nodes + 2  # per node: gpu, host, disk; per worker two speculative (one worker a node)
+    row = key_bytes + 8 * -(-cols // 64)
+    deep = fleet_nodes * (host_blocks + disk_blocks)
+    gpu = fleet_nodes * gpu_blocks
+    dense_rows = deep  # gpu blocks are written through to host: no rows of their own
+    sparse_rows = gpu + share * deep
+    ingest = min(p["churn_events_per_s"] for p in points)
+    rec = 16 / 0.8 + 2  # a recorded key in a per-location open table: 16-byte key at 80 % load, 2-byte location
+    return {"fleet_nodes": fleet_nodes, "blocks": deep + gpu, "columns": cols, "key_bytes_per_row": round(key_bytes, 1),
+            "matrix_bytes_per_row": round(row, 1), "sparse_row_share": round(share, 4),
+            "sparse_row_share_simulated": round(measured_share, 4), "fleet_run_blocks": run_blocks,
+            "dense_matrix_gb": round(dense_rows * row / 1e9, 1), "sparse_matrix_gb": round(sparse_rows * row / 1e9, 1),
+            "sparse_per_location_gb": round((gpu + share * deep) * rec / 1e9, 1),
+            "fits_replica_gb": replica_gb,
+            "fits_matrix": sparse_rows * row / 1e9 <= replica_gb,
+            "fits_per_location": (gpu + share * deep) * rec / 1e9 <= replica_gb,
+            "router_key_events_per_s": round(ingest),  # the slowest measured point's ingest while routing
+            "per_node_key_events_per_s_at_fleet": round(ingest / fleet_nodes, 1)}
+
+
+def walk_cost_us(workers: int, n_keys: int = 128, reps: int = 200) -> float:
+    """The sparse walk's cost per decision in Python (every worker's host and disk walk over a
+    request's keys), the part a compiled decision would have to absorb."""
+    sh = SparseHoldings(DEFAULT_STRIDES)
+    keys = [i.to_bytes(16, "little") for i in range(n_keys)]
+    for w in range(workers):
+        sh.stored(f"n{w}", "host", keys[: n_keys // 2])
+        sh.stored(f"n{w}", "disk", keys)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        m = sh.masks(keys)
+        for w in range(workers):
+            sh.extend(keys, f"n{w}", 0, m)
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="8,32,128", help="fleet sizes measured [%(default)s]")
+    ap.add_argument("--node-blocks", default="512:4096:20480", help="per node gpu:host:disk blocks [%(default)s]")
+    ap.add_argument("--chain", type=int, default=32, help="blocks a request stores [%(default)s]")
+    ap.add_argument("--churn-chains", type=int, default=256, help="requests per node while routing [%(default)s]")
+    ap.add_argument("--traces", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces"),
+                    help="folder of the three public traces (none there: no hit-rate part) [%(default)s]")
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--strides", default="4:8,8:16,16:32", help="host:disk stride pairs replayed [%(default)s]")
+    ap.add_argument("--trace-requests", type=int, default=None, help="only the first N requests of each trace")
+    ap.add_argument("--fleet-nodes", type=int, default=1000)
+    ap.add_argument("--fleet-gpu-blocks", type=int, default=160_000, help="per node (8 GPUs x 40 GiB of 2 MiB blocks)")
+    ap.add_argument("--fleet-host-blocks", type=int, default=1_000_000)
+    ap.add_argument("--fleet-disk-blocks", type=int, default=5_000_000)
+    ap.add_argument("--replica-gb", type=float, default=16.0)
+    ap.add_argument("--fleet-run-blocks", type=int, default=512,
+                    help="blocks a put stores at once in the fleet (an 8k-token prompt of 16-token blocks) [%(default)s]")
+    args = ap.parse_args(argv)
+    gpu, host, disk = (int(x) for x in args.node_blocks.split(":"))
+    strides = dict(DEFAULT_STRIDES)
+    points = []
+    for n in [int(x) for x in args.nodes.split(",") if x]:
+        for st in (None, strides):
+            p = fleet_point(n, st, gpu, host, disk, args.chain, args.churn_chains)
+            points.append(p)
+            print("# " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in p.items()}),
+                  file=sys.stderr, flush=True)
+    pairs = [tuple(int(y) for y in x.split(":")) for x in args.strides.split(",") if x]
+    default = (strides["host"], strides["disk"])
+    if default not in pairs:
+        pairs.append(default)
+    loss = hit_rate_loss(args.traces, args.replicas, pairs, True, args.trace_requests) if os.path.isdir(args.traces) else {}
+    m = model(points, args.fleet_nodes, args.fleet_gpu_blocks, args.fleet_host_blocks, args.fleet_disk_blocks,
+              args.replica_gb, args.fleet_run_blocks, strides)
+    big = max((p for p in points if p["sparse"]), key=lambda p: p["nodes"])
+    result = {"nodes": big["nodes"], "blocks_indexed": big["blocks_held"],
+              "router_bytes_per_block": round(big["index_bytes_per_block"], 2),
+              "router_bytes_per_block_dense": round(next(p for p in points if not p["sparse"]
+                                                         and p["nodes"] == big["nodes"])["index_bytes_per_block"], 2),
+              "events_per_s": round(big["churn_events_per_s"]), "decision_p50_us": round(big["decision_p50_us"], 1),
+              "decision_p99_us": round(big["decision_p99_us"], 1),
+              "strides": strides,
+              "hit_rate_loss": {t: round(rows[f"{default[0]}:{default[1]}"]["loss"], 4) for t, rows in loss.items()},
+              "hit_rate_loss_by_strides": {t: {k: round(v["loss"], 4) for k, v in rows.items() if k != "dense"}
+                                           for t, rows in loss.items()},
+              "estimate_above_dense": {t: rows[f"{default[0]}:{default[1]}"].get("above_dense") for t, rows in loss.items()},
+              "estimate_below_bound": {t: rows[f"{default[0]}:{default[1]}"].get("below_bound") for t, rows in loss.items()},
+              "curve": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in p.items()
+                         if k in ("nodes", "sparse", "blocks_held", "rows", "columns", "index_bytes_per_block",
+                                  "rss_bytes_per_block", "churn_events_per_s", "decision_p99_us")} for p in points],
+              "model": m,
+              "sparse_walk_us_python": {str(w): round(walk_cost_us(w), 1) for w in (8, 128)},
+              "catch_up_s": None}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
