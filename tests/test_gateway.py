@@ -563,8 +563,11 @@ def test_fetch_hints_are_prefetched_into_the_chosen_replica_before_it_sees_the_r
 # -- the engine test: two real vLLM replicas, each with its kvtierd, and the gateway ----------
 
 BLOCK, SESSIONS, TURNS, FIRST, PER_TURN, MAX_TOKENS = 32, 3, 3, 352, 40, 8
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: each replica's worker runs in its engine core process (two
+# processes a replica instead of three: it starts sooner); kvtier's spec sees the same engine and
+# every page it serves is byte-identical to vLLM's own (docs/vllm.md, "Served pages, byte for byte")
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto",
-              "TOKENIZERS_PARALLELISM": "false"}
+              "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:

@@ -26,8 +26,9 @@ The engine core runs in the phase's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`
 connector's scheduler and worker sides live in the engine core process either way (one
 worker, in-process), so kvtier sees the same engine; only the front end (tokenizer, output
 processing) shares that process, and each phase starts in 2-3 s instead of about 30 s (the
-engine core process imports vLLM and torch again). The API server phases of
-``test_gateway.py`` and ``test_measure_vllm.py`` keep the separate engine core process.
+engine core process imports vLLM and torch again). (With ``vllm serve``, as in
+``test_gateway.py``, the same setting keeps the engine core in a process of its own and moves
+the worker into it.)
 """
 
 from __future__ import annotations
