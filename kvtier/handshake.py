@@ -194,15 +194,20 @@ class Credentials:
     def _connect(self) -> None:
         self._close()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        s.settimeout(self.timeout)
         deadline = time.monotonic() + (self.timeout or 10.0)
         while True:
+            # a blocking connect waits in the kernel for room in the daemon's accept queue (a
+            # burst of connections, or another uid's flood) and is woken as soon as there is
+            # some, bounded by the send timeout; polling from here would lose those races
+            left = deadline - time.monotonic()
+            s.settimeout(None)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                         struct.pack("ll", int(max(left, 0.001)), int(max(left, 0.001) % 1 * 1e6)))
             try:
                 s.connect(self.path)
                 break
-            except BlockingIOError:  # the daemon's accept queue is full (a burst of connections): retry
+            except (BlockingIOError, TimeoutError):  # the queue stayed full for the whole wait
                 if time.monotonic() < deadline:
-                    time.sleep(0.01)
                     continue
                 s.close()
                 raise HandshakeError("UNAVAILABLE", f"the daemon's credential socket {self.path} accepts no "
@@ -211,6 +216,7 @@ class Credentials:
                 s.close()
                 raise HandshakeError("UNAVAILABLE", f"cannot connect to the daemon's credential socket "
                                                     f"{self.path}: {e.strerror or e}") from None
+        s.settimeout(self.timeout)
         try:
             reply = self._exchange(s, {"op": "hello", "client": self.client_name, "pid": os.getpid()})
         except BaseException:
