@@ -1,4 +1,4 @@
-"""Host-tier hit rate of each eviction order (lru, kvtier, wtinylfu, opt) on the bundled traces.
+"""Host-tier hit rate of each eviction order (lru, kvtier, lirs, lirs50, wtinylfu, opt) on the bundled traces.
 
 One replica (``--policy round-robin --replicas 1``), a gpu tier of 64k tokens, no disk, host
 capacities in blocks: the table at the named capacities (with the acceptance rule: a candidate
@@ -6,10 +6,12 @@ order at least lru + half of (opt - lru)), then a sweep from 1 % to 100 % of eac
 distinct blocks (a candidate never below lru - 0.01). Prints both tables, writes a plot
 (``--plot``, default docs/eviction-sweep.png) and prints one JSON object as the last line.
 
-``lru``, ``kvtier`` and ``opt`` are the replay's (``--eviction``). ``wtinylfu`` is a model of
-W-TinyLFU here only (:class:`WTinyLFU`, not a ``TierPolicy`` order): the same gpu tier in
-front, one pooled host cache, only a leading run served; on ``lru`` and ``kvtier`` such a model
-gives the replay's numbers exactly.
+``lru``, ``kvtier``, ``lirs`` and ``opt`` are the replay's (``--eviction``). ``lirs50`` is the
+policy's LIRS with half of host for HIR blocks (``Lirs(capacity, 0.5)``) in place of
+``LIRS_HIR_SHARE``; ``wtinylfu`` is a model of W-TinyLFU here only (:class:`WTinyLFU`, not a
+``TierPolicy`` order). Both run in the same model: the same gpu tier in front, one pooled host
+cache, only a leading run served; on ``lru``, ``kvtier`` and ``lirs`` such a model gives the
+replay's numbers.
 
     python scripts/eviction_sweep.py [--traces DIR] [--only NAME,...] [--fractions 0.01,0.1,1]
 """
@@ -25,14 +27,15 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from kvtier.client.tools.replay import ReplayConfig, load_trace, replay
+from kvtier.tiers.policy import HOST, Lirs, TierPolicy
 
 TRACES = {  # name: (block tokens, host capacities in blocks for the table)
     "conversation_trace": (512, (5000, 20000)),
     "synthetic_trace": (512, (5000, 10000)),
     "agentic_sessions": (256, (8000, 20000)),
 }
-EVICTIONS = ("lru", "kvtier", "wtinylfu", "opt")
-CANDIDATES = ("kvtier", "wtinylfu")  # the orders held to the acceptance rules
+EVICTIONS = ("lru", "kvtier", "lirs", "lirs50", "wtinylfu", "opt")
+CANDIDATES = ("kvtier", "lirs", "lirs50", "wtinylfu")  # the orders held to the acceptance rules
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 
 
@@ -131,9 +134,24 @@ class WTinyLFU:
                     cut = True
 
 
-def _model_hit_rate(requests, block_tokens: int, host_blocks: int) -> float:
-    """The W-TinyLFU model's hit rate (blocks of leading runs / blocks), gpu LRU in front."""
-    gpu_blocks, host = 64_000 // block_tokens, WTinyLFU(host_blocks)
+class LirsShare:
+    """The policy's ``lirs`` order with another HIR share (a host tier alone, no disk)."""
+
+    def __init__(self, cap: int, hir_share: float) -> None:
+        self.policy = TierPolicy(0, cap, 0, eviction="lirs")
+        self.policy._lirs = Lirs(cap, hir_share)
+        self.held = self.policy.tiers[HOST]
+
+    def __contains__(self, k: int) -> bool:
+        return k in self.held
+
+    def access(self, keys: tuple[int, ...]) -> None:
+        self.policy.access(keys)
+
+
+def _model_hit_rate(requests, block_tokens: int, host) -> float:
+    """A host model's hit rate (blocks of leading runs / blocks), gpu LRU in front."""
+    gpu_blocks = 64_000 // block_tokens
     gpu: OrderedDict[int, None] = OrderedDict()
     hits = total = 0
     for req in requests:
@@ -154,7 +172,9 @@ def _model_hit_rate(requests, block_tokens: int, host_blocks: int) -> float:
 
 def hit_rate(requests, block_tokens: int, host_blocks: int, eviction: str) -> float:
     if eviction == "wtinylfu":
-        return _model_hit_rate(requests, block_tokens, host_blocks)
+        return _model_hit_rate(requests, block_tokens, WTinyLFU(host_blocks))
+    if eviction == "lirs50":
+        return _model_hit_rate(requests, block_tokens, LirsShare(host_blocks, 0.5))
     cfg = replace(ReplayConfig(), block_tokens=block_tokens, gpu_tokens=64_000, disk_tokens=0,
                   host_tokens=host_blocks * block_tokens, eviction=eviction)
     return replay(requests, cfg, "round-robin", 1).hit_rate or 0.0
@@ -211,7 +231,8 @@ def _plot(sweep: dict, path: str) -> None:
     fig, axes = plt.subplots(1, max(1, len(sweep)), figsize=(4.5 * max(1, len(sweep)), 3.8), squeeze=False)
     for ax, (name, pts) in zip(axes[0], sweep.items(), strict=False):
         xs = [p["fraction"] * 100 for p in pts]
-        for e, style in (("lru", "o-"), ("kvtier", "s-"), ("wtinylfu", "^-"), ("opt", "k--")):
+        for e, style in (("lru", "o-"), ("kvtier", "s-"), ("lirs", "D-"), ("lirs50", "v-"), ("wtinylfu", "^-"),
+                         ("opt", "k--")):
             ax.plot(xs, [p[e] for p in pts], style, markersize=4, label=e)
         ax.set_xscale("log")
         ax.set_xlabel("host capacity (% of distinct blocks)")

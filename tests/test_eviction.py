@@ -78,3 +78,39 @@ def test_cli_eviction(tmp_path, capsys) -> None:
                      "--host-tokens", "64", "--gpu-tokens", "0", "--disk-tokens", "0", "--eviction", e, "--json"]) == 0
         row = json.loads(capsys.readouterr().out.splitlines()[-1])
         assert row["config"]["eviction"] == e
+
+
+def test_lirs_keeps_low_reuse_distance_blocks_and_evicts_hir_first() -> None:
+    """Host of 4 blocks under lirs: 3 LIR and 1 HIR. A new block is HIR and goes first (lru
+    evicts the oldest block instead); a HIR block used again while still in the recency stack
+    (here: the ghost of an evicted one) becomes LIR, and the oldest LIR block becomes HIR: the
+    next victim."""
+    lirs, lru = TierPolicy(0, 4, 0, eviction="lirs"), TierPolicy(0, 4, 0, eviction="lru")
+    for p in (lirs, lru):
+        for k in "abcde":
+            p.access([k])
+    assert set(lirs.tiers[HOST]) == {"a", "b", "c", "e"}  # d, HIR, went first
+    assert set(lru.tiers[HOST]) == {"b", "c", "d", "e"}
+    for p in (lirs, lru):
+        p.access(["d"])
+    assert set(lirs.tiers[HOST]) == {"a", "b", "c", "d"}  # d's ghost hit: LIR; a demoted; e (HIR) evicted
+    assert list(lirs.victims(HOST)) == ["a", "b", "c", "d"]
+    assert list(lru.victims(HOST)) == ["b", "c", "e", "d"]
+
+
+def test_lirs_needs_the_policys_host_capacity() -> None:
+    """lirs sizes its LIR set from host's block capacity: a caller-bounded host (kvtierd's) is refused."""
+    with pytest.raises(ValueError):
+        TierPolicy(0, None, 0, eviction="lirs")
+    assert TierPolicy(0, 0, 0, eviction="lirs").access(["a"]) == []
+
+
+@pytest.mark.parametrize("host_blocks", [40, 100])
+def test_lirs_on_a_loop_larger_than_host(host_blocks: int) -> None:
+    """Sessions taking turns, together larger than host: lru evicts each just before it returns
+    and hits almost nothing; lirs keeps a stable subset of the sessions whole."""
+    reqs = _loop(sessions=8, turns=6, length=12)
+    cfg = ReplayConfig(block_tokens=16, gpu_tokens=0, host_tokens=host_blocks * 16, disk_tokens=0)
+    rate = {e: replay(reqs, ReplayConfig(**{**cfg.__dict__, "eviction": e}), "round-robin", 1).hit_rate
+            for e in ("lru", "kvtier", "lirs")}
+    assert rate["lirs"] > rate["kvtier"] + 0.1 and rate["lirs"] > rate["lru"] + 0.1, rate

@@ -19,7 +19,19 @@ Rules
       useful only while every block before it is held (only a leading run is served), so
       evicting a chain's tail first costs what it frees and nothing more, where ``lru``
       (head first, the order of the call) evicts the head and leaves the rest of the chain
-      held but unusable. Between calls both are LRU. gpu is LRU in call order under both.
+      held but unusable. Between calls both are LRU. gpu is LRU in call order under every order.
+      ``lirs`` (an option, docs/eviction.md; the replay's, with a host capacity in blocks) runs
+      LIRS (Jiang and Zhang) in host, fed tail first as ``kvtier``: a block's *inter-reference
+      recency* (how many other blocks were used between its last two uses) decides. Most of
+      host (all but :data:`LIRS_HIR_SHARE`) holds the blocks of low inter-reference recency
+      (LIR); the rest holds the others (HIR) and is where victims come from, oldest first. A
+      block used again while it is still in the recency stack (a HIR block, or the ghost of an
+      evicted one) has a recency lower than the stack's oldest LIR block: it becomes LIR and
+      that block becomes HIR. So a loop of sessions larger than host keeps a stable subset of
+      them whole instead of evicting each just before it returns (LRU's loss on multi-turn
+      traffic), at the cost of blocks whose first reuse comes after more than the HIR share
+      of host was used (see the sweep in docs/eviction.md). The stack keeps at most
+      :data:`LIRS_GHOSTS` x capacity evicted keys. Disk runs ``kvtier``'s order under ``lirs``.
     * Seen count: every put and every hit of a block counts one (in :meth:`TierPolicy.access`,
       every request that uses it). The count is kept while the block is held in some tier (or
       on its way to disk); a block that leaves every tier forgets it and starts again at one.
@@ -90,11 +102,15 @@ GPU, HOST, DISK = Tier.GPU, Tier.HOST, Tier.DISK
 DEMOTE_MIN_SEEN = 2
 """The default ``demote_min_seen``: when the disk's write queue is full, a host victim is demoted
 only if it was seen this many times (kvtierd's ``--demote-min-seen``, the replay's too)."""
-EVICTIONS = ("kvtier", "lru")
+EVICTIONS = ("kvtier", "lirs", "lru")
 """The eviction orders a :class:`TierPolicy` runs (see Eviction order in the module docstring)."""
 DEFAULT_EVICTION = "lru"
 """The eviction order kvtierd runs (its store builds ``TierPolicy`` without ``eviction``), and
 so the replay's default."""
+LIRS_HIR_SHARE = 0.01
+"""Under ``lirs``: the share of the host tier's block capacity that holds HIR blocks (at least one)."""
+LIRS_GHOSTS = 2.0
+"""Under ``lirs``: the evicted keys the recency stack keeps, as a multiple of the host's capacity."""
 DEMOTE_AHEAD_BYTES = 128 * 1024**2
 """The default write-ahead window in bytes (kvtierd's ``--demote-ahead-bytes``, the replay's
 too), of which :attr:`TierPolicy.write_ahead` holds the whole blocks."""
@@ -149,6 +165,94 @@ class SeenCounts(Mapping[Hashable, int]):
         return sum(1 for _ in self)
 
 
+class Lirs:
+    """The host tier's LIRS state under the ``lirs`` eviction (see Eviction order in the module
+    docstring). ``stack``: the recency stack, least recent first: every LIR block, and the HIR
+    blocks (held, or evicted: ghosts) more recent than its oldest LIR block, which is always
+    its first entry; ``hir``: the HIR blocks held, in eviction order; ``lir``: the LIR blocks;
+    ``ghosts``: the evicted keys still in the stack, oldest first (at most ``ghost_cap``).
+    Every held host block is in ``lir`` or ``hir``. O(1) amortised per key."""
+
+    __slots__ = ("ghost_cap", "ghosts", "hir", "lir", "lir_cap", "stack")
+
+    def __init__(self, capacity: int, hir_share: float = LIRS_HIR_SHARE, ghosts: float = LIRS_GHOSTS) -> None:
+        self.lir_cap = capacity - max(1, int(capacity * hir_share))
+        self.ghost_cap = int(capacity * ghosts)
+        self.stack: OrderedDict[Hashable, None] = OrderedDict()
+        self.hir: OrderedDict[Hashable, None] = OrderedDict()
+        self.lir: set[Hashable] = set()
+        self.ghosts: OrderedDict[Hashable, None] = OrderedDict()
+
+    def order(self) -> Iterator[Hashable]:
+        """Host's blocks in eviction order: HIR ones oldest first, then LIR ones, least recent first."""
+        yield from self.hir
+        yield from (k for k in self.stack if k in self.lir)
+
+    def use(self, keys: Iterable[Hashable]) -> None:
+        """These blocks were used, in this order (each is held in host from now on)."""
+        stack, hir, lir, ghosts = self.stack, self.hir, self.lir, self.ghosts
+        for k in keys:
+            if k in lir:  # the most recent; the stack's bottom moves on
+                bottom = next(iter(stack)) == k
+                stack.move_to_end(k)
+                if bottom:
+                    self._prune()
+            elif k in hir:  # a HIR block used again: LIR if its recency beats the oldest LIR's
+                if k in stack:
+                    stack.move_to_end(k)
+                    del hir[k]
+                    lir.add(k)
+                    self._demote()
+                else:
+                    stack[k] = None
+                    hir.move_to_end(k)
+            elif k in ghosts:  # evicted, used again within the stack: LIR
+                del ghosts[k]
+                stack.move_to_end(k)
+                lir.add(k)
+                if len(lir) > self.lir_cap:
+                    self._demote()
+            elif len(lir) < self.lir_cap:  # LIR has room (filling)
+                lir.add(k)
+                stack[k] = None
+            else:  # new: HIR
+                stack[k] = None
+                hir[k] = None
+
+    def gone(self, keys: Iterable[Hashable]) -> None:
+        """These held blocks left host: a HIR one stays in the stack as a ghost; a LIR one leaves it."""
+        stack, hir, lir, ghosts = self.stack, self.hir, self.lir, self.ghosts
+        for k in keys:
+            if k in hir:
+                del hir[k]
+                if k in stack:
+                    ghosts[k] = None
+                    if len(ghosts) > self.ghost_cap:
+                        stack.pop(ghosts.popitem(last=False)[0], None)
+            elif k in lir:
+                lir.discard(k)
+                stack.pop(k, None)
+        self._prune()
+
+    def _demote(self) -> None:
+        """The stack's oldest LIR block becomes the most recent HIR one."""
+        k = next(iter(self.stack))
+        del self.stack[k]
+        self.lir.discard(k)
+        self.hir[k] = None
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop HIR entries from the stack's bottom until a LIR block is there (ghosts go for good)."""
+        stack, lir, ghosts = self.stack, self.lir, self.ghosts
+        while stack:
+            k = next(iter(stack))
+            if k in lir:
+                return
+            del stack[k]
+            ghosts.pop(k, None)
+
+
 class TierPolicy:
     """LRU per tier, demote to disk when seen often, promote on a disk hit (see the module docstring).
 
@@ -170,8 +274,13 @@ class TierPolicy:
             raise ValueError("demote_min_seen must be >= 1")
         if eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction {eviction!r}; choose from {', '.join(EVICTIONS)}")
+        if eviction == "lirs" and (host_blocks is None or host_map is not None):
+            raise ValueError("eviction 'lirs' needs a host capacity in blocks and the policy's own host map "
+                             "(the replay's; kvtierd runs lru)")
         self.eviction = eviction
-        self._tail_first = eviction == "kvtier"  # a call's keys made recent tail first (host, disk)
+        self._tail_first = eviction in ("kvtier", "lirs")  # a call's keys made recent tail first (host, disk)
+        # the host tier's LIRS state under lirs (its victim order); None otherwise
+        self._lirs = Lirs(host_blocks) if eviction == "lirs" and host_blocks else None
         self.capacity: dict[Tier, int | None] = dict(zip(TIERS, caps, strict=True))
         self.demote_min_seen = demote_min_seen
         # demotions the disk's write queue takes now before it backs up (None: no limit), and
@@ -217,8 +326,15 @@ class TierPolicy:
     def victims(self, tier: Tier, keep: Collection[Hashable] = ()) -> Iterator[Hashable]:
         """The blocks of ``tier`` in eviction order, least recently used first, without those in
         ``keep``. Lazy: take victims in order (skipping any you cannot evict, e.g. pinned ones),
-        and report them with :meth:`on_evict` once taken; do not resume it after that."""
-        return (k for k in self.tiers[tier] if k not in keep)
+        and report them with :meth:`on_evict` once taken; do not resume it after that. (Under
+        ``lirs``, host's order is LIRS's: HIR blocks oldest first, then LIR blocks.)"""
+        return (k for k in self._order(tier) if k not in keep)
+
+    def _order(self, tier: Tier) -> Iterable[Hashable]:
+        """``tier``'s blocks in eviction order."""
+        if tier is HOST and self._lirs is not None:
+            return self._lirs.order()
+        return self.tiers[tier]
 
     def demotions(self, victims: Iterable[Hashable]) -> list[Hashable]:
         """Which host victims go to disk (in victim order): of those not on disk already (none
@@ -253,7 +369,7 @@ class TierPolicy:
         if not n or self.capacity[DISK] == 0 or (cap is not None and cap - len(host) - granted >= n):
             return []
         disk = self.tiers[DISK]
-        return [k for k in itertools.islice(host, n) if k not in disk and k not in using]
+        return [k for k in itertools.islice(self._order(HOST), n) if k not in disk and k not in using]
 
     def promotions(self, keys: Iterable[Hashable]) -> list[Hashable]:
         """Which keys of a get to bring from disk into host: those on disk and not in host
@@ -404,7 +520,10 @@ class TierPolicy:
         """:meth:`_see`, then :meth:`_touch` of ``tier`` (host or disk), in one pass."""
         od, other = self.tiers[tier], self.tiers[DISK if tier is HOST else HOST]
         get, other_get, loose_pop, move = od.get, other.get, self._loose.pop, od.move_to_end
-        for k in self._call_order(keys):
+        keys = self._call_order(keys)
+        if tier is HOST and self._lirs is not None:
+            self._lirs.use(keys)
+        for k in keys:
             n = get(k)
             if n is not None:  # held here (and maybe in the other): the same count in both
                 move(k)
@@ -436,6 +555,9 @@ class TierPolicy:
                 else:
                     od[k] = None
             return
+        if tier is HOST and self._lirs is not None:
+            keys = list(keys)
+            self._lirs.use(keys)
         other_get = self.tiers[DISK if tier is HOST else HOST].get
         loose_pop, move = self._loose.pop, od.move_to_end
         for k in keys:
@@ -454,6 +576,9 @@ class TierPolicy:
                 od.pop(k, None)
             return
         other, loose, pop = self.tiers[DISK if tier is HOST else HOST], self._loose, od.pop
+        if tier is HOST and self._lirs is not None:
+            keys = list(keys)
+            self._lirs.gone(k for k in keys if k in od)
         for k in keys:
             n = pop(k, None)
             if n and k not in other:
@@ -542,4 +667,4 @@ class TierPolicy:
             self.on_demotion_end(demote)
 
 
-__all__ = ["DEFAULT_EVICTION", "DISK", "EVICTIONS", "GPU", "HOST", "PolicyCounts", "PutOutcome", "SeenCounts", "TierPolicy"]
+__all__ = ["DEFAULT_EVICTION", "DISK", "EVICTIONS", "GPU", "HOST", "LIRS_GHOSTS", "LIRS_HIR_SHARE", "Lirs", "PolicyCounts", "PutOutcome", "SeenCounts", "TierPolicy"]

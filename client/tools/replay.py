@@ -58,8 +58,9 @@ Policies (``--policy``)
 ``--rate-scale X`` divides the arrival times by X.
 
 Eviction (``--eviction``) orders the host and disk tiers' victims: ``lru`` (the default,
-kvtierd's) and ``kvtier`` (tail first, an option under evaluation) are
-:class:`~kvtier.tiers.policy.TierPolicy`'s (see docs/eviction.md);
+kvtierd's), ``kvtier`` (tail first) and ``lirs`` (LIRS in host: loop resistant, best where
+host is small against the traffic) are :class:`~kvtier.tiers.policy.TierPolicy`'s (see
+docs/eviction.md);
 ``opt`` is the clairvoyant bound: the victim is the block whose next use in the trace is the
 farthest (Belady), with the same prefix rule (only a leading run is served). It needs the
 future, so only a replay runs it: ``kvtier replay my.jsonl --policy round-robin --replicas 1
@@ -189,7 +190,7 @@ class ReplayConfig:
     new_session_spread: float = _ROUTER.new_session_spread
     new_session_share: float = _ROUTER.new_session_share
     session_halflife_s: float = _ROUTER.session_halflife_s
-    eviction: str = DEFAULT_EVICTION  # host and disk victim order: lru (kvtierd's), kvtier or opt (REPLAY_EVICTIONS)
+    eviction: str = DEFAULT_EVICTION  # host and disk victim order: lru (kvtierd's), kvtier, lirs or opt (REPLAY_EVICTIONS)
 
     def blocks(self, tokens: int) -> int:
         return tokens // self.block_tokens
@@ -938,7 +939,8 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
     ap.add_argument("--disk-tokens", type=_tokens, default=d.disk_tokens, help="per replica, e.g. 10M [%(default)s]")
     ap.add_argument("--eviction", choices=REPLAY_EVICTIONS, default=d.eviction,
                     help="host and disk victim order: lru (kvtierd's), kvtier (a request's chain is evicted "
-                         "tail first; under evaluation), or opt (the clairvoyant bound: the block used again farthest ahead goes "
+                         "tail first), lirs (LIRS in host: a stable subset of a loop of sessions larger than host "
+                         "is kept whole; best where host is small, see docs/eviction.md), or opt (the clairvoyant bound: the block used again farthest ahead goes "
                          "first; the most any order reaches here) [%(default)s]")
     ap.add_argument("--demote-min-seen", type=int, default=d.demote_min_seen,
                     help="when the disk's write queue is full, host evictions go to disk only if used "
