@@ -270,9 +270,9 @@ def test_hybrid_model_served_from_host_and_disk_identical_outputs(hybrid, workdi
     assert outputs(res) == outputs(alone)
     reqs = res["requests"]
     c, m = st["counters"], res["metrics"]
-    # later turns find their prefix in kvtier. (On a loaded machine a Mamba model's turn has
-    # been seen to miss now and then: its one state block is then a host victim whose disk
-    # write had not ended. A miss is recomputed, never a wrong answer: most, not all, must hit.)
+    # later turns find their prefix in kvtier. (On a loaded machine one turn of the Mamba-2
+    # model was seen to miss once, cause not found; a miss is recomputed, never a wrong answer:
+    # most, not all, must hit.)
     later = [r["cached_tokens"] for r in reqs if r["turn"] > 0]
     assert sum(t > 0 for t in later) >= 3 * len(later) // 4, (later, c)
     # several KV-cache groups: each is a layout of its own in the daemon
