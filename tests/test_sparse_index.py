@@ -207,3 +207,79 @@ def test_many_locations() -> None:
     for n in (0, 5, 63, 64, 99):
         assert sh.lead(keys, f"n{n}", "host", masks=m) == n % 40 + 1
         assert sh.extend(keys, f"n{n}", 0, m) == (n % 40 + 1, n % 40 + 1)
+
+
+class _Events:
+    """Stands in for SparseHoldings under a Location: turns its puts and evictions into a
+    daemon's host-tier events (consecutive seqs)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.pending: list[L.LocationEvent] = []
+
+    def stored(self, node: str, tier: str, keys: list[bytes]) -> None:
+        self.seq += 1
+        self.pending.append(L.LocationEvent(seq=self.seq, kind=L.STORED, tier=int(Tier.HOST), fingerprint=FP,
+                                            keys=keys))
+
+    def removed(self, node: str, tier: str, keys: list[bytes]) -> None:
+        self.seq += 1
+        self.pending.append(L.LocationEvent(seq=self.seq, kind=L.REMOVED, tier=int(Tier.HOST), fingerprint=FP,
+                                            keys=keys))
+
+    def batch(self) -> L.WatchLocationsReply:
+        out = L.WatchLocationsReply(epoch=1, events=L.EventBatch(events=self.pending, head_seq=self.seq))
+        self.pending = []
+        return out
+
+
+FP = bytes(16)
+
+
+def router_sim(seed: int, stride: int, steps: int = 200) -> tuple[list[tuple[int, int]], int, int]:
+    """One node's host tier fed to a dense and a sparse Router (``index_strides``) as feed
+    messages: (dense, sparse) host overlap of each query, and each router's indexed keys."""
+    from kvtier.client.routing.router import Router, RouterConfig
+
+    rng = random.Random(seed)
+    tree = Tree(rng, fanout=rng.choice((2, 3, 8)))
+    events = _Events()
+    loc = Location(events)  # type: ignore[arg-type]
+    routers = [Router(RouterConfig()), Router(RouterConfig(index_strides=f"host={stride}"))]
+    for r in routers:
+        r.apply("t", L.WatchLocationsReply(epoch=1, node=L.NodeInfo(node_id="n", epoch=1)))
+        r.apply("t", L.WatchLocationsReply(epoch=1, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)))
+    out = []
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.45:
+            loc.put(tree.path(rng.randrange(1, 40)))
+        elif op < 0.75:
+            for _ in range(rng.randrange(1, 12)):
+                loc.evict(rng, holes=False)
+        else:
+            if events.pending:
+                msg = events.batch()
+                for r in routers:
+                    r.apply("t", msg)
+            q = tree.path(rng.randrange(1, 50))
+            dense, sparse = (r.route(q, dispatch=False).ranked[0].overlap for r in routers)
+            assert dense.host == loc.dense(q) and sparse.gpu == 0
+            out.append((dense.host, sparse.host))
+    return out, routers[0].indexed_keys(), routers[1].indexed_keys()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), stride=st.integers(2, 12))
+def test_the_router_with_index_strides_stays_within_the_bound(seed: int, stride: int) -> None:
+    """The router's own sparse index (index_strides): its host overlap is never above the dense
+    router's and never below it by more than ``stride - 1``, for prefix-closed holdings."""
+    pairs, _, _ = router_sim(seed, stride)
+    for dense, sparse in pairs:
+        assert dense - (stride - 1) <= sparse <= dense
+
+
+def test_the_router_with_index_strides_indexes_fewer_keys() -> None:
+    pairs, dense_keys, sparse_keys = router_sim(11, 8, steps=400)
+    assert pairs and sparse_keys < dense_keys / 2
+    assert any(s < d for d, s in pairs) and any(s == d > 8 for d, s in pairs)

@@ -28,8 +28,22 @@ message belongs to and keeps the streams going. Nodes of a loaded state that no 
 run serves (a static target dropped, an address gone from DNS) are forgotten once the static
 feeds are started and every DNS name has resolved once.
 
+Backpressure and fairness
+    Each stream's reader only queues what it reads: its feed's *inbox*, bounded at
+    ``queue_keys`` keys. One folder task folds the inboxes in turns, one *piece* of a message
+    (at most ``fold_keys`` keys: an event batch or a snapshot part split between events,
+    :func:`pieces`) per feed per turn, taking the lock for that piece only, so a flooding
+    daemon gets one turn as every other feed does, and a decision waits at most for one
+    piece's fold. An event batch that does not fit the inbox *overflows* it: what it held is
+    dropped (``FeedStatus.dropped_events``, ``overflows``), the node's position is given up and
+    the feed subscribes again, from a snapshot of its daemon, as after a broken contract. A
+    snapshot part or a NodeInfo that does not fit waits for room instead (the daemon's flow
+    control then holds the stream back; the daemon drops a subscriber that falls behind its
+    ring, and the feed resumes or takes a snapshot). A new subscription starts with an empty
+    inbox (what the old stream left is sent again after the position).
+
 Threading: the streams run on a private asyncio loop in a background thread
-(:meth:`Feeds.start`); every message is folded under the lock given, which the router also
+(:meth:`Feeds.start`); every piece is folded under the lock given, which the router also
 routes under.
 """
 
@@ -43,8 +57,9 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -89,6 +104,9 @@ class FeedStatus:
     epoch_changes: int = 0   # daemon restarts seen
     last_error: str = ""
     name: str = ""           # the DNS name this address was resolved from ("": a static target)
+    queued_keys: int = 0     # keys of messages read, waiting to be folded
+    dropped_events: int = 0  # events dropped by inbox overflows
+    overflows: int = 0       # inbox overflows (each followed by a snapshot)
 
     @property
     def synced(self) -> bool:
@@ -129,6 +147,82 @@ class FeedError(Exception):
     """A feed broke the protocol: locations before its NodeInfo."""
 
 
+class _Overflow(Exception):
+    """The feed's inbox overflowed: what it held was dropped; subscribe again from a snapshot."""
+
+
+QUEUE_KEYS = 262144
+"""Default bound of a feed's inbox, in keys (eight of a daemon's largest event batches)."""
+FOLD_KEYS = 2048
+"""Default largest piece folded under the lock at once, in keys."""
+
+
+def _keys(reply: locations_pb2.WatchLocationsReply) -> int:
+    body = reply.WhichOneof("body")
+    if body == "events":
+        return sum(len(ev.keys) for ev in reply.events.events) or 1
+    if body == "snapshot":
+        return sum(len(ev.keys) for ev in reply.snapshot.entries) or 1
+    return 1
+
+
+def _chunks(events: Sequence[locations_pb2.LocationEvent], max_keys: int) -> list[list]:
+    out: list[list] = [[]]
+    n = 0
+    for ev in events:
+        k = len(ev.keys)
+        if out[-1] and n + k > max_keys:
+            out.append([])
+            n = 0
+        out[-1].append(ev)
+        n += k
+    return out
+
+
+def pieces(reply: locations_pb2.WatchLocationsReply, max_keys: int) -> list[locations_pb2.WatchLocationsReply]:
+    """``reply`` as messages of at most ``max_keys`` keys each (split between events; one
+    event larger than that stays whole) that fold as the message does: an event batch's
+    pieces keep its epoch and head_seq, a snapshot part's keep its at_seq, the first piece
+    alone is ``first`` and the last alone is ``last``. A NodeInfo, or a message within the
+    bound, is itself."""
+    body = reply.WhichOneof("body")
+    if body not in ("events", "snapshot") or max_keys <= 0 or _keys(reply) <= max_keys:
+        return [reply]
+    if body == "events":
+        head = reply.events.head_seq
+        return [locations_pb2.WatchLocationsReply(epoch=reply.epoch, events=locations_pb2.EventBatch(
+            events=chunk, head_seq=head)) for chunk in _chunks(reply.events.events, max_keys)]
+    part = reply.snapshot
+    chunks = _chunks(part.entries, max_keys)
+    return [locations_pb2.WatchLocationsReply(epoch=reply.epoch, snapshot=locations_pb2.SnapshotPart(
+        at_seq=part.at_seq, entries=chunk, first=part.first and i == 0, last=part.last and i == len(chunks) - 1))
+        for i, chunk in enumerate(chunks)]
+
+
+@dataclass
+class _Inbox:
+    """One feed's messages read and not folded yet: (generation, piece, keys, events, whether
+    a snapshot piece)."""
+
+    items: deque = field(default_factory=deque)
+    keys: int = 0
+    gen: int = 0            # bumped when the inbox is cleared: older pieces are not folded
+    snapshot_parts: int = 0  # of the items: snapshot pieces (the feed is taking a snapshot)
+    error: Exception | None = None  # the fold failed: the reader ends the stream with it
+    call: object = None     # the stream being read (cancelled on a fold error)
+    room: asyncio.Event | None = None
+
+    def clear(self) -> int:
+        """Drop every item; the events dropped."""
+        dropped = sum(item[3] for item in self.items)
+        self.items.clear()
+        self.keys = self.snapshot_parts = 0
+        self.gen += 1
+        if self.room is not None:
+            self.room.set()
+        return dropped
+
+
 class _StreamEnded(Exception):
     """The daemon closed the stream cleanly; reconnect from the position held."""
 
@@ -153,8 +247,12 @@ class Feeds:
     def __init__(self, index: LocationIndex, lock: threading.RLock, *, daemons: Sequence[str] = (),
                  dns: Sequence[str] = (), resolve_interval_s: float = 10.0, reconnect_min_s: float = 0.1,
                  reconnect_max_s: float = 5.0, subscriber: str = "kvtier-router",
-                 resolve: Resolve | None = None, tls: ClientTls | None = None, node_timeout_s: float = 0.0) -> None:
+                 resolve: Resolve | None = None, tls: ClientTls | None = None, node_timeout_s: float = 0.0,
+                 queue_keys: int = QUEUE_KEYS, fold_keys: int = FOLD_KEYS) -> None:
         self.index = index
+        self.queue_keys, self.fold_keys = queue_keys, fold_keys  # see "Backpressure and fairness"
+        self._inboxes: dict[str, _Inbox] = {}
+        self._work: asyncio.Event | None = None
         self.node_timeout_s = node_timeout_s  # 0: never time a node out
         self.tls = tls  # client certificate for daemons over TCP (their --tcp with --tls-ca)
         self._lock = lock
@@ -263,6 +361,8 @@ class Feeds:
         return True
 
     async def _run(self, extra: Sequence[Callable[[], Awaitable[None]]]) -> None:
+        self._work = asyncio.Event()
+        folder = asyncio.ensure_future(self._fold_loop())
         for target in self.daemons:
             self._start_feed(target)
         self._unresolved = set(self.dns)
@@ -270,6 +370,7 @@ class Feeds:
             self._forget_unserved()
         tasks = [asyncio.ensure_future(self._resolve_loop(name)) for name in self.dns]
         tasks += [asyncio.ensure_future(job()) for job in extra]
+        tasks.append(folder)
         assert self._stopping is not None
         await self._stopping.wait()
         for t in [*tasks, *self._tasks.values()]:
@@ -288,6 +389,9 @@ class Feeds:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         with self._lock:
+            inbox = self._inboxes.pop(target, None)
+            if inbox is not None:
+                inbox.clear()
             self.status.pop(target, None)
             node = self.targets.pop(target, None)
             if node and self._node_owner.get(node) == target:
@@ -303,7 +407,8 @@ class Feeds:
                 await self._stream(target, received)
             except asyncio.CancelledError:
                 raise
-            except (grpc.RpcError, KvtierError, FeedError, FoldError, _StreamEnded, _DuplicateNode, _Silent) as e:
+            except (grpc.RpcError, KvtierError, FeedError, FoldError, _StreamEnded, _DuplicateNode, _Silent,
+                    _Overflow) as e:
                 if received[0]:  # it was up: retry soon
                     delay = self.reconnect_min_s
                 self._dropped(target, e, delay)
@@ -329,31 +434,121 @@ class Feeds:
 
     async def _subscribe(self, channel: grpc.aio.Channel, target: str, received: list[int]) -> None:
         stub = locations_pb2_grpc.LocationsStub(channel)
+        inbox = self._inboxes.get(target)
+        if inbox is None:
+            inbox = self._inboxes[target] = _Inbox(room=asyncio.Event())
         with self._lock:
+            inbox.clear()  # what an old stream left is sent again after the position
+            inbox.error = None
+            self.status[target].queued_keys = 0
             node = self.targets.get(target, "")
             epoch, seq = self.index.position(node) if node else (0, 0)
-        call = stub.WatchLocations(locations_pb2.WatchLocationsRequest(
+        call = inbox.call = stub.WatchLocations(locations_pb2.WatchLocationsRequest(
             epoch=epoch, from_seq=seq, subscriber=self.subscriber), wait_for_ready=False)
         timeout = self.node_timeout_s or None
-        while True:
-            try:
-                reply = await asyncio.wait_for(call.read(), timeout)
-            except asyncio.TimeoutError:
-                call.cancel()
-                self._silent(target)
-                raise _Silent(f"nothing from the daemon for {self.node_timeout_s:g} s (--node-timeout-s): "
-                              f"its node left the index until it answers again") from None
-            if reply is grpc.aio.EOF:
-                break
-            with self._lock:
-                st = self.status[target]
-                if received[0] == 0:
-                    st.connected = True
-                elif received[0] == 1 and epoch and reply.WhichOneof("body") == "events":
-                    st.resumes += 1
-                self.apply(target, reply)
-            received[0] += 1
+        try:
+            while True:
+                try:
+                    reply = await asyncio.wait_for(call.read(), timeout)
+                except asyncio.TimeoutError:
+                    call.cancel()
+                    self._silent(target)
+                    raise _Silent(f"nothing from the daemon for {self.node_timeout_s:g} s (--node-timeout-s): "
+                                  f"its node left the index until it answers again") from None
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if inbox.error is not None and not (task is not None and task.cancelling()):
+                        raise inbox.error from None  # the folder cancelled the call: its fold failed
+                    raise
+                if inbox.error is not None:
+                    raise inbox.error
+                if reply is grpc.aio.EOF:
+                    break
+                with self._lock:
+                    st = self.status[target]
+                    if received[0] == 0:
+                        st.connected = True
+                    elif received[0] == 1 and epoch and reply.WhichOneof("body") == "events":
+                        st.resumes += 1
+                await self._queue(target, inbox, reply)
+                received[0] += 1
+        finally:
+            inbox.call = None
         raise _StreamEnded("the daemon ended the stream (stopping?)")
+
+    async def _queue(self, target: str, inbox: _Inbox, reply: locations_pb2.WatchLocationsReply) -> None:
+        """Put a message's pieces in the feed's inbox (see "Backpressure and fairness")."""
+        n = _keys(reply)
+        body = reply.WhichOneof("body")
+        assert inbox.room is not None and self._work is not None
+        while inbox.items and inbox.keys + n > self.queue_keys:
+            if body == "events" and not inbox.snapshot_parts:
+                self._overflow(target, inbox, len(reply.events.events))
+            inbox.room.clear()
+            await inbox.room.wait()
+            if inbox.error is not None:
+                raise inbox.error
+        gen, snap = inbox.gen, body == "snapshot"
+        for piece in pieces(reply, self.fold_keys):
+            events = len(piece.events.events) if body == "events" else 0
+            inbox.items.append((gen, piece, _keys(piece), events, snap))
+            inbox.snapshot_parts += snap
+        inbox.keys += n
+        st = self.status.get(target)
+        if st is not None:
+            st.queued_keys = inbox.keys
+        self._work.set()
+
+    def _overflow(self, target: str, inbox: _Inbox, events: int) -> None:
+        """The inbox is full and an event batch came: drop it and what the inbox held, give the
+        node's position up (the next subscription takes a snapshot); raises :class:`_Overflow`."""
+        with self._lock:
+            dropped = inbox.clear() + events
+            st = self.status.get(target)
+            node = self.targets.get(target)
+            if node:
+                self.index.invalidate(node)
+            if st is not None:
+                st.dropped_events += dropped
+                st.overflows += 1
+                st.queued_keys = 0
+                st.epoch = st.seq = 0
+        raise _Overflow(f"inbox overflow ({self.queue_keys} keys, --feed-queue-keys): {dropped} events dropped; "
+                        "resubscribing from a snapshot")
+
+    async def _fold_loop(self) -> None:
+        """Fold the inboxes in turns: one piece per feed per turn, the lock taken per piece."""
+        assert self._work is not None
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while True:
+                busy = [(t, i) for t, i in self._inboxes.items() if i.items]
+                if not busy:
+                    break
+                for target, inbox in busy:
+                    if inbox.items:
+                        self._fold_one(target, inbox)
+                        await asyncio.sleep(0)  # the readers read; a decision waiting on the lock takes it
+
+    def _fold_one(self, target: str, inbox: _Inbox) -> None:
+        gen, piece, n, _events, snap = inbox.items.popleft()
+        with self._lock:
+            inbox.keys -= n
+            inbox.snapshot_parts -= snap
+            st = self.status.get(target)
+            if st is not None:
+                st.queued_keys = inbox.keys
+            if gen == inbox.gen and inbox.error is None:
+                try:
+                    self.apply(target, piece)
+                except (FeedError, FoldError, _DuplicateNode) as e:  # the reader ends the stream with it
+                    inbox.clear()
+                    inbox.error = e
+                    if inbox.call is not None:
+                        inbox.call.cancel()
+        if inbox.room is not None and inbox.keys < self.queue_keys:
+            inbox.room.set()
 
     def _silent(self, target: str) -> None:
         """The target's daemon went quiet: its node leaves the index (the next subscription
@@ -361,6 +556,9 @@ class Feeds:
         with self._lock:
             node = self.targets.get(target)
             st = self.status.get(target)
+            inbox = self._inboxes.get(target)
+            if inbox is not None:
+                inbox.clear()
             if st is not None:
                 st.epoch = st.seq = 0
             if node and self._node_owner.get(node) == target:

@@ -94,6 +94,17 @@ Removal
     changes the workers or their columns, so the next decision rebuilds the plan (about a
     millisecond at 64 workers, ``route_after_worker_removal_ms`` in ``bench/router.py``).
 
+Sparse indexing
+    With ``strides`` (the router's ``index_strides``) the host and disk tiers are indexed
+    sparsely: :meth:`fold` keeps of each stored run only every k-th key and its last
+    (:func:`~kvtier.client.routing.sparse.sparsify`; sequence numbers unchanged), and
+    :meth:`holdings` walks a worker's host and disk runs on from its (exact) gpu run over the
+    recorded keys in steps of at most k (:meth:`_sparse_walk`): a bounded estimate, never above
+    the dense answer and at most k - 1 below it while holdings are prefix-closed
+    (:mod:`kvtier.client.routing.sparse`). The compiled decision does not apply then
+    (:meth:`decide` answers None), and another node's host and disk count as remote only as far
+    as their recorded keys run unbroken.
+
 Rows whose keys no location holds any more are reclaimed in batches (:meth:`compact`, run
 automatically once enough removals accumulate). :meth:`state` and :meth:`load_state` turn
 everything but speculative entries into arrays and back (the router saves them). Not
@@ -112,6 +123,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable
+from kvtier.client.routing.sparse import sparsify, walk
 from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
@@ -180,8 +192,12 @@ class FoldError(Exception):
 class LocationIndex:
     """See the module docstring."""
 
-    def __init__(self, speculative_ttl_s: float = 10.0, initial_rows: int = 1 << 16) -> None:
+    def __init__(self, speculative_ttl_s: float = 10.0, initial_rows: int = 1 << 16,
+                 strides: dict[str, int] | None = None) -> None:
         self.speculative_ttl_s = speculative_ttl_s
+        # sparse deep tiers (Sparse indexing in the module docstring): tier -> stride, {}: dense
+        self.strides = {t: k for t, k in (strides or {}).items() if t in ("host", "disk") and k > 1}
+        self._query: list[bytes] | None = None  # the keys of the last rows() (the sparse walk reads them)
         self.clear(initial_rows)
 
     def clear(self, initial_rows: int = 16) -> None:
@@ -483,6 +499,8 @@ class LocationIndex:
         names): its NodeInfo, a snapshot part or an event batch. Events must follow the
         node's position (:meth:`position`) exactly, else :class:`FoldError` (nothing of the
         batch after the offending event is folded)."""
+        if self.strides:
+            reply = sparsify(reply, self.strides)
         body = reply.WhichOneof("body")
         if body == "node":
             self._fold_info(reply.node)
@@ -787,6 +805,8 @@ class LocationIndex:
         equals the key."""
         n = len(keys)
         table = self._rows
+        if self.strides:
+            self._query = keys
         if _croute is not None:  # the same rows, one probe per key in C (-1: a key not of 16 bytes)
             buf = np.empty(n + 2, dtype=np.int64)
             m = _croute.rows(keys, table.slots, table.tags, table.packed, self._high, table._shift_i, buf)
@@ -841,7 +861,7 @@ class LocationIndex:
         buffer of the index, valid until the next call. None where that call does not apply
         (no extension, no byte table for this plan, a key not of 16 bytes): the caller takes
         the steps one by one."""
-        if _croute is None:
+        if _croute is None or self.strides:
             return None
         plan = self._plan
         if plan is None:
@@ -870,6 +890,34 @@ class LocationIndex:
         return got
 
     def holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
+        """:meth:`_holdings`; with sparse deep tiers, their runs walked on (:meth:`_sparse_walk`)."""
+        lead = self._holdings(found, workers, remote)
+        query = self._query
+        if self.strides and query is not None and len(query) + 2 == len(found[0]) and lead.size:
+            self._sparse_walk(query, lead, workers)
+        return lead
+
+    def _sparse_walk(self, keys: list[bytes], lead: np.ndarray, workers: np.ndarray | None) -> None:
+        """Extend ``lead`` (the dense answer, whose gpu run is exact) by the sparse walk: from
+        each worker's gpu run, over the keys held in gpu or host, steps of at most the host
+        stride; from there, over the keys held anywhere, steps of at most the larger stride
+        (see :mod:`kvtier.client.routing.sparse` for the bound)."""
+        n = len(keys)
+        rows = self._rows.find(keys)
+        padded = np.zeros(n + 8 - n % 8, dtype=np.int64)  # row 0: empty
+        padded[:n] = np.where(rows >= 0, rows, 0)
+        bits = self._bits[padded]
+        ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
+        held = self.plan().held(ut, workers)
+        kh = self.strides.get("host", 1)
+        kany = max(kh, self.strides.get("disk", 1))
+        for j in range(lead.shape[1]):
+            d_host = max(int(lead[1, j]), walk(held[1, j, :n], kh, int(lead[0, j])))
+            d_any = max(int(lead[2, j]), walk(held[2, j, :n], kany, d_host))
+            lead[1, j], lead[2, j] = d_host, d_any
+            lead[3, j] = max(int(lead[3, j]), d_any)
+
+    def _holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
         (``found``: :meth:`rows`' answer for its keys) it holds on its GPU (or speculatively),
         in GPU or host, in any of its own tiers, and in those or the ``remote`` tier (another

@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,10 +49,18 @@ from kvtier.client.engine.transport import SOCKET_ENV, ClientTls, socket_path
 from kvtier.client.routing.feed import feed_target
 from kvtier.client.routing.health import RouterHealth
 from kvtier.client.routing.recorder import RecordConfig, Recorder, on_finish, on_route, open_recorder
-from kvtier.client.routing.router import Decision, Router, RouterConfig, RouterError, UnknownCandidates
+from kvtier.client.routing.router import (
+    Decision,
+    FeedStatus,
+    Router,
+    RouterConfig,
+    RouterError,
+    UnknownCandidates,
+)
+from kvtier.client.routing.snapshot import SnapshotConfig, Snapshots, SnapshotStore
 from kvtier.paths import default_socket_path
 from kvtier.proto import router_pb2, router_pb2_grpc
-from kvtier.settings import Settings, SettingsError, group, parse_bool, setting
+from kvtier.settings import Settings, SettingsError, group, parse_bool, parse_int, setting
 from kvtier.tiers.vocab import MAX_KEYS_PER_CALL, check_keys
 
 log = logging.getLogger("kvtier.route_server")
@@ -85,8 +94,12 @@ class RouteServerConfig:
                                    metavar="FILE")
     daemon_tls_key: str = setting("", "PEM private key of --daemon-tls-cert", metavar="FILE")
     daemon_tls_ca: str = setting("", "PEM CA that signs the kvtierds' --tls-cert", metavar="FILE")
+    metrics_port: int = setting(0, "serve Prometheus metrics (kvtier_router_*: feeds' lag and drops, catching "
+                                   "up, index snapshots) on this TCP port (0: off)", parse_int, "PORT")
+    metrics_host: str = setting("127.0.0.1", "address for the metrics listener", metavar="HOST")
     router: RouterConfig = group(RouterConfig, "Router")
     record: RecordConfig = group(RecordConfig, "Trace recording")  # client/routing/recorder.py
+    snapshot: SnapshotConfig = group(SnapshotConfig, "Index snapshots")  # client/routing/snapshot.py
     log_level: str = setting("info", "debug, info, warning or error")
     config: str = setting("", "TOML file with any of these settings (keys: the flag names with _ for -)",
                           metavar="FILE")
@@ -129,6 +142,24 @@ Recording: --record-trace FILE writes every dispatched request as a trace kvtier
 (hash ids numbered per file; no key leaves the router). Route call metadata
 x-kvtier-session-id gives its session_id, Finish call metadata x-kvtier-output-tokens its
 output_length. Status counts recorded_requests and record_dropped.
+
+Index snapshots: with --index-snapshot redis://HOST:PORT[,...] (the Redis Cluster of the
+shared store; rediss:// with --snapshot-tls-ca for TLS) the router saves its index and every
+feed's position there every --snapshot-interval-s and on stop, under --snapshot-name (default
+--name: replicas of one fleet share it). A router that starts loads the latest snapshot and
+resumes each feed from its position (a --state-path file, when present, is loaded instead).
+
+Catching up: the router answers Route as soon as it listens, from what it holds (a loaded
+snapshot or state file included), while its feeds catch up. Status shows it: a feed not yet
+connected, or whose seq is below its head_seq (lag: head_seq - seq events), is catching up.
+With --metrics-port, kvtier_router_catching_up is 1 until every feed has caught up, and
+kvtier_router_feed_lag_events{target} is each feed's lag.
+
+Backpressure: each feed's messages wait in a queue of at most --feed-queue-keys keys, and the
+feeds' messages are folded in turns, a piece of at most --fold-keys keys at a time, so a flooding
+daemon neither delays the others' events nor holds routing up. A feed whose queue overflows
+drops what it queued (counted: kvtier_router_feed_dropped_events_total) and resubscribes from
+a snapshot of its daemon.
 
 Settings: every option is also a variable KVTIER_ROUTER_<NAME> (--state-path:
 KVTIER_ROUTER_STATE_PATH) and a key of the --config TOML file (state_path); a flag beats the
@@ -177,6 +208,8 @@ def check_settings(cfg: RouteServerConfig) -> None:
                             f"runs in the pod), or pass --insecure-tcp")
     if cfg.record.check():
         raise SettingsError(str(cfg.record.check()))
+    if cfg.snapshot.check():
+        raise SettingsError(str(cfg.snapshot.check()))
 
 
 def _loopback(listen: str) -> bool:
@@ -275,13 +308,84 @@ class RouterService(router_pb2_grpc.RouterServicer):
         for st in self.router.status():
             reply.feeds.add(target=st.target, node_id=st.node_id, connected=st.connected, epoch=st.epoch,
                             seq=st.seq, head_seq=st.head_seq, snapshots=st.snapshots, resumes=st.resumes,
-                            epoch_changes=st.epoch_changes, last_error=st.last_error)
+                            epoch_changes=st.epoch_changes, last_error=st.last_error,
+                            dropped_events=st.dropped_events, overflows=st.overflows)
+        reply.catching_up = catching_up(self.router.status())
         for v in self.router.vllm_status():
             reply.feeds.add(target=f"vllm+{v.source.split(',')[0]}#{v.topic}", node_id=v.node_id,
                             connected=v.connected, seq=max(v.seq, 0), head_seq=max(v.seq, 0),
                             snapshots=v.gaps_lost, resumes=v.gaps_recovered, epoch_changes=v.restarts,
                             last_error=v.last_error)
         return reply
+
+
+def catching_up(feeds: Sequence[FeedStatus]) -> bool:
+    """Whether a router with these feeds is still catching up: none yet, or one not connected
+    or behind its daemon's newest event."""
+    return not feeds or not all(st.synced for st in feeds)
+
+
+async def _log_caught_up(router: Router, started: float) -> None:
+    """Log once when every feed has caught up (the time since the router started)."""
+    while catching_up(router.status()):
+        await asyncio.sleep(0.05)
+    log.info(f"every feed caught up {time.monotonic() - started:.2f} s after start",
+             extra={"caught_up_s": round(time.monotonic() - started, 3)})
+
+
+def start_metrics(router: Router, snapshots: Snapshots | None, host: str, port: int) -> Any:
+    """Serve ``/metrics`` (Prometheus) on host:port in a thread: the feeds' lag, drops and
+    connections, whether the router is catching up, its index size and its snapshots. Returns
+    the HTTP server (``shutdown()`` and ``server_close()`` stop it). Raises OSError."""
+    from prometheus_client import CollectorRegistry, start_http_server  # noqa: PLC0415
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+
+    class Collector:
+        def collect(self):  # noqa: ANN202
+            feeds = router.status()
+            yield GaugeMetricFamily("kvtier_router_catching_up", "1 while a feed is not connected yet or behind "
+                                    "its daemon's newest event (the router answers meanwhile from what it "
+                                    "holds), else 0", value=int(catching_up(feeds)))
+            yield GaugeMetricFamily("kvtier_router_indexed_keys", "keys in the router's index",
+                                    value=router.indexed_keys())
+            lag = GaugeMetricFamily("kvtier_router_feed_lag_events", "events the feed is behind its daemon's "
+                                    "newest as last told (head_seq - seq)", labels=["target", "node"])
+            up = GaugeMetricFamily("kvtier_router_feed_connected", "1 while the feed's stream is up",
+                                   labels=["target", "node"])
+            queued = GaugeMetricFamily("kvtier_router_feed_queued_keys", "keys of the feed's messages waiting "
+                                       "to be folded (at most --feed-queue-keys)", labels=["target", "node"])
+            dropped = CounterMetricFamily("kvtier_router_feed_dropped_events", "events a feed dropped when its "
+                                          "queue overflowed (the feed then resubscribed from a snapshot)",
+                                          labels=["target", "node"])
+            overflows = CounterMetricFamily("kvtier_router_feed_overflows", "times a feed's queue overflowed",
+                                            labels=["target", "node"])
+            for st in feeds:
+                labels = [st.target, st.node_id]
+                lag.add_metric(labels, max(st.head_seq - st.seq, 0))
+                up.add_metric(labels, int(st.connected))
+                queued.add_metric(labels, getattr(st, "queued_keys", 0))
+                dropped.add_metric(labels, getattr(st, "dropped_events", 0))
+                overflows.add_metric(labels, getattr(st, "overflows", 0))
+            yield from (lag, up, queued, dropped, overflows)
+            if snapshots is not None:
+                saves = CounterMetricFamily("kvtier_router_index_snapshots", "index snapshots written by this "
+                                            "router, by outcome (saved, failed)", labels=["outcome"])
+                saves.add_metric(["saved"], snapshots.saves)
+                saves.add_metric(["failed"], snapshots.failures)
+                yield saves
+                yield GaugeMetricFamily("kvtier_router_index_snapshot_restored", "1 when this router started "
+                                        "from an index snapshot", value=int(snapshots.restored is not None))
+                yield GaugeMetricFamily("kvtier_router_index_snapshot_bytes", "bytes of the last snapshot "
+                                        "this router wrote", value=snapshots.last_bytes)
+                if snapshots.last_saved is not None:
+                    yield GaugeMetricFamily("kvtier_router_index_snapshot_age_seconds", "seconds since this "
+                                            "router last wrote a snapshot",
+                                            value=time.monotonic() - snapshots.last_saved)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector())
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
 
 
 def _server_credentials(cfg: RouteServerConfig) -> grpc.ServerCredentials:
@@ -295,9 +399,43 @@ def _server_credentials(cfg: RouteServerConfig) -> grpc.ServerCredentials:
                                        root_certificates=read("--tls-ca", cfg.tls_ca), require_client_auth=True)
 
 
-async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | None = None) -> None:
-    server_cfg = server_cfg or RouteServerConfig(listen=listen)
-    server = grpc.aio.server()
+async def _restore(router: Router, cfg: RouterConfig, server_cfg: RouteServerConfig) -> Snapshots | None:
+    """With --index-snapshot: the snapshots, the latest loaded into ``router`` (unless a
+    --state-path file is there: the router loads that)."""
+    if not server_cfg.snapshot.index_snapshot:
+        return None
+    try:
+        store = SnapshotStore.from_config(server_cfg.snapshot, cfg.name)
+    except OSError as e:
+        raise SystemExit(f"kvtier route-server: cannot read --snapshot-password-file: {e.strerror}") from None
+    snapshots = Snapshots(store, router, server_cfg.snapshot.snapshot_interval_s)
+    if not (cfg.state_path and os.path.exists(cfg.state_path)):
+        await asyncio.get_running_loop().run_in_executor(None, snapshots.restore)
+    return snapshots
+
+
+def _metrics(router: Router, snapshots: Snapshots | None, server_cfg: RouteServerConfig) -> Any:
+    if not server_cfg.metrics_port:
+        return None
+    try:
+        return start_metrics(router, snapshots, server_cfg.metrics_host, server_cfg.metrics_port)
+    except OSError as e:
+        raise SystemExit(f"kvtier route-server: cannot listen on --metrics-port {server_cfg.metrics_port}: "
+                         f"{e.strerror}") from None
+
+
+async def _stop_extras(snapshots: Snapshots | None, metrics: Any) -> None:
+    """The last snapshot (after the feeds stopped), then the metrics listener."""
+    if snapshots is not None:
+        await asyncio.get_running_loop().run_in_executor(None, snapshots.final)
+        snapshots.store.close()
+    if metrics is not None:
+        metrics.shutdown()
+        metrics.server_close()
+
+
+def _bind(server: grpc.aio.Server, listen: str, server_cfg: RouteServerConfig) -> int:
+    """Add the --listen port to ``server``; the port bound (0 for a unix socket that failed)."""
     old_umask = os.umask(0o177)  # a unix socket: owner only
     try:  # grpcio returns 0 or raises RuntimeError, by version, for an address it cannot bind
         if server_cfg.tls_cert and not listen.startswith("unix:"):
@@ -314,7 +452,18 @@ async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | 
     if not listen.startswith("unix:") and not server_cfg.tls_cert:
         log.warning(f"route-server serves {listen} in plaintext without authentication: every user who reaches "
                     f"it can route and read Status; give --tls-cert, --tls-key and --tls-ca for mutual TLS")
-    router = Router(cfg, tls=daemon_tls(server_cfg)).start()
+    return port
+
+
+async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | None = None) -> None:
+    server_cfg = server_cfg or RouteServerConfig(listen=listen)
+    server = grpc.aio.server()
+    port = _bind(server, listen, server_cfg)
+    router = Router(cfg, tls=daemon_tls(server_cfg))
+    snapshots = await _restore(router, cfg, server_cfg)
+    started = time.monotonic()
+    router.start()
+    metrics = _metrics(router, snapshots, server_cfg)
     recorder = open_recorder(server_cfg.record)
     router_pb2_grpc.add_RouterServicer_to_server(RouterService(router, recorder), server)
     health = RouterHealth(router)
@@ -343,12 +492,16 @@ async def serve(cfg: RouterConfig, listen: str, server_cfg: RouteServerConfig | 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    jobs = asyncio.gather(_log_caught_up(router, started), *([snapshots.run()] if snapshots is not None else []))
     await stop.wait()
+    jobs.cancel()
+    await asyncio.gather(jobs, return_exceptions=True)
     await health.stop()
     if probe_server is not None:
         await probe_server.stop(0.5)
     await server.stop(1.0)
     await loop.run_in_executor(None, router.close)
+    await _stop_extras(snapshots, metrics)
     if recorder is not None:
         recorder.close()
 

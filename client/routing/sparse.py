@@ -61,6 +61,30 @@ DEFAULT_STRIDES: dict[str, int] = {"host": 8, "disk": 16}
 _SPARSE_TIERS = {int(Tier.HOST): "host", int(Tier.DISK): "disk"}
 
 
+def parse_strides(text: str) -> str:
+    """A router's ``index_strides`` setting: ``""`` (off: every key indexed), ``default`` (the
+    measured :data:`DEFAULT_STRIDES`) or ``host=K,disk=K`` (either or both); the text, checked
+    (raises ValueError)."""
+    strides_of(text)
+    return text.strip()
+
+
+def strides_of(text: str) -> dict[str, int]:
+    """The strides an ``index_strides`` setting names (see :func:`parse_strides`); {} when off."""
+    text = text.strip()
+    if not text or text in ("off", "1"):
+        return {}
+    if text == "default":
+        return dict(DEFAULT_STRIDES)
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        tier, sep, k = part.strip().partition("=")
+        if not sep or tier not in ("host", "disk") or not k.strip().isdigit() or int(k) < 1:
+            raise ValueError(f"{part.strip()!r} is not host=K or disk=K (K >= 1); e.g. host=8,disk=16, or default")
+        out[tier] = int(k)
+    return {t: k for t, k in out.items() if k > 1}
+
+
 def sample(keys: Sequence[bytes], stride: int) -> list[bytes]:
     """The recorded keys of one run: offsets ``0, stride, 2*stride, ...`` and the last."""
     n = len(keys)

@@ -100,6 +100,7 @@ import numpy as np
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.scoring import LOAD_MODES, ScorerConfig
+from kvtier.client.routing.sparse import parse_strides
 from kvtier.proto import locations_pb2 as L
 from kvtier.settings import format_size, parse_size
 from kvtier.tiers.policy import DEFAULT_EVICTION, DEMOTE_AHEAD_BYTES, DEMOTE_MIN_SEEN, EVICTIONS, TierPolicy
@@ -191,6 +192,7 @@ class ReplayConfig:
     new_session_share: float = _ROUTER.new_session_share
     session_halflife_s: float = _ROUTER.session_halflife_s
     eviction: str = DEFAULT_EVICTION  # host and disk victim order: lru (kvtierd's), kvtier, lirs or opt (REPLAY_EVICTIONS)
+    index_strides: str = _ROUTER.index_strides  # the router's sparse host/disk index (RouterConfig.index_strides)
 
     def blocks(self, tokens: int) -> int:
         return tokens // self.block_tokens
@@ -523,7 +525,8 @@ class RouterPolicy(Policy):
         self.router = Router(RouterConfig(scorer=cfg.scorer_config(), pulls=self.pulls,
                                           new_session_spread=cfg.new_session_spread,
                                           new_session_share=cfg.new_session_share,
-                                          session_halflife_s=cfg.session_halflife_s))
+                                          session_halflife_s=cfg.session_halflife_s,
+                                          index_strides=cfg.index_strides))
         self.replica = {f"replica{i}": i for i in range(n)}
         self._finishes: list[tuple[float, int, bool]] = []  # heap of (at, decision id, prefill only)
         self._last = 0
@@ -924,6 +927,17 @@ def _positive(text: str) -> float:
     return v
 
 
+def _index_stride(text: str) -> str:
+    """--index-stride: K (host and disk), or what RouterConfig.index_strides takes."""
+    t = text.strip()
+    if t.isdigit():
+        t = f"host={t},disk={t}"
+    try:
+        return parse_strides(t)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
     d = ReplayConfig()
     ap = argparse.ArgumentParser(prog=prog, description="Replay a Mooncake-format trace through kvtier's router "
@@ -942,6 +956,10 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
                          "tail first), lirs (LIRS in host: a stable subset of a loop of sessions larger than host "
                          "is kept whole; best where host is small, see docs/eviction.md), or opt (the clairvoyant bound: the block used again farthest ahead goes "
                          "first; the most any order reaches here) [%(default)s]")
+    ap.add_argument("--index-stride", type=_index_stride, default=d.index_strides, metavar="K|host=K,disk=K",
+                    help="the kvtier policies' router indexes the host and disk tiers sparsely (route-server's "
+                         "--index-strides): every K-th key of a stored run and its last; K for both tiers, "
+                         "host=K,disk=K, or default (host=8,disk=16); empty: every key [%(default)s]")
     ap.add_argument("--demote-min-seen", type=int, default=d.demote_min_seen,
                     help="when the disk's write queue is full, host evictions go to disk only if used "
                          "this often [%(default)s]")
@@ -1012,7 +1030,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   queued_weight=args.queued_weight, active_weight=args.active_weight, seed=args.seed,
                   peer_gbps=args.peer_gbps, rate_scale=args.rate_scale, loads=args.loads, new_session_spread=args.new_session_spread,
                   new_session_share=args.new_session_share, session_halflife_s=args.session_halflife_s,
-                  eviction=args.eviction)
+                  eviction=args.eviction, index_strides=args.index_stride)
     if args.peer_gbps < 0:
         ap.error("--peer-gbps must be >= 0 (0: no peers)")
     try:

@@ -107,7 +107,7 @@ class RouterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FeedState(_message.Message):
-    __slots__ = ("target", "node_id", "connected", "epoch", "seq", "head_seq", "snapshots", "resumes", "epoch_changes", "last_error")
+    __slots__ = ("target", "node_id", "connected", "epoch", "seq", "head_seq", "snapshots", "resumes", "epoch_changes", "last_error", "dropped_events", "overflows")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,8 @@ class FeedState(_message.Message):
     RESUMES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_CHANGES_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOWS_FIELD_NUMBER: _ClassVar[int]
     target: str
     node_id: str
     connected: bool
@@ -128,18 +130,22 @@ class FeedState(_message.Message):
     resumes: int
     epoch_changes: int
     last_error: str
-    def __init__(self, target: _Optional[str] = ..., node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., head_seq: _Optional[int] = ..., snapshots: _Optional[int] = ..., resumes: _Optional[int] = ..., epoch_changes: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+    dropped_events: int
+    overflows: int
+    def __init__(self, target: _Optional[str] = ..., node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., head_seq: _Optional[int] = ..., snapshots: _Optional[int] = ..., resumes: _Optional[int] = ..., epoch_changes: _Optional[int] = ..., last_error: _Optional[str] = ..., dropped_events: _Optional[int] = ..., overflows: _Optional[int] = ...) -> None: ...
 
 class RouterStatusReply(_message.Message):
-    __slots__ = ("feeds", "indexed_keys", "workers", "recorded_requests", "record_dropped")
+    __slots__ = ("feeds", "indexed_keys", "workers", "catching_up", "recorded_requests", "record_dropped")
     FEEDS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_KEYS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CATCHING_UP_FIELD_NUMBER: _ClassVar[int]
     RECORDED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RECORD_DROPPED_FIELD_NUMBER: _ClassVar[int]
     feeds: _containers.RepeatedCompositeFieldContainer[FeedState]
     indexed_keys: int
     workers: _containers.RepeatedScalarFieldContainer[str]
+    catching_up: bool
     recorded_requests: int
     record_dropped: int
-    def __init__(self, feeds: _Optional[_Iterable[_Union[FeedState, _Mapping]]] = ..., indexed_keys: _Optional[int] = ..., workers: _Optional[_Iterable[str]] = ..., recorded_requests: _Optional[int] = ..., record_dropped: _Optional[int] = ...) -> None: ...
+    def __init__(self, feeds: _Optional[_Iterable[_Union[FeedState, _Mapping]]] = ..., indexed_keys: _Optional[int] = ..., workers: _Optional[_Iterable[str]] = ..., catching_up: _Optional[bool] = ..., recorded_requests: _Optional[int] = ..., record_dropped: _Optional[int] = ...) -> None: ...
