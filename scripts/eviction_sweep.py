@@ -1,4 +1,4 @@
-"""Host-tier hit rate of each eviction order (lru, kvtier, lirs, lirs50, wtinylfu, opt) on the bundled traces.
+"""Host-tier hit rate of each eviction order (lru, kvtier, lirs, adaptive, lirs50, wtinylfu, opt) on the bundled traces.
 
 One replica (``--policy round-robin --replicas 1``), a gpu tier of 64k tokens, no disk, host
 capacities in blocks: the table at the named capacities (with the acceptance rule: a candidate
@@ -6,7 +6,7 @@ order at least lru + half of (opt - lru)), then a sweep from 1 % to 100 % of eac
 distinct blocks (a candidate never below lru - 0.01). Prints both tables, writes a plot
 (``--plot``, default docs/eviction-sweep.png) and prints one JSON object as the last line.
 
-``lru``, ``kvtier``, ``lirs`` and ``opt`` are the replay's (``--eviction``). ``lirs50`` is the
+``lru``, ``kvtier``, ``lirs``, ``adaptive`` and ``opt`` are the replay's (``--eviction``). ``lirs50`` is the
 policy's LIRS with half of host for HIR blocks (``Lirs(capacity, 0.5)``) in place of
 ``LIRS_HIR_SHARE``; ``wtinylfu`` is a model of W-TinyLFU here only (:class:`WTinyLFU`, not a
 ``TierPolicy`` order). Both run in the same model: the same gpu tier in front, one pooled host
@@ -34,8 +34,8 @@ TRACES = {  # name: (block tokens, host capacities in blocks for the table)
     "synthetic_trace": (512, (5000, 10000)),
     "agentic_sessions": (256, (8000, 20000)),
 }
-EVICTIONS = ("lru", "kvtier", "lirs", "lirs50", "wtinylfu", "opt")
-CANDIDATES = ("kvtier", "lirs", "lirs50", "wtinylfu")  # the orders held to the acceptance rules
+EVICTIONS = ("lru", "kvtier", "lirs", "adaptive", "lirs50", "wtinylfu", "opt")
+CANDIDATES = ("kvtier", "lirs", "adaptive", "lirs50", "wtinylfu")  # the orders held to the acceptance rules
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 
 
@@ -231,8 +231,8 @@ def _plot(sweep: dict, path: str) -> None:
     fig, axes = plt.subplots(1, max(1, len(sweep)), figsize=(4.5 * max(1, len(sweep)), 3.8), squeeze=False)
     for ax, (name, pts) in zip(axes[0], sweep.items(), strict=False):
         xs = [p["fraction"] * 100 for p in pts]
-        for e, style in (("lru", "o-"), ("kvtier", "s-"), ("lirs", "D-"), ("lirs50", "v-"), ("wtinylfu", "^-"),
-                         ("opt", "k--")):
+        for e, style in (("lru", "o-"), ("kvtier", "s-"), ("lirs", "D-"), ("adaptive", "P-"), ("lirs50", "v-"),
+                         ("wtinylfu", "^-"), ("opt", "k--")):
             ax.plot(xs, [p[e] for p in pts], style, markersize=4, label=e)
         ax.set_xscale("log")
         ax.set_xlabel("host capacity (% of distinct blocks)")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvtier.client.tools.replay import ReplayConfig, Request, main, next_uses, replay
-from kvtier.tiers.policy import DEFAULT_EVICTION, HOST, TierPolicy
+from kvtier.tiers.policy import DEFAULT_EVICTION, HOST, AdaptiveLirs, TierPolicy
 
 
 def test_kvtier_evicts_a_chains_tail_first() -> None:
@@ -114,3 +114,56 @@ def test_lirs_on_a_loop_larger_than_host(host_blocks: int) -> None:
     rate = {e: replay(reqs, ReplayConfig(**{**cfg.__dict__, "eviction": e}), "round-robin", 1).hit_rate
             for e in ("lru", "kvtier", "lirs")}
     assert rate["lirs"] > rate["kvtier"] + 0.1 and rate["lirs"] > rate["lru"] + 0.1, rate
+
+
+def _reuse_once(chains: int, length: int, gap: int) -> list[Request]:
+    """Chains read twice each, the second time ``gap`` requests later (every block's first
+    reuse comes soon: LRU keeps them all until then)."""
+    order: list[int] = []
+    for c in range(chains):
+        order.append(c)
+        if c >= gap:
+            order.append(c - gap)
+    return [Request(i * 0.01, length * 16, 1, tuple(c * 1000 + j for j in range(length))) for i, c in enumerate(order)]
+
+
+def _rates(reqs: list[Request], host_blocks: int, evictions: tuple[str, ...]) -> dict[str, float]:
+    cfg = ReplayConfig(block_tokens=16, gpu_tokens=0, host_tokens=host_blocks * 16, disk_tokens=0)
+    return {e: replay(reqs, ReplayConfig(**{**cfg.__dict__, "eviction": e}), "round-robin", 1).hit_rate or 0.0
+            for e in evictions}
+
+
+@pytest.mark.parametrize("host_blocks", [40, 100])
+def test_adaptive_takes_lirs_on_a_loop_larger_than_host(host_blocks: int) -> None:
+    """A loop of sessions larger than host: the miniature simulations find LIRS's share better
+    and host follows it, far above lru (which hits almost nothing)."""
+    reqs = _loop(sessions=8, turns=30, length=12)
+    rate = _rates(reqs, host_blocks, ("lru", "kvtier", "lirs", "adaptive"))
+    assert rate["adaptive"] > rate["lru"] + 0.1 and rate["adaptive"] > rate["kvtier"] + 0.09, rate
+    p = TierPolicy(0, host_blocks, 0, eviction="adaptive")
+    for r in reqs:
+        p.access(r.keys)
+    assert isinstance(p._lirs, AdaptiveLirs) and p._lirs.share < 1.0 and p._lirs.choices >= 1
+
+
+@pytest.mark.parametrize("host_blocks", [100, 400])
+def test_adaptive_keeps_lru_where_lru_is_right(host_blocks: int) -> None:
+    """Every chain reused once, soon: lru keeps each until its reuse, lirs evicts new blocks
+    (HIR) first and misses nearly all; adaptive stays with lru's order."""
+    reqs = _reuse_once(chains=400, length=8, gap=5)
+    rate = _rates(reqs, host_blocks, ("lru", "lirs", "adaptive"))
+    assert rate["lirs"] < rate["lru"] - 0.3, rate
+    assert rate["adaptive"] >= rate["lru"] - 0.01, rate
+
+
+def test_adaptive_host_state_is_consistent_across_changes() -> None:
+    """Whatever the share, every block held in host is LIR or HIR, and host holds at most its capacity."""
+    p = TierPolicy(0, 60, 0, eviction="adaptive")
+    a = p._lirs
+    assert isinstance(a, AdaptiveLirs) and a.share == 1.0 and a.lru
+    for r in _loop(sessions=8, turns=8, length=10) + _reuse_once(chains=100, length=6, gap=3):
+        p.access(r.keys)
+        held = set(p.tiers[HOST])
+        assert len(held) <= 60 and held == a.lir | set(a.hir)
+    with pytest.raises(ValueError):
+        TierPolicy(0, None, 0, eviction="adaptive")

@@ -32,6 +32,12 @@ Rules
       traffic), at the cost of blocks whose first reuse comes after more than the HIR share
       of host was used (see the sweep in docs/eviction.md). The stack keeps at most
       :data:`LIRS_GHOSTS` x capacity evicted keys. Disk runs ``kvtier``'s order under ``lirs``.
+      ``adaptive`` (an option, docs/eviction.md; the replay's, with a host capacity in blocks)
+      is ``lirs`` whose HIR share host chooses by miniature simulation (:class:`AdaptiveLirs`):
+      small simulations of host under each share of :data:`ADAPTIVE_SHARES` (1.0: ``kvtier``'s
+      LRU, where it starts) run on a sample of whole requests, and host follows the one that hit
+      most over a recent window. LIRS's loop resistance where host is small against the
+      traffic, LRU where LRU already keeps blocks until their first reuse. Disk as ``lirs``.
     * Seen count: every put and every hit of a block counts one (in :meth:`TierPolicy.access`,
       every request that uses it). The count is kept while the block is held in some tier (or
       on its way to disk); a block that leaves every tier forgets it and starts again at one.
@@ -89,6 +95,7 @@ Not thread-safe; every method is O(len(keys)) dictionary operations (``victims``
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -102,7 +109,7 @@ GPU, HOST, DISK = Tier.GPU, Tier.HOST, Tier.DISK
 DEMOTE_MIN_SEEN = 2
 """The default ``demote_min_seen``: when the disk's write queue is full, a host victim is demoted
 only if it was seen this many times (kvtierd's ``--demote-min-seen``, the replay's too)."""
-EVICTIONS = ("kvtier", "lirs", "lru")
+EVICTIONS = ("adaptive", "kvtier", "lirs", "lru")
 """The eviction orders a :class:`TierPolicy` runs (see Eviction order in the module docstring)."""
 DEFAULT_EVICTION = "lru"
 """The eviction order kvtierd runs (its store builds ``TierPolicy`` without ``eviction``), and
@@ -111,6 +118,22 @@ LIRS_HIR_SHARE = 0.01
 """Under ``lirs``: the share of the host tier's block capacity that holds HIR blocks (at least one)."""
 LIRS_GHOSTS = 2.0
 """Under ``lirs``: the evicted keys the recency stack keeps, as a multiple of the host's capacity."""
+ADAPTIVE_SHARES = (0.01, 0.1, 0.5, 1.0)
+"""Under ``adaptive``: the HIR shares host chooses from (1.0: tail-first LRU, ``kvtier``'s order);
+host starts with the last one."""
+ADAPTIVE_SAMPLE = 1 / 16
+"""Under ``adaptive``: the share of requests (whole chains) the miniature simulations see, and
+the share of host's capacity each of them has (at least :data:`ADAPTIVE_MIN_SHADOW` blocks)."""
+ADAPTIVE_MIN_SHADOW = 4096
+"""Under ``adaptive``: the least capacity of a miniature simulation, in blocks (a higher sampling
+rate where host is small; at most host's capacity)."""
+ADAPTIVE_EPOCH = 2.0
+"""Under ``adaptive``: blocks the miniature simulations see between two choices, as a multiple
+of their capacity; each choice then multiplies the hit counts by :data:`ADAPTIVE_DECAY`."""
+ADAPTIVE_DECAY = 0.7
+ADAPTIVE_MARGIN = 0.1
+"""Under ``adaptive``: host changes its share only to one whose miniature simulation hit this
+much more (relative) than the current one's over the window."""
 DEMOTE_AHEAD_BYTES = 128 * 1024**2
 """The default write-ahead window in bytes (kvtierd's ``--demote-ahead-bytes``, the replay's
 too), of which :attr:`TierPolicy.write_ahead` holds the whole blocks."""
@@ -173,9 +196,10 @@ class Lirs:
     ``ghosts``: the evicted keys still in the stack, oldest first (at most ``ghost_cap``).
     Every held host block is in ``lir`` or ``hir``. O(1) amortised per key."""
 
-    __slots__ = ("ghost_cap", "ghosts", "hir", "lir", "lir_cap", "stack")
+    __slots__ = ("ghost_cap", "ghosts", "hir", "lir", "lir_cap", "lru", "stack")
 
     def __init__(self, capacity: int, hir_share: float = LIRS_HIR_SHARE, ghosts: float = LIRS_GHOSTS) -> None:
+        self.lru = False  # host's victims in plain recency order instead (AdaptiveLirs at a share of 1.0)
         self.lir_cap = capacity - max(1, int(capacity * hir_share))
         self.ghost_cap = int(capacity * ghosts)
         self.stack: OrderedDict[Hashable, None] = OrderedDict()
@@ -253,6 +277,144 @@ class Lirs:
             ghosts.pop(k, None)
 
 
+def _key_hash(key: Hashable) -> int:
+    """A 64-bit hash of a block key that is the same in every process for bytes and ints (the
+    daemon's and the replay's keys); other keys use ``hash``."""
+    if isinstance(key, bytes):
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    x = hash(key) & 0xFFFFFFFFFFFFFFFF  # splitmix64's finaliser
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+class MiniCache:
+    """One miniature simulation of :class:`AdaptiveLirs`: a host of ``capacity`` blocks under
+    LIRS with HIR share ``share`` (1.0 or more: tail-first LRU), fed whole requests; it counts
+    the blocks of their leading runs it holds."""
+
+    __slots__ = ("capacity", "lirs", "recent")
+
+    def __init__(self, capacity: int, share: float) -> None:
+        self.capacity = capacity
+        self.recent: OrderedDict[Hashable, None] | None = OrderedDict() if share >= 1 else None
+        self.lirs = None if share >= 1 else Lirs(capacity, share)
+
+    def access(self, head_first: Sequence[Hashable]) -> int:
+        """One request's keys, head first: returns its leading run's length here, then holds them all."""
+        n = 0
+        od, lirs = self.recent, self.lirs
+        if od is not None:
+            for k in head_first:
+                if k not in od:
+                    break
+                n += 1
+            for k in reversed(head_first):
+                if k in od:
+                    od.move_to_end(k)
+                else:
+                    od[k] = None
+            while len(od) > self.capacity:
+                od.popitem(last=False)
+            return n
+        assert lirs is not None
+        lir, hir = lirs.lir, lirs.hir
+        for k in head_first:
+            if k not in lir and k not in hir:
+                break
+            n += 1
+        lirs.use(head_first[::-1])
+        over = len(lir) + len(hir) - self.capacity
+        if over > 0:
+            lirs.gone(list(itertools.islice(lirs.order(), over)))
+        return n
+
+
+class AdaptiveLirs(Lirs):
+    """The host tier's state under the ``adaptive`` eviction: :class:`Lirs` whose HIR share is
+    chosen by miniature simulation (Waldspurger et al., 2017; set dueling, Qureshi et al.).
+    One :class:`MiniCache` per share of :data:`ADAPTIVE_SHARES` runs on a sample of the calls
+    (a call's keys are a request's chain; a call is in the sample when a hash of its second key
+    (its only one, if it has one) is below :data:`ADAPTIVE_SAMPLE`: the first block is often a
+    system prompt every request shares, the second names the conversation, so a chain and its
+    later turns are in the sample or out of it whole), each with the sampled share of host's
+    capacity. Every :data:`ADAPTIVE_EPOCH` x that capacity of sampled blocks, host takes the
+    share whose simulation hit most (decayed counts, :data:`ADAPTIVE_DECAY`), if it beats the
+    current one's by :data:`ADAPTIVE_MARGIN`: a smaller LIR set demotes its oldest LIR blocks
+    at once (at most host's capacity, once per epoch: O(1) amortised), a larger one fills with
+    new blocks; at a share of 1.0 host's victims are its blocks in recency order (``lru``),
+    the LIRS state kept up to date for a later change. O(1) amortised per key; the simulations
+    hold about ``len(ADAPTIVE_SHARES) x 3`` x their capacity keys (with ghosts)."""
+
+    __slots__ = ("capacity", "choices", "epoch_blocks", "sampled", "scores", "shadows", "share", "threshold")
+
+    def __init__(self, capacity: int, shares: Sequence[float] = ADAPTIVE_SHARES, sample: float = ADAPTIVE_SAMPLE,
+                 min_shadow: int = ADAPTIVE_MIN_SHADOW) -> None:
+        super().__init__(capacity, LIRS_HIR_SHARE)
+        self.capacity = capacity
+        mini = min(capacity, max(min_shadow, int(capacity * sample)))
+        self.threshold = int(mini / capacity * 2**64)
+        self.shadows = [(s, MiniCache(mini, s)) for s in shares]
+        self.scores = [0.0] * len(shares)
+        self.epoch_blocks = max(1, int(mini * ADAPTIVE_EPOCH))
+        self.sampled = 0
+        self.choices = 0  # how often the share changed
+        self.share = shares[-1]
+        self._set(len(shares) - 1)
+
+    def _set(self, i: int) -> None:
+        """Run host at the ``i``-th share. From LRU, LIRS starts afresh: every held block HIR
+        (in their LIRS order), no history; the blocks used next fill the LIR set, whole chains
+        as they come, as when LIRS starts empty."""
+        was_lru = self.lru
+        self.share = share = self.shadows[i][0]
+        self.lru = share >= 1
+        if self.lru:
+            return
+        self.lir_cap = self.capacity - max(1, int(self.capacity * share))
+        if was_lru:
+            held = list(self.order())
+            self.stack.clear()
+            self.lir.clear()
+            self.ghosts.clear()
+            self.hir = OrderedDict.fromkeys(held)
+        while len(self.lir) > self.lir_cap and self.lir:
+            self._demote()
+
+    def use(self, keys: Iterable[Hashable]) -> None:
+        """As :meth:`Lirs.use` (``keys`` tail first, as the policy makes them recent), but while
+        the LIR set has room a held HIR block used becomes LIR; a sampled call is also a request
+        of every miniature simulation."""
+        keys = list(keys)
+        lir, hir, stack = self.lir, self.hir, self.stack
+        if len(lir) < self.lir_cap and hir:
+            for k in keys:
+                if len(lir) >= self.lir_cap:
+                    break
+                if k in hir:
+                    del hir[k]
+                    lir.add(k)
+                    stack[k] = None
+                    stack.move_to_end(k)
+            self._prune()
+        super().use(keys)
+        if not keys or _key_hash(keys[-2] if len(keys) > 1 else keys[-1]) >= self.threshold:
+            return
+        head_first, scores = keys[::-1], self.scores
+        for i, (_, mini) in enumerate(self.shadows):
+            scores[i] += mini.access(head_first)
+        self.sampled += len(keys)
+        if self.sampled < self.epoch_blocks:
+            return
+        self.sampled = 0
+        cur = next(i for i, (s, _) in enumerate(self.shadows) if s == self.share)
+        best = max(range(len(scores)), key=scores.__getitem__)
+        if best != cur and scores[best] > scores[cur] * (1 + ADAPTIVE_MARGIN):
+            self._set(best)
+            self.choices += 1
+        self.scores = [x * ADAPTIVE_DECAY for x in scores]
+
+
 class TierPolicy:
     """LRU per tier, demote to disk when seen often, promote on a disk hit (see the module docstring).
 
@@ -274,13 +436,17 @@ class TierPolicy:
             raise ValueError("demote_min_seen must be >= 1")
         if eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction {eviction!r}; choose from {', '.join(EVICTIONS)}")
-        if eviction == "lirs" and (host_blocks is None or host_map is not None):
-            raise ValueError("eviction 'lirs' needs a host capacity in blocks and the policy's own host map "
+        if eviction in ("lirs", "adaptive") and (host_blocks is None or host_map is not None):
+            raise ValueError(f"eviction {eviction!r} needs a host capacity in blocks and the policy's own host map "
                              "(the replay's; kvtierd runs lru)")
         self.eviction = eviction
-        self._tail_first = eviction in ("kvtier", "lirs")  # a call's keys made recent tail first (host, disk)
-        # the host tier's LIRS state under lirs (its victim order); None otherwise
-        self._lirs = Lirs(host_blocks) if eviction == "lirs" and host_blocks else None
+        self._tail_first = eviction != "lru"  # a call's keys made recent tail first (host, disk)
+        # the host tier's LIRS state under lirs and adaptive (its victim order); None otherwise
+        self._lirs: Lirs | None = None
+        if host_blocks and eviction == "lirs":
+            self._lirs = Lirs(host_blocks)
+        elif host_blocks and eviction == "adaptive":
+            self._lirs = AdaptiveLirs(host_blocks)
         self.capacity: dict[Tier, int | None] = dict(zip(TIERS, caps, strict=True))
         self.demote_min_seen = demote_min_seen
         # demotions the disk's write queue takes now before it backs up (None: no limit), and
@@ -332,7 +498,7 @@ class TierPolicy:
 
     def _order(self, tier: Tier) -> Iterable[Hashable]:
         """``tier``'s blocks in eviction order."""
-        if tier is HOST and self._lirs is not None:
+        if tier is HOST and self._lirs is not None and not self._lirs.lru:
             return self._lirs.order()
         return self.tiers[tier]
 
@@ -667,4 +833,4 @@ class TierPolicy:
             self.on_demotion_end(demote)
 
 
-__all__ = ["DEFAULT_EVICTION", "DISK", "EVICTIONS", "GPU", "HOST", "LIRS_GHOSTS", "LIRS_HIR_SHARE", "Lirs", "PolicyCounts", "PutOutcome", "SeenCounts", "TierPolicy"]
+__all__ = ["ADAPTIVE_SHARES", "AdaptiveLirs", "DEFAULT_EVICTION", "DISK", "EVICTIONS", "GPU", "HOST", "LIRS_GHOSTS", "LIRS_HIR_SHARE", "Lirs", "MiniCache", "PolicyCounts", "PutOutcome", "SeenCounts", "TierPolicy"]

@@ -191,7 +191,7 @@ class ReplayConfig:
     new_session_spread: float = _ROUTER.new_session_spread
     new_session_share: float = _ROUTER.new_session_share
     session_halflife_s: float = _ROUTER.session_halflife_s
-    eviction: str = DEFAULT_EVICTION  # host and disk victim order: lru (kvtierd's), kvtier, lirs or opt (REPLAY_EVICTIONS)
+    eviction: str = DEFAULT_EVICTION  # host and disk victim order: lru (kvtierd's), kvtier, lirs, adaptive or opt (REPLAY_EVICTIONS)
     index_strides: str = _ROUTER.index_strides  # the router's sparse host/disk index (RouterConfig.index_strides)
 
     def blocks(self, tokens: int) -> int:
@@ -954,7 +954,9 @@ def build_parser(prog: str = "kvtier replay") -> argparse.ArgumentParser:
     ap.add_argument("--eviction", choices=REPLAY_EVICTIONS, default=d.eviction,
                     help="host and disk victim order: lru (kvtierd's), kvtier (a request's chain is evicted "
                          "tail first), lirs (LIRS in host: a stable subset of a loop of sessions larger than host "
-                         "is kept whole; best where host is small, see docs/eviction.md), or opt (the clairvoyant bound: the block used again farthest ahead goes "
+                         "is kept whole; best where host is small, see docs/eviction.md), adaptive (LIRS whose "
+                         "HIR share, or LRU, host picks by small simulations of sampled requests), or opt (the "
+                         "clairvoyant bound: the block used again farthest ahead goes "
                          "first; the most any order reaches here) [%(default)s]")
     ap.add_argument("--index-stride", type=_index_stride, default=d.index_strides, metavar="K|host=K,disk=K",
                     help="the kvtier policies' router indexes the host and disk tiers sparsely (route-server's "
