@@ -24,33 +24,80 @@ Three parts, each measured in this process:
    over the measured N, extrapolated to ``--fleet-nodes`` nodes of ``--fleet-host-blocks``
    host and ``--fleet-disk-blocks`` disk blocks (1,000 x (1M + 5M)); whether it fits
    ``--replica-gb``.
+4. Over real gRPC streams: simulated daemons as real ``kvtier.v1.Locations`` servers
+   (:class:`SimLocations`, many per process, ``--feed-procs`` processes, each node on its own
+   loopback port: a NodeInfo, the events after a subscriber's position while its ring of
+   ``--ring-keys`` keys reaches back that far, else a snapshot of what it holds, then each
+   request's events as made, ``--grpc-feed-rate`` (part a) or ``--feed-rate`` (part b)
+   requests per node per second, about 170 key events each; every node starts with its host
+   and disk tiers full).
+
+   a. Ingest (``--grpc-nodes``): a :class:`Router` in this process follows them
+      (``Router.start()``: the feeds, bounded inboxes and folder a route-server runs), dense and
+      with ``index_strides=default``, while this thread routes for ``--ingest-s`` seconds:
+      key events folded per second (the feeds' seq advance times the 28 keys of each event;
+      at most what the daemons offer, so ``offered_key_events_per_s`` is shown next to it,
+      with the lag and inbox overflows at the end) and decision latency p50/p99 under that
+      ingest (``Router.route`` timed in this thread, as in part 2).
+   b. Restart (``--catch-up-nodes``): a real Redis Cluster (tests/redis_cluster.py: three
+      masters, TLS and ACL users, as tests/test_router_snapshot.py starts it) and a
+      ``kvtier route-server`` process (``--index-strides default``, ``--index-snapshot
+      rediss://...``, ``--snapshot-interval-s`` ``--snapshot-interval-s``) following the
+      daemons. Once it has caught up and saved a snapshot, it runs ``--run-s`` more seconds,
+      is killed with SIGKILL halfway between two snapshots (no snapshot on the way out), no
+      router runs for ``--down-s`` seconds while the daemons go on making events, and a fresh
+      route-server process starts with the same settings. ``serving_s``: seconds from
+      starting that process until its ``Route`` (over its socket) ranks first the node that
+      holds a request's blocks, for a request the node stored before the snapshot (in its host
+      tier then): the router routes from the loaded snapshot. ``catch_up_s``: seconds from
+      starting that process until its ``Status`` lists every feed and says it is no longer
+      catching up (every feed connected, its seq at its daemon's newest event as last told).
+      Both include the process's start (Python, imports). ``resumes`` and ``snapshots`` say
+      how the feeds resumed (from the snapshot's positions, or from a daemon's snapshot);
+      ``snapshot_load_s`` and ``router_caught_up_s`` are the route-server's own log's figures
+      (reading the snapshot from Redis and loading it; start of its router to caught up);
+      ``cold_*`` are the first route-server's, which started with no snapshot. Without
+      ``redis-server`` the reason is printed and ``catch_up_s`` is null.
 
 The last line is one JSON object: nodes, blocks_indexed, router_bytes_per_block,
-events_per_s, decision_p99_us, hit_rate_loss (per trace, at the default strides),
-catch_up_s (null: router snapshots are not part of this bench).
+events_per_s, decision_p99_us (part 2's largest sparse point), hit_rate_loss (per trace, at
+the default strides), catch_up_s and serving_s (part 4b), grpc_events_per_s and
+grpc_decision_p99_us (part 4a's last point), and the details (``curve``, ``model``, ``grpc``,
+``restart``).
 
     python bench/fleet.py [--nodes 8,32,128] [--traces DIR] [--strides 4:8,8:16,16:32]
+                          [--grpc-nodes 16] [--grpc-feed-rate 100] [--catch-up-nodes 16] [--feed-rate 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
+import itertools
 import json
 import os
 import random
+import re
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
+import grpc
 import numpy as np
 
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.sparse import DEFAULT_STRIDES, SparseHoldings, sample, sparsify
 from kvtier.client.tools.replay import Cluster, ReplayConfig, Request, load_trace
 from kvtier.proto import locations_pb2 as L
+from kvtier.proto import locations_pb2_grpc, router_pb2, router_pb2_grpc
 from kvtier.tiers.vocab import Tier
 
 TRACES = {  # file -> the replay's settings for it (the traces' README)
@@ -226,8 +273,8 @@ class SimDaemon:
                 L.WatchLocationsReply(epoch=self.epoch, snapshot=L.SnapshotPart(at_seq=0, first=True, last=True)
                                       ).SerializeToString()]
 
-    def step(self, n_chains: int, strides: dict[str, int] | None) -> tuple[bytes, int]:
-        """The next ``n_chains`` requests' events as one message: (serialised, key events)."""
+    def batch(self, n_chains: int) -> tuple[L.EventBatch, int]:
+        """The next ``n_chains`` requests' events: (the batch, key events)."""
         batch, events = L.EventBatch(), 0
 
         def add(kind: int, tier: Tier, ks: list[bytes]) -> None:
@@ -249,17 +296,38 @@ class SimDaemon:
             if len(self.held[Tier.GPU]) > self.caps[Tier.GPU]:
                 add(L.REMOVED, Tier.GPU, self.keys(self.held[Tier.GPU].pop(0)))
             if len(self.held[Tier.HOST]) > self.caps[Tier.HOST]:
-                old = self.keys(self.held[Tier.HOST].pop(0))
+                demoted = self.held[Tier.HOST].pop(0)
+                old = self.keys(demoted)
                 add(L.REMOVED, Tier.HOST, old)
                 add(L.STORED, Tier.DISK, old)
-                self.held[Tier.DISK].append(c)
+                self.held[Tier.DISK].append(demoted)
                 if len(self.held[Tier.DISK]) > self.caps[Tier.DISK]:
                     add(L.REMOVED, Tier.DISK, self.keys(self.held[Tier.DISK].pop(0)))
         batch.head_seq = self.seq
+        return batch, events
+
+    def step(self, n_chains: int, strides: dict[str, int] | None) -> tuple[bytes, int]:
+        """The next ``n_chains`` requests' events as one message: (serialised, key events)."""
+        batch, events = self.batch(n_chains)
         reply = L.WatchLocationsReply(epoch=self.epoch, events=batch)
         if strides is not None:
             reply = sparsify(reply, strides)
         return reply.SerializeToString(), events
+
+    def snapshot(self, part_keys: int = 4096) -> list[L.WatchLocationsReply]:
+        """What the node holds now, as a daemon's snapshot parts (at its current seq)."""
+        entries = []
+        for t in (Tier.GPU, Tier.HOST, Tier.DISK):
+            ks = [k for c in self.held[t] for k in self.keys(c)]
+            if t != Tier.DISK and self.made:
+                ks = self.prefix + ks
+            for i in range(0, len(ks), part_keys):
+                entries.append(L.LocationEvent(seq=self.seq, kind=L.STORED, tier=int(t), fingerprint=FP,
+                                               worker_id=self.worker if t == Tier.GPU else "",
+                                               keys=ks[i:i + part_keys]))
+        parts = [entries[i:i + 1] for i in range(len(entries))] or [[]]
+        return [L.WatchLocationsReply(epoch=self.epoch, snapshot=L.SnapshotPart(
+            at_seq=self.seq, first=i == 0, last=i == len(parts) - 1, entries=es)) for i, es in enumerate(parts)]
 
     def holdings(self, tiers: Sequence[Tier] = (Tier.GPU, Tier.HOST, Tier.DISK)) -> int:
         """Blocks held in these tiers, each tier's holding counted."""
@@ -423,7 +491,344 @@ def walk_cost_us(workers: int, n_keys: int = 128, reps: int = 200) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def main(argv: list[str] | None = None) -> dict:
+# -- 4. over real gRPC streams: simulated daemons, a route-server restarted from a snapshot -------
+
+HEARTBEAT_S = 2.0
+
+
+class SimLocations(locations_pb2_grpc.LocationsServicer):
+    """One simulated daemon's ``kvtier.v1.Locations`` service, as kvtierd speaks it: a
+    NodeInfo, then the events after the subscriber's position when its ring (``ring_keys``
+    keys of events) still reaches back that far, else a snapshot of what the node holds, then
+    the events as they are made (an empty batch as a heartbeat when there are none)."""
+
+    def __init__(self, daemon: SimDaemon, ring_keys: int) -> None:
+        self.d, self.ring_keys = daemon, ring_keys
+        self.ring: deque[L.LocationEvent] = deque()
+        self.held_keys = 0
+        self.changed = asyncio.Event()
+        self.snapshots = self.resumes = 0
+
+    def publish(self, batch: L.EventBatch) -> None:
+        for ev in batch.events:
+            self.ring.append(ev)
+            self.held_keys += len(ev.keys)
+        while self.held_keys > self.ring_keys and len(self.ring) > 1:
+            self.held_keys -= len(self.ring.popleft().keys)
+        old, self.changed = self.changed, asyncio.Event()
+        old.set()
+
+    def since(self, pos: int, max_keys: int = BATCH_KEYS) -> list[L.LocationEvent] | None:
+        """Events after ``pos`` (at most about ``max_keys`` keys), or None when the ring no
+        longer reaches back to it."""
+        first = self.ring[0].seq if self.ring else self.d.seq + 1
+        if pos < first - 1:
+            return None
+        out, n = [], 0
+        for ev in itertools.islice(self.ring, pos - first + 1, None):
+            out.append(ev)
+            n += len(ev.keys)
+            if n >= max_keys:
+                break
+        return out
+
+    async def WatchLocations(self, request, context):  # noqa: N802, ANN001, ANN201
+        d = self.d
+        info = L.NodeInfo(node_id=d.node, epoch=d.epoch, head_seq=d.seq)
+        info.workers.add(worker_id=d.worker, fingerprints=[FP])
+        for t in (Tier.HOST, Tier.DISK):
+            info.tiers.add(tier=int(t), capacity_bytes=1 << 40, load_gbps=10.0)
+        yield L.WatchLocationsReply(epoch=d.epoch, node=info)
+        pos = None
+        if request.epoch == d.epoch and request.from_seq <= d.seq and self.since(request.from_seq, 1) is not None:
+            pos = request.from_seq
+            self.resumes += 1
+        while True:
+            if pos is None:
+                self.snapshots += 1
+                pos = d.seq
+                for part in d.snapshot():
+                    yield part
+            evs = self.since(pos)
+            if evs is None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "subscriber fell behind the ring; resubscribe")
+            if evs:
+                pos = evs[-1].seq
+                yield L.WatchLocationsReply(epoch=d.epoch, events=L.EventBatch(events=evs, head_seq=d.seq))
+                continue
+            try:
+                await asyncio.wait_for(self.changed.wait(), HEARTBEAT_S)
+            except asyncio.TimeoutError:
+                yield L.WatchLocationsReply(epoch=d.epoch, events=L.EventBatch(head_seq=d.seq))
+
+
+async def serve_feeds(first: int, count: int, gpu: int, host: int, disk: int, chain: int, rate: float,
+                      ring_keys: int) -> None:
+    """Nodes ``first`` .. ``first + count - 1``, each a :class:`SimLocations` on its own
+    loopback port, filled (host and disk full), then making ``rate`` requests' events per
+    second each; prints ``listening PORT,PORT,...`` once they serve."""
+    services, servers, ports = [], [], []
+    fill = (host + disk) // chain + 1
+    for i in range(first, first + count):
+        d = SimDaemon(i, gpu, host, disk, chain, 4)
+        while d.made < fill:
+            d.batch(min(64, fill - d.made))
+        svc = SimLocations(d, ring_keys)
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+        locations_pb2_grpc.add_LocationsServicer_to_server(svc, server)
+        ports.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        services.append(svc)
+        servers.append(server)
+    print("listening " + ",".join(map(str, ports)), flush=True)
+    t0, due = time.monotonic(), 0.0
+    made = 0
+    while True:
+        await asyncio.sleep(0.05)
+        due = (time.monotonic() - t0) * rate
+        n = int(due) - made
+        if n <= 0:
+            continue
+        made += n
+        for svc in services:
+            batch, _ = svc.d.batch(n)
+            svc.publish(batch)
+
+
+class FeedServers:
+    """``procs`` processes of simulated daemons (``python bench/fleet.py --serve-feeds``), N
+    nodes in all; ``targets`` are their loopback addresses, node ``n{i}`` at ``targets[i]``."""
+
+    def __init__(self, n: int, procs: int, node_blocks: str, chain: int, rate: float, ring_keys: int) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.targets: list[str] = []
+        per = -(-n // procs)
+        try:
+            for first in range(0, n, per):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--serve-feeds", f"{first}:{min(per, n - first)}",
+                     "--node-blocks", node_blocks, "--chain", str(chain), "--feed-rate", str(rate),
+                     "--ring-keys", str(ring_keys)], stdout=subprocess.PIPE, text=True))
+            for p in self.procs:
+                line = p.stdout.readline()
+                if not line.startswith("listening"):
+                    raise RuntimeError(f"a feed server did not start (exit {p.poll()})")
+                self.targets += [f"127.0.0.1:{x}" for x in line.split()[1].split(",")]
+            self.started = time.time()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def grpc_ingest(n: int, args: argparse.Namespace, strides: str) -> dict:
+    """N simulated daemons over real gRPC streams into one in-process :class:`Router`
+    (``Router.start()``: its feeds, inboxes and folder, as a route-server runs them), while a
+    second thread routes: key events folded per second (events folded, from the feeds' seqs,
+    times the keys per event) and decision latency under that ingest."""
+    gpu, host, disk = (int(x) for x in args.node_blocks.split(":"))
+    feeds = FeedServers(n, args.feed_procs, args.node_blocks, args.chain, args.grpc_feed_rate, args.ring_keys)
+    router = None
+    try:
+        t0 = time.perf_counter()
+        router = Router(RouterConfig(daemons=tuple(feeds.targets), index_strides=strides, new_session_spread=0.0,
+                                     reconnect_min_s=0.05, reconnect_max_s=0.5)).start()
+        synced = router.wait_synced(120, nodes=n)
+        sync_s = time.perf_counter() - t0
+        rng = random.Random(1)
+        queries = [SimDaemon(i, gpu, host, disk, args.chain, 4).prefix
+                   + SimDaemon(i, gpu, host, disk, args.chain, 4).keys(rng.randrange(200, 700))
+                   for i in (rng.randrange(n) for _ in range(1000))]
+        seq0 = {st.target: st.seq for st in router.status()}
+        lat: list[float] = []
+        t1 = time.perf_counter()
+        j = 0
+        while time.perf_counter() - t1 < args.ingest_s:
+            q = queries[j % len(queries)]
+            j += 1
+            t = time.perf_counter()
+            d = router.route(q, dispatch=True)
+            lat.append(time.perf_counter() - t)
+            router.finish(d.decision_id)
+            time.sleep(0.0005)
+        span = time.perf_counter() - t1
+        sts = router.status()
+        folded = sum(st.seq - seq0.get(st.target, st.seq) for st in sts)
+        a = np.array(lat) * 1e6
+        keys_per_event = args.chain - 4
+        return {"nodes": n, "index_strides": strides or "off", "synced": synced, "sync_s": round(sync_s, 2),
+                "offered_key_events_per_s": round(n * args.grpc_feed_rate * 6 * keys_per_event),
+                "events_per_s": round(folded * keys_per_event / span), "decisions": len(a),
+                "decision_p50_us": round(float(np.percentile(a, 50)), 1),
+                "decision_p99_us": round(float(np.percentile(a, 99)), 1),
+                "lag_events_at_end": sum(max(st.head_seq - st.seq, 0) for st in sts),
+                "overflows": sum(st.overflows for st in sts), "indexed_keys": router.indexed_keys()}
+    finally:
+        feeds.stop()  # the streams end first: no read is in flight when the router's loop closes
+        if router is not None:
+            router.close()
+
+
+def _tests_support() -> None:
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
+def _route_server(tmp: str, tag: str, targets: list[str], extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+    sock = os.path.join(tmp, f"{tag}.sock")
+    logf = os.path.join(tmp, f"{tag}.log")
+    args = [sys.executable, "-m", "kvtier.client.routing.route_server", "--listen", f"unix:{sock}",
+            "--reconnect-min-s", "0.05", "--reconnect-max-s", "0.5", *extra]
+    for t in targets:
+        args += ["--daemon", t]
+    with open(logf, "ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"unix:{sock}", logf
+
+
+def _poll(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, logf: str = "") -> float:  # noqa: ANN001
+    """Poll ``cond`` until true; the monotonic time it was first seen true."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = open(logf, errors="replace").read()[-2000:] if logf else ""
+            raise RuntimeError(f"the route-server exited ({proc.returncode}) waiting for {what}:\n{tail}")
+        try:
+            if cond():
+                return time.monotonic()
+        except grpc.RpcError:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} not within {timeout} s")
+
+
+_CAUGHT_UP = r"every feed caught up ([0-9.]+) s after start"
+
+
+def _logged(path: str, pattern: str) -> float | None:
+    """The number the last log line matching ``pattern`` gives, or None."""
+    found = re.findall(pattern, open(path, errors="replace").read())
+    return float(found[-1]) if found else None
+
+
+def catch_up(n: int, args: argparse.Namespace, strides: str) -> dict:  # noqa: PLR0915
+    """A route-server restarted from its index snapshot (see the module docstring, part 4)."""
+    _tests_support()
+    from redis_cluster import MISSING, REDIS_CLI, REDIS_SERVER, RedisCluster  # noqa: PLC0415
+
+    if not (REDIS_SERVER and REDIS_CLI):
+        raise RuntimeError(MISSING)
+    gpu, host, disk = (int(x) for x in args.node_blocks.split(":"))
+    cluster = RedisCluster(secure=True, maxmemory="1gb").start()
+    feeds = None
+    procs: list[subprocess.Popen] = []
+    tmp = tempfile.mkdtemp(prefix="kvtier-fleet-")
+    try:
+        feeds = FeedServers(n, args.feed_procs, args.node_blocks, args.chain, args.feed_rate, args.ring_keys)
+        snap = ["--index-snapshot", f"rediss://{cluster.nodes}", "--snapshot-tls-ca", cluster.file("redis-ca.pem"),
+                "--snapshot-tls-cert", cluster.file("kvtier-client.pem"), "--snapshot-tls-key",
+                cluster.file("kvtier-client.key"), "--snapshot-user", cluster.USER, "--snapshot-password-file",
+                cluster.file("store-password"), "--snapshot-name", "fleet-bench"]
+        common = ["--index-strides", strides] if strides else []
+
+        def manifest() -> dict | None:
+            c = cluster.client()
+            try:
+                raw = c.get("kvtier:router:{fleet-bench}:latest")
+            finally:
+                c.close()
+            return json.loads(raw) if raw else None
+
+        def status(target: str) -> router_pb2.RouterStatusReply:
+            with grpc.insecure_channel(target) as ch:
+                return router_pb2_grpc.RouterStub(ch).Status(router_pb2.RouterStatusRequest(), timeout=5)
+
+        def caught_up(target: str) -> bool:
+            st = status(target)
+            return len(st.feeds) == n and not st.catching_up
+
+        fill = (host + disk) // args.chain + 1
+
+        def probe(at: float) -> tuple[str, list[bytes]]:
+            """A request for a chain the last node stored 32 requests before wall time ``at``
+            (then in its host tier, its gpu copy evicted): the node and the keys."""
+            made = fill + int((at - feeds.started) * args.feed_rate)
+            d = SimDaemon(n - 1, gpu, host, disk, args.chain, 4)
+            return d.node, d.prefix + d.keys(max(0, made - 32))
+
+        def serving(target: str, at: float) -> bool:
+            node, keys = probe(at)
+            with grpc.insecure_channel(target) as ch:
+                got = router_pb2_grpc.RouterStub(ch).Route(router_pb2.RouteRequest(keys=keys), timeout=5)
+            top = got.ranked[0] if got.ranked else None
+            return top is not None and top.node_id == node and top.overlap.host + top.overlap.disk > 0
+
+        def run(tag: str, extra: list[str]) -> tuple[subprocess.Popen, str, str, float]:
+            t = time.monotonic()
+            proc, target, logf = _route_server(tmp, tag, feeds.targets, [*common, *extra])
+            procs.append(proc)
+            return proc, target, logf, t
+
+        # the first replica: every daemon's snapshot, then the live events; snapshots every interval
+        proc, target, first_log, t0 = run("first", [*snap, "--snapshot-interval-s", str(args.snapshot_interval_s)])
+        logf = first_log
+        t_cold_serve = _poll(lambda: serving(target, time.time()), 300, "the first router to serve", proc, logf) - t0
+        t_cold = _poll(lambda: caught_up(target), 300, "the first router to catch up", proc, logf) - t0
+        # run on; kill it (no snapshot on the way out) halfway between two snapshots
+        gen0 = (manifest() or {}).get("gen", 0)
+        _poll(lambda: (manifest() or {}).get("gen", 0) > gen0, 60 + 3 * args.snapshot_interval_s,
+              "a snapshot taken mid-run", proc, logf)
+        time.sleep(args.run_s)
+        m = manifest()
+        wait = args.snapshot_interval_s / 2 - (time.time() - m["saved_at"])
+        if wait > 0:
+            time.sleep(wait)
+        m = manifest()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed = time.time()
+        pos = {k: tuple(v) for k, v in m["positions"].items()}
+        saved_at = m["saved_at"]
+        # down for a while; the daemons keep making events
+        time.sleep(args.down_s)
+        proc, target, logf, t0 = run("restarted", [*snap, "--snapshot-interval-s", "600"])
+        t_serve = _poll(lambda: serving(target, saved_at), 300, "the restarted router to serve", proc, logf) - t0
+        t_caught = _poll(lambda: caught_up(target), 300, "the restarted router to catch up", proc, logf) - t0
+        st = status(target)
+        _poll(lambda: _logged(logf, _CAUGHT_UP) is not None, 10, "the route-server's caught-up log line", proc, logf)
+        behind = sum(f.seq for f in st.feeds) - sum(p[1] for p in pos.values())
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        loaded = _logged(logf, r"index snapshot .* loaded: .* in ([0-9.]+) s")
+        cold_caught = _logged(first_log, _CAUGHT_UP)
+        caught = _logged(logf, _CAUGHT_UP)
+        return {"nodes": n, "index_strides": strides or "off", "snapshot_bytes": m["bytes"],
+                "snapshot_keys": m["keys"], "snapshot_age_at_kill_s": round(killed - m["saved_at"], 2),
+                "down_s": args.down_s, "offered_key_events_per_s": round(n * args.feed_rate * 6 * (args.chain - 4)),
+                "events_since_snapshot_at_caught_up": behind,
+                "serving_s": round(t_serve, 2), "catch_up_s": round(t_caught, 2),
+                "resumes": sum(f.resumes for f in st.feeds), "snapshots": sum(f.snapshots for f in st.feeds),
+                "overflows": sum(f.overflows for f in st.feeds),
+                "cold_serving_s": round(t_cold_serve, 2), "cold_catch_up_s": round(t_cold, 2),
+                "snapshot_load_s": loaded, "router_caught_up_s": caught, "cold_router_caught_up_s": cold_caught}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if feeds is not None:
+            feeds.stop()
+        cluster.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="8,32,128", help="fleet sizes measured [%(default)s]")
     ap.add_argument("--node-blocks", default="512:4096:20480", help="per node gpu:host:disk blocks [%(default)s]")
@@ -441,8 +846,34 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replica-gb", type=float, default=16.0)
     ap.add_argument("--fleet-run-blocks", type=int, default=512,
                     help="blocks a put stores at once in the fleet (an 8k-token prompt of 16-token blocks) [%(default)s]")
+    ap.add_argument("--grpc-nodes", default="16", help="fleet sizes fed over real gRPC streams (empty: none) "
+                    "[%(default)s]")
+    ap.add_argument("--catch-up-nodes", type=int, default=16,
+                    help="simulated daemons of the route-server restarted from a snapshot (0: none) [%(default)s]")
+    ap.add_argument("--feed-rate", type=float, default=10.0,
+                    help="requests per second each simulated daemon stores while route-servers restart (about 170 key "
+                         "events each) "
+                         "[%(default)s]")
+    ap.add_argument("--grpc-feed-rate", type=float, default=100.0,
+                    help="requests per second each simulated daemon stores while the in-process router ingests "
+                         "over gRPC [%(default)s]")
+    ap.add_argument("--feed-procs", type=int, default=2, help="processes serving the simulated daemons [%(default)s]")
+    ap.add_argument("--ring-keys", type=int, default=1 << 20,
+                    help="keys of events each simulated daemon keeps for resuming subscribers [%(default)s]")
+    ap.add_argument("--ingest-s", type=float, default=10.0, help="seconds routing while ingesting over gRPC")
+    ap.add_argument("--snapshot-interval-s", type=float, default=2.0,
+                    help="the first route-server's --snapshot-interval-s [%(default)s]")
+    ap.add_argument("--run-s", type=float, default=3.0,
+                    help="seconds the first route-server runs on after its first snapshot [%(default)s]")
+    ap.add_argument("--down-s", type=float, default=3.0,
+                    help="seconds no route-server runs between the kill and the restart [%(default)s]")
+    ap.add_argument("--serve-feeds", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     gpu, host, disk = (int(x) for x in args.node_blocks.split(":"))
+    if args.serve_feeds:
+        first, count = (int(x) for x in args.serve_feeds.split(":"))
+        asyncio.run(serve_feeds(first, count, gpu, host, disk, args.chain, args.feed_rate, args.ring_keys))
+        return {}
     strides = dict(DEFAULT_STRIDES)
     points = []
     for n in [int(x) for x in args.nodes.split(",") if x]:
@@ -456,6 +887,19 @@ def main(argv: list[str] | None = None) -> dict:
     if default not in pairs:
         pairs.append(default)
     loss = hit_rate_loss(args.traces, args.replicas, pairs, True, args.trace_requests) if os.path.isdir(args.traces) else {}
+    grpc_points = []
+    for n in [int(x) for x in args.grpc_nodes.split(",") if x]:
+        for st in ("", "default"):
+            p = grpc_ingest(n, args, st)
+            grpc_points.append(p)
+            print("# grpc " + json.dumps(p), file=sys.stderr, flush=True)
+    restart = None
+    if args.catch_up_nodes:
+        try:
+            restart = catch_up(args.catch_up_nodes, args, "default")
+            print("# catch-up " + json.dumps(restart), file=sys.stderr, flush=True)
+        except (RuntimeError, OSError, TimeoutError) as e:
+            print(f"# catch-up not measured: {e}", file=sys.stderr, flush=True)
     m = model(points, args.fleet_nodes, args.fleet_gpu_blocks, args.fleet_host_blocks, args.fleet_disk_blocks,
               args.replica_gb, args.fleet_run_blocks, strides)
     big = max((p for p in points if p["sparse"]), key=lambda p: p["nodes"])
@@ -476,7 +920,12 @@ def main(argv: list[str] | None = None) -> dict:
                                   "rss_bytes_per_block", "churn_events_per_s", "decision_p99_us")} for p in points],
               "model": m,
               "sparse_walk_us_python": {str(w): round(walk_cost_us(w), 1) for w in (8, 128)},
-              "catch_up_s": None}
+              "grpc": grpc_points,
+              "grpc_events_per_s": grpc_points[-1]["events_per_s"] if grpc_points else None,
+              "grpc_decision_p99_us": grpc_points[-1]["decision_p99_us"] if grpc_points else None,
+              "restart": restart,
+              "serving_s": restart["serving_s"] if restart else None,
+              "catch_up_s": restart["catch_up_s"] if restart else None}
     print(json.dumps(result))
     return result
 
