@@ -522,10 +522,11 @@ class BlockStore:
         return await self._run_to_end(self._prefetch(layout_id, keys, tenant, from_node))
 
     async def _prefetch(self, layout_id: int, keys: Sequence[bytes], tenant: str, from_node: str = "") -> int:
-        """Bring these blocks of the tenant from disk to host ahead of need; with ``from_node``
-        (a peer's node id) fetch those held in no local tier from that peer. Returns
-        how many were brought to host. Without a disk tier nothing is below host, so nothing
-        is promoted."""
+        """These blocks of the tenant will be used (or an engine used them without loading
+        them): those in host become its most recent (as a get's hits, without pins after the
+        call), those only on disk are brought to host; with ``from_node`` (a peer's node id)
+        those held in no local tier are fetched from that peer. Returns how many were brought
+        to host. Without a disk tier nothing is below host, so nothing is promoted."""
         layout = self.layout(layout_id, tenant).layout
         self.check_keys(keys, unique=False)
         peer = None
@@ -535,7 +536,15 @@ class BlockStore:
                 raise StoreError(Code.FAILED_PRECONDITION, "prefetch from_node needs peers: start kvtierd with "
                                                            "--peers")
         bkeys = list(dict.fromkeys(pack_block(layout.fingerprint, k) for k in keys))
-        promoted = await self.tiers.promote(layout, bkeys, self.pool(layout))
+        held = [e for e in map(self.host.get, bkeys) if e is not None]
+        self.tiers.hit(held)
+        for entry in held:  # pinned while the rest is promoted, so the promotion cannot evict them
+            self.host.pin(entry)
+        try:
+            promoted = await self.tiers.promote(layout, bkeys, self.pool(layout))
+        finally:
+            for entry in held:
+                self.host.unpin(entry)
         self.counters.add(Count.PREFETCH_PROMOTIONS, len(promoted))
         if peer is None:
             return len(promoted)

@@ -313,6 +313,25 @@ def test_missing_blocks_are_load_errors(daemon) -> None:
         eng.close()
 
 
+def test_offered_chunks_kvtier_holds_are_marked_used(start_daemon) -> None:
+    """vLLM offers to store what it computed; chunks kvtier already holds (after a gap in the
+    request's prefix) are not stored again but marked used, so host keeps them over older
+    blocks: the chain they complete is whole again for the next turn."""
+    d = start_daemon(host_capacity=str(4 * LAYERS * PAGE))
+    eng = Engine(d.socket)
+    try:
+        keys = offload_keys(5)
+        assert eng.store(keys[:4], [1, 2, 3, 4], 1) == keys[:4]  # host full: keys[0] the oldest
+        assert eng.store(keys[:1], [1], 2) == []                 # held: used, not stored again
+        assert eng.store(keys[4:], [5], 3) == keys[4:]           # evicts the oldest: keys[1]
+        with Sidecar(d.socket) as sc:
+            lid = sc.register_layout(group_layout(eng.config, 0))
+            tiers = sc.lookup(lid, [c for k in keys for c in eng.spec.keymap.chunk(k)])
+        assert tiers == ["host", None, "host", "host", "host"], tiers
+    finally:
+        eng.close()
+
+
 def test_daemon_gone(start_daemon) -> None:
     d = start_daemon()
     eng = Engine(d.socket)

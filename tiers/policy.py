@@ -622,8 +622,13 @@ class TierPolicy:
         return [DISK if k in promoted else HOST if k in host else None for k in keys]
 
     def prefetch(self, keys: Sequence[Hashable]) -> int:
-        """Promote the keys held on disk and not in host; returns how many were."""
-        return len(self._promote(self.promotions(keys)))
+        """These blocks will be used (or an engine just used them without loading them): the
+        keys in host become the most recent, seen once more, as a get's hits; those on disk and
+        not in host are promoted. Returns how many were promoted."""
+        host = self.tiers[HOST]
+        hits = [k for k in dict.fromkeys(keys) if k in host]
+        self.on_hit(hits)
+        return len(self._promote(self.promotions(keys), keep_host=set(hits)))
 
     def evict(self, keys: Sequence[Hashable]) -> int:
         """Remove these keys from host and disk; returns the entries removed."""

@@ -958,8 +958,10 @@ class Sidecar(_SidecarCore):
         return self._transport.run(self._evict(layout_id, keys))
 
     def prefetch(self, layout_id: int, keys: Sequence[bytes], from_node: str | None = None) -> int:
-        """Warm the host tier from disk for these keys; with ``from_node`` (a peer daemon's node id)
-        also fetch the keys held in no local tier from that peer. Returns blocks brought to host."""
+        """These keys will be used, or were just used without a get (an engine recomputed blocks
+        kvtier holds after a gap in its prefix): those in host become its most recent, those
+        only on disk are warmed into host; with ``from_node`` (a peer daemon's node id) also
+        fetch the keys held in no local tier from that peer. Returns blocks brought to host."""
         return self._transport.run(self._prefetch(layout_id, keys, from_node or ""))
 
     def retain(self, layout_id: int, keys: Sequence[bytes], ttl_s: float, priority: int = 0) -> RetainResult:

@@ -212,6 +212,20 @@ class KvtierOffloadingManager(OffloadingManager):
                             out[i] = None
         return out
 
+    def _used(self, sc: Sidecar, keys: Sequence[bytes]) -> None:
+        """The engine computed these chunks, which kvtier holds (after a gap in the request's
+        prefix: they were not part of the leading run it loaded): tell the daemon they were used
+        (``prefetch``: the most recent in host, promoted from disk), so the chain they complete
+        again is kept as a whole, as if the request had loaded them."""
+        by_group: dict[int, list[bytes]] = {}
+        for k in keys:
+            g = self._group_pos.get(offload_group(k))
+            if g is not None:
+                by_group.setdefault(g, []).extend(self.keymap.chunk(k))
+        for g, flat in by_group.items():
+            for lid in self.daemon.lids[g::self.groups]:
+                sc.prefetch(lid, flat)
+
     def _tier_or_down(self, key: bytes) -> str | None:
         sc = self.daemon.get()
         if sc is None:
@@ -274,6 +288,13 @@ class KvtierOffloadingManager(OffloadingManager):
             except KvtierError as e:
                 self.daemon.failed(sc, e)
                 todo = []
+            else:
+                used = [k for k, t in zip(offered, held, strict=True) if t is not None]
+                try:
+                    if used:
+                        self._used(sc, used)
+                except KvtierError as e:  # (only recency: the store goes on)
+                    log.debug(f"kvtier: marking {len(used)} held chunks used failed: {e}")
         self.pending.update((k, next(self._offered)) for k in todo)
         return PrepareStoreOutput(keys_to_store=todo, store_spec=KvtierStoreSpec([self.keymap.chunk(k) for k in todo]),
                                   evicted_keys=[])
