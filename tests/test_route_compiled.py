@@ -115,10 +115,10 @@ def _requests(rng: random.Random, chains: list[list[bytes]], count: int) -> list
 
 
 def _routers(rng: random.Random, n_nodes: int, n_workers: int, n_chains: int,
-             one_batch: bool = False) -> tuple[Router, Router, list]:
+             one_batch: bool = False, strides: str = "") -> tuple[Router, Router, list]:
     chains = [[rng.randbytes(16) for _ in range(rng.randint(1, 40))] for _ in range(n_chains)]
     feeds = _feeds(rng, n_nodes, n_workers, chains, one_batch)
-    cfg = RouterConfig(top_k=rng.choice([1, 3, 8, 100]))
+    cfg = RouterConfig(top_k=rng.choice([1, 3, 8, 100]), index_strides=strides)
     routers = Router(cfg), Router(cfg)
     for node, msgs in feeds.items():
         for msg in msgs:
@@ -162,6 +162,61 @@ def test_compiled_and_numpy_decisions_agree_on_random_clusters(seed: int) -> Non
             assert rc.finish(dc.decision_id) == rn.finish(dn.decision_id)
     assert rc.holdings() == rn.holdings()
     assert rc.index.locations(speculative=True) == rn.index.locations(speculative=True)
+
+
+SPARSE = ["host=2,disk=3", "host=4", "disk=5", "default", "host=3,disk=3", "host=8,disk=16"]
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_and_numpy_decisions_agree_with_sparse_deep_tiers(seed: int) -> None:
+    """With ``index_strides`` the compiled decision walks the sparse host and disk runs itself
+    (_route.c sparse()): the same decisions as the numpy walk (LocationIndex._sparse_walk)."""
+    rng = random.Random(100 + seed)
+    n_workers = rng.choice([1, 3, 8, 64, 70])
+    rc, rn, chains = _routers(rng, rng.randint(1, 5), n_workers, 60, one_batch=seed % 2 == 1,
+                              strides=SPARSE[seed % len(SPARSE)])
+    workers = [w for w, _ in rc.workers()]
+    now = 100.0
+    walked = 0
+    for i, req in enumerate(_requests(rng, chains, 300)):
+        now += rng.choice([0.0, 0.01, 3.0])
+        cand = rng.sample(workers, rng.randint(1, len(workers))) if i % 7 == 3 else None
+        top_k = rng.choice([None, 1, 2, len(workers), 20])
+        dispatch = i % 3 != 0
+        dc = rc.route(req, cand, dispatch=dispatch, top_k=top_k, now=now)
+        with numpy_path():
+            dn = rn.route(req, cand, dispatch=dispatch, top_k=top_k, now=now)
+        _same(dc, dn)
+        walked += any(r.overlap.host > 0 for r in dn.ranked)
+        if dispatch and i % 4 == 0:
+            assert rc.finish(dc.decision_id) == rn.finish(dn.decision_id)
+    assert walked > 20  # the walks found host or disk runs
+    assert rc.holdings() == rn.holdings()
+    assert rc.index.locations(speculative=True) == rn.index.locations(speculative=True)
+
+
+@needs_c
+@pytest.mark.parametrize("strides", SPARSE)
+def test_compiled_sparse_holdings_match_the_numpy_walk(strides: str) -> None:
+    """LocationIndex.holdings with sparse deep tiers, every worker and selections of them,
+    pulls on and off: the compiled walk's leads are the numpy walk's."""
+    rng = random.Random(sum(map(ord, strides)))
+    rc, _, chains = _routers(rng, 4, 12, 80, strides=strides)
+    idx = rc.index
+    n_w = len(idx.plan().workers)
+    longer = 0
+    for req in _requests(rng, chains, 300):
+        fc = idx.rows(req)
+        sel = None if rng.random() < 0.5 else np.asarray(rng.sample(range(n_w), rng.randint(1, n_w)), dtype=np.int64)
+        for remote in (True, False):
+            hc = idx.holdings(fc, sel, remote)
+            with numpy_path():
+                fn = idx.rows(req)
+                hn = idx.holdings(fn, sel, remote)
+            assert hc.dtype == hn.dtype and hc.tolist() == hn.tolist(), (strides, req)
+            longer += int((hn[2] > fn.indexed).any())
+    assert longer  # some walks went past the first key not indexed
 
 
 @needs_c
@@ -227,6 +282,7 @@ def test_compiled_fold_of_large_batches_matches_numpy() -> None:
     assert rc.holdings() == rn.holdings()
     keys = [k for c in chains for k in c]
     assert rc.index.rows(keys).rows.tolist() == rn.index.rows(keys).rows.tolist()
+    assert rc.index._removals == rn.index._removals  # removed events (compiled: unset()) count alike
 
 
 # -- hostile inputs ----------------------------------------------------------------------------
@@ -323,6 +379,7 @@ def hostile_route_calls() -> None:
         _raises(lambda m_=m_, nw=nw, nwk=nwk: _route.lead(rows, m_, bits, nw, table, nwk, True, lout))
     _raises(lambda: _route.lead(np.array([-1, 99, -1], np.int64), 1, bits, 1, table, 2, True, lout))
 
+
     # set_bit: a count beyond rows, a column beyond the words, rows outside the matrix
     for nw, cnt, col, rr in ((1, 1 << 61, 0, rows[1:3]), (1, 2, 64, rows[1:3]), (1, 2, -1, rows[1:3]),
                              (1 << 60, 1, 0, rows[1:3]), (1, 1, 0, np.array([8], np.int64)),
@@ -338,9 +395,50 @@ def hostile_route_calls() -> None:
     _raises(lambda: _route.place(np.array([1], np.int64), t.packed, t.slots, t.tags.astype(np.int64), t._shift_i))
 
 
+def hostile_sparse_calls() -> None:
+    """sparse(): sizes beyond the buffers, bad strides, leads beyond the keys, rows outside the
+    matrix, a wrongly typed lead; unset(): a column or words beyond the matrix, a row beyond it,
+    a table that does not match: refused, never a write outside the arrays."""
+    from kvtier.client.routing import _route
+    from kvtier.client.routing.rowtable import RowTable
+
+    t = RowTable(64)
+    keys = [bytes([i + 1]) * 16 for i in range(5)]
+    t.insert(keys, np.arange(1, 6, dtype=np.int64))
+    m = np.full((8, 1), ~np.uint64(0), np.uint64)
+    assert _route.unset(keys[:2] + [bytes(16)], t.slots, t.tags, t.packed, 6, t._shift_i, m, 1, 3) == 2
+    assert m[1:3, 0].tolist() == [2**64 - 1 - 8] * 2 and (m[3:, 0] == ~np.uint64(0)).all()
+    assert _route.unset(keys + [b"short"], t.slots, t.tags, t.packed, 6, t._shift_i, m, 1, 3) == -1
+    for nw, col, mat in ((1, 64, m), (1, -1, m), (2, 0, m), (0, 0, m), (1 << 60, 0, m), (1, 0, m.astype(np.int32)),
+                         (1, 0, m[:2])):
+        _raises(lambda nw=nw, col=col, mat=mat: _route.unset(keys, t.slots, t.tags, t.packed, 6, t._shift_i, mat, nw,
+                                                             col))
+    _raises(lambda: _route.unset(keys, t.slots, t.tags, t.packed, 6, t._shift_i + 1, m, 1, 0))
+    _raises(lambda: _route.unset(tuple(keys), t.slots, t.tags, t.packed, 6, t._shift_i, m, 1, 0))
+
+    bits = np.zeros((8, 1), np.uint64)
+    table = np.zeros((2048, 4), np.uint64)
+    rows = np.array([-1, 1, 2, -1], np.int64)
+    sl = np.zeros((4, 2), np.int64)
+    _route.sparse(rows, 2, bits, 1, table, 2, 2, 4, sl)
+    for n_, nw, nwk, kh, ka in ((1 << 62, 1, 2, 2, 4), (3, 1, 2, 2, 4), (-1, 1, 2, 2, 4), (2, 1 << 60, 2, 2, 4),
+                                (2, 0, 2, 2, 4), (2, 1, (1 << 63) - 1, 2, 4), (2, 1, 65, 2, 4), (2, 1, 0, 2, 4),
+                                (2, 1, 3, 2, 4), (2, 1, 2, 0, 4), (2, 1, 2, 4, 2), (2, 1, 2, -1, -1)):
+        _raises(lambda n_=n_, nw=nw, nwk=nwk, kh=kh, ka=ka: _route.sparse(rows, n_, bits, nw, table, nwk, kh, ka, sl))
+    _raises(lambda: _route.sparse(rows, 2, bits, 1, table, 2, 2, 4, np.full((4, 2), 3, np.int64)))
+    _raises(lambda: _route.sparse(rows, 2, bits, 1, table, 2, 2, 4, np.full((4, 2), -1, np.int64)))
+    _raises(lambda: _route.sparse(np.array([-1, 99, -1], np.int64), 1, bits, 1, table, 2, 2, 4, sl))
+    _raises(lambda: _route.sparse(rows, 2, bits, 1, table, 2, 2, 4, sl.astype(np.int32)))
+
+
 @needs_c
 def test_hostile_route_calls_raise_never_crash() -> None:
     _in_child("hostile_route_calls")
+
+
+@needs_c
+def test_hostile_sparse_calls_raise_never_crash() -> None:
+    _in_child("hostile_sparse_calls")
 
 
 @needs_c

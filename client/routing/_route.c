@@ -18,6 +18,16 @@
  *       plan's byte table transposed, (nwords * 8 * 256, 4 * words): a byte value's masks of
  *       every tier side by side; out the (4, n_workers) int64 leads.
  *
+ *   sparse(rows, n, bits, nwords, table, n_workers, kh, kany, lead)
+ *       LocationIndex._sparse_walk over the plan's byte table (index.py, Sparse indexing): rows
+ *       as rows() wrote them (the row of every one of the n keys, -1 where not indexed: read as
+ *       row 0, the empty padding row), lead the (4, n_workers) dense leads, extended in place:
+ *       per worker, from its gpu run over the keys held in gpu or host in steps of at most kh
+ *       (d_host: at least the dense one), from there over the keys held anywhere of its own in
+ *       steps of at most kany (d_disk: at least the dense one), and d_remote at least d_disk.
+ *       A walk from s steps from one held position to the next while the step (counted from
+ *       s - 1) is at most k; it answers one past the last position reached (s when none).
+ *
  *   rank(n, lead, weights, load_cost, queued, active, digests, key_digest, top_k, cost, saved,
  *        pairwise) -> list
  *       Scorer.costs then Scorer.order: saved = sum over the 4 tiers of lead * weight (in
@@ -27,9 +37,12 @@
  *       index), as numpy's stable lexsort orders them.
  *
  *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, workers, loads,
- *          spec_gen, top_k, rows, live, free, aux) -> (rows, m, order, saved_best, fetch, speculated, arrays)
+ *          spec_gen, top_k, rows, live, free, aux, kh, kany)
+ *          -> (rows, m, order, saved_best, fetch, speculated, arrays)
  *       rows() into rows (a scratch buffer of at least len(keys) + 2), then lead() (zeros when
- *       no key is indexed), then rank() over every worker in one call, the tie hash's key
+ *       no key is indexed), with sparse deep tiers (kh > 0: the host stride, kany the larger of
+ *       the host and disk strides; 0, 0: dense) then sparse() over every key, then rank() over
+ *       every worker in one call, the tie hash's key
  *       digest (blake2b-64 of the last key, or of b"" without keys: scoring._digest64) made
  *       here. workers: the plan's per-worker arrays in one uint64 buffer of 7 x workers: the
  *       (4, workers) float64 weights, the digests, the speculative columns of generation 0,
@@ -65,6 +78,12 @@
  *
  *   set_bit(bits, nwords, rows, count, col)
  *       Set column col in the first count rows of rows (int64; each >= 0).
+ *
+ *   unset(keys, slots, tags, packed, high, shift, bits, nwords, col) -> int
+ *       A removed event's fold (LocationIndex.removed): column col cleared in the row of each
+ *       of the keys that is indexed (probed as rows() does). Returns how many keys were (each
+ *       time a key repeats), or -1 when a key is not 16 bytes (nothing done); a row beyond
+ *       the matrix (a corrupt table) raises ValueError, the rows before it cleared.
  *
  *   fill(keys, rows, slots, tags, packed, live, bits, nwords, free, nfree, high, shift, col)
  *       -> (status, made, high, nfree)
@@ -399,6 +418,132 @@ static PyObject *route_lead(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     if (lead_core((const int64_t *)br.buf, m, (const uint64_t *)bb.buf, nrows, nwords, (const uint64_t *)bt.buf,
                   n_workers, remote, (int64_t *)bo.buf) == 0) {
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+done:
+    PyBuffer_Release(&br);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&bt);
+    PyBuffer_Release(&bo);
+    return res;
+}
+
+/* ---------------------------------------------------------------------------------- sparse */
+
+/* One walk (sparse.walk): from start - 1, over the positions whose word (every step-th of h)
+ * has bit set, in steps of at most k; one past the last position reached. */
+static inline int64_t walk_bits(const uint64_t *h, Py_ssize_t step, uint64_t bit, Py_ssize_t n, int64_t k,
+                                int64_t start) {
+    int64_t last = start - 1;
+    for (int64_t i = start; i < n && i - last <= k; i++)
+        if (h[(size_t)i * step] & bit)
+            last = i;
+    return last + 1;
+}
+
+/* sparse()'s work on checked buffers: 0, or -1 with an exception set (a row outside the
+ * matrix, no memory) */
+static int sparse_core(const int64_t *rows, Py_ssize_t n, const uint64_t *bits, Py_ssize_t nrows, Py_ssize_t nwords,
+                       const uint64_t *table, Py_ssize_t n_workers, int64_t kh, int64_t kany, int64_t *lead) {
+    Py_ssize_t ww = (n_workers + 63) / 64, tw = 4 * ww, hw = 2 * ww;
+    /* per key, the workers holding it in gpu or host (ww words), then anywhere of their own */
+    uint64_t small[2 * 128], *held = small;
+    if ((size_t)n * hw > sizeof(small) / sizeof(small[0])) {
+        held = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)n * hw);
+        if (!held) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    const uint64_t *prow = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t *h = held + (size_t)i * hw;
+        int64_t r = rows[i + 1];
+        if (r < 0)
+            r = 0; /* not indexed: the empty padding row */
+        if (r >= nrows) {
+            PyErr_SetString(PyExc_ValueError, "sparse(): a row outside the matrix");
+            if (held != small)
+                free(held);
+            return -1;
+        }
+        const uint64_t *row = bits + (size_t)r * nwords;
+        if (prow && (row == prow || memcmp(row, prow, nwords * 8) == 0)) {
+            memcpy(h, h - hw, hw * 8); /* held alike */
+            continue;
+        }
+        prow = row;
+        memset(h, 0, hw * 8);
+        const unsigned char *bytes = (const unsigned char *)row;
+        for (Py_ssize_t b = 0; b < nwords * 8; b++) {
+            unsigned v = bytes[b];
+            if (!v)
+                continue;
+            const uint64_t *col = table + (b * 256 + v) * tw; /* tiers 1 (gpu or host), 2 (own tiers) */
+            for (Py_ssize_t k = 0; k < hw; k++)
+                h[k] |= col[ww + k];
+        }
+    }
+    int64_t *d0 = lead, *d1 = lead + n_workers, *d2 = lead + 2 * n_workers, *d3 = lead + 3 * n_workers;
+    for (Py_ssize_t j = 0; j < n_workers; j++) {
+        uint64_t bit = (uint64_t)1 << (j & 63);
+        const uint64_t *h = held + (j >> 6);
+        int64_t host = walk_bits(h, hw, bit, n, kh, d0[j]);
+        if (host < d1[j])
+            host = d1[j];
+        int64_t any = walk_bits(h + ww, hw, bit, n, kany, host);
+        if (any < d2[j])
+            any = d2[j];
+        d1[j] = host;
+        d2[j] = any;
+        if (d3[j] < any)
+            d3[j] = any;
+    }
+    if (held != small)
+        free(held);
+    return 0;
+}
+
+static PyObject *route_sparse(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 9, "sparse"))
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t n_workers = PyLong_AsSsize_t(args[5]);
+    long long kh = PyLong_AsLongLong(args[6]);
+    long long kany = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer br, bb, bt, bo;
+    static const int at[4] = {0, 2, 4, 8};
+    static const char writable[4] = {0, 0, 0, 1};
+    Py_buffer *const bufs[4] = {&br, &bb, &bt, &bo};
+    if (get_bufs(args, 4, at, "qQQq", writable, bufs) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    /* bounds first, so no size below overflows (n, nwords and n_workers are the caller's) */
+    if (n < 0 || n > br.len / 8 - 2 || nwords <= 0 || nwords > bb.len / 8 || n_workers <= 0 ||
+        n_workers > MAX_TW / 4 * 64 || bo.len / 8 / 4 != n_workers || bo.len % 32 || kh < 1 || kany < kh) {
+        PyErr_SetString(PyExc_ValueError, "sparse(): buffers do not match the plan");
+        goto done;
+    }
+    Py_ssize_t tw = 4 * ((n_workers + 63) / 64), stride = nwords * 8 * 256, nrows = bb.len / 8 / nwords;
+    if (bt.len / 8 / tw != stride || bt.len % (8 * tw)) {
+        PyErr_SetString(PyExc_ValueError, "sparse(): buffers do not match the plan");
+        goto done;
+    }
+    {
+        int64_t *lead = (int64_t *)bo.buf;
+        for (Py_ssize_t j = 0; j < 4 * n_workers; j++)
+            if (lead[j] < 0 || lead[j] > n) {
+                PyErr_SetString(PyExc_ValueError, "sparse(): a lead outside the keys");
+                goto done;
+            }
+    }
+    if (sparse_core((const int64_t *)br.buf, n, (const uint64_t *)bb.buf, nrows, nwords, (const uint64_t *)bt.buf,
+                    n_workers, kh, kany, (int64_t *)bo.buf) == 0) {
         Py_INCREF(Py_None);
         res = Py_None;
     }
@@ -799,6 +944,65 @@ done:
     return res;
 }
 
+/* ----------------------------------------------------------------------------------- unset */
+
+static PyObject *route_unset(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 9, "unset"))
+        return NULL;
+    PyObject *keys = args[0];
+    long long high;
+    long shift;
+    if (table_args(args, "unset", &high, &shift) < 0)
+        return NULL;
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[7]);
+    Py_ssize_t col = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    /* the keys are checked after the conversions above (an __index__ may change the list) */
+    if (!keys16(keys))
+        return PyLong_FromLong(-1);
+    Py_buffer bs, bt, bp, bb;
+    static const int at[4] = {1, 2, 3, 6};
+    static const char writable[4] = {0, 0, 0, 1};
+    Py_buffer *const bufs[4] = {&bs, &bt, &bp, &bb};
+    if (get_bufs(args, 4, at, "iBKQ", writable, bufs) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t nslots = bs.len / 4, nkeys = bp.len / WIDTH;
+    Py_ssize_t nrows = nwords > 0 ? bb.len / 8 / nwords : 0;
+    if (!table_ok(nslots, bt.len, shift, high, nkeys) || nwords <= 0 || nwords > bb.len / 8 || col < 0 ||
+        col / 64 >= nwords) {
+        PyErr_SetString(PyExc_ValueError, "unset(): buffers do not match the table");
+        goto done;
+    }
+    {
+        Py_ssize_t n = PyList_GET_SIZE(keys), found = 0;
+        uint64_t mask = (uint64_t)nslots - 1, keep = ~((uint64_t)1 << (col & 63));
+        uint64_t *bits = (uint64_t *)bb.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
+            int64_t r = probe((const int32_t *)bs.buf, (const uint8_t *)bt.buf, (const unsigned char *)bp.buf, nkeys,
+                              mask, (int)shift, key);
+            if (r < 0)
+                continue;
+            if (r >= nrows) {
+                PyErr_SetString(PyExc_ValueError, "unset(): a row outside the matrix");
+                goto done;
+            }
+            bits[(size_t)r * nwords + (col >> 6)] &= keep;
+            found++;
+        }
+        res = PyLong_FromSsize_t(found);
+    }
+done:
+    PyBuffer_Release(&bs);
+    PyBuffer_Release(&bt);
+    PyBuffer_Release(&bp);
+    PyBuffer_Release(&bb);
+    return res;
+}
+
 /* ---------------------------------------------------------------------------------- decide */
 
 /* BLAKE2b (RFC 7693) with an 8-byte digest, no key, of a message of at most 128 bytes (one
@@ -871,7 +1075,7 @@ static PyObject *route_digest64(PyObject *self, PyObject *arg) {
 
 static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (!nargs_ok(nargs, 18, "decide"))
+    if (!nargs_ok(nargs, 20, "decide"))
         return NULL;
     PyObject *keys = args[0];
     long long high;
@@ -890,8 +1094,18 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t top_k = PyLong_AsSsize_t(args[13]);
     if (top_k == -1 && PyErr_Occurred())
         return NULL;
+    long long kh = PyLong_AsLongLong(args[18]);
+    if (kh == -1 && PyErr_Occurred())
+        return NULL;
+    long long kany = PyLong_AsLongLong(args[19]);
+    if (kany == -1 && PyErr_Occurred())
+        return NULL;
     if (gen < -1 || gen > 1) {
         PyErr_SetString(PyExc_ValueError, "decide(): spec_gen must be -1, 0 or 1");
+        return NULL;
+    }
+    if (kh < 0 || (kh == 0 && kany != 0) || (kh > 0 && kany < kh)) {
+        PyErr_SetString(PyExc_ValueError, "decide(): strides must be 0, 0 (dense) or 1 <= kh <= kany");
         return NULL;
     }
     /* the keys are checked after the conversions above (an __index__ or __bool__ may change the
@@ -937,6 +1151,9 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
             memset(lead, 0, 4 * w * 8);
         else if (lead_core(rows, m, (const uint64_t *)b[3].buf, nrows, nwords, (const uint64_t *)b[4].buf, w, remote,
                            lead) < 0)
+            goto done;
+        if (kh > 0 && sparse_core(rows, n, (const uint64_t *)b[3].buf, nrows, nwords, (const uint64_t *)b[4].buf, w,
+                                  kh, kany, lead) < 0)
             goto done;
         const unsigned char *last = n ? (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, n - 1)) : ZERO;
         uint64_t kd = blake2b64(last, n ? WIDTH : 0);
@@ -1008,12 +1225,14 @@ done:
 static PyMethodDef methods[] = {
     {"rows", (PyCFunction)(void (*)(void))route_rows, METH_FASTCALL, "A request's rows (see the module source)."},
     {"lead", (PyCFunction)(void (*)(void))route_lead, METH_FASTCALL, "Holdings over the byte table."},
+    {"sparse", (PyCFunction)(void (*)(void))route_sparse, METH_FASTCALL, "The sparse walk over the byte table."},
     {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
     {"decide", (PyCFunction)(void (*)(void))route_decide, METH_FASTCALL, "rows, lead and rank at once."},
     {"digest64", (PyCFunction)route_digest64, METH_O, "blake2b-64 of bytes (at most 128), read little-endian."},
     {"insert", (PyCFunction)(void (*)(void))route_insert, METH_FASTCALL, "Give rows to new 16-byte keys."},
     {"place", (PyCFunction)(void (*)(void))route_place, METH_FASTCALL, "Place rows in the slots."},
     {"set_bit", (PyCFunction)(void (*)(void))route_set_bit, METH_FASTCALL, "Set a column in rows."},
+    {"unset", (PyCFunction)(void (*)(void))route_unset, METH_FASTCALL, "Clear a column in the keys' rows."},
     {"fill", (PyCFunction)(void (*)(void))route_fill, METH_FASTCALL, "Rows for the keys not indexed yet."},
     {NULL, NULL, 0, NULL},
 };

@@ -155,6 +155,7 @@ QUEUE_KEYS = 262144
 """Default bound of a feed's inbox, in keys (eight of a daemon's largest event batches)."""
 FOLD_KEYS = 2048
 """Default largest piece folded under the lock at once, in keys."""
+_END_S = 2.0  # seconds a stopping router waits for its streams to end before cancelling them
 
 
 def _keys(reply: locations_pb2.WatchLocationsReply) -> int:
@@ -210,6 +211,7 @@ class _Inbox:
     snapshot_parts: int = 0  # of the items: snapshot pieces (the feed is taking a snapshot)
     error: Exception | None = None  # the fold failed: the reader ends the stream with it
     call: object = None     # the stream being read (cancelled on a fold error)
+    reading: bool = False   # its reader awaits the stream's next message
     room: asyncio.Event | None = None
 
     def clear(self) -> int:
@@ -272,6 +274,7 @@ class Feeds:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
+        self._ending = False  # the streams are being ended (stop): a dropped one does not reconnect
         self._synced = threading.Condition(lock)
         self.on_epoch_change: Callable[[str, int, int], None] | None = None
 
@@ -338,6 +341,7 @@ class Feeds:
             loop = asyncio.new_event_loop()
             self._loop = loop
             self._stopping = asyncio.Event()
+            self._ending = False
             asyncio.set_event_loop(loop)
             loop.call_soon(ready.set)
             try:
@@ -373,9 +377,36 @@ class Feeds:
         tasks.append(folder)
         assert self._stopping is not None
         await self._stopping.wait()
-        for t in [*tasks, *self._tasks.values()]:
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, *self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._end_streams()
+
+    async def _end_streams(self) -> None:
+        """End every stream before the loop closes: each call is cancelled and its reader left to
+        see it end, then grpc's own tasks of the calls are awaited, so no completion of a call
+        arrives for this loop once it is closed (grpc hands a completion to the loop its call
+        was made on; a closed one raises "Event loop is closed" in whichever loop polls)."""
+        self._ending = True
+        for target, task in self._tasks.items():
+            inbox = self._inboxes.get(target)
+            if inbox is not None and inbox.reading and inbox.call is not None:
+                inbox.call.cancel()  # type: ignore[attr-defined]
+            else:  # not reading (connecting, reconnecting, or waiting for room in its inbox)
+                task.cancel()
+        feeds = list(self._tasks.values())
+        if feeds:
+            _, late = await asyncio.wait(feeds, timeout=_END_S)
+            for t in late:  # a reader that took one more message and waits for room
+                t.cancel()
+            await asyncio.gather(*feeds, return_exceptions=True)
+        me = asyncio.current_task()
+        rest = [t for t in asyncio.all_tasks() if t is not me]
+        if rest:
+            _, late = await asyncio.wait(rest, timeout=_END_S)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
     def _start_feed(self, target: str, name: str = "") -> None:
         if target not in self._tasks:
@@ -409,6 +440,8 @@ class Feeds:
                 raise
             except (grpc.RpcError, KvtierError, FeedError, FoldError, _StreamEnded, _DuplicateNode, _Silent,
                     _Overflow) as e:
+                if self._ending:  # the router is closing: its call was cancelled
+                    return
                 if received[0]:  # it was up: retry soon
                     delay = self.reconnect_min_s
                 self._dropped(target, e, delay)
@@ -448,6 +481,7 @@ class Feeds:
         timeout = self.node_timeout_s or None
         try:
             while True:
+                inbox.reading = True
                 try:
                     reply = await asyncio.wait_for(call.read(), timeout)
                 except asyncio.TimeoutError:
@@ -460,6 +494,8 @@ class Feeds:
                     if inbox.error is not None and not (task is not None and task.cancelling()):
                         raise inbox.error from None  # the folder cancelled the call: its fold failed
                     raise
+                finally:
+                    inbox.reading = False
                 if inbox.error is not None:
                     raise inbox.error
                 if reply is grpc.aio.EOF:
