@@ -1,8 +1,10 @@
 """Router replicas that start from an index snapshot in a real Redis Cluster (TLS, ACL user),
-against real kvtierd subprocesses and ``kvtier route-server`` processes."""
+against real kvtierd subprocesses and ``kvtier route-server`` processes; the snapshot store's
+chunks, digest and encoding against the same cluster."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -12,12 +14,15 @@ import time
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 from _wait import wait_for
 from redis_cluster import cluster_fixture, free_ports
 from test_router import LAYOUT, _status, _Writer, put, router_for, session_keys
 
 from kvtier.client.engine.sidecar import Sidecar
+from kvtier.client.routing.router import Router
+from kvtier.client.routing.snapshot import SnapshotError, Snapshots, SnapshotStore, decode, encode
 from kvtier.client.tools.local_daemon import DaemonProcess
 from kvtier.proto import router_pb2, router_pb2_grpc
 
@@ -70,7 +75,8 @@ def manifest(cluster) -> dict | None:
 def clear_snapshot(cluster) -> None:
     c = cluster.client()
     try:
-        for key in c.scan_iter(match=f"kvtier:router:{{{NAME}}}:*", target_nodes=c.ALL_NODES):
+        # the manifest and counter (kvtier:router:{NAME}:...), the chunks (kvtier:router:{NAME:GEN:I})
+        for key in c.scan_iter(match=f"kvtier:router:{{{NAME}*", target_nodes=c.ALL_NODES):
             c.delete(key)
     finally:
         c.close()
@@ -175,3 +181,85 @@ def test_a_restarted_router_answers_from_its_snapshot_while_catching_up(three, r
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, (tmp_path / "router.log").read_text()
+
+
+def store(cluster, name: str, **kw) -> SnapshotStore:
+    return SnapshotStore([("127.0.0.1", p) for p in cluster.ports], name, tls_ca=cluster.file("redis-ca.pem"),
+                         tls_cert=cluster.file("kvtier-client.pem"), tls_key=cluster.file("kvtier-client.key"),
+                         user=cluster.USER, password=cluster.password, **kw)
+
+
+def test_a_snapshots_chunks_spread_over_the_masters_and_load_whole(redis_cluster) -> None:
+    data = os.urandom(3 << 20)
+    st = store(redis_cluster, "spread", chunk_bytes=64 << 10, io_threads=3)
+    try:
+        first = st.save(data)
+        gen = st.save(data[::-1])  # replaces the first; its chunks are deleted
+        m = st.manifest()
+        assert m["gen"] == gen and m["chunks"] == 48 and m["bytes"] == len(data) and "xxh3_128" in m
+        masters = {redis_cluster.port_of(st.chunk_key(gen, i)) for i in range(m["chunks"])}
+        assert masters == set(redis_cluster.ports)  # every master holds some of them
+        got, m2 = store(redis_cluster, "spread", io_threads=3).load()
+        assert bytes(got) == data[::-1] and m2 == m
+        c = redis_cluster.client()
+        try:
+            assert not any(c.exists(st.chunk_key(first, i)) for i in range(48))
+        finally:
+            c.close()
+    finally:
+        st.close()
+
+
+def test_a_chunk_gone_or_altered_is_read_again_and_fails_only_when_it_stays_so(redis_cluster) -> None:
+    st = store(redis_cluster, "damaged", chunk_bytes=32 << 10, io_threads=2)
+    c = redis_cluster.client()
+    try:
+        old = st.save(os.urandom(100_000))
+        stale = st.manifest()
+        data = os.urandom(200_000)
+        new = st.save(data)
+        latest = st.manifest()
+        assert new > old and latest["gen"] == new
+        # a reader holding the manifest a save replaced meanwhile finds its chunks gone ...
+        assert st._read(stale) == "a chunk is gone (replaced by a newer save)"
+        c.set(st.latest_key, json.dumps(stale))  # ... and one that keeps finding it so gives up
+        with pytest.raises(SnapshotError, match="a chunk is gone"):
+            st.load()
+        c.set(st.latest_key, json.dumps(latest))
+        got, _ = st.load()  # the latest manifest: read whole
+        assert bytes(got) == data
+        key = st.chunk_key(new, 3)
+        c.set(key, bytes(32 << 10))  # same length, other bytes
+        assert st._read(st.manifest()) == "its digest does not match its manifest"
+        c.set(key, b"short")  # another length
+        assert st._read(st.manifest()) == "a chunk is gone (replaced by a newer save)"
+        with pytest.raises(SnapshotError, match="could not be read whole"):
+            st.load()
+        router = Router()
+        assert Snapshots(st, router, 30).restore() is None  # the router starts from the daemons then
+        assert st.save(data) > new
+        got, _ = st.load()
+        assert bytes(got) == data
+    finally:
+        c.close()
+        st.close()
+
+
+def test_snapshot_bytes_are_numpy_savez_and_load_as_aligned_views() -> None:
+    arrays = {"meta": np.frombuffer(b'{"columns": []}', dtype=np.uint8), "key_lengths": np.full(5, 16, np.uint8),
+              "key_bytes": np.arange(80, dtype=np.uint8), "bits": np.arange(35, dtype=np.uint64).reshape(5, 7),
+              "fortran": np.asfortranarray(np.arange(12.0).reshape(3, 4)), "empty": np.zeros((0, 3), np.uint64)}
+    data = bytearray(encode(arrays))
+    with np.load(io.BytesIO(bytes(data))) as z:  # what numpy.load reads
+        assert set(z.files) == set(arrays) and all(np.array_equal(z[k], v) for k, v in arrays.items())
+    got = decode(data)
+    for k, v in arrays.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and np.array_equal(got[k], v), k
+        assert not got[k].flags.owndata and got[k].flags.aligned and got[k].flags.writeable, k  # views
+        if got[k].size:
+            assert np.shares_memory(got[k], np.frombuffer(data, dtype=np.uint8)), k
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)  # numpy's own writer: read too (copies where unaligned)
+    assert all(np.array_equal(decode(buf.getvalue())[k], v) for k, v in arrays.items())
+    with pytest.raises(ValueError):
+        decode(b"not a zip")

@@ -10,16 +10,24 @@ events after it (or a snapshot of its own when its ring no longer reaches that f
 the replica routes from the loaded index at once while it catches up (its ``Status`` shows each
 feed's ``seq`` below its ``head_seq`` meanwhile; the ``kvtier_router_catching_up`` metric is 1).
 
-Layout in Redis (every key in one hash slot, ``{NAME}``: ``--snapshot-name``, default the
-router's ``--name``; the keys start with ``kvtier:``, which the store's ACL user may write):
+Layout in Redis (the keys start with ``kvtier:``, which the store's ACL user may write; ``NAME``:
+``--snapshot-name``, default the router's ``--name``):
 
 * ``kvtier:router:{NAME}:gen``: a counter, one generation per save;
-* ``kvtier:router:{NAME}:GEN:I``: the snapshot's bytes (``numpy.savez``), in chunks of
-  :data:`CHUNK_BYTES`;
-* ``kvtier:router:{NAME}:latest``: the manifest (JSON: generation, chunks, bytes, SHA-256,
-  when, what it holds), written last, atomically replacing the previous one; the chunks of the
-  manifest it replaced are deleted then. A reader that finds a chunk gone or the digest wrong
-  (a save replaced it meanwhile) reads the manifest again.
+* ``kvtier:router:{NAME:GEN:I}``: chunk ``I`` of the snapshot's bytes, :data:`CHUNK_BYTES` each
+  (the last the rest). Each chunk has a hash slot of its own, so the chunks of one snapshot
+  spread over the cluster's masters (their memory, and the reads and writes, which go to every
+  master at once: up to :data:`IO_THREADS` masters in parallel);
+* ``kvtier:router:{NAME}:latest``: the manifest (JSON: generation, chunks, chunk and total
+  bytes, the XXH3-128 digest of the whole, when, what it holds), written last, atomically
+  replacing the previous one; the chunks of the manifest it replaced are deleted then. A reader
+  that finds a chunk gone or of the wrong length, or the digest wrong (a save replaced it
+  meanwhile), reads the manifest again.
+
+The bytes are ``numpy.savez``'s format (an uncompressed zip of ``.npy`` members, which
+``numpy.load`` reads), written with every array's data at a 64-byte aligned offset (a zip extra
+field pads each member's header), so that a replica that loads it takes its arrays as views of
+the bytes it read (:func:`decode`), not copies.
 
 Replicas of one fleet (same ``--snapshot-name``) share the snapshot: each saves a whole,
 consistent state, and whichever saved last is the one the next replica loads.
@@ -28,18 +36,22 @@ consistent state, and whichever saved last is the one the next replica loads.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import json
 import logging
+import os
 import socket
+import struct
 import threading
 import time
-from collections.abc import Sequence
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvtier.settings import parse_float, setting
 
@@ -47,6 +59,13 @@ log = logging.getLogger("kvtier.router")
 
 CHUNK_BYTES = 8 << 20
 """Bytes of one snapshot chunk (a Redis string each)."""
+
+IO_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Masters a snapshot is read from and written to at once (a thread and a connection each)."""
+
+_ALIGN = 64  # every array's data starts at a multiple of this in the snapshot's bytes
+_PAD_ID = 0xD935  # the zip extra field that pads a member's header (as zipalign's)
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # a zip member's local header
 
 _READ_TRIES = 3
 
@@ -115,8 +134,9 @@ class SnapshotStore:
 
     def __init__(self, nodes: Sequence[tuple[str, int]], name: str, *, tls_ca: str = "", tls_cert: str = "",
                  tls_key: str = "", user: str = "", password: str = "", timeout_s: float = 10.0,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, io_threads: int = IO_THREADS) -> None:
         self.nodes, self.name, self.timeout_s, self.chunk_bytes = list(nodes), name, timeout_s, chunk_bytes
+        self.io_threads = max(1, io_threads)
         kw: dict[str, Any] = {}
         if tls_ca:
             kw.update(ssl=True, ssl_ca_certs=tls_ca, ssl_cert_reqs="required", ssl_certfile=tls_cert or None,
@@ -131,7 +151,6 @@ class SnapshotStore:
         tag = "{" + name + "}"
         self.latest_key = f"kvtier:router:{tag}:latest"
         self.gen_key = f"kvtier:router:{tag}:gen"
-        self._chunk_prefix = f"kvtier:router:{tag}:"
 
     @classmethod
     def from_config(cls, cfg: SnapshotConfig, default_name: str) -> SnapshotStore:
@@ -154,10 +173,28 @@ class SnapshotStore:
                                             socket_connect_timeout=self.timeout_s, **self._kw)
             return self._client
 
-    def _chunk_key(self, gen: int, i: int) -> str:
-        return f"{self._chunk_prefix}{gen}:{i}"
+    def chunk_key(self, gen: int, i: int) -> str:
+        """The key of chunk ``i`` of generation ``gen`` (a hash slot of its own)."""
+        return f"kvtier:router:{{{self.name}:{gen}:{i}}}"
 
-    def save(self, data: bytes, info: dict | None = None) -> int:
+    def _each(self, keys: list[str], do: Callable[[int], None]) -> None:
+        """``do(i)`` for every key, the keys of each master in turn, up to ``io_threads``
+        masters at once; the first error raised is raised here."""
+        c = self.client()
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(c.get_node_from_key(k).name, []).append(i)
+        runs = list(groups.values())
+        if self.io_threads == 1 or len(runs) == 1:
+            for run in runs:
+                for i in run:
+                    do(i)
+            return
+        with ThreadPoolExecutor(min(self.io_threads, len(runs)), thread_name_prefix="kvtier-snapshot") as ex:
+            for _ in ex.map(lambda run: [do(i) for i in run], runs):
+                pass
+
+    def save(self, data: bytes | bytearray | memoryview, info: dict | None = None) -> int:
         """Store ``data`` as the latest snapshot; its generation. Raises :class:`SnapshotError`."""
         from redis.exceptions import RedisError  # noqa: PLC0415
 
@@ -165,17 +202,18 @@ class SnapshotStore:
             c = self.client()
             gen = int(c.incr(self.gen_key))
             step = self.chunk_bytes
-            view = memoryview(data)
-            n = max(1, -(-len(data) // step))
-            for i in range(n):
-                c.set(self._chunk_key(gen, i), bytes(view[i * step:(i + 1) * step]))
-            manifest = {"gen": gen, "chunks": n, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                        "saved_at": time.time(), "by": socket.gethostname(), **(info or {})}
+            view = memoryview(data).cast("B")
+            n = max(1, -(-len(view) // step))
+            keys = [self.chunk_key(gen, i) for i in range(n)]
+            self._each(keys, lambda i: c.set(keys[i], view[i * step:(i + 1) * step]))
+            manifest = {"gen": gen, "chunks": n, "chunk_bytes": step, "bytes": len(view),
+                        "xxh3_128": xxhash.xxh3_128_hexdigest(view), "saved_at": time.time(),
+                        "by": socket.gethostname(), **(info or {})}
             old = c.set(self.latest_key, json.dumps(manifest), get=True)
             if old:
                 prev = json.loads(old)
                 if prev.get("gen") != gen:
-                    c.delete(*[self._chunk_key(prev["gen"], i) for i in range(int(prev.get("chunks", 0)))])
+                    c.delete(*[self.chunk_key(prev["gen"], i) for i in range(int(prev.get("chunks", 0)))])
             return gen
         except (RedisError, OSError, ValueError, KeyError) as e:
             raise SnapshotError(f"saving the index snapshot to {self.name!r} failed: {e}") from e
@@ -190,7 +228,7 @@ class SnapshotStore:
             raise SnapshotError(f"reading the index snapshot {self.name!r} failed: {e}") from e
         return json.loads(raw) if raw else None
 
-    def load(self) -> tuple[bytes, dict] | None:
+    def load(self) -> tuple[bytearray, dict] | None:
         """(bytes, manifest) of the latest snapshot, or None when there is none. A snapshot
         replaced while it was read is read again (the new one). Raises :class:`SnapshotError`."""
         from redis.exceptions import RedisError  # noqa: PLC0415
@@ -201,19 +239,48 @@ class SnapshotStore:
             if m is None:
                 return None
             try:
-                keys = [self._chunk_key(m["gen"], i) for i in range(int(m["chunks"]))]
-                parts = self.client().mget(keys)
-            except (RedisError, OSError, KeyError, ValueError) as e:
+                got = self._read(m)
+            except (RedisError, OSError, KeyError, ValueError, TypeError) as e:
                 raise SnapshotError(f"reading the index snapshot {self.name!r} failed: {e}") from e
-            if any(p is None for p in parts):
-                why = "a chunk is gone (replaced by a newer save)"
+            if isinstance(got, str):
+                why = got
                 continue
-            data = b"".join(parts)
-            if len(data) != m.get("bytes") or hashlib.sha256(data).hexdigest() != m.get("sha256"):
-                why = "its digest does not match its manifest"
-                continue
-            return data, m
+            return got, m
         raise SnapshotError(f"the index snapshot {self.name!r} could not be read whole: {why}")
+
+    def _read(self, m: dict) -> bytearray | str:
+        """The bytes of the snapshot of manifest ``m``, each chunk read into its place; or why not."""
+        if "xxh3_128" not in m:
+            return "its manifest has no xxh3_128 digest (saved in another layout)"
+        size, n, step = int(m["bytes"]), int(m["chunks"]), int(m["chunk_bytes"])
+        if n != max(1, -(-size // step)):
+            return "its manifest's chunks do not add up to its bytes"
+        buf = bytearray(size)
+        keys = [self.chunk_key(m["gen"], i) for i in range(n)]
+        c = self.client()
+        gone: list[int] = []
+
+        view = memoryview(buf)
+
+        def get(i: int) -> None:
+            if gone:
+                return  # another chunk is gone already: the manifest is read again
+            out = view[i * step:min(size, (i + 1) * step)]
+            got = _get_into(c, keys[i], out)
+            if got is None:  # not a plain reply: through the client (redirections, errors)
+                part = c.get(keys[i])
+                got = part is not None and len(part) == len(out)
+                if got:
+                    out[:] = part
+            if not got:
+                gone.append(i)
+
+        self._each(keys, get)
+        if gone:
+            return "a chunk is gone (replaced by a newer save)"
+        if xxhash.xxh3_128_hexdigest(buf) != m["xxh3_128"]:
+            return "its digest does not match its manifest"
+        return buf
 
     def close(self) -> None:
         with self._lock:
@@ -222,21 +289,140 @@ class SnapshotStore:
                 self._client = None
 
 
-def state_bytes(router: Any) -> tuple[bytes, dict]:
-    """The router's state (:meth:`Router.state_arrays`) as ``numpy.savez`` bytes, and a
-    summary for the manifest (keys, nodes, positions)."""
-    arrays = router.state_arrays()
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
+def _get_into(c: Any, key: str, out: memoryview) -> bool | None:
+    """``GET key`` on a connection of the master that serves ``key``, its value read from the
+    socket straight into ``out`` (no parser, no copy): True; False when the key is gone or its
+    value is not ``len(out)`` bytes; None when the reply is not a value (a redirection, an
+    error: the caller asks again through the client)."""
+    pool = c.get_node_from_key(key).redis_connection.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_command("GET", key)
+        sock = conn._sock  # noqa: SLF001
+        head = bytearray()
+        while not head.endswith(b"\r\n"):  # "$LENGTH\r\n", "$-1\r\n" or "-ERROR ...\r\n"
+            b = sock.recv(1)
+            if not b:
+                raise ConnectionError("the Redis node closed the connection")
+            head += b
+        if head[:1] != b"$":
+            return None
+        n = int(head[1:-2])
+        if n != len(out):
+            if n >= 0:
+                conn.disconnect()  # its value is still on the wire
+            return False
+        got = 0
+        while got < n:
+            k = sock.recv_into(out[got:], n - got)
+            if not k:
+                raise ConnectionError("the Redis node closed the connection")
+            got += k
+        tail = b""
+        while len(tail) < 2:
+            b = sock.recv(2 - len(tail))
+            if not b:
+                raise ConnectionError("the Redis node closed the connection")
+            tail += b
+        return True
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
+class _Reader:
+    """A read-only file over a buffer (what ``zipfile`` and ``numpy.lib.format`` read headers from)."""
+
+    def __init__(self, view: memoryview, at: int = 0) -> None:
+        self.view, self.at = view, at
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.at + n)
+        out = bytes(self.view[self.at:end])
+        self.at = max(self.at, end)
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.at = offset if whence == 0 else self.at + offset if whence == 1 else len(self.view) + offset
+        return self.at
+
+    def tell(self) -> int:
+        return self.at
+
+    def seekable(self) -> bool:
+        return True
+
+
+def encode(arrays: Mapping[str, np.ndarray]) -> memoryview:
+    """``numpy.savez`` bytes of these arrays (``numpy.load`` reads them), each array's data at an
+    offset that is a multiple of 64 (see the module docstring)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, a in arrays.items():
+            a = np.asanyarray(a)
+            info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_STORED
+            # the local header: 30 bytes, the name, this extra field, zip64's (20 bytes); the npy
+            # header after it is a multiple of 64 bytes long (numpy pads it so)
+            head = out.tell() + _LOCAL.size + len(info.filename.encode()) + 20
+            pad = -head % _ALIGN
+            if pad and pad < 4:
+                pad += _ALIGN
+            if pad:
+                info.extra = struct.pack("<HH", _PAD_ID, pad - 4) + bytes(pad - 4)
+            with zf.open(info, "w", force_zip64=True) as fh:
+                np.lib.format.write_array(fh, a, allow_pickle=False)
+    return out.getbuffer()
+
+
+def decode(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
+    """The arrays of ``numpy.savez`` bytes (uncompressed), as views of ``data`` where each one's
+    data is aligned (as :func:`encode` writes them), else copies. Raises ValueError."""
+    view = memoryview(data).cast("B")
+    out: dict[str, np.ndarray] = {}
+    try:
+        with zipfile.ZipFile(_Reader(view)) as zf:
+            members = zf.infolist()
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"not a numpy.savez snapshot: {e}") from e
+    for info in members:
+        if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
+            raise ValueError(f"{info.filename!r} is not a stored .npy member")
+        sig, *_, n_name, n_extra = _LOCAL.unpack_from(view, info.header_offset)
+        if sig != 0x04034B50:
+            raise ValueError(f"{info.filename!r}: no local header at {info.header_offset}")
+        start = info.header_offset + _LOCAL.size + n_name + n_extra
+        fh = _Reader(view[start:start + info.file_size])
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+        if dtype.hasobject:
+            raise ValueError(f"{info.filename!r} holds Python objects")
+        count = int(np.prod(shape, dtype=np.int64))
+        if fh.tell() + count * dtype.itemsize > info.file_size:
+            raise ValueError(f"{info.filename!r} is shorter than its header says")
+        a = np.frombuffer(view, dtype=dtype, count=count, offset=start + fh.tell())
+        a = a.reshape(shape[::-1]).T if fortran else a.reshape(shape)
+        out[info.filename[:-4]] = a if a.flags.aligned else a.copy()
+    return out
+
+
+def state_bytes(router: Any) -> tuple[memoryview, dict]:
+    """The router's state (:meth:`Router.state_arrays`) as ``numpy.savez`` bytes (:func:`encode`),
+    and a summary for the manifest (keys, nodes, positions)."""
+    data = encode(router.state_arrays())
     positions = router.positions()
-    return buf.getvalue(), {"keys": router.indexed_keys(), "nodes": len(positions),
-                            "positions": {n: list(p) for n, p in positions.items()}}
+    return data, {"keys": router.indexed_keys(), "nodes": len(positions),
+                  "positions": {n: list(p) for n, p in positions.items()}}
 
 
-def load_into(router: Any, data: bytes) -> None:
+def load_into(router: Any, data: bytes | bytearray | memoryview) -> None:
     """Replace the router's state (before it starts) with a snapshot's bytes."""
-    with np.load(io.BytesIO(data)) as z:
-        router.load_arrays({k: z[k] for k in z.files})
+    router.load_arrays(decode(data))
 
 
 class Snapshots:
