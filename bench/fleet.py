@@ -63,7 +63,9 @@ The last line is one JSON object: nodes, blocks_indexed, router_bytes_per_block,
 events_per_s, decision_p99_us (part 2's largest sparse point), hit_rate_loss (per trace, at
 the default strides), catch_up_s and serving_s (part 4b), grpc_events_per_s and
 grpc_decision_p99_us (part 4a's last point), and the details (``curve``, ``model``, ``grpc``,
-``restart``).
+``restart``; ``sparse_walk_us_python``: the standalone Python walk of part 1, which a router
+with the compiled extension does not run, ``sparse_walk_compiled_in_router`` says whether
+this one has it). With ``--nodes ""`` parts 2 and 3 are skipped and their figures are null.
 
     python bench/fleet.py [--nodes 8,32,128] [--traces DIR] [--strides 4:8,8:16,16:32]
                           [--grpc-nodes 16] [--grpc-feed-rate 100] [--catch-up-nodes 16] [--feed-rate 10]
@@ -93,6 +95,7 @@ from dataclasses import replace
 import grpc
 import numpy as np
 
+from kvtier.client.routing import index as _index_mod
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.sparse import DEFAULT_STRIDES, SparseHoldings, sample, sparsify
 from kvtier.client.tools.replay import Cluster, ReplayConfig, Request, load_trace
@@ -476,8 +479,11 @@ def model(points: list[dict], fleet_nodes: int, gpu_blocks: int, host_blocks: in
 
 
 def walk_cost_us(workers: int, n_keys: int = 128, reps: int = 200) -> float:
-    """The sparse walk's cost per decision in Python (every worker's host and disk walk over a
-    request's keys), the part a compiled decision would have to absorb."""
+    """The standalone Python sparse walk's cost per decision (:class:`SparseHoldings`: every
+    worker's host and disk walk over a request's keys), the reference the replay's hit-rate
+    part uses. Not what a router pays: a router built with the compiled extension walks in
+    ``_route.c`` within its decision (``decision_p99_us`` includes it), and without it, with
+    ``LocationIndex``'s own numpy walk (``sparse_walk_compiled_in_router`` says which)."""
     sh = SparseHoldings(DEFAULT_STRIDES)
     keys = [i.to_bytes(16, "little") for i in range(n_keys)]
     for w in range(workers):
@@ -669,7 +675,7 @@ def grpc_ingest(n: int, args: argparse.Namespace, strides: str) -> dict:
                 "lag_events_at_end": sum(max(st.head_seq - st.seq, 0) for st in sts),
                 "overflows": sum(st.overflows for st in sts), "indexed_keys": router.indexed_keys()}
     finally:
-        feeds.stop()  # the streams end first: no read is in flight when the router's loop closes
+        feeds.stop()  # (either order: Router.close ends its streams before its loop closes)
         if router is not None:
             router.close()
 
@@ -900,15 +906,27 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
             print("# catch-up " + json.dumps(restart), file=sys.stderr, flush=True)
         except (RuntimeError, OSError, TimeoutError) as e:
             print(f"# catch-up not measured: {e}", file=sys.stderr, flush=True)
-    m = model(points, args.fleet_nodes, args.fleet_gpu_blocks, args.fleet_host_blocks, args.fleet_disk_blocks,
-              args.replica_gb, args.fleet_run_blocks, strides)
-    big = max((p for p in points if p["sparse"]), key=lambda p: p["nodes"])
-    result = {"nodes": big["nodes"], "blocks_indexed": big["blocks_held"],
-              "router_bytes_per_block": round(big["index_bytes_per_block"], 2),
-              "router_bytes_per_block_dense": round(next(p for p in points if not p["sparse"]
-                                                         and p["nodes"] == big["nodes"])["index_bytes_per_block"], 2),
-              "events_per_s": round(big["churn_events_per_s"]), "decision_p50_us": round(big["decision_p50_us"], 1),
-              "decision_p99_us": round(big["decision_p99_us"], 1),
+    m = big = dense = None
+    if points:
+        m = model(points, args.fleet_nodes, args.fleet_gpu_blocks, args.fleet_host_blocks, args.fleet_disk_blocks,
+                  args.replica_gb, args.fleet_run_blocks, strides)
+        big = max((p for p in points if p["sparse"]), key=lambda p: p["nodes"])
+        dense = next(p for p in points if not p["sparse"] and p["nodes"] == big["nodes"])
+    else:
+        print("# no --nodes: fleet ingest (part 2) and the model (part 3) skipped", file=sys.stderr, flush=True)
+
+    def of(point: dict | None, key: str, digits: int | None = None) -> float | None:
+        """A figure of a part-2 point (None without one), rounded to ``digits`` (0: an int)."""
+        if point is None:
+            return None
+        v = point[key]
+        return v if digits is None else round(v) if digits == 0 else round(v, digits)
+
+    result = {"nodes": of(big, "nodes"), "blocks_indexed": of(big, "blocks_held"),
+              "router_bytes_per_block": of(big, "index_bytes_per_block", 2),
+              "router_bytes_per_block_dense": of(dense, "index_bytes_per_block", 2),
+              "events_per_s": of(big, "churn_events_per_s", 0), "decision_p50_us": of(big, "decision_p50_us", 1),
+              "decision_p99_us": of(big, "decision_p99_us", 1),
               "strides": strides,
               "hit_rate_loss": {t: round(rows[f"{default[0]}:{default[1]}"]["loss"], 4) for t, rows in loss.items()},
               "hit_rate_loss_by_strides": {t: {k: round(v["loss"], 4) for k, v in rows.items() if k != "dense"}
@@ -920,6 +938,7 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
                                   "rss_bytes_per_block", "churn_events_per_s", "decision_p99_us")} for p in points],
               "model": m,
               "sparse_walk_us_python": {str(w): round(walk_cost_us(w), 1) for w in (8, 128)},
+              "sparse_walk_compiled_in_router": _index_mod._croute is not None,
               "grpc": grpc_points,
               "grpc_events_per_s": grpc_points[-1]["events_per_s"] if grpc_points else None,
               "grpc_decision_p99_us": grpc_points[-1]["decision_p99_us"] if grpc_points else None,

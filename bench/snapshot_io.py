@@ -3,13 +3,17 @@
 Starts a 3-master Redis Cluster on loopback (TLS and ACL users, as tests/test_router_snapshot.py
 and ``bench/fleet.py`` start it; ``--plaintext``: without TLS), builds a router state of about
 ``--mb`` MB (the arrays :meth:`Router.state_arrays` returns: random 16-byte keys, ``--words``
-64-bit words of location bits per row), then, at each size:
+64-bit words of location bits per row, a spare row in 32), then, at each size:
 
 * ``save``: :func:`kvtier.client.routing.snapshot.state_bytes`'s serialisation of the arrays
   (``encode_s``) and :meth:`SnapshotStore.save` (``store_s``);
 * ``load``: :meth:`SnapshotStore.load` (``fetch_s``: the manifest, the chunks, their digest),
   the arrays back from the bytes (``decode_s``) and :meth:`Router.load_arrays` (``index_s``:
-  the key table rebuilt);
+  the bit matrix and the packed keys taken as they are, the key table's slots placed in one
+  compiled pass);
+* ``earlier_index_s``: the same index loaded from a state of the earlier format (the keys
+  joined with their lengths and the live rows' bits, what a ``--state-path`` file of an
+  older router holds), in memory: the matrix and the keys copied, the slots placed;
 
 and the fixed costs apart: a fresh interpreter importing the route-server (``import_s``) and a
 new cluster client's first read (``connect_s``). Prints one JSON line per size, then one with
@@ -30,18 +34,21 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
-def state_of(mb: float, words: int, nodes: int = 64, seed: int = 1) -> dict[str, np.ndarray]:
-    """Arrays shaped as ``Router.state_arrays()`` of about ``mb`` MB: ``nodes`` nodes of one
-    worker (columns gpu, host, disk each), distinct random 16-byte keys."""
-    row = 1 + 16 + 8 * words
-    n = int(mb * 1e6 / row)
+def earlier_state_of(mb: float, words: int, nodes: int = 64, seed: int = 1) -> dict[str, np.ndarray]:
+    """Arrays in the earlier state format (``key_lengths``, ``key_bytes``, the live rows' bits,
+    what ``LocationIndex.load_state`` rebuilds the key table from) of about ``mb`` MB:
+    ``nodes`` nodes of one worker (columns gpu, host, disk each; fewer where ``words`` do not
+    hold their columns), distinct random 16-byte keys, every row's ``ALWAYS`` column set."""
+    from kvtier.client.routing.index import _FIRST_COLUMN, ALWAYS, NEVER  # noqa: PLC0415
+
+    n = int(mb * 1e6 / ((16 + 8 * words) * (1 + 1 / 32)))  # the arrays Router.state_arrays() saves
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, 2**63, size=(n, 2), dtype=np.uint64)
     keys[:, 0] = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # distinct
     fp = "ab" * 16
-    cols, c = [], 0
+    cols, c = [], _FIRST_COLUMN
     node_meta = {}
-    for i in range(nodes):
+    for i in range(min(nodes, (64 * words - _FIRST_COLUMN) // 3)):  # the columns fit the words
         nid = f"n{i}"
         for tier in ("gpu", "host", "disk"):
             cols.append([nid, tier, f"{nid}-w", fp, c])
@@ -50,9 +57,22 @@ def state_of(mb: float, words: int, nodes: int = 64, seed: int = 1) -> dict[str,
                           "workers": {f"{nid}-w": [fp]}, "fingerprints": [fp]}
     meta = {"columns": cols, "nodes": node_meta}
     bits = rng.integers(0, 2**63, size=(n, words), dtype=np.uint64)
+    bits[:, 0] &= ~np.uint64((1 << ALWAYS) | (1 << NEVER))
+    bits[:, 0] |= np.uint64(1 << ALWAYS)
     return {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
             "key_lengths": np.full(n, 16, dtype=np.uint8), "key_bytes": keys.view(np.uint8).reshape(-1),
             "bits": bits, "router_meta": np.frombuffer(json.dumps({"targets": {}}).encode(), dtype=np.uint8)}
+
+
+def state_of(mb: float, words: int, nodes: int = 64, seed: int = 1) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Arrays as ``Router.state_arrays()`` returns them (the matrix and the key table as they
+    are) for the index of :func:`earlier_state_of`'s keys and bits, and those arrays."""
+    from kvtier.client.routing.index import LocationIndex  # noqa: PLC0415
+
+    earlier = earlier_state_of(mb, words, nodes, seed)
+    index = LocationIndex()
+    index.load_state({k: a for k, a in earlier.items() if k != "router_meta"})
+    return {**index.state(), "router_meta": earlier["router_meta"]}, earlier
 
 
 def import_s(reps: int = 3) -> float:
@@ -68,23 +88,36 @@ def import_s(reps: int = 3) -> float:
 def point(store_of, mb: float, words: int, reps: int = 1, module=None) -> dict:  # noqa: ANN001
     """The best of ``reps`` saves and loads of one size (``module``: the snapshot module measured)."""
     best: dict = {}
-    arrays = state_of(mb, words)
+    arrays, earlier = state_of(mb, words)
+    rows = len(earlier["key_lengths"])
     for _ in range(reps):
-        p = _once(store_of, arrays, words, module)
+        p = _once(store_of, arrays, rows, words, module)
+        p["earlier_index_s"] = _earlier_index_s(earlier, rows)
         best = {k: min(v, best.get(k, v)) if k.endswith("_s") else v for k, v in p.items()}
     size = best["mb"]
     best.update(save_mb_per_s=round(size / (best["encode_s"] + best["store_s"]), 1),
                 load_mb_per_s=round(size / best["load_s"], 1), fetch_mb_per_s=round(size / best["fetch_s"], 1),
-                index_rows_per_s=round(best["rows"] / best["index_s"]))
+                index_rows_per_s=round(best["rows"] / best["index_s"]),
+                earlier_index_rows_per_s=round(best["rows"] / best["earlier_index_s"]))
     return best
 
 
-def _once(store_of, arrays: dict, words: int, module=None) -> dict:  # noqa: ANN001
+def _earlier_index_s(earlier: dict, rows: int) -> float:
+    from kvtier.client.routing.router import Router  # noqa: PLC0415
+
+    router = Router()
+    t = time.monotonic()
+    router.load_arrays(dict(earlier))
+    took = time.monotonic() - t
+    assert len(router.index) == rows, (len(router.index), rows)
+    return round(took, 3)
+
+
+def _once(store_of, arrays: dict, rows: int, words: int, module=None) -> dict:  # noqa: ANN001
     from kvtier.client.routing import snapshot  # noqa: PLC0415
     from kvtier.client.routing.router import Router  # noqa: PLC0415
 
     S = module or snapshot  # noqa: N806
-    rows = len(arrays["key_lengths"])
 
     class _State:  # what state_bytes asks of a router
         def state_arrays(self) -> dict:

@@ -8,6 +8,7 @@ sorts workers by cost, queued blocks, active requests and the tie hash (:func:`r
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 
 import numpy as np
@@ -192,6 +193,94 @@ def test_state_round_trip_keeps_holdings_and_drops_speculation() -> None:
     copy.stored("b", "disk", "", FP2, keys(2, "new"))  # rows after a load are new rows, not row 0
     assert holdings_of(copy, keys(2, "new"))[:, 1].tolist() == [0, 0, 2]
     assert copy.locations()[("b", "disk", "", FP2)] == set(keys(3, "d")) | set(keys(2, "new"))
+
+
+def _churned_index() -> tuple[LocationIndex, list[bytes]]:
+    """An index after stores, removals, a compaction (free rows), speculation and a key of
+    another length: what a long-running router holds."""
+    rng = np.random.default_rng(7)
+    ks = [bytes(k) for k in rng.integers(0, 256, size=(3000, 16), dtype=np.uint8)]
+    idx = LocationIndex()
+    idx.set_node_info("a", {"a0": [FP]}, {"host": 40.0})
+    idx.stored("a", "gpu", "a0", FP, ks[:200])
+    idx.stored("a", "host", "", FP, ks[:1800])
+    idx.stored("b", "disk", "", FP2, ks[1000:])
+    idx.stored("b", "host", "", FP2, [b"short-key", b"x" * 300])
+    idx.removed("a", "host", "", FP, ks[400:1000])
+    idx.removed("a", "gpu", "a0", FP, ks[400:1000])
+    assert idx.compact() == 600
+    idx.speculate("b", ks[2500:2520])
+    idx.fold("a", L.WatchLocationsReply(epoch=11, snapshot=L.SnapshotPart(at_seq=42, last=True)))
+    return idx, ks
+
+
+def _same_answers(a: LocationIndex, b: LocationIndex, ks: list[bytes], same_rows: bool = True) -> None:
+    assert a.locations() == b.locations()
+    for lo, hi in ((0, 64), (180, 260), (390, 420), (990, 1100), (1790, 1830), (2990, 3000)):
+        q = ks[lo:hi] + [b"short-key"]
+        if same_rows:
+            assert a.rows(q).rows.tolist() == b.rows(q).rows.tolist()
+        assert holdings_of(a, q).tolist() == holdings_of(b, q).tolist()
+
+
+def test_a_loaded_state_takes_the_snapshots_arrays_as_they_are() -> None:
+    """The matrix and the packed keys of a snapshot's buffer become the index's own (no copy),
+    rows keep their numbers (free rows included), and the index then answers and changes as
+    the saved one does."""
+    from kvtier.client.routing import snapshot
+
+    idx, ks = _churned_index()
+    arrays = snapshot.decode(bytearray(snapshot.encode(idx.state())))
+    copy = LocationIndex()
+    copy.load_state(arrays)
+    assert np.shares_memory(copy._bits, arrays["bits"])
+    assert np.shares_memory(copy._rows.packed, arrays["table_packed"])
+    assert len(copy) == len(idx)
+    _same_answers(idx, copy, ks)
+    assert holdings_of(copy, ks[2500:2520])[0].tolist() == [0, 0]  # speculation is not saved
+    new = keys(700, "new")  # the 600 freed rows first, then new ones
+    for index in (idx, copy):
+        index.speculate("a0", ks[2600:2610])
+        index.stored("b", "disk", "", FP2, new)
+        index.stored("a", "host", "", FP, ks[2000:2100])
+    assert copy._high == idx._high
+    _same_answers(idx, copy, ks + new)
+    assert copy.rows(new).rows.tolist() == idx.rows(new).rows.tolist()
+
+
+def test_a_state_of_the_earlier_format_is_rebuilt() -> None:
+    """A state saved with the keys joined and the live rows' bits (routers before the key
+    table's arrays were saved) loads: the same locations and answers."""
+    from _state_formats import earlier_format_state
+
+    idx, ks = _churned_index()
+    copy = LocationIndex()
+    copy.load_state(earlier_format_state(idx))
+    assert len(copy) == len(idx)
+    _same_answers(idx, copy, ks, same_rows=False)  # (rows numbered anew, in order)
+    copy.stored("b", "disk", "", FP2, keys(2, "new"))
+    assert holdings_of(copy, keys(2, "new"))[:, 1].tolist() == [0, 0, 2]
+
+
+def test_a_state_this_index_cannot_take_raises_and_changes_nothing() -> None:
+    idx, ks = _churned_index()
+    good = idx.state()
+    meta = json.loads(bytes(good["meta"]))
+    newer = dict(good, meta=np.frombuffer(json.dumps({**meta, "format": 3}).encode(), dtype=np.uint8))
+    short = dict(good, table_packed=good["table_packed"][:-1])
+    free_live = dict(good, free_rows=np.array([1], dtype=np.int64))
+    beyond = dict(good, meta=np.frombuffer(json.dumps({**meta, "high": len(good["bits"])}).encode(), dtype=np.uint8))
+    reserved = dict(good, meta=np.frombuffer(json.dumps({**meta, "columns": [["n", "host", "", "00", 0]]}).encode(),
+                                               dtype=np.uint8))
+    target = LocationIndex()
+    target.load_state(good)
+    for bad, says in ((newer, "format 3"), (short, "rows of bits"), (free_live, "free"), (beyond, "given out"),
+                      (reserved, "reserved")):
+        with pytest.raises(ValueError, match=says):
+            target.load_state(bad)
+        _same_answers(idx, target, ks)
+    with pytest.raises(KeyError):
+        target.load_state({k: a for k, a in good.items() if k != "table_packed"})
 
 
 def test_vectorised_cost_and_order_equal_the_definition() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import signal
@@ -450,3 +452,81 @@ def test_the_async_sidecar_reports_device_blocks_too(daemon) -> None:
     # the sidecar is gone: its session ended, so its device blocks were cleared
     wait_for(lambda: not _watch(f"unix:{daemon.socket}", 0, 0, 2)[1].snapshot.entries,
              what="the worker's device blocks to be cleared")
+
+
+def _cluster_feeds(rng: random.Random, chains: list[list[bytes]]) -> dict[str, list]:
+    """Three nodes of two workers each holding random leading parts of the chains in gpu,
+    host, disk and the shared store, with holes removed from host."""
+    fp = bytes(range(16))
+    feeds: dict[str, list] = {}
+    seqs: dict[str, int] = {}
+    for n in range(3):
+        node = f"n{n}"
+        info = locations_pb2.NodeInfo(node_id=node, epoch=1)
+        for w in range(2):
+            info.workers.add(worker_id=f"{node}-w{w}", fingerprints=[fp])
+        info.tiers.add(tier=1 + 1, capacity_bytes=1 << 40, load_gbps=rng.choice([0.0, 20.0, 300.0]))  # host
+        info.tiers.add(tier=2 + 1, capacity_bytes=1 << 43, load_gbps=rng.choice([0.0, 2.0]))  # disk
+        feeds[node] = [locations_pb2.WatchLocationsReply(epoch=1, node=info),
+                       locations_pb2.WatchLocationsReply(epoch=1, snapshot=locations_pb2.SnapshotPart(
+                           at_seq=0, first=True, last=True))]
+        seqs[node] = 0
+    for chain in chains:
+        for _ in range(rng.randint(1, 3)):
+            node = f"n{rng.randrange(3)}"
+            length = rng.randint(1, len(chain))
+            cuts = sorted(rng.randint(0, length) for _ in range(3))
+            batch = locations_pb2.EventBatch()
+            for tier, lo, hi, who in ((1, 0, cuts[0], f"{node}-w{rng.randrange(2)}"), (2, cuts[0], cuts[1], ""),
+                                      (3, cuts[1], cuts[2], ""), (4, cuts[2], length, "")):
+                if hi > lo:
+                    seqs[node] += 1
+                    batch.events.add(seq=seqs[node], kind=locations_pb2.STORED, tier=tier, worker_id=who,
+                                     fingerprint=fp, keys=chain[lo:hi])
+            if cuts[1] > cuts[0] and rng.random() < 0.3:
+                seqs[node] += 1
+                mid = rng.randint(cuts[0], cuts[1] - 1)
+                batch.events.add(seq=seqs[node], kind=locations_pb2.REMOVED, tier=2, fingerprint=fp,
+                                 keys=chain[mid:mid + 1])
+            if batch.events:
+                batch.head_seq = seqs[node]
+                feeds[node].append(locations_pb2.WatchLocationsReply(epoch=1, events=batch))
+    return feeds
+
+
+def test_a_router_restored_from_its_state_file_routes_exactly_as_before(tmp_path, caplog) -> None:
+    """A --state-path file, as this router saves it and as routers saved it before the key
+    table's arrays were saved, gives a router that ranks every request as the saved one did;
+    a state of a format this router does not read is logged and the router starts empty."""
+    from _state_formats import earlier_format_state
+
+    from kvtier.proto import node_pb2
+    assert (node_pb2.TIER_GPU, node_pb2.TIER_HOST, node_pb2.TIER_DISK, node_pb2.TIER_REMOTE) == (1, 2, 3, 4)
+    rng = random.Random(5)
+    chains = [[rng.randbytes(16) for _ in range(rng.randint(4, 40))] for _ in range(80)]
+    before = Router(RouterConfig())
+    for node, msgs in _cluster_feeds(rng, chains).items():
+        for m in msgs:
+            before.apply(node, m)
+    requests = [c[:rng.randint(1, len(c))] + [rng.randbytes(16) for _ in range(rng.randint(0, 3))] for c in chains]
+    want = [(d.ranked, d.fetch) for d in (before.route(k, dispatch=False) for k in requests)]
+    assert any(r[0].overlap.host for r, _ in want)
+    saved, earlier, newer = (str(tmp_path / f"{n}.npz") for n in ("saved", "earlier", "newer"))
+    before.save_state(saved)
+    router_meta = before.state_arrays()["router_meta"]
+    np.savez(earlier, **earlier_format_state(before.index), router_meta=router_meta)
+    arrays = before.state_arrays()
+    meta = json.loads(bytes(arrays["meta"]))
+    np.savez(newer, **{**arrays, "meta": np.frombuffer(json.dumps({**meta, "format": 99}).encode(), dtype=np.uint8)})
+    for path in (saved, earlier):
+        after = Router(RouterConfig())
+        after.load_state(path)  # what start() does with --state-path (its feeds then drop nodes no daemon serves)
+        assert after.positions() == before.positions()
+        assert [(d.ranked, d.fetch) for d in (after.route(k, dispatch=False) for k in requests)] == want
+    caplog.set_level(logging.WARNING)
+    after = Router(RouterConfig(state_path=newer)).start()
+    try:
+        assert len(after.index) == 0 and after.positions() == {}
+        assert any("saved router state unreadable" in r.getMessage() for r in caplog.records)
+    finally:
+        after.close()

@@ -144,6 +144,7 @@ _SHARED = frozenset((Tier.HOST.label, Tier.DISK.label, _REMOTE))  # tiers anothe
 ALWAYS = 0  # column set in every live row (the neutral element of an AND over columns)
 NEVER = 1   # column set in no row (the neutral element of an OR)
 _FIRST_COLUMN = 2
+STATE_FORMAT = 2  # LocationIndex.state()'s arrays: the matrix and the key table as they are
 # rows: the tiers; columns: gpu, speculative 0, speculative 1, host, disk (see _Plan.fast)
 _WORD_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # a row of w bools as one integer
 _ZERO_KEY = bytes(WIDTH)
@@ -305,6 +306,7 @@ class LocationIndex:
             grown = np.zeros((cap, self._bits.shape[1]), dtype=np.uint64)
             grown[:self._high] = self._bits[:self._high]
             self._bits = grown
+            self._rows.reserve_rows(cap)  # (a loaded snapshot's buffer is left: nothing holds it now)
 
     def _alloc_rows(self, keys: list[bytes]) -> np.ndarray:
         """Give rows to keys not yet indexed (distinct, absent from the table); returns them,
@@ -1129,12 +1131,22 @@ class LocationIndex:
     # -- persistence ----------------------------------------------------------------------
 
     def state(self) -> dict[str, np.ndarray]:
-        """Everything but speculative entries, as arrays (``numpy.savez``-able)."""
+        """Everything but speculative entries, as arrays (``numpy.savez``-able), copies:
+        ``meta`` (JSON: the format, locations and their columns, nodes and their positions,
+        the rows given out), ``bits`` (the matrix's rows from row 0, the padding row, past the
+        last row given out by at least the empty last row and a spare of 1/32, speculative
+        and given-back columns cleared), ``free_rows`` (rows given back, to give out again)
+        and the keys of those rows (``table_packed`` and, for keys of other lengths,
+        ``table_odd_*``: :meth:`RowTable.arrays`). :meth:`load_state` takes them back as they
+        are."""
         hw = self._high
-        live = np.flatnonzero(self._bits[:hw, 0] & np.uint64(1 << ALWAYS))
-        lengths, blob = self._rows.joined(live)
+        nrows = min(self._bits.shape[0], hw + 1 + (hw >> 5))  # the matrix's last row stays empty
         cols = sorted(self._columns.items(), key=lambda kv: kv[1])
         meta = {
+            "format": STATE_FORMAT,
+            "high": hw,
+            "ncols": self._ncols,
+            "table_slots": len(self._rows.slots),
             "columns": [[n, t, w, fp.hex(), c] for (n, t, w, fp), c in cols],
             "nodes": {nid: {"epoch": v.epoch, "seq": v.seq, "load_gbps": v.load_gbps,
                             "capacity_bytes": v.capacity_bytes,
@@ -1142,43 +1154,111 @@ class LocationIndex:
                             "fingerprints": sorted(f.hex() for f in v.fingerprints)}
                       for nid, v in self.nodes.items()},
         }
-        bits = self._bits[live]
+        bits = self._bits[:nrows].copy()
         spec_mask = np.zeros(bits.shape[1], dtype=np.uint64)  # and the stale columns' (given back)
         for c0, c1 in self._spec_cols.values():
             for c in (c0, c1):
                 spec_mask[c >> 6] |= np.uint64(1 << (c & 63))
         for word, mask in self._stale.items():
             spec_mask[word] |= np.uint64(mask)
-        bits &= ~spec_mask
-        return {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                "key_lengths": lengths, "key_bytes": np.frombuffer(blob, dtype=np.uint8), "bits": bits}
+        if spec_mask.any():
+            bits &= ~spec_mask
+        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), "bits": bits,
+                  "free_rows": self._free[:self._nfree].copy()}
+        arrays.update((f"table_{k}", a) for k, a in self._rows.arrays(nrows).items())
+        return arrays
 
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
-        """Replace everything with a :meth:`state` (speculative entries start empty)."""
-        meta = json.loads(bytes(arrays["meta"]).decode())
-        self.clear()
-        for n, t, w, fp_hex, c in meta["columns"]:
-            self._columns[(n, t, w, bytes.fromhex(fp_hex))] = c
-            self._ncols = max(self._ncols, c + 1)
-        for nid, v in meta["nodes"].items():
-            self.nodes[nid] = NodeView(nid, v["epoch"], v["seq"],
-                                       {w: tuple(bytes.fromhex(f) for f in fps) for w, fps in v["workers"].items()},
-                                       {bytes.fromhex(f) for f in v["fingerprints"]}, v["load_gbps"],
-                                       v["capacity_bytes"])
-        lengths = arrays["key_lengths"].astype(np.int64)
-        blob = arrays["key_bytes"].tobytes()
-        ends = np.cumsum(lengths).tolist()
-        starts = [0, *ends[:-1]] if ends else []
-        keys = [blob[s:e] for s, e in zip(starts, ends, strict=True)]
+        """Replace everything with a :meth:`state` (speculative entries start empty). Its matrix
+        and packed keys are taken as they are where writable (a snapshot's views: no copy),
+        and the key table's slots built over them in one pass (:meth:`RowTable.restore`). A
+        state of the earlier format (``key_lengths``, ``key_bytes`` and the live rows' bits,
+        rows numbered from 1 in that order) is copied into a new matrix and table. Raises
+        ValueError (or KeyError for a missing array) for a state this index cannot take, and
+        then changes nothing."""
+        try:
+            meta = json.loads(bytes(arrays["meta"]).decode())
+            fmt = meta.get("format", 1)
+            if fmt not in (1, STATE_FORMAT):
+                raise ValueError(f"index state format {fmt!r} (this router reads 1 and {STATE_FORMAT})")
+            columns = {(n, t, w, bytes.fromhex(fp_hex)): int(c) for n, t, w, fp_hex, c in meta["columns"]}
+            nodes = {nid: NodeView(nid, v["epoch"], v["seq"],
+                                   {w: tuple(bytes.fromhex(f) for f in fps) for w, fps in v["workers"].items()},
+                                   {bytes.fromhex(f) for f in v["fingerprints"]}, v["load_gbps"], v["capacity_bytes"])
+                     for nid, v in meta["nodes"].items()}
+            ncols = max([_FIRST_COLUMN, int(meta.get("ncols", 0)), *(c + 1 for c in columns.values())])
+            high = int(meta.get("high", 0))
+            slots = int(meta.get("table_slots", 0))
+        except (TypeError, AttributeError) as e:  # JSON of another shape
+            raise ValueError(f"index state metadata unreadable: {e}") from e
+        if any(c < _FIRST_COLUMN for c in columns.values()):
+            raise ValueError("index state names a reserved column")
         bits = arrays["bits"]
-        words = max((self._ncols + 63) // 64, bits.shape[1])
-        n = len(keys)
-        self._bits = np.zeros((max(16, n + 2), words), dtype=np.uint64)  # row 0 and the last: empty
-        self._bits[1:n + 1, :bits.shape[1]] = bits  # row 0 stays the empty padding row
-        self._rows = RowTable(len(self._bits))
-        self._rows.insert(keys, np.arange(1, n + 1, dtype=np.int64))
-        self._high = n + 1
+        if bits.dtype != np.uint64 or bits.ndim != 2 or (fmt != 1 and bits.shape[1] * 64 < ncols):
+            raise ValueError(f"index state bits of dtype {bits.dtype} and shape {bits.shape} for {ncols} columns")
+        if fmt == 1:
+            bits, table, high, free = self._rebuilt(arrays, bits, (ncols + 63) // 64)
+        else:
+            free = np.array(arrays["free_rows"], dtype=np.int64)  # (a few: a copy frees the snapshot sooner)
+            if not 1 <= high < len(bits) or (free.size and (free.min() < 1 or free.max() >= high)):
+                raise ValueError(f"index state rows: {high} given out of {len(bits)}, free rows outside them")
+            odd: dict[int, bytes] = {}
+            if "table_odd_rows" in arrays:
+                odd_rows = arrays["table_odd_rows"].tolist()
+                ends = np.cumsum(arrays["table_odd_lengths"].astype(np.int64)).tolist()
+                blob = arrays["table_odd_bytes"].tobytes()
+                if len(ends) != len(odd_rows) or (ends and ends[-1] != len(blob)):
+                    raise ValueError("index state: odd keys do not match their lengths")
+                odd = {r: blob[s:e] for r, s, e in zip(odd_rows, [0, *ends[:-1]], ends, strict=True)}
+            if len(arrays["table_packed"]) != len(bits):
+                raise ValueError(f"index state: {len(arrays['table_packed'])} keys' rows for {len(bits)} rows of bits")
+            live = (bits[:, ALWAYS >> 6] & np.uint64(1 << (ALWAYS & 63))).astype(np.bool_)
+            if live[high:].any() or live[0] or live[free].any():
+                raise ValueError("index state: a live row outside the rows given out, or free")
+            table = RowTable.restore(arrays["table_packed"], live, odd, slots)
+            if not (bits.flags.writeable and bits.flags.c_contiguous):
+                bits = np.array(bits, order="C")
+        self.clear()
+        self._columns = columns
+        self._ncols = ncols
+        used = set(columns.values())
+        self._free_cols = [c for c in range(_FIRST_COLUMN, ncols) if c not in used]  # cleared when saved
+        self.nodes = nodes
+        self._bits, self._rows, self._high = bits, table, high
+        self._free, self._nfree = free, len(free)
         self._plan = None
+
+    @staticmethod
+    def _rebuilt(arrays: dict[str, np.ndarray], bits: np.ndarray, words: int) -> tuple[np.ndarray, RowTable, int, np.ndarray]:
+        """The matrix, key table, rows given out and free rows of a state of the earlier format
+        (the live rows' keys, their lengths, their bits; rows numbered from 1 in that order)."""
+        lengths = arrays["key_lengths"]
+        blob = arrays["key_bytes"]
+        n = len(lengths)
+        if bits.shape[0] != n or blob.dtype != np.uint8 or blob.ndim != 1:
+            raise ValueError(f"index state: {n} keys, {bits.shape[0]} rows of bits, key bytes {blob.dtype} {blob.shape}")
+        cap = max(16, n + 2)  # row 0 (the padding) and the last: empty
+        grown = np.zeros((cap, max(words, bits.shape[1])), dtype=np.uint64)
+        grown[1:n + 1, :bits.shape[1]] = bits
+        packed = np.zeros(cap, dtype=_KEY)
+        live = np.zeros(cap, dtype=np.bool_)
+        live[1:n + 1] = True
+        odd: dict[int, bytes] = {}
+        if n and bool((lengths == WIDTH).all()):
+            if len(blob) != WIDTH * n:
+                raise ValueError(f"index state: {len(blob)} key bytes for {n} keys of {WIDTH}")
+            packed[1:n + 1] = np.ascontiguousarray(blob).view(_KEY)
+        elif n:
+            ends = np.cumsum(lengths.astype(np.int64)).tolist()
+            if ends[-1] != len(blob):
+                raise ValueError(f"index state: {len(blob)} key bytes, {ends[-1]} by their lengths")
+            data = blob.tobytes()
+            for r, s, e in zip(range(1, n + 1), [0, *ends[:-1]], ends, strict=True):
+                if e - s == WIDTH:
+                    packed[r] = np.frombuffer(data, dtype=_KEY, count=1, offset=s)[0]
+                else:
+                    odd[r] = data[s:e]
+        return grown, RowTable.restore(packed, live, odd), n + 1, np.empty(0, dtype=np.int64)
 
 
 @dataclass
