@@ -38,7 +38,8 @@ import os
 import stat
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TypeVar
 
 from kvtier.daemon.auth import DEFAULT_TENANT, Principal
@@ -351,11 +352,7 @@ class BlockStore:
         layout = self.layout(layout_id, sess.tenant).layout
         self.check_keys(keys, unique=True)  # a key named twice would be pinned twice
         bkeys = [pack_block(layout.fingerprint, k) for k in keys]
-        held = [e for e in map(self.host.get, bkeys) if e is not None]
-        self.tiers.hit(held)
-        for entry in held:   # pinned while the rest is promoted, so the promotion cannot evict them
-            self.host.pin(entry)
-        try:
+        with self._used_in_host(bkeys) as held:
             promoted = await self.tiers.promote(layout, bkeys, self.pool(layout))
             found_in = dict.fromkeys(promoted, Tier.DISK)
             if self.remotes:
@@ -365,6 +362,17 @@ class BlockStore:
             if session_id not in self.sessions:  # it ended while the promotion was awaited
                 raise StoreError(Code.CANCELLED, "session closed during acquire")
             return self._lease(sess, layout, bkeys, found_in)
+
+    @contextmanager
+    def _used_in_host(self, bkeys: Sequence[bytes]) -> Iterator[list[HostEntry]]:
+        """The host entries of ``bkeys``: made the most recent (a use, as a get's hits) and
+        pinned while the body runs, so a promotion it awaits cannot evict them."""
+        held = [e for e in map(self.host.get, bkeys) if e is not None]
+        self.tiers.hit(held)
+        for entry in held:
+            self.host.pin(entry)
+        try:
+            yield held
         finally:
             for entry in held:
                 self.host.unpin(entry)
@@ -536,15 +544,8 @@ class BlockStore:
                 raise StoreError(Code.FAILED_PRECONDITION, "prefetch from_node needs peers: start kvtierd with "
                                                            "--peers")
         bkeys = list(dict.fromkeys(pack_block(layout.fingerprint, k) for k in keys))
-        held = [e for e in map(self.host.get, bkeys) if e is not None]
-        self.tiers.hit(held)
-        for entry in held:  # pinned while the rest is promoted, so the promotion cannot evict them
-            self.host.pin(entry)
-        try:
+        with self._used_in_host(bkeys):
             promoted = await self.tiers.promote(layout, bkeys, self.pool(layout))
-        finally:
-            for entry in held:
-                self.host.unpin(entry)
         self.counters.add(Count.PREFETCH_PROMOTIONS, len(promoted))
         if peer is None:
             return len(promoted)

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 from _wait import wait_for
 from redis_cluster import cluster_fixture, free_ports
-from test_router import LAYOUT, _status, _Writer, put, router_for, session_keys
+from test_router import LAYOUT, _route_server, _status, _Writer, put, router_for, session_keys
 
 from kvtier.client.engine.sidecar import Sidecar
 from kvtier.client.routing.router import Router
@@ -48,19 +47,8 @@ def snapshot_args(cluster) -> list[str]:
 
 
 def route_server(tmp_path, daemons: dict[str, DaemonProcess], *extra: str) -> tuple[subprocess.Popen, str]:
-    sock = str(tmp_path / "router.sock")
-    if os.path.exists(sock):
-        os.unlink(sock)
-    args = [sys.executable, "-m", "kvtier.client.routing.route_server", "--listen", f"unix:{sock}",
-            "--reconnect-min-s", "0.05", "--reconnect-max-s", "0.3"]
-    for d in daemons.values():
-        args += ["--daemon", f"unix:{d.socket}"]
-    log = open(tmp_path / "router.log", "ab")
-    proc = subprocess.Popen([*args, *extra], stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, what="route-server socket")
-    assert proc.poll() is None, (tmp_path / "router.log").read_text()
-    return proc, f"unix:{sock}"
+    """A route-server process following ``daemons`` that retries a dropped feed quickly."""
+    return _route_server(tmp_path, daemons, "--reconnect-min-s", "0.05", "--reconnect-max-s", "0.3", *extra)
 
 
 def manifest(cluster) -> dict | None:
