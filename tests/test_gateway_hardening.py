@@ -357,3 +357,31 @@ def test_body_budget_grants_in_order_and_gives_back_what_a_cancelled_wait_held()
         assert b.used == 0 and not b._waiters
 
     asyncio.run(run())
+
+
+def test_bodies_parse_as_json_loads_parses_them() -> None:
+    """The gateway parses bodies with orjson where it can and falls back to json: the result,
+    or the error, is json's for every body, those orjson refuses included."""
+    import json
+    import math
+
+    from kvtier.client.gateway.server import _loads
+
+    bodies = [b'{"a": 1, "a": 2}', b'{"x": -0.0, "y": 0.1, "z": 1e308}', b'{"n": NaN, "i": -Infinity}',
+              b'{"big": 123456789012345678901234567890}', b'{"f": 1e400}', b'{"s": "\\ud800 \\u0000 \\u00e9"}',
+              b'[' * 600 + b']' * 600, '{"k": "é"}'.encode("latin-1")]
+    for raw in bodies:
+        try:
+            want = json.loads(raw)
+        except ValueError as e:
+            with pytest.raises(ValueError) as err:
+                _loads(raw)
+            assert type(err.value) is type(e), raw[:40]
+            continue
+        got = _loads(raw)
+        assert json.dumps(got) == json.dumps(want), raw[:40]
+        if isinstance(want, dict) and "x" in want:
+            assert math.copysign(1, got["x"]) == -1.0
+    for bad in (b"", b"{", b'{"a": }', b"[1, 2"):
+        with pytest.raises(json.JSONDecodeError):
+            _loads(bad)

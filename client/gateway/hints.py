@@ -87,7 +87,8 @@ def read_hints(body: Mapping[str, Any]) -> Hints | None:
             priority = min(max(p, _INT32[0]), _INT32[1])
     messages = body.get("messages")
     points = tuple((i, ttl) for i, m in enumerate(messages if isinstance(messages, list) else ())
-                   if (ttl := _message_ttl(m)) is not None)
+                   if not (type(m) is dict and "cache_control" not in m and type(m.get("content")) is str)
+                   and (ttl := _message_ttl(m)) is not None)  # (the first test: a plain message, no hint)
     if not whole and not points:
         return None
     return Hints(whole, points, priority)

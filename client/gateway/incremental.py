@@ -91,8 +91,12 @@ class PromptCache:
         # a restart at an added token is clean only where the tokenizer splits them out
         split = not getattr(self.fast, "encode_special_tokens", False)
         self.added = np.array(sorted(added) if split else [], dtype=np.int64)
-        self._is_added = np.zeros(int(self.added.max()) + 1 if self.added.size else 0, dtype=bool)
-        self._is_added[self.added] = True  # token id -> whether it is an added token
+        vocab = 0
+        if self.added.size and hasattr(self.fast, "get_vocab_size"):
+            vocab = int(self.fast.get_vocab_size(with_added_tokens=True))
+        # token id -> whether it is an added token (over the whole vocabulary: looked up directly)
+        self._is_added = np.zeros(max(int(self.added.max()) + 1, vocab) if self.added.size else 0, dtype=bool)
+        self._is_added[self.added] = True
         self.slack = max([MIN_SLACK, *(len(getattr(t, "content", str(t))) + 1 for t in added.values())])
         self._lock = threading.Lock()
         self._d: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -108,7 +112,7 @@ class PromptCache:
     def conversation_key(body: Mapping[str, Any], scope: str) -> bytes:
         """The conversation a chat request continues: its opening messages (up to and including
         the first user one), its ``prompt_cache_key`` and session scope (``scope``)."""
-        h = hashlib.blake2b(digest_size=16)
+        h = hashlib.sha256()  # (a key in this process's memory only: the fastest strong hash here)
         pck = body.get("prompt_cache_key")
         h.update(f"{scope}\0{pck if isinstance(pck, str) else ''}\0".encode(errors="surrogatepass"))
         for m in body.get("messages") or ():
@@ -121,7 +125,7 @@ class PromptCache:
             h.update(content.encode(errors="surrogatepass"))
             if m.get("role") == "user":
                 break
-        return h.digest()
+        return h.digest()[:16]
 
     def _get(self, key: bytes) -> _Entry | None:
         with self._lock:
@@ -180,7 +184,10 @@ class PromptCache:
         if not self.added.size or not ids.size:
             return np.empty(0, dtype=np.int64)
         table = self._is_added
-        return np.flatnonzero(table[np.minimum(ids, len(table) - 1)] & (ids < len(table)))
+        try:
+            return np.flatnonzero(table[ids])
+        except IndexError:  # (an id past the vocabulary: not an added token)
+            return np.flatnonzero(table[np.minimum(ids, len(table) - 1)] & (ids < len(table)))
 
     def _scratch(self, text: str) -> _Entry:
         with self._lock:
@@ -218,8 +225,9 @@ class PromptCache:
             new_ids, new_offs = self._encode(text, at)
             # the stored tokens from the restart that end well before the change must come back
             m = int(np.searchsorted(prev.offs[r:, 1], d - self.slack, side="right"))
-            if m < 1 or len(new_ids) < m or not (np.array_equal(new_ids[:m], prev.ids[r:r + m])
-                                                 and np.array_equal(new_offs[:m], prev.offs[r:r + m])):
+            # (equal lengths: m counts stored tokens from r)
+            if m < 1 or len(new_ids) < m or not ((new_ids[:m] == prev.ids[r:r + m]).all()
+                                                 and (new_offs[:m] == prev.offs[r:r + m]).all()):
                 continue
             return self._join(prev, r, new_ids, new_offs, text)
         with self._lock:

@@ -436,6 +436,13 @@ class _Metrics:
         return generate_latest(self.registry)
 
 
+def _loads(raw: bytes) -> Any:
+    """A request body, parsed exactly as ``json.loads`` parses it: its numbers reach the decision
+    as the client sent them (a faster parser such as orjson reads integers beyond 64 bits as
+    floats; tests/test_gateway_hardening.py holds every body to json's result)."""
+    return json.loads(raw)
+
+
 _deadline = getattr(asyncio, "timeout", None)  # (Python 3.11: no task per write, as wait_for makes)
 
 
@@ -604,6 +611,8 @@ class Gateway:
         self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="kvtier-gw-tok")
         self._session: Any = None
         self._urls: dict[tuple[str, str], Any] = {}
+        # request headers never forwarded, whatever the request's Connection header names
+        self._dropped = frozenset(_HOP | _CLIENT_ONLY | ({cfg.session_header.lower()} if cfg.session_header else set()))
         self.started = time.time()
         if self.router is not None:
             for name in self.static:  # replicas no daemon publishes (yet) can still be picked
@@ -756,7 +765,7 @@ class Gateway:
         """As :meth:`_decide`, and the retains its cache hints ask for: ([(leading keys, TTL)],
         priority) or None."""
         try:
-            body = json.loads(raw)
+            body = _loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
         except (ValueError, RecursionError) as e:  # (RecursionError: nested too deep)
@@ -827,8 +836,12 @@ class Gateway:
                                       f"{self.cfg.max_body_bytes_in_flight} bytes of request bodies and no room "
                                       f"for this one freed within {self.cfg.queue_timeout_s:g} s",
                                       "ServiceUnavailableError")
-            try:  # (a client may not sit on the room it was given)
-                raw = await _within(request.read(), self.cfg.body_timeout_s)
+            try:  # (a client may not sit on the room it was given; a body already here needs no timer)
+                content = request.content
+                if content.is_eof():
+                    raw = await request.read()
+                else:
+                    raw = await _within(request.read(), self.cfg.body_timeout_s)
             except asyncio.TimeoutError:
                 resp = self._fail(endpoint, 408, "body_timeout", f"the request body did not arrive within "
                                   f"--body-timeout-s {self.cfg.body_timeout_s:g} s", "RequestTimeoutError")
@@ -1015,13 +1028,17 @@ class Gateway:
         its ``Connection`` names), ``x-kvtier-*``, the session header, the client's credentials
         and claimed addresses; ``X-Forwarded-For`` is the client's address, ``Authorization``
         the replicas' key when ``--replica-api-key-file`` is set."""
-        drop = set(_HOP | _CLIENT_ONLY)
-        for v in request.headers.getall("Connection", ()):
-            drop.update(t.strip().lower() for t in v.split(","))
-        if self.cfg.session_header:
-            drop.add(self.cfg.session_header.lower())
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in drop and not k.lower().startswith(INTERNAL_PREFIX)}
+        drop = self._dropped
+        named = request.headers.getall("Connection", ())
+        if named:
+            drop = set(drop)
+            for v in named:
+                drop.update(t.strip().lower() for t in v.split(","))
+        headers = {}
+        for k, v in request.headers.items():
+            low = k.lower()
+            if low not in drop and not low.startswith(INTERNAL_PREFIX):
+                headers[k] = v
         if request.remote:
             headers["X-Forwarded-For"] = request.remote
         if self._replica_auth:
@@ -1108,9 +1125,11 @@ class Gateway:
         from aiohttp import web  # noqa: PLC0415
 
         resp = web.StreamResponse(status=up.status, reason=up.reason)
+        add = resp.headers.add
         for k, v in up.headers.items():
-            if k.lower() not in _HOP and not k.lower().startswith(INTERNAL_PREFIX):
-                resp.headers.add(k, v)
+            low = k.lower()
+            if low not in _HOP and not low.startswith(INTERNAL_PREFIX):
+                add(k, v)
         if replica_header:
             resp.headers[REPLICA_HEADER] = name
         if up.content_length is not None:
