@@ -6,7 +6,9 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
+from kvtier.client.routing import rowtable
 from kvtier.client.routing.index import LocationIndex
 from kvtier.client.routing.rowtable import RowTable
 
@@ -91,3 +93,26 @@ def test_state_keeps_keys_of_every_length() -> None:
     copy.load_state(idx.state())
     assert copy.locations() == idx.locations() == {("n", "host", "", FP): set(ks)}
     assert [copy._rows.get(k) is not None for k in ks] == [True] * 5
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_random_keys_fill_a_large_table_to_its_limit_without_growing(compiled: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random keys fill a table to ``room`` (3/4 of its slots) at its size: every key finds a
+    slot in one of its two buckets (the first overflow comes at 0.83-0.86 of 2^20 to 2^27 slots),
+    so the table does not double at a low fill as it grows large."""
+    if compiled and rowtable._croute is None:
+        pytest.skip("the compiled table is not built")
+    if not compiled:
+        monkeypatch.setattr(rowtable, "_croute", None)
+    size = 1 << (22 if compiled else 18)
+    n = rowtable.room(size)
+    assert n >= 0.75 * size
+    rng = np.random.default_rng(7)
+    packed = rng.integers(0, 2**63, size=(n, 2), dtype=np.uint64)
+    t = RowTable.restore(packed, np.ones(n, dtype=np.bool_), slots=size)
+    assert len(t.slots) == size and np.count_nonzero(t.slots >= 0) == n
+    sample = rng.choice(n, 100_000, replace=False)
+    assert t.find_packed(packed[sample].tobytes()).tolist() == sample.tolist()
+    absent = rng.integers(0, 2**63, size=(1000, 2), dtype=np.uint64)
+    assert (t.find_packed(absent.tobytes()) == -1).all()

@@ -67,14 +67,14 @@
  *
  *   insert(keys, rows, packed, live, slots, tags, shift) -> int
  *       RowTable.insert for keys of 16 bytes (distinct, none indexed; rows not live; the
- *       table stays at most half full): each key stored at its row, the row live, then placed
- *       in the first free slot from its home. Returns 1; 0 when one found no free slot within
- *       WINDOW (the caller rebuilds the table twice as large, from the live rows); -1 when a
- *       key is not 16 bytes (nothing done).
+ *       table keeps room for them: rowtable.room): each key stored at its row, the row live,
+ *       then placed in the first free slot of the less full of its two buckets. Returns 1; 0
+ *       when both of one's buckets were full (the caller rebuilds the table twice as large,
+ *       from the live rows); -1 when a key is not 16 bytes (nothing done).
  *
  *   place(rows, packed, slots, tags, shift) -> int
  *       The placement of insert() for rows whose keys are stored already (a rebuild): 1, or 0
- *       when one found no free slot within WINDOW.
+ *       when both of one's buckets were full.
  *
  *   set_bit(bits, nwords, rows, count, col)
  *       Set column col in the first count rows of rows (int64; each >= 0).
@@ -91,10 +91,10 @@
  *       indexed) gets a row for each key at -1: the row a key of this call got already (a key
  *       repeated), else the last of the first nfree free rows, else row high (high + 1 after
  *       it), never the matrix's last row; the key is stored at its row, the row made live, its
- *       ALWAYS bit set and placed in the table (which the caller keeps at most half full with
- *       these keys). With col >= 0, then column col is set in every key's row. Status 1:
+ *       ALWAYS bit set and placed in the table (which the caller keeps with room for these keys:
+ *       rowtable.room). With col >= 0, then column col is set in every key's row. Status 1:
  *       done; 2: no row left (the caller grows the matrix and calls again: rows given so far
- *       are in rows); 0: a key found no free slot within WINDOW (it is stored and live: the
+ *       are in rows); 0: both of a key's buckets were full (it is stored and live: the
  *       caller rebuilds the table twice as large and calls again). None when a key is not 16
  *       bytes (nothing done).
  *
@@ -108,7 +108,9 @@
 #include <string.h>
 
 #define WIDTH 16
-#define WINDOW 16
+#define WINDOW 16 /* slots of a bucket (rowtable.py WINDOW) */
+_Static_assert(WINDOW == 16, "probe_bucket and bucket_used read a bucket's tags as two words");
+#define FILL_EIGHTHS 6 /* keys a table holds at most, in eighths of its slots (rowtable.py) */
 #define C1 0x9E3779B97F4A7C15ULL
 #define C2 0xC2B2AE3D27D4EB4FULL
 #define MIX1 0x9E3779B97F4A7C15ULL
@@ -179,20 +181,52 @@ static inline uint8_t key_tag(uint64_t h, long shift) {
     return (uint8_t)(((h >> (shift - 8)) & 0xFF) | 1);
 }
 
-/* Put one key's row in the first free slot of its probe window from its home slot (with the
- * key's tag); 0 when the window is full (the caller rebuilds the table bigger). */
+/* A key's two buckets of WINDOW slots (aligned): the one its home slot h >> shift lies in, and
+ * one from a second mix of h. A bucket's keys fill it from its first slot, so its first empty
+ * slot ends it (a drop rebuilds the table). */
+static inline uint64_t bucket1(uint64_t h, long shift) {
+    return (h >> shift) & ~(uint64_t)(WINDOW - 1);
+}
+
+static inline uint64_t bucket2(uint64_t h, long shift) {
+    return (((h ^ (h >> 32)) * C1) >> shift) & ~(uint64_t)(WINDOW - 1);
+}
+
+#define LOW7 0x7F7F7F7F7F7F7F7FULL
+#define BYTE1 0x0101010101010101ULL
+
+/* The high bit of each nonzero byte of x (exact: no carry between bytes). */
+static inline uint64_t nonzero_bytes(uint64_t x) {
+    return (((x & LOW7) + LOW7) | x) & ~LOW7;
+}
+
+/* How many slots of bucket b hold a key: its nonzero tags (WINDOW is 16: two words of tags). */
+static inline int bucket_used(const uint8_t *tags, uint64_t b) {
+    uint64_t w0, w1;
+    memcpy(&w0, tags + b, 8);
+    memcpy(&w1, tags + b + 8, 8);
+    /* each word's nonzero bytes as ones in its bytes, summed into the top byte by a multiply */
+    return (int)((((nonzero_bytes(w0) >> 7) + (nonzero_bytes(w1) >> 7)) * BYTE1) >> 56);
+}
+
+/* Put one key's row in the first free slot of the fuller-free of its two buckets (the first
+ * on a tie), with the key's tag; 0 when both are full (the caller rebuilds the table bigger). */
 static inline int place_one(const unsigned char *key, int32_t row, int32_t *slots, uint8_t *tags,
                             uint64_t mask, long shift) {
+    (void)mask;
     uint64_t h = key_hash(key);
-    uint64_t at = h >> shift;
-    uint8_t tag = key_tag(h, shift);
-    for (int s = 0; s < WINDOW; s++, at = (at + 1) & mask)
-        if (slots[at] < 0) {
-            slots[at] = row;
-            tags[at] = tag;
-            return 1;
-        }
-    return 0;
+    uint64_t b1 = bucket1(h, shift), b2 = bucket2(h, shift);
+    int u1 = bucket_used(tags, b1), u2 = u1 ? bucket_used(tags, b2) : WINDOW; /* an empty first: no tie */
+    uint64_t at;
+    if (u1 <= u2 && u1 < WINDOW)
+        at = b1 + u1;
+    else if (u2 < WINDOW)
+        at = b2 + u2;
+    else
+        return 0;
+    slots[at] = row;
+    tags[at] = key_tag(h, shift);
+    return 1;
 }
 
 static inline int eq16(const unsigned char *a, const unsigned char *b) {
@@ -204,21 +238,34 @@ static inline int eq16(const unsigned char *a, const unsigned char *b) {
     return a0 == b0 && a1 == b1;
 }
 
-static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const unsigned char *packed,
-                            Py_ssize_t nrows, uint64_t mask, int shift, const unsigned char *key) {
-    uint64_t h = key_hash(key);
-    uint64_t i = h >> shift;
-    uint8_t tag = key_tag(h, shift);
-    for (int s = 0; s < WINDOW; s++) {
-        int32_t r = slots[i];
-        if (r < 0)
-            return -1;
-        if (tags[i] == tag && r < nrows && eq16(packed + (size_t)r * WIDTH, key)) /* r < nrows: never read
-                                                                                      * outside packed */
-            return r;
-        i = (i + 1) & mask;
+/* The row of key among the slots of bucket b whose tag is its tag (an empty slot's tag, 0, is
+ * never one), the tags compared a word of 8 at a time; -1 when none holds it. */
+static inline int64_t probe_bucket(const int32_t *slots, const uint8_t *tags, const unsigned char *packed,
+                                   Py_ssize_t nrows, uint64_t b, uint8_t tag, const unsigned char *key) {
+    for (int half = 0; half < WINDOW; half += 8) {
+        uint64_t w;
+        memcpy(&w, tags + b + half, 8);
+        uint64_t same = ~nonzero_bytes(w ^ (BYTE1 * tag)) & ~LOW7;
+        while (same) {
+            uint64_t at = b + half + (__builtin_ctzll(same) >> 3);
+            int32_t r = slots[at];
+            if (r >= 0 && r < nrows && eq16(packed + (size_t)r * WIDTH, key)) /* r < nrows: never read
+                                                                                  * outside packed */
+                return r;
+            same &= same - 1;
+        }
     }
     return -1;
+}
+
+static inline int64_t probe(const int32_t *slots, const uint8_t *tags, const unsigned char *packed,
+                            Py_ssize_t nrows, uint64_t mask, int shift, const unsigned char *key) {
+    (void)mask;
+    uint64_t h = key_hash(key);
+    uint8_t tag = key_tag(h, shift);
+    uint64_t b1 = bucket1(h, shift), b2 = bucket2(h, shift);
+    int64_t r = probe_bucket(slots, tags, packed, nrows, b1, tag, key);
+    return r >= 0 || b2 == b1 ? r : probe_bucket(slots, tags, packed, nrows, b2, tag, key);
 }
 
 static const unsigned char ZERO[WIDTH] = {0};
@@ -236,14 +283,16 @@ static Py_ssize_t rows_core(PyObject *keys, Py_ssize_t n, const int32_t *slots, 
         if (i + KEYS_AHEAD < n) /* the key objects lie anywhere in the heap: fetch one ahead */
             __builtin_prefetch(PyBytes_AS_STRING(PyList_GET_ITEM(keys, i + KEYS_AHEAD)));
         if (indexed >= 0) { /* after the first unknown key the rest are mostly unknown too, each a
-                             * probe of a random slot: fetch the home slot AHEAD keys on */
+                             * probe of random buckets: fetch their tags AHEAD keys on */
             Py_ssize_t j = i == indexed + 1 ? i : i + AHEAD - 1;
             for (Py_ssize_t end = i + AHEAD < n ? i + AHEAD : n; j < end; j++) {
                 const unsigned char *kj = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, j));
                 uint64_t w0, w1;
                 memcpy(&w0, kj, 8);
                 memcpy(&w1, kj + 8, 8);
-                __builtin_prefetch(slots + ((((w0 * C1) ^ w1) * C2) >> shift));
+                uint64_t hj = ((w0 * C1) ^ w1) * C2;
+                __builtin_prefetch(tags + bucket1(hj, shift)); /* (a slot is read on a tag's match) */
+                __builtin_prefetch(tags + bucket2(hj, shift));
             }
         }
         if (prev >= 0 && prev + 1 < high && eq16(packed + (size_t)(prev + 1) * WIDTH, key) && !eq16(key, ZERO))
@@ -774,7 +823,10 @@ static PyObject *route_place(PyObject *self, PyObject *const *args, Py_ssize_t n
                 uint64_t a0, a1;
                 memcpy(&a0, ka, 8);
                 memcpy(&a1, ka + 8, 8);
-                __builtin_prefetch(slots + ((((a0 * C1) ^ a1) * C2) >> shift), 1);
+                uint64_t ha = ((a0 * C1) ^ a1) * C2;
+                uint64_t b1 = bucket1(ha, shift), b2 = bucket2(ha, shift);
+                __builtin_prefetch(tags + b1, 1);
+                __builtin_prefetch(tags + b2, 1);
             }
             placed = place_one(packed + (size_t)rows[i] * WIDTH, (int32_t)rows[i], slots, tags, mask, shift);
         }
@@ -796,6 +848,12 @@ static int fill_core(PyObject *keys, Py_ssize_t n, int64_t *rows, int32_t *slots
                      Py_ssize_t col, Py_ssize_t *made) {
     int status = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n && rows[i + AHEAD] < 0) { /* a new key's two buckets, fetched AHEAD keys on */
+            uint64_t h = key_hash((const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i + AHEAD)));
+            uint64_t b1 = bucket1(h, shift), b2 = bucket2(h, shift);
+            __builtin_prefetch(tags + b1, 1);
+            __builtin_prefetch(tags + b2, 1);
+        }
         if (rows[i] >= 0)
             continue;
         const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
@@ -1191,7 +1249,7 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
                                made = 0, want = n - m;
                     if (nfree >= 0 && nfree <= b[9].len / 8 && wide >= 0 && nrows_keys >= nrows &&
                         b[8].len >= nrows && nrows <= INT32_MAX && high_now >= 1 && high_now <= nrows - 1 &&
-                        nfree + (nrows - 1 - high_now) >= want && 2 * (wide + want) <= nslots) {
+                        nfree + (nrows - 1 - high_now) >= want && wide + want <= nslots / 8 * FILL_EIGHTHS) {
                         int st = fill_core(keys, n, rows + 1, (int32_t *)b[0].buf, (uint8_t *)b[1].buf,
                                            (unsigned char *)b[2].buf, nrows_keys, (uint8_t *)b[8].buf, bits, nwords,
                                            nrows, (const int64_t *)b[9].buf, &nfree, &high_now,

@@ -53,8 +53,8 @@ Rows
     Exact: a row is taken only when its stored key equals the request's key (a request
     with a key of zeros, which a free row also reads as, or a key of another length, takes
     the exact lookup of every key). After the first unknown key the rest are looked up at
-    once (:meth:`RowTable.find`: a key whose home slot is empty is absent; the others
-    compare their window of slots).
+    once (:meth:`RowTable.find`: a key whose two buckets are empty is absent; the others
+    compare the slots of both).
 
 Holdings
     :meth:`holdings` returns, per worker, the leading run of a request's keys held on its
@@ -125,7 +125,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable
+from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable, room
 from kvtier.client.routing.sparse import sparsify, walk
 from kvtier.proto import locations_pb2
 from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
@@ -375,7 +375,7 @@ class LocationIndex:
         while True:
             self._grow_rows(self._high + max(0, missing - self._nfree))
             size = len(t.slots)
-            while 2 * (t._wide + missing) > size:  # the table stays at most half full
+            while t._wide + missing > room(size):  # the table's limit of keys
                 size *= 2
             if size != len(t.slots):
                 t._rehash(size)

@@ -3,11 +3,14 @@
 Built for memory and for whole requests at once, not for one key at a time:
     * keys of ``WIDTH`` (16) bytes, the block keys of kvtier (``client/engine/keys.py``), live
       packed in a ``(rows, 2)`` uint64 array at their row; an open-addressing hash table of
-      int32 row numbers (linear probing, at most half full, no key more than ``WINDOW``
-      slots past its home: the table doubles rather) finds them, a request's keys at once:
-      one gather of each key's window of slots, one of their rows' keys, one comparison. About 16 bytes per
-      key plus 8 to 16 for the table, and no Python object per key (a ``dict[bytes, int]``
-      costs about 130: the entry, the bytes object, the int object);
+      int32 row numbers and 8-bit tags finds them, a request's keys at once: one gather of
+      the tags of each key's two buckets of ``WINDOW`` slots, one of the rows whose tag is
+      the key's, one comparison. A key is placed in the less full of its two buckets (two
+      choices: random keys fill a table to 0.83-0.86 before a bucket pair overflows, from
+      2^20 to 2^27 slots), the table at most ``FILL_EIGHTHS`` / 8 full (else it doubles).
+      About 16 bytes per key plus 7 to 13 for the table (5 bytes a slot at 3/8 to 3/4
+      fill), and no Python object per key (a ``dict[bytes, int]`` costs about 130: the
+      entry, the bytes object, the int object);
     * keys of any other length in a plain dict (``odd``), sharing the row numbering.
 
 Row numbers are given by the caller (:class:`~kvtier.client.routing.index.LocationIndex`
@@ -18,7 +21,7 @@ Saved as its packed keys (:meth:`RowTable.arrays`) and restored over them as the
 copy of a writable array, no Python object per key: :meth:`RowTable.restore`); the slots are
 then built in one compiled pass over the rows, at the size the table had. That pass places
 24-50 M rows/s on the 2-core development VM (8-32 M rows), faster than a snapshot's slots and
-tags (5 bytes a slot, 2 to 8 slots a key) could be read at 350-500 MB/s, so they are not
+tags (5 bytes a slot, 1.3 to 2.7 slots a key) could be read at 350-500 MB/s, so they are not
 saved.
 """
 
@@ -41,8 +44,15 @@ _C1_U = np.uint64(_C1)
 _C2_U = np.uint64(_C2)
 _MATCH = np.uint16(0x0101)  # two equal words as a pair of bools viewed as one uint16
 _KEY = np.dtype(f"V{WIDTH}")  # compared as bytes
-WINDOW = 16  # a key sits at most this many slots past its home slot (else the table grows)
+WINDOW = 16  # slots of a bucket: a key sits in one of its two buckets (else the table grows)
+FILL_EIGHTHS = 6  # a table holds at most this many eighths of its slots in keys (else it grows)
 _OFFSETS = np.arange(WINDOW, dtype=np.int64)
+_BUCKET = ~np.int64(WINDOW - 1)
+
+
+def room(slots: int) -> int:
+    """How many keys a table of ``slots`` slots holds at most."""
+    return slots // 8 * FILL_EIGHTHS
 
 
 class RowTable:
@@ -137,37 +147,49 @@ class RowTable:
 
     # -- hashing --------------------------------------------------------------------------
 
-    def _pos_tag(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Home slots of packed keys (the top bits of a multiplicative mix of their words)
-        and their tags (the next 8 bits, made odd: a tag is never an empty slot's 0)."""
+    def _pos_tag(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The two buckets of packed keys (their first slots: the bucket of the home slot, the
+        top bits of a multiplicative mix h of their words, and that of the top bits of a
+        second mix of h) and their tags (the 8 bits below the home slot's, made odd: a tag is
+        never an empty slot's 0)."""
         words = keys.view(np.uint64).reshape(len(keys), 2)
         h = words[:, 0] * _C1_U
         h ^= words[:, 1]
         h *= _C2_U
         tag = (h >> self._tshift).astype(np.uint8)
         tag |= 1
+        g = h >> np.uint64(32)
+        g ^= h
+        g *= _C1_U
+        g >>= self._shift
         h >>= self._shift
-        return h.astype(np.int64), tag
+        b1 = h.astype(np.int64)
+        b1 &= _BUCKET
+        b2 = g.astype(np.int64)
+        b2 &= _BUCKET
+        return b1, b2, tag
 
-    def _pos_tag1(self, key: bytes) -> tuple[int, int]:
+    def _pos_tag1(self, key: bytes) -> tuple[int, int, int]:
         v = int.from_bytes(key, "little")
         h = (((v & _M64) * _C1 & _M64) ^ (v >> 64)) * _C2 & _M64
-        return h >> self._shift_i, ((h >> self._tshift_i) & 0xFF) | 1
+        g = ((h ^ (h >> 32)) * _C1) & _M64
+        return ((h >> self._shift_i) & -WINDOW, (g >> self._shift_i) & -WINDOW,
+                ((h >> self._tshift_i) & 0xFF) | 1)
 
     # -- lookups --------------------------------------------------------------------------
 
     def get(self, key: bytes, default: int | None = None) -> int | None:
         if len(key) != WIDTH:
             return self.odd.get(key, default)
-        slots, tags, packed, mask = self.slots, self.tags, self.packed, self._mask
-        i, tag = self._pos_tag1(key)
-        for _ in range(WINDOW):
-            r = slots.item(i)
-            if r < 0:
-                return default
-            if tags.item(i) == tag and packed[r].tobytes() == key:  # (a void scalar's bytes)
-                return r
-            i = (i + 1) & mask
+        slots, tags, packed = self.slots, self.tags, self.packed
+        b1, b2, tag = self._pos_tag1(key)
+        for b in (b1, b2) if b2 != b1 else (b1,):
+            for i in range(b, b + WINDOW):
+                r = slots.item(i)
+                if r < 0:
+                    break
+                if tags.item(i) == tag and packed[r].tobytes() == key:  # (a void scalar's bytes)
+                    return r
         return default
 
     def __getitem__(self, key: bytes) -> int:
@@ -194,20 +216,22 @@ class RowTable:
         return self._find(np.frombuffer(joined, dtype=_KEY))
 
     def _find(self, packed: np.ndarray) -> np.ndarray:
-        """Rows of packed keys (-1: none): a key whose home slot is empty is not indexed
-        (nothing was ever placed past it); for the others, the slots of their window whose
-        tag is theirs, and the keys at those rows compared with theirs."""
+        """Rows of packed keys (-1: none): a key whose two buckets are empty is not indexed;
+        for the others, the slots of their buckets whose tag is theirs, and the keys at those
+        rows compared with theirs."""
         n = len(packed)
         out = np.full(n, -1, dtype=np.int64)
-        pos, tag = self._pos_tag(packed)
-        maybe = np.flatnonzero(self.slots.take(pos) >= 0)
+        b1, b2, tag = self._pos_tag(packed)
+        slots = self.slots
+        maybe = np.flatnonzero((slots.take(b1) >= 0) | (slots.take(b2) >= 0))
         if not maybe.size:
             return out
         if maybe.size < n:
-            pos, tag, packed = pos.take(maybe), tag.take(maybe), packed.take(maybe)
+            b1, b2, tag, packed = b1.take(maybe), b2.take(maybe), tag.take(maybe), packed.take(maybe)
         m = len(packed)
-        win = _OFFSETS[:, None] + pos  # (WINDOW, m): numpy's inner loops run over the keys
-        win &= self._mask
+        win = np.empty((2 * WINDOW, m), dtype=np.int64)  # numpy's inner loops run over the keys
+        np.add(_OFFSETS[:, None], b1, out=win[:WINDOW])
+        np.add(_OFFSETS[:, None], b2, out=win[WINDOW:])
         hit = np.flatnonzero(self.tags.take(win) == tag)
         if not hit.size:
             return out
@@ -247,7 +271,7 @@ class RowTable:
             return
         rows = np.asarray(rows, dtype=np.int64)
         self.reserve_rows(int(rows.max()) + 1)
-        if _croute is not None and 2 * (self._wide + n) <= len(self.slots) and rows.flags.c_contiguous:
+        if _croute is not None and self._wide + n <= room(len(self.slots)) and rows.flags.c_contiguous:
             # the same in C for keys of WIDTH bytes: stored, live, placed one by one
             placed = _croute.insert(keys, rows, self.packed, self.live, self.slots, self.tags, self._shift_i)
             if placed >= 0:
@@ -272,37 +296,38 @@ class RowTable:
         if len(wide_rows):
             self.packed[wide_rows] = words
             self._wide += len(wide_rows)
-            if 2 * self._wide > len(self.slots):
+            if self._wide > room(len(self.slots)):
                 self._rehash(len(self.slots))
             elif not self._place(wide_rows, *self._pos_tag(words)):
                 self._rehash(2 * len(self.slots))
 
-    def _place(self, rows: np.ndarray, pos: np.ndarray, tag: np.ndarray) -> bool:
-        """Put rows in the table from their home slots, each in the first free slot from
-        there; False if some did not find one within ``WINDOW`` slots (the table must grow)."""
-        slots, mask = self.slots, self._mask
-        for _ in range(WINDOW):
-            if not rows.size:
-                return True
-            free = slots.take(pos) < 0
-            fr, fp = rows[free], pos[free]
-            slots[fp] = fr  # several rows for one slot: one of them wins
-            won_free = slots.take(fp) == fr
-            self.tags[fp[won_free]] = tag[free][won_free]
-            won = np.zeros(len(rows), dtype=np.bool_)
-            won[free] = won_free
+    def _place(self, rows: np.ndarray, b1: np.ndarray, b2: np.ndarray, tag: np.ndarray) -> bool:
+        """Put rows in the table, each in the first free slot of the less full of its two
+        buckets (the first on a tie); False if both of some row's are full (the table must
+        grow)."""
+        slots = self.slots
+        while rows.size:
+            used1 = np.count_nonzero(slots.take(b1[:, None] + _OFFSETS) >= 0, axis=1)
+            used2 = np.count_nonzero(slots.take(b2[:, None] + _OFFSETS) >= 0, axis=1)
+            second = used2 < used1
+            if np.any(np.where(second, used2, used1) >= WINDOW):
+                return False
+            at = np.where(second, b2 + used2, b1 + used1)
+            slots[at] = rows  # several rows for one slot: one of them wins, the others try again
+            won = slots.take(at) == rows
+            self.tags[at[won]] = tag[won]
             lost = ~won
-            rows, pos, tag = rows[lost], (pos[lost] + 1) & mask, tag[lost]
-        return not rows.size
+            rows, b1, b2, tag = rows[lost], b1[lost], b2[lost], tag[lost]
+        return True
 
     def _rehash(self, size: int = 0) -> None:
         """Rebuild the table from the live rows: at least ``size`` slots (default: the
-        current), doubled until at most half full and every key within its window."""
+        current), doubled until it has room for them and every key is in one of its buckets."""
         size = max(size, 16)
         rows = self.live.nonzero()[0]
         if self.odd_key:
             rows = rows[~np.isin(rows, np.fromiter(self.odd_key, dtype=np.int64, count=len(self.odd_key)))]
-        while 2 * len(rows) > size:
+        while len(rows) > room(size):
             size *= 2
         pos_words = None
         while True:
