@@ -894,7 +894,7 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
         pairs.append(default)
     loss = hit_rate_loss(args.traces, args.replicas, pairs, True, args.trace_requests) if os.path.isdir(args.traces) else {}
     grpc_points = []
-    for n in [int(x) for x in args.grpc_nodes.split(",") if x]:
+    for n in [int(x) for x in args.grpc_nodes.split(",") if x and int(x) > 0]:
         for st in ("", "default"):
             p = grpc_ingest(n, args, st)
             grpc_points.append(p)
