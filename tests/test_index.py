@@ -169,6 +169,37 @@ def test_rows_of_removed_keys_are_reclaimed_and_reused() -> None:
     assert holdings_of(idx, keys(500, "x"))[:, 0].tolist() == [0, 0, 500]
 
 
+def test_a_batch_of_repeated_new_keys_gives_each_key_one_row() -> None:
+    """A stored batch whose new keys repeat (some at once, some thousands of keys later), among
+    known keys, taking freed rows and then new ones: one row per distinct key, the same row
+    wherever it repeats, and every holding where it was stored."""
+    rng = random.Random(5)
+    idx = LocationIndex(initial_rows=16)
+    known = keys(3000, "k")
+    idx.stored("n", "host", "", FP, known)
+    idx.removed("n", "host", "", FP, known[:1000])
+    assert idx.compact() == 1000  # freed rows: taken first
+    fresh = keys(4000, "x")
+    batch = []
+    for i, k in enumerate(fresh):
+        batch.append(k)
+        if i % 3 == 0:
+            batch.append(k)  # at once
+        if i % 5 == 0:
+            batch.append(rng.choice(fresh[:i + 1]))  # later
+        if i % 7 == 0:
+            batch.append(rng.choice(known[1000:]))
+    idx.stored("n", "disk", "", FP, batch)
+    assert len(idx) == 2000 + 4000
+    found = idx.rows(fresh + known[1000:])
+    rows = found.rows[1:-1].tolist()
+    assert found.indexed == len(rows) and len(set(rows)) == len(rows)
+    row_of = dict(zip(fresh + known[1000:], rows, strict=True))
+    assert idx.rows(batch).rows[1:-1].tolist() == [row_of[k] for k in batch]
+    assert holdings_of(idx, fresh)[:, 0].tolist() == [0, 0, 4000]
+    assert holdings_of(idx, known[1000:])[:, 0].tolist() == [0, 2000, 2000]
+
+
 def test_state_round_trip_keeps_holdings_and_drops_speculation() -> None:
     idx = LocationIndex()
     idx.set_node_info("a", {"a0": [FP]}, {"host": 40.0})

@@ -164,6 +164,39 @@ def test_compiled_and_numpy_decisions_agree_on_random_clusters(seed: int) -> Non
     assert rc.index.locations(speculative=True) == rn.index.locations(speculative=True)
 
 
+@needs_c
+@pytest.mark.parametrize("seed", range(3))
+def test_candidates_naming_every_worker_take_the_compiled_decision(seed: int) -> None:
+    """A gateway names every worker as candidates (in its own order): the one compiled call
+    decides, with the numpy selection's answers (rows, holdings, costs and saved blocks to the
+    bit, the order, fetch hints, dispatch, speculative entries)."""
+    rng = random.Random(50 + seed)
+    n_workers = [8, 70, 12][seed]
+    rc, rn, chains = _routers(rng, rng.randint(1, 5), n_workers, 60, one_batch=seed % 2 == 1)
+    workers = [w for w, _ in rc.workers()]
+    now, fused = 100.0, 0
+    for i, req in enumerate(_requests(rng, chains, 300)):
+        now += rng.choice([0.0, 0.01, 3.0])
+        cand = rng.sample(workers, len(workers)) if i % 2 else list(workers)
+        top_k = rng.choice([None, 1, len(workers)])
+        dispatch = i % 3 != 0
+        if i % 11 == 5:
+            w = rng.choice(workers)
+            q, a = float(rng.randint(0, 3)), float(rng.randint(0, 2))
+            rc.set_load(w, q, a, now)
+            rn.set_load(w, q, a, now)
+        dc = rc.route(req, cand, dispatch=dispatch, top_k=top_k, now=now)
+        with numpy_path():
+            dn = rn.route(req, cand, dispatch=dispatch, top_k=top_k, now=now)
+        _same(dc, dn)
+        fused += isinstance(dc._arrays, bytes)  # the compiled decision's
+        if dispatch and i % 4 == 0:
+            assert rc.finish(dc.decision_id) == rn.finish(dn.decision_id)
+    assert fused > 200
+    assert rc.holdings() == rn.holdings()
+    assert rc.index.locations(speculative=True) == rn.index.locations(speculative=True)
+
+
 SPARSE = ["host=2,disk=3", "host=4", "disk=5", "default", "host=3,disk=3", "host=8,disk=16"]
 
 

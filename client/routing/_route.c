@@ -37,12 +37,12 @@
  *       index), as numpy's stable lexsort orders them.
  *
  *   decide(keys, slots, tags, packed, high, shift, bits, nwords, table, remote, workers, loads,
- *          spec_gen, top_k, rows, live, free, aux, kh, kany)
+ *          spec_gen, top_k, rows, live, free, aux, kh, kany[, pairwise])
  *          -> (rows, m, order, saved_best, fetch, speculated, arrays)
  *       rows() into rows (a scratch buffer of at least len(keys) + 2), then lead() (zeros when
  *       no key is indexed), with sparse deep tiers (kh > 0: the host stride, kany the larger of
  *       the host and disk strides; 0, 0: dense) then sparse() over every key, then rank() over
- *       every worker in one call, the tie hash's key
+ *       every worker in one call (pairwise as rank()'s, always with one worker), the tie hash's key
  *       digest (blake2b-64 of the last key, or of b"" without keys: scoring._digest64) made
  *       here. workers: the plan's per-worker arrays in one uint64 buffer of 7 x workers: the
  *       (4, workers) float64 weights, the digests, the speculative columns of generation 0,
@@ -85,7 +85,7 @@
  *       time a key repeats), or -1 when a key is not 16 bytes (nothing done); a row beyond
  *       the matrix (a corrupt table) raises ValueError, the rows before it cleared.
  *
- *   fill(keys, rows, slots, tags, packed, live, bits, nwords, free, nfree, high, shift, col)
+ *   fill(keys, rows, slots, tags, packed, live, bits, nwords, free, nfree, high, shift, col[, fresh])
  *       -> (status, made, high, nfree)
  *       LocationIndex._fill for keys of 16 bytes: rows (int64, one per key, -1 where not
  *       indexed) gets a row for each key at -1: the row a key of this call got already (a key
@@ -96,7 +96,8 @@
  *       done; 2: no row left (the caller grows the matrix and calls again: rows given so far
  *       are in rows); 0: both of a key's buckets were full (it is stored and live: the
  *       caller rebuilds the table twice as large and calls again). None when a key is not 16
- *       bytes (nothing done).
+ *       bytes (nothing done). With fresh (the caller's word that no key at -1 is in the table:
+ *       rows() just said so), a repeated key is found among this call's keys, not in the table.
  *
  * Compiled with -ffp-contract=off: no fused multiply-add, so the sums round as numpy's do.
  */
@@ -845,8 +846,25 @@ done:
 static int fill_core(PyObject *keys, Py_ssize_t n, int64_t *rows, int32_t *slots, uint8_t *tags, unsigned char *packed,
                      Py_ssize_t nkeys, uint8_t *live, uint64_t *bits, Py_ssize_t nwords, Py_ssize_t cap,
                      const int64_t *free_rows, Py_ssize_t *nfree, Py_ssize_t *high, uint64_t mask, long shift,
-                     Py_ssize_t col, Py_ssize_t *made) {
+                     Py_ssize_t col, int fresh, Py_ssize_t *made) {
     int status = 1;
+    /* fresh: this call's new keys by hash (open addressing, -1: empty), instead of a probe of
+     * the table's two buckets for each */
+    int64_t *seen = NULL;
+    uint64_t smask = 0;
+    if (fresh) {
+        Py_ssize_t missing = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            missing += rows[i] < 0;
+        uint64_t size = 16;
+        while (size < 2 * (uint64_t)missing)
+            size *= 2;
+        seen = (int64_t *)malloc(size * 8);
+        if (seen) {
+            memset(seen, 0xff, size * 8);
+            smask = size - 1;
+        }
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n && rows[i + AHEAD] < 0) { /* a new key's two buckets, fetched AHEAD keys on */
             uint64_t h = key_hash((const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i + AHEAD)));
@@ -857,7 +875,16 @@ static int fill_core(PyObject *keys, Py_ssize_t n, int64_t *rows, int32_t *slots
         if (rows[i] >= 0)
             continue;
         const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, i));
-        int64_t r = probe(slots, tags, packed, nkeys, mask, (int)shift, key); /* given earlier in this call */
+        int64_t r = -1;
+        uint64_t at = 0;
+        if (seen) { /* given earlier in this call: one of its keys */
+            for (at = key_hash(key) & smask; seen[at] >= 0; at = (at + 1) & smask)
+                if (memcmp(PyBytes_AS_STRING(PyList_GET_ITEM(keys, seen[at])), key, WIDTH) == 0) {
+                    r = rows[seen[at]];
+                    break;
+                }
+        } else
+            r = probe(slots, tags, packed, nkeys, mask, (int)shift, key); /* given earlier in this call */
         if (r >= 0) {
             rows[i] = r;
             continue;
@@ -866,6 +893,7 @@ static int fill_core(PyObject *keys, Py_ssize_t n, int64_t *rows, int32_t *slots
             r = free_rows[--*nfree];
             if (r < 1 || r >= cap - 1) {
                 PyErr_SetString(PyExc_ValueError, "fill(): a free row outside the index");
+                free(seen);
                 return -1;
             }
         } else if (*high < cap - 1) /* the last row stays empty: row -1 reads as "no key" */
@@ -878,12 +906,15 @@ static int fill_core(PyObject *keys, Py_ssize_t n, int64_t *rows, int32_t *slots
         live[r] = 1;
         bits[(size_t)r * nwords] |= (uint64_t)1; /* ALWAYS */
         rows[i] = r;
+        if (seen)
+            seen[at] = i;
         ++*made;
         if (!place_one(key, (int32_t)r, slots, tags, mask, shift)) {
             status = 0; /* stored and live, not placed: the table must be rebuilt bigger */
             break;
         }
     }
+    free(seen);
     if (status == 1 && col >= 0) {
         uint64_t bit = (uint64_t)1 << (col & 63);
         for (Py_ssize_t i = 0; i < n; i++)
@@ -894,7 +925,10 @@ static int fill_core(PyObject *keys, Py_ssize_t n, int64_t *rows, int32_t *slots
 
 static PyObject *route_fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (!nargs_ok(nargs, 13, "fill"))
+    if (nargs != 14 && !nargs_ok(nargs, 13, "fill"))
+        return NULL;
+    int fresh = nargs == 14 ? PyObject_IsTrue(args[13]) : 0;
+    if (fresh < 0)
         return NULL;
     PyObject *keys = args[0];
     if (!PyList_Check(keys)) {
@@ -946,7 +980,7 @@ static PyObject *route_fill(PyObject *self, PyObject *const *args, Py_ssize_t na
                 goto done;
             }
         int status = fill_core(keys, n, rows, slots, tags, packed, nkeys, live, bits, nwords, cap, free_rows, &nfree,
-                               &high, mask, shift, col, &made);
+                               &high, mask, shift, col, fresh, &made);
         if (status < 0)
             goto done;
         res = Py_BuildValue("(innn)", status, made, high, nfree);
@@ -1133,7 +1167,10 @@ static PyObject *route_digest64(PyObject *self, PyObject *arg) {
 
 static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (!nargs_ok(nargs, 20, "decide"))
+    if (nargs != 21 && !nargs_ok(nargs, 20, "decide"))
+        return NULL;
+    int pairwise = nargs == 21 ? PyObject_IsTrue(args[20]) : 0;
+    if (pairwise < 0)
         return NULL;
     PyObject *keys = args[0];
     long long high;
@@ -1215,7 +1252,7 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
             goto done;
         const unsigned char *last = n ? (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, n - 1)) : ZERO;
         uint64_t kd = blake2b64(last, n ? WIDTH : 0);
-        order = rank_core((double)n, lead, wt, q + 2 * w, q, q + w, dig, kd, w, top_k, w == 1, cs, cs + w);
+        order = rank_core((double)n, lead, wt, q + 2 * w, q, q + w, dig, kd, w, top_k, pairwise || w == 1, cs, cs + w);
         if (!order)
             goto done;
         memcpy(cs + 2 * w, q, 2 * w * 8); /* the loads the decision saw: queued, active */
@@ -1253,7 +1290,7 @@ static PyObject *route_decide(PyObject *self, PyObject *const *args, Py_ssize_t 
                         int st = fill_core(keys, n, rows + 1, (int32_t *)b[0].buf, (uint8_t *)b[1].buf,
                                            (unsigned char *)b[2].buf, nrows_keys, (uint8_t *)b[8].buf, bits, nwords,
                                            nrows, (const int64_t *)b[9].buf, &nfree, &high_now,
-                                           (uint64_t)nslots - 1, shift, col, &made);
+                                           (uint64_t)nslots - 1, shift, col, 0, &made);
                         if (st < 0)
                             goto done;
                         aux[0] = nfree;

@@ -341,20 +341,22 @@ class LocationIndex:
             rows, indexed = self.rows(keys)
             rows = rows[1:len(keys) + 1]
         if create:
-            return self._fill(keys, rows, indexed)
+            return self._fill(keys, rows, indexed, fresh=True)
         return rows[rows >= 0]
 
-    def _fill(self, keys: list[bytes], rows: np.ndarray, indexed: int, col: int = -1) -> np.ndarray:
+    def _fill(self, keys: list[bytes], rows: np.ndarray, indexed: int, col: int = -1,
+              fresh: bool = False) -> np.ndarray:
         """``rows`` (of ``keys``, -1 where not indexed) with new rows for the keys at -1;
         ``indexed``: how many leading keys are known to be indexed. With ``col``, that column
-        is then set in every key's row."""
+        is then set in every key's row. ``fresh``: ``rows`` is :meth:`rows`' answer of just
+        now (no key at -1 is in the table: a new key is looked up among the keys only)."""
         missing = None if indexed == len(keys) else (rows < 0).nonzero()[0]
         if missing is None or not missing.size:
             if col >= 0:
                 self._set(rows, col)
             return rows
         rows = rows.copy()
-        if _croute is not None and self._fill_compiled(keys, rows, missing.size, col):
+        if _croute is not None and self._fill_compiled(keys, rows, missing.size, col, fresh):
             return rows
         new = keys if missing.size == len(keys) else [keys[i] for i in missing.tolist()]
         distinct = list(dict.fromkeys(new))
@@ -367,10 +369,11 @@ class LocationIndex:
             self._set(rows, col)
         return rows
 
-    def _fill_compiled(self, keys: list[bytes], rows: np.ndarray, missing: int, col: int) -> bool:
+    def _fill_compiled(self, keys: list[bytes], rows: np.ndarray, missing: int, col: int, fresh: bool) -> bool:
         """:meth:`_fill` in one compiled call (``missing``: how many rows are -1): room made
         first (rows in the matrix, slots in the table), then again after a call that ran out
-        of either. False when a key is not 16 bytes (nothing done)."""
+        of either (which looks its keys up in the table: it holds the first call's new keys).
+        False when a key is not 16 bytes (nothing done)."""
         t = self._rows
         while True:
             self._grow_rows(self._high + max(0, missing - self._nfree))
@@ -381,7 +384,8 @@ class LocationIndex:
                 t._rehash(size)
             t.reserve_rows(self._bits.shape[0])
             got = _croute.fill(keys, rows, t.slots, t.tags, t.packed, t.live, self._bits, self._bits.shape[1],
-                               self._free, self._nfree, self._high, t._shift_i, col)
+                               self._free, self._nfree, self._high, t._shift_i, col, *((True,) if fresh else ()))
+            fresh = False
             if got is None:
                 return False
             status, made, self._high, self._nfree = got
@@ -862,7 +866,8 @@ class LocationIndex:
         return _rows(Rows, (buf, i))
 
     def decide(self, keys: list[bytes], workers: np.ndarray, loads: np.ndarray, top_k: int, remote: bool,
-               dispatch: bool) -> tuple[np.ndarray, int, list[int], float, bool, bool, bytes] | None:
+               dispatch: bool, pairwise: bool = False) -> tuple[np.ndarray, int, list[int], float, bool, bool,
+                                                                bytes] | None:
         """:meth:`rows`, :meth:`holdings` over every worker and the scorer's
         :meth:`~kvtier.client.routing.scoring.Scorer.rank` in one compiled call. ``workers``:
         the plan's :meth:`_Plan.decide_workers` (weights, digests, speculative columns);
@@ -875,7 +880,9 @@ class LocationIndex:
         workers) cost, saved and copies of queued and active (float64), then the (4, workers)
         int64 lead). With sparse deep tiers the leads are :meth:`holdings`' (the sparse walk in
         the same call). ``rows`` (``Rows(rows, indexed)`` is :meth:`rows`' answer) is a scratch
-        buffer of the index, valid until the next call. None where that call does not apply
+        buffer of the index, valid until the next call. ``pairwise``: each worker's saved blocks
+        summed as the scorer sums a selection of workers (:meth:`Scorer.rank`'s ``pairwise``),
+        for a ranking of candidates that name every worker. None where that call does not apply
         (no extension, no byte table for this plan, a key not of 16 bytes): the caller takes
         the steps one by one."""
         if _croute is None:
@@ -897,7 +904,7 @@ class LocationIndex:
         aux[0], aux[1], aux[3] = self._nfree, t._wide, 0
         got = _croute.decide(keys, t.slots, t.tags, t.packed, self._high, t._shift_i, bits, bits.shape[1], tab,
                              remote, workers, loads, self._spec_gen if dispatch else -1, top_k, rows, t.live,
-                             self._free, self._aux, *self._walk_strides())
+                             self._free, self._aux, *self._walk_strides(), *((True,) if pairwise else ()))
         if aux[3]:  # the call gave rows to keys not indexed (speculating)
             self._nfree, made, self._high = aux[0], aux[1], aux[2]
             t.count += made

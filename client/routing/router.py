@@ -230,6 +230,7 @@ class _Workers:
     digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     weights: np.ndarray = field(default_factory=lambda: np.zeros((4, 0)))
     decide: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))  # plan.decide_workers()
+    distinct: bool = True  # no two digests equal
 
 
 class Router:
@@ -255,6 +256,7 @@ class Router:
         self._started = False
         self._sessions: dict[str, float] = {}  # worker -> live sessions placed there (decaying)
         self._sessions_at = 0.0
+        self._last_sel: tuple[Any, list[str], np.ndarray, bool] = (None, [], np.zeros(0, dtype=np.int64), False)
 
     @property
     def on_epoch_change(self) -> Callable[[str, int, int], None] | None:
@@ -290,10 +292,10 @@ class Router:
             if not w.names:
                 raise RouterError("no workers to route to: no daemon has been heard from yet (wait for the "
                                   "feeds: Router.start(wait_s=...) or wait_synced(); see status())")
-            sel = self._select(candidates) if candidates else None
+            sel, every = self._selected(candidates, w) if candidates else (None, False)
             fused = None
-            if sel is None and cfg.new_session_spread <= 0:  # the common case: one compiled call
-                fused = idx.decide(keys, w.decide, loads.qac, k, cfg.pulls, dispatch)
+            if (sel is None or every) and cfg.new_session_spread <= 0:  # the common case: one compiled call
+                fused = idx.decide(keys, w.decide, loads.qac, k, cfg.pulls, dispatch, every)
             if fused is not None:  # _dispatch's steps, less what the call did (speculated, fetch known)
                 rows, m, order, saved_best, fetch, speculated, arrays = fused
                 decision = Decision(n, w.names, w.nodes, order, arrays)
@@ -421,6 +423,21 @@ class Router:
         held = np.fromiter((live.get(w, 0.0) for w in names), dtype=np.float64, count=len(names))
         return held - held.min()
 
+    def _selected(self, candidates: Sequence[str], w: _Workers) -> tuple[np.ndarray, bool]:
+        """:meth:`_select` (the last answer again for the same candidates and plan: a gateway
+        names the same ones each time), and whether they name every worker: then they rank as
+        all workers do, with the selection's sums (distinct tie hashes: the order does not
+        depend on the candidates' order)."""
+        names = candidates if isinstance(candidates, list) else list(candidates)
+        last = self._last_sel
+        if last[0] is w.plan and last[1] == names:
+            return last[2], last[3]
+        sel = self._select(names)
+        sel.flags.writeable = False
+        every = len(sel) == len(w.names) and w.distinct
+        self._last_sel = (w.plan, list(names), sel, every)
+        return sel, every
+
     def _select(self, candidates: Sequence[str]) -> np.ndarray:
         """Plan indices of the candidates (each once); raises :class:`UnknownCandidates`."""
         idx = self.index
@@ -441,7 +458,7 @@ class Router:
         bandwidths = [nodes[x.node_id].load_gbps if x.node_id in nodes else {} for x in plan.workers]
         digests, weights = worker_digests(names), self.scorer.weights(bandwidths)
         self._w = w = _Workers(plan, names, [x.node_id for x in plan.workers], digests, weights,
-                               plan.decide_workers(weights, digests))
+                               plan.decide_workers(weights, digests), len(np.unique(digests)) == len(digests))
         self._loads.align(names)
         return w
 
