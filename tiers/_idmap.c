@@ -1,4 +1,4 @@
-/* The host tier's compact id map (issue 15 item 5): packed block id -> slot ref, with no Python
+/* The host tier's compact id map: packed block id -> slot ref, with no Python
  * object per id. tiers/idmap.py holds the contract and the pure-Python fallback (PyIdMap) that
  * behaves the same; this is that map in C. Built by `pip install` (setup.py, optional).
  *
