@@ -552,3 +552,26 @@ def test_a_key_over_255_bytes_does_not_break_saving_the_state(tmp_path) -> None:
     again = Router(RouterConfig())
     again.load_state(path)
     assert len(again.index) == len(rc.index) == 2
+
+
+def test_a_build_of_other_sources_is_not_called(monkeypatch, caplog) -> None:
+    """An extension built from older sources (a checkout updated without rebuilding) states
+    another interface, or none: the router takes the numpy path and says to rebuild, instead
+    of failing mid-fold on arguments the build does not take."""
+    import sys
+    import types
+
+    from kvtier.client.routing import compiled
+
+    built = compiled.load_route()
+    assert built is not None and built.ABI == compiled.ROUTE_ABI, "the extension built here is current"
+    for abi in (None, compiled.ROUTE_ABI - 1):
+        stale = types.ModuleType("kvtier.client.routing._route")
+        if abi is not None:
+            stale.ABI = abi
+        monkeypatch.setitem(sys.modules, "kvtier.client.routing._route", stale)
+        monkeypatch.setattr(compiled, "_warned", False)
+        with caplog.at_level("WARNING", logger="kvtier.router"):
+            assert compiled.load_route() is None
+        assert "rebuild it with `pip install -e .`" in caplog.text
+        caplog.clear()

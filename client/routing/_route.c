@@ -1336,4 +1336,15 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_route",
                                     "The router's decision, compiled (client/routing/_route.c).", -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__route(void) { return PyModule_Create(&module); }
+/* The interface these functions offer (kvtier.client.routing.compiled.ROUTE_ABI): raised with
+ * every change of their arguments, so a build left from older sources is not called. */
+#define ROUTE_ABI 3
+
+PyMODINIT_FUNC PyInit__route(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI", ROUTE_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -125,6 +125,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.client.routing.compiled import load_route
 from kvtier.client.routing.rowtable import _KEY, WIDTH, RowTable, room
 from kvtier.client.routing.sparse import sparsify, walk
 from kvtier.proto import locations_pb2
@@ -132,10 +133,8 @@ from kvtier.tiers.vocab import TIER_LABELS, TIERS, Tier
 
 log = logging.getLogger("kvtier.router")
 
-try:  # the compiled rows, holdings and bit setting (client/routing/_route.c): same answers as numpy's
-    from kvtier.client.routing import _route as _croute
-except ImportError:  # built by `pip install` where a C compiler and Python's headers exist
-    _croute = None
+# the compiled rows, holdings and bit setting (client/routing/_route.c): same answers as numpy's; None where it is not built (or built from other sources)
+_croute = load_route()
 
 _GPU = Tier.GPU.label
 _TIER_LABEL = {int(t): t.label for t in (*TIERS, Tier.REMOTE)}  # wire value -> the tier's name in columns

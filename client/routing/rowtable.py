@@ -31,10 +31,10 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-try:  # the compiled insert (client/routing/_route.c): the same rows found afterwards
-    from kvtier.client.routing import _route as _croute
-except ImportError:  # built by `pip install` where a C compiler and Python's headers exist
-    _croute = None
+from kvtier.client.routing.compiled import load_route
+
+# the compiled insert (client/routing/_route.c): the same rows found afterwards; None where it is not built (or built from other sources)
+_croute = load_route()
 
 WIDTH = 16
 _C1 = 0x9E3779B97F4A7C15

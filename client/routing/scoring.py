@@ -42,13 +42,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.client.routing.compiled import load_route
 from kvtier.settings import parse_float, setting
 from kvtier.tiers.vocab import Tier
 
-try:  # the compiled costs and order (client/routing/_route.c): same answers as numpy's
-    from kvtier.client.routing import _route as _croute
-except ImportError:  # built by `pip install` where a C compiler and Python's headers exist
-    _croute = None
+# the compiled costs and order (client/routing/_route.c): same answers as numpy's; None where it is not built (or built from other sources)
+_croute = load_route()
 
 
 LOAD_MODES = ("async", "serial")
