@@ -64,6 +64,7 @@ from kvtier.daemon.config import STORE_NAMESPACE, STORE_QUEUE_BYTES, STORE_TIMEO
 from kvtier.daemon.counters import Count, Counters
 from kvtier.daemon.observers import Observers
 from kvtier.daemon.remote import Fetched, StreamedSource
+from kvtier.rediscluster import parse_nodes, redis_kwargs
 from kvtier.tiers.host import HostEntry
 from kvtier.tiers.layout import Layout
 from kvtier.tiers.vocab import Tier, fingerprint_of, key_of
@@ -132,16 +133,6 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def parse_nodes(spec: str) -> list[tuple[str, int]]:
-    out = []
-    for part in spec.split(","):
-        part = part.strip()
-        if part:
-            host, _, port = part.rpartition(":")
-            out.append((host.strip("[]"), int(port)))
-    return out
-
-
 @dataclass(frozen=True)
 class Transport:
     """How the daemon reaches Redis: TLS when ``ca`` is set (the server's certificate checked
@@ -154,15 +145,7 @@ class Transport:
     password: str = ""
 
     def redis_kwargs(self) -> dict:
-        kw: dict = {}
-        if self.ca:
-            kw.update(ssl=True, ssl_ca_certs=self.ca, ssl_cert_reqs="required",
-                      ssl_certfile=self.cert or None, ssl_keyfile=self.key or None)
-        if self.user:
-            kw["username"] = self.user
-        if self.password:
-            kw["password"] = self.password
-        return kw
+        return redis_kwargs(self.ca, self.cert, self.key, self.user, self.password)
 
 
 def _tls_files(cfg) -> tuple[str, str, str]:  # noqa: ANN001

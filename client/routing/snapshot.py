@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvtier.rediscluster import redis_kwargs
 from kvtier.settings import parse_float, setting
 
 log = logging.getLogger("kvtier.router")
@@ -137,15 +138,7 @@ class SnapshotStore:
                  chunk_bytes: int = CHUNK_BYTES, io_threads: int = IO_THREADS) -> None:
         self.nodes, self.name, self.timeout_s, self.chunk_bytes = list(nodes), name, timeout_s, chunk_bytes
         self.io_threads = max(1, io_threads)
-        kw: dict[str, Any] = {}
-        if tls_ca:
-            kw.update(ssl=True, ssl_ca_certs=tls_ca, ssl_cert_reqs="required", ssl_certfile=tls_cert or None,
-                      ssl_keyfile=tls_key or None)
-        if user:
-            kw["username"] = user
-        if password:
-            kw["password"] = password
-        self._kw = kw
+        self._kw = redis_kwargs(tls_ca, tls_cert, tls_key, user, password)
         self._client: Any = None
         self._lock = threading.Lock()
         tag = "{" + name + "}"
