@@ -37,3 +37,17 @@ def load_route() -> ModuleType | None:
             f"kvtier.client.routing._route was built from other sources (interface {abi}, these need "
             f"{ROUTE_ABI}): rebuild it with `pip install -e .`; the router uses its numpy path meanwhile")
     return None
+
+
+PAIRS_ABI = 1
+"""The interface of ``_pairs.c`` these sources call (its ``ABI`` constant)."""
+
+
+def load_pairs() -> ModuleType | None:
+    """``kvtier.client.routing._pairs`` when it is built and of :data:`PAIRS_ABI`, else None
+    (the pairs index layout then refuses to start: it has no numpy path)."""
+    try:
+        _pairs = importlib.import_module("kvtier.client.routing._pairs")
+    except ImportError:
+        return None
+    return _pairs if getattr(_pairs, "ABI", None) == PAIRS_ABI else None

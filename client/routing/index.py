@@ -195,6 +195,8 @@ class FoldError(Exception):
 class LocationIndex:
     """See the module docstring."""
 
+    layout = "matrix"  # the bit matrix (``pairs``: kvtier.client.routing.pairs.PairIndex)
+
     def __init__(self, speculative_ttl_s: float = 10.0, initial_rows: int = 1 << 16,
                  strides: dict[str, int] | None = None) -> None:
         self.speculative_ttl_s = speculative_ttl_s
@@ -958,7 +960,7 @@ class LocationIndex:
         stride; from there, over the keys held anywhere, steps of at most the larger stride
         (see :mod:`kvtier.client.routing.sparse` for the bound)."""
         n = len(keys)
-        rows = self._rows.find(keys)
+        rows = self._query_rows(keys)
         padded = np.zeros(n + 8 - n % 8, dtype=np.int64)  # row 0: empty
         padded[:n] = np.where(rows >= 0, rows, 0)
         bits = self._bits[padded]
@@ -970,6 +972,10 @@ class LocationIndex:
             d_any = max(int(lead[2, j]), walk(held[2, j, :n], kany, d_host))
             lead[1, j], lead[2, j] = d_host, d_any
             lead[3, j] = max(int(lead[3, j]), d_any)
+
+    def _query_rows(self, keys: list[bytes]) -> np.ndarray:
+        """The row of each of a request's keys, -1 where it is not indexed (the sparse walk's)."""
+        return self._rows.find(keys)
 
     def _holdings(self, found: Rows, workers: np.ndarray | None = None, remote: bool = True) -> np.ndarray:
         """Per worker (all, or the plan indices given): how many leading keys of a request
@@ -1147,12 +1153,25 @@ class LocationIndex:
         are."""
         hw = self._high
         nrows = min(self._bits.shape[0], hw + 1 + (hw >> 5))  # the matrix's last row stays empty
+        meta = {"format": STATE_FORMAT, "high": hw, "table_slots": len(self._rows.slots), **self._state_meta()}
+        bits = self._bits[:nrows].copy()
+        spec_mask = np.zeros(bits.shape[1], dtype=np.uint64)  # and the stale columns' (given back)
+        for c in self._unsaved_columns():
+            spec_mask[c >> 6] |= np.uint64(1 << (c & 63))
+        if spec_mask.any():
+            bits &= ~spec_mask
+        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), "bits": bits,
+                  "free_rows": self._free[:self._nfree].copy()}
+        arrays.update((f"table_{k}", a) for k, a in self._rows.arrays(nrows).items())
+        return arrays
+
+    def _state_meta(self) -> dict:
+        """What every layout's state holds: the columns made, each location's column, the
+        nodes and their positions."""
         cols = sorted(self._columns.items(), key=lambda kv: kv[1])
-        meta = {
-            "format": STATE_FORMAT,
-            "high": hw,
+        return {
+            "layout": self.layout,
             "ncols": self._ncols,
-            "table_slots": len(self._rows.slots),
             "columns": [[n, t, w, fp.hex(), c] for (n, t, w, fp), c in cols],
             "nodes": {nid: {"epoch": v.epoch, "seq": v.seq, "load_gbps": v.load_gbps,
                             "capacity_bytes": v.capacity_bytes,
@@ -1160,19 +1179,49 @@ class LocationIndex:
                             "fingerprints": sorted(f.hex() for f in v.fingerprints)}
                       for nid, v in self.nodes.items()},
         }
-        bits = self._bits[:nrows].copy()
-        spec_mask = np.zeros(bits.shape[1], dtype=np.uint64)  # and the stale columns' (given back)
-        for c0, c1 in self._spec_cols.values():
-            for c in (c0, c1):
-                spec_mask[c >> 6] |= np.uint64(1 << (c & 63))
-        for word, mask in self._stale.items():
-            spec_mask[word] |= np.uint64(mask)
-        if spec_mask.any():
-            bits &= ~spec_mask
-        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), "bits": bits,
-                  "free_rows": self._free[:self._nfree].copy()}
-        arrays.update((f"table_{k}", a) for k, a in self._rows.arrays(nrows).items())
-        return arrays
+
+    def _unsaved_columns(self) -> list[int]:
+        """The columns a state leaves out: speculative ones and those given back."""
+        out = [c for pair in self._spec_cols.values() for c in pair]
+        out.extend(w * 64 + b for w, m in self._stale.items() for b in range(64) if m >> b & 1)
+        return out
+
+    @staticmethod
+    def _read_meta(arrays: dict[str, np.ndarray], layout: str) -> tuple[dict, int, dict[tuple[str, str, str, bytes], int],
+                                                                        dict[str, NodeView], int]:
+        """(meta, format, columns, nodes, columns made) of a state of ``layout``; ValueError
+        for one this index cannot take."""
+        try:
+            meta = json.loads(bytes(arrays["meta"]).decode())
+            fmt = meta.get("format", 1)
+            if fmt not in (1, STATE_FORMAT):
+                raise ValueError(f"index state format {fmt!r} (this router reads 1 and {STATE_FORMAT})")
+            got = meta.get("layout", "matrix")
+            if got != layout:
+                raise ValueError(f"index state of the {got!r} layout; this router's index is of the {layout!r} "
+                                 f"layout (--index-layout)")
+            columns = {(n, t, w, bytes.fromhex(fp_hex)): int(c) for n, t, w, fp_hex, c in meta["columns"]}
+            nodes = {nid: NodeView(nid, v["epoch"], v["seq"],
+                                   {w: tuple(bytes.fromhex(f) for f in fps) for w, fps in v["workers"].items()},
+                                   {bytes.fromhex(f) for f in v["fingerprints"]}, v["load_gbps"], v["capacity_bytes"])
+                     for nid, v in meta["nodes"].items()}
+            ncols = max([_FIRST_COLUMN, int(meta.get("ncols", 0)), *(c + 1 for c in columns.values())])
+        except (TypeError, AttributeError) as e:  # JSON of another shape
+            raise ValueError(f"index state metadata unreadable: {e}") from e
+        if any(c < _FIRST_COLUMN for c in columns.values()):
+            raise ValueError("index state names a reserved column")
+        return meta, fmt, columns, nodes, ncols
+
+    def _adopt_meta(self, columns: dict[tuple[str, str, str, bytes], int], nodes: dict[str, NodeView],
+                    ncols: int) -> None:
+        """Take a state's columns and nodes (after :meth:`clear`); the columns no location uses
+        are free (a state holds no bit of them)."""
+        self._columns = columns
+        self._ncols = ncols
+        used = set(columns.values())
+        self._free_cols = [c for c in range(_FIRST_COLUMN, ncols) if c not in used]
+        self.nodes = nodes
+        self._plan = None
 
     def load_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a :meth:`state` (speculative entries start empty). Its matrix
@@ -1182,23 +1231,12 @@ class LocationIndex:
         rows numbered from 1 in that order) is copied into a new matrix and table. Raises
         ValueError (or KeyError for a missing array) for a state this index cannot take, and
         then changes nothing."""
+        meta, fmt, columns, nodes, ncols = self._read_meta(arrays, self.layout)
         try:
-            meta = json.loads(bytes(arrays["meta"]).decode())
-            fmt = meta.get("format", 1)
-            if fmt not in (1, STATE_FORMAT):
-                raise ValueError(f"index state format {fmt!r} (this router reads 1 and {STATE_FORMAT})")
-            columns = {(n, t, w, bytes.fromhex(fp_hex)): int(c) for n, t, w, fp_hex, c in meta["columns"]}
-            nodes = {nid: NodeView(nid, v["epoch"], v["seq"],
-                                   {w: tuple(bytes.fromhex(f) for f in fps) for w, fps in v["workers"].items()},
-                                   {bytes.fromhex(f) for f in v["fingerprints"]}, v["load_gbps"], v["capacity_bytes"])
-                     for nid, v in meta["nodes"].items()}
-            ncols = max([_FIRST_COLUMN, int(meta.get("ncols", 0)), *(c + 1 for c in columns.values())])
             high = int(meta.get("high", 0))
             slots = int(meta.get("table_slots", 0))
-        except (TypeError, AttributeError) as e:  # JSON of another shape
+        except (TypeError, ValueError) as e:
             raise ValueError(f"index state metadata unreadable: {e}") from e
-        if any(c < _FIRST_COLUMN for c in columns.values()):
-            raise ValueError("index state names a reserved column")
         bits = arrays["bits"]
         if bits.dtype != np.uint64 or bits.ndim != 2 or (fmt != 1 and bits.shape[1] * 64 < ncols):
             raise ValueError(f"index state bits of dtype {bits.dtype} and shape {bits.shape} for {ncols} columns")
@@ -1225,14 +1263,9 @@ class LocationIndex:
             if not (bits.flags.writeable and bits.flags.c_contiguous):
                 bits = np.array(bits, order="C")
         self.clear()
-        self._columns = columns
-        self._ncols = ncols
-        used = set(columns.values())
-        self._free_cols = [c for c in range(_FIRST_COLUMN, ncols) if c not in used]  # cleared when saved
-        self.nodes = nodes
+        self._adopt_meta(columns, nodes, ncols)
         self._bits, self._rows, self._high = bits, table, high
         self._free, self._nfree = free, len(free)
-        self._plan = None
 
     @staticmethod
     def _rebuilt(arrays: dict[str, np.ndarray], bits: np.ndarray, words: int) -> tuple[np.ndarray, RowTable, int, np.ndarray]:

@@ -75,6 +75,13 @@ log = logging.getLogger("kvtier.router")
 __all__ = ["Decision", "FeedStatus", "FetchHint", "Router", "RouterConfig", "RouterError", "UnknownCandidates"]
 
 
+def parse_layout(value: str) -> str:
+    """An index layout name (RouterConfig.index_layout)."""
+    if value not in ("matrix", "pairs"):
+        raise ValueError(f"{value!r} is not an index layout (matrix or pairs)")
+    return value
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Every router setting, one name each; with the scorer's, the ``kvtier route-server``
@@ -117,6 +124,14 @@ class RouterConfig:
                                      "host=8,disk=16, which lost at most 0.78 % of the hit rate on the public "
                                      "traces at 8 replicas), their leading runs then a bounded estimate; empty "
                                      "(the default): every key", parse_strides, "host=K,disk=K")
+    index_layout: str = setting("matrix", "how the index stores where keys are: 'matrix' (a bit per key and location: "
+                                          "exact, and the fastest decisions while the fleet's columns are few) or "
+                                          "'pairs' (a 10-byte pair per key and location held, a 64-bit fingerprint of "
+                                          "the key: its size follows the locations, not the fleet's width; for "
+                                          "hundreds of nodes and more; docs/operations.md)", parse_layout,
+                                metavar="matrix|pairs")
+    index_capacity: int = setting(0, "pairs the 'pairs' index is sized for at start (it grows past them; 0: it "
+                                     "grows from empty)", parse_int, "N")
     top_k: int = setting(8, "ranked workers returned (by route-server: when a request asks for 0)", parse_int, "N")
     name: str = setting("kvtier-router", "subscriber name in the daemons' logs")
     scorer: ScorerConfig = group(ScorerConfig, "Scoring")
@@ -233,6 +248,15 @@ class _Workers:
     distinct: bool = True  # no two digests equal
 
 
+def make_index(cfg: RouterConfig) -> LocationIndex:
+    """The index of ``cfg``'s layout."""
+    strides = strides_of(cfg.index_strides)
+    if parse_layout(cfg.index_layout) == "pairs":
+        from kvtier.client.routing.pairs import PairIndex  # noqa: PLC0415 - (needs the compiled extension)
+        return PairIndex(cfg.speculative_ttl_s, capacity=cfg.index_capacity, strides=strides)
+    return LocationIndex(cfg.speculative_ttl_s, strides=strides)
+
+
 class Router:
     """See the module docstring."""
 
@@ -242,7 +266,7 @@ class Router:
         ``tls``: the client certificate for daemons over TCP (their --tls-ca signs it)."""
         self.config = cfg = config or RouterConfig()
         self.scorer = Scorer(cfg.scorer, pulls=cfg.pulls)
-        self.index = LocationIndex(cfg.speculative_ttl_s, strides=strides_of(cfg.index_strides))
+        self.index = make_index(cfg)
         self._lock = threading.RLock()
         self._save_lock = threading.Lock()  # one state file written at a time (periodic saves, close)
         self._feeds = Feeds(self.index, self._lock, daemons=cfg.daemons, dns=cfg.dns,
