@@ -96,6 +96,7 @@ import grpc
 import numpy as np
 
 from kvtier.client.routing import index as _index_mod
+from kvtier.client.routing.pairs import LOAD_MAX as PAIRS_LOAD_MAX
 from kvtier.client.routing.router import Router, RouterConfig
 from kvtier.client.routing.sparse import DEFAULT_STRIDES, SparseHoldings, sample, sparsify
 from kvtier.client.tools.replay import Cluster, ReplayConfig, Request, load_trace
@@ -356,8 +357,9 @@ def malloc_trim() -> None:
 
 
 def fleet_point(n: int, strides: dict[str, int] | None, gpu: int, host: int, disk: int, chain: int,  # noqa: PLR0915
-                churn_chains: int, seed: int = 0) -> dict:
-    """N daemons folded by one router: fill every node's tiers, then churn while routing."""
+                churn_chains: int, seed: int = 0, layout: str = "matrix") -> dict:
+    """N daemons folded by one router (its index of ``layout``): fill every node's tiers, then
+    churn while routing."""
     rng = random.Random(seed)
     shared = 4
     daemons = [SimDaemon(i, gpu, host, disk, chain, shared) for i in range(n)]
@@ -386,7 +388,7 @@ def fleet_point(n: int, strides: dict[str, int] | None, gpu: int, host: int, dis
     gc.collect()
     malloc_trim()
     before = rss()
-    router = Router(RouterConfig(new_session_spread=0.0))
+    router = Router(RouterConfig(new_session_spread=0.0, index_layout=layout))
     parse = L.WatchLocationsReply.FromString
     t0 = time.perf_counter()
     for i, msgs in enumerate(fill_msgs):
@@ -431,7 +433,7 @@ def fleet_point(n: int, strides: dict[str, int] | None, gpu: int, host: int, dis
         quiet.append(time.perf_counter() - t)
         router.finish(d.decision_id)
     a, b = np.array(lat) * 1e6, np.array(quiet) * 1e6
-    return {"nodes": n, "sparse": strides is not None, "blocks_held": held, "deep_held": deep, "gpu_held": gpu_held,
+    return {"nodes": n, "sparse": strides is not None, "layout": layout, "blocks_held": held, "deep_held": deep, "gpu_held": gpu_held,
             "rows": rows,
             "index_bytes": idx_bytes, "rss_bytes": grown,
             "index_bytes_per_block": idx_bytes / held, "rss_bytes_per_block": grown / held,
@@ -452,8 +454,10 @@ def model(points: list[dict], fleet_nodes: int, gpu_blocks: int, host_blocks: in
     records per held block (measured in the simulation; for the fleet, from its runs of
     ``run_blocks``), then project to the fleet: the router's bit matrix (every row as wide as
     the fleet's columns) and per-location tables of recorded keys."""
-    sp = [p for p in points if p["sparse"]]
-    key_bytes = float(np.mean([p["index_bytes_per_row"] - 8 * -(-p["columns"] // 64) for p in points]))
+    matrix = [p for p in points if p.get("layout", "matrix") == "matrix"]
+    paired = [p for p in points if p.get("layout") == "pairs"]
+    sp = [p for p in matrix if p["sparse"]]
+    key_bytes = float(np.mean([p["index_bytes_per_row"] - 8 * -(-p["columns"] // 64) for p in matrix]))
     measured_share = float(np.mean([(p["rows"] - p["gpu_held"]) / p["deep_held"] for p in sp])) if sp else 1.0
     run = list(range(run_blocks))
     share = ((host_blocks * len(sample(run, strides["host"])) + disk_blocks * len(sample(run, strides["disk"])))
@@ -466,7 +470,18 @@ def model(points: list[dict], fleet_nodes: int, gpu_blocks: int, host_blocks: in
     sparse_rows = gpu + share * deep
     ingest = min(p["churn_events_per_s"] for p in points)
     rec = 16 / 0.8 + 2  # a recorded key in a per-location open table: 16-byte key at 80 % load, 2-byte location
-    return {"fleet_nodes": fleet_nodes, "blocks": deep + gpu, "columns": cols, "key_bytes_per_row": round(key_bytes, 1),
+    # the pairs layout, built: a pair per recorded key and location (a row of the matrix's model
+    # is one location's key), at the bytes per pair measured (growth slack included) and at
+    # the table's load limit (an index sized up front: --index-capacity)
+    per_pair = float(np.mean([p["index_bytes"] / p["rows"] for p in paired])) if paired else None
+    full_pair = 10 / PAIRS_LOAD_MAX
+    pairs_gb = sparse_rows * per_pair / 1e9 if per_pair is not None else None
+    return {"pairs_bytes_per_pair": round(per_pair, 2) if per_pair is not None else None,
+            "pairs_bytes_per_pair_sized": full_pair,
+            "sparse_pairs_gb": round(pairs_gb, 1) if pairs_gb is not None else None,
+            "sparse_pairs_sized_gb": round(sparse_rows * full_pair / 1e9, 1),
+            "fits_pairs": pairs_gb is not None and pairs_gb <= replica_gb,
+            "fits_pairs_sized": sparse_rows * full_pair / 1e9 <= replica_gb,"fleet_nodes": fleet_nodes, "blocks": deep + gpu, "columns": cols, "key_bytes_per_row": round(key_bytes, 1),
             "matrix_bytes_per_row": round(row, 1), "sparse_row_share": round(share, 4),
             "sparse_row_share_simulated": round(measured_share, 4), "fleet_run_blocks": run_blocks,
             "dense_matrix_gb": round(dense_rows * row / 1e9, 1), "sparse_matrix_gb": round(sparse_rows * row / 1e9, 1),
@@ -723,8 +738,9 @@ def _logged(path: str, pattern: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-def catch_up(n: int, args: argparse.Namespace, strides: str) -> dict:  # noqa: PLR0915
-    """A route-server restarted from its index snapshot (see the module docstring, part 4)."""
+def catch_up(n: int, args: argparse.Namespace, strides: str, layout: str = "matrix") -> dict:  # noqa: PLR0915
+    """A route-server (its index of ``layout``) restarted from its index snapshot (see the
+    module docstring, part 4)."""
     _tests_support()
     from redis_cluster import MISSING, REDIS_CLI, REDIS_SERVER, RedisCluster  # noqa: PLC0415
 
@@ -741,7 +757,7 @@ def catch_up(n: int, args: argparse.Namespace, strides: str) -> dict:  # noqa: P
                 "--snapshot-tls-cert", cluster.file("kvtier-client.pem"), "--snapshot-tls-key",
                 cluster.file("kvtier-client.key"), "--snapshot-user", cluster.USER, "--snapshot-password-file",
                 cluster.file("store-password"), "--snapshot-name", "fleet-bench"]
-        common = ["--index-strides", strides] if strides else []
+        common = (["--index-strides", strides] if strides else []) + ["--index-layout", layout]
 
         def manifest() -> dict | None:
             c = cluster.client()
@@ -814,7 +830,7 @@ def catch_up(n: int, args: argparse.Namespace, strides: str) -> dict:  # noqa: P
         loaded = _logged(logf, r"index snapshot .* loaded: .* in ([0-9.]+) s")
         cold_caught = _logged(first_log, _CAUGHT_UP)
         caught = _logged(logf, _CAUGHT_UP)
-        return {"nodes": n, "index_strides": strides or "off", "snapshot_bytes": m["bytes"],
+        return {"nodes": n, "index_strides": strides or "off", "index_layout": layout, "snapshot_bytes": m["bytes"],
                 "snapshot_keys": m["keys"], "snapshot_age_at_kill_s": round(killed - m["saved_at"], 2),
                 "down_s": args.down_s, "offered_key_events_per_s": round(n * args.feed_rate * 6 * (args.chain - 4)),
                 "events_since_snapshot_at_caught_up": behind,
@@ -834,12 +850,19 @@ def catch_up(n: int, args: argparse.Namespace, strides: str) -> dict:  # noqa: P
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
+def main(argv: list[str] | None = None) -> dict:  # noqa: C901, PLR0915
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="8,32,128", help="fleet sizes measured [%(default)s]")
     ap.add_argument("--node-blocks", default="512:4096:20480", help="per node gpu:host:disk blocks [%(default)s]")
     ap.add_argument("--chain", type=int, default=32, help="blocks a request stores [%(default)s]")
     ap.add_argument("--churn-chains", type=int, default=256, help="requests per node while routing [%(default)s]")
+    ap.add_argument("--layouts", default="matrix,pairs",
+                    help="index layouts measured in part 2: matrix dense and sparse, pairs sparse [%(default)s]")
+    ap.add_argument("--wide-nodes", type=int, default=1000,
+                    help="a part-2 point of this many nodes, each of --wide-node-blocks, with the pairs layout and "
+                         "sparse host/disk: memory and decisions at the fleet's width (0: none) [%(default)s]")
+    ap.add_argument("--wide-node-blocks", default="128:512:2048", help="per node gpu:host:disk blocks of that point "
+                    "[%(default)s]")
     ap.add_argument("--traces", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces"),
                     help="folder of the three public traces (none there: no hit-rate part) [%(default)s]")
     ap.add_argument("--replicas", type=int, default=8)
@@ -882,12 +905,21 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
         return {}
     strides = dict(DEFAULT_STRIDES)
     points = []
+    layouts = [x for x in args.layouts.split(",") if x]
+    runs = [(st, lay) for lay in layouts for st in ((None, strides) if lay == "matrix" else (strides,))]
     for n in [int(x) for x in args.nodes.split(",") if x]:
-        for st in (None, strides):
-            p = fleet_point(n, st, gpu, host, disk, args.chain, args.churn_chains)
+        for st, lay in runs:
+            p = fleet_point(n, st, gpu, host, disk, args.chain, args.churn_chains, layout=lay)
             points.append(p)
             print("# " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in p.items()}),
                   file=sys.stderr, flush=True)
+    wide = None
+    if args.wide_nodes and "pairs" in layouts:
+        wg, wh, wd = (int(x) for x in args.wide_node_blocks.split(":"))
+        wide = fleet_point(args.wide_nodes, strides, wg, wh, wd, args.chain, max(8, args.churn_chains // 16),
+                           layout="pairs")
+        print("# wide " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in wide.items()}),
+              file=sys.stderr, flush=True)
     pairs = [tuple(int(y) for y in x.split(":")) for x in args.strides.split(",") if x]
     default = (strides["host"], strides["disk"])
     if default not in pairs:
@@ -902,16 +934,19 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
     restart = None
     if args.catch_up_nodes:
         try:
-            restart = catch_up(args.catch_up_nodes, args, "default")
+            restart = catch_up(args.catch_up_nodes, args, "default", "pairs" if "pairs" in layouts else "matrix")
             print("# catch-up " + json.dumps(restart), file=sys.stderr, flush=True)
         except (RuntimeError, OSError, TimeoutError) as e:
             print(f"# catch-up not measured: {e}", file=sys.stderr, flush=True)
-    m = big = dense = None
+    m = big = dense = sparse_matrix = None
     if points:
         m = model(points, args.fleet_nodes, args.fleet_gpu_blocks, args.fleet_host_blocks, args.fleet_disk_blocks,
                   args.replica_gb, args.fleet_run_blocks, strides)
-        big = max((p for p in points if p["sparse"]), key=lambda p: p["nodes"])
-        dense = next(p for p in points if not p["sparse"] and p["nodes"] == big["nodes"])
+        fleet_layout = "pairs" if "pairs" in layouts else "matrix"
+        big = max((p for p in points if p["sparse"] and p["layout"] == fleet_layout), key=lambda p: p["nodes"])
+        dense = next((p for p in points if not p["sparse"] and p["nodes"] == big["nodes"]), None)
+        sparse_matrix = next((p for p in points if p["sparse"] and p["layout"] == "matrix"
+                              and p["nodes"] == big["nodes"]), None)
     else:
         print("# no --nodes: fleet ingest (part 2) and the model (part 3) skipped", file=sys.stderr, flush=True)
 
@@ -925,6 +960,11 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
     result = {"nodes": of(big, "nodes"), "blocks_indexed": of(big, "blocks_held"),
               "router_bytes_per_block": of(big, "index_bytes_per_block", 2),
               "router_bytes_per_block_dense": of(dense, "index_bytes_per_block", 2),
+              "router_bytes_per_block_matrix_sparse": of(sparse_matrix, "index_bytes_per_block", 2),
+              "index_layout": of(big, "layout"),
+              "wide": {k: (round(v, 2) if isinstance(v, float) else v) for k, v in wide.items()} if wide else None,
+              "wide_decision_p99_us": of(wide, "decision_p99_us", 1),
+              "wide_bytes_per_block": of(wide, "index_bytes_per_block", 2),
               "events_per_s": of(big, "churn_events_per_s", 0), "decision_p50_us": of(big, "decision_p50_us", 1),
               "decision_p99_us": of(big, "decision_p99_us", 1),
               "strides": strides,
@@ -934,7 +974,7 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: PLR0915
               "estimate_above_dense": {t: rows[f"{default[0]}:{default[1]}"].get("above_dense") for t, rows in loss.items()},
               "estimate_below_bound": {t: rows[f"{default[0]}:{default[1]}"].get("below_bound") for t, rows in loss.items()},
               "curve": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in p.items()
-                         if k in ("nodes", "sparse", "blocks_held", "rows", "columns", "index_bytes_per_block",
+                         if k in ("nodes", "sparse", "layout", "blocks_held", "rows", "columns", "index_bytes_per_block",
                                   "rss_bytes_per_block", "churn_events_per_s", "decision_p99_us")} for p in points],
               "model": m,
               "sparse_walk_us_python": {str(w): round(walk_cost_us(w), 1) for w in (8, 128)},

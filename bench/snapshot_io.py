@@ -15,7 +15,9 @@ and ``bench/fleet.py`` start it; ``--plaintext``: without TLS), builds a router 
   joined with their lengths and the live rows' bits, what a ``--state-path`` file of an
   older router holds), in memory: the matrix and the keys copied, the slots placed;
 
-and the fixed costs apart: a fresh interpreter importing the route-server (``import_s``) and a
+With ``--layout pairs`` the state is a pairs index's (client/routing/pairs.py: its table at the load
+limit, random fingerprints), loaded as it is (``index_s``: no placement pass); and the fixed
+costs apart: a fresh interpreter importing the route-server (``import_s``) and a
 new cluster client's first read (``connect_s``). Prints one JSON line per size, then one with
 all, last; ``load_mb_per_s`` is the snapshot's bytes over ``fetch_s + decode_s + index_s``.
 """
@@ -75,6 +77,29 @@ def state_of(mb: float, words: int, nodes: int = 64, seed: int = 1) -> tuple[dic
     return {**index.state(), "router_meta": earlier["router_meta"]}, earlier
 
 
+def pairs_state_of(mb: float, nodes: int = 64, seed: int = 1) -> tuple[dict[str, np.ndarray], int]:
+    """Arrays as ``Router.state_arrays()`` returns them for an index of the pairs layout of
+    about ``mb`` MB: a table at its load limit (``pairs.LOAD_MAX``, an index sized up front)
+    of random fingerprints, each of a random node's gpu, host or disk column; and its pairs."""
+    from kvtier.client.routing import pairs  # noqa: PLC0415
+
+    earlier = earlier_state_of(0.001, 1 + (3 * nodes) // 64, nodes, seed)  # (only its meta: columns and nodes)
+    slots = int(mb * 1e6 / 10)
+    n = int(slots * pairs.LOAD_MAX) - 1
+    rng = np.random.default_rng(seed)
+    fps = rng.integers(0, 2**64, size=n, dtype=np.uint64)
+    fps[fps == 0] = 1  # (0: an empty slot)
+    ncols = len(json.loads(bytes(earlier["meta"]).decode())["columns"])
+    cols = (rng.integers(0, ncols, size=n) + 2).astype(np.uint16)
+    table = pairs.PairTable(n)
+    pairs._cpairs.rehash(fps, cols, table.fps, table.cols)
+    del fps, cols
+    meta = json.loads(bytes(earlier["meta"]).decode())
+    meta.update(format=2, layout="pairs", ncols=ncols + 2)
+    return {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), "pair_fps": table.fps,
+            "pair_cols": table.cols, "router_meta": earlier["router_meta"]}, n
+
+
 def import_s(reps: int = 3) -> float:
     """A fresh interpreter importing the route-server and the Redis client (best of ``reps``)."""
     best = float("inf")
@@ -85,20 +110,27 @@ def import_s(reps: int = 3) -> float:
     return best
 
 
-def point(store_of, mb: float, words: int, reps: int = 1, module=None) -> dict:  # noqa: ANN001
-    """The best of ``reps`` saves and loads of one size (``module``: the snapshot module measured)."""
+def point(store_of, mb: float, words: int, reps: int = 1, module=None, layout: str = "matrix") -> dict:  # noqa: ANN001
+    """The best of ``reps`` saves and loads of one size (``module``: the snapshot module
+    measured; ``layout``: the index's; ``rows`` are pairs for the pairs layout)."""
     best: dict = {}
-    arrays, earlier = state_of(mb, words)
-    rows = len(earlier["key_lengths"])
+    if layout == "pairs":
+        arrays, rows = pairs_state_of(mb)
+        earlier = None
+    else:
+        arrays, earlier = state_of(mb, words)
+        rows = len(earlier["key_lengths"])
     for _ in range(reps):
-        p = _once(store_of, arrays, rows, words, module)
-        p["earlier_index_s"] = _earlier_index_s(earlier, rows)
+        p = _once(store_of, arrays, rows, words, module, layout)
+        if earlier is not None:
+            p["earlier_index_s"] = _earlier_index_s(earlier, rows)
         best = {k: min(v, best.get(k, v)) if k.endswith("_s") else v for k, v in p.items()}
     size = best["mb"]
-    best.update(save_mb_per_s=round(size / (best["encode_s"] + best["store_s"]), 1),
+    best.update(layout=layout, save_mb_per_s=round(size / (best["encode_s"] + best["store_s"]), 1),
                 load_mb_per_s=round(size / best["load_s"], 1), fetch_mb_per_s=round(size / best["fetch_s"], 1),
-                index_rows_per_s=round(best["rows"] / best["index_s"]),
-                earlier_index_rows_per_s=round(best["rows"] / best["earlier_index_s"]))
+                index_rows_per_s=round(best["rows"] / max(best["index_s"], 1e-6)))
+    if earlier is not None:
+        best["earlier_index_rows_per_s"] = round(best["rows"] / best["earlier_index_s"])
     return best
 
 
@@ -113,9 +145,9 @@ def _earlier_index_s(earlier: dict, rows: int) -> float:
     return round(took, 3)
 
 
-def _once(store_of, arrays: dict, rows: int, words: int, module=None) -> dict:  # noqa: ANN001
+def _once(store_of, arrays: dict, rows: int, words: int, module=None, layout: str = "matrix") -> dict:  # noqa: ANN001
     from kvtier.client.routing import snapshot  # noqa: PLC0415
-    from kvtier.client.routing.router import Router  # noqa: PLC0415
+    from kvtier.client.routing.router import Router, RouterConfig  # noqa: PLC0415
 
     S = module or snapshot  # noqa: N806
 
@@ -154,7 +186,7 @@ def _once(store_of, arrays: dict, rows: int, words: int, module=None) -> dict:  
     decoded = S.decode(data) if hasattr(S, "decode") else _decode_by_numpy_load(data)
     decode = time.monotonic() - t
     del data, got
-    router = Router()
+    router = Router(RouterConfig(index_layout=layout))
     t = time.monotonic()
     router.load_arrays(decoded)
     index = time.monotonic() - t
@@ -180,6 +212,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--words", type=int, default=1, help="64-bit words of location bits per row [%(default)s]")
     ap.add_argument("--reps", type=int, default=3, help="the best of this many saves and loads per size")
     ap.add_argument("--plaintext", action="store_true", help="a Redis Cluster without TLS")
+    ap.add_argument("--layout", default="matrix", choices=("matrix", "pairs"),
+                    help="the index layout saved and loaded (pairs: a table at its load limit) [%(default)s]")
     args = ap.parse_args(argv)
     from redis_cluster import RedisCluster  # noqa: PLC0415
 
@@ -199,7 +233,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         fixed = round(import_s(), 3)
         for mb in sizes:
-            p = {"tls": not args.plaintext, "import_s": fixed, **point(store_of, mb, args.words, args.reps)}
+            p = {"tls": not args.plaintext, "import_s": fixed, **point(store_of, mb, args.words, args.reps, layout=args.layout)}
             print(json.dumps(p), flush=True)
             out.append(p)
     finally:

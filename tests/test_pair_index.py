@@ -183,3 +183,19 @@ def test_a_pairs_index_costs_what_its_pairs_cost_not_the_fleets_width() -> None:
     idx.stored("n0", "disk", "", b"f", keys)
     assert idx.columns >= 2000
     assert idx.nbytes() / len(idx) < 10 / pairs_mod.GROW_TO + 1
+
+
+@needs_c
+def test_a_snapshot_of_a_pairs_router_routes_as_the_router_saved() -> None:
+    """Through the bytes an index snapshot stores (snapshot.state_bytes, then load_into: the
+    arrays adopted as views of the bytes read back)."""
+    from kvtier.client.routing import snapshot  # noqa: PLC0415
+
+    rng = random.Random(11)
+    rm, rp, chains = _clusters(rng, "default")
+    data, _ = snapshot.state_bytes(rp)
+    restarted = Router(RouterConfig(index_layout="pairs", index_strides="default"))
+    snapshot.load_into(restarted, bytearray(data))
+    assert restarted.positions() == rp.positions() and restarted.holdings() == rp.holdings()
+    for req in _requests(rng, chains, 100):
+        _same(rm.route(req, dispatch=False, now=70.0), restarted.route(req, dispatch=False, now=70.0))

@@ -276,7 +276,7 @@ class PairIndex(LocationIndex):
         if ncols > MAX_COLUMNS:
             raise ValueError(f"index state of {ncols} columns (the pairs layout holds {MAX_COLUMNS})")
         table = PairTable.adopt(arrays["pair_fps"], arrays["pair_cols"])
-        if table.pairs and int(table.cols[table.fps != 0].max()) >= ncols:
+        if table.pairs and int(table.cols.max()) >= ncols:  # (an empty slot's column is 0)
             raise ValueError("index state: a pair of a column the state does not make")
         self.clear()
         self._adopt_meta(columns, nodes, ncols)
