@@ -19,7 +19,10 @@ Three parts, each measured in this process:
    one :class:`Router` (``Router.apply``, the fold a route-server's feeds run, in process)
    while a second thread routes requests: events/s sustained, decision latency p50/p99
    under ingest, and the index's bytes (``LocationIndex.nbytes`` and the RSS growth) per
-   block held, dense and with the host/disk feeds sparsified (:func:`sparsify`).
+   block held: the bit matrix dense and sparse, and the pairs layout sparse (``--layouts``;
+   sparse: the router's ``index_strides``, its decisions walking the sparse runs), and one
+   point of ``--wide-nodes`` nodes (1,000) with the pairs layout, sparse: memory and
+   decisions at the fleet's width (``wide``).
 3. The model: bytes per block (dense gpu, sparse host/disk) and events/s per node, fitted
    over the measured N, extrapolated to ``--fleet-nodes`` nodes of ``--fleet-host-blocks``
    host and ``--fleet-disk-blocks`` disk blocks (1,000 x (1M + 5M)); whether it fits
@@ -373,7 +376,7 @@ def fleet_point(n: int, strides: dict[str, int] | None, gpu: int, host: int, dis
         msgs.extend(d.opening())
         done = 0
         while done < fill:
-            m, e = d.step(min(per_msg, fill - done), strides)
+            m, e = d.step(min(per_msg, fill - done), None)  # (the router indexes sparsely itself)
             msgs.append(m)
             fill_events += e
             done += per_msg
@@ -381,14 +384,15 @@ def fleet_point(n: int, strides: dict[str, int] | None, gpu: int, host: int, dis
     churn_events = 0
     for _ in range(max(1, churn_chains // per_msg)):
         for i, d in enumerate(daemons):
-            m, e = d.step(per_msg, strides)
+            m, e = d.step(per_msg, None)
             churn_msgs.append((i, m))
             churn_events += e
     queries = [daemons[rng.randrange(n)].query(rng) for _ in range(4000)]
     gc.collect()
     malloc_trim()
     before = rss()
-    router = Router(RouterConfig(new_session_spread=0.0, index_layout=layout))
+    router = Router(RouterConfig(new_session_spread=0.0, index_layout=layout,
+                                 index_strides=",".join(f"{t}={k}" for t, k in strides.items()) if strides else ""))
     parse = L.WatchLocationsReply.FromString
     t0 = time.perf_counter()
     for i, msgs in enumerate(fill_msgs):

@@ -199,3 +199,30 @@ def test_a_snapshot_of_a_pairs_router_routes_as_the_router_saved() -> None:
     assert restarted.positions() == rp.positions() and restarted.holdings() == rp.holdings()
     for req in _requests(rng, chains, 100):
         _same(rm.route(req, dispatch=False, now=70.0), restarted.route(req, dispatch=False, now=70.0))
+
+
+@needs_c
+def test_bad_arguments_raise_and_change_nothing() -> None:
+    c = pairs_mod._cpairs
+    t = pairs_mod.PairTable()
+    t.insert([b"k" * 16], 5)
+    before = (t.fps.copy(), t.cols.copy())
+    bits = np.zeros((4, 1), dtype=np.uint64)
+    for call, err in [
+        (lambda: c.insert(t.fps, t.cols, [b"a", "not bytes"], 3), TypeError),
+        (lambda: c.insert(t.fps, t.cols, [b"a"], 70000), ValueError),
+        (lambda: c.insert(t.fps.astype(np.uint32), t.cols, [b"a"], 3), ValueError),
+        (lambda: c.insert(t.fps, t.cols[:-1], [b"a"], 3), ValueError),
+        (lambda: c.gather(t.fps, t.cols, [b"a"] * 4, bits, 1, 1, None), ValueError),  # rows 1..4 of 4
+        (lambda: c.gather(t.fps, t.cols, [b"a"], bits, 0, 1, None), ValueError),
+        (lambda: c.gather(t.fps, t.cols, [b"a"], bits, 1, 1, np.zeros(2, dtype=np.int64)), ValueError),
+        (lambda: c.remove(t.fps, t.cols, 5, 3), TypeError),
+        (lambda: c.rehash(t.fps, t.cols, np.zeros(16, dtype=np.uint64), np.zeros(8, dtype=np.uint16)), ValueError),
+    ]:
+        with pytest.raises(err):
+            call()
+    full_f, full_c = np.ones(16, dtype=np.uint64), np.ones(16, dtype=np.uint16)
+    with pytest.raises(RuntimeError, match="full"):
+        c.insert(full_f, full_c, [b"x" * 16], 3)
+    assert (t.fps == before[0]).all() and (t.cols == before[1]).all()
+    assert c.insert(t.fps, t.cols, [b"a"], 3) == 1  # (the "a" of the first refused call was not added)

@@ -230,10 +230,14 @@ def test_compiled_and_numpy_decisions_agree_with_sparse_deep_tiers(seed: int) ->
 
 
 @needs_c
+@pytest.mark.parametrize("table", ["byte table", "each worker's columns"])
 @pytest.mark.parametrize("strides", SPARSE)
-def test_compiled_sparse_holdings_match_the_numpy_walk(strides: str) -> None:
+def test_compiled_sparse_holdings_match_the_numpy_walk(strides: str, table: str, monkeypatch) -> None:
     """LocationIndex.holdings with sparse deep tiers, every worker and selections of them,
-    pulls on and off: the compiled walk's leads are the numpy walk's."""
+    pulls on and off: the compiled walk's leads are the numpy walk's, over the plan's byte
+    table and, for plans too wide for one, over each worker's columns (sparse_cols)."""
+    if table != "byte table":
+        monkeypatch.setattr(index_mod, "_TABLE_LIMIT", 0)
     rng = random.Random(sum(map(ord, strides)))
     rc, _, chains = _routers(rng, 4, 12, 80, strides=strides)
     idx = rc.index
@@ -462,6 +466,16 @@ def hostile_sparse_calls() -> None:
     _raises(lambda: _route.sparse(rows, 2, bits, 1, table, 2, 2, 4, np.full((4, 2), -1, np.int64)))
     _raises(lambda: _route.sparse(np.array([-1, 99, -1], np.int64), 1, bits, 1, table, 2, 2, 4, sl))
     _raises(lambda: _route.sparse(rows, 2, bits, 1, table, 2, 2, 4, sl.astype(np.int32)))
+    fast = np.arange(2, 12, dtype=np.int64).reshape(5, 2)  # sparse_cols(): each worker's columns
+    _route.sparse_cols(rows, 2, bits, 1, fast, 2, 2, 4, sl)
+    for n_, nw, nwk, kh, ka in ((1 << 62, 1, 2, 2, 4), (3, 1, 2, 2, 4), (-1, 1, 2, 2, 4), (2, 1 << 60, 2, 2, 4),
+                                (2, 0, 2, 2, 4), (2, 1, 3, 2, 4), (2, 1, -1, 2, 4), (2, 1, 2, 0, 4), (2, 1, 2, 4, 2)):
+        _raises(lambda n_=n_, nw=nw, nwk=nwk, kh=kh, ka=ka: _route.sparse_cols(rows, n_, bits, nw, fast, nwk, kh, ka,
+                                                                               sl))
+    _raises(lambda: _route.sparse_cols(rows, 2, bits, 1, fast + 60, 2, 2, 4, sl))  # a column beyond the words
+    _raises(lambda: _route.sparse_cols(rows, 2, bits, 1, -fast, 2, 2, 4, sl))
+    _raises(lambda: _route.sparse_cols(np.array([-1, 99, -1], np.int64), 1, bits, 1, fast, 2, 2, 4, sl))
+    _raises(lambda: _route.sparse_cols(rows, 2, bits, 1, fast, 2, 2, 4, np.full((4, 2), 3, np.int64)))
 
 
 @needs_c

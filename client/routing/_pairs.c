@@ -15,8 +15,9 @@
  * 2^-64 for each pair of keys.
  *
  *   insert(fps, cols, keys, col) -> added
- *       Add (key, col) for each key of the list (bytes) that lacks it. The caller keeps the
- *       table below its load limit: a table with no empty slot left raises.
+ *       Add (key, col) for each key of the list (bytes) that lacks it; a key that is not bytes
+ *       raises before anything changes. The caller keeps the table below its load limit: a
+ *       table left with no empty slot raises (the keys before that one stay added).
  *   remove(fps, cols, keys, col) -> removed
  *       Remove (key, col) for each key that has it.
  *   gather(fps, cols, keys, bits, nwords, first, rows) -> m
@@ -170,6 +171,31 @@ static int del(Table *t, uint64_t fp, uint16_t col) {
 
 static PyObject *seq_of(PyObject *keys) { return PySequence_Fast(keys, "keys must be a sequence of bytes"); }
 
+/* Every key's fingerprint, before anything changes (a key that is not bytes changes nothing):
+ * a new buffer (PyMem_Free it), its length in *n; NULL with an exception set. */
+static uint64_t *fps_of(PyObject *keys, Py_ssize_t *n) {
+    PyObject *seq = seq_of(keys);
+    if (seq == NULL)
+        return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t *out = PyMem_Malloc(sizeof(uint64_t) * (size_t)(*n > 0 ? *n : 1));
+    if (out == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        if (key_fp(items[i], &out[i]) < 0) {
+            PyMem_Free(out);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static int parse_col(PyObject *o, uint16_t *col) {
     long c = PyLong_AsLong(o);
     if (c == -1 && PyErr_Occurred())
@@ -194,17 +220,13 @@ static PyObject *pairs_insert(PyObject *self, PyObject *const *args, Py_ssize_t 
     Table t;
     if (table_get(args[0], args[1], &t, "insert") < 0)
         return NULL;
-    PyObject *seq = seq_of(args[2]), *res = NULL;
-    Py_ssize_t added = 0;
-    if (seq == NULL)
+    PyObject *res = NULL;
+    Py_ssize_t added = 0, n = 0;
+    uint64_t *fps = fps_of(args[2], &n);
+    if (fps == NULL)
         goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t fp;
-        if (key_fp(items[i], &fp) < 0)
-            goto done;
-        int r = put(&t, fp, col);
+        int r = put(&t, fps[i], col);
         if (r < 0) {
             PyErr_SetString(PyExc_RuntimeError, "insert(): the pairs table is full (the caller grows it first)");
             goto done;
@@ -213,10 +235,8 @@ static PyObject *pairs_insert(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     res = PyLong_FromSsize_t(added);
 done:
-    Py_XDECREF(seq);
+    PyMem_Free(fps);
     table_release(&t);
-    if (res == NULL && !PyErr_Occurred())
-        PyErr_SetString(PyExc_RuntimeError, "insert() failed");
     return res;
 }
 
@@ -232,23 +252,17 @@ static PyObject *pairs_remove(PyObject *self, PyObject *const *args, Py_ssize_t 
     Table t;
     if (table_get(args[0], args[1], &t, "remove") < 0)
         return NULL;
-    PyObject *seq = seq_of(args[2]), *res = NULL;
-    Py_ssize_t removed = 0;
-    if (seq == NULL)
-        goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t fp;
-        if (key_fp(items[i], &fp) < 0)
-            goto done;
-        removed += del(&t, fp, col);
+    Py_ssize_t removed = 0, n = 0;
+    uint64_t *fps = fps_of(args[2], &n);
+    if (fps == NULL) {
+        table_release(&t);
+        return NULL;
     }
-    res = PyLong_FromSsize_t(removed);
-done:
-    Py_XDECREF(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        removed += del(&t, fps[i], col);
+    PyMem_Free(fps);
     table_release(&t);
-    return res;
+    return PyLong_FromSsize_t(removed);
 }
 
 static PyObject *pairs_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

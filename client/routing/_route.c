@@ -28,6 +28,12 @@
  *       A walk from s steps from one held position to the next while the step (counted from
  *       s - 1) is at most k; it answers one past the last position reached (s when none).
  *
+ *   sparse_cols(rows, n, bits, nwords, fast, n_workers, kh, kany, lead)
+ *       sparse() for plans too wide for a byte table: fast the plan's (5, n_workers) int64
+ *       columns (gpu, speculative 0, speculative 1, host, disk of each worker); each worker's
+ *       walk tests its own columns in each key's row (a few keys a worker: the walk stops k
+ *       keys past the last held one).
+ *
  *   rank(n, lead, weights, load_cost, queued, active, digests, key_digest, top_k, cost, saved,
  *        pairwise) -> list
  *       Scorer.costs then Scorer.order: saved = sum over the 4 tiers of lead * weight (in
@@ -601,6 +607,96 @@ done:
     PyBuffer_Release(&br);
     PyBuffer_Release(&bb);
     PyBuffer_Release(&bt);
+    PyBuffer_Release(&bo);
+    return res;
+}
+
+/* ----------------------------------------------------------------------------- sparse_cols */
+
+/* One worker's walk (sparse.walk): from start, over the positions where one of the worker's
+ * columns cols[0..nc) is set in the key's row, in steps of at most k counted from start - 1;
+ * one past the last position reached (start when none). */
+static long long walk_cols(const int64_t *rows, Py_ssize_t n, const uint64_t *bits, Py_ssize_t nwords,
+                           const int64_t *cols, int nc, long long k, long long start) {
+    long long last = start - 1;
+    for (long long p = start; p < n && p <= last + k; p++) {
+        int64_t r = rows[p + 1];
+        if (r < 0)
+            continue;
+        const uint64_t *row = bits + (size_t)r * (size_t)nwords;
+        for (int c = 0; c < nc; c++)
+            if (row[cols[c] >> 6] >> (cols[c] & 63) & 1) {
+                last = p;
+                break;
+            }
+    }
+    return last + 1;
+}
+
+static PyObject *route_sparse_cols(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 9, "sparse_cols"))
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t n_workers = PyLong_AsSsize_t(args[5]);
+    long long kh = PyLong_AsLongLong(args[6]);
+    long long kany = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer br, bb, bc, bo;
+    static const int at[4] = {0, 2, 4, 8};
+    static const char writable[4] = {0, 0, 0, 1};
+    Py_buffer *const bufs[4] = {&br, &bb, &bc, &bo};
+    if (get_bufs(args, 4, at, "qQqq", writable, bufs) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    if (n < 0 || n > br.len / 8 - 2 || nwords <= 0 || nwords > bb.len / 8 || n_workers < 0 ||
+        bc.len / 8 != 5 * n_workers || bo.len / 8 != 4 * n_workers || kh < 1 || kany < kh) {
+        PyErr_SetString(PyExc_ValueError, "sparse_cols(): buffers do not match the plan");
+        goto done;
+    }
+    {
+        const int64_t *rows = (const int64_t *)br.buf, *fast = (const int64_t *)bc.buf;
+        const uint64_t *bits = (const uint64_t *)bb.buf;
+        int64_t *lead = (int64_t *)bo.buf;
+        Py_ssize_t nrows = bb.len / 8 / nwords;
+        for (Py_ssize_t i = 0; i < n + 2; i++)
+            if (rows[i] >= nrows) {
+                PyErr_SetString(PyExc_ValueError, "sparse_cols(): a row outside the matrix");
+                goto done;
+            }
+        for (Py_ssize_t j = 0; j < 5 * n_workers; j++)
+            if (fast[j] < 0 || fast[j] >= nwords * 64) {
+                PyErr_SetString(PyExc_ValueError, "sparse_cols(): a column outside the matrix");
+                goto done;
+            }
+        for (Py_ssize_t j = 0; j < 4 * n_workers; j++)
+            if (lead[j] < 0 || lead[j] > n) {
+                PyErr_SetString(PyExc_ValueError, "sparse_cols(): a lead outside the keys");
+                goto done;
+            }
+        for (Py_ssize_t j = 0; j < n_workers; j++) {
+            /* the worker's columns: gpu, speculative 0 and 1, host (in gpu or host), then disk */
+            int64_t cols[5];
+            for (int c = 0; c < 5; c++)
+                cols[c] = fast[c * n_workers + j];
+            long long w = walk_cols(rows, n, bits, nwords, cols, 4, kh, lead[j]);
+            long long d_host = lead[n_workers + j] > w ? lead[n_workers + j] : w;
+            w = walk_cols(rows, n, bits, nwords, cols, 5, kany, d_host);
+            long long d_any = lead[2 * n_workers + j] > w ? lead[2 * n_workers + j] : w;
+            lead[n_workers + j] = d_host;
+            lead[2 * n_workers + j] = d_any;
+            if (lead[3 * n_workers + j] < d_any)
+                lead[3 * n_workers + j] = d_any;
+        }
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+done:
+    PyBuffer_Release(&br);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&bc);
     PyBuffer_Release(&bo);
     return res;
 }
@@ -1321,6 +1417,8 @@ static PyMethodDef methods[] = {
     {"rows", (PyCFunction)(void (*)(void))route_rows, METH_FASTCALL, "A request's rows (see the module source)."},
     {"lead", (PyCFunction)(void (*)(void))route_lead, METH_FASTCALL, "Holdings over the byte table."},
     {"sparse", (PyCFunction)(void (*)(void))route_sparse, METH_FASTCALL, "The sparse walk over the byte table."},
+    {"sparse_cols", (PyCFunction)(void (*)(void))route_sparse_cols, METH_FASTCALL,
+     "The sparse walk over each worker's columns."},
     {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
     {"decide", (PyCFunction)(void (*)(void))route_decide, METH_FASTCALL, "rows, lead and rank at once."},
     {"digest64", (PyCFunction)route_digest64, METH_O, "blake2b-64 of bytes (at most 128), read little-endian."},
@@ -1338,7 +1436,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_route",
 
 /* The interface these functions offer (kvtier.client.routing.compiled.ROUTE_ABI): raised with
  * every change of their arguments, so a build left from older sources is not called. */
-#define ROUTE_ABI 3
+#define ROUTE_ABI 4
 
 PyMODINIT_FUNC PyInit__route(void) {
     PyObject *m = PyModule_Create(&module);

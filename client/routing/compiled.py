@@ -14,7 +14,7 @@ import importlib
 import logging
 from types import ModuleType
 
-ROUTE_ABI = 3
+ROUTE_ABI = 4
 """The interface of ``_route.c`` these sources call (its ``ABI`` constant); raised with every
 change of a function's arguments there."""
 

@@ -961,12 +961,20 @@ class LocationIndex:
         (see :mod:`kvtier.client.routing.sparse` for the bound)."""
         n = len(keys)
         rows = self._query_rows(keys)
+        plan = self.plan()
+        kh, kany = self._walk_strides()
+        if _croute is not None and plan.fast is not None:  # each worker's own columns, compiled
+            found = np.empty(n + 2, dtype=np.int64)
+            found[0] = found[n + 1] = -1
+            found[1:n + 1] = rows
+            fast = np.ascontiguousarray(plan.fast if workers is None else plan.fast[:, workers])
+            _croute.sparse_cols(found, n, self._bits, self._bits.shape[1], fast, fast.shape[1], kh, kany, lead)
+            return
         padded = np.zeros(n + 8 - n % 8, dtype=np.int64)  # row 0: empty
         padded[:n] = np.where(rows >= 0, rows, 0)
         bits = self._bits[padded]
         ut = np.unpackbits(np.ascontiguousarray(bits.view(np.uint8).T), axis=0, bitorder="little")
-        held = self.plan().held(ut, workers)
-        kh, kany = self._walk_strides()
+        held = plan.held(ut, workers)
         for j in range(lead.shape[1]):
             d_host = max(int(lead[1, j]), walk(held[1, j, :n], kh, int(lead[0, j])))
             d_any = max(int(lead[2, j]), walk(held[2, j, :n], kany, d_host))
