@@ -257,21 +257,31 @@ def test_compiled_sparse_holdings_match_the_numpy_walk(strides: str, table: str,
 
 
 @needs_c
-def test_compiled_rows_and_holdings_match_numpy() -> None:
+@pytest.mark.parametrize("table", ["byte table", "each worker's columns"])
+def test_compiled_rows_and_holdings_match_numpy(table: str, monkeypatch) -> None:
+    """Holdings compiled over the plan's byte table, or (plans too wide for one) over each
+    worker's columns (lead_cols), are numpy's: every worker and selections, pulls on and off."""
+    if table != "byte table":
+        monkeypatch.setattr(index_mod, "_TABLE_LIMIT", 0)
     rng = random.Random(7)
     rc, _, chains = _routers(rng, 3, 12, 80)
     idx = rc.index
+    n_w = len(idx.plan().workers)
+    remote_only = 0
     for req in _requests(rng, chains, 400):
         fc = idx.rows(req)
         with numpy_path():
             fn = idx.rows(req)
         assert fc.indexed == fn.indexed
         assert fc.rows.tolist() == fn.rows.tolist()
+        sel = None if rng.random() < 0.5 else np.asarray(rng.sample(range(n_w), rng.randint(1, n_w)), dtype=np.int64)
         for remote in (True, False):
-            hc = idx.holdings(fc, None, remote)
+            hc = idx.holdings(fc, sel, remote)
             with numpy_path():
-                hn = idx.holdings(fn, None, remote)
+                hn = idx.holdings(fn, sel, remote)
             assert hc.dtype == hn.dtype and hc.tolist() == hn.tolist()
+            remote_only += int((hn[3] > hn[2]).any())
+    assert remote_only  # some leads counted a peer's or the store's blocks
 
 
 @needs_c
@@ -476,6 +486,16 @@ def hostile_sparse_calls() -> None:
     _raises(lambda: _route.sparse_cols(rows, 2, bits, 1, -fast, 2, 2, 4, sl))
     _raises(lambda: _route.sparse_cols(np.array([-1, 99, -1], np.int64), 1, bits, 1, fast, 2, 2, 4, sl))
     _raises(lambda: _route.sparse_cols(rows, 2, bits, 1, fast, 2, 2, 4, np.full((4, 2), 3, np.int64)))
+    rsel, rmask = np.zeros(2, np.int64), np.zeros((1, 1), np.uint64)  # lead_cols(): holdings over the columns
+    _route.lead_cols(rows, 2, bits, 1, fast, rsel, rmask, True, sl)
+    assert sl.tolist() == [[0, 0]] * 4
+    for m_, nw in ((1 << 62, 1), (3, 1), (-1, 1), (2, 1 << 60), (2, 0), (2, 2)):
+        _raises(lambda m_=m_, nw=nw: _route.lead_cols(rows, m_, bits, nw, fast, rsel, rmask, True, sl))
+    _raises(lambda: _route.lead_cols(rows, 2, bits, 1, fast + 60, rsel, rmask, True, sl))
+    _raises(lambda: _route.lead_cols(rows, 2, bits, 1, fast, rsel + 1, rmask, True, sl))  # no such mask
+    _raises(lambda: _route.lead_cols(rows, 2, bits, 1, fast, rsel[:1], rmask, True, sl))
+    _raises(lambda: _route.lead_cols(np.array([-1, 99, -1], np.int64), 1, bits, 1, fast, rsel, rmask, True, sl))
+    _raises(lambda: _route.lead_cols(rows, 2, bits, 1, fast, rsel, rmask, True, sl.astype(np.int32)))
 
 
 @needs_c

@@ -28,11 +28,18 @@
  *       A walk from s steps from one held position to the next while the step (counted from
  *       s - 1) is at most k; it answers one past the last position reached (s when none).
  *
+ *   lead_cols(rows, m, bits, nwords, fast, rsel, rmask, remote, lead)
+ *       lead() for plans too wide for a byte table: fast as sparse_cols()'s, rsel each worker's
+ *       remote mask (an index into rmask, the (masks, nwords) uint64 remote masks), lead the
+ *       (4, n_workers) int64 out: per worker the first of the m indexed keys not held on GPU
+ *       (gpu or speculative), in GPU or host, anywhere of its own, and (remote) also in its
+ *       remote mask (without remote: d_disk), m where every one is.
+ *
  *   sparse_cols(rows, n, bits, nwords, fast, n_workers, kh, kany, lead)
  *       sparse() for plans too wide for a byte table: fast the plan's (5, n_workers) int64
- *       columns (gpu, speculative 0, speculative 1, host, disk of each worker); each worker's
- *       walk tests its own columns in each key's row (a few keys a worker: the walk stops k
- *       keys past the last held one).
+ *       columns (gpu, speculative 0, speculative 1, host, disk of each worker); the keys'
+ *       rows turned into a mask of positions per column once, each worker's walk runs over
+ *       the OR of its columns' masks.
  *
  *   rank(n, lead, weights, load_cost, queued, active, digests, key_digest, top_k, cost, saved,
  *        pairwise) -> list
@@ -613,24 +620,144 @@ done:
 
 /* ----------------------------------------------------------------------------- sparse_cols */
 
-/* One worker's walk (sparse.walk): from start, over the positions where one of the worker's
- * columns cols[0..nc) is set in the key's row, in steps of at most k counted from start - 1;
- * one past the last position reached (start when none). */
-static long long walk_cols(const int64_t *rows, Py_ssize_t n, const uint64_t *bits, Py_ssize_t nwords,
-                           const int64_t *cols, int nc, long long k, long long start) {
-    long long last = start - 1;
-    for (long long p = start; p < n && p <= last + k; p++) {
+/* One worker's walk (sparse.walk) over a bit mask of the positions it holds (pw words): from
+ * start, from held position to held position in steps of at most k counted from start - 1; one
+ * past the last position reached (start when none). */
+static long long walk_mask(const uint64_t *mask, Py_ssize_t pw, Py_ssize_t n, long long k, long long start) {
+    long long last = start - 1, p = start;
+    while (p < n) {
+        Py_ssize_t w = (Py_ssize_t)(p >> 6);
+        uint64_t x = mask[w] & (~(uint64_t)0 << (p & 63));
+        while (!x && ++w < pw)
+            x = mask[w];
+        if (!x)
+            break;
+        long long q = (long long)w * 64 + __builtin_ctzll(x);
+        if (q >= n || q - last > k)
+            break;
+        last = q;
+        p = q + 1;
+    }
+    return last + 1;
+}
+
+/* Per column c of the matrix, the positions p < n whose row (rows[p + 1]; < 0: none) has it:
+ * pw words of bits at masks + c * pw; then `extra` more zeroed masks. NULL: no memory. */
+static uint64_t *column_masks(const int64_t *rows, Py_ssize_t n, const uint64_t *bits, Py_ssize_t nwords,
+                              Py_ssize_t pw, Py_ssize_t extra) {
+    uint64_t *cm = (uint64_t *)calloc((size_t)(nwords * 64 + extra) * (size_t)pw, sizeof(uint64_t));
+    if (cm == NULL)
+        return NULL;
+    for (Py_ssize_t p = 0; p < n; p++) {
         int64_t r = rows[p + 1];
         if (r < 0)
             continue;
         const uint64_t *row = bits + (size_t)r * (size_t)nwords;
-        for (int c = 0; c < nc; c++)
-            if (row[cols[c] >> 6] >> (cols[c] & 63) & 1) {
-                last = p;
-                break;
-            }
+        for (Py_ssize_t w = 0; w < nwords; w++)
+            for (uint64_t x = row[w]; x; x &= x - 1)
+                cm[(size_t)(w * 64 + __builtin_ctzll(x)) * pw + (p >> 6)] |= (uint64_t)1 << (p & 63);
     }
-    return last + 1;
+    return cm;
+}
+
+/* The first position below m whose bit is clear in mask (m when none). */
+static long long first_clear(const uint64_t *mask, Py_ssize_t m) {
+    for (Py_ssize_t w = 0; w * 64 < m; w++) {
+        uint64_t x = ~mask[w];
+        if (x) {
+            long long q = (long long)w * 64 + __builtin_ctzll(x);
+            return q < m ? q : m;
+        }
+    }
+    return m;
+}
+
+static PyObject *route_lead_cols(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (!nargs_ok(nargs, 9, "lead_cols"))
+        return NULL;
+    Py_ssize_t m = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t nwords = PyLong_AsSsize_t(args[3]);
+    int remote = PyObject_IsTrue(args[7]);
+    if (PyErr_Occurred() || remote < 0)
+        return NULL;
+    Py_buffer br, bb, bc, bs, bm, bo;
+    static const int at[6] = {0, 2, 4, 5, 6, 8};
+    static const char writable[6] = {0, 0, 0, 0, 0, 1};
+    Py_buffer *const bufs[6] = {&br, &bb, &bc, &bs, &bm, &bo};
+    if (get_bufs(args, 6, at, "qQqqQq", writable, bufs) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n_workers = bs.len / 8, nmasks = nwords > 0 ? bm.len / 8 / nwords : 0;
+    if (m < 0 || m > br.len / 8 - 2 || nwords <= 0 || nwords > bb.len / 8 || bc.len / 8 != 5 * n_workers ||
+        bo.len / 8 != 4 * n_workers || bm.len / 8 != nmasks * nwords) {
+        PyErr_SetString(PyExc_ValueError, "lead_cols(): buffers do not match the plan");
+        goto done;
+    }
+    {
+        const int64_t *rows = (const int64_t *)br.buf, *fast = (const int64_t *)bc.buf, *rsel = (const int64_t *)bs.buf;
+        const uint64_t *bits = (const uint64_t *)bb.buf, *rmask = (const uint64_t *)bm.buf;
+        int64_t *lead = (int64_t *)bo.buf;
+        Py_ssize_t nrows = bb.len / 8 / nwords;
+        for (Py_ssize_t i = 0; i < m + 2; i++)
+            if (rows[i] >= nrows) {
+                PyErr_SetString(PyExc_ValueError, "lead_cols(): a row outside the matrix");
+                goto done;
+            }
+        for (Py_ssize_t j = 0; j < 5 * n_workers; j++)
+            if (fast[j] < 0 || fast[j] >= nwords * 64) {
+                PyErr_SetString(PyExc_ValueError, "lead_cols(): a column outside the matrix");
+                goto done;
+            }
+        for (Py_ssize_t j = 0; j < n_workers; j++)
+            if (remote && (rsel[j] < 0 || rsel[j] >= nmasks)) {
+                PyErr_SetString(PyExc_ValueError, "lead_cols(): a remote mask outside the masks");
+                goto done;
+            }
+        Py_ssize_t pw = (m + 63) / 64 + 1;
+        /* the masks of the columns, then per remote mask the OR of its columns', then three of a worker */
+        uint64_t *cm = column_masks(rows, m, bits, nwords, pw, (remote ? nmasks : 0) + 3);
+        if (cm == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        uint64_t *rm = cm + (size_t)nwords * 64 * pw, *g = rm + (size_t)(remote ? nmasks : 0) * pw, *h = g + pw,
+                 *a = h + pw;
+        for (Py_ssize_t k = 0; remote && k < nmasks; k++)
+            for (Py_ssize_t w = 0; w < nwords; w++)
+                for (uint64_t x = rmask[k * nwords + w]; x; x &= x - 1) {
+                    const uint64_t *col = cm + (size_t)(w * 64 + __builtin_ctzll(x)) * pw;
+                    for (Py_ssize_t q = 0; q < pw; q++)
+                        rm[k * pw + q] |= col[q];
+                }
+        for (Py_ssize_t j = 0; j < n_workers; j++) {
+            const uint64_t *c[5];
+            for (int t = 0; t < 5; t++)
+                c[t] = cm + (size_t)fast[t * n_workers + j] * pw;
+            for (Py_ssize_t w = 0; w < pw; w++) {
+                g[w] = c[0][w] | c[1][w] | c[2][w];
+                h[w] = g[w] | c[3][w];
+                a[w] = h[w] | c[4][w];
+            }
+            lead[j] = first_clear(g, m);
+            lead[n_workers + j] = first_clear(h, m);
+            lead[2 * n_workers + j] = first_clear(a, m);
+            if (remote) {
+                const uint64_t *r = rm + (size_t)rsel[j] * pw;
+                for (Py_ssize_t w = 0; w < pw; w++)
+                    a[w] |= r[w];
+                lead[3 * n_workers + j] = first_clear(a, m);
+            } else
+                lead[3 * n_workers + j] = lead[2 * n_workers + j];
+        }
+        free(cm);
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+done:
+    for (int j = 0; j < 6; j++)
+        PyBuffer_Release(bufs[j]);
+    return res;
 }
 
 static PyObject *route_sparse_cols(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -676,20 +803,34 @@ static PyObject *route_sparse_cols(PyObject *self, PyObject *const *args, Py_ssi
                 PyErr_SetString(PyExc_ValueError, "sparse_cols(): a lead outside the keys");
                 goto done;
             }
+        /* per column, the positions whose row has it (pw words of bits), from each row's set
+         * bits; then each worker's masks are the OR of its columns' */
+        Py_ssize_t pw = (n + 63) / 64 + 1;
+        uint64_t *cm = column_masks(rows, n, bits, nwords, pw, 2);
+        if (cm == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        uint64_t *hm = cm + (size_t)nwords * 64 * pw, *am = hm + pw;
         for (Py_ssize_t j = 0; j < n_workers; j++) {
             /* the worker's columns: gpu, speculative 0 and 1, host (in gpu or host), then disk */
-            int64_t cols[5];
-            for (int c = 0; c < 5; c++)
-                cols[c] = fast[c * n_workers + j];
-            long long w = walk_cols(rows, n, bits, nwords, cols, 4, kh, lead[j]);
-            long long d_host = lead[n_workers + j] > w ? lead[n_workers + j] : w;
-            w = walk_cols(rows, n, bits, nwords, cols, 5, kany, d_host);
-            long long d_any = lead[2 * n_workers + j] > w ? lead[2 * n_workers + j] : w;
+            const uint64_t *c[5];
+            for (int t = 0; t < 5; t++)
+                c[t] = cm + (size_t)fast[t * n_workers + j] * pw;
+            for (Py_ssize_t w = 0; w < pw; w++) {
+                hm[w] = c[0][w] | c[1][w] | c[2][w] | c[3][w];
+                am[w] = hm[w] | c[4][w];
+            }
+            long long got = walk_mask(hm, pw, n, kh, lead[j]);
+            long long d_host = lead[n_workers + j] > got ? lead[n_workers + j] : got;
+            got = walk_mask(am, pw, n, kany, d_host);
+            long long d_any = lead[2 * n_workers + j] > got ? lead[2 * n_workers + j] : got;
             lead[n_workers + j] = d_host;
             lead[2 * n_workers + j] = d_any;
             if (lead[3 * n_workers + j] < d_any)
                 lead[3 * n_workers + j] = d_any;
         }
+        free(cm);
         Py_INCREF(Py_None);
         res = Py_None;
     }
@@ -1419,6 +1560,7 @@ static PyMethodDef methods[] = {
     {"sparse", (PyCFunction)(void (*)(void))route_sparse, METH_FASTCALL, "The sparse walk over the byte table."},
     {"sparse_cols", (PyCFunction)(void (*)(void))route_sparse_cols, METH_FASTCALL,
      "The sparse walk over each worker's columns."},
+    {"lead_cols", (PyCFunction)(void (*)(void))route_lead_cols, METH_FASTCALL, "Holdings over each worker's columns."},
     {"rank", (PyCFunction)(void (*)(void))route_rank, METH_FASTCALL, "Costs and the best top_k workers."},
     {"decide", (PyCFunction)(void (*)(void))route_decide, METH_FASTCALL, "rows, lead and rank at once."},
     {"digest64", (PyCFunction)route_digest64, METH_O, "blake2b-64 of bytes (at most 128), read little-endian."},

@@ -968,7 +968,10 @@ class LocationIndex:
             found[0] = found[n + 1] = -1
             found[1:n + 1] = rows
             fast = np.ascontiguousarray(plan.fast if workers is None else plan.fast[:, workers])
-            _croute.sparse_cols(found, n, self._bits, self._bits.shape[1], fast, fast.shape[1], kh, kany, lead)
+            out = lead if lead.flags.c_contiguous else np.ascontiguousarray(lead)
+            _croute.sparse_cols(found, n, self._bits, self._bits.shape[1], fast, fast.shape[1], kh, kany, out)
+            if out is not lead:
+                lead[...] = out
             return
         padded = np.zeros(n + 8 - n % 8, dtype=np.int64)  # row 0: empty
         padded[:n] = np.where(rows >= 0, rows, 0)
@@ -1022,6 +1025,12 @@ class LocationIndex:
             if not remote:
                 lead[3] = lead[2]
             return lead
+        if plan.fast is not None and _croute is not None and (not remote or bool((plan.rsel >= 0).all())):
+            # each worker's columns, compiled (no byte table for this plan: too many columns and workers)
+            lead = np.empty((4, len(plan.workers)), dtype=np.int64)
+            _croute.lead_cols(rows, m, self._bits, self._bits.shape[1], plan.fast, plan.rsel, plan.rmask, remote,
+                              lead)
+            return lead if workers is None else lead[:, workers]
         if plan.fast is not None:
             # consecutive keys with equal rows are held alike, so the walk runs over the
             # segments of equal rows (a few per request), not over the keys. Around the known
