@@ -497,6 +497,46 @@ def model(points: list[dict], fleet_nodes: int, gpu_blocks: int, host_blocks: in
             "per_node_key_events_per_s_at_fleet": round(ingest / fleet_nodes, 1)}
 
 
+def plot(result: dict, path: str, gpu_blocks: int, host_blocks: int, disk_blocks: int) -> None:
+    """The curve: each layout's measured bytes per block by nodes (points, the wide point
+    included), and the modelled index of a fleet of N nodes of the fleet model's blocks, in GB
+    per replica, by layout (lines), against the replica's budget."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    m = result["model"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (lay, sparse), label in (((("matrix", False)), "bit matrix, dense"), (("matrix", True), "bit matrix, sparse"),
+                                 (("pairs", True), "pairs, sparse")):
+        pts = [p for p in result["curve"] if p.get("layout", "matrix") == lay and p["sparse"] == sparse]
+        if lay == "pairs" and result.get("wide"):
+            pts = pts + [result["wide"]]
+        if pts:
+            ax1.plot([p["nodes"] for p in pts], [p["index_bytes_per_block"] for p in pts], "o-", label=label)
+    ax1.set(xscale="log", yscale="log", xlabel="nodes (measured)", ylabel="index bytes per block held",
+            title="Measured (bench/fleet.py)")
+    ax1.legend()
+    nodes = np.array([8, 32, 128, 256, 512, 1000, 2000])
+    deep = nodes * (host_blocks + disk_blocks)
+    sparse_rows = nodes * gpu_blocks + m["sparse_row_share"] * deep
+    width = 8 * np.ceil((5 * nodes + 2) / 64)
+    lines = {"bit matrix, dense": deep * (m["key_bytes_per_row"] + width),
+             "bit matrix, sparse": sparse_rows * (m["key_bytes_per_row"] + width)}
+    if m.get("pairs_bytes_per_pair"):
+        lines["pairs, sparse"] = sparse_rows * m["pairs_bytes_per_pair"]
+        lines["pairs, sparse, sized"] = sparse_rows * m["pairs_bytes_per_pair_sized"]
+    for label, total in lines.items():
+        ax2.plot(nodes, total / 1e9, "-", label=label)
+    ax2.axhline(m["fits_replica_gb"], color="k", ls="--", lw=1, label=f"{m['fits_replica_gb']:g} GB replica")
+    ax2.set(xscale="log", yscale="log", xlabel="nodes (model)", ylabel="GB per router replica")
+    ax2.set_title(f"Model, a node: {gpu_blocks / 1e3:g}k gpu, {host_blocks / 1e6:g}M host, {disk_blocks / 1e6:g}M "
+                  f"disk blocks", fontsize=10)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def walk_cost_us(workers: int, n_keys: int = 128, reps: int = 200) -> float:
     """The standalone Python sparse walk's cost per decision (:class:`SparseHoldings`: every
     worker's host and disk walk over a request's keys), the reference the replay's hit-rate
@@ -900,6 +940,8 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: C901, PLR0915
                     help="seconds the first route-server runs on after its first snapshot [%(default)s]")
     ap.add_argument("--down-s", type=float, default=3.0,
                     help="seconds no route-server runs between the kill and the restart [%(default)s]")
+    ap.add_argument("--plot", default="", help="write the curve (measured bytes per block, the modelled GB per "
+                    "replica by nodes) to this PNG (needs matplotlib)")
     ap.add_argument("--serve-feeds", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     gpu, host, disk = (int(x) for x in args.node_blocks.split(":"))
@@ -989,6 +1031,8 @@ def main(argv: list[str] | None = None) -> dict:  # noqa: C901, PLR0915
               "restart": restart,
               "serving_s": restart["serving_s"] if restart else None,
               "catch_up_s": restart["catch_up_s"] if restart else None}
+    if args.plot and m is not None:
+        plot(result, args.plot, args.fleet_gpu_blocks, args.fleet_host_blocks, args.fleet_disk_blocks)
     print(json.dumps(result))
     return result
 
