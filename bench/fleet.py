@@ -72,6 +72,7 @@ this one has it). With ``--nodes ""`` parts 2 and 3 are skipped and their figure
 
     python bench/fleet.py [--nodes 8,32,128] [--traces DIR] [--strides 4:8,8:16,16:32]
                           [--grpc-nodes 16] [--grpc-feed-rate 100] [--catch-up-nodes 16] [--feed-rate 10]
+                          [--layouts matrix,pairs] [--wide-nodes 1000] [--plot FILE]
 """
 
 from __future__ import annotations

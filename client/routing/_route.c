@@ -660,6 +660,16 @@ static uint64_t *column_masks(const int64_t *rows, Py_ssize_t n, const uint64_t 
     return cm;
 }
 
+/* Whether every one of count values lies in [lo, hi); else a ValueError "fn(): what". */
+static int all_within(const int64_t *v, Py_ssize_t count, int64_t lo, int64_t hi, const char *fn, const char *what) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (v[i] < lo || v[i] >= hi) {
+            PyErr_Format(PyExc_ValueError, "%s(): %s", fn, what);
+            return 0;
+        }
+    return 1;
+}
+
 /* The first position below m whose bit is clear in mask (m when none). */
 static long long first_clear(const uint64_t *mask, Py_ssize_t m) {
     for (Py_ssize_t w = 0; w * 64 < m; w++) {
@@ -698,22 +708,10 @@ static PyObject *route_lead_cols(PyObject *self, PyObject *const *args, Py_ssize
         const int64_t *rows = (const int64_t *)br.buf, *fast = (const int64_t *)bc.buf, *rsel = (const int64_t *)bs.buf;
         const uint64_t *bits = (const uint64_t *)bb.buf, *rmask = (const uint64_t *)bm.buf;
         int64_t *lead = (int64_t *)bo.buf;
-        Py_ssize_t nrows = bb.len / 8 / nwords;
-        for (Py_ssize_t i = 0; i < m + 2; i++)
-            if (rows[i] >= nrows) {
-                PyErr_SetString(PyExc_ValueError, "lead_cols(): a row outside the matrix");
-                goto done;
-            }
-        for (Py_ssize_t j = 0; j < 5 * n_workers; j++)
-            if (fast[j] < 0 || fast[j] >= nwords * 64) {
-                PyErr_SetString(PyExc_ValueError, "lead_cols(): a column outside the matrix");
-                goto done;
-            }
-        for (Py_ssize_t j = 0; j < n_workers; j++)
-            if (remote && (rsel[j] < 0 || rsel[j] >= nmasks)) {
-                PyErr_SetString(PyExc_ValueError, "lead_cols(): a remote mask outside the masks");
-                goto done;
-            }
+        if (!all_within(rows, m + 2, INT64_MIN, bb.len / 8 / nwords, "lead_cols", "a row outside the matrix") ||
+            !all_within(fast, 5 * n_workers, 0, nwords * 64, "lead_cols", "a column outside the matrix") ||
+            (remote && !all_within(rsel, n_workers, 0, nmasks, "lead_cols", "a remote mask outside the masks")))
+            goto done;
         Py_ssize_t pw = (m + 63) / 64 + 1;
         /* the masks of the columns, then per remote mask the OR of its columns', then three of a worker */
         uint64_t *cm = column_masks(rows, m, bits, nwords, pw, (remote ? nmasks : 0) + 3);
@@ -787,22 +785,10 @@ static PyObject *route_sparse_cols(PyObject *self, PyObject *const *args, Py_ssi
         const int64_t *rows = (const int64_t *)br.buf, *fast = (const int64_t *)bc.buf;
         const uint64_t *bits = (const uint64_t *)bb.buf;
         int64_t *lead = (int64_t *)bo.buf;
-        Py_ssize_t nrows = bb.len / 8 / nwords;
-        for (Py_ssize_t i = 0; i < n + 2; i++)
-            if (rows[i] >= nrows) {
-                PyErr_SetString(PyExc_ValueError, "sparse_cols(): a row outside the matrix");
-                goto done;
-            }
-        for (Py_ssize_t j = 0; j < 5 * n_workers; j++)
-            if (fast[j] < 0 || fast[j] >= nwords * 64) {
-                PyErr_SetString(PyExc_ValueError, "sparse_cols(): a column outside the matrix");
-                goto done;
-            }
-        for (Py_ssize_t j = 0; j < 4 * n_workers; j++)
-            if (lead[j] < 0 || lead[j] > n) {
-                PyErr_SetString(PyExc_ValueError, "sparse_cols(): a lead outside the keys");
-                goto done;
-            }
+        if (!all_within(rows, n + 2, INT64_MIN, bb.len / 8 / nwords, "sparse_cols", "a row outside the matrix") ||
+            !all_within(fast, 5 * n_workers, 0, nwords * 64, "sparse_cols", "a column outside the matrix") ||
+            !all_within(lead, 4 * n_workers, 0, n + 1, "sparse_cols", "a lead outside the keys"))
+            goto done;
         /* per column, the positions whose row has it (pw words of bits), from each row's set
          * bits; then each worker's masks are the OR of its columns' */
         Py_ssize_t pw = (n + 63) / 64 + 1;
