@@ -34,9 +34,11 @@ connections (past it: 429 and close). Forwarded requests carry no hop-by-hop hea
 ``--replica-api-key-file`` when it is set) and ``X-Forwarded-For`` set to the client's address.
 Answers name their replica (``X-Kvtier-Replica``) only with ``--replica-header``.
 
-Libraries: aiohttp for both the server and the streaming client (one event loop, no thread
-hop per chunk, keep-alive pools, chunked streaming both ways), uvloop under it,
-prometheus_client for the metrics, transformers for the tokenizer and chat template.
+Libraries: aiohttp serves the clients (chunked streaming, keep-alive); the replicas are
+reached by :mod:`.upstream` on the same event loop (keep-alive pools per replica, each request
+one write, answers parsed by httptools and relayed chunk by chunk; https replicas through
+aiohttp's client); uvloop under both, prometheus_client for the metrics, transformers for the
+tokenizer and chat template.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from kvtier.client.gateway.policy import POLICIES, Policy
 from kvtier.client.gateway.prefetch import Prefetcher
 from kvtier.client.gateway.shared import SharedMap
 from kvtier.client.gateway.tokenize import PromptError, PromptTokenizer
+from kvtier.client.gateway.upstream import AiohttpUpstream, Replica, Upstream, UpstreamError
 from kvtier.client.gateway.usage import NULL_COUNTER, OutputCounter
 from kvtier.client.routing.recorder import RecordConfig, open_recorder
 from kvtier.client.routing.router import Router, RouterConfig
@@ -90,6 +93,7 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 _CLIENT_ONLY = frozenset({"authorization", "cookie", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto",
                           "x-real-ip", "forwarded"})
 INTERNAL_PREFIX = "x-kvtier-"  # kvtier's own headers: never taken from a client
+_INTERNAL_RAW = INTERNAL_PREFIX.encode()
 CLIENT_ID = re.compile(r"[A-Za-z0-9._@-]{1,64}")  # an --api-keys-file client id (no ":": it prefixes sessions)
 
 
@@ -602,6 +606,7 @@ class Gateway:
         self.metrics = _Metrics()
         self.api_keys = read_api_keys(cfg.api_keys_file) if cfg.api_keys_file else None
         self._replica_auth = f"Bearer {read_replica_key(cfg.replica_api_key_file)}" if cfg.replica_api_key_file else ""
+        self._replica_auth_line = f"Authorization: {self._replica_auth}\r\n".encode()
         self.down_until: dict[str, float] = {}
         self._discovered: dict[str, str] = {}
         self._discovered_at = -1.0
@@ -609,10 +614,12 @@ class Gateway:
         self._bodies = _BodyBudget(cfg.max_body_bytes_in_flight)
         self._counted: set[int] = set()  # id() of the requests in flight whose outcome is counted already
         self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="kvtier-gw-tok")
-        self._session: Any = None
-        self._urls: dict[tuple[str, str], Any] = {}
+        self._upstream: Upstream | None = None
+        self._tls_upstream: AiohttpUpstream | None = None  # (https replicas: aiohttp's client, made when needed)
+        self._replicas: dict[str, Replica] = {}
         # request headers never forwarded, whatever the request's Connection header names
         self._dropped = frozenset(_HOP | _CLIENT_ONLY | ({cfg.session_header.lower()} if cfg.session_header else set()))
+        self._dropped_raw = frozenset(h.encode() for h in self._dropped)
         self.started = time.time()
         if self.router is not None:
             for name in self.static:  # replicas no daemon publishes (yet) can still be picked
@@ -653,18 +660,15 @@ class Gateway:
         return app
 
     async def _startup(self, app: Any) -> None:
-        import aiohttp  # noqa: PLC0415
-
-        cfg = self.cfg
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s))
+        self._upstream = Upstream(self.cfg.connect_timeout_s, self.cfg.read_timeout_s)
         if self.router is not None and not self.router._started:
             self.router.start()
 
     async def _cleanup(self, app: Any) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
+        if self._tls_upstream is not None:
+            await self._tls_upstream.close()
         if self.daemons is not None:
             await self.daemons.close()
         if self.recorder is not None:
@@ -940,9 +944,10 @@ class Gateway:
 
     def _upstream_error(self, e: _Refused) -> Any:
         from aiohttp import web  # noqa: PLC0415
+        from multidict import CIMultiDict  # noqa: PLC0415 - (aiohttp's)
 
-        headers = {k: v for k, v in (e.headers or {}).items()
-                   if k.lower() not in _HOP and not k.lower().startswith(INTERNAL_PREFIX)}
+        headers = CIMultiDict((k, v) for k, v in (e.headers or ())
+                              if k.lower() not in _HOP and not k.lower().startswith(INTERNAL_PREFIX))
         return web.Response(status=e.status, body=e.body, headers=headers)
 
     def _dispatch(self, name: str, keys: list[bytes], session: str | None, ranking: Any = None) -> tuple[int, list]:
@@ -972,9 +977,7 @@ class Gateway:
         """Forward to replica ``name``: its fetch hints' prefetches and the cache hints' retains
         (``retain``: ([(leading keys, TTL)], priority)) on its kvtierd first (bounded), then the
         body, unchanged."""
-        import aiohttp  # noqa: PLC0415
-
-        headers = self._upstream_headers(request)
+        headers = self._upstream_head(request)
         decision, hints = self._dispatch(name, keys, session, ranking)
         try:  # (the replica's load ends whatever way this does: a cancelled handler included)
             first = []  # the prefix into the replica's host tier, and kept there, first (bounded)
@@ -989,17 +992,19 @@ class Gateway:
                 await first[0]
             elif first:
                 await asyncio.gather(*first)
+            replica = self._replica(base)
+            client = self._upstream if replica.plain else self._tls_client()
             try:
-                up = await _within(self._session.post(self._url(base, request), data=raw, headers=headers),
-                                   self.cfg.first_byte_timeout_s)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                up = await client.post(replica, request.raw_path.encode("utf-8", "surrogateescape"),  # type: ignore[union-attr]
+                                       headers, raw, self.cfg.first_byte_timeout_s)
+            except (OSError, asyncio.TimeoutError) as e:  # (UpstreamError included)
                 raise _Refused(f"{type(e).__name__}: {e}") from None
             try:
                 if up.status >= 500:
                     body, up_headers = await self._error_body(up, name)
                     raise _Refused(f"HTTP {up.status}", up.status, body, up_headers)
                 return await self._stream(request, endpoint, up, name, decision, t0, counter)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (UpstreamError, asyncio.TimeoutError) as e:
                 raise _Refused(f"{type(e).__name__}: {e}") from None
             finally:
                 up.release()  # (closes the connection when the answer was not read to its end)
@@ -1009,48 +1014,48 @@ class Gateway:
         finally:
             self._ended(name, decision)
 
-    def _url(self, base: str, request: Any) -> Any:
-        """The replica's URL of the request (parsed once per replica and path without a query)."""
-        if request.query_string:
-            return base + request.path_qs
-        key = (base, request.path)
-        url = self._urls.get(key)
-        if url is None:
-            from yarl import URL  # noqa: PLC0415 - (aiohttp's)
+    def _replica(self, base: str) -> Replica:
+        """The replica at ``base``, its URL split once."""
+        r = self._replicas.get(base)
+        if r is None:
+            r = Replica(base)
+            if len(self._replicas) < 4096:
+                self._replicas[base] = r
+        return r
 
-            url = URL(base + request.path)
-            if len(self._urls) < 1024:
-                self._urls[key] = url
-        return url
+    def _tls_client(self) -> AiohttpUpstream:
+        if self._tls_upstream is None:
+            self._tls_upstream = AiohttpUpstream(self.cfg.connect_timeout_s, self.cfg.read_timeout_s)
+        return self._tls_upstream
 
-    def _upstream_headers(self, request: Any) -> dict[str, str]:
-        """The client's request headers as a replica gets them: without hop-by-hop ones (and those
-        its ``Connection`` names), ``x-kvtier-*``, the session header, the client's credentials
-        and claimed addresses; ``X-Forwarded-For`` is the client's address, ``Authorization``
-        the replicas' key when ``--replica-api-key-file`` is set."""
-        drop = self._dropped
-        named = request.headers.getall("Connection", ())
-        if named:
-            drop = set(drop)
-            for v in named:
-                drop.update(t.strip().lower() for t in v.split(","))
-        headers = {}
-        for k, v in request.headers.items():
-            low = k.lower()
-            if low not in drop and not low.startswith(INTERNAL_PREFIX):
-                headers[k] = v
+    def _upstream_head(self, request: Any) -> bytes:
+        """The client's request headers as a replica gets them (``Name: value\\r\\n`` lines, as
+        the client sent them): without hop-by-hop ones (and those its ``Connection`` names),
+        ``x-kvtier-*``, the session header, the client's credentials and claimed addresses;
+        ``X-Forwarded-For`` is the client's address, ``Authorization`` the replicas' key when
+        ``--replica-api-key-file`` is set."""
+        drop = self._dropped_raw
+        raw = request.raw_headers
+        for k, v in raw:
+            if k.lower() == b"connection":
+                if drop is self._dropped_raw:
+                    drop = set(drop)
+                drop.update(t.strip().lower() for t in v.split(b","))
+        prefix = _INTERNAL_RAW
+        lines = [k + b": " + v + b"\r\n" for k, v in raw
+                 if (low := k.lower()) not in drop and not low.startswith(prefix)]
         if request.remote:
-            headers["X-Forwarded-For"] = request.remote
+            lines.append(b"X-Forwarded-For: " + request.remote.encode() + b"\r\n")
         if self._replica_auth:
-            headers["Authorization"] = self._replica_auth
-        return headers
+            lines.append(self._replica_auth_line)
+        return b"".join(lines)
 
     async def _error_body(self, up: Any, name: str) -> tuple[bytes, Any]:
         """A 5xx answer's body and headers, read up to MAX_ERROR_BODY bytes; past that, the
         connection is dropped and the body is the gateway's own error."""
         body = bytearray()
         while len(body) <= MAX_ERROR_BODY:
-            chunk = await up.content.read(MAX_ERROR_BODY + 1 - len(body))
+            chunk = await up.read(MAX_ERROR_BODY + 1 - len(body))
             if not chunk:
                 return bytes(body), up.headers
             body += chunk
@@ -1058,7 +1063,7 @@ class Gateway:
         log.warning("replica %s answered HTTP %d with an error body over %d bytes", name, up.status, MAX_ERROR_BODY)
         return (error_body(up.status, f"replica {name} answered HTTP {up.status} with an error body over "
                            f"{MAX_ERROR_BODY} bytes (not relayed)", "InternalServerError"),
-                {"Content-Type": "application/json"})
+                [("Content-Type", "application/json")])
 
     async def _to_client(self, aw: Any) -> None:
         """Await a write to the client, bounded by --write-timeout-s; a client that left or
@@ -1078,14 +1083,20 @@ class Gateway:
                       counter: OutputCounter | None = None) -> Any:
         m = self.metrics
         # the first chunk before the client's response starts: a replica that fails here is retried
-        first = await up.content.readany()
+        first = await up.readany()
         resp = self._response_of(up, name, self.cfg.replica_header)
         status = str(up.status)
         counter = counter or NULL_COUNTER
-        counter.start(up.headers.get("Content-Type", ""), up.status)
+        counter.start(up.header("Content-Type"), up.status)
         counter.feed(first)
         try:
-            await self._to_client(resp.prepare(request))
+            if first and hasattr(resp, "_send_headers_immediately"):
+                # the head is held back and goes out with the first chunk, in one write (so preparing
+                # writes nothing and cannot wait on the client)
+                resp._send_headers_immediately = False
+                await resp.prepare(request)
+            else:
+                await self._to_client(resp.prepare(request))
             if first and up.content_length is not None and len(first) >= up.content_length:
                 await self._to_client(resp.write_eof(first))  # the whole answer: one write, with its head
                 m.of(m.ttft, name).observe(time.perf_counter() - t0)
@@ -1126,7 +1137,7 @@ class Gateway:
 
         resp = web.StreamResponse(status=up.status, reason=up.reason)
         add = resp.headers.add
-        for k, v in up.headers.items():
+        for k, v in up.headers:
             low = k.lower()
             if low not in _HOP and not low.startswith(INTERNAL_PREFIX):
                 add(k, v)
@@ -1138,12 +1149,10 @@ class Gateway:
 
     async def _relay(self, request: Any, resp: Any, up: Any, name: str, counter: Any) -> str | None:
         """The rest of the answer, chunk by chunk, to its end; "broken" when the replica broke off."""
-        import aiohttp  # noqa: PLC0415
-
         while True:
             try:
-                chunk = await up.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                chunk = await up.readany()
+            except (UpstreamError, asyncio.TimeoutError) as e:
                 self.metrics.errors.labels("upstream_broken").inc()
                 log.warning("replica %s broke off mid-answer: %s", name, e)
                 if request.transport is not None:  # the client sees the answer cut off, not complete
