@@ -162,6 +162,7 @@ def test_a_restarted_router_answers_from_its_snapshot_while_catching_up(three, r
         assert len(c) == 1 and not c[0].connected and c[0].last_error
         wait_for(lambda: metric(port, "kvtier_router_index_snapshot_restored") == 1, what="metrics")
         assert metric(port, "kvtier_router_catching_up") == 1 and _status(target).catching_up
+        assert metric(port, "kvtier_router_index_bytes") > 0  # (the loaded index's arrays)
         three["C"].start()
         wait_for(lambda: metric(port, "kvtier_router_catching_up") == 0, what="every feed caught up")
         st = _status(target)

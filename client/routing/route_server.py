@@ -346,8 +346,10 @@ def start_metrics(router: Router, snapshots: Snapshots | None, host: str, port: 
             yield GaugeMetricFamily("kvtier_router_catching_up", "1 while a feed is not connected yet or behind "
                                     "its daemon's newest event (the router answers meanwhile from what it "
                                     "holds), else 0", value=int(catching_up(feeds)))
-            yield GaugeMetricFamily("kvtier_router_indexed_keys", "keys in the router's index",
-                                    value=router.indexed_keys())
+            yield GaugeMetricFamily("kvtier_router_indexed_keys", "keys in the router's index ((key, location) "
+                                    "pairs with --index-layout pairs)", value=router.indexed_keys())
+            yield GaugeMetricFamily("kvtier_router_index_bytes", "bytes of the router's index arrays",
+                                    value=router.index_bytes())
             lag = GaugeMetricFamily("kvtier_router_feed_lag_events", "events the feed is behind its daemon's "
                                     "newest as last told (head_seq - seq)", labels=["target", "node"])
             up = GaugeMetricFamily("kvtier_router_feed_connected", "1 while the feed's stream is up",

@@ -596,8 +596,14 @@ class Router:
             return self.index.locations(node_id)
 
     def indexed_keys(self) -> int:
+        """Keys in the index (the pairs layout: (key, location) pairs)."""
         with self._lock:
             return len(self.index)
+
+    def index_bytes(self) -> int:
+        """Bytes of the index's own arrays (what sizes a replica: docs/operations.md)."""
+        with self._lock:
+            return self.index.nbytes()
 
     def workers(self) -> list[tuple[str, str]]:
         """(worker, node) of every worker routed to ("" node: named by a caller only)."""
