@@ -79,12 +79,14 @@ def ranking(reply_or_decision) -> list[tuple]:
             for x, n in zip(d.ranked, d.nodes, strict=True)]
 
 
-def test_a_router_started_from_a_snapshot_routes_as_one_that_read_every_feed(three, redis_cluster,
-                                                                            tmp_path) -> None:
+@pytest.mark.parametrize("layout", ["matrix", "pairs"])
+def test_a_router_started_from_a_snapshot_routes_as_one_that_read_every_feed(three, redis_cluster, tmp_path,
+                                                                            layout: str) -> None:
+    """Of either index layout; the reference is a router of the bit matrix that read every feed."""
     clear_snapshot(redis_cluster)
     writer = _Writer(three)
     writer.start()
-    snap = snapshot_args(redis_cluster)
+    snap = [*snapshot_args(redis_cluster), "--index-layout", layout]
     proc, target = route_server(tmp_path, three, *snap, "--snapshot-interval-s", "0.1")
     try:
         wait_for(lambda: (m := manifest(redis_cluster)) and m["nodes"] == 3 and writer.rounds > 20,
