@@ -208,61 +208,47 @@ static int parse_col(PyObject *o, uint16_t *col) {
     return 0;
 }
 
-static PyObject *pairs_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+/* insert() and remove(): (key, col) for each key, put (when absent) or deleted (when held). */
+static PyObject *pairs_change(PyObject *const *args, Py_ssize_t nargs, int removing) {
+    const char *fn = removing ? "remove" : "insert";
     if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "insert(fps, cols, keys, col)");
+        PyErr_Format(PyExc_TypeError, "%s(fps, cols, keys, col)", fn);
         return NULL;
     }
     uint16_t col;
     if (parse_col(args[3], &col) < 0)
         return NULL;
     Table t;
-    if (table_get(args[0], args[1], &t, "insert") < 0)
+    if (table_get(args[0], args[1], &t, fn) < 0)
         return NULL;
     PyObject *res = NULL;
-    Py_ssize_t added = 0, n = 0;
+    Py_ssize_t changed = 0, n = 0;
     uint64_t *fps = fps_of(args[2], &n);
     if (fps == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int r = put(&t, fps[i], col);
+        int r = removing ? del(&t, fps[i], col) : put(&t, fps[i], col);
         if (r < 0) {
             PyErr_SetString(PyExc_RuntimeError, "insert(): the pairs table is full (the caller grows it first)");
             goto done;
         }
-        added += r;
+        changed += r;
     }
-    res = PyLong_FromSsize_t(added);
+    res = PyLong_FromSsize_t(changed);
 done:
     PyMem_Free(fps);
     table_release(&t);
     return res;
 }
 
+static PyObject *pairs_insert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return pairs_change(args, nargs, 0);
+}
+
 static PyObject *pairs_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "remove(fps, cols, keys, col)");
-        return NULL;
-    }
-    uint16_t col;
-    if (parse_col(args[3], &col) < 0)
-        return NULL;
-    Table t;
-    if (table_get(args[0], args[1], &t, "remove") < 0)
-        return NULL;
-    Py_ssize_t removed = 0, n = 0;
-    uint64_t *fps = fps_of(args[2], &n);
-    if (fps == NULL) {
-        table_release(&t);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++)
-        removed += del(&t, fps[i], col);
-    PyMem_Free(fps);
-    table_release(&t);
-    return PyLong_FromSsize_t(removed);
+    return pairs_change(args, nargs, 1);
 }
 
 static PyObject *pairs_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

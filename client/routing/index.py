@@ -286,8 +286,8 @@ class LocationIndex:
     def _sweep(self) -> None:
         """Clear every stale column (one pass over the rows per word that has one); the rows
         that held one count as removals (for :meth:`compact`)."""
-        stale, self._stale = self._stale, {}
-        self._clear_columns(c for w, m in stale.items() for c in range(w * 64, w * 64 + 64) if m >> (c - w * 64) & 1)
+        cols, self._stale = self._stale_columns(), {}
+        self._clear_columns(cols)
 
     def _reserve_columns(self, more: int) -> None:
         """Widen the matrix (one copy) to hold the columns made so far and ``more``."""
@@ -1025,7 +1025,7 @@ class LocationIndex:
             if not remote:
                 lead[3] = lead[2]
             return lead
-        if plan.fast is not None and _croute is not None and (not remote or bool((plan.rsel >= 0).all())):
+        if plan.fast is not None and _croute is not None and (not remote or plan.rall):
             # each worker's columns, compiled (no byte table for this plan: too many columns and workers)
             lead = np.empty((4, len(plan.workers)), dtype=np.int64)
             _croute.lead_cols(rows, m, self._bits, self._bits.shape[1], plan.fast, plan.rsel, plan.rmask, remote,
@@ -1200,8 +1200,12 @@ class LocationIndex:
     def _unsaved_columns(self) -> list[int]:
         """The columns a state leaves out: speculative ones and those given back."""
         out = [c for pair in self._spec_cols.values() for c in pair]
-        out.extend(w * 64 + b for w, m in self._stale.items() for b in range(64) if m >> b & 1)
+        out.extend(self._stale_columns())
         return out
+
+    def _stale_columns(self) -> list[int]:
+        """The columns given back whose bits (pairs) are not cleared yet."""
+        return [w * 64 + b for w, m in self._stale.items() for b in range(64) if m >> b & 1]
 
     @staticmethod
     def _read_meta(arrays: dict[str, np.ndarray], layout: str) -> tuple[dict, int, dict[tuple[str, str, str, bytes], int],
@@ -1351,6 +1355,7 @@ class _Plan:
         # the remote mask each worker needs (one each on the fast path), and whether all share one
         self.rsel = np.asarray([g[0] if len(g) == 1 else -1 for g in self.rgroups], dtype=np.int64)
         self.rsingle = int(self.rsel[0]) if self.rsel.size and (self.rsel == self.rsel[0]).all() else -1
+        self.rall = bool((self.rsel >= 0).all())  # every worker has its one remote mask
         # col_workers[c, w]: column c is one of worker w's (a worker whose columns are all
         # clear in a request's first key holds no leading block of it)
         n_w = len(self.workers)

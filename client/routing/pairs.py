@@ -261,7 +261,7 @@ class PairIndex(LocationIndex):
         speculative entries are not saved."""
         meta = {"format": STATE_FORMAT, **self._state_meta()}
         fps, cols = self._pairs.fps.copy(), self._pairs.cols.copy()
-        stale = [w * 64 + b for w, m in self._stale.items() for b in range(64) if m >> b & 1]
+        stale = self._stale_columns()
         if stale:
             mask = np.zeros(max(stale) + 1, dtype=np.uint8)
             mask[stale] = 1
