@@ -196,6 +196,22 @@ def test_refusing_replicas_are_skipped(loop, gateway) -> None:
     assert [s[0] for s in seen[n:]] == ["good"]
 
 
+def test_kvtier_policy_charges_and_releases_each_replica_it_tries(loop, gateway) -> None:
+    """Under ``kvtier`` the router dispatches a request on the replica it ranks first as it ranks
+    it; a replica that refuses is released and the next one charged instead. Once every answer
+    is in, no replica carries load."""
+    seen: list = []
+    good = f"http://127.0.0.1:{loop.serve(backend('good', seen))}"
+    url, gw = gateway({"dead": f"http://127.0.0.1:{free_port()}", "good": good}, policy="kvtier")
+    for i in range(6):
+        status, _, headers = post(url + "/v1/chat/completions", chat(20, start=3 + 40 * i))
+        assert (status, headers[REPLICA_HEADER]) == (200, "good")
+    assert gw.metrics.errors.labels("replica_refused")._value.get() >= 1  # (the dead one was tried)
+    for name in ("dead", "good"):
+        load = gw.router.load(name)
+        assert (load.active_requests, round(load.queued_blocks, 6)) == (0, 0), name
+
+
 def test_every_replica_refusing_is_a_clear_error(loop, gateway) -> None:
     url, _ = gateway({"dead1": f"http://127.0.0.1:{free_port()}", "dead2": f"http://127.0.0.1:{free_port()}"})
     status, body, _ = post(url + "/v1/chat/completions", chat(5))

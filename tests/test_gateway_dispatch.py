@@ -90,22 +90,38 @@ def test_dispatch_on_a_ranking_decides_as_ranking_the_replica_again(spread: floa
                                  for _, k in requests()[:3]])  # the workload makes fetch hints
 
 
-def test_the_gateway_policy_ranks_once_and_dispatches_the_same_replicas() -> None:
+@pytest.mark.parametrize("sessions", [True, False])
+def test_the_gateway_policy_ranks_once_and_dispatches_the_same_replicas(sessions: bool) -> None:
     """Through the gateway's policy (``kvtier``): the order chosen and the decisions after it
-    are those of ranking the chosen replica again."""
-    again, once = cluster(0.0), cluster(0.0)
-    pol_again, pol_once = Policy("kvtier", again), Policy("kvtier", once)
-    for session, keys in requests():
+    are those of ranking the chosen replica again, whether the ranking is dispatched on its
+    first replica in the same call (``choose(..., dispatch=True)``: no session held on another
+    replica) or afterwards."""
+    again, once, fused = cluster(0.0), cluster(0.0), cluster(0.0)
+    pol_again, pol_once, pol_fused = Policy("kvtier", again), Policy("kvtier", once), Policy("kvtier", fused)
+    n_fused = n_sticky = 0
+    for step, (session, keys) in enumerate(requests()):
+        session = session if sessions else None
+        if step % 5 == 4:  # keys no replica holds: with a session, back to the session's replica
+            keys = [key("fresh", step, i) for i in range(6)]
         c_again = pol_again.choose(NAMES, keys, session)
         c_once = pol_once.choose(NAMES, keys, session)
-        assert c_once.order == c_again.order and c_once.overlap == c_again.overlap
+        c_fused = pol_fused.choose(NAMES, keys, session, dispatch=True)
+        assert c_once.order == c_again.order == c_fused.order
+        assert c_once.overlap == c_again.overlap == c_fused.overlap
         name = c_once.order[0]
-        pol_again.dispatched(name, keys, session)
-        pol_once.dispatched(name, keys, session)
+        for pol in (pol_again, pol_once, pol_fused):
+            pol.dispatched(name, keys, session)
         d_again = again.route(keys, [name], dispatch=True, top_k=1)
         d_once = once.dispatch(c_once.ranking, name, keys)
-        assert d_once.fetch == d_again.fetch
-        assert state(once) == state(again)
+        d_fused = c_fused.ranking if c_fused.dispatched else fused.dispatch(c_fused.ranking, name, keys)
+        n_fused += c_fused.dispatched
+        n_sticky += name != c_fused.ranking.workers[0]
+        assert not c_again.dispatched and not c_once.dispatched
+        assert d_once.fetch == d_again.fetch == d_fused.fetch
+        assert d_fused.worker == name and d_fused.decision_id
+        assert state(once) == state(again) == state(fused)
+    assert n_fused >= (len(requests()) if not sessions else 9)  # (a session's first turn holds nowhere)
+    assert (n_sticky > 0) == sessions
 
 
 def test_dispatch_refuses_a_worker_outside_the_ranking() -> None:

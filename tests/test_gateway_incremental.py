@@ -349,6 +349,45 @@ def test_shared_openings_and_interleaved_conversations(tokenizers) -> None:
     compare(tok, ks, interleaved, cache, scope=lambda body: f"client-{id(body) % 3}")
 
 
+def test_an_earlier_turn_arriving_late_leaves_the_later_turns_entry(tokenizers, monkeypatch) -> None:
+    """Turns of one conversation sent at once arrive out of order: an earlier turn, whose text
+    the stored one extends, keys as from scratch from the stored entry and leaves it in place,
+    so the next turn tokenizes only what is new since the latest turn (as many characters as
+    in order); a turn that is not a prefix of the stored text (an edit) replaces it."""
+    tok = tokenizers["byte-bpe-chatml"]
+    ks = KeyScheme("vllm", 16, Namespace("tiny", "salt"))
+    rng = random.Random(11)
+    msgs: list[dict] = [{"role": "system", "content": text(rng, 30)}]
+    turns = []
+    for _ in range(5):
+        msgs = [*msgs, {"role": "user", "content": text(rng, 50)}]
+        turns.append({"model": "tiny", "messages": msgs})
+        msgs = [*msgs, {"role": "assistant", "content": text(rng, 20)}]
+    texts = [tok.chat_text(b)[0] for b in turns]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+
+    def encoded(order: list[int]) -> tuple[list[int], PromptCache]:
+        cache = PromptCache(tok, ks, 64 << 20)
+        chars: list[int] = []
+        enc = cache._encode
+        monkeypatch.setattr(cache, "_encode", lambda t, at=0: (chars.append(len(t) - at), enc(t, at))[1])
+        compare(tok, ks, [[turns[i] for i in order]], cache)
+        return chars, cache
+
+    in_order, _ = encoded([0, 1, 2, 3])
+    late, cache = encoded([0, 2, 1, 3])
+    assert late[-1] == in_order[-1]  # turn 3 from turn 2's entry, not turn 1's
+    (entry,) = cache._d.values()
+    assert entry.text == texts[3]
+    repeated, cache = encoded([0, 1, 2, 3, 4, 1, 2, 3])
+    (entry,) = cache._d.values()
+    assert entry.text == texts[4] and max(repeated[5:]) < len(texts[1]) // 4
+    edited = {**turns[2], "messages": [*turns[2]["messages"][:-1], {"role": "user", "content": "changed"}]}
+    compare(tok, ks, [[edited]], cache)
+    (entry,) = cache._d.values()
+    assert entry.text == tok.chat_text(edited)[0]
+
+
 def test_memory_is_bounded_and_evicts_least_recent(tokenizers) -> None:
     tok = tokenizers["byte-bpe-chatml"]
     ks = KeyScheme("vllm", 16, Namespace("tiny", "salt"))

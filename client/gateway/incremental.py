@@ -6,7 +6,9 @@ block keys (:class:`PromptCache`, bounded by ``--prompt-cache-bytes``, least rec
 conversations dropped first). A conversation is named by its opening (every message up to
 and including the first ``user`` one) together with the request's ``prompt_cache_key`` or
 session, scoped to the client (``--api-keys-file``): one entry a conversation, replaced turn
-after turn.
+after turn, except by a request whose text the stored one extends (an earlier turn arriving
+after a later one, as turns sent at once do, or a repeated one): that request is computed from
+the stored entry and leaves it in place for the turns after it.
 
 A request whose conversation has an entry:
 
@@ -167,7 +169,8 @@ class PromptCache:
         entry = self._extend(prev, text) if prev is not None else None
         if entry is None:
             entry = self._scratch(text)
-        self._put(key, entry)
+        if prev is None or not prev.text.startswith(text) or len(prev.text) == len(text):
+            self._put(key, entry)  # (the stored text extends this one: it stays, for the turns after it)
         return entry.keys, len(entry.ids), text, entry.offs[:, 1]
 
     def _encode(self, text: str, at: int = 0) -> tuple[np.ndarray, np.ndarray]:

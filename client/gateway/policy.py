@@ -36,9 +36,12 @@ class Choice:
     order: list[str]
     overlap: tuple[int, int, int] = (0, 0, 0)  # leading blocks of the chosen replica on gpu, host, disk
     n_blocks: int = 0
-    # the router's ranking of the replicas (not dispatched): the replica tried is dispatched on
-    # it (Router.dispatch), not ranked again
+    # the router's ranking of the replicas: the replica tried is dispatched on it
+    # (Router.dispatch), not ranked again
     ranking: Any = None
+    # the ranking was dispatched on its first replica already (choose's ``dispatch``): trying
+    # that replica takes this decision as it is
+    dispatched: bool = False
 
 
 class LruMap:
@@ -94,27 +97,46 @@ class Policy:
         rr = self._round_robin(names)
         return sorted(rr, key=lambda n: self.in_flight.get(n, 0))  # stable: ties keep the turn order
 
-    def choose(self, names: Sequence[str], keys: Sequence[bytes], session: str | None) -> Choice:
-        """``names``: the healthy replicas (non-empty), in a fixed order."""
+    def choose(self, names: Sequence[str], keys: Sequence[bytes], session: str | None,
+               dispatch: bool = False) -> Choice:
+        """``names``: the healthy replicas (non-empty), in a fixed order. ``dispatch``: where the
+        first replica is the router's best (``kvtier`` with no session held elsewhere), the
+        router dispatches the request on it in the same call as ranking (``Choice.dispatched``):
+        what ranking and then :meth:`Router.dispatch` on that replica would do."""
         now = time.monotonic()
         for know in self._know:  # (shared maps keep a replica as its name's hash)
             know(names)
-        ranked = ranking = None
+        ranking = None
+        order: list[str] = []
+        fused = False
         if self.router is not None:
-            ranking = self.router.route(keys, list(names), dispatch=False, top_k=len(names))
-            ranked = ranking.ranked
-        if self.name == "kvtier" and ranked:
-            order = self._kvtier(ranked, session, now)
+            sticky = self.sessions.get(session, now) if session and self.name == "kvtier" else None
+            fused = dispatch and self.name == "kvtier" and sticky is None
+            ranking = self.router.route(keys, list(names), dispatch=fused, top_k=len(names))
+            if self.name == "kvtier":
+                order = ranking.workers
+                if sticky is not None and sticky != order[0] and sticky in order:
+                    # back to the session's replica when it saves as many blocks as the best
+                    i = ranking._names.index(sticky)
+                    if ranking._saved(i) >= ranking._saved(ranking._order[0]):
+                        order = self._first(order, sticky)
+        if order:  # (the router's)
+            pass
         elif self.name == "session" and session:
             order = self._first(self._least_busy(names), self.sessions.get(session, now))
         elif self.name == "prefix":
             order = self._first(self._least_busy(names), self._longest_prefix(keys, now))
         else:
             order = self._round_robin(names)
-        choice = Choice(order, n_blocks=len(keys), ranking=ranking)
-        first = next((r for r in ranked or () if r.worker == order[0]), None)
-        if first is not None:
-            choice.overlap = (first.overlap.gpu, first.overlap.host, first.overlap.disk)
+        choice = Choice(order, n_blocks=len(keys), ranking=ranking, dispatched=fused)
+        if ranking is not None:
+            try:
+                i = ranking._names.index(order[0])
+            except ValueError:
+                pass
+            else:
+                lead = ranking._lead()
+                choice.overlap = (int(lead[0, i]), int(lead[1, i]), int(lead[2, i]))
         return choice
 
     @staticmethod
@@ -122,14 +144,6 @@ class Policy:
         if name in order and name != order[0]:
             order.remove(name)
             order.insert(0, name)
-        return order
-
-    def _kvtier(self, ranked: list, session: str | None, now: float) -> list[str]:
-        order = [r.worker for r in ranked]
-        sticky = self.sessions.get(session, now) if session else None
-        mine = next((r for r in ranked if r.worker == sticky), None)
-        if mine is not None and mine.saved_blocks >= ranked[0].saved_blocks:
-            return self._first(order, sticky)
         return order
 
     def _longest_prefix(self, keys: Sequence[bytes], now: float) -> str | None:

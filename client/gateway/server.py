@@ -914,7 +914,7 @@ class Gateway:
                               session: str | None, t0: float, counter: OutputCounter | None = None,
                               retain: Any = None) -> Any:
         m, replicas = self.metrics, self.replicas()
-        choice = self.policy.choose(self.healthy(sorted(replicas)), keys, session)
+        choice = self.policy.choose(self.healthy(sorted(replicas)), keys, session, dispatch=True)
         m.overhead.observe(time.perf_counter() - t0)
         m.prompt_blocks.inc(choice.n_blocks)
         g, h, d = choice.overlap
@@ -927,7 +927,7 @@ class Gateway:
                 m.retries.inc()
             try:
                 return await self._send(request, endpoint, raw, keys, session, name, replicas[name], t0, counter,
-                                        choice.ranking, retain)
+                                        choice.ranking, retain, choice.dispatched and not attempt)
             except _Refused as e:
                 last = e
                 m.errors.labels("replica_refused").inc()
@@ -950,15 +950,19 @@ class Gateway:
                               if k.lower() not in _HOP and not k.lower().startswith(INTERNAL_PREFIX))
         return web.Response(status=e.status, body=e.body, headers=headers)
 
-    def _dispatch(self, name: str, keys: list[bytes], session: str | None, ranking: Any = None) -> tuple[int, list]:
+    def _dispatch(self, name: str, keys: list[bytes], session: str | None, ranking: Any = None,
+                  dispatched: bool = False) -> tuple[int, list]:
         """Charge the chosen replica: (the router's decision id, its fetch hints). ``ranking``:
         the router's ranking of the replicas for this request (the policy's), dispatched on
-        without ranking again; without one, the router ranks the replica alone."""
+        without ranking again (``dispatched``: the ranking was dispatched on this replica, its
+        first, when it was made); without one, the router ranks the replica alone."""
         self.policy.dispatched(name, keys, session)
         self.metrics.of(self.metrics.decisions, name, self.cfg.policy).inc()
         self.metrics.of(self.metrics.in_flight, name).inc()
         if self.router is None:
             return 0, []
+        if dispatched:
+            return ranking.decision_id, ranking.fetch
         if ranking is not None:
             d = self.router.dispatch(ranking, name, keys)
         else:
@@ -973,12 +977,12 @@ class Gateway:
 
     async def _send(self, request: Any, endpoint: str, raw: bytes, keys: list[bytes], session: str | None,
                     name: str, base: str, t0: float, counter: OutputCounter | None = None,
-                    ranking: Any = None, retain: Any = None) -> Any:
+                    ranking: Any = None, retain: Any = None, dispatched: bool = False) -> Any:
         """Forward to replica ``name``: its fetch hints' prefetches and the cache hints' retains
         (``retain``: ([(leading keys, TTL)], priority)) on its kvtierd first (bounded), then the
         body, unchanged."""
         headers = self._upstream_head(request)
-        decision, hints = self._dispatch(name, keys, session, ranking)
+        decision, hints = self._dispatch(name, keys, session, ranking, dispatched)
         try:  # (the replica's load ends whatever way this does: a cancelled handler included)
             first = []  # the prefix into the replica's host tier, and kept there, first (bounded)
             if hints and self.prefetcher is not None:
