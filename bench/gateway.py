@@ -2,9 +2,9 @@
 with ``--peers``, the same against the Rust routers.
 
     python bench/gateway.py [--requests 400] [--words 1024] [--block-tokens 16] [--concurrency 32]
-                            [--seconds 5] [--policy kvtier] [--workers 1] [--out FILE]
+                            [--seconds 5] [--new-requests 6000] [--policy kvtier] [--workers 1] [--out FILE]
     python bench/gateway.py --peers [--requests 2000] [--words 1200] [--concurrency 16] [--rounds 3]
-                            [--seconds 5] [--workers 1] [--out FILE]
+                            [--seconds 5] [--new-requests 6000] [--workers 1] [--out FILE]
 
 Processes on this machine: fast local HTTP backends (aiohttp: each answers every
 ``/v1/chat/completions`` with a fixed 300-byte JSON body at once, and the health and model
@@ -24,6 +24,12 @@ Measured, per router:
         sha256 chain and kvtier's keys), ranks, dispatches and streams the answer back.
     ``requests_per_s``: through the router, ``--concurrency`` requests in flight for
         ``--seconds`` seconds (``direct_requests_per_s``: the same against a backend alone).
+        These go over the same bodies again and again (each request is a turn the router has
+        seen before, so a router that keeps what it computed per conversation does little).
+    ``requests_per_s_new``: ``--new-requests`` bodies of sessions never sent before (the same
+        shape, another seed), each sent once, ``--concurrency`` in flight (a session's turns
+        go out together, as the worker that takes each is free), over the time they took: every
+        request is a turn the router has not seen, its new text to tokenize.
 
 Without ``--peers``: one backend (two replica names on it) and ``kvtier gateway --policy
 POLICY``; the last line of stdout is one JSON object with its figures.
@@ -34,10 +40,12 @@ and ``--policy round-robin`` and, when their pip packages are installed (``pip i
 starts every router fresh, one after another (the order rotated each round), and measures it;
 the figures are the medians over ``--rounds`` rounds. The last line is one JSON object: the
 top-level fields are ``kvtier gateway --policy kvtier``'s (as without ``--peers``),
-``routers`` has each router's ``added_p50_ms``, ``added_p99_ms``, ``requests_per_s`` (and
-per round), and ``ratios`` each peer's figures over kvtier's (``added_p50``: the peer's over
-kvtier's, below 1 where the peer adds less; ``requests_per_s``: kvtier's over the peer's,
-below 1 where the peer sustains more). Routers not installed are listed in ``missing``.
+``routers`` has each router's ``added_p50_ms``, ``added_p99_ms``, ``requests_per_s``,
+``requests_per_s_new`` (and per round; a round's new sessions are the same for every router),
+and ``ratios`` each peer's figures over kvtier's (``added_p50``: the peer's over kvtier's,
+below 1 where the peer adds less; ``requests_per_s`` and ``requests_per_s_new``: kvtier's over
+the peer's, below 1 where the peer sustains more). Routers not installed are listed in
+``missing``.
 """
 
 from __future__ import annotations
@@ -179,6 +187,19 @@ async def throughput(url: str, bodies: list[bytes], concurrency: int, seconds: f
     return done / (time.perf_counter() - t0)
 
 
+async def drain(url: str, bodies: list[bytes], concurrency: int) -> float:
+    """Each body sent once, ``concurrency`` in flight; requests per second over the whole."""
+    import aiohttp  # noqa: PLC0415
+
+    async def worker(i: int) -> None:
+        async with aiohttp.ClientSession() as s:
+            for j in range(i, len(bodies), concurrency):
+                await timed(s, url, bodies[j])
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return len(bodies) / (time.perf_counter() - t0)
+
+
 def start_backend() -> tuple[subprocess.Popen, str]:
     port = free_port()
     # (stderr dropped: routers probing for HTTP/2 make aiohttp log a parse error per probe)
@@ -233,12 +254,19 @@ def stop(p: subprocess.Popen) -> None:
         p.wait(5)
 
 
-def measure(url: str, directs: list[str], bodies: list[bytes], concurrency: int, seconds: float) -> dict:
+def measure(url: str, directs: list[str], bodies: list[bytes], concurrency: int, seconds: float,
+            fresh: list[bytes]) -> dict:
     added = asyncio.run(sequential(directs, url + "/v1/chat/completions", bodies)) * 1e3
     rps = asyncio.run(throughput(url + "/v1/chat/completions", bodies, concurrency, seconds))
-    return {"added_p50_ms": round(float(np.percentile(added, 50)), 3),
-            "added_p99_ms": round(float(np.percentile(added, 99)), 3),
-            "added_mean_ms": round(float(added.mean()), 3), "requests_per_s": round(rps, 1)}
+    out = {"added_p50_ms": round(float(np.percentile(added, 50)), 3),
+           "added_p99_ms": round(float(np.percentile(added, 99)), 3),
+           "added_mean_ms": round(float(added.mean()), 3), "requests_per_s": round(rps, 1)}
+    if fresh:
+        out["requests_per_s_new"] = round(asyncio.run(drain(url + "/v1/chat/completions", fresh, concurrency)), 1)
+    return out
+
+
+FIGURES = ("added_p50_ms", "added_p99_ms", "added_mean_ms", "requests_per_s", "requests_per_s_new")
 
 
 def peers_run(a: argparse.Namespace, tok: str) -> dict:
@@ -257,6 +285,7 @@ def peers_run(a: argparse.Namespace, tok: str) -> dict:
         bodies = requests_of(a.requests, a.words)
         direct_rps = asyncio.run(throughput(directs[0], bodies, a.concurrency, a.seconds))
         for rnd in range(a.rounds):
+            fresh = requests_of(a.new_requests, a.words, seed=1 + rnd)  # (sessions no router has seen)
             order = routers[rnd % len(routers):] + routers[:rnd % len(routers)]
             for r in order:
                 if r.startswith("kvtier"):
@@ -265,7 +294,7 @@ def peers_run(a: argparse.Namespace, tok: str) -> dict:
                 else:
                     p, url = start_peer(r, backends)
                 try:
-                    results[r].append(measure(url, directs, bodies, a.concurrency, a.seconds))
+                    results[r].append(measure(url, directs, bodies, a.concurrency, a.seconds, fresh))
                 finally:
                     stop(p)
                 print(f"round {rnd + 1} {r}: {json.dumps(results[r][-1])}", file=sys.stderr, flush=True)
@@ -274,15 +303,16 @@ def peers_run(a: argparse.Namespace, tok: str) -> dict:
             stop(p)
     summary = {}
     for r, runs in results.items():
-        summary[r] = {k: round(float(np.median([x[k] for x in runs])), 3)
-                      for k in ("added_p50_ms", "added_p99_ms", "added_mean_ms", "requests_per_s")}
+        summary[r] = {k: round(float(np.median([x[k] for x in runs])), 3) for k in FIGURES if k in runs[0]}
         summary[r]["rounds"] = runs
     kv = summary["kvtier"]
     ratios = {r: {"added_p50": round(s["added_p50_ms"] / kv["added_p50_ms"], 3) if kv["added_p50_ms"] > 0 else None,
                   "added_p99": round(s["added_p99_ms"] / kv["added_p99_ms"], 3) if kv["added_p99_ms"] > 0 else None,
-                  "requests_per_s": round(kv["requests_per_s"] / s["requests_per_s"], 3)}
+                  "requests_per_s": round(kv["requests_per_s"] / s["requests_per_s"], 3),
+                  **({"requests_per_s_new": round(kv["requests_per_s_new"] / s["requests_per_s_new"], 3)}
+                     if "requests_per_s_new" in s else {})}
               for r, s in summary.items() if r != "kvtier"}
-    return {**{k: kv[k] for k in ("added_p50_ms", "added_p99_ms", "added_mean_ms", "requests_per_s")},
+    return {**{k: kv[k] for k in FIGURES if k in kv},
             "direct_requests_per_s": round(direct_rps, 1), "routers": summary, "ratios": ratios, "missing": missing,
             "rounds": a.rounds}
 
@@ -294,6 +324,8 @@ def main() -> None:
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, help="requests in flight for requests_per_s (default 32; --peers: 16)")
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--new-requests", type=int, default=6000,
+                    help="bodies of new sessions for requests_per_s_new, each sent once (0: not measured)")
     ap.add_argument("--policy", default="kvtier")
     ap.add_argument("--workers", type=int, default=1, help="kvtier gateway --workers")
     ap.add_argument("--peers", action="store_true", help="also vllm-router and sglang-router (cache_aware), and "
@@ -323,7 +355,8 @@ def main() -> None:
         procs.append(gw)
         direct = backend + "/v1/chat/completions"
         bodies = requests_of(a.requests, a.words)
-        figures = measure(url, [direct], bodies, a.concurrency, a.seconds)
+        figures = measure(url, [direct], bodies, a.concurrency, a.seconds,
+                          requests_of(a.new_requests, a.words, seed=1))
         direct_rps = asyncio.run(throughput(direct, bodies, a.concurrency, a.seconds))
     finally:
         for p in procs:

@@ -174,7 +174,9 @@ class PromptCache:
         return entry.keys, len(entry.ids), text, entry.offs[:, 1]
 
     def _encode(self, text: str, at: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        enc = self.fast.encode(text[at:] if at else text, add_special_tokens=False)  # type: ignore[union-attr]
+        # (encode_batch: the same encoding as encode, with the GIL released while the Rust
+        # tokenizer works, so a decision in the gateway's thread pool runs beside the event loop)
+        enc = self.fast.encode_batch([text[at:] if at else text], add_special_tokens=False)[0]  # type: ignore[union-attr]
         ids = enc.ids
         ids = np.fromiter(ids, dtype=np.int32, count=len(ids))
         offs = np.fromiter(itertools.chain.from_iterable(enc.offsets), dtype=np.int32, count=2 * len(ids))
