@@ -388,6 +388,38 @@ def test_an_earlier_turn_arriving_late_leaves_the_later_turns_entry(tokenizers, 
     assert entry.text == tok.chat_text(edited)[0]
 
 
+@pytest.mark.parametrize("tok_name", sorted(TOKENIZERS))
+def test_new_conversations_start_from_one_that_opened_alike(tokenizers, tok_name, monkeypatch) -> None:
+    """Sessions of one agent share a long system prompt and tools: the first request of each
+    session after the first tokenizes only what follows the shared opening (its keys as from
+    scratch), counted ``shared``; another client scope never starts from them, and a
+    conversation whose opening differs tokenizes in full."""
+    tok = tokenizers[tok_name]
+    ks = KeyScheme("vllm", 16, Namespace("tiny", "salt"))
+    wordy = tok_name == "word-level"
+    rng = random.Random(21)
+    say = (lambda n: words_text(rng, n)) if wordy else (lambda n: text(rng, n))
+    system = say(400)
+    sessions = [[{"model": "tiny", "messages": [{"role": "system", "content": system},
+                                                {"role": "user", "content": say(30)}]}] for _ in range(4)]
+    cache = PromptCache(tok, ks, 64 << 20)
+    chars: list[int] = []
+    enc = cache._encode
+    monkeypatch.setattr(cache, "_encode", lambda t, at=0: (chars.append(len(t) - at), enc(t, at))[1])
+    compare(tok, ks, sessions, cache)
+    first, later = chars[0], chars[1:]
+    assert len(later) == 3 and max(later) < first // 4, chars
+    assert cache.counts["shared"] == 3 and cache.counts["scratch"] == 1, cache.counts
+    chars.clear()
+    compare(tok, ks, sessions[:1], cache, scope=lambda body: "another-client")
+    assert chars[0] >= first and cache.counts["scratch"] == 2  # (not from the first client's)
+    other = [{"model": "tiny", "messages": [{"role": "system", "content": say(400)},
+                                            {"role": "user", "content": say(30)}]}]
+    chars.clear()
+    compare(tok, ks, [other], cache)
+    assert cache.counts["scratch"] == 3 and cache.counts["shared"] == 3
+
+
 def test_memory_is_bounded_and_evicts_least_recent(tokenizers) -> None:
     tok = tokenizers["byte-bpe-chatml"]
     ks = KeyScheme("vllm", 16, Namespace("tiny", "salt"))

@@ -25,7 +25,13 @@ A request whose conversation has an entry:
 3. keeps the stored block hashes and keys of every block whose tokens are unchanged and hashes
    the rest, chained on the last kept block.
 
-A conversation without an entry, a prompt with special tokens added by the tokenizer
+A conversation without an entry of its own starts from the latest other conversation of the
+same client scope whose rendered text opened alike (its first ``OPENING_CHARS`` characters): a
+shared system prompt and tools are tokenized and hashed once, then found by each new
+conversation that opens with them, through the same steps (the text compared, the restart
+checked), so nothing of the other conversation is taken on trust either.
+
+A conversation without an entry (nor one that opened alike), a prompt with special tokens added by the tokenizer
 (``add_special_tokens``), a slow (pure Python) tokenizer and ``--prompt-cache-bytes 0`` are
 computed from scratch; the keys are the same either way (``tests/test_gateway_incremental.py``
 compares both paths on every turn).
@@ -33,6 +39,7 @@ compares both paths on every turn).
 
 from __future__ import annotations
 
+import array
 import hashlib
 import itertools
 import json
@@ -53,6 +60,12 @@ MIN_SLACK = 8
 """Stored tokens ending within this many characters (or the longest added token's length, if
 more) of the first changed one are not compared: the text after them differs."""
 RESTART_TRIES = 3
+_INT32 = array.array("i").itemsize == 4  # (token ids into numpy through a C int array: twice as fast)
+OPENING_CHARS = 1024
+"""A conversation without a stored turn starts from the latest other conversation (of the same
+client scope) whose rendered text opened with the same this many characters: a shared system
+prompt and tools are tokenized and hashed once, not once a conversation."""
+MAX_OPENINGS = 4096
 
 
 class _Entry:
@@ -103,7 +116,9 @@ class PromptCache:
         self._lock = threading.Lock()
         self._d: OrderedDict[bytes, _Entry] = OrderedDict()
         self.bytes = 0
-        self.counts = {"hit": 0, "miss": 0, "resync": 0, "scratch": 0}
+        # the opening's name -> the latest conversation that opened so (least recent dropped first)
+        self._openings: OrderedDict[bytes, bytes] = OrderedDict()
+        self.counts = {"hit": 0, "shared": 0, "miss": 0, "resync": 0, "scratch": 0}
 
     def __len__(self) -> int:
         return len(self._d)
@@ -166,19 +181,41 @@ class PromptCache:
             return (self.scheme.keys(ids) if with_keys else []), len(ids), text, None
         key = self.conversation_key(body, scope)
         prev = self._get(key)
-        entry = self._extend(prev, text) if prev is not None else None
+        entry = None
+        if prev is not None:
+            entry = self._extend(prev, text)
+        elif len(text) >= OPENING_CHARS:  # a new conversation: from another that opened alike, if any
+            opening = self._opening(text, scope)
+            with self._lock:
+                other = self._openings.get(opening)
+                self._openings[opening] = key
+                self._openings.move_to_end(opening)
+                if len(self._openings) > MAX_OPENINGS:
+                    self._openings.popitem(last=False)
+            like = self._get(other) if other is not None else None
+            if like is not None:
+                entry = self._extend(like, text, "shared")
         if entry is None:
             entry = self._scratch(text)
         if prev is None or not prev.text.startswith(text) or len(prev.text) == len(text):
             self._put(key, entry)  # (the stored text extends this one: it stays, for the turns after it)
         return entry.keys, len(entry.ids), text, entry.offs[:, 1]
 
+    @staticmethod
+    def _opening(text: str, scope: str) -> bytes:
+        """The name of a rendered prompt's opening (its first OPENING_CHARS characters) within a
+        client scope: only that scope's conversations are found by it."""
+        h = hashlib.blake2b(scope.encode(errors="surrogatepass"), digest_size=16)
+        h.update(b"\0")
+        h.update(text[:OPENING_CHARS].encode(errors="surrogatepass"))
+        return h.digest()
+
     def _encode(self, text: str, at: int = 0) -> tuple[np.ndarray, np.ndarray]:
         # (encode_batch: the same encoding as encode, with the GIL released while the Rust
         # tokenizer works, so a decision in the gateway's thread pool runs beside the event loop)
         enc = self.fast.encode_batch([text[at:] if at else text], add_special_tokens=False)[0]  # type: ignore[union-attr]
         ids = enc.ids
-        ids = np.fromiter(ids, dtype=np.int32, count=len(ids))
+        ids = np.frombuffer(array.array("i", ids), dtype=np.int32) if _INT32 else np.array(ids, dtype=np.int32)
         offs = np.fromiter(itertools.chain.from_iterable(enc.offsets), dtype=np.int32, count=2 * len(ids))
         offs = offs.reshape(-1, 2)
         if at:
@@ -219,12 +256,15 @@ class PromptCache:
                 tries += 1
             r -= 1
 
-    def _extend(self, prev: _Entry, text: str) -> _Entry | None:
-        """The new text's entry from the stored one, or None (tokenize from scratch)."""
+    def _extend(self, prev: _Entry, text: str, outcome: str = "hit") -> _Entry | None:
+        """The new text's entry from the stored one, or None (tokenize from scratch).
+        ``outcome``: what a success counts as ("hit": the conversation's own stored turn;
+        "shared": another conversation's, whose failures are not counted)."""
         d = common_prefix_len(prev.text, text)
         if d <= self.slack:
-            with self._lock:
-                self.counts["miss"] += 1
+            if outcome == "hit":
+                with self._lock:
+                    self.counts["miss"] += 1
             return None
         for r, at in self._restarts(prev, d):
             new_ids, new_offs = self._encode(text, at)
@@ -234,12 +274,14 @@ class PromptCache:
             if m < 1 or len(new_ids) < m or not ((new_ids[:m] == prev.ids[r:r + m]).all()
                                                  and (new_offs[:m] == prev.offs[r:r + m]).all()):
                 continue
-            return self._join(prev, r, new_ids, new_offs, text)
-        with self._lock:
-            self.counts["resync"] += 1
+            return self._join(prev, r, new_ids, new_offs, text, outcome)
+        if outcome == "hit":
+            with self._lock:
+                self.counts["resync"] += 1
         return None
 
-    def _join(self, prev: _Entry, r: int, new_ids: np.ndarray, new_offs: np.ndarray, text: str) -> _Entry:
+    def _join(self, prev: _Entry, r: int, new_ids: np.ndarray, new_offs: np.ndarray, text: str,
+              outcome: str = "hit") -> _Entry:
         ids = np.concatenate((prev.ids[:r], new_ids))
         offs = np.concatenate((prev.offs[:r], new_offs))
         n = min(len(new_ids), len(prev.ids) - r)
@@ -252,5 +294,5 @@ class PromptCache:
         keys = prev.keys[:kept_keys] + self.scheme.keys_of_chain(chain, kept_keys)
         sp = prev.special[prev.special < r]
         with self._lock:
-            self.counts["hit"] += 1
+            self.counts[outcome] += 1
         return _Entry(text, ids, offs, np.concatenate((sp, r + self._special(new_ids))), chain, keys)

@@ -420,7 +420,9 @@ class _Metrics:
         class Collector:
             def collect(self):  # noqa: ANN202
                 c = CounterMetricFamily("kvtier_gateway_prompt_cache", "chat prompts by how they were computed: "
-                                        "hit (a stored turn of the conversation reused), scratch (tokenized "
+                                        "hit (a stored turn of the conversation reused), shared (a new "
+                                        "conversation from another's stored turn that opened alike: a shared "
+                                        "system prompt), scratch (tokenized "
                                         "from scratch: no stored turn, or one of the next two), miss (the "
                                         "stored turn's text shares too little), resync (no clean restart "
                                         "point)", labels=["outcome"])
