@@ -282,14 +282,14 @@ def trace_sessions(n_sessions: int, max_turns: int, words_per_block: int, wordy:
 
 
 def compare(tok: PromptTokenizer, scheme: KeyScheme, conversations, cache: PromptCache | None = None,
-            scope=lambda body: "") -> PromptCache:
+            scope=lambda body: "", client=lambda body: "") -> PromptCache:
     """Every request of every conversation: the incremental keys and token count equal the
     ones computed from scratch (the gateway's tokenizer and key scheme, nothing stored)."""
     cache = PromptCache(tok, scheme, 64 << 20) if cache is None else cache
     for conv in conversations:
         for turn, body in enumerate(conv):
             ids = tok.chat(body)
-            keys, n = cache.chat(body, scope(body))
+            keys, n = cache.chat(body, scope(body), client=client(body))
             assert n == len(ids), (turn, n, len(ids))
             assert keys == scheme.keys(ids), f"turn {turn}: keys differ from the ones computed from scratch"
     return cache
@@ -390,10 +390,10 @@ def test_an_earlier_turn_arriving_late_leaves_the_later_turns_entry(tokenizers, 
 
 @pytest.mark.parametrize("tok_name", sorted(TOKENIZERS))
 def test_new_conversations_start_from_one_that_opened_alike(tokenizers, tok_name, monkeypatch) -> None:
-    """Sessions of one agent share a long system prompt and tools: the first request of each
-    session after the first tokenizes only what follows the shared opening (its keys as from
-    scratch), counted ``shared``; another client scope never starts from them, and a
-    conversation whose opening differs tokenizes in full."""
+    """Sessions of one agent (each its own session id) share a long system prompt and tools:
+    the first request of each session after the first tokenizes only what follows the shared
+    opening (its keys as from scratch), counted ``shared``; another client never starts from
+    them, and a conversation whose opening differs tokenizes in full."""
     tok = tokenizers[tok_name]
     ks = KeyScheme("vllm", 16, Namespace("tiny", "salt"))
     wordy = tok_name == "word-level"
@@ -406,12 +406,14 @@ def test_new_conversations_start_from_one_that_opened_alike(tokenizers, tok_name
     chars: list[int] = []
     enc = cache._encode
     monkeypatch.setattr(cache, "_encode", lambda t, at=0: (chars.append(len(t) - at), enc(t, at))[1])
-    compare(tok, ks, sessions, cache)
+    sid = {id(c[0]): f"session-{i}" for i, c in enumerate(sessions)}
+    compare(tok, ks, sessions, cache, scope=lambda body: sid[id(body)])
     first, later = chars[0], chars[1:]
     assert len(later) == 3 and max(later) < first // 4, chars
     assert cache.counts["shared"] == 3 and cache.counts["scratch"] == 1, cache.counts
     chars.clear()
-    compare(tok, ks, sessions[:1], cache, scope=lambda body: "another-client")
+    compare(tok, ks, sessions[:1], cache, scope=lambda body: "another-client",
+            client=lambda body: "another-client")
     assert chars[0] >= first and cache.counts["scratch"] == 2  # (not from the first client's)
     other = [{"model": "tiny", "messages": [{"role": "system", "content": say(400)},
                                             {"role": "user", "content": say(30)}]}]

@@ -75,6 +75,30 @@ def test_a_session_id_steers_only_its_own_clients_requests(loop, gateway, keys_f
     assert [m.id for m in alice.models.list().data] == ["tiny"]
 
 
+def test_a_new_session_starts_only_from_its_own_clients_conversations(loop, gateway, keys_file) -> None:
+    """A new session whose prompt opens as one of its client's other sessions did starts from
+    that one's stored turn (``shared``: the opening tokenized once); another client's new
+    session with the same opening is tokenized from scratch, never from alice's."""
+    seen: list = []
+    url, gw = gateway({"a": f"http://127.0.0.1:{loop.serve(backend('a', seen))}"}, policy="kvtier",
+                      api_keys_file=keys_file, replica_header=False)
+    system = " ".join(f"tok{3 + i % 900}" for i in range(400))
+
+    def send(key: str, session: str) -> None:
+        openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).chat.completions.create(
+            model="tiny", extra_headers={"x-session-id": session},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"tok{len(session)} tok9"}])
+
+    send(ALICE, "s1")
+    send(ALICE, "s22")
+    assert (gw.prompts.counts["scratch"], gw.prompts.counts["shared"]) == (1, 1)
+    send(BOB, "s333")
+    assert (gw.prompts.counts["scratch"], gw.prompts.counts["shared"]) == (2, 1)
+    send(BOB, "s4444")
+    assert (gw.prompts.counts["scratch"], gw.prompts.counts["shared"]) == (2, 2)
+    assert len(seen) == 4
+
+
 def test_answers_do_not_name_their_replica_unless_asked(loop, gateway) -> None:
     """X-Kvtier-Replica is off by default (a client would learn where its prompt is cached);
     --replica-header turns it on. A replica's own x-kvtier-* headers do not pass either."""

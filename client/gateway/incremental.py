@@ -26,7 +26,7 @@ A request whose conversation has an entry:
    the rest, chained on the last kept block.
 
 A conversation without an entry of its own starts from the latest other conversation of the
-same client scope whose rendered text opened alike (its first ``OPENING_CHARS`` characters): a
+same client (any of its sessions; its id under ``--api-keys-file``) whose rendered text opened alike (its first ``OPENING_CHARS`` characters): a
 shared system prompt and tools are tokenized and hashed once, then found by each new
 conversation that opens with them, through the same steps (the text compared, the restart
 checked), so nothing of the other conversation is taken on trust either.
@@ -166,13 +166,16 @@ class PromptCache:
 
     # -- computing --------------------------------------------------------------------------------
 
-    def chat(self, body: dict[str, Any], scope: str = "", with_keys: bool = True) -> tuple[list[bytes], int]:
-        """(block keys, prompt tokens) of a chat request (``with_keys`` false: no keys, [])."""
-        keys, n, _, _ = self.chat_prompt(body, scope, with_keys)
+    def chat(self, body: dict[str, Any], scope: str = "", with_keys: bool = True,
+             client: str = "") -> tuple[list[bytes], int]:
+        """(block keys, prompt tokens) of a chat request (``with_keys`` false: no keys, []).
+        ``scope``: the conversation's session (or client) scope; ``client``: the client whose
+        other conversations a new one may start from (its id under ``--api-keys-file``, else "")."""
+        keys, n, _, _ = self.chat_prompt(body, scope, with_keys, client)
         return keys, n
 
-    def chat_prompt(self, body: dict[str, Any], scope: str = "",
-                    with_keys: bool = True) -> tuple[list[bytes], int, str, np.ndarray | None]:
+    def chat_prompt(self, body: dict[str, Any], scope: str = "", with_keys: bool = True,
+                    client: str = "") -> tuple[list[bytes], int, str, np.ndarray | None]:
         """As :meth:`chat`, with the rendered text and each token's end offset in it (None when
         the prompt was tokenized without offsets)."""
         text, add_special = self.tokenizer.chat_text(body)
@@ -185,7 +188,7 @@ class PromptCache:
         if prev is not None:
             entry = self._extend(prev, text)
         elif len(text) >= OPENING_CHARS:  # a new conversation: from another that opened alike, if any
-            opening = self._opening(text, scope)
+            opening = self._opening(text, client)
             with self._lock:
                 other = self._openings.get(opening)
                 self._openings[opening] = key
@@ -202,10 +205,10 @@ class PromptCache:
         return entry.keys, len(entry.ids), text, entry.offs[:, 1]
 
     @staticmethod
-    def _opening(text: str, scope: str) -> bytes:
-        """The name of a rendered prompt's opening (its first OPENING_CHARS characters) within a
-        client scope: only that scope's conversations are found by it."""
-        h = hashlib.blake2b(scope.encode(errors="surrogatepass"), digest_size=16)
+    def _opening(text: str, client: str) -> bytes:
+        """The name of a rendered prompt's opening (its first OPENING_CHARS characters) for a
+        client: only that client's conversations are found by it."""
+        h = hashlib.blake2b(client.encode(errors="surrogatepass"), digest_size=16)
         h.update(b"\0")
         h.update(text[:OPENING_CHARS].encode(errors="surrogatepass"))
         return h.digest()

@@ -785,22 +785,24 @@ class Gateway:
         session = self._session_of(request, body, client)
         hints = read_hints(body) if self.cfg.cache_hints else None
         try:
-            keys, n_tokens, retain = self._prompt(endpoint, body, session or client or "", hints)
+            keys, n_tokens, retain = self._prompt(endpoint, body, session or client or "", hints, client or "")
         except (PromptError, TypeError, ValueError, OverflowError) as e:  # (a field of the wrong type or range)
             return (self._fail(endpoint, 400, "bad_request", str(e) or type(e).__name__, "BadRequestError"), [], None,
                     0, None)
         return None, keys[:MAX_KEYS_PER_CALL], session, n_tokens, retain
 
     def _prompt(self, endpoint: str, body: dict[str, Any], scope: str,
-                hints: Hints | None = None) -> tuple[list[bytes], int, Any]:
+                hints: Hints | None = None, client: str = "") -> tuple[list[bytes], int, Any]:
         """(block keys, prompt tokens, retains of the cache hints or None) of a request; ([], 0,
-        None) once checked when no keys are needed."""
+        None) once checked when no keys are needed. ``scope``: the conversation's (session, else
+        client); ``client``: the client id (``--api-keys-file``) whose conversations a new one
+        may start from."""
         with_keys = not (self.cfg.keys == "vllm" and has_extra_keys(body))
         if endpoint == "chat":
             if not self.need_keys:
                 PromptTokenizer.check_chat(body)
                 return [], 0, None
-            keys, n, text, ends = self.prompts.chat_prompt(body, scope, with_keys)
+            keys, n, text, ends = self.prompts.chat_prompt(body, scope, with_keys, client)
             if hints is None or not keys:
                 return keys, n, None
             bt, n_keys = self.keys.block_tokens, min(len(keys), MAX_KEYS_PER_CALL)
