@@ -26,15 +26,16 @@ A request whose conversation has an entry:
    the rest, chained on the last kept block.
 
 A conversation without an entry of its own starts from the latest other conversation of the
-same client (any of its sessions; its id under ``--api-keys-file``) whose rendered text opened alike (its first ``OPENING_CHARS`` characters): a
-shared system prompt and tools are tokenized and hashed once, then found by each new
-conversation that opens with them, through the same steps (the text compared, the restart
-checked), so nothing of the other conversation is taken on trust either.
+same client (any of its sessions; the client is its id under ``--api-keys-file``) whose
+rendered text opened alike (its first ``OPENING_CHARS`` characters): a shared system prompt
+and tools are tokenized and hashed once, then found by each new conversation that opens with
+them, through the same steps (the text compared, the restart checked), so nothing of the other
+conversation is taken on trust either.
 
-A conversation without an entry (nor one that opened alike), a prompt with special tokens added by the tokenizer
-(``add_special_tokens``), a slow (pure Python) tokenizer and ``--prompt-cache-bytes 0`` are
-computed from scratch; the keys are the same either way (``tests/test_gateway_incremental.py``
-compares both paths on every turn).
+A conversation without an entry (nor one that opened alike), a prompt with special tokens
+added by the tokenizer (``add_special_tokens``), a slow (pure Python) tokenizer and
+``--prompt-cache-bytes 0`` are computed from scratch; the keys are the same either way
+(``tests/test_gateway_incremental.py`` compares both paths on every turn).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ RESTART_TRIES = 3
 _INT32 = array.array("i").itemsize == 4  # (token ids into numpy through a C int array: twice as fast)
 OPENING_CHARS = 1024
 """A conversation without a stored turn starts from the latest other conversation (of the same
-client scope) whose rendered text opened with the same this many characters: a shared system
+client) whose rendered text opened with the same this many characters: a shared system
 prompt and tools are tokenized and hashed once, not once a conversation."""
 MAX_OPENINGS = 4096
 

@@ -120,13 +120,11 @@ class Policy:
                     i = ranking._names.index(sticky)
                     if ranking._saved(i) >= ranking._saved(ranking._order[0]):
                         order = self._first(order, sticky)
-        if order:  # (the router's)
-            pass
-        elif self.name == "session" and session:
+        if not order and self.name == "session" and session:
             order = self._first(self._least_busy(names), self.sessions.get(session, now))
-        elif self.name == "prefix":
+        elif not order and self.name == "prefix":
             order = self._first(self._least_busy(names), self._longest_prefix(keys, now))
-        else:
+        elif not order:
             order = self._round_robin(names)
         choice = Choice(order, n_blocks=len(keys), ranking=ranking, dispatched=fused)
         if ranking is not None:
