@@ -442,8 +442,6 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
                     restarts += 1
                 elif op < 0.45:
                     sc.put(lid, batch, [bytes([step % 251]) * lay.block_bytes] * len(batch))
-                    if disk:  # (its victims are written in the background: table and RPC would race them)
-                        demotions_over(rpc)
                 elif op < 0.65:
                     rpc.evict(rid, batch)
                 elif op < 0.85:
@@ -451,6 +449,9 @@ def test_table_agrees_with_the_daemon_through_random_operations(tmp_path, disk: 
                     assert all(g is None or len(g) == lay.block_bytes for g in got)
                 else:
                     sc.prefetch(lid, batch)
+                if disk:  # a put's victims, and a prefetch's (what its promotions evict from host), are
+                    # written in the background: table and RPC would race them
+                    demotions_over(rpc)
                 ops += 1
                 query = universe if step % 10 == 0 else rng.sample(universe, 48)
                 table = sc.lookup(lid, query)
