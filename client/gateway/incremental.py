@@ -189,30 +189,29 @@ class PromptCache:
         if prev is not None:
             entry = self._extend(prev, text)
         elif len(text) >= OPENING_CHARS:  # a new conversation: from another that opened alike, if any
-            opening = self._opening(text, client)
-            with self._lock:
-                other = self._openings.get(opening)
-                self._openings[opening] = key
-                self._openings.move_to_end(opening)
-                if len(self._openings) > MAX_OPENINGS:
-                    self._openings.popitem(last=False)
-            like = self._get(other) if other is not None else None
+            like = self._opened_alike(text, client, key)
             if like is not None:
                 entry = self._extend(like, text, "shared")
         if entry is None:
             entry = self._scratch(text)
-        if prev is None or not prev.text.startswith(text) or len(prev.text) == len(text):
-            self._put(key, entry)  # (the stored text extends this one: it stays, for the turns after it)
+        if not (prev is not None and len(prev.text) > len(text) and prev.text.startswith(text)):
+            self._put(key, entry)  # (else the stored text extends this one: it stays, for the turns after it)
         return entry.keys, len(entry.ids), text, entry.offs[:, 1]
 
-    @staticmethod
-    def _opening(text: str, client: str) -> bytes:
-        """The name of a rendered prompt's opening (its first OPENING_CHARS characters) for a
-        client: only that client's conversations are found by it."""
+    def _opened_alike(self, text: str, client: str, key: bytes) -> _Entry | None:
+        """The latest other conversation of ``client`` whose text opened as ``text`` does (its
+        first OPENING_CHARS characters), if still stored; conversation ``key`` becomes the latest."""
         h = hashlib.blake2b(client.encode(errors="surrogatepass"), digest_size=16)
         h.update(b"\0")
         h.update(text[:OPENING_CHARS].encode(errors="surrogatepass"))
-        return h.digest()
+        opening = h.digest()
+        with self._lock:
+            other = self._openings.get(opening)
+            self._openings[opening] = key
+            self._openings.move_to_end(opening)
+            if len(self._openings) > MAX_OPENINGS:
+                self._openings.popitem(last=False)
+        return self._get(other) if other is not None else None
 
     def _encode(self, text: str, at: int = 0) -> tuple[np.ndarray, np.ndarray]:
         # (encode_batch: the same encoding as encode, with the GIL released while the Rust

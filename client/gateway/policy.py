@@ -115,11 +115,10 @@ class Policy:
             ranking = self.router.route(keys, list(names), dispatch=fused, top_k=len(names))
             if self.name == "kvtier":
                 order = ranking.workers
-                if sticky is not None and sticky != order[0] and sticky in order:
-                    # back to the session's replica when it saves as many blocks as the best
-                    i = ranking._names.index(sticky)
-                    if ranking._saved(i) >= ranking._saved(ranking._order[0]):
-                        order = self._first(order, sticky)
+                # back to the session's replica when it saves as many blocks as the best
+                if (sticky is not None and sticky != order[0] and sticky in order
+                        and ranking.saved_blocks(sticky) >= ranking.saved_blocks(order[0])):
+                    order = self._first(order, sticky)
         if not order and self.name == "session" and session:
             order = self._first(self._least_busy(names), self.sessions.get(session, now))
         elif not order and self.name == "prefix":
@@ -127,14 +126,9 @@ class Policy:
         elif not order:
             order = self._round_robin(names)
         choice = Choice(order, n_blocks=len(keys), ranking=ranking, dispatched=fused)
-        if ranking is not None:
-            try:
-                i = ranking._names.index(order[0])
-            except ValueError:
-                pass
-            else:
-                lead = ranking._lead()
-                choice.overlap = (int(lead[0, i]), int(lead[1, i]), int(lead[2, i]))
+        lead = ranking.leading(order[0]) if ranking is not None else None
+        if lead is not None:
+            choice.overlap = lead
         return choice
 
     @staticmethod

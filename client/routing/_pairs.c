@@ -229,7 +229,7 @@ static PyObject *pairs_change(PyObject *const *args, Py_ssize_t nargs, int remov
     for (Py_ssize_t i = 0; i < n; i++) {
         int r = removing ? del(&t, fps[i], col) : put(&t, fps[i], col);
         if (r < 0) {
-            PyErr_SetString(PyExc_RuntimeError, "insert(): the pairs table is full (the caller grows it first)");
+            PyErr_Format(PyExc_RuntimeError, "%s(): the pairs table is full (the caller grows it first)", fn);
             goto done;
         }
         changed += r;

@@ -200,6 +200,20 @@ class Decision:
             return float(self._arrays[1][i])
         return float(np.frombuffer(self._arrays, dtype=np.float64, count=1, offset=8 * (len(self._names) + i))[0])
 
+    def saved_blocks(self, worker: str) -> float:
+        """Blocks of prefill the cache saves ``worker`` (one of the ranked workers)."""
+        return self._saved(self._names.index(worker))
+
+    def leading(self, worker: str) -> tuple[int, int, int] | None:
+        """``worker``'s leading blocks of the request on gpu, host-or-faster and any of its
+        tiers (as :class:`Overlap`), or None when it was not ranked."""
+        try:
+            i = self._names.index(worker)
+        except ValueError:
+            return None
+        lead = self._lead()
+        return int(lead[0, i]), int(lead[1, i]), int(lead[2, i])
+
     @property
     def ranked(self) -> list[Ranked]:
         if self._ranked is None:
