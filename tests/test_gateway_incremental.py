@@ -349,6 +349,14 @@ def test_shared_openings_and_interleaved_conversations(tokenizers) -> None:
     compare(tok, ks, interleaved, cache, scope=lambda body: f"client-{id(body) % 3}")
 
 
+def encoded_chars(cache: PromptCache, monkeypatch) -> list[int]:
+    """The number of characters each of ``cache``'s tokenizer calls is given, as they run."""
+    chars: list[int] = []
+    enc = cache._encode
+    monkeypatch.setattr(cache, "_encode", lambda t, at=0: (chars.append(len(t) - at), enc(t, at))[1])
+    return chars
+
+
 def test_an_earlier_turn_arriving_late_leaves_the_later_turns_entry(tokenizers, monkeypatch) -> None:
     """Turns of one conversation sent at once arrive out of order: an earlier turn, whose text
     the stored one extends, keys as from scratch from the stored entry and leaves it in place,
@@ -368,9 +376,7 @@ def test_an_earlier_turn_arriving_late_leaves_the_later_turns_entry(tokenizers, 
 
     def encoded(order: list[int]) -> tuple[list[int], PromptCache]:
         cache = PromptCache(tok, ks, 64 << 20)
-        chars: list[int] = []
-        enc = cache._encode
-        monkeypatch.setattr(cache, "_encode", lambda t, at=0: (chars.append(len(t) - at), enc(t, at))[1])
+        chars = encoded_chars(cache, monkeypatch)
         compare(tok, ks, [[turns[i] for i in order]], cache)
         return chars, cache
 
@@ -403,9 +409,7 @@ def test_new_conversations_start_from_one_that_opened_alike(tokenizers, tok_name
     sessions = [[{"model": "tiny", "messages": [{"role": "system", "content": system},
                                                 {"role": "user", "content": say(30)}]}] for _ in range(4)]
     cache = PromptCache(tok, ks, 64 << 20)
-    chars: list[int] = []
-    enc = cache._encode
-    monkeypatch.setattr(cache, "_encode", lambda t, at=0: (chars.append(len(t) - at), enc(t, at))[1])
+    chars = encoded_chars(cache, monkeypatch)
     sid = {id(c[0]): f"session-{i}" for i, c in enumerate(sessions)}
     compare(tok, ks, sessions, cache, scope=lambda body: sid[id(body)])
     first, later = chars[0], chars[1:]
